@@ -1,0 +1,159 @@
+"""The ONNX I/O contract: the one place that names every graph input and output.
+
+It follows the Hugging Face / Optimum decoder convention so any tool that speaks it can
+drive ``model.onnx``. Both export/ and service/ import this module; it needs neither
+torch nor onnxruntime.
+
+model.onnx
+    inputs   input_ids (int64) [batch_size, sequence_length]
+             attention_mask (int64) [batch_size, past_sequence_length + sequence_length]
+             position_ids (int64) [batch_size, sequence_length]
+             past_key_values.{i}.key / .value  [batch_size, num_heads, past_sequence_length, head_dim]
+    outputs  logits (float32) [batch_size, sequence_length, vocab_size]
+             present.{i}.key / .value  [batch_size, num_heads, past_sequence_length + sequence_length, head_dim]
+
+attention.onnx (introspection, no cache)
+    inputs   input_ids, attention_mask, position_ids  [batch_size, sequence_length]
+    outputs  attention.{i}.{q,k,v}  [batch_size, num_heads, sequence_length, head_dim]
+             attention.{i}.{scores,scaled_scores,weights}  [batch_size, num_heads, sequence_length, sequence_length]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+# Files of an artifact directory; the manifest lists every one with its sha256.
+MODEL_FILE = "model.onnx"
+ATTENTION_FILE = "attention.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+
+# Names of dynamic axes.
+BATCH = "batch_size"
+SEQUENCE = "sequence_length"
+PAST_SEQUENCE = "past_sequence_length"
+TOTAL_SEQUENCE = "past_sequence_length + sequence_length"
+
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+LOGITS = "logits"
+
+ATTENTION_KINDS = ("q", "k", "v", "scores", "scaled_scores", "weights")
+AttentionKind = Literal["q", "k", "v", "scores", "scaled_scores", "weights"]
+
+KvDtype = Literal["float32", "float16"]
+
+
+def past_key_name(layer: int) -> str:
+    return f"past_key_values.{layer}.key"
+
+
+def past_value_name(layer: int) -> str:
+    return f"past_key_values.{layer}.value"
+
+
+def present_key_name(layer: int) -> str:
+    return f"present.{layer}.key"
+
+
+def present_value_name(layer: int) -> str:
+    return f"present.{layer}.value"
+
+
+def past_names(n_layers: int) -> list[str]:
+    """past_key_values.0.key, past_key_values.0.value, past_key_values.1.key, ..."""
+    return [n for i in range(n_layers) for n in (past_key_name(i), past_value_name(i))]
+
+
+def present_names(n_layers: int) -> list[str]:
+    return [n for i in range(n_layers) for n in (present_key_name(i), present_value_name(i))]
+
+
+def model_input_names(n_layers: int) -> list[str]:
+    return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *past_names(n_layers)]
+
+
+def model_output_names(n_layers: int) -> list[str]:
+    return [LOGITS, *present_names(n_layers)]
+
+
+def attention_output_name(layer: int, kind: str) -> str:
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention output kind {kind!r}; one of {ATTENTION_KINDS}")
+    return f"attention.{layer}.{kind}"
+
+
+def attention_input_names() -> list[str]:
+    return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS]
+
+
+def attention_output_names(n_layers: int) -> list[str]:
+    return [attention_output_name(i, k) for i in range(n_layers) for k in ATTENTION_KINDS]
+
+
+def model_io_shapes(n_layers: int) -> dict[str, dict[str, list[str]]]:
+    """Symbolic shapes of model.onnx, as recorded in manifest.json."""
+    kv_in = [BATCH, "num_heads", PAST_SEQUENCE, "head_dim"]
+    kv_out = [BATCH, "num_heads", TOTAL_SEQUENCE, "head_dim"]
+    inputs: dict[str, list[str]] = {
+        INPUT_IDS: [BATCH, SEQUENCE],
+        ATTENTION_MASK: [BATCH, TOTAL_SEQUENCE],
+        POSITION_IDS: [BATCH, SEQUENCE],
+    }
+    inputs.update({n: kv_in for n in past_names(n_layers)})
+    outputs: dict[str, list[str]] = {LOGITS: [BATCH, SEQUENCE, "vocab_size"]}
+    outputs.update({n: kv_out for n in present_names(n_layers)})
+    return {"inputs": inputs, "outputs": outputs}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class ArtifactConfig:
+    """config.json of an artifact: all the service needs to know about the model."""
+
+    model_name: str
+    vocab_size: int
+    d_model: int
+    n_heads: int
+    n_layers: int
+    max_seq_len: int  # context length: prompt plus generated tokens
+    pad_token_id: int
+    bos_token_id: int
+    eos_token_id: int
+    tokenizer_kind: str  # "char" | "bpe"
+    kv_dtype: KvDtype = "float32"  # dtype of past/present tensors; logits are always float32
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ArtifactConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown artifact config keys: {unknown}")
+        values = dict(data)
+        values["generation"] = GenerationDefaults(**values.get("generation", {}))
+        return cls(**values)
+
+    @classmethod
+    def load(cls, artifact_dir: str | Path) -> ArtifactConfig:
+        return cls.from_dict(json.loads((Path(artifact_dir) / CONFIG_FILE).read_text("utf-8")))

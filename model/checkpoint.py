@@ -1,0 +1,158 @@
+"""Checkpoint directory: config.json · model.safetensors · tokenizer.json · metrics.jsonl.
+
+No pickle anywhere: weights are safetensors, everything else is JSON. A checkpoint is
+built in a temporary sibling directory and renamed into place, so an interrupted run
+never leaves a directory that looks valid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from model.config import GPTConfig
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+METRICS_FILE = "metrics.jsonl"
+PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupt or in a refused format."""
+
+
+@dataclass
+class CheckpointMeta:
+    """Everything in config.json besides the weights: model dims, tokenizer, training."""
+
+    model: GPTConfig
+    tokenizer: dict[str, Any]  # kind, pad/bos/eos token ids
+    training: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "model": self.model.to_dict(),
+            "tokenizer": self.tokenizer,
+            "training": self.training,
+        }
+
+
+def _check_not_pickle(path: Path) -> None:
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise CheckpointError(
+            f"{path} looks like a pickled PyTorch file; attnserve loads only checkpoint "
+            f"directories with {WEIGHTS_FILE} (safetensors) and refuses pickle")
+
+
+def read_meta(ckpt_dir: str | os.PathLike[str]) -> CheckpointMeta:
+    """Read and validate config.json without touching torch."""
+    path = Path(ckpt_dir)
+    _check_not_pickle(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    missing = [n for n in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE) if not (path / n).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
+    try:
+        raw = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path / CONFIG_FILE}: unsupported format_version {raw.get('format_version')!r}")
+        return CheckpointMeta(
+            model=GPTConfig.from_dict(raw["model"]),
+            tokenizer=dict(raw["tokenizer"]),
+            training=dict(raw.get("training", {})),
+        )
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path / CONFIG_FILE} is corrupt: {exc}") from exc
+
+
+def save_checkpoint(
+    out_dir: str | os.PathLike[str],
+    model: Any,  # model.gpt.GPT; typed loosely so this module imports without torch
+    meta: CheckpointMeta,
+    tokenizer_json: str,
+    metrics: Iterable[dict[str, Any]] = (),
+) -> Path:
+    """Write a complete checkpoint atomically and return its path."""
+    from safetensors.torch import save_model
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / TOKENIZER_FILE).write_text(tokenizer_json, encoding="utf-8")
+        (tmp / METRICS_FILE).write_text(
+            "".join(json.dumps(m) + "\n" for m in metrics), encoding="utf-8")
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta.to_json(), indent=2), encoding="utf-8")
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Rename ``new`` onto ``target``; an existing target is moved aside first."""
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass
+class Checkpoint:
+    model: Any  # model.gpt.GPT
+    meta: CheckpointMeta
+    path: Path
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path / TOKENIZER_FILE
+
+
+def load_checkpoint(ckpt_dir: str | os.PathLike[str], device: str = "cpu") -> Checkpoint:
+    """Rebuild ``GPT(GPTConfig(**config))`` and load its safetensors weights strictly."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+
+    from model.gpt import GPT
+
+    meta = read_meta(ckpt_dir)
+    path = Path(ckpt_dir)
+    model = GPT(meta.model)
+    try:
+        missing, unexpected = load_model(model, str(path / WEIGHTS_FILE), strict=False,
+                                         device=device)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{path / WEIGHTS_FILE} is corrupt or does not match "
+                              f"config.json: {exc}") from exc
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path / WEIGHTS_FILE} does not match config.json: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}")
+    model.to(device).eval()
+    return Checkpoint(model=model, meta=meta, path=path)
+
+
+def read_metrics(ckpt_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    path = Path(ckpt_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]

@@ -1,0 +1,1 @@
+"""FastAPI + ONNX Runtime serving. Never imports torch: the serving image has none."""

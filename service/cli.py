@@ -1,0 +1,78 @@
+"""attnserve: the command line.
+
+Usage:
+    attnserve train  --data stdlib --preset small --out checkpoints/default
+    attnserve sample --ckpt checkpoints/default --prompt "Return the"
+    attnserve export --ckpt checkpoints/default --out artifacts/default
+    attnserve serve  --model artifacts/default
+    attnserve bench  ...
+
+Each package registers its own subcommands; their handlers import heavy libraries only
+when they run, so `attnserve --help` and `attnserve serve` work where torch is absent.
+Errors the user can fix (ValueError, OSError and their subclasses) print one line and
+exit 2; set ATTNSERVE_DEBUG=1 to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+# Modules that each define register(subparsers); imported lazily, none imports torch.
+SUBCOMMAND_MODULES = ("model.cli", "export.cli", "service.serve_cli", "export.bench.cli")
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnserve",
+        description="Train a small GPT, export it to ONNX with a KV cache, and serve it.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and name.startswith(exc.name):
+                continue  # that subcommand is not built yet in this tree
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def missing_extra_message(exc: ModuleNotFoundError, command: str) -> str:
+    extra = {"torch": "train", "onnx": "export", "onnxscript": "export",
+             "transformers": "dev", "matplotlib": "dev"}.get((exc.name or "").split(".")[0])
+    hint = f" (pip install 'attnserve[{extra}]')" if extra else ""
+    return f"`attnserve {command}` needs the Python package {exc.name!r}{hint}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print(f"attnserve {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except ModuleNotFoundError as exc:
+        if os.environ.get("ATTNSERVE_DEBUG"):
+            raise
+        print(f"attnserve {args.command}: error: {missing_extra_message(exc, args.command)}",
+              file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:
+        if os.environ.get("ATTNSERVE_DEBUG"):
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"attnserve {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
