@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test venv model sample lint typecheck clean
+.PHONY: run test venv model sample lint typecheck clean system-deps deploy-check deploy-smoke
 
 ## venv: create .venv and install attnserve with every extra the tests need
 venv: $(VENV)/.installed
@@ -30,8 +30,28 @@ run: model
 	$(BIN)/attnserve sample --ckpt $(CKPT) --prompt "Return the" --max-new-tokens 80
 
 ## test: the whole suite (CI runs exactly this)
-test: venv
+test: venv system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## system-deps: Debian packages the deploy tests use (prometheus, promtool, docker-compose);
+## installs them with apt-get when missing and root, else prints a loud notice (tests skip)
+system-deps:
+	bash deploy/install-system-deps.sh
+
+## deploy-check: offline checks of Dockerfiles, compose, Prometheus, Grafana and k8s files
+deploy-check: venv system-deps
+	$(BIN)/python -m pytest tests/deploy --deselect tests/deploy/test_smoke.py
+
+## deploy-smoke: the service run as the image runs it, scraped by a real Prometheus
+deploy-smoke: venv system-deps
+	$(BIN)/python -m pytest tests/deploy/test_smoke.py
+
+## bench: side-by-side benchmark, small and base (~12 min; not part of `make test`);
+## results in results/bench/<date>/ and results/bench/latest.{json,md,png}
+.PHONY: bench
+BENCH_ARGS ?=
+bench: venv
+	$(BIN)/attnserve bench --presets small,base --setup-optimum $(BENCH_ARGS)
 
 lint: venv
 	$(BIN)/ruff check model export service tests

@@ -1,0 +1,149 @@
+"""`attnserve bench`: the side-by-side benchmark (what `make bench` runs).
+
+Usage:
+    attnserve bench                                  # small and base, full run (~12 min)
+    attnserve bench --presets small --quick          # smoke run, fewer tokens
+    attnserve bench --setup-optimum                  # also build the Optimum side env
+    attnserve bench --ckpt small=checkpoints/default --out results/bench/mine
+
+Writes results.json, results.md and results.png under --out (default
+results/bench/<date>/) and copies them to results/bench/latest.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OPTIMUM_VENV = Path(".cache/optimum-venv")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from exc
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _mapping(items: list[str] | None, flag: str) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for item in items or []:
+        preset, sep, path = item.partition("=")
+        if not sep or not preset or not path:
+            raise ValueError(f"{flag} expects PRESET=DIR, got {item!r}")
+        out[preset] = Path(path)
+    return out
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench", help="benchmark our engine against PyTorch, transformers, ORT and Optimum",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", type=_names, default=["small", "base"],
+                   help="comma-separated presets (default small,base)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 16 new tokens, 1 repetition, small ceiling arrays")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results directory (default results/bench/<date>)")
+    p.add_argument("--no-latest", action="store_true",
+                   help="do not copy the results to results/bench/latest.*")
+    p.add_argument("--threads", type=int, default=2, help="threads for every engine (2)")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32])
+    p.add_argument("--nocache-batch-sizes", type=_ints, default=None,
+                   help="batch sizes for the no-cache loop (default 1; all with --quick)")
+    p.add_argument("--concurrency", type=_ints, default=[1, 8, 32],
+                   help="HTTP client concurrencies (1,8,32)")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=None, help="128 (16 with --quick)")
+    p.add_argument("--long-new-tokens", type=int, default=None,
+                   help="new tokens of the KV-vs-no-cache comparison: 512 (32 with --quick)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed repetitions per row (default 3/2/2 for batch 1/8/32; 1 quick)")
+    p.add_argument("--engines", type=_names, default=None,
+                   help="subset of torch_nocache,torch_kv,hf_generate,ort_plain,optimum,"
+                        "engine,engine_int8,http")
+    p.add_argument("--ckpt", action="append", metavar="PRESET=DIR",
+                   help="use this checkpoint for a preset instead of random init")
+    p.add_argument("--artifact", action="append", metavar="PRESET=DIR",
+                   help="use this fp32 artifact instead of exporting one")
+    p.add_argument("--artifact-int8", action="append", metavar="PRESET=DIR",
+                   help="use this int8 artifact instead of exporting one")
+    p.add_argument("--optimum-venv", type=Path, default=DEFAULT_OPTIMUM_VENV,
+                   help="overlay venv with optimum (default .cache/optimum-venv)")
+    p.add_argument("--setup-optimum", action="store_true",
+                   help="create the Optimum overlay venv if it is missing (pip, --no-deps)")
+    p.add_argument("--keep-work", action="store_true",
+                   help="keep the temporary checkpoints and artifacts")
+    p.set_defaults(handler=handle)
+
+
+def _optimum(args: argparse.Namespace) -> tuple[Path | None, str]:
+    from export.bench.optimum_env import ensure_overlay, has_optimum, overlay_python
+
+    try:
+        import optimum.onnxruntime  # noqa: F401
+
+        return Path(sys.executable), ""
+    except Exception:
+        pass
+    python = overlay_python(args.optimum_venv)
+    if python.exists() and has_optimum(python):
+        return python, ""
+    if args.setup_optimum:
+        try:
+            return ensure_overlay(args.optimum_venv), ""
+        except (OSError, Exception) as exc:
+            return None, f"optimum could not be installed here: {exc}"
+    return None, (f"optimum not installed (transformers 5 in .venv is too new for it); "
+                  f"run with --setup-optimum to build {args.optimum_venv}")
+
+
+def handle(args: argparse.Namespace) -> int:
+    from export.bench.harness import ENGINES, BenchOptions, run_bench
+
+    engines = args.engines or list(ENGINES)
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        raise ValueError(f"unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
+    if args.threads < 1 or args.prompt_tokens < 1:
+        raise ValueError("--threads and --prompt-tokens must be positive")
+    quick = args.quick
+    out = args.out or Path("results/bench") / date.today().isoformat()
+    optimum_python, optimum_note = (None, "not requested")
+    if "optimum" in engines:
+        optimum_python, optimum_note = _optimum(args)
+    reps = ({b: args.reps for b in args.batch_sizes} if args.reps else
+            {b: 1 for b in args.batch_sizes} if quick else
+            {b: 3 if b == 1 else 2 for b in args.batch_sizes})
+    opts = BenchOptions(
+        presets=args.presets, out_dir=out,
+        latest_dir=None if args.no_latest else Path("results/bench"),
+        quick=quick, threads=args.threads, batch_sizes=args.batch_sizes,
+        nocache_batch_sizes=args.nocache_batch_sizes or (args.batch_sizes if quick else [1]),
+        concurrency=args.concurrency, prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens or (16 if quick else 128),
+        long_new_tokens=args.long_new_tokens or (32 if quick else 512),
+        reps=reps, http_waves=1 if quick else 2, engines=engines,
+        ckpts=_mapping(args.ckpt, "--ckpt"), artifacts=_mapping(args.artifact, "--artifact"),
+        artifacts_int8=_mapping(args.artifact_int8, "--artifact-int8"),
+        optimum_python=optimum_python, optimum_note=optimum_note, keep_work=args.keep_work,
+        command="attnserve bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
+    )
+    run = run_bench(opts)
+    for preset, result in run["presets"].items():
+        for t in result["targets"]:
+            print(f"[{preset}] {t['status']}: {t['target']} — {t['detail']}")
+    print(f"results: {out / 'results.md'} (json, png beside it); "
+          f"took {run['total_s']:.0f}s")
+    return 0

@@ -1,0 +1,302 @@
+"""Orchestrate one benchmark run: prepare each preset, run every engine in its own worker
+process, then write JSON, Markdown and PNG and print one PASS/MISS line per target.
+
+An engine whose prerequisites are missing (no optimum, no service engine in this tree, an
+export that failed) is recorded as not measured with the reason, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from export.bench.prepare import REPO_ROOT, Prepared, export_copies, make_prompts
+from export.bench.prepare import prepare_checkpoint as _prepare_checkpoint
+
+ENGINES = ("torch_nocache", "torch_kv", "hf_generate", "ort_plain", "optimum", "engine",
+           "engine_int8", "http")
+
+
+@dataclass
+class BenchOptions:
+    presets: list[str]
+    out_dir: Path
+    latest_dir: Path | None
+    quick: bool = False
+    threads: int = 2
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
+    nocache_batch_sizes: list[int] = field(default_factory=lambda: [1])
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    prompt_tokens: int = 64
+    new_tokens: int = 128
+    long_new_tokens: int = 512
+    reps: dict[int, int] = field(default_factory=lambda: {1: 3, 8: 2, 32: 2})
+    http_waves: int = 2
+    engines: list[str] = field(default_factory=lambda: list(ENGINES))
+    ckpts: dict[str, Path] = field(default_factory=dict)
+    artifacts: dict[str, Path] = field(default_factory=dict)
+    artifacts_int8: dict[str, Path] = field(default_factory=dict)
+    optimum_python: Path | None = None
+    optimum_note: str = ""
+    keep_work: bool = False
+    command: str = ""
+    worker_timeout: float = 900.0
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    n = str(threads)
+    env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n,
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
+                                          if p))
+    return env
+
+
+def run_worker(spec: dict[str, Any], work: Path, opts: BenchOptions,
+               python: Path | None = None) -> dict[str, Any]:
+    """Run one job in a fresh process; return its payload ({"error": ...} on failure)."""
+    work.mkdir(parents=True, exist_ok=True)
+    tag = f"{spec['job']}-{spec.get('engine', '')}-{time.monotonic_ns()}"
+    spec_path, out_path = work / f"{tag}.spec.json", work / f"{tag}.out.json"
+    spec_path.write_text(json.dumps(spec), encoding="utf-8")
+    cmd = [str(python or sys.executable), "-m", "export.bench.worker", str(spec_path),
+           str(out_path)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=worker_env(opts.threads), cwd=REPO_ROOT,
+                              timeout=opts.worker_timeout, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {opts.worker_timeout:.0f}s"}
+    for line in proc.stderr.splitlines():
+        if line.startswith(("torch_", "hf_", "ort_", "optimum", "engine")):
+            log(f"  {line}")
+    if not out_path.is_file():
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        return {"error": f"worker died: {tail[0]}"}
+    payload: dict[str, Any] = json.loads(out_path.read_text(encoding="utf-8"))
+    payload["wall_s"] = time.perf_counter() - t0
+    if "error" in payload:
+        log(f"  {spec['job']} {spec.get('engine', '')} failed: {payload['error']}")
+    return payload
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or "?"
+    mem_gb: float | None = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem_gb = round(int(line.split()[1]) / 1024**2, 1)
+    except OSError:
+        pass
+    versions = {"python": platform.python_version()}
+    for pkg in ("torch", "onnxruntime", "transformers", "numpy"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = "absent"
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gb": mem_gb,
+            "platform": platform.platform(), "versions": versions}
+
+
+def _engine_missing(engine: str, prep: Prepared, opts: BenchOptions) -> str | None:
+    needs = {"ort_plain": "artifact", "engine": "artifact", "engine_int8": "artifact_int8",
+             "http": "artifact"}
+    key = needs.get(engine)
+    if key and key not in prep.paths:
+        return f"no {key} (see notes)"
+    if engine in ("engine", "engine_int8", "http"):
+        import importlib.util
+
+        module = "service.engine.scheduler" if engine != "http" else "service.serve_cli"
+        try:
+            if importlib.util.find_spec(module) is None:
+                return f"{module} is not in this tree yet"
+        except ModuleNotFoundError:
+            return f"{module} is not in this tree yet"
+    if engine == "optimum" and opts.optimum_python is None:
+        return opts.optimum_note or "optimum is not installed"
+    return None
+
+
+def _artifacts_needed(engines: list[str]) -> set[str]:
+    needed = set()
+    if {"ort_plain", "engine", "engine_int8", "http"} & set(engines):
+        needed.add("artifact")
+    if "engine_int8" in engines:
+        needed.add("artifact_int8")
+    return needed
+
+
+def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    log(f"preset {preset}: preparing weights and exports")
+    prep = _prepare_checkpoint(preset, work, opts.ckpts.get(preset))
+    export_copies(prep, work, {"artifact": opts.artifacts.get(preset),
+                               "artifact_int8": opts.artifacts_int8.get(preset)},
+                  needed=_artifacts_needed(opts.engines), log=lambda m: log(f"  export: {m}"))
+    count = max([*opts.batch_sizes, *opts.concurrency])
+    prompts = make_prompts(prep.ckpt / "tokenizer.json", count, opts.prompt_tokens)
+    result: dict[str, Any] = {"params": prep.params, "weights": prep.weights,
+                              "model": prep.model_config, "notes": prep.notes, "engines": {},
+                              "timings_s": {"prepare": time.perf_counter() - t0}}
+    common = {"job": "measure", "threads": opts.threads, "paths": prep.paths,
+              "prompts": prompts["ids"], "new_tokens": opts.new_tokens,
+              "warmup_tokens": min(4, opts.new_tokens), "reps": opts.reps}
+    for engine in (e for e in opts.engines if e != "http"):
+        t1 = time.perf_counter()
+        missing = _engine_missing(engine, prep, opts)
+        if missing:
+            result["engines"][engine] = {"error": f"not measured: {missing}"}
+            log(f"  {engine}: not measured ({missing})")
+            continue
+        python = None
+        if engine == "optimum":
+            python = opts.optimum_python
+            exported = run_worker({"job": "optimum_export", "threads": opts.threads,
+                                   "hf": prep.paths["hf"], "out": str(work / "optimum")},
+                                  work / "jobs", opts, python)
+            if "error" in exported:
+                result["engines"][engine] = {"error": f"optimum export: {exported['error']}"}
+                continue
+            prep.paths["optimum"] = str(work / "optimum")
+            result["optimum_export"] = exported["result"]
+        batches = opts.nocache_batch_sizes if engine == "torch_nocache" else opts.batch_sizes
+        spec = {**common, "engine": engine, "batch_sizes": batches, "paths": prep.paths}
+        payload = run_worker(spec, work / "jobs", opts, python)
+        result["engines"][engine] = ({"error": payload["error"]} if "error" in payload else
+                                     {**payload["result"], "memory": payload.get("memory", {})})
+        result["timings_s"][engine] = time.perf_counter() - t1
+    _greedy_consistency(result)
+    _long_and_agreement(result, prep, prompts, opts, work)
+    if "http" in opts.engines:
+        t1 = time.perf_counter()
+        missing = _engine_missing("http", prep, opts)
+        if missing:
+            result["http"] = {"error": f"not measured: {missing}"}
+        else:
+            from export.bench.http_load import run_http
+
+            try:
+                result["http"] = run_http(Path(prep.paths["artifact"]), prompts["texts"],
+                                          opts.threads, opts.new_tokens, opts.concurrency,
+                                          opts.http_waves, 3 if opts.quick else 10, work, log)
+            except Exception as exc:  # recorded, the rest of the report still stands
+                result["http"] = {"error": f"{type(exc).__name__}: {exc}"}
+                log(f"  http failed: {exc}")
+        result["timings_s"]["http"] = time.perf_counter() - t1
+    for res in result["engines"].values():
+        for row in res.get("rows", []):
+            row.pop("greedy_tokens", None)
+    result["timings_s"]["total"] = time.perf_counter() - t0
+    return result
+
+
+def _greedy_consistency(result: dict[str, Any]) -> None:
+    """Share of rows whose greedy tokens equal PyTorch-with-cache's: same weights, same path."""
+    ref = {r["batch"]: r["greedy_tokens"]
+           for r in result["engines"].get("torch_kv", {}).get("rows", [])}
+    for res in result["engines"].values():
+        for row in res.get("rows", []):
+            mine, theirs = row.get("greedy_tokens"), ref.get(row["batch"])
+            if mine is not None and theirs is not None:
+                same = sum(a == b for a, b in zip(mine, theirs, strict=True))
+                row["greedy_rows_equal_torch_kv"] = same / len(mine)
+
+
+def _long_and_agreement(result: dict[str, Any], prep: Prepared, prompts: dict[str, Any],
+                        opts: BenchOptions, work: Path) -> None:
+    t1 = time.perf_counter()
+    config = dict(prep.model_config)
+    config["max_seq_len"] = max(config["max_seq_len"], opts.prompt_tokens + opts.long_new_tokens)
+    payload = run_worker({"job": "kv_vs_nocache", "threads": opts.threads, "config": config,
+                          "prompt": prompts["ids"][0], "new_tokens": opts.long_new_tokens},
+                         work / "jobs", opts)
+    result["kv_vs_nocache"] = payload.get("result", {"error": payload.get("error")})
+    result["timings_s"]["kv_vs_nocache"] = time.perf_counter() - t1
+    if "artifact" not in prep.paths or "artifact_int8" not in prep.paths:
+        result["int8_agreement"] = {"error": "needs both the fp32 and the int8 artifact"}
+        return
+    source = next((result["engines"][e]["rows"][-1] for e in ("engine", "ort_plain", "torch_kv")
+                   if result["engines"].get(e, {}).get("rows")), None)
+    if source is None:
+        result["int8_agreement"] = {"error": "no fp32 greedy tokens to compare with"}
+        return
+    n = len(source["greedy_tokens"])
+    payload = run_worker({"job": "agreement", "threads": opts.threads,
+                          "fp32": prep.paths["artifact"], "int8": prep.paths["artifact_int8"],
+                          "prompts": prompts["ids"][:n], "fp32_tokens": source["greedy_tokens"]},
+                         work / "jobs", opts)
+    result["int8_agreement"] = payload.get("result", {"error": payload.get("error")})
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def run_bench(opts: BenchOptions) -> dict[str, Any]:
+    from export.bench.report import chart, evaluate_targets, markdown
+
+    started = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="attnserve-bench-"))
+    run: dict[str, Any] = {
+        "date": datetime.now().strftime("%Y-%m-%d %H:%M"), "command": opts.command,
+        "machine": machine_info(), "presets": {},
+        "settings": {"threads": opts.threads, "quick": opts.quick,
+                     "batch_sizes": opts.batch_sizes, "concurrency": opts.concurrency,
+                     "prompt_tokens": opts.prompt_tokens, "new_tokens": opts.new_tokens,
+                     "long_new_tokens": opts.long_new_tokens,
+                     "reps": {str(k): v for k, v in opts.reps.items()},
+                     "engines": opts.engines, "optimum": opts.optimum_note or "available"},
+    }
+    try:
+        log("machine ceiling: GEMM and memory bandwidth")
+        ceiling = run_worker({"job": "ceiling", "threads": opts.threads, "quick": opts.quick},
+                             work / "jobs", opts)
+        run["ceiling"] = ceiling.get("result", {})
+        for preset in opts.presets:
+            run["presets"][preset] = run_preset(preset, opts, work / preset)
+            run["presets"][preset]["targets"] = evaluate_targets(run["presets"][preset],
+                                                                 run["ceiling"])
+    finally:
+        if opts.keep_work:
+            log(f"work directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    run["total_s"] = time.perf_counter() - started
+    out = opts.out_dir
+    files = {"results.json": json.dumps(run, indent=2).encode(),
+             "results.md": markdown(run).encode()}
+    for name, data in files.items():
+        _write_atomic(out / name, data)
+    png_tmp = out / f".results.png.tmp-{os.getpid()}.png"
+    chart(run, png_tmp)
+    os.replace(png_tmp, out / "results.png")
+    if opts.latest_dir is not None:
+        for ext in ("json", "md", "png"):
+            _write_atomic(opts.latest_dir / f"latest.{ext}", (out / f"results.{ext}").read_bytes())
+    return run

@@ -1,0 +1,155 @@
+"""The HTTP service end to end: a real `attnserve serve` process and concurrent clients.
+
+Throughput counts the tokens the server says it generated (x-generated-tokens, or
+details.generated_tokens): over HTTP there is no "ignore end-of-sequence" switch, so a
+request may stop early and the report shows the mean generated per request. TTFT over
+HTTP is the wall time of a max_new_tokens=1 request alone on the server: tokenize,
+prefill, first token, response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from export.bench.measure import percentile, proc_memory_mb
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """`attnserve serve` in a subprocess on a free loopback port."""
+
+    def __init__(self, artifact: Path, threads: int, env: dict[str, str], log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cli = Path(sys.executable).with_name("attnserve")
+        cmd = [str(cli)] if cli.exists() else [sys.executable, "-m", "service.cli"]
+        env = {**env, "ATTNSERVE_INTRA_OP_THREADS": str(threads),
+               "ATTNSERVE_MAX_BATCH_SIZE": "32", "ATTNSERVE_LOG_LEVEL": "warning"}
+        self.log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [*cmd, "serve", "--model", str(artifact), "--host", "127.0.0.1",
+             "--port", str(self.port)], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before ready")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"server not ready after {timeout:.0f}s")
+
+    def peak_rss_mb(self) -> float | None:
+        return proc_memory_mb(self.proc.pid).get("VmHWM")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def _body(text: str, n_new: int) -> dict[str, Any]:
+    return {"inputs": text, "parameters": {"max_new_tokens": n_new, "do_sample": False,
+                                           "details": True}}
+
+
+def _generated(response: Any) -> int:
+    header = response.headers.get("x-generated-tokens")
+    if header is not None:
+        return int(header)
+    return int(response.json()["details"]["generated_tokens"])
+
+
+async def _load(url: str, texts: list[str], concurrency: int, n_requests: int,
+                n_new: int) -> dict[str, Any]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    latencies: list[float] = []
+    generated: list[int] = []
+    prompt_tokens: set[int] = set()
+    gate = asyncio.Semaphore(concurrency)
+
+    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
+        async def one(i: int) -> None:
+            async with gate:
+                t0 = time.perf_counter()
+                r = await client.post("/generate", json=_body(texts[i % len(texts)], n_new))
+                latencies.append(time.perf_counter() - t0)
+                r.raise_for_status()
+                generated.append(_generated(r))
+                if "x-prompt-tokens" in r.headers:
+                    prompt_tokens.add(int(r.headers["x-prompt-tokens"]))
+
+        await client.post("/generate", json=_body(texts[0], 4))  # connection warm-up
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n_requests)))
+        wall = time.perf_counter() - t0
+    return {
+        "concurrency": concurrency,
+        "requests": n_requests,
+        "new_tokens": n_new,
+        "tokens_per_s": sum(generated) / wall,
+        "mean_generated_tokens": statistics.mean(generated),
+        "latency_p50_ms": percentile(latencies, 50) * 1e3,
+        "latency_p99_ms": percentile(latencies, 99) * 1e3,
+        "prompt_tokens_seen": sorted(prompt_tokens),
+    }
+
+
+def http_ttft_ms(url: str, text: str, reps: int) -> float:
+    import httpx
+
+    times = []
+    with httpx.Client(base_url=url, timeout=60.0) as client:
+        client.post("/generate", json=_body(text, 1))
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            client.post("/generate", json=_body(text, 1)).raise_for_status()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def run_http(artifact: Path, texts: list[str], threads: int, n_new: int,
+             concurrencies: list[int], waves: int, ttft_reps: int, work: Path,
+             log: Any) -> dict[str, Any]:
+    env = {**os.environ}
+    server = Server(artifact, threads, env, work / "server.log")
+    try:
+        server.wait_ready()
+        out: dict[str, Any] = {"rows": []}
+        out["ttft_ms"] = http_ttft_ms(server.url, texts[0], ttft_reps)
+        log(f"http TTFT {out['ttft_ms']:.1f} ms")
+        for c in concurrencies:
+            n = c * waves if c > 1 else max(waves, 3)
+            row = asyncio.run(_load(server.url, texts, c, n, n_new))
+            out["rows"].append(row)
+            log(f"http c={c}: {row['tokens_per_s']:.1f} tok/s")
+        out["peak_rss_mb"] = server.peak_rss_mb()
+        return out
+    finally:
+        server.stop()

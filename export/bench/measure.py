@@ -1,0 +1,87 @@
+"""The measurement loop every engine shares, and the process memory figures.
+
+A row is one engine at one batch size: a short warm-up generation on the same shapes,
+then ``reps`` timed generations of exactly ``n_new`` tokens per row. Tokens/s counts
+generated tokens only; the decode rate leaves the prefill out; every request of a static
+batch finishes with the batch, so its latency is the batch's wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass
+class GenResult:
+    tokens: list[list[int]]  # (B, n_new) generated token ids
+    ttft_s: float  # call start → first generated token of every row known
+    total_s: float  # call start → last token
+    latencies: list[float] | None = None  # per request, when requests can finish apart
+
+
+class Runner(Protocol):
+    name: str
+
+    def generate(self, prompts: list[list[int]], n_new: int) -> GenResult: ...
+
+
+def proc_memory_mb(pid: int | str = "self") -> dict[str, float]:
+    """Current (VmRSS) and peak (VmHWM) resident set of a process, in MiB (Linux)."""
+    out: dict[str, float] = {}
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) — with few samples p99 is simply the max."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def summarize(batch: int, n_new: int, results: list[GenResult]) -> dict[str, Any]:
+    """Figures of one row from its timed repetitions."""
+    total = sum(r.total_s for r in results)
+    decode = sum(r.total_s - r.ttft_s for r in results)
+    lat = [x for r in results for x in (r.latencies or [r.total_s] * batch)]
+    return {
+        "batch": batch,
+        "reps": len(results),
+        "new_tokens": n_new,
+        "tokens_per_s": batch * n_new * len(results) / total,
+        "decode_tokens_per_s": (batch * (n_new - 1) * len(results) / decode
+                                if decode > 0 and n_new > 1 else None),
+        "ttft_ms": statistics.median(r.ttft_s for r in results) * 1e3,
+        "latency_p50_ms": percentile(lat, 50) * 1e3,
+        "latency_p99_ms": percentile(lat, 99) * 1e3,
+    }
+
+
+def measure_runner(runner: Runner, prompts: list[list[int]], batch_sizes: list[int],
+                   n_new: int, reps: dict[int, int], warmup_tokens: int,
+                   log: Any = None) -> list[dict[str, Any]]:
+    rows = []
+    for b in batch_sizes:
+        batch = prompts[:b]
+        runner.generate(batch, warmup_tokens)
+        results = [runner.generate(batch, n_new) for _ in range(reps.get(b, 1))]
+        for r in results:
+            if any(len(row) != n_new for row in r.tokens) or len(r.tokens) != b:
+                raise RuntimeError(f"{runner.name} returned the wrong number of tokens")
+        row = summarize(b, n_new, results)
+        row["greedy_tokens"] = results[0].tokens
+        rows.append(row)
+        if log:
+            log(f"{runner.name} batch {b}: {row['tokens_per_s']:.1f} tok/s, "
+                f"TTFT {row['ttft_ms']:.1f} ms")
+    return rows

@@ -1,0 +1,217 @@
+"""Turn one benchmark run into targets (PASS/MISS), a Markdown table and a PNG chart.
+
+Every figure is set beside transformers ``generate`` (engine 3) at the same batch size;
+HTTP rows at concurrency c are set beside batch c.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+LABELS = {
+    "torch_nocache": "1 PyTorch eager, no KV cache",
+    "torch_kv": "2 PyTorch eager, KV cache",
+    "hf_generate": "3 transformers generate",
+    "ort_plain": "3b plain ONNX Runtime loop",
+    "optimum": "3b Optimum ORTModelForCausalLM",
+    "engine": "4 our engine (fp32)",
+    "engine_int8": "5 our engine (int8)",
+    "http": "6 HTTP service",
+}
+BASELINE = "hf_generate"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def flat_rows(preset: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every measured row of a preset, with its ratios to transformers at that batch."""
+    rows: list[dict[str, Any]] = []
+    engines = preset.get("engines", {})
+    for name, res in engines.items():
+        for row in res.get("rows", []):
+            rows.append({"engine": name, **row, "peak_rss_mb": res.get("memory", {}).get(
+                "peak_mb")})
+    http = preset.get("http", {})
+    for row in http.get("rows", []):
+        rows.append({"engine": "http", "batch": row["concurrency"], **row,
+                     "ttft_ms": http.get("ttft_ms") if row["concurrency"] == 1 else None,
+                     "peak_rss_mb": http.get("peak_rss_mb")})
+    base = {r["batch"]: r for r in rows if r["engine"] == BASELINE}
+    for r in rows:
+        ref = base.get(r["batch"], {})
+        r["x_tokens_per_s"] = _ratio(r.get("tokens_per_s"), ref.get("tokens_per_s"))
+        r["x_ttft"] = _ratio(r.get("ttft_ms"), ref.get("ttft_ms"))
+        r["x_latency_p50"] = _ratio(r.get("latency_p50_ms"), ref.get("latency_p50_ms"))
+        r["x_peak_rss"] = _ratio(r.get("peak_rss_mb"), ref.get("peak_rss_mb"))
+    return rows
+
+
+def _get(rows: list[dict[str, Any]], engine: str, batch: int, key: str) -> float | None:
+    for r in rows:
+        if r["engine"] == engine and r["batch"] == batch:
+            value = r.get(key)
+            return float(value) if value is not None else None
+    return None
+
+
+def _check(name: str, value: float | None, target: float, higher: bool, unit: str,
+           why_missing: str) -> dict[str, Any]:
+    if value is None:
+        return {"target": name, "status": "NOT MEASURED", "value": None, "detail": why_missing}
+    ok = value >= target if higher else value <= target
+    op = "≥" if higher else "≤"
+    return {"target": name, "status": "PASS" if ok else "MISS", "value": value,
+            "detail": f"{value:.3g}{unit} (target {op} {target:g}{unit})"}
+
+
+def evaluate_targets(preset: dict[str, Any], ceiling: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = flat_rows(preset)
+    tps = {(r["engine"], r["batch"]): r.get("tokens_per_s") for r in rows}
+    big = max((r["batch"] for r in rows if r["engine"] == "engine"), default=32)
+
+    def ratio(a: str, b: str, batch: int) -> float | None:
+        return _ratio(tps.get((a, batch)), tps.get((b, batch)))
+
+    out = [
+        _check("engine vs transformers, batch 1", ratio("engine", BASELINE, 1), 2.0, True, "×",
+               "needs both the engine and transformers rows"),
+        _check(f"engine vs transformers, batch {big}", ratio("engine", BASELINE, big), 1.5,
+               True, "×", "needs both rows"),
+    ]
+    for other, label in (("ort_plain", "plain ORT loop"), ("optimum", "Optimum")):
+        for b in (1, big):
+            out.append(_check(f"engine vs {label}, batch {b}", ratio("engine", other, b), 1.2,
+                              True, "×", f"needs the engine and {label} rows"))
+    out.append(_check("64-token prefill (engine TTFT, batch 1)",
+                      _get(rows, "engine", 1, "ttft_ms"), 25.0, False, " ms",
+                      "needs the engine row"))
+    kv = preset.get("kv_vs_nocache", {})
+    out.append(_check(f"KV cache vs no cache at {kv.get('new_tokens', 512)} new tokens",
+                      kv.get("speedup"), 10.0, True, "×", kv.get("error", "not run")))
+    decode = _get(rows, "engine", big, "decode_tokens_per_s")
+    gemm = ceiling.get("gemm_gflops_best")
+    frac = (2 * preset["params"] * decode / (gemm * 1e9)) if decode and gemm else None
+    preset["compute_fraction_batch_decode"] = frac
+    out.append(_check(f"batch-{big} decode share of GEMM ceiling",
+                      frac * 100 if frac is not None else None, 25.0, True, "%",
+                      "needs the engine row and the ceiling"))
+    out.append(_check("int8 vs fp32 tokens/s, batch 1", ratio("engine_int8", "engine", 1), 1.3,
+                      True, "×", "needs both engine rows"))
+    agree = preset.get("int8_agreement", {}).get("int8_teacher_forced_agreement")
+    out.append(_check("int8 greedy agreement", agree * 100 if agree is not None else None,
+                      95.0, True, "%", preset.get("int8_agreement", {}).get("error", "not run")))
+    out.append(_check("HTTP c=1 vs bare engine batch 1", ratio("http", "engine", 1), 0.9, True,
+                      "×", "needs the HTTP and engine rows"))
+    out.append(_check(f"HTTP c={big} continuous vs engine static batch {big}",
+                      ratio("http", "engine", big), 0.85, True, "×", "needs both rows"))
+    out.append(_check("TTFT over HTTP", preset.get("http", {}).get("ttft_ms"), 35.0, False,
+                      " ms", "needs the HTTP run"))
+    return out
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown(run: dict[str, Any]) -> str:
+    m = run["machine"]
+    lines = [f"# attnserve benchmark — {run['date']}", "",
+             f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores visible, "
+             f"{m.get('memory_gb', '?')} GB RAM; {run['settings']['threads']} threads per engine. "
+             f"Versions: " + ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items()),
+             "", f"Command: `{run['command']}`", ""]
+    c = run.get("ceiling", {})
+    if c:
+        lines += [f"Ceiling on {c['threads']} threads: fp32 GEMM {c['gemm_n']}² "
+                  f"{_fmt(c['gemm_gflops_best'])} GFLOP/s "
+                  f"({', '.join(f'{k} {v:.1f}' for k, v in c['gemm_gflops'].items())}); "
+                  f"memory read {_fmt(c['read_bandwidth_gbs_best'])} GB/s "
+                  f"({', '.join(f'{k} {v:.1f}' for k, v in c['read_bandwidth_gbs'].items())}).", ""]
+    s = run["settings"]
+    lines += [f"Prompt {s['prompt_tokens']} tokens, exactly {s['new_tokens']} new tokens "
+              "(end-of-sequence ignored; over HTTP it cannot be, see 'gen/req'), greedy. "
+              "Ratios (×) are to transformers generate at the same batch size. Peak RSS is "
+              "the peak resident memory of the process that ran the engine (its whole "
+              "runtime: torch rows include torch itself); HTTP is the server process. "
+              "'greedy = (2)' is the share of rows whose greedy tokens equal PyTorch with "
+              "KV cache: the engines run the same weights (near-ties on random weights "
+              "may flip a token).", ""]
+    for name, p in run["presets"].items():
+        lines += [f"## {name} — {p['params'] / 1e6:.2f} M parameters, weights: {p['weights']}", ""]
+        lines += ["| engine | batch | tok/s | ×(3) | decode tok/s | TTFT ms | ×(3) | p50 ms "
+                  "| p99 ms | peak RSS MiB | ×(3) | greedy = (2) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in flat_rows(p):
+            label = LABELS.get(r["engine"], r["engine"])
+            if r["engine"] == "http":
+                label += f" c={r['batch']} (gen/req {_fmt(r.get('mean_generated_tokens'))})"
+            lines.append(
+                f"| {label} | {r['batch']} | {_fmt(r.get('tokens_per_s'))} | "
+                f"{_fmt(r.get('x_tokens_per_s'), 2)} | {_fmt(r.get('decode_tokens_per_s'))} | "
+                f"{_fmt(r.get('ttft_ms'))} | {_fmt(r.get('x_ttft'), 2)} | "
+                f"{_fmt(r.get('latency_p50_ms'), 0)} | {_fmt(r.get('latency_p99_ms'), 0)} | "
+                f"{_fmt(r.get('peak_rss_mb'), 0)} | {_fmt(r.get('x_peak_rss'), 2)} | "
+                f"{_fmt(r.get('greedy_rows_equal_torch_kv'), 2)} |")
+        kv = p.get("kv_vs_nocache", {})
+        if "speedup" in kv:
+            lines += ["", f"KV cache vs none, batch 1, {kv['prompt_tokens']}+{kv['new_tokens']} "
+                      f"tokens (random init, context widened): {kv['torch_kv_s']:.2f} s vs "
+                      f"{kv['torch_nocache_s']:.2f} s → {kv['speedup']:.1f}×."]
+        ag = p.get("int8_agreement", {})
+        if "int8_teacher_forced_agreement" in ag:
+            lines += ["", f"int8 greedy agreement (teacher-forced over {ag['positions']} "
+                      f"positions): {ag['int8_teacher_forced_agreement'] * 100:.1f}%."]
+        frac = p.get("compute_fraction_batch_decode")
+        if frac is not None:
+            lines += ["", f"Batch decode reaches {frac * 100:.1f}% of the GEMM ceiling "
+                      "(2 × parameters × decode tok/s ÷ GEMM FLOP/s)."]
+        lines += ["", "Targets:", ""]
+        lines += [f"- {t['status']} — {t['target']}: {t['detail']}" for t in p["targets"]]
+        for note in p.get("notes", []):
+            lines.append(f"- note: {note}")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def chart(run: dict[str, Any], path: Path) -> None:
+    """Tokens/s per engine and batch size, one panel per preset (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(run["presets"].items())
+    fig, axes = plt.subplots(1, max(1, len(presets)), figsize=(7 * max(1, len(presets)), 5),
+                             squeeze=False)
+    for ax, (name, p) in zip(axes[0], presets, strict=False):
+        rows = flat_rows(p)
+        engines = list(dict.fromkeys(r["engine"] for r in rows))
+        batches = sorted({r["batch"] for r in rows})
+        width = 0.8 / max(1, len(engines))
+        for i, eng in enumerate(engines):
+            xs, ys = [], []
+            for j, b in enumerate(batches):
+                v = _get(rows, eng, b, "tokens_per_s")
+                if v:
+                    xs.append(j + i * width)
+                    ys.append(v)
+            ax.bar(xs, ys, width, label=LABELS.get(eng, eng))
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))],
+                      [f"batch / c = {b}" for b in batches])
+        ax.set_yscale("log")
+        ax.set_ylabel("generated tokens/s")
+        ax.set_title(f"{name} ({p['params'] / 1e6:.1f} M params)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"attnserve benchmark {run['date']} — {run['machine'].get('cpu', '')}, "
+                 f"{run['settings']['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

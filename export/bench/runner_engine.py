@@ -1,0 +1,69 @@
+"""Our serving engine called directly: the scheduler loop and the IO-bound ORT session,
+without HTTP. ``generate`` submits the whole batch at once, so the scheduler admits it as
+one static batch (one prefill, then decode together); end-of-sequence is not a stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from export import io_spec as io
+from export.bench.measure import GenResult
+
+
+class EngineRunner:
+    def __init__(self, artifact_dir: Path, threads: int, name: str = "engine") -> None:
+        from service.engine.scheduler import Scheduler, SchedulerLimits
+        from service.engine.session import OnnxModel, create_session
+        from service.engine.text import TextCodec
+
+        self.name = name
+        config = io.ArtifactConfig.load(artifact_dir)
+        session = create_session(artifact_dir / io.MODEL_FILE, "cpu", threads)
+        model = OnnxModel(session, config)
+        codec = TextCodec.from_file(artifact_dir / io.TOKENIZER_FILE)
+        limits = SchedulerLimits(max_batch_size=64, max_batch_tokens=1 << 20,
+                                 max_queued_requests=1024)
+        self.scheduler = Scheduler(model, codec, limits, config.pad_token_id)
+        self.loop = asyncio.new_event_loop()
+        self.scheduler.start(self.loop)
+
+    def generate(self, prompts: list[list[int]], n_new: int) -> GenResult:
+        return self.loop.run_until_complete(self._generate(prompts, n_new))
+
+    async def _generate(self, prompts: list[list[int]], n_new: int) -> GenResult:
+        from service.engine.request import (
+            ErrorEvent,
+            GenerationRequest,
+            SamplingParams,
+            StoppingCriteria,
+        )
+
+        requests = [GenerationRequest(prompt_ids=list(p), sampling=SamplingParams(),
+                                      stopping=StoppingCriteria(max_new_tokens=n_new))
+                    for p in prompts]
+        t0 = time.perf_counter()
+        handles = self.scheduler.submit(requests)
+
+        async def collect(handle: Any) -> tuple[list[int], float, float]:
+            tokens: list[int] = []
+            first = 0.0
+            async for event in handle.events():
+                if isinstance(event, ErrorEvent):
+                    raise RuntimeError(f"engine error: {event.message}")
+                if not tokens:
+                    first = time.perf_counter() - t0
+                tokens.append(event.token.id)
+            return tokens, first, time.perf_counter() - t0
+
+        done = await asyncio.gather(*(collect(h) for h in handles))
+        total = time.perf_counter() - t0
+        return GenResult(tokens=[d[0] for d in done], ttft_s=max(d[1] for d in done),
+                         total_s=total, latencies=[d[2] for d in done])
+
+    def close(self) -> None:
+        self.scheduler.stop(timeout=10)
+        self.loop.close()

@@ -1,0 +1,211 @@
+"""Smoke test of the deployment, without a container engine.
+
+The service is started exactly as the runtime image starts it: the CMD and the ATTNSERVE_*
+ENV of deploy/Dockerfile's last stage, parsed from the Dockerfile, with only the artifact path
+(the session's tiny artifact instead of /models/default) and host/port (127.0.0.1 and a free
+port instead of 0.0.0.0:8000) replaced. Then a real Prometheus (Debian package) runs
+deploy/prometheus/prometheus.yml with only the target address changed, traffic goes in, and
+the Prometheus HTTP API must show the target up and a numeric p50 time to first token.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+WAIT_S = 60.0
+# The only values of the image's environment the local run replaces.
+REPLACED = ("ATTNSERVE_MODEL", "ATTNSERVE_HOST", "ATTNSERVE_PORT")
+
+
+@dataclass
+class Proc:
+    url: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    env: dict[str, str]
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 40.0) -> int:
+    """SIGTERM, then SIGKILL after `timeout` s; always reaps the process we started."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
+def start(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+
+def alive_probe(proc: Proc, probe):
+    def check():
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"{proc.proc.args[0]} exited with {proc.proc.returncode}:\n"
+                               f"{proc.log_tail()}")
+        return probe()
+    return check
+
+
+@pytest.fixture(scope="module")
+def container_run(cpu_stages, smoke) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of the CPU runtime stage, straight from deploy/Dockerfile."""
+    runtime = cpu_stages[-1]
+    return smoke.container_command(runtime), smoke.stage_env(runtime)
+
+
+@pytest.fixture(scope="module")
+def service(container_run, tiny_artifact, smoke, tmp_path_factory) -> Iterator[Proc]:
+    argv, image_env = container_run
+    assert set(REPLACED) <= set(image_env), "the image must set what we replace"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
+    # PATH stays the host's: /opt/venv/bin of the image is this interpreter's bin here.
+    env.update({k: v for k, v in image_env.items() if k != "PATH"})
+    env.update({"ATTNSERVE_MODEL": str(tiny_artifact), "ATTNSERVE_HOST": "127.0.0.1",
+                "ATTNSERVE_PORT": str(port)})
+    executable = Path(sys.executable).parent / argv[0]
+    assert executable.is_file(), f"{argv[0]} is not installed next to {sys.executable}"
+    work = tmp_path_factory.mktemp("service-cwd")  # like the image: no source tree in cwd
+    proc = Proc(f"http://127.0.0.1:{port}", port,
+                start([str(executable), *argv[1:]], env, work, work / "service.log"),
+                work / "service.log", env)
+    try:
+        smoke.wait_until(alive_probe(proc, lambda: smoke.is_ready(proc.url)), WAIT_S,
+                         f"{proc.url}/ready")
+        yield proc
+    finally:
+        stop(proc.proc)
+
+
+@pytest.fixture(scope="module")
+def prometheus(service, system_tool, tmp_path_factory, smoke) -> Iterator[Proc]:
+    binary = system_tool("prometheus")
+    work = tmp_path_factory.mktemp("prometheus")
+    config_dir = work / "config"
+    shutil.copytree(DEPLOY / "prometheus", config_dir)  # alerts.yml sits next to the config
+    config = config_dir / "prometheus.yml"
+    text = config.read_text()
+    assert text.count('"attnserve:8000"') == 1
+    config.write_text(text.replace('"attnserve:8000"', f'"127.0.0.1:{service.port}"'))
+    port = _free_port()
+    proc = Proc(f"http://127.0.0.1:{port}", port,
+                start([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
+                       f"--web.listen-address=127.0.0.1:{port}"], dict(os.environ), work,
+                      work / "prometheus.log"),
+                work / "prometheus.log", {})
+
+    def ready() -> bool | None:
+        status, _ = smoke.http_request(f"{proc.url}/-/ready", timeout=5)
+        return True if status == 200 else None
+
+    try:
+        smoke.wait_until(alive_probe(proc, ready), WAIT_S, "Prometheus /-/ready")
+        yield proc
+    finally:
+        stop(proc.proc, timeout=15)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_the_container_command_is_what_runs(container_run, service) -> None:
+    argv, image_env = container_run
+    assert argv == ["attnserve", "serve"]
+    assert Path(service.proc.args[0]).name == argv[0] and service.proc.args[1:] == argv[1:]
+    for key, value in image_env.items():
+        if key != "PATH" and key not in REPLACED:
+            assert service.env[key] == value, key
+
+
+def test_prometheus_scrapes_the_service_and_sees_ttft(service, prometheus, smoke) -> None:
+    summary = smoke.check_deployment(service.url, prometheus.url, n_requests=5, timeout=WAIT_S)
+    assert summary["health"] == "up"
+    assert summary["target"] == f"{service.url}/metrics"
+    assert math.isfinite(summary["ttft_p50_s"]) and summary["ttft_p50_s"] > 0
+    assert smoke.scalar_result(prometheus.url, 'up{job="attnserve"}') == 1.0
+    generated = smoke.scalar_result(prometheus.url, "max(attnserve_generation_tokens_total)")
+    assert generated is not None and generated >= 5  # 5 requests, >= 1 token each
+
+
+def test_alert_rules_are_loaded_and_evaluate(prometheus, smoke) -> None:
+    def evaluated() -> list | None:
+        groups = smoke.prometheus_api(prometheus.url, "rules")["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        return rules if rules and all(r.get("health") == "ok" for r in rules) else None
+
+    rules = smoke.wait_until(evaluated, WAIT_S, "every alert rule to evaluate without error")
+    assert {r["name"] for r in rules} == {
+        "AttnserveTargetDown", "AttnserveP99LatencyHigh", "AttnserveP99TimeToFirstTokenHigh",
+        "AttnserveErrorRatioHigh", "AttnserveQueueSaturated"}
+    down = next(r for r in rules if r["name"] == "AttnserveTargetDown")
+    assert down["state"] == "inactive"
+
+
+def test_dashboard_queries_are_valid_promql(prometheus, smoke) -> None:
+    queries = smoke.dashboard_queries()
+    assert len(queries) >= 15
+    for expr in queries:
+        # Grafana substitutes $__rate_interval; Prometheus must accept the rest as is.
+        smoke.prometheus_api(prometheus.url, "query",
+                             query=expr.replace("$__rate_interval", "1m"))
+
+
+def test_dashboard_and_alert_metrics_exist_in_live_metrics(service, smoke) -> None:
+    status, raw = smoke.http_request(f"{service.url}/metrics")
+    assert status == 200
+    exposed = smoke.exposed_metric_names(raw.decode())
+    used = {name for expr in smoke.dashboard_queries() + smoke.alert_rule_queries()
+            for name in smoke.promql_metric_names(expr)}
+    assert {"attnserve_time_to_first_token_seconds_bucket", "attnserve_requests_total",
+            "attnserve_num_requests_waiting", "up"} <= used
+    missing = sorted(used - exposed - {"up"})  # `up` is Prometheus' own series
+    assert not missing, f"not exposed by the service: {missing}"
+
+
+def test_image_healthcheck_command(service, cpu_stages, smoke) -> None:
+    argv = smoke.healthcheck_command(cpu_stages[-1])
+    python = [sys.executable, *argv[1:]]
+    ok = subprocess.run(python, env=service.env, capture_output=True, timeout=30, check=False)
+    assert ok.returncode == 0, ok.stderr
+    nobody = {**service.env, "ATTNSERVE_PORT": str(_free_port())}
+    down = subprocess.run(python, env=nobody, capture_output=True, timeout=30, check=False)
+    assert down.returncode != 0
+
+
+def test_sigterm_shuts_down_cleanly_within_the_grace_period(service) -> None:
+    # docker stop / Kubernetes send SIGTERM and wait the grace period (30 s in compose).
+    drain = float(service.env["ATTNSERVE_DRAIN_TIMEOUT"])
+    service.proc.send_signal(signal.SIGTERM)
+    try:
+        code = service.proc.wait(drain + 10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {drain + 10:.0f} s after SIGTERM:\n{service.log_tail()}")
+    assert code == 0, service.log_tail()
+    assert "Traceback" not in service.log_tail()
