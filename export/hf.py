@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from model.checkpoint import TOKENIZER_FILE, load_checkpoint
 from model.config import GPTConfig
+from model.staging import staged_directory
 
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -137,9 +137,7 @@ def export_hf(
                ("pad_token_id", "bos_token_id", "eos_token_id")}
     tensors = hf_state_dict(ckpt.model)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_directory(out) as tmp:
         save_file(tensors, str(tmp / HF_WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / HF_CONFIG_FILE).write_text(
             json.dumps(hf_config(config, special), indent=2), encoding="utf-8")
@@ -149,14 +147,4 @@ def export_hf(
         shutil.copyfile(ckpt.tokenizer_path, tmp / TOKENIZER_FILE)
         (tmp / HF_TOKENIZER_CONFIG_FILE).write_text(
             json.dumps(_tokenizer_config(config), indent=2), encoding="utf-8")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from model.config import GPTConfig
+from model.staging import staged_directory
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -89,31 +88,13 @@ def save_checkpoint(
     """Write a complete checkpoint atomically and return its path."""
     from safetensors.torch import save_model
 
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_directory(out_dir) as tmp:
         save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / TOKENIZER_FILE).write_text(tokenizer_json, encoding="utf-8")
         (tmp / METRICS_FILE).write_text(
             "".join(json.dumps(m) + "\n" for m in metrics), encoding="utf-8")
         (tmp / CONFIG_FILE).write_text(json.dumps(meta.to_json(), indent=2), encoding="utf-8")
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Rename ``new`` onto ``target``; an existing target is moved aside first."""
-    if not target.exists():
-        os.replace(new, target)
-        return
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    os.replace(target, old)
-    os.replace(new, target)
-    shutil.rmtree(old, ignore_errors=True)
+    return Path(out_dir)
 
 
 @dataclass

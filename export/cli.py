@@ -1,0 +1,60 @@
+"""`attnserve export`: checkpoint directory → verified ONNX artifact directory.
+
+Usage:
+    attnserve export --ckpt checkpoints/default --out artifacts/default
+    attnserve export --ckpt CKPT --out ART --quantize int8 --force
+    attnserve export --ckpt CKPT --out ART --dtype float16 --opset 20
+    attnserve export --ckpt CKPT --out HF_DIR --format hf
+
+Imports nothing heavy at module level: the root CLI registers this parser even where
+torch is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "export", help="export a checkpoint to ONNX (KV cache) and verify it against PyTorch",
+        description="Export a checkpoint to an artifact directory: model.onnx (KV cache), "
+                    "attention.onnx, tokenizer.json, config.json, manifest.json.")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (config.json, "
+                   "model.safetensors, tokenizer.json)")
+    p.add_argument("--out", required=True, help="artifact directory to create")
+    p.add_argument("--opset", type=int, default=None,
+                   help="ONNX opset (default 18; supported 18-21)")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="dynamic int8 quantisation of the MatMul weights")
+    p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                   help="KV cache dtype; logits and arithmetic stay float32")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the parity checks against PyTorch (not recommended)")
+    p.add_argument("--no-optimize", action="store_true",
+                   help="skip the offline ONNX Runtime graph optimisation")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--format", choices=["onnx", "hf"], default="onnx",
+                   help="onnx: the attnserve artifact; hf: a Hugging Face transformers model")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    if args.format == "hf":
+        from export.hf import export_hf
+
+        export_hf(args.ckpt, args.out, args.force)
+        print(f"exported {args.ckpt} → {args.out} (Hugging Face format)")
+        return 0
+    from export.to_onnx import export_artifact
+
+    out = export_artifact(
+        args.ckpt, args.out, opset=args.opset, dtype=args.dtype, quantize=args.quantize,
+        verify=not args.no_verify, optimize=not args.no_optimize, force=args.force,
+        log=lambda msg: print(f"  {msg}", file=sys.stderr))
+    print(f"exported {args.ckpt} → {out} in {time.perf_counter() - started:.1f}s")
+    return 0

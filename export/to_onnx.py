@@ -1,0 +1,193 @@
+"""Checkpoint directory → verified artifact directory (the whole export pipeline).
+
+    model.onnx       decoder with KV cache (export/graphs.py)
+    attention.onnx   attention introspection graph
+    tokenizer.json   copied from the checkpoint
+    config.json      io_spec.ArtifactConfig: what the service needs to know
+    manifest.json    sha256 + size of each file, provenance, I/O shapes, verification figures
+
+Everything is built in a temporary sibling directory and renamed onto the target only
+after verification passed, so a failed or interrupted export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from export import io_spec as io
+from export.manifest import Manifest, checkpoint_fingerprint, describe_files
+from model.staging import staged_directory
+
+DTYPES = ("float32", "float16")
+QUANTIZATIONS = ("int8",)
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for package in ("attnserve", "torch", "onnx", "onnxscript", "onnxruntime", "numpy"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = "unknown"
+    return out
+
+
+def check_target(out: Path, force: bool) -> None:
+    """Refuse to overwrite a non-empty directory (or any file) unless ``force``."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output path {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"output directory {out} is not empty (use --force to replace it)")
+
+
+def check_options(opset: int, dtype: str, quantize: str | None) -> None:
+    from export.graphs import SUPPORTED_OPSETS
+
+    if opset not in SUPPORTED_OPSETS:
+        raise ValueError(f"unsupported opset {opset}; choose one of {list(SUPPORTED_OPSETS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {list(DTYPES)}")
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {quantize!r}; choose one of "
+                         f"{list(QUANTIZATIONS)}")
+    if quantize is not None and dtype != "float32":
+        raise ValueError("--quantize int8 needs --dtype float32 (weights int8, cache float32)")
+
+
+def load_source(ckpt_dir: Path) -> tuple[Any, Any]:
+    """Load the checkpoint and check its tokenizer against the model; (Checkpoint, Tokenizer)."""
+    from tokenizers import Tokenizer
+
+    from model.checkpoint import CheckpointError, load_checkpoint
+    from model.tokenizer import special_ids
+
+    ckpt = load_checkpoint(ckpt_dir)
+    try:
+        tok = Tokenizer.from_file(str(ckpt.tokenizer_path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
+        raise CheckpointError(f"{ckpt.tokenizer_path} is not a valid tokenizer: {exc}") from exc
+    vocab = ckpt.meta.model.vocab_size
+    if tok.get_vocab_size() != vocab:
+        raise CheckpointError(
+            f"tokenizer {ckpt.tokenizer_path} has {tok.get_vocab_size()} tokens but the model's "
+            f"vocab_size is {vocab}")
+    try:
+        ids = special_ids(tok).to_dict()
+    except ValueError as exc:
+        raise CheckpointError(f"{ckpt.tokenizer_path}: {exc}") from exc
+    declared = {k: ckpt.meta.tokenizer.get(k, v) for k, v in ids.items()}
+    if declared != ids:
+        raise CheckpointError(f"special token ids in config.json {declared} do not match the "
+                              f"tokenizer's {ids}")
+    return ckpt, tok
+
+
+def artifact_config(ckpt: Any, model_name: str, kv_dtype: io.KvDtype,
+                    tok: Any) -> io.ArtifactConfig:
+    from model.tokenizer import special_ids
+
+    cfg = ckpt.meta.model
+    ids = special_ids(tok)
+    return io.ArtifactConfig(
+        model_name=model_name, vocab_size=cfg.vocab_size, d_model=cfg.d_model,
+        n_heads=cfg.n_heads, n_layers=cfg.n_layers, max_seq_len=cfg.max_seq_len,
+        pad_token_id=ids.pad_token_id, bos_token_id=ids.bos_token_id,
+        eos_token_id=ids.eos_token_id, tokenizer_kind=str(ckpt.meta.tokenizer.get("kind", "bpe")),
+        kv_dtype=kv_dtype,
+        generation=io.GenerationDefaults(max_new_tokens=min(64, cfg.max_seq_len // 2)),
+    )
+
+
+def export_artifact(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    opset: int | None = None,
+    dtype: io.KvDtype = "float32",
+    quantize: str | None = None,
+    verify: bool = True,
+    optimize: bool = True,
+    force: bool = False,
+    model_name: str | None = None,
+    log: Any = None,
+) -> Path:
+    """Export, verify, optimise and (optionally) quantise; return the artifact directory."""
+    from export.graphs import (
+        DEFAULT_OPSET,
+        attention_io_shapes,
+        export_attention,
+        export_decoder,
+    )
+
+    say = log or (lambda _msg: None)
+    opset = DEFAULT_OPSET if opset is None else opset
+    out = Path(out_dir)
+    check_options(opset, dtype, quantize)
+    check_target(out, force)
+    ckpt, tok = load_source(Path(ckpt_dir))
+    gpt = ckpt.model.eval()
+    with staged_directory(out) as tmp:
+        started = time.perf_counter()
+        model_path, attention_path = tmp / io.MODEL_FILE, tmp / io.ATTENTION_FILE
+        export_decoder(gpt, model_path, opset, dtype)
+        export_attention(gpt, attention_path, opset)
+        export_seconds = time.perf_counter() - started
+        say(f"traced model.onnx and attention.onnx in {export_seconds:.1f}s")
+        verification: dict[str, Any] = {"skipped": True}
+        if verify:
+            from export.verify import verify_artifact
+
+            verification = verify_artifact(gpt, model_path, attention_path, dtype)
+            say(f"verified: prefill {verification['prefill']['max_abs_diff']:.2e}, "
+                f"decode {verification['decode']['max_abs_diff']:.2e} over "
+                f"{verification['decode']['steps']} steps")
+        quantization: dict[str, Any] | None = None
+        fp32_copy = tmp / f".{io.MODEL_FILE}.fp32"
+        check = None
+        if quantize == "int8":
+            from export.quantize import int8_check, quantize_int8
+
+            os.replace(model_path, fp32_copy)
+            quantization = quantize_int8(gpt, model_path, fp32_copy, tok, ckpt.meta.training,
+                                         measure=verify)
+            say(f"int8: token agreement {quantization.get('token_agreement')}, perplexity "
+                f"change {quantization.get('perplexity_relative_change')}")
+            verification["int8"] = quantization
+            if verify:
+                check = int8_check(gpt, fp32_copy, tok, ckpt.meta.training)
+        elif verify:
+            from export.optimize import fp_check
+
+            check = fp_check(gpt, dtype)
+        optimization: dict[str, Any] = {"skipped": True}
+        if optimize:
+            from export.optimize import optimize_decoder
+
+            optimization = optimize_decoder(gpt, model_path, dtype, check)
+            say(f"graph optimisation: {optimization['decision']}")
+        fp32_copy.unlink(missing_ok=True)
+        shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
+        config = artifact_config(ckpt, model_name or out.name, dtype, tok)
+        (tmp / io.CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n", "utf-8")
+        manifest = Manifest(
+            files=describe_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file())),
+            source_checkpoint=checkpoint_fingerprint(ckpt_dir),
+            exporter={"name": "torch.onnx.export", "method": "dynamo",
+                      "native_opset": DEFAULT_OPSET, "export_seconds": round(export_seconds, 3),
+                      "versions": _versions()},
+            opset=opset, kv_dtype=dtype, quantization=quantize,
+            io={"model": io.model_io_shapes(ckpt.meta.model.n_layers),
+                "attention": attention_io_shapes(ckpt.meta.model.n_layers),
+                "logits_dtype": "float32", "kv_dtype": dtype},
+            verification=verification, optimization=optimization,
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
+        manifest.write(tmp)
+    return out

@@ -1,0 +1,106 @@
+"""Shared session fixtures: one tiny trained checkpoint and its exported artifact.
+
+Both are built once per test session into pytest's temporary directory, so every test
+area (model, export, service, bench) can reuse them without paying for training twice.
+The checkpoint is a real one written by ``model.checkpoint.save_checkpoint``: a byte-level
+BPE tokenizer trained on ~200 KB of tinyshakespeare and a small GPT trained for 150
+AdamW steps (~3 s), enough that greedy decoding is not stuck on one token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+DATA_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS_CHARS = 200_000
+TINY_VOCAB = 384
+TRAIN_STEPS = 150
+TRAIN_BATCH = 16
+TRAIN_BLOCK = 64
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Tiny models gain nothing from threads; on a shared 2-core box extra threads only
+    contend (training took 60 s with 2 threads under load, 6 s with 1)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def tiny_corpus() -> str:
+    """The first ~200 KB of tinyshakespeare (read in place, never copied into the repo)."""
+    if not DATA_FILE.is_file():
+        raise FileNotFoundError(f"test corpus {DATA_FILE} is missing")
+    return DATA_FILE.read_text(encoding="utf-8")[:CORPUS_CHARS]
+
+
+def build_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+    """Train the tiny tokenizer and model inline and save them as a checkpoint."""
+    import torch
+
+    from model.checkpoint import CheckpointMeta, save_checkpoint
+    from model.config import GPTConfig
+    from model.gpt import GPT
+    from model.tokenizer import encode, special_ids, train_bpe_tokenizer
+
+    text = tiny_corpus()
+    chunks = [text[i:i + 2000] for i in range(0, len(text), 2000)]
+    tok = train_bpe_tokenizer(chunks, vocab_size=TINY_VOCAB)
+    ids = torch.tensor(encode(tok, text), dtype=torch.long)
+
+    config = GPTConfig(vocab_size=tok.get_vocab_size(), d_model=64, n_heads=4, n_layers=2,
+                       d_ff=128, max_seq_len=128)
+    torch.manual_seed(seed)
+    model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    losses: list[float] = []
+    for _ in range(TRAIN_STEPS):
+        starts = torch.randint(0, len(ids) - TRAIN_BLOCK - 1, (TRAIN_BATCH,), generator=gen)
+        x = torch.stack([ids[s:s + TRAIN_BLOCK] for s in starts])  # (B, T)
+        y = torch.stack([ids[s + 1:s + TRAIN_BLOCK + 1] for s in starts])  # (B, T)
+        loss = model(x, targets=y).loss
+        assert loss is not None
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+
+    meta = CheckpointMeta(
+        model=config,
+        tokenizer={"kind": "bpe", **special_ids(tok).to_dict()},
+        training={"steps": TRAIN_STEPS, "final_loss": losses[-1], "corpus": str(DATA_FILE),
+                  "seed": seed},
+    )
+    metrics = [{"step": i + 1, "loss": loss_value} for i, loss_value in enumerate(losses)]
+    return save_checkpoint(out_dir, model, meta, tok.to_str(), metrics)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A trained tiny checkpoint directory (config.json, model.safetensors, tokenizer.json)."""
+    with torch_threads(1):
+        return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The verified fp32 ONNX artifact of ``tiny_checkpoint`` (model.onnx, attention.onnx...)."""
+    from export.to_onnx import export_artifact
+
+    out = tmp_path_factory.mktemp("tiny-artifact") / "artifact"
+    with torch_threads(1):
+        export_artifact(tiny_checkpoint, out)
+    return out

@@ -1,0 +1,59 @@
+"""--quantize int8 and --dtype float16 exports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from export import io_spec
+from export.manifest import verify_manifest
+from export.to_onnx import export_artifact
+from model.checkpoint import load_checkpoint
+
+
+def test_int8_export_reports_agreement_and_perplexity(tiny_checkpoint: Path,
+                                                      tmp_path: Path) -> None:
+    out = export_artifact(tiny_checkpoint, tmp_path / "int8", quantize="int8", optimize=False)
+    manifest = verify_manifest(out)
+    assert manifest.quantization == "int8"
+    figures = manifest.verification["int8"]
+    assert figures["steps"] == 64 and figures["prompts"] == 8
+    assert figures["token_agreement"] >= 0.95
+    assert abs(figures["perplexity_relative_change"]) < 0.05
+    assert figures["int8_bytes"] < figures["fp32_bytes"]
+    ops = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
+    assert {"MatMulInteger", "DynamicQuantizeLinear"} & ops
+
+
+@torch.no_grad()
+def test_float16_kv_cache_export(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = export_artifact(tiny_checkpoint, tmp_path / "fp16", dtype="float16", optimize=False)
+    assert verify_manifest(out).kv_dtype == "float16"
+    model = onnx.load(str(out / "model.onnx"))
+    types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input,
+                                                             *model.graph.output]}
+    assert types["past_key_values.0.key"] == onnx.TensorProto.FLOAT16
+    assert types["present.1.value"] == onnx.TensorProto.FLOAT16
+    assert types["logits"] == onnx.TensorProto.FLOAT
+
+    gpt = load_checkpoint(tiny_checkpoint).model
+    cfg = gpt.config
+    sess = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    seq = [5, 40, 77, 120, 9]
+    past = {n: np.zeros((1, cfg.n_heads, 0, cfg.head_dim), np.float16)
+            for n in io_spec.past_names(cfg.n_layers)}
+    ids = np.array([seq], np.int64)
+    for _ in range(20):
+        logits, *present = sess.run(None, {
+            "input_ids": ids, "attention_mask": np.ones((1, len(seq)), np.int64),
+            "position_ids": np.arange(len(seq) - ids.shape[1], len(seq))[None], **past})
+        assert present[0].dtype == np.float16
+        ref = gpt(torch.tensor([seq])).logits[0, -1].numpy()
+        np.testing.assert_allclose(logits[0, -1], ref, atol=1e-2)
+        seq.append(int(ref.argmax()))
+        past = dict(zip(io_spec.past_names(cfg.n_layers), present, strict=True))
+        ids = np.array([[seq[-1]]], np.int64)
