@@ -1,0 +1,133 @@
+"""The FastAPI application: ``create_app`` and the lifespan that owns the engine.
+
+Start-up order: open the artifact (manifest sha256, config, tokenizer, device) before the
+server listens, then, in the background, create the ONNX Runtime sessions, run a warm-up
+generation and start the engine loop. /health answers at once; /ready and the model
+routes answer 503 until the warm-up is done, and again while draining at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+
+from export import io_spec as io
+from service.artifact import Artifact, open_artifact
+from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.engine.scheduler import Scheduler, SchedulerLimits
+from service.engine.session import AttentionModel, OnnxModel, create_session
+from service.errors import install_error_handlers
+from service.metrics import Metrics
+from service.middleware import ObservabilityMiddleware
+from service.settings import Settings
+from service.validation import Validator
+
+log = logging.getLogger("attnserve")
+
+
+@dataclass
+class Runtime:
+    """Everything the routes reach through ``app.state.runtime``."""
+
+    settings: Settings
+    artifact: Artifact
+    metrics: Metrics
+    validator: Validator
+    scheduler: Scheduler | None = None
+    attention: AttentionModel | None = None
+    provider: str | None = None
+    ready: bool = False
+    draining: bool = False
+    load_error: str | None = None
+    started_at: float = field(default_factory=time.time)
+
+
+def load_engine(runtime: Runtime) -> None:
+    """Create the sessions and warm them up (blocking; runs in a worker thread)."""
+    settings, artifact = runtime.settings, runtime.artifact
+    config = artifact.config
+    model = OnnxModel(create_session(artifact.path / io.MODEL_FILE, settings.device,
+                                     settings.intra_op_threads), config)
+    attention = AttentionModel(create_session(artifact.path / io.ATTENTION_FILE, "cpu"
+                                              if model.device == "cpu" else settings.device,
+                                              settings.intra_op_threads), config)
+    limits = artifact.limits
+    scheduler = Scheduler(
+        model, artifact.codec,
+        SchedulerLimits(limits.max_batch_size, limits.max_batch_tokens,
+                        limits.max_queued_requests),
+        pad_token_id=config.pad_token_id, stats=runtime.metrics)
+    started = time.perf_counter()
+    scheduler.warmup(GenerationRequest([config.bos_token_id], SamplingParams(),
+                                       StoppingCriteria(max_new_tokens=4)))
+    attention.run([config.bos_token_id], ["weights"])
+    log.info("model %s on %s, warmed up in %.0f ms", artifact.name, model.provider,
+             (time.perf_counter() - started) * 1000)
+    runtime.metrics.set_model_info(artifact.name, model.provider, artifact.sha256)
+    runtime.scheduler, runtime.attention, runtime.provider = scheduler, attention, model.provider
+
+
+def create_app(settings: Settings, artifact: Artifact | None = None,
+               on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """The app for ``settings``; ``on_fatal`` is called if the model fails to load."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        opened = artifact or open_artifact(settings)
+        metrics = Metrics(opened.limits.max_batch_tokens)
+        gen = opened.config.generation
+        runtime = Runtime(settings, opened, metrics, Validator(
+            opened.codec, opened.limits, opened.config.eos_token_id, gen.max_new_tokens))
+        app.state.runtime = runtime
+        loader = asyncio.create_task(_load(runtime, on_fatal))
+        try:
+            yield
+        finally:
+            runtime.draining = True
+            loader.cancel()
+            if runtime.scheduler is not None:
+                await asyncio.to_thread(runtime.scheduler.stop, 10.0)
+
+    app = FastAPI(title="attnserve", version=_version(), lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None)
+    app.state.runtime = None
+    install_error_handlers(app)
+    app.add_middleware(ObservabilityMiddleware,
+                       metrics=lambda: app.state.runtime.metrics if app.state.runtime else None,
+                       max_body_bytes=settings.max_body_bytes)
+    from service.routes import attention, generate, health, openai
+
+    for module in (health, generate, openai, attention):
+        app.include_router(module.router)
+    return app
+
+
+async def _load(runtime: Runtime, on_fatal: Callable[[], None] | None) -> None:
+    try:
+        await asyncio.to_thread(load_engine, runtime)
+        assert runtime.scheduler is not None
+        runtime.scheduler.start(asyncio.get_running_loop())
+        runtime.ready = True
+        log.info("ready: %s on %s", runtime.artifact.name, runtime.provider)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        runtime.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("model failed to load: %s", runtime.load_error)
+        if on_fatal is not None:
+            on_fatal()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("attnserve")
+    except PackageNotFoundError:
+        return "0.0.0"

@@ -1,0 +1,46 @@
+"""Opening an artifact directory: verify its manifest, read its config and tokenizer.
+
+Everything here is cheap and runs before the server listens, so a tampered file, a
+missing tokenizer or an unavailable device ends the start with one clear message.
+The ONNX Runtime sessions are created afterwards, in the app's lifespan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from export import io_spec as io
+from export.manifest import verify_manifest
+from service.engine.session import select_providers
+from service.engine.text import TextCodec
+from service.settings import Limits, Settings
+
+
+@dataclass(frozen=True)
+class Artifact:
+    path: Path
+    config: io.ArtifactConfig
+    name: str  # served model name
+    sha256: str  # of manifest.json, which pins every file's sha256
+    files: dict[str, str]  # file name -> sha256, as verified
+    codec: TextCodec
+    limits: Limits
+    providers: list[str]  # what the sessions will ask ONNX Runtime for, in order
+
+
+def open_artifact(settings: Settings) -> Artifact:
+    path = settings.model
+    manifest = verify_manifest(path)  # ManifestError (a ValueError) names the bad file
+    config = io.ArtifactConfig.load(path)
+    codec = TextCodec.from_file(path / io.TOKENIZER_FILE)
+    if codec.vocab_size > config.vocab_size:
+        raise ValueError(f"tokenizer.json has {codec.vocab_size} tokens but the model only "
+                         f"{config.vocab_size}")
+    return Artifact(
+        path=path, config=config, name=settings.served_model_name or config.model_name,
+        sha256=hashlib.sha256((path / io.MANIFEST_FILE).read_bytes()).hexdigest(),
+        files={name: entry.sha256 for name, entry in sorted(manifest.files.items())},
+        codec=codec, limits=Limits.resolve(settings, config.max_seq_len),
+        providers=select_providers(settings.device))

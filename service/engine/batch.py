@@ -1,0 +1,250 @@
+"""A batch of sequences decoding together: the unit the scheduler steps (TGI's CausalLMBatch).
+
+Rows are left-padded, so every row's newest token sits in the last column and one decode
+step feeds a (B, 1) column of tokens. ``attention_mask`` marks real tokens, and
+``position_ids`` count each row's own tokens, so padding changes nothing a row computes.
+The KV cache stays in whatever form the runner returns (ONNX Runtime OrtValues, on the
+device) from step to step; it is copied only when the composition changes: ``filter``
+drops finished rows and trims columns of padding no row needs any more, and
+``concatenate`` merges a freshly prefilled batch into the running one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from service.engine.request import (
+    FinishInfo,
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+    TokenInfo,
+)
+from service.engine.sampling import RowSampler, choose_tokens, log_softmax, top_logprobs
+from service.engine.text import IncrementalDecoder, TextCodec
+
+
+class ModelRunner(Protocol):
+    """What a batch needs from a model: one forward pass by the ONNX I/O contract."""
+
+    vocab_size: int
+
+    def forward(
+        self,
+        input_ids: np.ndarray,  # (B, T) int64
+        attention_mask: np.ndarray,  # (B, T_past + T) int64
+        position_ids: np.ndarray,  # (B, T) int64
+        past: Sequence[Any] | None,  # 2 * n_layers KV tensors, or None for an empty cache
+        all_logits: bool,
+    ) -> tuple[np.ndarray, list[Any]]:
+        """Logits (B, T, V) if all_logits else (B, 1, V) for the last position, and presents."""
+        ...
+
+    def kv_to_numpy(self, kv: Sequence[Any]) -> list[np.ndarray]: ...
+
+    def kv_from_numpy(self, arrays: Sequence[np.ndarray]) -> list[Any]: ...
+
+
+@dataclass
+class SequenceState:
+    """One request inside a batch: its sampler, detokenizer, counters and timings."""
+
+    request: GenerationRequest
+    sampler: RowSampler
+    decoder: IncrementalDecoder
+    generated: int = 0
+    prefill_start: float = 0.0
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    inter_token_latencies: list[float] = field(default_factory=list)
+    prefill: tuple[TokenInfo, ...] = ()
+    finish: FinishInfo | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of this row in the KV cache (the newest sampled one is not fed yet)."""
+        return len(self.request.prompt_ids) + max(self.generated - 1, 0)
+
+
+class Batch:
+    def __init__(
+        self,
+        sequences: list[SequenceState],
+        codec: TextCodec,
+        input_ids: np.ndarray,  # (B, T) prompts before prefill; (B, 1) next tokens after
+        attention_mask: np.ndarray,  # (B, T) before prefill; (B, L) of the cache after
+        position_ids: np.ndarray,  # (B, T) before prefill; (B, 1) after
+        kv: list[Any] | None = None,
+    ) -> None:
+        self.sequences = sequences
+        self.codec = codec
+        self.input_ids = input_ids
+        self.attention_mask = attention_mask
+        self.position_ids = position_ids
+        self.kv = kv
+
+    @classmethod
+    def from_requests(
+        cls, requests: Sequence[GenerationRequest], codec: TextCodec, vocab_size: int,
+        pad_token_id: int,
+    ) -> Batch:
+        """A batch ready for prefill: prompts left-padded to the longest one."""
+        width = max(len(r.prompt_ids) for r in requests)
+        input_ids = np.full((len(requests), width), pad_token_id, dtype=np.int64)  # (B, T)
+        mask = np.zeros((len(requests), width), dtype=np.int64)  # (B, T)
+        for i, r in enumerate(requests):
+            input_ids[i, width - len(r.prompt_ids):] = r.prompt_ids
+            mask[i, width - len(r.prompt_ids):] = 1
+        position_ids = np.clip(mask.cumsum(axis=1) - 1, 0, None)  # (B, T)
+        sequences = [SequenceState(r, RowSampler(r.sampling, vocab_size, r.prompt_ids),
+                                   codec.decoder()) for r in requests]
+        return cls(sequences, codec, input_ids, mask, position_ids)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.kv is not None
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(s.request.reserved_tokens for s in self.sequences)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.cached_tokens for s in self.sequences)
+
+    def step(self, runner: ModelRunner) -> list[TokenEvent]:
+        """Run prefill (first call) or one decode step; one new token for every row."""
+        start = time.perf_counter()
+        if self.kv is None:
+            for seq in self.sequences:
+                seq.prefill_start = start
+            want_prompt = any(s.request.prompt_logprobs for s in self.sequences)
+            logits, self.kv = runner.forward(self.input_ids, self.attention_mask,
+                                             self.position_ids, None, want_prompt)
+            if want_prompt:
+                self._record_prompt_logprobs(logits)
+            self.position_ids = self.attention_mask.sum(axis=1, keepdims=True)  # (B, 1)
+        else:
+            ones = np.ones((len(self), 1), dtype=np.int64)
+            mask = np.concatenate([self.attention_mask, ones], axis=1)  # (B, L + 1)
+            logits, self.kv = runner.forward(self.input_ids, mask, self.position_ids,
+                                             self.kv, False)
+            self.attention_mask = mask
+            self.position_ids = self.position_ids + 1  # (B, 1)
+        last = np.ascontiguousarray(logits[:, -1, :])  # (B, V)
+        tokens, logprobs = choose_tokens(last, [s.sampler for s in self.sequences])
+        self.input_ids = tokens[:, None]  # (B, 1) fed at the next step
+        now = time.perf_counter()
+        return [self._advance(i, seq, int(tokens[i]), float(logprobs[i]), last, now)
+                for i, seq in enumerate(self.sequences)]
+
+    def _record_prompt_logprobs(self, logits: np.ndarray) -> None:
+        width = self.input_ids.shape[1]
+        for i, seq in enumerate(self.sequences):
+            if not seq.request.prompt_logprobs:
+                continue
+            ids = seq.request.prompt_ids
+            pad = width - len(ids)
+            lp = log_softmax(logits[i, pad:width - 1])  # (n - 1, V): predicts tokens 1..n-1
+            infos = [TokenInfo(ids[0], self.codec.token_text(ids[0]), None)]
+            infos += [TokenInfo(t, self.codec.token_text(t), float(lp[j, t]))
+                      for j, t in enumerate(ids[1:])]
+            seq.prefill = tuple(infos)
+
+    def _advance(self, row: int, seq: SequenceState, token: int, logprob: float,
+                 logits: np.ndarray, now: float) -> TokenEvent:
+        req = seq.request
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        else:
+            seq.inter_token_latencies.append(now - seq.last_token_time)
+        seq.last_token_time = now
+        seq.generated += 1
+        special = token in self.codec.special_ids
+        text = self.codec.token_text(token) if special else seq.decoder.push(token)
+
+        reason: FinishReason | None = None
+        stop, stop_offset = None, None
+        if req.stopping.eos_token_id is not None and token == req.stopping.eos_token_id:
+            reason = "eos_token"
+        else:
+            stop, stop_offset = self._match_stop(seq, len(text))
+            if stop is not None:
+                reason = "stop_sequence"
+            elif seq.generated >= req.stopping.max_new_tokens:
+                reason = "length"
+        top: tuple[tuple[int, str, float], ...] = ()
+        if req.sampling.top_n_logprobs:
+            top = tuple((t, self.codec.token_text(t), lp)
+                        for t, lp in top_logprobs(logits[row], req.sampling.top_n_logprobs))
+        if reason is not None:
+            if not special:
+                text += seq.decoder.flush()
+            generated_text = seq.decoder.text
+            if stop is not None and stop_offset is not None:
+                generated_text = generated_text[:stop_offset + len(stop)]
+            seq.finish = FinishInfo(
+                reason=reason, generated_text=generated_text, generated_tokens=seq.generated,
+                seed=seq.sampler.seed, stop_sequence=stop, stop_offset=stop_offset,
+                prefill=seq.prefill, queue_time=seq.prefill_start - req.arrival,
+                inference_time=now - seq.prefill_start)
+        info = TokenInfo(token, text, logprob, special, top)
+        return TokenEvent(info, seq.generated - 1, seq.finish)
+
+    @staticmethod
+    def _match_stop(seq: SequenceState, new_chars: int) -> tuple[str | None, int | None]:
+        text = seq.decoder.text
+        for stop in seq.request.stopping.stop_sequences:
+            at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+            if at >= 0:
+                return stop, at
+        return None, None
+
+    def filter(self, keep: Sequence[int], runner: ModelRunner) -> None:
+        """Keep only the rows ``keep``; drop the padding columns no kept row still needs."""
+        if len(keep) == len(self):
+            return
+        if self.kv is None or not keep:
+            raise ValueError("filter needs a prefilled batch and at least one row to keep")
+        rows = np.asarray(keep, dtype=np.int64)
+        mask = self.attention_mask[rows]  # (B', L)
+        trim = int((mask.shape[1] - mask.sum(axis=1)).min())  # padding columns all rows share
+        self.kv = runner.kv_from_numpy(
+            [np.ascontiguousarray(a[rows, :, trim:, :]) for a in runner.kv_to_numpy(self.kv)])
+        self.attention_mask = np.ascontiguousarray(mask[:, trim:])  # (B', L - trim)
+        self.input_ids = self.input_ids[rows]
+        self.position_ids = self.position_ids[rows]
+        self.sequences = [self.sequences[i] for i in keep]
+
+    @classmethod
+    def concatenate(cls, batches: Sequence[Batch], runner: ModelRunner) -> Batch:
+        """One batch of all rows, each left-padded to the longest cache (one copy)."""
+        if len(batches) == 1:
+            return batches[0]
+        width = max(b.attention_mask.shape[1] for b in batches)
+        total = sum(len(b) for b in batches)
+        mask = np.zeros((total, width), dtype=np.int64)  # (B, L)
+        per_batch = [runner.kv_to_numpy(b.kv or []) for b in batches]
+        kv = [np.zeros((total, a.shape[1], width, a.shape[3]), dtype=a.dtype)
+              for a in per_batch[0]]  # each (B, nh, L, hs)
+        start = 0
+        for b, arrays in zip(batches, per_batch, strict=True):
+            end, w = start + len(b), b.attention_mask.shape[1]
+            mask[start:end, width - w:] = b.attention_mask
+            for dst, src in zip(kv, arrays, strict=True):
+                dst[start:end, :, width - w:, :] = src
+            start = end
+        return cls(
+            sequences=[s for b in batches for s in b.sequences], codec=batches[0].codec,
+            input_ids=np.concatenate([b.input_ids for b in batches]),
+            attention_mask=mask,
+            position_ids=np.concatenate([b.position_ids for b in batches]),
+            kv=runner.kv_from_numpy(kv))

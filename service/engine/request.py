@@ -1,0 +1,93 @@
+"""What a request asks of the engine, and what the engine sends back, token by token."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request next-token choice; several of these live side by side in one batch."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # None with do_sample: the engine picks one and reports it
+    top_n_logprobs: int = 0  # alternatives reported per token (OpenAI `logprobs`)
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        return not self.do_sample and self.repetition_penalty == 1.0
+
+
+@dataclass(frozen=True)
+class StoppingCriteria:
+    max_new_tokens: int
+    stop_sequences: tuple[str, ...] = ()
+    eos_token_id: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """A tokenized, validated request; ``cancelled`` is set from the event loop."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingCriteria
+    prompt_logprobs: bool = False  # TGI decoder_input_details
+    id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV-cache tokens this request may hold at most: what admission budgets for."""
+        return len(self.prompt_ids) + self.stopping.max_new_tokens
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    id: int
+    text: str
+    logprob: float | None
+    special: bool = False
+    top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob) alternatives
+
+
+@dataclass(frozen=True)
+class FinishInfo:
+    reason: FinishReason
+    generated_text: str  # special tokens skipped; ends right after a matched stop sequence
+    generated_tokens: int
+    seed: int | None
+    stop_sequence: str | None
+    stop_offset: int | None  # index in generated_text where the matched stop sequence starts
+    prefill: tuple[TokenInfo, ...]  # prompt tokens with logprobs when prompt_logprobs
+    queue_time: float  # seconds from arrival to the start of prefill
+    inference_time: float  # seconds from the start of prefill to the last token
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: TokenInfo
+    index: int  # 0-based position among the generated tokens
+    finish: FinishInfo | None = None  # set on the last token
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+    kind: Literal["generation", "shutdown"] = "generation"
+
+
+Event = TokenEvent | ErrorEvent

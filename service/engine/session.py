@@ -1,0 +1,133 @@
+"""ONNX Runtime sessions for model.onnx and attention.onnx, with provider selection.
+
+``OnnxModel`` implements the batch's ModelRunner by the names in export/io_spec.py. Each
+forward pass goes through an IO binding: the presents stay OrtValues owned by ONNX
+Runtime (on the GPU under CUDA) and are bound as the next step's pasts without a copy;
+only the logits come back to host memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from export import io_spec as io
+from service.settings import Device
+
+log = logging.getLogger("attnserve.session")
+
+CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+
+
+class DeviceError(ValueError):
+    """The requested device is not available: refuse to start rather than fall back."""
+
+
+def select_providers(device: Device) -> list[str]:
+    available = ort.get_available_providers()
+    if device == "cpu":
+        return [CPU]
+    if CUDA in available:
+        return [CUDA, CPU]
+    if device == "cuda":
+        raise DeviceError(
+            "--device cuda: onnxruntime has no CUDAExecutionProvider here (available: "
+            f"{', '.join(available)}); install onnxruntime-gpu with a CUDA GPU, or use "
+            "--device cpu")
+    return [CPU]
+
+
+def create_session(path: Path, device: Device, intra_op_threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=select_providers(device))
+    active = session.get_providers()[0]
+    if device == "cuda" and active != CUDA:
+        raise DeviceError(f"--device cuda: ONNX Runtime could not use CUDA for {path.name} "
+                          f"(active provider {active}); is a GPU visible?")
+    return session
+
+
+class OnnxModel:
+    """model.onnx with a KV cache: prefill and decode through one IO-bound forward."""
+
+    def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig) -> None:
+        self.session = session
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.provider = session.get_providers()[0]
+        self.device = "cuda" if self.provider == CUDA else "cpu"
+        self.kv_dtype = np.dtype(config.kv_dtype)
+        self._past = io.past_names(config.n_layers)
+        self._present = io.present_names(config.n_layers)
+        inputs = {i.name for i in session.get_inputs()}
+        outputs = {o.name for o in session.get_outputs()}
+        missing = sorted(({*io.model_input_names(config.n_layers)} - inputs)
+                         | ({*io.model_output_names(config.n_layers)} - outputs))
+        if missing:
+            raise ValueError(f"model.onnx does not follow the I/O contract: missing {missing}")
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+                position_ids: np.ndarray, past: Sequence[Any] | None,
+                all_logits: bool) -> tuple[np.ndarray, list[Any]]:
+        if past is None:
+            past = self.empty_kv(input_ids.shape[0])
+        binding = self.session.io_binding()
+        binding.bind_cpu_input(io.INPUT_IDS, input_ids)  # (B, T)
+        binding.bind_cpu_input(io.ATTENTION_MASK, attention_mask)  # (B, T_past + T)
+        binding.bind_cpu_input(io.POSITION_IDS, position_ids)  # (B, T)
+        for name, value in zip(self._past, past, strict=True):
+            binding.bind_ortvalue_input(name, value)  # (B, nh, T_past, hs)
+        binding.bind_output(io.LOGITS, "cpu")
+        for name in self._present:
+            binding.bind_output(name, self.device)  # (B, nh, T_past + T, hs) stays put
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        logits = outputs[0].numpy()  # (B, T, V)
+        if not all_logits:
+            logits = logits[:, -1:, :]  # (B, 1, V)
+        return logits, list(outputs[1:])
+
+    def empty_kv(self, batch: int) -> list[Any]:
+        shape = (batch, self.config.n_heads, 0, self.config.head_dim)  # (B, nh, 0, hs)
+        return self.kv_from_numpy([np.zeros(shape, self.kv_dtype) for _ in self._past])
+
+    def kv_to_numpy(self, kv: Sequence[Any]) -> list[np.ndarray]:
+        return [v.numpy() for v in kv]
+
+    def kv_from_numpy(self, arrays: Sequence[np.ndarray]) -> list[Any]:
+        return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device, 0)
+                for a in arrays]
+
+
+class AttentionModel:
+    """attention.onnx: every layer's Q, K, V, scores, scaled scores and weights."""
+
+    def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig) -> None:
+        self.session = session
+        self.config = config
+        self._outputs = io.attention_output_names(config.n_layers)
+        available = {o.name for o in session.get_outputs()}
+        missing = sorted(set(self._outputs) - available)
+        if missing:
+            raise ValueError(f"attention.onnx lacks outputs {missing[:4]}...")
+
+    def run(self, token_ids: Sequence[int], kinds: Sequence[str]) -> dict[str, np.ndarray]:
+        """{kind: (layers, heads, T, T or hs)} for one sequence, in the layout bertviz uses."""
+        ids = np.asarray([token_ids], dtype=np.int64)  # (1, T)
+        feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: np.ones_like(ids),
+                 io.POSITION_IDS: np.arange(ids.shape[1], dtype=np.int64)[None, :]}
+        names = [io.attention_output_name(i, k) for k in kinds
+                 for i in range(self.config.n_layers)]
+        values = self.session.run(names, feeds)  # each (1, nh, T, T or hs)
+        n = self.config.n_layers
+        return {k: np.concatenate(values[j * n:(j + 1) * n], axis=0)  # (layers, nh, T, ...)
+                for j, k in enumerate(kinds)}

@@ -1,0 +1,116 @@
+"""Error bodies: TGI's ``{"error", "error_type"}`` on TGI routes, OpenAI's on /v1 routes.
+
+Every refusal goes through here so that its shape, status and rejection count agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.engine.scheduler import EngineStopped, QueueFull
+from service.validation import InputError
+
+log = logging.getLogger("attnserve.http")
+
+OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                404: "invalid_request_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 422: "invalid_request_error",
+                429: "overloaded", 503: "service_unavailable"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, error_type: str,
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready; nothing is sent."""
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/v1"
+
+
+def error_body(path: str, status: int, message: str, error_type: str,
+               param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    if is_openai_path(path):
+        return {"error": {"message": message, "type": OPENAI_TYPES.get(status, error_type),
+                          "code": code or error_type, "param": param}}
+    return {"error": message, "error_type": error_type}
+
+
+def error_response(request: Request, error: ApiError) -> JSONResponse:
+    body = error_body(request.url.path, error.status, error.message, error.error_type,
+                      error.param, error.code)
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+def _reject(request: Request, reason: str) -> None:
+    runtime = getattr(request.app.state, "runtime", None)
+    if runtime is not None:
+        runtime.metrics.record_rejection(reason)
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    """"body.parameters.top_p" -> "parameters.top_p", dropping pydantic's union-branch tags
+    such as "constrained-str" or "list[constrained-str]"."""
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or
+             (str(p).isidentifier() and str(p) not in ("str", "int", "float", "bool"))]
+    return ".".join(parts) or "body"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        _reject(request, "validation")
+        # The deepest error is the most specific one (for a str | list union, the list item).
+        errors = exc.errors()
+        first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {
+            "loc": ("body",), "msg": "invalid request"}
+        field = _field(tuple(first.get("loc", ())))
+        message = f"{field}: {first.get('msg', 'invalid')}"
+        if first.get("type") == "json_invalid":
+            field, message = "body", f"body is not valid JSON: {first.get('msg', '')}"
+        return error_response(request, ApiError(422, message, "validation", param=field,
+                                                code="invalid_value"))
+
+    @app.exception_handler(InputError)
+    async def input_error(request: Request, exc: InputError) -> JSONResponse:
+        _reject(request, "validation")
+        return error_response(request, ApiError(422, str(exc), "validation", param=exc.field,
+                                                code="invalid_value"))
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
+        _reject(request, "queue_full")
+        return error_response(request, ApiError(429, f"model is overloaded: {exc}",
+                                                "overloaded", code="queue_full"))
+
+    @app.exception_handler(EngineStopped)
+    async def stopped(request: Request, exc: EngineStopped) -> JSONResponse:
+        return error_response(request, ApiError(503, str(exc), "unhealthy"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = {404: "not_found", 405: "method_not_allowed",
+                      413: "too_large"}.get(exc.status_code, "http")
+        return error_response(request, ApiError(exc.status_code, str(exc.detail), error_type,
+                                                headers=getattr(exc, "headers", None)))

@@ -1,0 +1,122 @@
+"""Prometheus metrics: the only module that touches prometheus-client.
+
+The engine emits StepStats, LoadStats and RequestStats (service/engine/stats.py); the HTTP
+middleware reports each request's route, status and latency. Names carry the
+``attnserve_`` prefix, labels stay low-cardinality (route templates, status codes,
+rejection reasons), and latency buckets span 1 ms to 30 s. Each app has its own
+registry, so several apps in one process (tests) never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from service.engine.stats import LoadStats, RequestStats, StepStats
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                   0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+REJECTION_REASONS = ("queue_full", "validation", "too_large", "unauthorized")
+
+
+class Metrics:
+    def __init__(self, max_batch_tokens: int) -> None:
+        disable_created_metrics()  # no *_created series: they only add noise to dashboards
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.max_batch_tokens = max_batch_tokens
+        r = self.registry
+        ProcessCollector(registry=r)
+        self.requests = Counter("attnserve_requests", "HTTP requests by route and status.",
+                                ["route", "status"], registry=r)
+        self.e2e = Histogram("attnserve_e2e_request_latency_seconds",
+                             "Time from request arrival to the last byte of the response.",
+                             ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("attnserve_request_queue_time_seconds",
+                                    "Time a request waited before its prefill started.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("attnserve_time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("attnserve_inter_token_latency_seconds",
+                             "Time between consecutive generated tokens of one request.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("attnserve_prefill_duration_seconds",
+                                 "Duration of one prefill forward pass (all joining requests).",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.decode = Histogram("attnserve_decode_step_duration_seconds",
+                                "Duration of one decode step of the running batch.",
+                                buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("attnserve_batch_size",
+                                    "Sequences in each decode step.",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("attnserve_prompt_tokens",
+                                     "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter("attnserve_generation_tokens",
+                                         "Tokens generated.", registry=r)
+        self.running = Gauge("attnserve_num_requests_running",
+                             "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("attnserve_num_requests_waiting",
+                             "Requests queued to join the batch.", registry=r)
+        self.kv_tokens = Gauge("attnserve_kv_cache_tokens",
+                               "Tokens held in the KV cache by running requests.", registry=r)
+        self.kv_usage = Gauge("attnserve_kv_cache_usage_perc",
+                              "KV-cache tokens in use as a fraction (0..1) of max_batch_tokens.",
+                              registry=r)
+        self.rejected = Counter("attnserve_rejected_requests",
+                                "Requests refused before reaching the engine, by reason.",
+                                ["reason"], registry=r)
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(reason=reason)  # exported at 0 from the start
+        self.info = Gauge("attnserve_model_info", "The served model (value is always 1).",
+                          ["model", "provider", "artifact_sha256"], registry=r)
+
+    def set_model_info(self, model: str, provider: str, artifact_sha256: str) -> None:
+        """Called once the sessions exist, when the active provider is known."""
+        self.info.labels(model=model, provider=provider, artifact_sha256=artifact_sha256).set(1)
+
+    # -- HTTP layer -------------------------------------------------------------------
+
+    def record_http(self, route: str, status: str, seconds: float) -> None:
+        self.requests.labels(route=route, status=status).inc()
+        self.e2e.labels(route=route).observe(seconds)
+
+    def record_rejection(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
+
+    # -- engine StatsSink -------------------------------------------------------------
+
+    def record_step(self, stats: StepStats) -> None:
+        if stats.phase == "prefill":
+            self.prefill.observe(stats.duration)
+            self.prompt_tokens.inc(stats.tokens)
+            self.generation_tokens.inc(stats.batch_size)  # prefill yields each row's first token
+        else:
+            self.decode.observe(stats.duration)
+            self.batch_size.observe(stats.batch_size)
+            self.generation_tokens.inc(stats.tokens)
+
+    def record_load(self, stats: LoadStats) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_tokens.set(stats.kv_cache_tokens)
+        self.kv_usage.set(min(1.0, stats.kv_cache_tokens / self.max_batch_tokens))
+
+    def record_request(self, stats: RequestStats) -> None:
+        if stats.queue_time is not None:
+            self.queue_time.observe(stats.queue_time)
+        if stats.time_to_first_token is not None:
+            self.ttft.observe(stats.time_to_first_token)
+        for gap in stats.inter_token_latencies:
+            self.itl.observe(gap)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

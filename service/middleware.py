@@ -1,0 +1,106 @@
+"""ASGI middleware: request-body size limit, and per-route request counts and latency.
+
+Written against raw ASGI rather than BaseHTTPMiddleware so streaming responses pass
+through untouched and their latency covers the whole stream. A response that never
+completes because the client left is counted with status 499.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.errors import ClientDisconnected, error_body
+from service.metrics import Metrics
+
+ROUTES = frozenset({"/generate", "/generate_stream", "/v1/completions", "/v1/models",
+                    "/attention", "/health", "/ready", "/info", "/metrics"})
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from receive(); an HTTPException so FastAPI's body parsing passes it on."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds max_body_bytes {limit}")
+
+
+def route_label(path: str) -> str:
+    return path if path in ROUTES else "other"
+
+
+class ObservabilityMiddleware:
+    def __init__(self, app: ASGIApp, metrics: Callable[[], Metrics | None],
+                 max_body_bytes: int) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        path: str = scope["path"]
+        state = {"status": 0, "complete": False, "received": 0}
+
+        async def limited_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                state["received"] += len(message.get("body", b""))
+                if state["received"] > self.max_body_bytes:
+                    self._count_rejection()
+                    raise BodyTooLarge(self.max_body_bytes)
+            return message
+
+        async def observed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                state["complete"] = True
+            await send(message)
+
+        status = "500"
+        try:
+            length = _content_length(scope)
+            if length is not None and length > self.max_body_bytes:
+                self._count_rejection()
+                status = "413"
+                await self._too_large(path, send)
+                return
+            await self.app(scope, limited_receive, observed_send)
+            status = str(state["status"]) if state["complete"] else "499"
+        except ClientDisconnected:
+            status = "499"
+        finally:
+            metrics = self.metrics()
+            if metrics is not None:
+                metrics.record_http(route_label(path), status, time.perf_counter() - start)
+
+    def _count_rejection(self) -> None:
+        metrics = self.metrics()
+        if metrics is not None:
+            metrics.record_rejection("too_large")
+
+    async def _too_large(self, path: str, send: Send) -> None:
+        body = json.dumps(error_body(path, 413, f"request body exceeds max_body_bytes "
+                                     f"{self.max_body_bytes}", "too_large",
+                                     code="body_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

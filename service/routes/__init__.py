@@ -1,0 +1,1 @@
+"""HTTP routes, one APIRouter per resource; none of them touches onnxruntime."""

@@ -1,0 +1,88 @@
+"""POST /attention: every layer's Q, K, V, scores, scaled scores and weights for one input.
+
+Matrices come back in bertviz's layout, (layers, heads, query, key) — or (layers, heads,
+tokens, head_dim) for q, k and v — restricted to the requested layers and heads.
+``scaled_scores`` hold -inf where the causal mask hides a key; JSON has no infinity,
+so those entries are ``null`` in the json format (npz keeps the real -inf).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io as _io
+import math
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+
+from service.deps import ReadyRuntime, require_api_key
+from service.render import heatmap_grid
+from service.schemas import AttentionRequest
+from service.validation import InputError
+
+router = APIRouter(tags=["attention"], dependencies=[Depends(require_api_key)])
+
+
+def _pick(requested: list[int] | None, available: int, field: str) -> list[int]:
+    if requested is None:
+        return list(range(available))
+    bad = [i for i in requested if i >= available]
+    if bad:
+        raise InputError(field, f"{bad} out of range: the model has {available} ({field})")
+    if len(set(requested)) != len(requested):
+        raise InputError(field, "contains duplicates")
+    return requested
+
+
+def _json_safe(a: np.ndarray) -> Any:
+    """Nested lists with every non-finite entry (the masked -inf) as None."""
+    values = a.tolist()
+    if np.isfinite(a).all():
+        return values
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x if math.isfinite(x) else None
+
+    return walk(values)
+
+
+@router.post("/attention", summary="Attention matrices of every layer and head (bertviz layout)")
+async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
+    config = runtime.artifact.config
+    codec = runtime.artifact.codec
+    ids = runtime.validator.tokenize(body.inputs, "inputs")
+    layers = _pick(body.layers, config.n_layers, "layers")
+    heads = _pick(body.heads, config.n_heads, "heads")
+    kinds = list(dict.fromkeys(body.include))
+    if body.format == "png" and kinds != ["weights"]:
+        raise InputError("include", "the png format renders only ['weights']")
+    assert runtime.attention is not None
+    full = await asyncio.to_thread(runtime.attention.run, ids, kinds)
+    arrays = {k: np.ascontiguousarray(v[layers][:, heads]) for k, v in full.items()}
+    tokens = [codec.token_text(i) for i in ids]
+
+    if body.format == "png":
+        return Response(heatmap_grid(arrays["weights"], tokens, layers, heads),
+                        media_type="image/png")
+    if body.format == "npz":
+        buffer = _io.BytesIO()
+        contents: dict[str, Any] = {
+            "token_ids": np.asarray(ids, dtype=np.int64),
+            "tokens": np.asarray(tokens, dtype=np.str_),
+            "layers": np.asarray(layers, dtype=np.int64),
+            "heads": np.asarray(heads, dtype=np.int64), **arrays}
+        np.savez(buffer, **contents)
+        return Response(buffer.getvalue(), media_type="application/octet-stream",
+                        headers={"Content-Disposition": 'attachment; filename="attention.npz"'})
+    return JSONResponse({
+        "model": runtime.artifact.name,
+        "tokens": [{"id": i, "text": t} for i, t in zip(ids, tokens, strict=True)],
+        "layers": layers, "heads": heads,
+        "layout": "(layers, heads, query, key); q, k, v: (layers, heads, token, head_dim)",
+        "shapes": {k: list(v.shape) for k, v in arrays.items()},
+        "attention": {k: _json_safe(v) for k, v in arrays.items()},
+    })

@@ -1,0 +1,111 @@
+"""TGI-compatible generation: POST /generate and POST /generate_stream (SSE)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from service.deps import ReadyRuntime, require_api_key
+from service.engine.request import FinishInfo, GenerationRequest, TokenInfo
+from service.errors import ApiError
+from service.routes.relay import Completed, collect, merge, sse
+from service.schemas import GenerateParameters, GenerateRequest, StreamRequest
+
+router = APIRouter(tags=["generate"], dependencies=[Depends(require_api_key)])
+
+
+def build_request(runtime: ReadyRuntime, text: str, params: GenerateParameters,
+                  field: str) -> GenerationRequest:
+    validator = runtime.validator
+    ids = validator.tokenize(text, field, params.truncate)
+    return validator.build(ids, params.to_sampling_params(), params.max_new_tokens,
+                           params.stop, "parameters.max_new_tokens",
+                           prompt_logprobs=params.decoder_input_details)
+
+
+def token_json(token: TokenInfo, with_special: bool = True) -> dict[str, Any]:
+    data: dict[str, Any] = {"id": token.id, "text": token.text, "logprob": token.logprob}
+    if with_special:
+        data["special"] = token.special
+    return data
+
+
+def details_json(result: Completed, params: GenerateParameters) -> dict[str, Any]:
+    finish = result.finish
+    return {
+        "finish_reason": finish.reason,
+        "generated_tokens": finish.generated_tokens,
+        "seed": finish.seed,
+        "prefill": [token_json(t, False) for t in finish.prefill]
+        if params.decoder_input_details else [],
+        "tokens": [token_json(e.token) for e in result.tokens],
+    }
+
+
+def output_text(prompt: str, finish: FinishInfo, params: GenerateParameters) -> str:
+    return prompt + finish.generated_text if params.return_full_text else finish.generated_text
+
+
+def timing_headers(results: list[Completed]) -> dict[str, str]:
+    """TGI's headers, in milliseconds; for a list of inputs, the slowest of them."""
+    queue = max(r.finish.queue_time for r in results)
+    inference = max(r.finish.inference_time for r in results)
+    generated = sum(r.finish.generated_tokens for r in results)
+    return {
+        "x-queue-time": str(round(queue * 1000)),
+        "x-inference-time": str(round(inference * 1000)),
+        "x-time-per-token": str(round(inference * 1000 / max(generated, 1))),
+        "x-prompt-tokens": str(sum(r.prompt_tokens for r in results)),
+        "x-generated-tokens": str(generated),
+    }
+
+
+@router.post("/generate", summary="Generate text (TGI); a list of inputs gives a list back")
+async def generate(body: GenerateRequest, request: Request, runtime: ReadyRuntime) -> JSONResponse:
+    params = body.parameters
+    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    fields = ["inputs"] if isinstance(body.inputs, str) else [f"inputs.{i}" for i in
+                                                              range(len(texts))]
+    requests = [build_request(runtime, t, params, f) for t, f in zip(texts, fields, strict=True)]
+    assert runtime.scheduler is not None
+    results = await collect(runtime.scheduler.submit(requests), request)
+    outputs = []
+    for text, result in zip(texts, results, strict=True):
+        item: dict[str, Any] = {"generated_text": output_text(text, result.finish, params)}
+        if params.details or params.decoder_input_details:
+            item["details"] = details_json(result, params)
+        outputs.append(item)
+    content: Any = outputs[0] if isinstance(body.inputs, str) else outputs
+    return JSONResponse(content, headers=timing_headers(results))
+
+
+@router.post("/generate_stream", summary="Generate text token by token as Server-Sent Events")
+async def generate_stream(body: StreamRequest, runtime: ReadyRuntime) -> StreamingResponse:
+    params = body.parameters
+    request = build_request(runtime, body.inputs, params, "inputs")
+    assert runtime.scheduler is not None
+    (handle,) = runtime.scheduler.submit([request])
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for _, event in merge([handle]):
+                payload: dict[str, Any] = {
+                    "index": event.index + 1, "token": token_json(event.token),
+                    "top_tokens": None, "generated_text": None, "details": None}
+                if event.finish is not None:
+                    payload["generated_text"] = output_text(body.inputs, event.finish, params)
+                    payload["details"] = {
+                        "finish_reason": event.finish.reason,
+                        "generated_tokens": event.finish.generated_tokens,
+                        "seed": event.finish.seed,
+                        "input_length": len(request.prompt_ids)}
+                yield sse(payload)
+        except ApiError as exc:
+            yield sse({"error": exc.message, "error_type": exc.error_type})
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                      "x-prompt-tokens": str(len(request.prompt_ids))})

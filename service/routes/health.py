@@ -1,0 +1,81 @@
+"""Liveness, readiness, server information and the Prometheus exposition.
+
+/health, /ready and /metrics never need the API key (probes and scrapers); /info does.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+
+from service.deps import RuntimeDep, require_api_key
+
+router = APIRouter(tags=["health"])
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+@router.get("/health", summary="Liveness: the process is up")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready", summary="Readiness: 200 once the model is loaded and warmed up")
+async def ready(runtime: RuntimeDep) -> JSONResponse:
+    if runtime.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if runtime.load_error:
+        return JSONResponse({"status": "failed", "error": runtime.load_error}, status_code=503)
+    if not runtime.ready:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    return JSONResponse({"status": "ready"})
+
+
+@router.get("/info", summary="Model, provider, limits, versions and artifact hashes",
+            dependencies=[Depends(require_api_key)])
+async def info(runtime: RuntimeDep) -> dict[str, Any]:
+    artifact, settings = runtime.artifact, runtime.settings
+    limits = artifact.limits
+    return {
+        "model": artifact.name,
+        "model_config": artifact.config.to_dict(),
+        "artifact": {"path": str(artifact.path.resolve()), "manifest_sha256": artifact.sha256,
+                     "files": artifact.files},
+        "provider": runtime.provider,
+        "requested_providers": artifact.providers,
+        "device": settings.device,
+        "ready": runtime.ready,
+        "limits": {
+            "max_input_tokens": limits.max_input_tokens,
+            "max_total_tokens": limits.max_total_tokens,
+            "max_new_tokens": limits.max_new_tokens,
+            "max_batch_size": limits.max_batch_size,
+            "max_batch_tokens": limits.max_batch_tokens,
+            "max_queued_requests": limits.max_queued_requests,
+            "max_body_bytes": settings.max_body_bytes,
+        },
+        "auth": settings.api_key is not None,
+        "versions": {
+            "attnserve": _version("attnserve"), "python": platform.python_version(),
+            "onnxruntime": _version("onnxruntime") or _version("onnxruntime-gpu"),
+            "numpy": _version("numpy"), "tokenizers": _version("tokenizers"),
+            "fastapi": _version("fastapi"), "uvicorn": _version("uvicorn"),
+        },
+        "torch_imported": "torch" in sys.modules,
+    }
+
+
+@router.get("/metrics", summary="Prometheus exposition")
+async def metrics(runtime: RuntimeDep) -> Response:
+    body, content_type = runtime.metrics.render()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,76 @@
+"""`attnserve serve`: serve an exported artifact over HTTP.
+
+Usage:
+    attnserve serve --model artifacts/default [--host 127.0.0.1] [--port 8000]
+                    [--device auto|cpu|cuda] [--max-batch-size 32] ...
+
+Every flag is also an environment variable: --max-batch-size is ATTNSERVE_MAX_BATCH_SIZE.
+Flags given on the command line win over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# (flag, settings field, type, help); defaults live in service/settings.py.
+OPTIONS: tuple[tuple[str, str, type, str], ...] = (
+    ("--model", "model", str, "artifact directory to serve"),
+    ("--host", "host", str, "address to bind (default 127.0.0.1)"),
+    ("--port", "port", int, "port to bind (default 8000)"),
+    ("--served-model-name", "served_model_name", str,
+     "model name in the API and metrics (default: the artifact's)"),
+    ("--max-batch-size", "max_batch_size", int, "sequences per decode step (default 32)"),
+    ("--max-batch-tokens", "max_batch_tokens", int,
+     "prompt + max_new_tokens summed over the running batch (default 16384)"),
+    ("--max-queued-requests", "max_queued_requests", int,
+     "requests waiting to join the batch before 429 (default 128)"),
+    ("--max-input-tokens", "max_input_tokens", int,
+     "longest prompt (default max_total_tokens - 1)"),
+    ("--max-total-tokens", "max_total_tokens", int,
+     "prompt + max_new_tokens (default the model's context length)"),
+    ("--max-new-tokens", "max_new_tokens", int,
+     "upper bound on max_new_tokens (default max_total_tokens - 1)"),
+    ("--max-body-bytes", "max_body_bytes", int, "largest request body (default 1 MiB)"),
+    ("--drain-timeout", "drain_timeout", float,
+     "seconds to let in-flight requests finish on SIGTERM (default 30)"),
+    ("--intra-op-threads", "intra_op_threads", int,
+     "ONNX Runtime intra-op threads, 0 = all cores (default 0)"),
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve an exported model over HTTP (FastAPI + ONNX Runtime)",
+        description="Serve an artifact directory with continuous batching. Every option "
+                    "can also be set as ATTNSERVE_<OPTION> in the environment.")
+    for flag, dest, kind, text in OPTIONS:
+        parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                        help="auto: CUDA when available, else CPU; cuda fails if absent")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                        default=None)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from service.artifact import open_artifact
+    from service.settings import Settings
+
+    fields = [dest for _, dest, _, _ in OPTIONS] + ["device", "log_level"]
+    overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "missing":
+            raise ValueError(f"--{name.replace('_', '-')} (or ATTNSERVE_{name.upper()}) "
+                             "is required") from None
+        raise ValueError(f"invalid setting {name}: {first['msg']}") from None
+    artifact = open_artifact(settings)
+
+    from service.server import serve
+
+    return serve(settings, artifact)

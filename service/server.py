@@ -1,0 +1,72 @@
+"""Running the app under uvicorn with a graceful drain on SIGTERM, exiting 0.
+
+On SIGTERM (or Ctrl-C) the server stops accepting connections, /ready turns 503, the
+requests in flight run to completion for up to ``drain_timeout`` seconds, and then the
+engine stops. Stock uvicorn re-raises the signal after its shutdown, which would end the
+process with 143; this subclass returns normally instead, so a drained exit is 0. If the
+model fails to load in the background, the server stops and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+import uvicorn
+
+from service.app import create_app
+from service.artifact import Artifact
+from service.settings import Settings
+
+HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.exit_code = 0
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        runtime = getattr(self.config.app.state, "runtime", None)  # type: ignore[union-attr]
+        if runtime is not None:
+            runtime.draining = True
+        logging.getLogger("attnserve").info(
+            "signal %s: draining in-flight requests (up to %ss)", signal.Signals(sig).name,
+            self.config.timeout_graceful_shutdown)
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def fail(self) -> None:
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def serve(settings: Settings, artifact: Artifact) -> int:
+    """Serve until a signal drains the server; return the process exit code."""
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    holder: list[DrainingServer] = []
+    app = create_app(settings, artifact, on_fatal=lambda: holder[0].fail())
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, workers=1, lifespan="on",
+        log_level=settings.log_level, timeout_graceful_shutdown=int(settings.drain_timeout),
+        access_log=settings.log_level == "debug")
+    server = DrainingServer(config)
+    holder.append(server)
+    server.run()
+    return server.exit_code

@@ -1,0 +1,78 @@
+"""Service settings: every option is a CLI flag and an ATTNSERVE_* environment variable.
+
+pydantic-settings reads the environment; `attnserve serve` passes the flags it was given
+as init values, which take precedence. Limits left unset are derived from the artifact's
+context length when the model loads (see ``Limits.resolve``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Device = Literal["auto", "cpu", "cuda"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ATTNSERVE_", extra="ignore",
+                                      protected_namespaces=())
+
+    model: Path = Field(description="artifact directory (model.onnx, attention.onnx, ...)")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    device: Device = "auto"
+    served_model_name: str | None = Field(
+        None, description="name in /v1/models and metrics; default: the artifact's model_name")
+    max_batch_size: int = Field(32, ge=1, description="sequences decoded together per step")
+    max_batch_tokens: int = Field(
+        16384, ge=1, description="prompt + max_new_tokens summed over the running batch")
+    max_queued_requests: int = Field(
+        128, ge=1, description="requests waiting to join the batch; beyond this → 429")
+    max_input_tokens: int | None = Field(
+        None, ge=1, description="longest prompt in tokens; default max_total_tokens - 1")
+    max_total_tokens: int | None = Field(
+        None, ge=2, description="prompt + max_new_tokens bound; default the model's context")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="upper bound on max_new_tokens; default max_total_tokens - 1")
+    api_key: SecretStr | None = Field(
+        None, description="when set, generation/attention/v1 routes need Bearer auth")
+    max_body_bytes: int = Field(1_048_576, ge=1, description="request bodies above → 413")
+    drain_timeout: float = Field(
+        30.0, ge=0, description="seconds SIGTERM waits for in-flight requests")
+    intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime threads; 0 = all cores")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Token limits after resolving the defaults against the model's context length."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_new_tokens: int
+    max_batch_size: int
+    max_batch_tokens: int
+    max_queued_requests: int
+
+    @classmethod
+    def resolve(cls, settings: Settings, context_length: int) -> Limits:
+        total = settings.max_total_tokens or context_length
+        if total > context_length:
+            raise ValueError(f"max_total_tokens {total} exceeds the model's context length "
+                             f"{context_length}")
+        max_input = settings.max_input_tokens or total - 1
+        max_new = settings.max_new_tokens or total - 1
+        if max_input >= total:
+            raise ValueError(f"max_input_tokens {max_input} must be below max_total_tokens "
+                             f"{total}")
+        if total > settings.max_batch_tokens:
+            raise ValueError(f"max_total_tokens {total} exceeds max_batch_tokens "
+                             f"{settings.max_batch_tokens}: a long request could never run")
+        return cls(max_input_tokens=max_input, max_total_tokens=total, max_new_tokens=max_new,
+                   max_batch_size=settings.max_batch_size,
+                   max_batch_tokens=settings.max_batch_tokens,
+                   max_queued_requests=settings.max_queued_requests)

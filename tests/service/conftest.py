@@ -1,0 +1,169 @@
+"""Service test fixtures: a plain ONNX Runtime reference loop and real server subprocesses.
+
+Every server runs `attnserve serve` in a subprocess whose PYTHONPATH starts with a
+directory holding a `torch.py` that raises ModuleNotFoundError, so each HTTP test also
+proves the service never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+from tokenizers import Tokenizer
+
+from export import io_spec as io
+
+HERE = Path(__file__).resolve().parent
+NO_TORCH = HERE / "no_torch"
+LAUNCHER = HERE / "launch_server.py"
+
+
+@pytest.fixture(scope="session")
+def artifact(tiny_artifact: Path) -> Path:
+    return tiny_artifact
+
+
+@pytest.fixture(scope="session")
+def tokenizer(artifact: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(artifact / io.TOKENIZER_FILE))
+
+
+@pytest.fixture(scope="session")
+def encode(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
+    return lambda text: list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+@pytest.fixture(scope="session")
+def reference_greedy(artifact: Path) -> Callable[[list[int], int], list[int]]:
+    """The plain decode loop: batch 1, by io_spec names, session.run, argmax; no service code.
+
+    Stops at max_new tokens or right after the end-of-sequence token, like the engine.
+    """
+    config = io.ArtifactConfig.load(artifact)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(artifact / io.MODEL_FILE), options,
+                                   providers=["CPUExecutionProvider"])
+    kv_shape = (1, config.n_heads, 0, config.head_dim)
+
+    def run(prompt: list[int], max_new: int) -> list[int]:
+        past = {n: np.zeros(kv_shape, np.dtype(config.kv_dtype))
+                for n in io.past_names(config.n_layers)}
+        ids = np.asarray([prompt], dtype=np.int64)  # (1, T)
+        total = len(prompt)
+        out: list[int] = []
+        while len(out) < max_new:
+            feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: np.ones((1, total), np.int64),
+                     io.POSITION_IDS: np.arange(total - ids.shape[1], total)[None, :],
+                     **past}
+            logits, *present = session.run(None, feeds)
+            token = int(np.argmax(logits[0, -1]))
+            out.append(token)
+            if token == config.eos_token_id:
+                break
+            past = dict(zip(io.past_names(config.n_layers), present, strict=True))
+            ids = np.asarray([[token]], dtype=np.int64)
+            total += 1
+        return out
+
+    return run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """`attnserve serve` in a subprocess on a free loopback port, torch hidden."""
+
+    def __init__(self, artifact: Path, log_path: Path, args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
+        environment.update(env or {})
+        environment["PYTHONPATH"] = os.pathsep.join(
+            [str(NO_TORCH), *filter(None, [os.environ.get("PYTHONPATH")])])
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(LAUNCHER), "serve", "--model", str(artifact),
+             "--port", str(self.port), "--intra-op-threads", "1", *args],
+            env=environment, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text("utf-8", errors="replace")
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def start_server(artifact: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Callable[..., ServerProcess]]:
+    """Factory: start a server (ready on return); every one is stopped at module end."""
+    servers: list[ServerProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None,
+              wait: bool = True) -> ServerProcess:
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        server = ServerProcess(artifact, log, args, env)
+        servers.append(server)
+        if wait:
+            server.wait_ready()
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """One sample from a Prometheus exposition (0.0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v
+                                           for k, v in (labels or {}).items()):
+                return float(sample.value)
+    return 0.0
+
+
+@pytest.fixture(scope="session")
+def metric() -> Callable[..., float]:
+    return metric_value

@@ -1,0 +1,145 @@
+"""The Batch on the tiny model: batched greedy equals the plain loop, whoever joins or leaves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from export import io_spec as io
+from service.engine.batch import Batch
+from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.engine.sampling import log_softmax
+from service.engine.session import OnnxModel, create_session
+from service.engine.text import TextCodec
+
+PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
+           "What say you, my good lord? I pray", "O"]
+
+
+@pytest.fixture(scope="module")
+def model(artifact: Path) -> OnnxModel:
+    config = io.ArtifactConfig.load(artifact)
+    return OnnxModel(create_session(artifact / io.MODEL_FILE, "cpu", 1), config)
+
+
+@pytest.fixture(scope="module")
+def codec(artifact: Path) -> TextCodec:
+    return TextCodec.from_file(artifact / io.TOKENIZER_FILE)
+
+
+def request(ids: list[int], max_new: int, eos: int | None = None, stop: tuple[str, ...] = (),
+            prompt_logprobs: bool = False) -> GenerationRequest:
+    return GenerationRequest(ids, SamplingParams(), StoppingCriteria(max_new, stop, eos),
+                             prompt_logprobs=prompt_logprobs)
+
+
+def new_batch(requests: list[GenerationRequest], codec: TextCodec, model: OnnxModel) -> Batch:
+    return Batch.from_requests(requests, codec, model.vocab_size, pad_token_id=0)
+
+
+def run_with_joins(model: OnnxModel, codec: TextCodec, waves: list[list[GenerationRequest]],
+                   join_every: int) -> dict[int, list[int]]:
+    """Decode, adding one wave of requests every `join_every` steps; tokens by request id."""
+    tokens: dict[int, list[int]] = {}
+    batch: Batch | None = None
+    step = 0
+    while waves or batch is not None:
+        if waves and step % join_every == 0:
+            fresh = new_batch(waves.pop(0), codec, model)
+            for seq, event in zip(fresh.sequences, fresh.step(model), strict=True):
+                tokens.setdefault(seq.request.id, []).append(event.token.id)
+            batch = fresh if batch is None else Batch.concatenate([batch, fresh], model)
+        else:
+            assert batch is not None
+            for seq, event in zip(batch.sequences, batch.step(model), strict=True):
+                tokens.setdefault(seq.request.id, []).append(event.token.id)
+        assert batch is not None
+        keep = [i for i, s in enumerate(batch.sequences) if s.finish is None]
+        if keep:
+            batch.filter(keep, model)
+        else:
+            batch = None
+        step += 1
+    return tokens
+
+
+def test_batched_greedy_equals_the_reference_loop_with_joins_and_leaves(
+        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    lengths = [12, 30, 7, 21, 16]
+    requests = [request(encode(p), n) for p, n in zip(PROMPTS, lengths, strict=True)]
+    waves = [requests[:2], requests[2:3], requests[3:]]
+    got = run_with_joins(model, codec, waves, join_every=4)
+    for r in requests:
+        assert got[r.id] == reference_greedy(r.prompt_ids, r.stopping.max_new_tokens), r.id
+
+
+def test_filter_drops_padding_columns_no_row_needs(
+        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
+    long_ids, short_ids = encode(PROMPTS[1]), encode(PROMPTS[2])
+    batch = new_batch([request(long_ids, 3), request(short_ids, 10)], codec, model)
+    for _ in range(3):
+        batch.step(model)
+    assert batch.attention_mask.shape[1] == len(long_ids) + 2
+    batch.filter([1], model)
+    # Only the short row is left: its cache is its prompt plus two fed tokens.
+    assert batch.attention_mask.shape == (1, len(short_ids) + 2)
+    assert batch.attention_mask.all()
+    kv = model.kv_to_numpy(batch.kv or [])
+    assert kv[0].shape[2] == len(short_ids) + 2
+
+
+def test_stop_sequence_and_eos_end_generation(
+        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    ids = encode(PROMPTS[0])
+    expected = reference_greedy(ids, 20)
+    text = codec.decode(expected)
+    stop = text[5:8]
+    assert stop.strip(), text
+    eos = expected[3]
+    batch = new_batch([request(ids, 20, stop=(stop,)), request(ids, 20, eos=eos),
+                       request(ids, 2)], codec, model)
+    finishes = {}
+    while len(finishes) < 3:
+        for i, event in enumerate(batch.step(model)):
+            if event.finish is not None and i not in finishes:
+                finishes[i] = event.finish
+    at = text.find(stop)
+    assert finishes[0].reason == "stop_sequence"
+    assert finishes[0].generated_text == text[:at + len(stop)]
+    assert finishes[0].stop_offset == at
+    assert finishes[1].reason == "eos_token"
+    assert finishes[1].generated_tokens == expected.index(eos) + 1
+    assert finishes[2].reason == "length" and finishes[2].generated_tokens == 2
+
+
+def test_prompt_logprobs_match_a_full_forward(
+        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
+    ids = encode(PROMPTS[1])
+    short = encode(PROMPTS[2])  # shares the batch, so the long prompt's row is unpadded
+    batch = new_batch([request(short, 1), request(ids, 1, prompt_logprobs=True)], codec, model)
+    batch.step(model)
+    prefill = batch.sequences[1].prefill
+    ones = np.ones((1, len(ids)), np.int64)
+    logits, _ = model.forward(np.asarray([ids]), ones, np.arange(len(ids))[None, :], None, True)
+    lp = log_softmax(logits[0])  # (T, V)
+    assert [t.id for t in prefill] == ids
+    assert prefill[0].logprob is None
+    np.testing.assert_allclose([t.logprob for t in prefill[1:]],
+                               [lp[j, t] for j, t in enumerate(ids[1:])], atol=1e-4)
+    assert batch.sequences[0].prefill == ()
+
+
+def test_incremental_decoding_never_splits_a_character(codec: TextCodec) -> None:
+    text = "a😀 ça, 你好!"
+    ids = codec.encode(text)
+    assert len(ids) > len(text)  # multi-byte characters span several byte tokens
+    decoder = codec.decoder()
+    pieces = [decoder.push(i) for i in ids]
+    pieces.append(decoder.flush())
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)

@@ -1,0 +1,181 @@
+"""Server lifecycle over HTTP: API key, queue limit, client disconnects, readiness, SIGTERM drain.
+
+These servers run with every forward pass slowed down (ATTNSERVE_TEST_STEP_DELAY, see
+launch_server.py), so a request is provably still decoding when the test acts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+KEY = "s3cret-key"
+STEP = "0.02"  # seconds added to every forward pass
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(start_server: Callable[..., Any]) -> Any:
+    return start_server("--max-batch-size", "1", "--max-queued-requests", "1",
+                        env={"ATTNSERVE_API_KEY": KEY, "ATTNSERVE_TEST_STEP_DELAY": STEP})
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def wait_for(client: httpx.Client, metric: Callable[..., float], name: str, value: float,
+             timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(client.get("/metrics").text, name) == value:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{name} never reached {value}")
+
+
+def first_event(stream: Iterator[str]) -> dict[str, Any]:
+    for line in stream:
+        if line.startswith("data:"):
+            return dict(json.loads(line[5:]))
+    raise AssertionError("stream ended before its first event")
+
+
+def test_api_key_guards_model_routes_only(server: Any, client: httpx.Client,
+                                          metric: Callable[..., float]) -> None:
+    before = metric(client.get("/metrics").text, "attnserve_rejected_requests_total",
+                    {"reason": "unauthorized"})
+    body = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 2}}
+    for path, payload in (("/generate", body), ("/generate_stream", body),
+                          ("/attention", {"inputs": "ROMEO:"}),
+                          ("/v1/completions", {"model": "x", "prompt": "a"})):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = client.post(path, json=payload, headers=headers)
+            assert r.status_code == 401, (path, headers)
+            error = r.json()["error"]
+            assert (error["code"] == "invalid_api_key" if path.startswith("/v1")
+                    else r.json()["error_type"] == "unauthorized")
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/info").status_code == 401
+    assert client.get("/info", headers=AUTH).json()["auth"] is True
+    for path in ("/health", "/ready", "/metrics"):
+        assert client.get(path).status_code == 200, path
+    ok = client.post("/generate", json=body, headers=AUTH)
+    assert ok.status_code == 200, ok.text
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    model = api.models.list().data[0].id
+    assert api.completions.create(model=model, prompt="a", max_tokens=2).usage is not None
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope",
+                      max_retries=0).models.list()
+    after = metric(client.get("/metrics").text, "attnserve_rejected_requests_total",
+                   {"reason": "unauthorized"})
+    assert after - before == 15
+
+
+def test_full_queue_answers_429_overloaded(client: httpx.Client,
+                                           metric: Callable[..., float]) -> None:
+    long = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}}
+    short = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 2}}
+    before = metric(client.get("/metrics").text, "attnserve_rejected_requests_total",
+                    {"reason": "queue_full"})
+    with client.stream("POST", "/generate_stream", json=long, headers=AUTH) as running:
+        lines = running.iter_lines()  # kept referenced: a dropped iterator closes the stream
+        first_event(lines)  # the long request holds the only batch slot now
+        queued: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: queued.append(
+            client.post("/generate", json=short, headers=AUTH)))
+        waiter.start()
+        wait_for(client, metric, "attnserve_num_requests_waiting", 1)
+        rejected = client.post("/generate", json=short, headers=AUTH)
+        assert rejected.status_code == 429
+        assert rejected.json()["error_type"] == "overloaded"
+        assert set(rejected.json()) == {"error", "error_type"}
+        model = client.get("/v1/models", headers=AUTH).json()["data"][0]["id"]
+        v1 = client.post("/v1/completions", json={"model": model, "prompt": "a",
+                                                  "max_tokens": 2}, headers=AUTH)
+        assert v1.status_code == 429
+        assert v1.json()["error"]["type"] == "overloaded"
+    waiter.join(30)
+    assert queued and queued[0].status_code == 200
+    after = metric(client.get("/metrics").text, "attnserve_rejected_requests_total",
+                   {"reason": "queue_full"})
+    assert after - before >= 1
+
+
+def test_disconnected_stream_is_cancelled_and_frees_its_slot(
+        client: httpx.Client, metric: Callable[..., float]) -> None:
+    before = client.get("/metrics").text
+    with client.stream("POST", "/generate_stream", headers=AUTH, json={
+            "inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}}) as r:
+        lines = r.iter_lines()
+        first_event(lines)
+        first_event(lines)
+        assert metric(client.get("/metrics").text, "attnserve_num_requests_running") == 1
+    # Leaving the block closes the connection mid-stream.
+    wait_for(client, metric, "attnserve_num_requests_running", 0)
+    after = client.get("/metrics").text
+    generated = metric(after, "attnserve_generation_tokens_total") - metric(
+        before, "attnserve_generation_tokens_total")
+    assert 2 <= generated < 100
+    ok = client.post("/generate", headers=AUTH, json={"inputs": "a",
+                                                      "parameters": {"max_new_tokens": 2}})
+    assert ok.status_code == 200  # the single slot is free again
+
+
+def test_disconnected_plain_request_is_cancelled(client: httpx.Client,
+                                                 metric: Callable[..., float]) -> None:
+    before = client.get("/metrics").text
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/generate", headers=AUTH, timeout=1.0, json={
+            "inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}})
+    wait_for(client, metric, "attnserve_num_requests_running", 0)
+    after = client.get("/metrics").text
+    generated = metric(after, "attnserve_generation_tokens_total") - metric(
+        before, "attnserve_generation_tokens_total")
+    assert 1 <= generated < 100
+    labels = {"route": "/generate", "status": "499"}
+    assert metric(after, "attnserve_requests_total", labels) - metric(
+        before, "attnserve_requests_total", labels) == 1
+
+
+def test_ready_is_503_until_warm_then_sigterm_drains_and_exits_0(
+        start_server: Callable[..., Any]) -> None:
+    # Each forward pass takes 0.4 s here, so the 4-token warm-up alone takes 1.6 s.
+    server = start_server(wait=False, env={"ATTNSERVE_TEST_STEP_DELAY": "0.4"})
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, server.log()
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    loading = httpx.get(f"{server.url}/ready")
+    assert (loading.status_code, loading.json()) == (503, {"status": "loading"})
+    early = httpx.post(f"{server.url}/generate", json={"inputs": "a"})
+    assert early.status_code == 503 and early.json()["error_type"] == "unhealthy"
+    server.wait_ready()
+
+    with httpx.stream("POST", f"{server.url}/generate_stream", timeout=60, json={
+            "inputs": "ROMEO:", "parameters": {"max_new_tokens": 6}}) as r:
+        lines = r.iter_lines()
+        first_event(lines)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):  # no longer accepting
+            httpx.get(f"{server.url}/health", timeout=2)
+        events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+    assert events[-1]["details"]["generated_tokens"] == 6  # the in-flight request finished
+    assert server.proc.wait(timeout=30) == 0
+    assert "draining" in server.log()

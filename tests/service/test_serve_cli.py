@@ -1,0 +1,95 @@
+"""`attnserve serve` refusals at start, provider selection and settings from the environment."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from export import io_spec as io
+from service.engine import session
+from service.settings import Limits, Settings
+
+
+def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
+    environment.update(env or {})
+    return subprocess.run([sys.executable, "-m", "service.cli", "serve", *args], text=True,
+                          capture_output=True, timeout=60, env=environment)
+
+
+def test_a_tampered_artifact_refuses_to_start(artifact: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    data = bytearray((copy / io.MODEL_FILE).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    (copy / io.MODEL_FILE).write_bytes(bytes(data))
+    result = serve("--model", str(copy), "--port", "0")
+    assert result.returncode == 2
+    assert "model.onnx does not match its sha256" in result.stderr
+    assert result.stderr.count("\n") == 1  # one line, no traceback
+
+    shutil.copyfile(artifact / io.MODEL_FILE, copy / io.MODEL_FILE)
+    tokenizer = (copy / io.TOKENIZER_FILE).read_bytes()
+    (copy / io.TOKENIZER_FILE).write_bytes(tokenizer[:len(tokenizer) // 2])
+    truncated = serve("--model", str(copy), "--port", "0")
+    assert truncated.returncode == 2
+    assert "tokenizer.json has" in truncated.stderr and "truncated" in truncated.stderr
+
+
+def test_missing_model_is_a_one_line_error() -> None:
+    result = serve()
+    assert result.returncode == 2
+    assert "--model (or ATTNSERVE_MODEL) is required" in result.stderr
+
+
+def test_device_cuda_without_cuda_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(session.ort, "get_available_providers",
+                        lambda: ["CPUExecutionProvider"])
+    with pytest.raises(session.DeviceError, match="CUDAExecutionProvider"):
+        session.select_providers("cuda")
+    assert session.select_providers("auto") == ["CPUExecutionProvider"]
+    monkeypatch.setattr(session.ort, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert session.select_providers("auto") == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert session.select_providers("cpu") == ["CPUExecutionProvider"]
+
+
+def test_device_cuda_on_this_machine_exits_2_or_runs_on_cuda(artifact: Path) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        assert session.select_providers("cuda")[0] == "CUDAExecutionProvider"
+        return
+    result = serve("--model", str(artifact), "--device", "cuda", "--port", "0")
+    assert result.returncode == 2
+    assert "--device cuda" in result.stderr and "onnxruntime-gpu" in result.stderr
+
+
+def test_settings_come_from_the_environment_and_flags_win(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ATTNSERVE_MODEL", str(tmp_path))
+    monkeypatch.setenv("ATTNSERVE_MAX_BATCH_SIZE", "3")
+    monkeypatch.setenv("ATTNSERVE_API_KEY", "k")
+    monkeypatch.setenv("ATTNSERVE_DEVICE", "cpu")
+    settings = Settings()
+    assert (settings.model, settings.max_batch_size, settings.device) == (tmp_path, 3, "cpu")
+    assert settings.api_key is not None and settings.api_key.get_secret_value() == "k"
+    assert Settings(max_batch_size=5).max_batch_size == 5
+    monkeypatch.setenv("ATTNSERVE_MAX_BATCH_SIZE", "zero")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Settings()
+
+
+def test_limits_default_to_the_context_and_refuse_impossible_values(tmp_path: Path) -> None:
+    limits = Limits.resolve(Settings(model=tmp_path), context_length=128)
+    assert (limits.max_total_tokens, limits.max_input_tokens, limits.max_new_tokens) == (
+        128, 127, 127)
+    with pytest.raises(ValueError, match="context length"):
+        Limits.resolve(Settings(model=tmp_path, max_total_tokens=256), 128)
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        Limits.resolve(Settings(model=tmp_path, max_batch_tokens=64), 128)
