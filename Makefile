@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test venv model sample lint typecheck clean system-deps deploy-check deploy-smoke
+.PHONY: run test venv model artifact lint typecheck clean system-deps deploy-check deploy-smoke
 
 ## venv: create .venv and install attnserve with every extra the tests need
 venv: $(VENV)/.installed
@@ -25,9 +25,20 @@ model: $(CKPT)/config.json
 $(CKPT)/config.json: | $(VENV)/.installed
 	$(BIN)/attnserve train --data stdlib --preset $(PRESET) --out $(CKPT)
 
-## run: the main job on a fresh machine
-run: model
-	$(BIN)/attnserve sample --ckpt $(CKPT) --prompt "Return the" --max-new-tokens 80
+## artifact: export and verify the default model to ONNX unless the artifact exists
+artifact: $(ARTIFACT)/manifest.json
+$(ARTIFACT)/manifest.json: $(CKPT)/config.json
+	$(BIN)/attnserve export --ckpt $(CKPT) --out $(ARTIFACT) --force
+
+## run: the main job on a fresh machine: build what is missing, then serve on HOST:PORT
+run: artifact
+	$(BIN)/attnserve sample --ckpt $(CKPT) --prompt "Return the" --max-new-tokens 40 --seed 0
+	@echo
+	@echo "Serving $(ARTIFACT) on http://$(HOST):$(PORT)  (Ctrl-C stops it). Try:"
+	@echo "  curl -s http://$(HOST):$(PORT)/generate -H 'Content-Type: application/json' \\"
+	@echo "       -d '{\"inputs\": \"Return the\", \"parameters\": {\"max_new_tokens\": 40}}'"
+	@echo
+	exec $(BIN)/attnserve serve --model $(ARTIFACT) --host $(HOST) --port $(PORT)
 
 ## test: the whole suite (CI runs exactly this)
 test: venv system-deps

@@ -95,10 +95,10 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # Seconds on a laptop: for the tests.
     "tiny": Preset(d_model=64, n_heads=4, n_layers=2, d_ff=256, max_seq_len=128,
-                   vocab_size=512, batch_size=16, learning_rate=3e-3, steps=30),
+                   vocab_size=512, batch_size=16, learning_rate=3e-3, steps=100),
     # The default model `make run` builds: about three minutes on 2 CPU cores.
     "small": Preset(d_model=256, n_heads=4, n_layers=4, d_ff=1024, max_seq_len=256,
-                    vocab_size=4096, batch_size=16, learning_rate=1e-3, steps=600),
+                    vocab_size=4096, batch_size=8, learning_rate=3e-3, steps=360),
     # The seeds' classic configuration (d_model 512, 8 heads, 6 layers, d_ff 2048).
     "base": Preset(d_model=512, n_heads=8, n_layers=6, d_ff=2048, max_seq_len=512,
                    vocab_size=4096, batch_size=16, learning_rate=6e-4, steps=2000),

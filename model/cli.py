@@ -1,0 +1,143 @@
+"""`attnserve train` and `attnserve sample`.
+
+Usage:
+    attnserve train --data stdlib --preset small --out checkpoints/default
+    attnserve sample --ckpt checkpoints/default --prompt "Return the" --max-new-tokens 80
+
+Parsers only; the handlers import torch when they run, so `attnserve --help` stays fast
+and works where only the serving extra is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from model.config import PRESETS
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except the uninformative None/False ones."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, "", argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    _register_train(subparsers)
+    _register_sample(subparsers)
+
+
+def _register_train(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train", help="train a GPT on a text corpus and write a checkpoint directory",
+        description="Train a GPT and write config.json, model.safetensors, tokenizer.json and "
+                    "metrics.jsonl to --out (atomically). Runs unchanged under "
+                    "`torchrun --nproc_per_node N --no-python attnserve train ...` "
+                    "(DistributedDataParallel; rank 0 writes the checkpoint).",
+        formatter_class=_HelpFormatter)
+    p.add_argument("--data", default="stdlib", metavar="FILE|stdlib",
+                   help="UTF-8 text file to train on (documents separated by lines holding "
+                        "only <end>), or 'stdlib': the Python standard library's docstrings, "
+                        "built and cached on first use")
+    p.add_argument("--preset", default=None, metavar="|".join(PRESETS),
+                   help="model size and schedule (default: small, or the checkpoint's when "
+                        "resuming): " + "; ".join(
+                       f"{name}: d_model {p.d_model}, {p.n_heads} heads, {p.n_layers} layers, "
+                       f"d_ff {p.d_ff}, context {p.max_seq_len}, {p.steps} steps"
+                       for name, p in PRESETS.items()))
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="checkpoint directory to write (replaced atomically)")
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="optimizer steps (the total, when resuming); default: the preset's, "
+                        "unless --time-budget is given")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop after this much wall time (the LR schedule follows the clock); "
+                        "with --steps, whichever comes first")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed for initialisation and batch sampling; CPU runs are repeatable "
+                        "(default: 0, or the checkpoint's when resuming)")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda",
+                   help="where to train; auto picks CUDA when available (bf16 autocast)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the checkpoint in --out (weights, AdamW state, step count) "
+                        "with its own tokenizer and model config")
+    p.add_argument("--tokenizer", choices=("bpe", "char"), default="bpe",
+                   help="byte-level BPE trained on the corpus, or one token per character")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="BPE vocabulary size; default: the preset's (4096 for small/base)")
+    p.add_argument("--position", choices=("learned", "sinusoidal"), default="learned",
+                   help="learned position embeddings or the fixed sinusoidal encoding")
+    p.add_argument("--activation", choices=("relu", "gelu"), default="relu",
+                   help="feed-forward activation")
+    p.add_argument("--tie-weights", action="store_true",
+                   help="share the token embedding matrix with the LM head")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help="sequences per step and process; default: the preset's (the "
+                        "checkpoint's when resuming)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak AdamW learning rate (warm-up then cosine); default: the "
+                        "preset's (the checkpoint's when resuming)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="training window and the model's max_seq_len; default: the preset's")
+    p.add_argument("--eval-interval", type=int, default=None, metavar="N",
+                   help="steps between validation runs (and intermediate checkpoints); "
+                        "default: a fifth of the run")
+    p.add_argument("--eval-tokens", type=int, default=4096, metavar="N",
+                   help="validation tokens scored at each evaluation")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--dump-rank-weights", default=None, metavar="DIR",
+                   help=argparse.SUPPRESS)  # debugging/tests: each rank saves its weights
+    p.set_defaults(handler=_train)
+
+
+def _register_sample(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "sample", help="print a continuation of a prompt from a checkpoint (PyTorch)",
+        description="Generate text with the KV cache from a checkpoint directory. Refuses "
+                    "pickled .pt/.pkl files.",
+        formatter_class=_HelpFormatter)
+    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint directory")
+    p.add_argument("--prompt", default="", help="text to continue (empty: start a document)")
+    p.add_argument("--max-new-tokens", type=int, default=100, metavar="N",
+                   help="tokens to generate at most (also bounded by the model's context)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="softmax temperature (> 0); lower is more conservative")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample only among the K most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="nucleus sampling: the smallest set of tokens with probability >= P")
+    p.add_argument("--seed", type=int, default=None, help="seed for repeatable sampling")
+    p.add_argument("--greedy", action="store_true",
+                   help="always take the most likely token (ignores temperature/top-k/top-p)")
+    p.add_argument("--echo-prompt", action="store_true",
+                   help="print the prompt before the continuation")
+    p.add_argument("--device", default="cpu", metavar="cpu|cuda", help="where to run")
+    p.set_defaults(handler=_sample)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from model.train import TrainOptions, train
+
+    train(TrainOptions(
+        out=args.out, data=args.data, preset=args.preset, steps=args.steps,
+        time_budget=args.time_budget, seed=args.seed, device=args.device, resume=args.resume,
+        tokenizer=args.tokenizer, vocab_size=args.vocab_size, position=args.position,
+        activation=args.activation, tie_weights=args.tie_weights, batch_size=args.batch_size,
+        lr=args.lr, context=args.context, eval_interval=args.eval_interval,
+        eval_tokens=args.eval_tokens, progress=not args.no_progress,
+        dump_rank_weights=args.dump_rank_weights))
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from model.sample import sample_text
+
+    text = sample_text(
+        args.ckpt, args.prompt, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        greedy=args.greedy, device=args.device)
+    sys.stdout.write((args.prompt if args.echo_prompt else "") + text + "\n")
+    return 0
