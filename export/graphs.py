@@ -155,8 +155,12 @@ def export_decoder(gpt: GPT, path: Path, opset: int = DEFAULT_OPSET,
         "position_ids": {0: batch, 1: batch},
         "past": tuple({0: batch, 2: batch} for _ in range(2 * n)),
     }
-    proto = _export(DecoderAdapter(gpt, kv_dtype), _example_decoder_inputs(gpt, kv_dtype),
-                    io.model_input_names(n), io.model_output_names(n), dyn, opset)
+    gpt.set_attention_impl("matmul")  # fuses into FusedMatMul: no per-step copy of Kᵀ
+    try:
+        proto = _export(DecoderAdapter(gpt, kv_dtype), _example_decoder_inputs(gpt, kv_dtype),
+                        io.model_input_names(n), io.model_output_names(n), dyn, opset)
+    finally:
+        gpt.set_attention_impl("sdpa")
     static = {"num_heads": cfg.n_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size}
     _rename_dims(proto, io.model_io_shapes(n), static)
     proto.doc_string = (f"attnserve decoder with KV cache; kv_dtype={kv_dtype}; "

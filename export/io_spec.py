@@ -4,18 +4,18 @@ It follows the Hugging Face / Optimum decoder convention so any tool that speaks
 drive ``model.onnx``. Both export/ and service/ import this module; it needs neither
 torch nor onnxruntime.
 
-model.onnx
-    inputs   input_ids (int64) [batch_size, sequence_length]
-             attention_mask (int64) [batch_size, past_sequence_length + sequence_length]
-             position_ids (int64) [batch_size, sequence_length]
-             past_key_values.{i}.key / .value  [batch_size, num_heads, past_sequence_length, head_dim]
-    outputs  logits (float32) [batch_size, sequence_length, vocab_size]
-             present.{i}.key / .value  [batch_size, num_heads, past_sequence_length + sequence_length, head_dim]
+model.onnx  (B = batch_size, T = sequence_length, P = past_sequence_length)
+    inputs   input_ids (int64) [B, T]
+             attention_mask (int64) [B, P + T]
+             position_ids (int64) [B, T]
+             past_key_values.{i}.key / .value  [B, num_heads, P, head_dim]
+    outputs  logits (float32) [B, T, vocab_size]
+             present.{i}.key / .value  [B, num_heads, P + T, head_dim]
 
 attention.onnx (introspection, no cache)
-    inputs   input_ids, attention_mask, position_ids  [batch_size, sequence_length]
-    outputs  attention.{i}.{q,k,v}  [batch_size, num_heads, sequence_length, head_dim]
-             attention.{i}.{scores,scaled_scores,weights}  [batch_size, num_heads, sequence_length, sequence_length]
+    inputs   input_ids, attention_mask, position_ids  [B, T]
+    outputs  attention.{i}.{q,k,v}  [B, num_heads, T, head_dim]
+             attention.{i}.{scores,scaled_scores,weights}  [B, num_heads, T, T]
 """
 
 from __future__ import annotations

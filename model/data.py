@@ -3,10 +3,11 @@
 The default corpus, ``stdlib``, needs no download: it is the Python standard library's own
 documentation — module, class and function docstrings read from the stdlib *source* files
 with ``ast`` (never imported, so no module runs any code), cleaned with
-``inspect.cleandoc``, deduplicated and ordered by their sha256 so that the order is
-deterministic and a tail split is a fair sample. It is built once and cached as a text file
-whose documents are separated by a line holding only ``<end>``; ``--data FILE`` files use
-the same convention (a file without such lines is one document).
+``inspect.cleandoc``, with hard-wrapped prose paragraphs joined into single lines (code,
+doctest and list blocks keep their lines), deduplicated and ordered by their sha256 so
+that the order is deterministic and a tail split is a fair sample. It is built once and
+cached as a text file whose documents are separated by a line holding only ``<end>``;
+``--data FILE`` files use the same convention (a file without such lines is one document).
 
 In the token stream every document is followed by the ``<end>`` token, so the model learns
 where a document stops and generation can stop there too.
@@ -19,6 +20,7 @@ import hashlib
 import inspect
 import math
 import os
+import re
 import sys
 import sysconfig
 import tempfile
@@ -74,6 +76,26 @@ def _docstrings(tree: ast.Module) -> Iterator[str]:
                 yield doc
 
 
+_STRUCTURED_LINE = re.compile(r"^(\s|>>>|\.\.\.|[-*+•|]\s|\d+[.)]\s|[A-Za-z_]\w*\s*--|:)")
+
+
+def reflow(doc: str) -> str:
+    """Join the hard-wrapped lines of each prose paragraph into one line.
+
+    Docstrings wrap at ~72 columns, which makes a newline the most frequent token and
+    teaches a small model to answer uncertainty with blank lines. Paragraphs with any
+    indented, doctest, list or table line are left exactly as written.
+    """
+    paragraphs = re.split(r"\n\s*\n", doc)
+    out = []
+    for para in paragraphs:
+        lines = para.split("\n")
+        if len(lines) > 1 and not any(_STRUCTURED_LINE.match(line) for line in lines):
+            para = " ".join(line.strip() for line in lines)
+        out.append(para)
+    return "\n\n".join(out)
+
+
 def stdlib_documents(stdlib_dir: Path | None = None) -> list[str]:
     """Deduplicated docstrings of the public stdlib modules, ordered by sha256."""
     root = stdlib_dir or Path(sysconfig.get_paths()["stdlib"])
@@ -87,7 +109,7 @@ def stdlib_documents(stdlib_dir: Path | None = None) -> list[str]:
         except (SyntaxError, ValueError, OSError):
             continue  # a few stdlib files are deliberately invalid (e.g. bad-encoding tests)
         for doc in _docstrings(tree):
-            text = inspect.cleandoc(doc).strip()
+            text = reflow(inspect.cleandoc(doc).strip())
             if len(text) < MIN_DOC_CHARS or "<end>" in text:
                 continue
             unique.setdefault(hashlib.sha256(text.encode("utf-8")).hexdigest(), text)
@@ -109,7 +131,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 def stdlib_corpus_path() -> Path:
     """Path of the cached stdlib corpus, building it on first use (a few seconds)."""
     version = f"py{sys.version_info.major}.{sys.version_info.minor}"
-    path = cache_dir() / f"stdlib-docstrings-{version}.txt"
+    path = cache_dir() / f"stdlib-docstrings-v2-{version}.txt"
     if not path.is_file():
         write_text_atomic(path, DOC_SEPARATOR.join(stdlib_documents()) + "\n")
     return path

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,7 @@ class CausalSelfAttention(nn.Module):
         self.w_v = nn.Linear(d, d, bias=False)
         self.w_o = nn.Linear(d, d, bias=False)
         self.dropout = config.dropout
+        self.use_sdpa = True  # see GPT.set_attention_impl
 
     def _split_heads(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -108,7 +110,7 @@ class CausalSelfAttention(nn.Module):
 
         inter: AttentionIntermediates | None = None
         dropout_p = self.dropout if self.training else 0.0
-        if explicit:
+        if explicit or not self.use_sdpa:
             scores = q @ k.transpose(-2, -1)  # (B, nh, T, T_past + T)
             scaled = scores / math.sqrt(self.head_dim)
             if allowed is None:
@@ -118,7 +120,8 @@ class CausalSelfAttention(nn.Module):
             scaled = scaled.masked_fill(~allowed, float("-inf"))
             weights = F.softmax(scaled, dim=-1)  # (B, nh, T, T_past + T)
             out = F.dropout(weights, dropout_p, self.training) @ v  # (B, nh, T, hs)
-            inter = AttentionIntermediates(q, k, v, scores, scaled, weights)
+            if explicit:
+                inter = AttentionIntermediates(q, k, v, scores, scaled, weights)
         elif allowed is None and past is None:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         else:
@@ -198,6 +201,20 @@ class GPT(nn.Module):
         if isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
+
+    def set_attention_impl(self, impl: Literal["sdpa", "matmul"]) -> None:
+        """Choose how attention runs when no intermediates are requested.
+
+        ``sdpa`` (default) is PyTorch's fused kernel, fastest for training and eager use.
+        ``matmul`` writes softmax(QKᵀ/√d_k + mask)·V out; the exporter traces it because
+        ONNX Runtime fuses MatMul(Q, Transpose(K)) into one FusedMatMul that reads the key
+        cache in place, whereas the traced SDPA decomposition transposes and scales the
+        whole key cache at every decode step. Both agree to 1e-6.
+        """
+        if impl not in ("sdpa", "matmul"):
+            raise ValueError(f"unknown attention impl {impl!r}; 'sdpa' or 'matmul'")
+        for block in self.blocks:
+            block.attn.use_sdpa = impl == "sdpa"  # type: ignore[union-attr]
 
     def num_params(self) -> int:
         """Trainable parameters, counting a tied embedding/head matrix once."""

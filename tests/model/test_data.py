@@ -139,3 +139,15 @@ def test_char_stream_of_a_real_file(tmp_path: Path, shakespeare_text: str):
     tok = build_char_tokenizer(docs)
     stream = encode_documents(tok, docs, eos_id=2)
     assert len(stream) == len(docs[0]) + 1
+
+
+def test_reflow_joins_wrapped_prose_and_keeps_structured_blocks():
+    doc = ("Return the sum of a\nand b, wrapped at\nseventy columns.\n\n"
+           "Example:\n>>> add(1,\n...     2)\n3\n\n"
+           "Arguments:\n    a -- first\n    b -- second\n\n"
+           "- one item\n- another item")
+    assert data.reflow(doc) == (
+        "Return the sum of a and b, wrapped at seventy columns.\n\n"
+        "Example:\n>>> add(1,\n...     2)\n3\n\n"
+        "Arguments:\n    a -- first\n    b -- second\n\n"
+        "- one item\n- another item")

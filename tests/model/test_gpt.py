@@ -182,3 +182,20 @@ def test_closed_form_equals_a_hand_count():
     sinusoidal = GPTConfig(**(config.to_dict() | {"position": "sinusoidal"}))
     assert sinusoidal.num_params_closed_form() == 744
     assert GPT(config).num_params() == 792
+
+
+def test_matmul_attention_impl_equals_sdpa_and_is_reversible(random_gpt):
+    model = random_gpt()
+    x = _ids(6, (2, 12))
+    mask = torch.ones_like(x)
+    mask[1, :4] = 0
+    past = model(x[:, :7], attention_mask=mask[:, :7]).present
+    reference = model(x[:, 7:], attention_mask=mask, past_key_values=past).logits
+    model.set_attention_impl("matmul")
+    assert not any(block.attn.use_sdpa for block in model.blocks)
+    written_out = model(x[:, 7:], attention_mask=mask, past_key_values=past).logits
+    assert (written_out - reference).abs().max().item() <= 1e-5
+    model.set_attention_impl("sdpa")
+    assert all(block.attn.use_sdpa for block in model.blocks)
+    with pytest.raises(ValueError, match="unknown attention impl"):
+        model.set_attention_impl("flash")  # type: ignore[arg-type]
