@@ -28,7 +28,7 @@ $(CKPT)/config.json: | $(VENV)/.installed
 ## artifact: export and verify the default model to ONNX unless the artifact exists
 artifact: $(ARTIFACT)/manifest.json
 $(ARTIFACT)/manifest.json: $(CKPT)/config.json
-	$(BIN)/attnserve export --ckpt $(CKPT) --out $(ARTIFACT) --force
+	$(BIN)/attnserve export --ckpt $(CKPT) --out $(ARTIFACT) --engine-graph --force
 
 ## run: the main job on a fresh machine: build what is missing, then serve on HOST:PORT
 run: artifact

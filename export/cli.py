@@ -5,6 +5,7 @@ Usage:
     attnserve export --ckpt CKPT --out ART --quantize int8 --force
     attnserve export --ckpt CKPT --out ART --dtype float16 --opset 20
     attnserve export --ckpt CKPT --out HF_DIR --format hf
+    attnserve export --ckpt CKPT --out ART --engine-graph   # + engine.onnx for the service
 
 Imports nothing heavy at module level: the root CLI registers this parser even where
 torch is not installed.
@@ -39,6 +40,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--format", choices=["onnx", "hf"], default="onnx",
                    help="onnx: the attnserve artifact; hf: a Hugging Face transformers model")
+    p.add_argument("--engine-graph", action="store_true",
+                   help="also write engine.onnx: the service's own decoder graph "
+                        "(GroupQueryAttention, KV cache updated in place); float32 only")
     p.set_defaults(handler=run)
 
 
@@ -55,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     out = export_artifact(
         args.ckpt, args.out, opset=args.opset, dtype=args.dtype, quantize=args.quantize,
         verify=not args.no_verify, optimize=not args.no_optimize, force=args.force,
+        engine_graph=args.engine_graph,
         log=lambda msg: print(f"  {msg}", file=sys.stderr))
     print(f"exported {args.ckpt} → {out} in {time.perf_counter() - started:.1f}s")
     return 0

@@ -117,8 +117,13 @@ def export_artifact(
     force: bool = False,
     model_name: str | None = None,
     log: Any = None,
+    engine_graph: bool = False,
 ) -> Path:
-    """Export, verify, optimise and (optionally) quantise; return the artifact directory."""
+    """Export, verify, optimise and (optionally) quantise; return the artifact directory.
+
+    ``engine_graph`` also writes engine.onnx, the service-only decoder with an in-place
+    KV cache (export/engine_graph.py); model.onnx is unchanged either way.
+    """
     from export.graphs import (
         DEFAULT_OPSET,
         attention_io_shapes,
@@ -130,6 +135,9 @@ def export_artifact(
     opset = DEFAULT_OPSET if opset is None else opset
     out = Path(out_dir)
     check_options(opset, dtype, quantize)
+    if engine_graph and (dtype != "float32" or quantize is not None):
+        raise ValueError("--engine-graph needs a float32 artifact (no --dtype float16, "
+                         "no --quantize)")
     check_target(out, force)
     ckpt, tok = load_source(Path(ckpt_dir))
     gpt = ckpt.model.eval()
@@ -173,6 +181,15 @@ def export_artifact(
             optimization = optimize_decoder(gpt, model_path, dtype, check)
             say(f"graph optimisation: {optimization['decision']}")
         fp32_copy.unlink(missing_ok=True)
+        if engine_graph:
+            from export.engine_graph import export_engine, verify_engine
+            from export.engine_spec import ENGINE_FILE
+
+            engine_path = export_engine(gpt, tmp / ENGINE_FILE)
+            if verify:
+                verification["engine"] = verify_engine(gpt, engine_path)
+                say(f"verified engine.onnx: {verification['engine']['max_abs_diff']:.2e} "
+                    f"over {verification['engine']['steps']} steps, cache updated in place")
         shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
         config = artifact_config(ckpt, model_name or out.name, dtype, tok)
         (tmp / io.CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n", "utf-8")

@@ -181,7 +181,7 @@ def check_attention(gpt: GPT, path: str | Path, rng: np.random.Generator,
     assert ref is not None
     t = ids.shape[1]
     upper = np.triu(np.ones((t, t), bool), k=1)
-    figures = {"weights_max_abs_diff": 0.0, "qkv_scores_max_abs_diff": 0.0,
+    figures: dict[str, Any] = {"weights_max_abs_diff": 0.0, "qkv_scores_max_abs_diff": 0.0,
                "row_sum_max_error": 0.0, "upper_triangle_max": 0.0, "layers": n,
                "lengths": list(lengths)}
     for layer, inter in enumerate(ref):

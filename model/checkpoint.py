@@ -64,6 +64,9 @@ def read_meta(ckpt_dir: str | os.PathLike[str]) -> CheckpointMeta:
         raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
     try:
         raw = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path / CONFIG_FILE} is corrupt: expected a JSON object, "
+                                  f"got {type(raw).__name__}")
         if raw.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(
                 f"{path / CONFIG_FILE}: unsupported format_version {raw.get('format_version')!r}")

@@ -21,7 +21,7 @@ from export import io_spec as io
 from service.artifact import Artifact, open_artifact
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.scheduler import Scheduler, SchedulerLimits
-from service.engine.session import AttentionModel, OnnxModel, create_session
+from service.engine.session import AttentionModel, create_model, create_session
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import ObservabilityMiddleware
@@ -42,6 +42,7 @@ class Runtime:
     scheduler: Scheduler | None = None
     attention: AttentionModel | None = None
     provider: str | None = None
+    decode_graph: str | None = None  # model.onnx, or engine.onnx with its in-place KV cache
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
@@ -52,8 +53,8 @@ def load_engine(runtime: Runtime) -> None:
     """Create the sessions and warm them up (blocking; runs in a worker thread)."""
     settings, artifact = runtime.settings, runtime.artifact
     config = artifact.config
-    model = OnnxModel(create_session(artifact.path / io.MODEL_FILE, settings.device,
-                                     settings.intra_op_threads), config)
+    model = create_model(artifact.path, config, settings.device, settings.intra_op_threads,
+                         settings.engine_graph)
     attention = AttentionModel(create_session(artifact.path / io.ATTENTION_FILE, "cpu"
                                               if model.device == "cpu" else settings.device,
                                               settings.intra_op_threads), config)
@@ -67,10 +68,11 @@ def load_engine(runtime: Runtime) -> None:
     scheduler.warmup(GenerationRequest([config.bos_token_id], SamplingParams(),
                                        StoppingCriteria(max_new_tokens=4)))
     attention.run([config.bos_token_id], ["weights"])
-    log.info("model %s on %s, warmed up in %.0f ms", artifact.name, model.provider,
-             (time.perf_counter() - started) * 1000)
+    log.info("model %s on %s (%s), warmed up in %.0f ms", artifact.name, model.provider,
+             model.graph_file, (time.perf_counter() - started) * 1000)
     runtime.metrics.set_model_info(artifact.name, model.provider, artifact.sha256)
     runtime.scheduler, runtime.attention, runtime.provider = scheduler, attention, model.provider
+    runtime.decode_graph = model.graph_file
 
 
 def create_app(settings: Settings, artifact: Artifact | None = None,

@@ -16,10 +16,14 @@ exit 2; set ATTNSERVE_DEBUG=1 to see the traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 
 # Modules that each define register(subparsers); imported lazily, none imports torch.
 SUBCOMMAND_MODULES = ("model.cli", "export.cli", "service.serve_cli", "export.bench.cli")
@@ -51,12 +55,31 @@ def missing_extra_message(exc: ModuleNotFoundError, command: str) -> str:
     return f"`attnserve {command}` needs the Python package {exc.name!r}{hint}"
 
 
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (docker stop, kill) unwinds like Ctrl-C, so a staged output directory is
+    removed rather than left behind half-written; `serve` installs its own drain handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Handler = args.handler
     try:
-        return handler(args)
+        with sigterm_unwinds():
+            return handler(args)
     except KeyboardInterrupt:
         print(f"attnserve {args.command}: interrupted", file=sys.stderr)
         return 130

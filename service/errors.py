@@ -24,6 +24,9 @@ OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                 429: "overloaded", 503: "service_unavailable"}
 
 
+UNPARSABLE_BODY = "There was an error parsing the body"  # FastAPI's HTTPException detail
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, error_type: str,
                  param: str | None = None, code: str | None = None,
@@ -73,6 +76,13 @@ def _field(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "body"
 
 
+def _specificity(error: Any) -> tuple[int, bool]:
+    """The deepest error is the most specific one (for a str | list union, the list item);
+    at equal depth a broken constraint beats a type mismatch, so an empty or over-long list
+    is reported as such rather than as "Input should be a valid string"."""
+    return len(error.get("loc", ())), not str(error.get("type", "")).endswith("_type")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -81,9 +91,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         _reject(request, "validation")
-        # The deepest error is the most specific one (for a str | list union, the list item).
         errors = exc.errors()
-        first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {
+        first = max(errors, key=_specificity) if errors else {
             "loc": ("body",), "msg": "invalid request"}
         field = _field(tuple(first.get("loc", ())))
         message = f"{field}: {first.get('msg', 'invalid')}"
@@ -108,8 +117,25 @@ def install_error_handlers(app: FastAPI) -> None:
     async def stopped(request: Request, exc: EngineStopped) -> JSONResponse:
         return error_response(request, ApiError(503, str(exc), "unhealthy"))
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug still answers in the route's error shape, not Starlette's text/plain 500.
+        log.error("unhandled %s on %s: %s", type(exc).__name__, request.url.path, exc)
+        return error_response(request, ApiError(500, f"internal error: {type(exc).__name__}",
+                                                "internal", code="internal_error"))
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == UNPARSABLE_BODY:
+            # FastAPI's catch-all for bodies json.loads fails on other than by syntax.
+            _reject(request, "validation")
+            cause = exc.__cause__
+            why = ("it is not UTF-8 text" if isinstance(cause, UnicodeDecodeError)
+                   else "it is nested too deeply" if isinstance(cause, RecursionError)
+                   else f"{type(cause).__name__}: {cause}")
+            return error_response(request, ApiError(
+                422, f"body is not valid JSON: {why}", "validation", param="body",
+                code="invalid_value"))
         error_type = {404: "not_found", 405: "method_not_allowed",
                       413: "too_large"}.get(exc.status_code, "http")
         return error_response(request, ApiError(exc.status_code, str(exc.detail), error_type,

@@ -49,6 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="auto: CUDA when available, else CPU; cuda fails if absent")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                         default=None)
+    parser.add_argument("--engine-graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="decode with the artifact's engine.onnx (in-place KV cache) when "
+                             "it has one and runs on CPU (default); --no-engine-graph: "
+                             "always model.onnx")
     parser.set_defaults(handler=run)
 
 
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from service.artifact import open_artifact
     from service.settings import Settings
 
-    fields = [dest for _, dest, _, _ in OPTIONS] + ["device", "log_level"]
+    fields = [dest for _, dest, _, _ in OPTIONS] + ["device", "log_level", "engine_graph"]
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     try:
         settings = Settings(**overrides)

@@ -9,9 +9,12 @@ model fails to load in the background, the server stops and the exit code is 1.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import math
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -23,12 +26,30 @@ from service.artifact import Artifact
 from service.settings import Settings
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
+ABORT_GRACE_S = 2.0  # after the drain timeout: time for failed requests to send their error
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, drain_timeout: float) -> None:
         super().__init__(config)
         self.exit_code = 0
+        self.drain_timeout = drain_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        abort = asyncio.get_running_loop().call_later(self.drain_timeout, self.abort_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
+
+    def abort_in_flight(self) -> None:
+        """Drain timeout reached: the engine fails what is left, with a proper error."""
+        runtime = getattr(self.config.app.state, "runtime", None)  # type: ignore[union-attr]
+        if runtime is not None and runtime.scheduler is not None:
+            logging.getLogger("attnserve").warning(
+                "drain timeout of %ss reached: failing the requests still in flight",
+                self.drain_timeout)
+            runtime.scheduler.stop(0)  # non-blocking: flags the loop, which fails the rest
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         runtime = getattr(self.config.app.state, "runtime", None)  # type: ignore[union-attr]
@@ -36,7 +57,7 @@ class DrainingServer(uvicorn.Server):
             runtime.draining = True
         logging.getLogger("attnserve").info(
             "signal %s: draining in-flight requests (up to %ss)", signal.Signals(sig).name,
-            self.config.timeout_graceful_shutdown)
+            self.drain_timeout)
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -64,9 +85,10 @@ def serve(settings: Settings, artifact: Artifact) -> int:
     app = create_app(settings, artifact, on_fatal=lambda: holder[0].fail())
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, workers=1, lifespan="on",
-        log_level=settings.log_level, timeout_graceful_shutdown=int(settings.drain_timeout),
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout + ABORT_GRACE_S),
         access_log=settings.log_level == "debug")
-    server = DrainingServer(config)
+    server = DrainingServer(config, settings.drain_timeout)
     holder.append(server)
     server.run()
     return server.exit_code

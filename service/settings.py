@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -44,7 +44,19 @@ class Settings(BaseSettings):
     drain_timeout: float = Field(
         30.0, ge=0, description="seconds SIGTERM waits for in-flight requests")
     intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime threads; 0 = all cores")
+    engine_graph: bool = Field(
+        True, description="decode with the artifact's engine.onnx (in-place KV cache) when it "
+                          "has one and runs on CPU; false: always model.onnx")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_blank(cls, key: SecretStr | None) -> SecretStr | None:
+        # A blank key would let `Authorization: Bearer ` through; refuse rather than guess.
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("ATTNSERVE_API_KEY is set but empty: unset it to serve "
+                             "without auth, or give a key")
+        return key
 
 
 @dataclass(frozen=True)

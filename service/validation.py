@@ -41,6 +41,12 @@ class Validator:
                                     f"{self.limits.max_input_tokens}")
         return ids
 
+    def check_count(self, count: int, field: str) -> None:
+        """A list the queue can never hold is a client error (422), not overload (429)."""
+        if count > self.limits.max_queued_requests:
+            raise InputError(field, f"{count} sequences in one request exceed "
+                                    f"max_queued_requests {self.limits.max_queued_requests}")
+
     def build(
         self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int | None,
         stop: list[str], max_new_field: str, prompt_logprobs: bool = False,

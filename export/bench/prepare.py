@@ -154,7 +154,7 @@ def export_copies(prep: Prepared, work: Path, artifacts: dict[str, Path | None],
             # Verification compares greedy paths, which near-ties on random weights can
             # fail for reasons that have nothing to do with speed; skip it there.
             out = export_artifact(prep.ckpt, work / key, quantize=quantize, verify=trained,
-                                  force=True, log=log)
+                                  force=True, log=log, engine_graph=quantize is None)
         except Exception as exc:  # the rows that need it are reported as unavailable
             prep.notes.append(f"{key}: export failed: {type(exc).__name__}: {exc}")
             continue

@@ -17,13 +17,12 @@ from export.bench.measure import GenResult
 class EngineRunner:
     def __init__(self, artifact_dir: Path, threads: int, name: str = "engine") -> None:
         from service.engine.scheduler import Scheduler, SchedulerLimits
-        from service.engine.session import OnnxModel, create_session
+        from service.engine.session import create_model
         from service.engine.text import TextCodec
 
         self.name = name
         config = io.ArtifactConfig.load(artifact_dir)
-        session = create_session(artifact_dir / io.MODEL_FILE, "cpu", threads)
-        model = OnnxModel(session, config)
+        model = create_model(artifact_dir, config, "cpu", threads)  # engine.onnx if present
         codec = TextCodec.from_file(artifact_dir / io.TOKENIZER_FILE)
         limits = SchedulerLimits(max_batch_size=64, max_batch_tokens=1 << 20,
                                  max_queued_requests=1024)

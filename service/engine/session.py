@@ -63,6 +63,7 @@ class OnnxModel:
         self.session = session
         self.config = config
         self.vocab_size = config.vocab_size
+        self.graph_file = io.MODEL_FILE
         self.provider = session.get_providers()[0]
         self.device = "cuda" if self.provider == CUDA else "cpu"
         self.kv_dtype = np.dtype(config.kv_dtype)
@@ -106,6 +107,25 @@ class OnnxModel:
     def kv_from_numpy(self, arrays: Sequence[np.ndarray]) -> list[Any]:
         return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device, 0)
                 for a in arrays]
+
+
+def create_model(artifact_dir: Path, config: io.ArtifactConfig, device: Device,
+                 intra_op_threads: int, engine_graph: bool = True) -> Any:
+    """The decode runner: engine.onnx's static cache when the artifact has it, else model.onnx.
+
+    engine.onnx (written by ``attnserve export --engine-graph``) keeps a float32 cache on
+    the host, so it is used only when the session would run on CPU anyway.
+    """
+    from export.engine_spec import ENGINE_FILE
+
+    engine_path = artifact_dir / ENGINE_FILE
+    if engine_graph and engine_path.is_file() and select_providers(device) == [CPU]:
+        from service.engine.static_cache import StaticCacheModel
+
+        log.info("decoding with %s (in-place KV cache)", ENGINE_FILE)
+        return StaticCacheModel(create_session(engine_path, "cpu", intra_op_threads), config)
+    return OnnxModel(create_session(artifact_dir / io.MODEL_FILE, device, intra_op_threads),
+                     config)
 
 
 class AttentionModel:

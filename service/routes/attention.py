@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import io as _io
+import json
 import math
 from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from service.app import Runtime
 from service.deps import ReadyRuntime, require_api_key
 from service.render import heatmap_grid
 from service.schemas import AttentionRequest
@@ -53,7 +55,6 @@ def _json_safe(a: np.ndarray) -> Any:
 @router.post("/attention", summary="Attention matrices of every layer and head (bertviz layout)")
 async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
     config = runtime.artifact.config
-    codec = runtime.artifact.codec
     ids = runtime.validator.tokenize(body.inputs, "inputs")
     layers = _pick(body.layers, config.n_layers, "layers")
     heads = _pick(body.heads, config.n_heads, "heads")
@@ -62,6 +63,14 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
         raise InputError("include", "the png format renders only ['weights']")
     assert runtime.attention is not None
     full = await asyncio.to_thread(runtime.attention.run, ids, kinds)
+    # Encoding can take seconds (all kinds at full length is ~55 MB of JSON): off the event
+    # loop, so the token streams of other requests do not stall meanwhile.
+    return await asyncio.to_thread(render, body, runtime, ids, layers, heads, full)
+
+
+def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: list[int],
+           heads: list[int], full: dict[str, np.ndarray]) -> Response:
+    codec = runtime.artifact.codec
     arrays = {k: np.ascontiguousarray(v[layers][:, heads]) for k, v in full.items()}
     tokens = [codec.token_text(i) for i in ids]
 
@@ -78,11 +87,25 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
         np.savez(buffer, **contents)
         return Response(buffer.getvalue(), media_type="application/octet-stream",
                         headers={"Content-Disposition": 'attachment; filename="attention.npz"'})
-    return JSONResponse({
+    return Response(encode_json({
         "model": runtime.artifact.name,
         "tokens": [{"id": i, "text": t} for i, t in zip(ids, tokens, strict=True)],
         "layers": layers, "heads": heads,
         "layout": "(layers, heads, query, key); q, k, v: (layers, heads, token, head_dim)",
         "shapes": {k: list(v.shape) for k, v in arrays.items()},
-        "attention": {k: _json_safe(v) for k, v in arrays.items()},
-    })
+    }, arrays), media_type="application/json")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def encode_json(head: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
+    """``head`` plus ``"attention": arrays``, the bytes JSONResponse would give, built one
+    (layer, head) matrix per json.dumps call: the C encoder holds the GIL for a whole call,
+    and one call over ~55 MB stalled the engine and every token stream for seconds."""
+    kinds = []
+    for kind, a in arrays.items():  # (layers, heads, rows, cols)
+        per_layer = ("[" + ",".join(_dumps(_json_safe(m)) for m in layer) + "]" for layer in a)
+        kinds.append(_dumps(kind) + ":[" + ",".join(per_layer) + "]")
+    return (_dumps(head)[:-1] + ',"attention":{' + ",".join(kinds) + "}}").encode()

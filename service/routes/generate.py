@@ -69,6 +69,7 @@ async def generate(body: GenerateRequest, request: Request, runtime: ReadyRuntim
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     fields = ["inputs"] if isinstance(body.inputs, str) else [f"inputs.{i}" for i in
                                                               range(len(texts))]
+    runtime.validator.check_count(len(texts), "inputs")
     requests = [build_request(runtime, t, params, f) for t, f in zip(texts, fields, strict=True)]
     assert runtime.scheduler is not None
     results = await collect(runtime.scheduler.submit(requests), request)

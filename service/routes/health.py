@@ -52,6 +52,7 @@ async def info(runtime: RuntimeDep) -> dict[str, Any]:
         "artifact": {"path": str(artifact.path.resolve()), "manifest_sha256": artifact.sha256,
                      "files": artifact.files},
         "provider": runtime.provider,
+        "decode_graph": runtime.decode_graph,
         "requested_providers": artifact.providers,
         "device": settings.device,
         "ready": runtime.ready,

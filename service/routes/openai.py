@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.app import Runtime
 from service.deps import ReadyRuntime, RuntimeDep, require_api_key
-from service.engine.request import FinishInfo, GenerationRequest, TokenEvent
+from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenEvent
 from service.errors import ApiError
 from service.routes.relay import collect, merge, sse
 from service.schemas import CompletionRequest
@@ -49,15 +50,25 @@ def build_requests(body: CompletionRequest, runtime: Runtime) -> list[Generation
                             f"{runtime.artifact.name!r}", "not_found", param="model",
                        code="model_not_found")
     validator = runtime.validator
+    validator.check_count(len(body.prompts) * body.n, "n" if body.n > 1 else "prompt")
+    sampling = body.to_sampling_params()
     requests = []
     for i, prompt in enumerate(body.prompts):
         field = "prompt" if isinstance(body.prompt, str) else f"prompt.{i}"
         ids = validator.tokenize(prompt, field)
-        for _ in range(body.n):
+        for j in range(body.n):
             requests.append(validator.build(
-                ids, body.to_sampling_params(), body.max_tokens, body.stop_sequences,
+                ids, choice_sampling(sampling, j), body.max_tokens, body.stop_sequences,
                 "max_tokens", prompt_logprobs=body.echo and body.logprobs is not None))
     return requests
+
+
+def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
+    """The n choices of a seeded request use seeds seed, seed+1, ...: reproducible, yet
+    not n copies of one sample."""
+    if sampling.seed is None or choice == 0:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + choice) % 2**63)
 
 
 def final_text(finish: FinishInfo) -> str:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import onnx
@@ -49,8 +51,9 @@ def test_corrupt_weights(ckpt_copy: Path, tmp_path: Path) -> None:
     assert_clean_failure(attnserve("--ckpt", ckpt_copy, "--out", out), out, "corrupt")
 
 
-def test_corrupt_config(ckpt_copy: Path, tmp_path: Path) -> None:
-    (ckpt_copy / "config.json").write_text('{"format_version": 1, "model": {"d_model": ')
+@pytest.mark.parametrize("text", ['{"format_version": 1, "model": {"d_model": ', "[1, 2]"])
+def test_corrupt_config(ckpt_copy: Path, tmp_path: Path, text: str) -> None:
+    (ckpt_copy / "config.json").write_text(text)  # truncated JSON; valid JSON, not an object
     out = tmp_path / "art"
     assert_clean_failure(attnserve("--ckpt", ckpt_copy, "--out", out), out, "corrupt")
 
@@ -86,3 +89,27 @@ def test_non_empty_output_needs_force_then_opset_option(tiny_checkpoint: Path,
     assert opsets[""] == 20
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 384
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".art")]
+
+
+def test_sigterm_mid_export_leaves_nothing_behind(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """docker stop / kill during an export: the staging directory is removed too."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    log = tmp_path / "export.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "export", "--ckpt",
+                                 str(tiny_checkpoint), "--out", str(runs / "art")],
+                                stdout=sink, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 120
+            while not list(runs.glob(".art.tmp-*")):  # staging has begun
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == 128 + signal.SIGTERM, log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert list(runs.iterdir()) == [], log.read_text()

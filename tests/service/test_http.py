@@ -380,3 +380,52 @@ def test_attention_rejects_bad_layers_heads_and_formats(client: httpx.Client) ->
         r = client.post("/attention", json=body)
         assert r.status_code == 422, body
         assert r.json()["error"].startswith(f"{field}:"), r.json()
+
+
+@pytest.mark.parametrize(("path", "body", "needle"), [
+    ("/generate", {"inputs": []}, "inputs: List should have at least 1 item"),
+    ("/v1/completions", {"model": "tiny", "prompt": []}, "prompt: List should have at least"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": ["x"] * 5},
+     "stop: List should have at most 4 items"),
+])
+def test_union_field_errors_name_the_broken_constraint(
+        client: httpx.Client, path: str, body: dict[str, Any], needle: str) -> None:
+    """str | list fields: an empty or over-long list is not "should be a valid string"."""
+    r = client.post(path, json=body)
+    assert r.status_code == 422
+    error = r.json()["error"]
+    message = error["message"] if path.startswith("/v1") else error
+    assert message.startswith(needle), r.json()
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b'{"inputs": "\xff\xfe"}', "it is not UTF-8 text"),
+    (b'{"inputs": ' + b"[" * 3000 + b"]" * 3000 + b"}", "it is nested too deeply"),
+])
+def test_unparsable_body_is_422_saying_why(client: httpx.Client, content: bytes,
+                                           why: str) -> None:
+    r = client.post("/generate", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert r.json() == {"error": f"body is not valid JSON: {why}", "error_type": "validation"}
+
+
+def test_more_sequences_than_the_queue_holds_is_422_not_429(client: httpx.Client) -> None:
+    """64 prompts x n=3 can never fit the default queue of 128: retrying cannot help."""
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": ["a"] * 64, "n": 3,
+                                             "max_tokens": 1})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"] == "n"
+    assert "exceed max_queued_requests 128" in r.json()["error"]["message"]
+
+
+def test_seeded_n_choices_differ_and_repeat(client: httpx.Client) -> None:
+    body = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 16, "temperature": 1.0,
+            "seed": 11}
+    texts = [c["text"] for c in client.post("/v1/completions", json={**body, "n": 2}
+                                            ).json()["choices"]]
+    again = [c["text"] for c in client.post("/v1/completions", json={**body, "n": 2}
+                                            ).json()["choices"]]
+    single = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert texts == again  # reproducible
+    assert texts[0] == single  # the first choice is the plain seeded sample
+    assert texts[0] != texts[1]  # not n copies of one sample

@@ -113,6 +113,14 @@ def test_full_queue_answers_429_overloaded(client: httpx.Client,
     assert after - before >= 1
 
 
+def test_list_longer_than_the_queue_is_422_not_429(client: httpx.Client) -> None:
+    """Two inputs can never fit a queue of one: that is the client's error, not overload."""
+    r = client.post("/generate", headers=AUTH, json={"inputs": ["a", "b"]})
+    assert r.status_code == 422, r.text
+    assert r.json() == {"error": "inputs: 2 sequences in one request exceed "
+                                 "max_queued_requests 1", "error_type": "validation"}
+
+
 def test_disconnected_stream_is_cancelled_and_frees_its_slot(
         client: httpx.Client, metric: Callable[..., float]) -> None:
     before = client.get("/metrics").text
@@ -179,3 +187,31 @@ def test_ready_is_503_until_warm_then_sigterm_drains_and_exits_0(
     assert events[-1]["details"]["generated_tokens"] == 6  # the in-flight request finished
     assert server.proc.wait(timeout=30) == 0
     assert "draining" in server.log()
+
+
+def test_sigterm_past_the_drain_timeout_fails_requests_with_json_errors(
+        start_server: Callable[..., Any]) -> None:
+    """Requests outliving --drain-timeout get a 503 JSON body or a final SSE error event,
+    not uvicorn's bare-text 500 or a cut stream, and the process still exits 0."""
+    server = start_server("--drain-timeout", "0.5", env={"ATTNSERVE_TEST_STEP_DELAY": "0.1"})
+    long = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}}  # ~10 s of decoding
+    plain: list[httpx.Response] = []
+    waiter = threading.Thread(target=lambda: plain.append(
+        httpx.post(f"{server.url}/generate", json=long, timeout=60)))
+    with httpx.stream("POST", f"{server.url}/generate_stream", json=long, timeout=60) as r:
+        lines = r.iter_lines()
+        first_event(lines)
+        waiter.start()
+        deadline = time.monotonic() + 20
+        while "attnserve_num_requests_running 2.0" not in httpx.get(
+                f"{server.url}/metrics").text:
+            assert time.monotonic() < deadline, "the plain request never started decoding"
+            time.sleep(0.02)
+        server.proc.send_signal(signal.SIGTERM)
+        events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+    waiter.join(30)
+    assert events[-1] == {"error": "the server is shutting down", "error_type": "unhealthy"}
+    assert plain and plain[0].status_code == 503
+    assert plain[0].json() == {"error": "the server is shutting down",
+                               "error_type": "unhealthy"}
+    assert server.proc.wait(timeout=30) == 0

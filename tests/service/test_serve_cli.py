@@ -47,6 +47,15 @@ def test_missing_model_is_a_one_line_error() -> None:
     assert "--model (or ATTNSERVE_MODEL) is required" in result.stderr
 
 
+@pytest.mark.parametrize("key", ["", " "])
+def test_a_blank_api_key_is_refused_at_start(artifact: Path, key: str) -> None:
+    """Else `Authorization: Bearer ` (an empty token) would pass the constant-time check."""
+    result = serve("--model", str(artifact), "--port", "0", env={"ATTNSERVE_API_KEY": key})
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "ATTNSERVE_API_KEY is set but empty" in (
+        result.stderr)
+
+
 def test_device_cuda_without_cuda_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(session.ort, "get_available_providers",
                         lambda: ["CPUExecutionProvider"])

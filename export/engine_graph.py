@@ -1,0 +1,228 @@
+"""Build engine.onnx: the serving engine's own decoder graph, written node by node.
+
+model.onnx follows the Hugging Face past/present convention, so every decode step
+concatenates the whole cache into a new present tensor, and its attention is a dozen
+small ops. engine.onnx keeps the same weights and arithmetic but runs attention in ONNX
+Runtime's fused ``com.microsoft.GroupQueryAttention`` over a preallocated cache of
+``max_seq_len`` positions that is both the past input and the present output: bound to the
+same OrtValue, the kernel writes each new key/value in place and nothing is copied.
+
+Each row's cache starts at position 0 (no left padding); ``seqlens_k`` (total length − 1
+per row) tells the kernel where a row ends. Positions stay learned (or sinusoidal) table
+lookups by ``position_ids``, outside the attention op. Only the service uses this graph;
+model.onnx remains the contract graph for every other tool.
+
+The I/O names and shapes are in export/engine_spec.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from export import io_spec as io
+from export.engine_spec import MAX_SEQUENCE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+from model.gpt import GPT
+
+ENGINE_OPSET = 18
+
+
+class _Graph:
+    """Accumulates initializers and nodes with unique names."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], name: str, n_out: int = 1,
+           outputs: list[str] | None = None, domain: str = "", **attrs: Any) -> list[str]:
+        outs = outputs or [name if n_out == 1 else f"{name}.{j}" for j in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=name, domain=domain,
+                                           **attrs))
+        return outs
+
+
+def _f32(t: Any) -> np.ndarray:
+    return np.asarray(t.detach().float().cpu().numpy(), dtype=np.float32)
+
+
+def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
+    """The decoder as fused ONNX Runtime nodes, weights from ``gpt``.
+
+    Hidden states stay flat, (N = B·T, d), so projections with a bias become one Gemm
+    (FusedGemm with the ReLU folded in), and every residual add joins its LayerNorm in
+    one SkipLayerNormalization, the FFN's output bias included. Only attention sees
+    (B, T, ·), through two reshapes that alias rather than copy.
+    """
+    cfg = gpt.config
+    nh, hs, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+    eps = float(cfg.layer_norm_eps)
+    g = _Graph()
+    ms = "com.microsoft"
+    tok = g.const("tok_emb", _f32(gpt.tok_emb.weight))  # (V, d)
+    blocks: list[Any] = list(gpt.blocks)
+    pos_table: Any = gpt.pos_emb.weight if gpt.pos_emb is not None else gpt.pos_table
+    pos = g.const("pos_emb", _f32(pos_table))  # (L, d)
+    ids_shape = g.op("Shape", [io.INPUT_IDS], "ids_shape")[0]  # [B, T]
+    shape_btc = g.op("Concat", [ids_shape, g.const("minus1", np.array([-1], np.int64))],
+                     "shape_btc", axis=0)[0]  # [B, T, -1]
+    flat = g.const("shape_flat", np.array([-1, d], np.int64))  # [N, d]
+    embed = g.op("Add", [g.op("Gather", [tok, io.INPUT_IDS], "tok_gather")[0],
+                         g.op("Gather", [pos, io.POSITION_IDS], "pos_gather")[0]], "embed")[0]
+    x = g.op("Reshape", [embed, flat], "embed_flat")[0]  # (N, d)
+    h = g.op("LayerNormalization", [x, g.const("l0.ln1.w", _f32(blocks[0].ln_1.weight)),
+                                    g.const("l0.ln1.b", _f32(blocks[0].ln_1.bias))],
+             "l0.ln1", axis=-1, epsilon=eps)[0]  # (N, d)
+    n_layers = len(blocks)
+    for i, block in enumerate(blocks):
+        a, ffn, p = block.attn, block.ffn, f"l{i}"
+        w_qkv = np.concatenate([_f32(a.w_q.weight).T, _f32(a.w_k.weight).T,
+                                _f32(a.w_v.weight).T], axis=1)  # (d, 3d): q | k | v
+        qkv = g.op("MatMul", [h, g.const(f"{p}.w_qkv", w_qkv)], f"{p}.qkv")[0]  # (N, 3d)
+        qkv = g.op("Reshape", [qkv, shape_btc], f"{p}.qkv_btc")[0]  # (B, T, 3d)
+        attn = g.op(
+            "GroupQueryAttention",
+            [qkv, "", "", io.past_key_name(i), io.past_value_name(i), SEQLENS_K,
+             TOTAL_SEQUENCE_LENGTH],
+            f"{p}.gqa", outputs=[f"{p}.attn", io.present_key_name(i), io.present_value_name(i)],
+            domain=ms, num_heads=nh, kv_num_heads=nh, scale=float(1.0 / np.sqrt(hs)),
+            do_rotary=0)[0]  # (B, T, d)
+        attn = g.op("Reshape", [attn, flat], f"{p}.attn_flat")[0]  # (N, d)
+        o = g.op("MatMul", [attn, g.const(f"{p}.w_o", _f32(a.w_o.weight).T)], f"{p}.o")[0]
+        # x + o → x;  LN_2(x) → h
+        h, x = g.op("SkipLayerNormalization",
+                    [x, o, g.const(f"{p}.ln2.w", _f32(block.ln_2.weight)),
+                     g.const(f"{p}.ln2.b", _f32(block.ln_2.bias))],
+                    f"{p}.ln2", outputs=[f"{p}.ln2", "", "", f"{p}.res1"], domain=ms,
+                    epsilon=eps)[0::3]
+        up_w, up_b = g.const(f"{p}.up.w", _f32(ffn.up.weight).T), g.const(f"{p}.up.b",
+                                                                         _f32(ffn.up.bias))
+        if cfg.activation == "relu":
+            act = g.op("FusedGemm", [h, up_w, up_b], f"{p}.up", domain=ms,
+                       activation="Relu")[0]  # (N, d_ff)
+        else:  # exact (erf) GELU, as nn.GELU()
+            up = g.op("MatMul", [h, up_w], f"{p}.up")[0]
+            act = g.op("BiasGelu", [up, up_b], f"{p}.act", domain=ms)[0]
+        down = g.op("MatMul", [act, g.const(f"{p}.down.w", _f32(ffn.down.weight).T)],
+                    f"{p}.down")[0]  # (N, d), bias added inside the next SkipLayerNorm
+        ln = blocks[i + 1].ln_1 if i + 1 < n_layers else gpt.ln_f
+        q = f"l{i + 1}.ln1" if i + 1 < n_layers else "ln_f"
+        # x + down + b_down → x;  next LN(x) → h
+        h, x = g.op("SkipLayerNormalization",
+                    [x, down, g.const(f"{q}.w", _f32(ln.weight)), g.const(f"{q}.b", _f32(ln.bias)),
+                     g.const(f"{p}.down.b", _f32(ffn.down.bias))],
+                    q, outputs=[q, "", "", f"{p}.res2"], domain=ms, epsilon=eps)[0::3]
+    logits = g.op("MatMul", [h, g.const("lm_head.w", _f32(gpt.lm_head.weight).T)],
+                  "lm_head")[0]  # (N, V)
+    g.op("Reshape", [logits, shape_btc], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
+
+    kv: list[str | int] = [io.BATCH, nh, MAX_SEQUENCE, hs]
+    inputs = [
+        helper.make_tensor_value_info(io.INPUT_IDS, TensorProto.INT64, [io.BATCH, io.SEQUENCE]),
+        helper.make_tensor_value_info(io.POSITION_IDS, TensorProto.INT64,
+                                      [io.BATCH, io.SEQUENCE]),
+        helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, [io.BATCH]),
+        helper.make_tensor_value_info(TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, [1]),
+        *[helper.make_tensor_value_info(n, TensorProto.FLOAT, kv)
+          for n in io.past_names(cfg.n_layers)],
+    ]
+    outputs = [
+        helper.make_tensor_value_info(io.LOGITS, TensorProto.FLOAT,
+                                      [io.BATCH, io.SEQUENCE, cfg.vocab_size]),
+        *[helper.make_tensor_value_info(n, TensorProto.FLOAT, kv)
+          for n in io.present_names(cfg.n_layers)],
+    ]
+    graph = helper.make_graph(g.nodes, "attnserve_engine", inputs, outputs, g.inits)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", ENGINE_OPSET),
+                              helper.make_opsetid("com.microsoft", 1)],
+        producer_name="attnserve")
+    model.ir_version = 8
+    model.doc_string = ("attnserve engine decoder: GroupQueryAttention over an in-place KV "
+                        "buffer; service-only, see export/engine_graph.py")
+    return model
+
+
+def export_engine(gpt: GPT, path: Path) -> Path:
+    """Write engine.onnx for ``gpt`` (float32 weights and cache)."""
+    onnx.save_model(build_engine_graph(gpt), str(path))
+    return path
+
+
+def verify_engine(gpt: GPT, path: Path, steps: int = 64,
+                  tolerance: float = 1e-4) -> dict[str, object]:
+    """Greedy-decode two ragged rows through engine.onnx and PyTorch; logits within tolerance.
+
+    Also checks that the presents come back in the very buffers bound as pasts, i.e. that
+    ONNX Runtime really updated the cache in place.
+    """
+    import onnxruntime as ort
+    import torch
+
+    cfg = gpt.config
+    n = cfg.n_layers
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    gen = torch.Generator().manual_seed(0)
+    steps = min(steps, cfg.max_seq_len - 8)
+    lens = [min(8, cfg.max_seq_len - steps), min(5, cfg.max_seq_len - steps)]
+    prompts = [torch.randint(0, cfg.vocab_size, (k,), generator=gen).tolist() for k in lens]
+    shape = (len(lens), cfg.n_heads, cfg.max_seq_len, cfg.head_dim)
+    buffers = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for _ in range(2 * n)]
+    t = max(lens)
+    ids = np.zeros((len(lens), t), np.int64)
+    for row, p in enumerate(prompts):
+        ids[row, :len(p)] = p
+    pos = np.tile(np.arange(t, dtype=np.int64), (len(lens), 1))
+    total = np.asarray(lens, np.int64)
+    worst, in_place, equal = 0.0, True, True
+    refs = []
+    with torch.no_grad():
+        pasts = []
+        for p in prompts:
+            out = gpt(torch.tensor([p]))
+            refs.append(out.logits[0, -1].numpy())
+            pasts.append(out.present)
+        for step in range(steps + 1):
+            binding = session.io_binding()
+            binding.bind_output(io.LOGITS, "cpu")
+            binding.bind_cpu_input(io.INPUT_IDS, ids)
+            binding.bind_cpu_input(io.POSITION_IDS, pos)
+            binding.bind_cpu_input(SEQLENS_K, (total - 1).astype(np.int32))
+            binding.bind_cpu_input(TOTAL_SEQUENCE_LENGTH,
+                                   np.array([t if step == 0 else int(total.max())], np.int32))
+            for name, value in zip(io.past_names(n), buffers, strict=True):
+                binding.bind_ortvalue_input(name, value)
+            for name, value in zip(io.present_names(n), buffers, strict=True):
+                binding.bind_ortvalue_output(name, value)
+            session.run_with_iobinding(binding)
+            outs = binding.get_outputs()
+            in_place &= all(o.data_ptr() == b.data_ptr() for o, b in zip(outs[1:], buffers,
+                                                                          strict=True))
+            logits = outs[0].numpy()  # (B, T, V)
+            last = logits[np.arange(len(lens)), total - 1 if step == 0 else 0]  # (B, V)
+            worst = max(worst, float(np.abs(last - np.stack(refs)).max()))
+            nxt = last.argmax(-1)  # (B,)
+            equal &= bool((nxt == np.stack(refs).argmax(-1)).all())
+            if step == steps:
+                break
+            for row in range(len(lens)):
+                out = gpt(torch.tensor([[int(nxt[row])]]), past_key_values=pasts[row])
+                refs[row], pasts[row] = out.logits[0, -1].numpy(), out.present
+            ids, pos = nxt[:, None].astype(np.int64), total[:, None].copy()
+            total = total + 1
+    result: dict[str, object] = {"steps": steps, "max_abs_diff": worst, "greedy_equal": equal,
+                                 "in_place": in_place, "tolerance": tolerance}
+    if not (worst <= tolerance and equal and in_place):
+        raise ValueError(f"engine.onnx disagrees with PyTorch: {result}")
+    return result

@@ -1,0 +1,32 @@
+"""Names of engine.onnx, the service-only decoder graph (see export/engine_graph.py).
+
+Kept apart from the builder so the service can read them without importing torch.
+
+engine.onnx  (B = batch_size, T = sequence_length, M = max_sequence_length = max_seq_len)
+    inputs   input_ids (int64) [B, T], position_ids (int64) [B, T]
+             seqlens_k (int32) [B]: each row's total length − 1 after this call
+             total_sequence_length (int32) [1]: the longest row's total length
+             past_key_values.{i}.key / .value (float32) [B, num_heads, M, head_dim]
+    outputs  logits (float32) [B, T, vocab_size]
+             present.{i}.key / .value: the same buffers as the pasts, written in place
+
+Rows are right-padded: a row's cache and its new tokens start at column 0.
+"""
+
+from __future__ import annotations
+
+from export import io_spec as io
+
+ENGINE_FILE = "engine.onnx"
+SEQLENS_K = "seqlens_k"
+TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
+MAX_SEQUENCE = "max_sequence_length"
+
+
+def engine_input_names(n_layers: int) -> list[str]:
+    return [io.INPUT_IDS, io.POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH,
+            *io.past_names(n_layers)]
+
+
+def engine_output_names(n_layers: int) -> list[str]:
+    return [io.LOGITS, *io.present_names(n_layers)]

@@ -1,0 +1,96 @@
+"""engine.onnx: the service-only GroupQueryAttention decoder, against PyTorch and the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from export import io_spec as io
+from export.engine_graph import build_engine_graph, export_engine, verify_engine
+from export.engine_spec import ENGINE_FILE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+from export.to_onnx import export_artifact
+from model.checkpoint import load_checkpoint
+from model.config import GPTConfig
+from model.gpt import GPT
+
+
+@pytest.fixture(scope="module")
+def engine_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("engine-artifact") / "artifact"
+    return export_artifact(tiny_checkpoint, out, optimize=False, engine_graph=True)
+
+
+def test_engine_graph_is_listed_in_the_manifest_with_its_sha256(engine_artifact: Path) -> None:
+    manifest = json.loads((engine_artifact / io.MANIFEST_FILE).read_text("utf-8"))
+    digest = hashlib.sha256((engine_artifact / ENGINE_FILE).read_bytes()).hexdigest()
+    assert manifest["files"][ENGINE_FILE]["sha256"] == digest
+    engine = manifest["verification"]["engine"]
+    assert engine["greedy_equal"] and engine["in_place"] and engine["max_abs_diff"] <= 1e-4
+    assert engine["steps"] >= 64
+
+
+def test_default_export_writes_no_engine_graph(tiny_artifact: Path) -> None:
+    assert not (tiny_artifact / ENGINE_FILE).exists()
+    assert (tiny_artifact / io.MODEL_FILE).is_file()
+
+
+def test_model_onnx_is_the_same_with_or_without_the_engine_graph(
+        engine_artifact: Path, tiny_artifact: Path) -> None:
+    # Same I/O contract; the engine graph is an extra file, not a replacement.
+    a = onnx.load(str(engine_artifact / io.MODEL_FILE), load_external_data=False)
+    b = onnx.load(str(tiny_artifact / io.MODEL_FILE), load_external_data=False)
+    assert [i.name for i in a.graph.input] == [i.name for i in b.graph.input]
+    assert [o.name for o in a.graph.output] == [o.name for o in b.graph.output]
+    assert not any(n.op_type == "GroupQueryAttention" for n in a.graph.node)
+
+
+def test_engine_graph_refuses_float16_and_int8(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="float32"):
+        export_artifact(tiny_checkpoint, tmp_path / "a", dtype="float16", engine_graph=True)
+    with pytest.raises(ValueError, match="float32"):
+        export_artifact(tiny_checkpoint, tmp_path / "b", quantize="int8", engine_graph=True)
+
+
+def test_gelu_tied_sinusoidal_model_matches_pytorch(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    cfg = GPTConfig(vocab_size=97, d_model=32, n_heads=4, n_layers=2, d_ff=64,
+                    max_seq_len=96, position="sinusoidal", activation="gelu",
+                    tie_weights=True)
+    gpt = GPT(cfg).eval()
+    with torch.no_grad():  # well-separated logits, so greedy choices are not near-ties
+        for param in gpt.parameters():
+            param.normal_(0.0, 0.3)
+    result = verify_engine(gpt, export_engine(gpt, tmp_path / ENGINE_FILE), steps=70)
+    assert result["greedy_equal"] and result["in_place"]
+    assert float(result["max_abs_diff"]) <= 1e-4  # type: ignore[arg-type]
+
+
+def test_prefill_of_ragged_rows_matches_each_row_alone(tiny_checkpoint: Path) -> None:
+    """Right-padded rows: each row's last real logits equal PyTorch on that row alone."""
+    gpt = load_checkpoint(tiny_checkpoint).model.eval()
+    cfg = gpt.config
+    session = ort.InferenceSession(build_engine_graph(gpt).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    lens = [9, 4, 1]
+    rows = [torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+            for n in lens]
+    ids = np.zeros((3, 9), np.int64)
+    for i, r in enumerate(rows):
+        ids[i, :lens[i]] = r.numpy()
+    kv = {n: np.zeros((3, cfg.n_heads, cfg.max_seq_len, cfg.head_dim), np.float32)
+          for n in io.past_names(cfg.n_layers)}
+    logits, *_ = session.run(None, {
+        io.INPUT_IDS: ids, io.POSITION_IDS: np.tile(np.arange(9), (3, 1)),
+        SEQLENS_K: np.asarray(lens, np.int32) - 1,
+        TOTAL_SEQUENCE_LENGTH: np.array([9], np.int32), **kv})
+    with torch.no_grad():
+        for i, r in enumerate(rows):
+            ref = gpt(r[None, :]).logits[0].numpy()  # (n, V)
+            np.testing.assert_allclose(logits[i, :lens[i]], ref, atol=1e-4)

@@ -1,0 +1,21 @@
+"""/attention's JSON, encoded matrix by matrix, is byte for byte what JSONResponse gives."""
+
+from __future__ import annotations
+
+import numpy as np
+from fastapi.responses import JSONResponse
+
+from service.routes.attention import _json_safe, encode_json
+
+
+def test_piecewise_encoding_equals_one_json_response() -> None:
+    rng = np.random.default_rng(0)
+    scaled = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)  # (layers, heads, T, T)
+    scaled[..., np.triu_indices(4, 1)[0], np.triu_indices(4, 1)[1]] = -np.inf  # masked
+    arrays = {"scaled_scores": scaled,
+              "q": rng.standard_normal((2, 3, 4, 5)).astype(np.float32)}
+    head = {"model": "tiny", "tokens": [{"id": 7, "text": "é\n"}], "layers": [0, 1],
+            "shapes": {k: list(v.shape) for k, v in arrays.items()}}
+    expected = JSONResponse({**head, "attention": {k: _json_safe(v) for k, v in
+                                                   arrays.items()}}).body
+    assert encode_json(head, arrays) == expected
