@@ -35,7 +35,7 @@ def engine_error(event: ErrorEvent) -> ApiError:
 
 async def _run_one(handle: RequestHandle) -> Completed:
     tokens: list[TokenEvent] = []
-    async for event in handle.events():
+    for event in await handle.all_events():
         if isinstance(event, ErrorEvent):
             raise engine_error(event)
         tokens.append(event)

@@ -213,3 +213,29 @@ def test_stop_fails_waiting_requests_with_a_shutdown_error(
 
     last = asyncio.run(main())
     assert all(isinstance(e, ErrorEvent) and e.kind == "shutdown" for e in last)
+
+
+def test_all_events_gathers_what_events_streams_before_or_after_the_finish(
+        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    scheduler, _ = make(model, codec)
+    ids = encode(PROMPTS[1])
+
+    async def main() -> tuple[list[int], list[Any], list[Any]]:
+        scheduler.start(asyncio.get_running_loop())
+        streamed, waiting, late = scheduler.submit([greedy(ids, 16) for _ in range(3)])
+        # `waiting` is awaited before its first token exists; `late` only after the finish.
+        stream_ids, gathered = await asyncio.gather(tokens_of(streamed), waiting.all_events())
+        await asyncio.sleep(0)
+        already = await late.all_events()
+        return stream_ids, gathered, already
+
+    try:
+        stream_ids, gathered, already = asyncio.run(main())
+    finally:
+        scheduler.stop(5)
+    expected = reference_greedy(ids, 16)
+    assert stream_ids == expected
+    for events in (gathered, already):
+        assert [e.token.id for e in events] == expected
+        assert [e.finish is not None for e in events] == [False] * 15 + [True]
