@@ -23,6 +23,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from export import io_spec as io
+from service.engine.batch import Batch, ModelRunner
+from service.engine.request import GenerationRequest
+from service.engine.text import TextCodec
 
 HERE = Path(__file__).resolve().parent
 NO_TORCH = HERE / "no_torch"
@@ -150,6 +153,36 @@ def start_server(artifact: Path, tmp_path_factory: pytest.TempPathFactory
     yield start
     for server in servers:
         server.stop()
+
+
+def run_with_joins(model: ModelRunner, codec: TextCodec, waves: list[list[GenerationRequest]],
+                   join_every: int) -> dict[int, list[int]]:
+    """Decode, adding one wave of requests every `join_every` steps; tokens by request id.
+
+    Finished rows leave at once, so the batch is filtered and concatenated as it would be
+    in the engine; any ModelRunner (model.onnx or engine.onnx) can be driven.
+    """
+    tokens: dict[int, list[int]] = {}
+    batch: Batch | None = None
+    step = 0
+    while waves or batch is not None:
+        if waves and step % join_every == 0:
+            fresh = Batch.from_requests(waves.pop(0), codec, model.vocab_size, pad_token_id=0)
+            for seq, event in zip(fresh.sequences, fresh.step(model), strict=True):
+                tokens.setdefault(seq.request.id, []).append(event.token.id)
+            batch = fresh if batch is None else Batch.concatenate([batch, fresh], model)
+        else:
+            assert batch is not None
+            for seq, event in zip(batch.sequences, batch.step(model), strict=True):
+                tokens.setdefault(seq.request.id, []).append(event.token.id)
+        assert batch is not None
+        keep = [i for i, s in enumerate(batch.sequences) if s.finish is None]
+        if keep:
+            batch.filter(keep, model)
+        else:
+            batch = None
+        step += 1
+    return tokens
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:

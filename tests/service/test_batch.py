@@ -14,6 +14,7 @@ from service.engine.request import GenerationRequest, SamplingParams, StoppingCr
 from service.engine.sampling import log_softmax
 from service.engine.session import OnnxModel, create_session
 from service.engine.text import TextCodec
+from tests.service.conftest import run_with_joins
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O"]
@@ -38,32 +39,6 @@ def request(ids: list[int], max_new: int, eos: int | None = None, stop: tuple[st
 
 def new_batch(requests: list[GenerationRequest], codec: TextCodec, model: OnnxModel) -> Batch:
     return Batch.from_requests(requests, codec, model.vocab_size, pad_token_id=0)
-
-
-def run_with_joins(model: OnnxModel, codec: TextCodec, waves: list[list[GenerationRequest]],
-                   join_every: int) -> dict[int, list[int]]:
-    """Decode, adding one wave of requests every `join_every` steps; tokens by request id."""
-    tokens: dict[int, list[int]] = {}
-    batch: Batch | None = None
-    step = 0
-    while waves or batch is not None:
-        if waves and step % join_every == 0:
-            fresh = new_batch(waves.pop(0), codec, model)
-            for seq, event in zip(fresh.sequences, fresh.step(model), strict=True):
-                tokens.setdefault(seq.request.id, []).append(event.token.id)
-            batch = fresh if batch is None else Batch.concatenate([batch, fresh], model)
-        else:
-            assert batch is not None
-            for seq, event in zip(batch.sequences, batch.step(model), strict=True):
-                tokens.setdefault(seq.request.id, []).append(event.token.id)
-        assert batch is not None
-        keep = [i for i, s in enumerate(batch.sequences) if s.finish is None]
-        if keep:
-            batch.filter(keep, model)
-        else:
-            batch = None
-        step += 1
-    return tokens
 
 
 def test_batched_greedy_equals_the_reference_loop_with_joins_and_leaves(
