@@ -62,13 +62,13 @@ deploy-smoke: venv system-deps
 .PHONY: bench
 BENCH_ARGS ?=
 bench: venv
-	$(BIN)/attnserve bench --presets small,base --setup-optimum $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks --presets small,base --setup-optimum $(BENCH_ARGS)
 
 lint: venv
-	$(BIN)/ruff check model export service tests
+	$(BIN)/ruff check model export service benchmarks tests
 
 typecheck: venv
-	$(BIN)/mypy model export service
+	$(BIN)/mypy model export service benchmarks
 
 clean:
 	rm -rf $(CKPT) $(ARTIFACT) .pytest_cache .ruff_cache .mypy_cache

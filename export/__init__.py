@@ -1,4 +1,5 @@
 """torch → ONNX export. Only this package knows both PyTorch and ONNX.
 
-The submodules ``io_spec`` and ``manifest`` are torch-free: the service imports them.
+It writes artifacts through the torch-free contract in ``service.contract`` (I/O names,
+artifact config, manifest); the service never imports this package.
 """

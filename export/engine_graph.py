@@ -12,7 +12,7 @@ per row) tells the kernel where a row ends. Positions stay learned (or sinusoida
 lookups by ``position_ids``, outside the attention op. Only the service uses this graph;
 model.onnx remains the contract graph for every other tool.
 
-The I/O names and shapes are in export/engine_spec.py.
+The I/O names and shapes are in service/contract/engine_spec.py.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from export import io_spec as io
-from export.engine_spec import MAX_SEQUENCE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
 from model.gpt import GPT
+from service.contract import io_spec as io
+from service.contract.engine_spec import MAX_SEQUENCE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
 
 ENGINE_OPSET = 18
 

@@ -7,7 +7,7 @@ layer's Q, K, V, raw and scaled scores and attention weights as outputs.
 
 Both are traced with the dynamo-based ``torch.onnx.export(dynamo=True)``; its symbolic
 dimension names (``s10``, ``s70 + s89`` ...) are then renamed to the contract's names from
-export/io_spec.py, so the graph reads exactly as the manifest documents it.
+service/contract/io_spec.py, so the graph reads exactly as the manifest documents it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from export import io_spec as io
 from model.gpt import GPT
+from service.contract import io_spec as io
 
 DEFAULT_OPSET = 18
 # The dynamo exporter emits opset 18 natively; other versions go through the ONNX version
@@ -164,7 +164,7 @@ def export_decoder(gpt: GPT, path: Path, opset: int = DEFAULT_OPSET,
     static = {"num_heads": cfg.n_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size}
     _rename_dims(proto, io.model_io_shapes(n), static)
     proto.doc_string = (f"attnserve decoder with KV cache; kv_dtype={kv_dtype}; "
-                        "logits float32; I/O per export/io_spec.py")
+                        "logits float32; I/O per service/contract/io_spec.py")
     onnx.save_model(proto, str(path))
     return path
 

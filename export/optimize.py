@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from export import io_spec as io
 from export.verify import np_kv_dtype, verify_decoder
 from model.gpt import GPT
+from service.contract import io_spec as io
 
 LEVEL = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
 Check = Callable[[Path], dict[str, Any]]

@@ -27,7 +27,6 @@ AGREEMENT_TARGET = 0.95
 STEPS = 64
 PROMPTS = 8
 PROMPT_TOKENS = 16
-DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 FALLBACK_TEXT = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
     "with a single step. To be, or not to be, that is the question. All that glitters is "
@@ -36,16 +35,29 @@ FALLBACK_TEXT = (
 
 
 def held_out_text(training: dict[str, Any]) -> tuple[str, str]:
-    """The tail (last 10%) of the training corpus if it can be found; (text, source)."""
-    for key in ("corpus", "data", "data_path", "corpus_path"):
+    """The held-out tail (last 10%) of the checkpoint's own corpus; (text, source).
+
+    ``training`` is the checkpoint's training record: its ``data_path`` (or ``data``) names
+    the corpus, and ``stdlib`` is rebuilt from this Python's standard library. A corpus that
+    is gone falls back to the stdlib corpus, and that to a fixed text.
+    """
+    from model.data import STDLIB, stdlib_corpus_path
+
+    for key in ("data_path", "data", "corpus", "corpus_path"):
         value = training.get(key)
-        if isinstance(value, str) and Path(value).is_file():
-            text = Path(value).read_text("utf-8", errors="replace")
-            return text[int(len(text) * 0.9):], f"{value} (last 10%)"
-    if DEFAULT_CORPUS.is_file():
-        text = DEFAULT_CORPUS.read_text("utf-8", errors="replace")
-        return text[int(len(text) * 0.9):], f"{DEFAULT_CORPUS} (last 10%)"
-    return FALLBACK_TEXT, "built-in fixed prompt text"
+        if value == STDLIB:
+            path, name = stdlib_corpus_path(), "stdlib corpus"
+        elif isinstance(value, str) and Path(value).is_file():
+            path, name = Path(value), value
+        else:
+            continue
+        text = path.read_text("utf-8", errors="replace")
+        return text[int(len(text) * 0.9):], f"{name} (last 10%)"
+    try:
+        text = stdlib_corpus_path().read_text("utf-8", errors="replace")
+        return text[int(len(text) * 0.9):], "stdlib corpus (last 10%)"
+    except OSError:
+        return FALLBACK_TEXT, "built-in fixed prompt text"
 
 
 def _run_all(dec: OrtDecoder, ids: np.ndarray) -> np.ndarray:

@@ -21,9 +21,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from export import io_spec as io
-from export.manifest import Manifest, checkpoint_fingerprint, describe_files
 from model.staging import staged_directory
+from service.contract import io_spec as io
+from service.contract.manifest import Manifest, checkpoint_fingerprint, describe_files
 
 DTYPES = ("float32", "float16")
 QUANTIZATIONS = ("int8",)
@@ -183,7 +183,7 @@ def export_artifact(
         fp32_copy.unlink(missing_ok=True)
         if engine_graph:
             from export.engine_graph import export_engine, verify_engine
-            from export.engine_spec import ENGINE_FILE
+            from service.contract.engine_spec import ENGINE_FILE
 
             engine_path = export_engine(gpt, tmp / ENGINE_FILE)
             if verify:

@@ -11,7 +11,7 @@ raises :class:`VerificationError` and the export fails. The figures go to manife
   that prompt alone in PyTorch;
 - attention.onnx: weights vs GPT intermediates, rows sum to 1, nothing above the diagonal.
 
-ORT is driven only through the names in export/io_spec.py, as any client would.
+ORT is driven only through the names in service/contract/io_spec.py, as any client would.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from export import io_spec as io
 from model.gpt import GPT
+from service.contract import io_spec as io
 
 FP32_LOGITS_TOL = 1e-4
 FP16_LOGITS_TOL = 1e-2  # the cache is rounded to float16; compute stays float32

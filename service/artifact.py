@@ -11,8 +11,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from export import io_spec as io
-from export.manifest import verify_manifest
+from service.contract import io_spec as io
+from service.contract.manifest import verify_manifest
 from service.engine.session import select_providers
 from service.engine.text import TextCodec
 from service.settings import Limits, Settings

@@ -5,10 +5,12 @@ Usage:
     attnserve sample --ckpt checkpoints/default --prompt "Return the"
     attnserve export --ckpt checkpoints/default --out artifacts/default
     attnserve serve  --model artifacts/default
-    attnserve bench  ...
 
-Each package registers its own subcommands; their handlers import heavy libraries only
-when they run, so `attnserve --help` and `attnserve serve` work where torch is absent.
+Each package registers its own subcommands through the ``attnserve.commands`` entry-point
+group (pyproject.toml), so this root knows no package but its own: the serving image,
+which installs only ``attnserve[serve]``, still lists train/export and explains the missing
+extra when they are run. Handlers import heavy libraries only when they run, so
+`attnserve --help` and `attnserve serve` work where torch is absent.
 Errors the user can fix (ValueError, OSError and their subclasses) print one line and
 exit 2; set ATTNSERVE_DEBUG=1 to see the traceback instead.
 """
@@ -17,16 +19,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from importlib.metadata import entry_points
 from types import FrameType
 
-# Modules that each define register(subparsers); imported lazily, none imports torch.
-SUBCOMMAND_MODULES = ("model.cli", "export.cli", "service.serve_cli", "export.bench.cli")
+# Entry points whose objects are register(subparsers) functions; none imports torch.
+COMMAND_GROUP = "attnserve.commands"
+COMMAND_ORDER = {"model": 0, "export": 1, "serve": 2}
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -37,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small GPT, export it to ONNX with a KV cache, and serve it.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in SUBCOMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    for entry in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: COMMAND_ORDER.get(
+            e.name, len(COMMAND_ORDER))):
+        entry.load()(subparsers)
     return parser
 
 

@@ -7,8 +7,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from service.app import Runtime
 from service.errors import ApiError
+from service.runtime import Runtime
 
 
 def get_runtime(request: Request) -> Runtime:

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from export.io_spec import ATTENTION_KINDS
+from service.contract.io_spec import ATTENTION_KINDS
 from service.engine.request import SamplingParams
 
 NonEmptyText = Annotated[str, Field(min_length=1)]

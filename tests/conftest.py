@@ -3,8 +3,10 @@
 Both are built once per test session into pytest's temporary directory, so every test
 area (model, export, service, bench) can reuse them without paying for training twice.
 The checkpoint is a real one written by ``model.checkpoint.save_checkpoint``: a byte-level
-BPE tokenizer trained on ~200 KB of tinyshakespeare and a small GPT trained for 150
-AdamW steps (~3 s), enough that greedy decoding is not stuck on one token.
+BPE tokenizer trained on ~200 KB of the built-in stdlib corpus (docstrings of the Python
+standard library, built from source on first use; nothing outside the repository is read)
+and a small GPT trained for 150 AdamW steps (~3 s), enough that greedy decoding is not
+stuck on one token.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-DATA_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 CORPUS_CHARS = 200_000
 TINY_VOCAB = 384
 TRAIN_STEPS = 150
@@ -37,11 +38,22 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def corpus_text() -> str:
+    """The built-in stdlib corpus as plain text (documents joined by blank lines)."""
+    from model.data import read_documents, stdlib_corpus_path
+
+    return "\n\n".join(read_documents(stdlib_corpus_path()))
+
+
 def tiny_corpus() -> str:
-    """The first ~200 KB of tinyshakespeare (read in place, never copied into the repo)."""
-    if not DATA_FILE.is_file():
-        raise FileNotFoundError(f"test corpus {DATA_FILE} is missing")
-    return DATA_FILE.read_text(encoding="utf-8")[:CORPUS_CHARS]
+    """The first ~200 KB of the stdlib corpus."""
+    return corpus_text()[:CORPUS_CHARS]
+
+
+@pytest.fixture(scope="session")
+def stdlib_text() -> str:
+    """~1 MB of English technical prose for tests that train or tokenize real text."""
+    return corpus_text()
 
 
 def build_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
@@ -81,7 +93,7 @@ def build_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     meta = CheckpointMeta(
         model=config,
         tokenizer={"kind": "bpe", **special_ids(tok).to_dict()},
-        training={"steps": TRAIN_STEPS, "final_loss": losses[-1], "corpus": str(DATA_FILE),
+        training={"steps": TRAIN_STEPS, "final_loss": losses[-1], "data": "stdlib",
                   "seed": seed},
     )
     metrics = [{"step": i + 1, "loss": loss_value} for i, loss_value in enumerate(losses)]

@@ -1,6 +1,6 @@
 """ONNX Runtime sessions for model.onnx and attention.onnx, with provider selection.
 
-``OnnxModel`` implements the batch's ModelRunner by the names in export/io_spec.py. Each
+``OnnxModel`` implements the batch's ModelRunner by the names in service/contract/io_spec.py. Each
 forward pass goes through an IO binding: the presents stay OrtValues owned by ONNX
 Runtime (on the GPU under CUDA) and are bound as the next step's pasts without a copy;
 only the logits come back to host memory.
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from export import io_spec as io
+from service.contract import io_spec as io
 from service.settings import Device
 
 log = logging.getLogger("attnserve.session")
@@ -116,7 +116,7 @@ def create_model(artifact_dir: Path, config: io.ArtifactConfig, device: Device,
     engine.onnx (written by ``attnserve export --engine-graph``) keeps a float32 cache on
     the host, so it is used only when the session would run on CPU anyway.
     """
-    from export.engine_spec import ENGINE_FILE
+    from service.contract.engine_spec import ENGINE_FILE
 
     engine_path = artifact_dir / ENGINE_FILE
     if engine_graph and engine_path.is_file() and select_providers(device) == [CPU]:

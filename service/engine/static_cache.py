@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from export import engine_spec as es
-from export import io_spec as io
+from service.contract import engine_spec as es
+from service.contract import io_spec as io
 
 
 @dataclass

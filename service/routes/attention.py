@@ -18,9 +18,9 @@ import numpy as np
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
-from service.app import Runtime
 from service.deps import ReadyRuntime, require_api_key
 from service.render import heatmap_grid
+from service.runtime import Runtime
 from service.schemas import AttentionRequest
 from service.validation import InputError
 

@@ -16,11 +16,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.app import Runtime
 from service.deps import ReadyRuntime, RuntimeDep, require_api_key
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenEvent
 from service.errors import ApiError
 from service.routes.relay import collect, merge, sse
+from service.runtime import Runtime
 from service.schemas import CompletionRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])

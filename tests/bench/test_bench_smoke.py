@@ -1,4 +1,4 @@
-"""`attnserve bench --quick` end to end on the tiny fixtures: files exist and agree.
+"""`python -m benchmarks --quick` end to end on the tiny fixtures: files exist and agree.
 
 No timing is asserted (speed is what the benchmark prints); what is asserted is that
 every requested engine produced its rows, that the engines ran the same weights (their
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from service.cli import main
+from benchmarks.__main__ import main
 
 ENGINES = ["torch_nocache", "torch_kv", "hf_generate", "ort_plain", "engine", "http"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -21,7 +21,7 @@ def test_quick_bench_writes_consistent_reports(
     tiny_checkpoint: Path, tiny_artifact: Path, tmp_path: Path, capsys
 ) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "res"
-    code = main(["bench", "--presets", "tiny", "--quick", "--no-latest", "--out", str(out),
+    code = main(["--presets", "tiny", "--quick", "--no-latest", "--out", str(out),
                  "--ckpt", f"tiny={tiny_checkpoint}", "--artifact", f"tiny={tiny_artifact}",
                  "--engines", ",".join(ENGINES), "--batch-sizes", "1,4",
                  "--concurrency", "1,4", "--new-tokens", "8", "--long-new-tokens", "16"])

@@ -12,13 +12,13 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export import io_spec as io
 from export.engine_graph import build_engine_graph, export_engine, verify_engine
-from export.engine_spec import ENGINE_FILE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
 from export.to_onnx import export_artifact
 from model.checkpoint import load_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
+from service.contract import io_spec as io
+from service.contract.engine_spec import ENGINE_FILE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from pathlib import Path
 import onnx
 import pytest
 
-from export.manifest import verify_manifest
 from model.tokenizer import build_char_tokenizer
+from service.contract.manifest import verify_manifest
 
 
 def attnserve(*args: str | Path) -> subprocess.CompletedProcess[str]:

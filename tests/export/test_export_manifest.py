@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from export.manifest import ManifestError, verify_manifest
+from service.contract.manifest import ManifestError, verify_manifest
 
 
 @pytest.fixture()
@@ -83,6 +83,6 @@ def test_corrupt_manifest_is_refused(artifact_copy: Path) -> None:
 
 
 def test_manifest_module_imports_without_torch() -> None:
-    code = ("import sys; import export.manifest, export.io_spec; "
+    code = ("import sys; import service.contract.manifest, service.contract.io_spec; "
             "assert 'torch' not in sys.modules and 'onnxruntime' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

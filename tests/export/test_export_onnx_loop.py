@@ -19,8 +19,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from export import io_spec
 from model.checkpoint import load_checkpoint
+from service.contract import io_spec
 
 
 def _session(path: Path) -> ort.InferenceSession:

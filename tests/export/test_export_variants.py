@@ -9,10 +9,10 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from export import io_spec
-from export.manifest import verify_manifest
 from export.to_onnx import export_artifact
 from model.checkpoint import load_checkpoint
+from service.contract import io_spec
+from service.contract.manifest import verify_manifest
 
 
 def test_int8_export_reports_agreement_and_perplexity(tiny_checkpoint: Path,

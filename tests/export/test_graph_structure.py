@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from export import io_spec as io
+from service.contract import io_spec as io
 
 
 def _optimized_graph(artifact: Path, tmp_path: Path) -> onnx.GraphProto:

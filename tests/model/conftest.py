@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 
 from model.config import GPTConfig
 from model.gpt import GPT
-
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def make_model(seed: int = 0, std: float = 0.3, **overrides: object) -> GPT:
@@ -32,9 +29,3 @@ def make_model(seed: int = 0, std: float = 0.3, **overrides: object) -> GPT:
 def random_gpt() -> Callable[..., GPT]:
     return make_model
 
-
-@pytest.fixture(scope="session")
-def shakespeare_text() -> str:
-    if not SHAKESPEARE.is_file():
-        raise FileNotFoundError(f"test corpus {SHAKESPEARE} is missing")
-    return SHAKESPEARE.read_text(encoding="utf-8")

@@ -28,9 +28,9 @@ def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory, shakespeare_text: str) -> Path:
+def corpus(tmp_path_factory: pytest.TempPathFactory, stdlib_text: str) -> Path:
     path = tmp_path_factory.mktemp("cli") / "corpus.txt"
-    path.write_text(shakespeare_text[:20_000], encoding="utf-8")
+    path.write_text(stdlib_text[:20_000], encoding="utf-8")
     return path
 
 

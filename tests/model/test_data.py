@@ -131,9 +131,9 @@ def test_unigram_cross_entropy_by_hand():
     assert unigram_cross_entropy(train, targets, vocab_size=3) == pytest.approx(expected)
 
 
-def test_char_stream_of_a_real_file(tmp_path: Path, shakespeare_text: str):
+def test_char_stream_of_a_real_file(tmp_path: Path, stdlib_text: str):
     corpus = tmp_path / "s.txt"
-    corpus.write_text(shakespeare_text[:5000], encoding="utf-8")
+    corpus.write_text(stdlib_text[:5000], encoding="utf-8")
     docs = read_documents(corpus)
     assert len(docs) == 1  # no <end> lines: the whole file is one document
     tok = build_char_tokenizer(docs)

@@ -22,9 +22,9 @@ from model.train import TrainOptions, train
 BIN = Path(sys.executable).parent
 
 
-def test_two_process_ddp_keeps_ranks_identical(tmp_path, shakespeare_text):
+def test_two_process_ddp_keeps_ranks_identical(tmp_path, stdlib_text):
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(shakespeare_text[:20_000], encoding="utf-8")
+    corpus.write_text(stdlib_text[:20_000], encoding="utf-8")
     torchrun = shutil.which("torchrun", path=str(BIN))
     attnserve = shutil.which("attnserve", path=str(BIN))
     assert torchrun and attnserve

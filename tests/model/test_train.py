@@ -16,9 +16,9 @@ from model.train_state import TRAIN_STATE_FILE
 
 
 @pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory: pytest.TempPathFactory, shakespeare_text: str) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "shakespeare-40k.txt"
-    path.write_text(shakespeare_text[:40_000], encoding="utf-8")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory, stdlib_text: str) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "stdlib-40k.txt"
+    path.write_text(stdlib_text[:40_000], encoding="utf-8")
     return path
 
 
@@ -30,9 +30,9 @@ def _quick(out: Path, corpus: Path, **overrides) -> TrainOptions:
     return TrainOptions(**fields)
 
 
-def test_tiny_preset_beats_the_unigram_baseline(tmp_path, shakespeare_text):
-    corpus = tmp_path / "shakespeare-300k.txt"
-    corpus.write_text(shakespeare_text[:300_000], encoding="utf-8")
+def test_tiny_preset_beats_the_unigram_baseline(tmp_path, stdlib_text):
+    corpus = tmp_path / "stdlib-300k.txt"
+    corpus.write_text(stdlib_text[:300_000], encoding="utf-8")
     result = train(TrainOptions(out=str(tmp_path / "ckpt"), data=str(corpus), preset="tiny",
                                 progress=False, verbose=False))
     assert result.steps == 100  # the tiny preset's schedule

@@ -22,7 +22,7 @@ import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer
 
-from export import io_spec as io
+from service.contract import io_spec as io
 from service.engine.batch import Batch, ModelRunner
 from service.engine.request import GenerationRequest
 from service.engine.text import TextCodec

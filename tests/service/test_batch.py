@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from export import io_spec as io
+from service.contract import io_spec as io
 from service.engine.batch import Batch
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.sampling import log_softmax

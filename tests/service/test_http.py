@@ -21,8 +21,8 @@ import pytest
 from PIL import Image
 from tokenizers import Tokenizer
 
-from export import io_spec as io
-from export.manifest import load_manifest
+from service.contract import io_spec as io
+from service.contract.manifest import load_manifest
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "To be, or not", "KING:\nWhat",
            "O", "Good morrow, cousin"]

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from export.engine_spec import ENGINE_FILE
-from export.manifest import verify_manifest
+from service.contract.engine_spec import ENGINE_FILE
+from service.contract.manifest import verify_manifest
 from tests.service.conftest import ServerProcess
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from export import io_spec as io
+from service.contract import io_spec as io
 from service.engine.request import (
     ErrorEvent,
     GenerationRequest,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from export import io_spec as io
+from service.contract import io_spec as io
 from service.engine import session
 from service.settings import Limits, Settings
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from export import io_spec as io
-from export.engine_spec import ENGINE_FILE
+from service.contract import io_spec as io
+from service.contract.engine_spec import ENGINE_FILE
 from service.engine.batch import Batch
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.session import OnnxModel, create_model, create_session

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from export import io_spec as io
-from export.bench.measure import GenResult
+from benchmarks.measure import GenResult
+from service.contract import io_spec as io
 
 
 def ort_session(model_path: Path, threads: int) -> Any:

@@ -1,10 +1,10 @@
-"""`attnserve bench`: the side-by-side benchmark (what `make bench` runs).
+"""The side-by-side benchmark (what `make bench` runs). Not part of the installed package.
 
-Usage:
-    attnserve bench                                  # small and base, full run (~12 min)
-    attnserve bench --presets small --quick          # smoke run, fewer tokens
-    attnserve bench --setup-optimum                  # also build the Optimum side env
-    attnserve bench --ckpt small=checkpoints/default --out results/bench/mine
+Usage (from the repository root, in the dev venv):
+    python -m benchmarks                                  # small and base, full run (~12 min)
+    python -m benchmarks --presets small --quick          # smoke run, fewer tokens
+    python -m benchmarks --setup-optimum                  # also build the Optimum side env
+    python -m benchmarks --ckpt small=checkpoints/default --out results/bench/mine
 
 Writes results.json, results.md and results.png under --out (default
 results/bench/<date>/) and copies them to results/bench/latest.{json,md,png}.
@@ -17,7 +17,6 @@ import shlex
 import sys
 from datetime import date
 from pathlib import Path
-from typing import Any
 
 DEFAULT_OPTIMUM_VENV = Path(".cache/optimum-venv")
 
@@ -46,9 +45,9 @@ def _mapping(items: list[str] | None, flag: str) -> dict[str, Path]:
     return out
 
 
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "bench", help="benchmark our engine against PyTorch, transformers, ORT and Optimum",
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", type=_names, default=["small", "base"],
                    help="comma-separated presets (default small,base)")
@@ -85,11 +84,11 @@ def register(subparsers: Any) -> None:
                    help="create the Optimum overlay venv if it is missing (pip, --no-deps)")
     p.add_argument("--keep-work", action="store_true",
                    help="keep the temporary checkpoints and artifacts")
-    p.set_defaults(handler=handle)
+    return p
 
 
 def _optimum(args: argparse.Namespace) -> tuple[Path | None, str]:
-    from export.bench.optimum_env import ensure_overlay, has_optimum, overlay_python
+    from benchmarks.optimum_env import ensure_overlay, has_optimum, overlay_python
 
     try:
         import optimum.onnxruntime  # noqa: F401
@@ -110,7 +109,7 @@ def _optimum(args: argparse.Namespace) -> tuple[Path | None, str]:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from export.bench.harness import ENGINES, BenchOptions, run_bench
+    from benchmarks.harness import ENGINES, BenchOptions, run_bench
 
     engines = args.engines or list(ENGINES)
     unknown = sorted(set(engines) - set(ENGINES))
@@ -138,7 +137,7 @@ def handle(args: argparse.Namespace) -> int:
         ckpts=_mapping(args.ckpt, "--ckpt"), artifacts=_mapping(args.artifact, "--artifact"),
         artifacts_int8=_mapping(args.artifact_int8, "--artifact-int8"),
         optimum_python=optimum_python, optimum_note=optimum_note, keep_work=args.keep_work,
-        command="attnserve bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
+        command="python -m benchmarks " + shlex.join(sys.argv[1:]),
     )
     run = run_bench(opts)
     for preset, result in run["presets"].items():
@@ -147,3 +146,20 @@ def handle(args: argparse.Namespace) -> int:
     print(f"results: {out / 'results.md'} (json, png beside it); "
           f"took {run['total_s']:.0f}s")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return handle(args)
+    except KeyboardInterrupt:
+        print("benchmarks: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"benchmarks: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from export.bench.measure import GenResult
+from benchmarks.measure import GenResult
 
 
 class TorchNoCache:

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from export import io_spec as io
-from export.bench.measure import GenResult
+from benchmarks.measure import GenResult
+from service.contract import io_spec as io
 
 
 class EngineRunner:

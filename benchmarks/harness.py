@@ -21,8 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from export.bench.prepare import REPO_ROOT, Prepared, export_copies, make_prompts
-from export.bench.prepare import prepare_checkpoint as _prepare_checkpoint
+from benchmarks.prepare import REPO_ROOT, Prepared, export_copies, make_prompts
+from benchmarks.prepare import prepare_checkpoint as _prepare_checkpoint
 
 ENGINES = ("torch_nocache", "torch_kv", "hf_generate", "ort_plain", "optimum", "engine",
            "engine_int8", "http")
@@ -75,7 +75,7 @@ def run_worker(spec: dict[str, Any], work: Path, opts: BenchOptions,
     tag = f"{spec['job']}-{spec.get('engine', '')}-{time.monotonic_ns()}"
     spec_path, out_path = work / f"{tag}.spec.json", work / f"{tag}.out.json"
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
-    cmd = [str(python or sys.executable), "-m", "export.bench.worker", str(spec_path),
+    cmd = [str(python or sys.executable), "-m", "benchmarks.worker", str(spec_path),
            str(out_path)]
     t0 = time.perf_counter()
     try:
@@ -196,7 +196,7 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
         if missing:
             result["http"] = {"error": f"not measured: {missing}"}
         else:
-            from export.bench.http_load import run_http
+            from benchmarks.http_load import run_http
 
             try:
                 result["http"] = run_http(Path(prep.paths["artifact"]), prompts["texts"],
@@ -259,7 +259,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
-    from export.bench.report import chart, evaluate_targets, markdown
+    from benchmarks.report import chart, evaluate_targets, markdown
 
     started = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="attnserve-bench-"))

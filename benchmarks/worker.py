@@ -1,7 +1,7 @@
 """One benchmark job in a process of its own, so its memory figures are its own.
 
 Usage (started by the harness, not by hand):
-    python -m export.bench.worker SPEC.json RESULT.json
+    python -m benchmarks.worker SPEC.json RESULT.json
 
 SPEC names a job (ceiling, measure, kv_vs_nocache, agreement, optimum_export) and its
 inputs; RESULT receives {"result": ..., "memory": {...}} or {"error": "..."}. Thread
@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from export.bench.measure import measure_runner, proc_memory_mb
+from benchmarks.measure import measure_runner, proc_memory_mb
 
 TORCH_ENGINES = ("torch_nocache", "torch_kv", "hf_generate", "optimum")
 
@@ -37,27 +37,27 @@ def _make_runner(spec: dict[str, Any]) -> Any:
     if engine in TORCH_ENGINES:
         _limit_torch_threads(threads)
     if engine == "torch_nocache":
-        from export.bench.runners_torch import TorchNoCache
+        from benchmarks.runners_torch import TorchNoCache
 
         return TorchNoCache(Path(paths["ckpt"]))
     if engine == "torch_kv":
-        from export.bench.runners_torch import TorchKV
+        from benchmarks.runners_torch import TorchKV
 
         return TorchKV(Path(paths["ckpt"]))
     if engine == "hf_generate":
-        from export.bench.runners_torch import HFGenerate
+        from benchmarks.runners_torch import HFGenerate
 
         return HFGenerate(Path(paths["hf"]))
     if engine == "optimum":
-        from export.bench.runners_torch import OptimumORT
+        from benchmarks.runners_torch import OptimumORT
 
         return OptimumORT(Path(paths["optimum"]), threads)
     if engine == "ort_plain":
-        from export.bench.runners_ort import PlainORT
+        from benchmarks.runners_ort import PlainORT
 
         return PlainORT(Path(paths["artifact"]), threads)
     if engine in ("engine", "engine_int8"):
-        from export.bench.runner_engine import EngineRunner
+        from benchmarks.runner_engine import EngineRunner
 
         key = "artifact" if engine == "engine" else "artifact_int8"
         return EngineRunner(Path(paths[key]), threads, name=engine)
@@ -79,7 +79,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     job = spec["job"]
     memory: dict[str, Any] = {}
     if job == "ceiling":
-        from export.bench.ceiling import measure_ceiling
+        from benchmarks.ceiling import measure_ceiling
 
         return {"result": measure_ceiling(spec["threads"], spec["quick"])}
     if job == "measure":
@@ -96,18 +96,18 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
         return {"result": {"rows": rows, "load_s": load_s}, "memory": memory}
     if job == "kv_vs_nocache":
         _limit_torch_threads(spec["threads"])
-        from export.bench.runners_torch import kv_vs_nocache
+        from benchmarks.runners_torch import kv_vs_nocache
 
         return {"result": kv_vs_nocache(spec["config"], spec["prompt"], spec["new_tokens"])}
     if job == "agreement":
-        from export.bench.runners_ort import greedy_agreement
+        from benchmarks.runners_ort import greedy_agreement
 
         return {"result": greedy_agreement(Path(spec["fp32"]), Path(spec["int8"]),
                                            spec["prompts"], spec["fp32_tokens"],
                                            spec["threads"])}
     if job == "optimum_export":
         _limit_torch_threads(spec["threads"])
-        from export.bench.runners_torch import optimum_export
+        from benchmarks.runners_torch import optimum_export
 
         return {"result": optimum_export(Path(spec["hf"]), Path(spec["out"]))}
     raise ValueError(f"unknown job {job!r}")

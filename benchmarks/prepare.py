@@ -15,8 +15,7 @@ from typing import Any
 
 from model.checkpoint import read_meta
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CORPUS = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CKPT = REPO_ROOT / "checkpoints" / "default"
 
 
@@ -44,7 +43,7 @@ def _matches_preset(ckpt: Path, preset: str) -> bool:
 
 
 def _tokenizer_json(work: Path) -> str:
-    """The default checkpoint's tokenizer, else a byte-level BPE trained on tinyshakespeare."""
+    """The default checkpoint's tokenizer, else a byte-level BPE trained on the stdlib corpus."""
     if (DEFAULT_CKPT / "tokenizer.json").is_file():
         return (DEFAULT_CKPT / "tokenizer.json").read_text(encoding="utf-8")
     cached = work / "tokenizer.json"
@@ -60,12 +59,10 @@ def _tokenizer_json(work: Path) -> str:
 
 
 def _corpus_text() -> str:
-    if CORPUS.is_file():
-        return CORPUS.read_text(encoding="utf-8")
-    # Without the shared corpus: varied, deterministic English-like text.
-    words = ("attention", "query", "key", "value", "softmax", "scaled", "head", "layer",
-             "token", "cache", "batch", "decode", "prefill", "model", "weights", "the", "a")
-    return " ".join(words[(i * 7 + i // 3) % len(words)] for i in range(200_000))
+    """The built-in stdlib corpus: the prompts and the tokenizer come from real prose."""
+    from model.data import read_documents, stdlib_corpus_path
+
+    return "\n\n".join(read_documents(stdlib_corpus_path()))
 
 
 def random_checkpoint(preset: str, out: Path, tokenizer_json: str) -> Path:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from export import io_spec as io
+from service.contract import io_spec as io
 
 MANIFEST_VERSION = 1
 REQUIRED_FILES = (io.MODEL_FILE, io.ATTENTION_FILE, io.TOKENIZER_FILE, io.CONFIG_FILE)

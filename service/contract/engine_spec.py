@@ -15,7 +15,7 @@ Rows are right-padded: a row's cache and its new tokens start at column 0.
 
 from __future__ import annotations
 
-from export import io_spec as io
+from service.contract import io_spec as io
 
 ENGINE_FILE = "engine.onnx"
 SEQLENS_K = "seqlens_k"

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from export.bench.measure import percentile, proc_memory_mb
+from benchmarks.measure import percentile, proc_memory_mb
 
 
 def free_port() -> int:
