@@ -23,6 +23,7 @@ import onnx
 import torch
 from torch import Tensor, nn
 
+from model.config import GPTConfig
 from model.gpt import GPT
 from service.contract import io_spec as io
 
@@ -52,7 +53,7 @@ class DecoderAdapter(nn.Module):
         input_ids: Tensor,  # (B, T) int64
         attention_mask: Tensor,  # (B, T_past + T) int64
         position_ids: Tensor,  # (B, T) int64
-        *past: Tensor,  # 2 * n_layers tensors (B, nh, T_past, hs)
+        *past: Tensor,  # 2 * n_layers tensors (B, nkv, T_past, hs)
     ) -> tuple[Tensor, ...]:
         pairs = [(past[2 * i].float(), past[2 * i + 1].float()) for i in range(len(past) // 2)]
         out = self.gpt(input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -89,7 +90,7 @@ def _example_decoder_inputs(gpt: GPT, kv_dtype: io.KvDtype) -> tuple[Tensor, ...
     mask = torch.ones(b, p + t, dtype=torch.long)
     pos = torch.arange(p, p + t).unsqueeze(0).expand(b, t).contiguous()
     dtype = torch.float16 if kv_dtype == "float16" else torch.float32
-    past = [torch.zeros(b, cfg.n_heads, p, cfg.head_dim, dtype=dtype)
+    past = [torch.zeros(b, cfg.kv_heads, p, cfg.head_dim, dtype=dtype)
             for _ in range(2 * cfg.n_layers)]
     return (ids, mask, pos, *past)
 
@@ -143,6 +144,11 @@ def _rename_dims(proto: onnx.ModelProto, shapes: dict[str, dict[str, list[str]]]
                                             dim.dim_param)
 
 
+def grouped_kv(cfg: GPTConfig) -> bool:
+    """Whether the cache has fewer heads than the queries (grouped-query attention)."""
+    return cfg.kv_heads != cfg.n_heads
+
+
 def export_decoder(gpt: GPT, path: Path, opset: int = DEFAULT_OPSET,
                    kv_dtype: io.KvDtype = "float32") -> Path:
     """Write model.onnx: the merged prefill/decode graph with KV cache."""
@@ -161,8 +167,9 @@ def export_decoder(gpt: GPT, path: Path, opset: int = DEFAULT_OPSET,
                         io.model_input_names(n), io.model_output_names(n), dyn, opset)
     finally:
         gpt.set_attention_impl("sdpa")
-    static = {"num_heads": cfg.n_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size}
-    _rename_dims(proto, io.model_io_shapes(n), static)
+    static = {"num_heads": cfg.n_heads, io.KV_HEADS: cfg.kv_heads, "head_dim": cfg.head_dim,
+              "vocab_size": cfg.vocab_size}
+    _rename_dims(proto, io.model_io_shapes(n, grouped_kv(cfg)), static)
     proto.doc_string = (f"attnserve decoder with KV cache; kv_dtype={kv_dtype}; "
                         "logits float32; I/O per service/contract/io_spec.py")
     onnx.save_model(proto, str(path))

@@ -47,7 +47,7 @@ def decode_step_feed(gpt: GPT, kv_dtype: io.KvDtype, batch: int = 1,
         io.ATTENTION_MASK: np.ones((batch, past_len + 1), np.int64),
         io.POSITION_IDS: np.full((batch, 1), past_len, np.int64),
     }
-    shape = (batch, cfg.n_heads, past_len, cfg.head_dim)  # (B, nh, T_past, hs)
+    shape = (batch, cfg.kv_heads, past_len, cfg.head_dim)  # (B, nkv, T_past, hs)
     for name in io.past_names(cfg.n_layers):
         feed[name] = rng.standard_normal(shape).astype(np_kv_dtype(kv_dtype))
     return feed

@@ -100,6 +100,7 @@ def artifact_config(ckpt: Any, model_name: str, kv_dtype: io.KvDtype,
         eos_token_id=ids.eos_token_id, tokenizer_kind=str(ckpt.meta.tokenizer.get("kind", "bpe")),
         kv_dtype=kv_dtype,
         generation=io.GenerationDefaults(max_new_tokens=min(64, cfg.max_seq_len // 2)),
+        arch=cfg.arch, n_kv_heads=cfg.n_kv_heads if cfg.kv_heads != cfg.n_heads else None,
     )
 
 
@@ -127,6 +128,7 @@ def export_artifact(
         attention_io_shapes,
         export_attention,
         export_decoder,
+        grouped_kv,
     )
 
     say = log or (lambda _msg: None)
@@ -138,6 +140,10 @@ def export_artifact(
                          "no --quantize)")
     check_target(out, force)
     ckpt, tok = load_source(Path(ckpt_dir))
+    if engine_graph and ckpt.meta.model.arch != "gpt":
+        raise ValueError(f"--engine-graph is not available for {ckpt.meta.model.arch}-"
+                         "architecture checkpoints yet (its GroupQueryAttention graph is "
+                         "GPT-only); export without it: the service decodes with model.onnx")
     gpt = ckpt.model.eval()
     with staged_directory(out) as tmp:
         started = time.perf_counter()
@@ -198,7 +204,8 @@ def export_artifact(
                       "native_opset": DEFAULT_OPSET, "export_seconds": round(export_seconds, 3),
                       "versions": _versions()},
             opset=opset, kv_dtype=dtype, quantization=quantize,
-            io={"model": io.model_io_shapes(ckpt.meta.model.n_layers),
+            io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,
+                                            grouped_kv(ckpt.meta.model)),
                 "attention": attention_io_shapes(ckpt.meta.model.n_layers),
                 "logits_dtype": "float32", "kv_dtype": dtype},
             verification=verification, optimization=optimization,

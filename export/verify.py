@@ -39,7 +39,7 @@ class VerificationError(ValueError):
 
 def decoder_for(path: str | Path, gpt: GPT, kv_dtype: io.KvDtype) -> OrtDecoder:
     cfg = gpt.config
-    return OrtDecoder.from_file(path, cfg.n_layers, cfg.n_heads, cfg.head_dim, kv_dtype)
+    return OrtDecoder.from_file(path, cfg.n_layers, cfg.kv_heads, cfg.head_dim, kv_dtype)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, ...]:
@@ -74,7 +74,7 @@ def check_prefill(gpt: GPT, dec: OrtDecoder, rng: np.random.Generator,
     pos = np.broadcast_to(np.arange(length, dtype=np.int64), ids.shape).copy()
     logits, present = dec(ids, mask, pos, dec.empty_past(batch))
     ref = gpt(torch.from_numpy(ids)).logits.numpy()  # (B, T, V)
-    if present[0].shape != (batch, dec.n_heads, length, dec.head_dim):
+    if present[0].shape != (batch, dec.kv_heads, length, dec.head_dim):
         raise VerificationError(f"present shape {present[0].shape} after a zero-length past")
     return {"max_abs_diff": float(np.abs(logits - ref).max()), "prompts": batch,
             "prompt_length": length, "past_length": 0}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from model.config import ACTIVATIONS, PRESETS
+from model.config import ACTIVATIONS, ARCHS, PRESETS
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -65,7 +65,8 @@ def _register_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default=None, metavar="|".join(PRESETS),
                    help="model size and schedule (default: small, or the checkpoint's when "
                         "resuming): " + "; ".join(
-                       f"{name}: d_model {p.d_model}, {p.n_heads} heads, {p.n_layers} layers, "
+                       f"{name}: {p.arch}, d_model {p.d_model}, {p.n_heads} heads"
+                       f"{f' ({p.n_kv_heads} kv)' if p.n_kv_heads else ''}, {p.n_layers} layers, "
                        f"d_ff {p.d_ff}, context {p.max_seq_len}, {p.steps} steps"
                        for name, p in PRESETS.items()))
     p.add_argument("--out", required=True, metavar="DIR",
@@ -88,11 +89,17 @@ def _register_train(subparsers: argparse._SubParsersAction) -> None:
                    help="byte-level BPE trained on the corpus, or one token per character")
     p.add_argument("--vocab-size", type=int, default=None, metavar="N",
                    help="BPE vocabulary size; default: the preset's (4096 for small/base)")
-    p.add_argument("--position", choices=("learned", "sinusoidal"), default="learned",
-                   help="learned position embeddings or the fixed sinusoidal encoding")
-    p.add_argument("--activation", choices=ACTIVATIONS, default="relu",
-                   help="feed-forward activation: gelu is the exact (erf) GELU, gelu_tanh "
-                        "the tanh approximation GPT-2 uses (transformers' gelu_new)")
+    p.add_argument("--arch", choices=ARCHS, default=None,
+                   help="gpt (LayerNorm, learned/sinusoidal positions, MLP) or llama "
+                        "(RMSNorm, rotary positions, SwiGLU, grouped-query attention; "
+                        "presets llama-tiny / llama-small, the default); default: the preset's")
+    p.add_argument("--position", choices=("learned", "sinusoidal"), default=None,
+                   help="gpt only: learned position embeddings (default) or the fixed "
+                        "sinusoidal encoding")
+    p.add_argument("--activation", choices=ACTIVATIONS, default=None,
+                   help="gpt only: feed-forward activation, relu (default); gelu is the "
+                        "exact (erf) GELU, gelu_tanh the tanh approximation GPT-2 uses "
+                        "(transformers' gelu_new)")
     p.add_argument("--attn-bias", action="store_true",
                    help="biases on the attention Q/K/V/output projections, as GPT-2 has")
     p.add_argument("--tie-weights", action="store_true",
@@ -148,6 +155,7 @@ def _train(args: argparse.Namespace) -> int:
         out=args.out, data=args.data, preset=args.preset, steps=args.steps,
         time_budget=args.time_budget, seed=args.seed, device=args.device, resume=args.resume,
         tokenizer=args.tokenizer, vocab_size=args.vocab_size, position=args.position,
+        arch=args.arch,
         activation=args.activation, tie_weights=args.tie_weights, attn_bias=args.attn_bias,
         batch_size=args.batch_size,
         lr=args.lr, context=args.context, eval_interval=args.eval_interval,

@@ -9,9 +9,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-PositionKind = Literal["learned", "sinusoidal"]
-ActivationKind = Literal["relu", "gelu", "gelu_tanh"]
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+PositionKind = Literal["learned", "sinusoidal", "rope"]
+ActivationKind = Literal["relu", "gelu", "gelu_tanh", "silu"]
+ArchKind = Literal["gpt", "llama"]
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # of the GPT feed-forward; llama's SwiGLU is silu
+ARCHS = ("gpt", "llama")
+# Rotary scalings computed exactly (model/rotary.py); anything else is refused.
+ROPE_SCALINGS = ("linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,14 @@ class GPTConfig:
     # GPT-2 has a bias on every Q/K/V/output projection; the seeds' model has none. False
     # keeps checkpoints written before the field existed loading unchanged.
     attn_bias: bool = False
+    # Llama family (model/llama.py): RMSNorm, SwiGLU, rotary positions, grouped-query
+    # attention. Every default is the GPT behaviour, so older checkpoints load unchanged.
+    arch: ArchKind = "gpt"
+    n_kv_heads: int | None = None  # key/value heads (GQA); None: one per query head
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # transformers' rope_scaling, checked
+    qkv_bias: bool = False  # biases on Q/K/V only (Qwen2); attn_bias covers all four
+    mlp_bias: bool = False  # biases on the SwiGLU projections (Llama's mlp_bias)
 
     def __post_init__(self) -> None:
         checks = {
@@ -42,19 +54,42 @@ class GPTConfig:
             "d_ff": self.d_ff > 0,
             "max_seq_len": self.max_seq_len > 0,
             "dropout": 0.0 <= self.dropout < 1.0,
-            "position": self.position in ("learned", "sinusoidal"),
-            "activation": self.activation in ACTIVATIONS,
+            "position": self.position in (("rope",) if self.arch == "llama"
+                                          else ("learned", "sinusoidal")),
+            "activation": self.activation in (("silu",) if self.arch == "llama"
+                                              else ACTIVATIONS),
             "layer_norm_eps": self.layer_norm_eps > 0,
+            "arch": self.arch in ARCHS,
+            "n_kv_heads": self.n_kv_heads is None or (
+                self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0
+                and (self.arch == "llama" or self.n_kv_heads == self.n_heads)),
+            "rope_theta": self.rope_theta > 0,
+            "qkv_bias/mlp_bias": self.arch == "llama" or not (self.qkv_bias or self.mlp_bias),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid GPTConfig field(s) {bad}: {self}")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError("sinusoidal positions need an even d_model")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ValueError("rotary positions need an even head_dim")
+        if self.rope_scaling is not None:
+            from model.rotary import check_rope_scaling
+
+            check_rope_scaling(self.rope_scaling)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: fewer than query heads under grouped-query attention."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    def kv_head_of(self, head: int) -> int:
+        """The key/value head query head ``head`` reads (transformers' repeat_kv order)."""
+        return head // (self.n_heads // self.kv_heads)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,10 +112,16 @@ class GPTConfig:
         (sinusoidal ones are a buffer).
         """
         v, d, f, n_layers = self.vocab_size, self.d_model, self.d_ff, self.n_layers
+        head = 0 if self.tie_weights else v * d
+        if self.arch == "llama":
+            kv = self.kv_heads * self.head_dim
+            attention = 2 * d * d + 2 * d * kv + (d + 2 * kv if self.qkv_bias else 0)
+            attention += 2 * d + 2 * kv if self.attn_bias else 0
+            mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
+            return v * d + n_layers * (attention + mlp + 2 * d) + d + head
         embeddings = v * d + (self.max_seq_len * d if self.position == "learned" else 0)
         attention = 4 * d * d + (4 * d if self.attn_bias else 0)
         per_block = attention + (d * f + f) + (f * d + d) + 2 * (2 * d)
-        head = 0 if self.tie_weights else v * d
         return embeddings + n_layers * per_block + 2 * d + head
 
 
@@ -97,6 +138,8 @@ class Preset:
     batch_size: int
     learning_rate: float
     steps: int
+    arch: ArchKind = "gpt"
+    n_kv_heads: int | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -109,6 +152,14 @@ PRESETS: dict[str, Preset] = {
     # The seeds' classic configuration (d_model 512, 8 heads, 6 layers, d_ff 2048).
     "base": Preset(d_model=512, n_heads=8, n_layers=6, d_ff=2048, max_seq_len=512,
                    vocab_size=4096, batch_size=16, learning_rate=6e-4, steps=2000),
+    # Llama architecture (RMSNorm, SwiGLU, rotary, grouped-query attention with a quarter
+    # / a half of the key/value heads): the same budgets as tiny and small.
+    "llama-tiny": Preset(d_model=64, n_heads=4, n_layers=2, d_ff=192, max_seq_len=128,
+                         vocab_size=512, batch_size=16, learning_rate=3e-3, steps=100,
+                         arch="llama", n_kv_heads=2),
+    "llama-small": Preset(d_model=256, n_heads=8, n_layers=4, d_ff=704, max_seq_len=256,
+                          vocab_size=4096, batch_size=8, learning_rate=3e-3, steps=360,
+                          arch="llama", n_kv_heads=2),
 }
 
 
@@ -117,6 +168,12 @@ def config_from_preset(name: str, vocab_size: int | None = None, **overrides: An
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[name]
+    if p.arch == "llama":
+        # The GPT-only switches (position, activation) do not apply.
+        overrides = {k: v for k, v in overrides.items()
+                     if k not in ("position", "activation")}
+        overrides.update(arch="llama", position="rope", activation="silu",
+                         n_kv_heads=p.n_kv_heads)
     return GPTConfig(
         vocab_size=vocab_size if vocab_size is not None else p.vocab_size,
         d_model=p.d_model, n_heads=p.n_heads, n_layers=p.n_layers, d_ff=p.d_ff,

@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import GPTConfig
+from model.llama import LlamaBlock, RMSNorm
+from model.rotary import Rotary, apply_rotary
 
-KVCache = list[tuple[Tensor, Tensor]]  # per layer: key, value each (B, nh, T_total, hs)
+KVCache = list[tuple[Tensor, Tensor]]  # per layer: key, value each (B, nkv, T_total, hs)
 
 
 @dataclass
@@ -28,7 +30,7 @@ class AttentionIntermediates:
     """Everything seed 000 prints for one layer, for every head at once."""
 
     q: Tensor  # (B, nh, T, hs)
-    k: Tensor  # (B, nh, T_past + T, hs)
+    k: Tensor  # (B, nh, T_past + T, hs)  per query head (GQA: its group's key head)
     v: Tensor  # (B, nh, T_past + T, hs)
     scores: Tensor  # (B, nh, T, T_past + T)  raw QKᵀ
     scaled_scores: Tensor  # (B, nh, T, T_past + T)  QKᵀ/√d_k with -inf where masked
@@ -75,24 +77,31 @@ def attention_allowed(
 
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention; Q, K, V and output projections are bias-free (seed 000)
-    unless ``attn_bias`` (GPT-2)."""
+    unless ``attn_bias`` (GPT-2; Q/K/V only with ``qkv_bias``, Qwen2).
+
+    With ``n_kv_heads`` < ``n_heads`` (grouped-query attention, Llama family) the keys and
+    values have fewer heads: query head h reads key/value head h // (n_heads / n_kv_heads),
+    and only those heads are cached. Rotary angles, when given, rotate Q and K before the
+    keys enter the cache.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
+        self.n_kv_heads = config.kv_heads
         self.head_dim = config.head_dim
-        d = config.d_model
+        d, kv = config.d_model, config.kv_heads * config.head_dim
         bias = config.attn_bias
-        self.w_q = nn.Linear(d, d, bias=bias)
-        self.w_k = nn.Linear(d, d, bias=bias)
-        self.w_v = nn.Linear(d, d, bias=bias)
+        self.w_q = nn.Linear(d, d, bias=bias or config.qkv_bias)
+        self.w_k = nn.Linear(d, kv, bias=bias or config.qkv_bias)
+        self.w_v = nn.Linear(d, kv, bias=bias or config.qkv_bias)
         self.w_o = nn.Linear(d, d, bias=bias)
         self.dropout = config.dropout
         self.use_sdpa = True  # see GPT.set_attention_impl
 
-    def _split_heads(self, x: Tensor) -> Tensor:
+    def _split_heads(self, x: Tensor, heads: int) -> Tensor:
         b, t, _ = x.shape
-        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        return x.view(b, t, heads, self.head_dim).transpose(1, 2)  # (B, heads, T, hs)
 
     def forward(
         self,
@@ -100,38 +109,50 @@ class CausalSelfAttention(nn.Module):
         allowed: Tensor | None,  # (B, 1, T, T_past + T) or None for plain causal, no past
         past: tuple[Tensor, Tensor] | None,
         explicit: bool,
+        rotary: tuple[Tensor, Tensor] | None = None,  # cos, sin (B, T, hs)
     ) -> tuple[Tensor, tuple[Tensor, Tensor], AttentionIntermediates | None]:
         b, t, d = x.shape
-        q = self._split_heads(self.w_q(x))  # (B, nh, T, hs)
-        k = self._split_heads(self.w_k(x))  # (B, nh, T, hs)
-        v = self._split_heads(self.w_v(x))  # (B, nh, T, hs)
+        nh, nkv = self.n_heads, self.n_kv_heads
+        q = self._split_heads(self.w_q(x), nh)  # (B, nh, T, hs)
+        k = self._split_heads(self.w_k(x), nkv)  # (B, nkv, T, hs)
+        v = self._split_heads(self.w_v(x), nkv)  # (B, nkv, T, hs)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if past is not None:
-            k = torch.cat([past[0], k], dim=2)  # (B, nh, T_past + T, hs)
-            v = torch.cat([past[1], v], dim=2)  # (B, nh, T_past + T, hs)
+            k = torch.cat([past[0], k], dim=2)  # (B, nkv, T_past + T, hs)
+            v = torch.cat([past[1], v], dim=2)  # (B, nkv, T_past + T, hs)
         present = (k, v)
+        total = k.shape[2]
 
         inter: AttentionIntermediates | None = None
         dropout_p = self.dropout if self.training else 0.0
         if explicit or not self.use_sdpa:
-            scores = q @ k.transpose(-2, -1)  # (B, nh, T, T_past + T)
+            # Grouped: the n_rep query heads of a group share one key/value head, so fold
+            # them into the query axis and multiply against the cache as it is (no copy).
+            rep = nh // nkv
+            qg = q.reshape(b, nkv, rep * t, self.head_dim)  # (B, nkv, rep·T, hs)
+            scores = (qg @ k.transpose(-2, -1)).view(b, nh, t, total)  # (B, nh, T, T_total)
             scaled = scores / math.sqrt(self.head_dim)
             if allowed is None:
-                total = k.shape[2]
                 allowed = torch.ones(t, total, dtype=torch.bool, device=x.device).tril(
                     diagonal=total - t)  # (T, T_total)
             scaled = scaled.masked_fill(~allowed, float("-inf"))
             weights = F.softmax(scaled, dim=-1)  # (B, nh, T, T_past + T)
-            out = F.dropout(weights, dropout_p, self.training) @ v  # (B, nh, T, hs)
+            dropped = F.dropout(weights, dropout_p, self.training)
+            out = (dropped.view(b, nkv, rep * t, total) @ v).view(b, nh, t, self.head_dim)
             if explicit:
-                inter = AttentionIntermediates(q, k, v, scores, scaled, weights)
+                # Recorded per query head: each sees its group's keys and values.
+                k_q, v_q = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+                inter = AttentionIntermediates(q, k_q, v_q, scores, scaled, weights)
         elif allowed is None and past is None:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                 enable_gqa=nkv != nh)
         else:
             if allowed is None:
-                total = k.shape[2]
                 allowed = torch.ones(t, total, dtype=torch.bool, device=x.device).tril(
                     diagonal=total - t)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
+                                                 enable_gqa=nkv != nh)
         out = out.transpose(1, 2).contiguous().view(b, t, d)  # (B, T, d): heads merged
         return self.w_o(out), present, inter
 
@@ -175,22 +196,33 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + position embeddings, N pre-norm blocks, final LayerNorm, LM head."""
+    """Token + position embeddings, N pre-norm blocks, final LayerNorm, LM head.
+
+    ``arch="llama"``: no position embeddings (rotary angles rotate Q and K in every
+    layer), RMSNorm, SwiGLU and grouped-query attention (model/llama.py).
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb: nn.Embedding | None = None
+        self.rotary: Rotary | None = None
         if config.position == "learned":
             self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
+        elif config.position == "rope":
+            self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         else:
             self.register_buffer(
                 "pos_table", sinusoidal_table(config.max_seq_len, config.d_model),
                 persistent=False)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layers)])
-        self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        llama = config.arch == "llama"
+        self.blocks = nn.ModuleList([
+            LlamaBlock(config, CausalSelfAttention(config)) if llama else Block(config)
+            for _ in range(config.n_layers)])
+        self.ln_f: nn.Module = (RMSNorm(config.d_model, config.layer_norm_eps) if llama
+                                else nn.LayerNorm(config.d_model, eps=config.layer_norm_eps))
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
         if config.tie_weights:
@@ -256,12 +288,20 @@ class GPT(nn.Module):
         if attention_mask is not None:
             allowed = attention_allowed(attention_mask, past_len, t)  # (B, 1, T, T_total)
 
-        x = self.drop(self.tok_emb(input_ids) + self.positions(position_ids))  # (B, T, d)
+        rotary = None
+        if self.rotary is not None:
+            rotary = self.rotary(position_ids)  # cos, sin (B, T, hs)
+            x = self.drop(self.tok_emb(input_ids))  # (B, T, d)
+        else:
+            x = self.drop(self.tok_emb(input_ids) + self.positions(position_ids))  # (B, T, d)
         present: KVCache = []
         intermediates: list[AttentionIntermediates] = []
         for i, block in enumerate(self.blocks):
             past = past_key_values[i] if past_key_values else None
-            x, layer_present, inter = block(x, allowed, past, return_intermediates)
+            if rotary is not None:
+                x, layer_present, inter = block(x, allowed, past, return_intermediates, rotary)
+            else:
+                x, layer_present, inter = block(x, allowed, past, return_intermediates)
             present.append(layer_present)
             if inter is not None:
                 intermediates.append(inter)

@@ -1,12 +1,16 @@
-"""Import a local Hugging Face GPT-2-architecture directory as an attnserve checkpoint.
+"""Import a local Hugging Face GPT-2 or Llama-family directory as an attnserve checkpoint.
 
 Usage (through the CLI):
     attnserve import --hf models/distilgpt2 --out checkpoints/distilgpt2
+    attnserve import --hf models/SmolLM2-135M-Instruct --out checkpoints/smollm2
 
-Reads ``config.json`` (model_type gpt2, GPT2LMHeadModel), ``model.safetensors`` (or the
+Reads ``config.json`` (model_type gpt2, GPT2LMHeadModel; or llama / qwen2, whose
+conversion lives in model/hf_llama.py), ``model.safetensors`` (or the
 shards a ``model.safetensors.index.json`` lists), the tokenizer as ``tokenizer.json`` or
 ``vocab.json`` + ``merges.txt``, and ``generation_config.json`` when present, and writes
-our checkpoint directory (config.json, model.safetensors, tokenizer.json) atomically.
+our checkpoint directory (config.json, model.safetensors, tokenizer.json) atomically,
+with the chat template (``chat_template.jinja``), ``tokenizer_config.json`` and
+``generation_config.json`` copied beside them for the chat route.
 
 Everything is checked before anything is written, so a refused import leaves nothing
 behind: pickled weights (``pytorch_model.bin``) are never opened, and configuration
@@ -28,6 +32,9 @@ from typing import Any
 
 from model.checkpoint import CheckpointMeta, save_checkpoint
 from model.config import ActivationKind, GPTConfig
+from model.hf_llama import ARCHITECTURES as LLAMA_ARCHITECTURES
+from model.hf_llama import IGNORED_SUFFIXES as LLAMA_IGNORED
+from model.hf_llama import llama_config_from_hf, llama_expected_shapes, llama_state_dict
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -38,6 +45,10 @@ HF_MERGES = "merges.txt"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 HF_SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 HF_GENERATION_CONFIG = "generation_config.json"
+HF_CHAT_TEMPLATE = "chat_template.jinja"
+# Copied verbatim into the checkpoint (and on into the artifact) for chat templates and
+# generation defaults; tokenizer.json is rewritten from the parsed tokenizer instead.
+PASSTHROUGH_FILES = (HF_CHAT_TEMPLATE, HF_TOKENIZER_CONFIG, HF_GENERATION_CONFIG)
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.ckpt",
                    "tf_model.h5", "flax_model.msgpack")
 ENDOFTEXT = "<|endoftext|>"
@@ -48,7 +59,7 @@ ACTIVATIONS: dict[str, ActivationKind] = {
     "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
 }
 # Buffers older transformers versions saved with the weights (the causal mask); not weights.
-IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", *LLAMA_IGNORED)
 
 SAFETENSORS_HINT = (
     "convert it once with transformers: GPT2LMHeadModel.from_pretrained(DIR)"
@@ -93,9 +104,11 @@ def gpt_config_from_hf(hf: dict[str, Any], where: Path) -> GPTConfig:
         return ImportRefused(f"{where}: {reason}")
 
     model_type = hf.get("model_type")
+    if model_type in LLAMA_ARCHITECTURES:
+        return llama_config_from_hf(hf, refuse)
     if model_type != "gpt2":
         raise refuse(f"model_type {model_type!r} is not supported; attnserve imports the "
-                     "GPT-2 architecture (model_type 'gpt2')")
+                     "GPT-2 (model_type 'gpt2') and Llama (llama, qwen2) architectures")
     architectures = hf.get("architectures") or ["GPT2LMHeadModel"]
     if architectures != ["GPT2LMHeadModel"]:
         raise refuse(f"architectures {architectures} are not supported; only "
@@ -191,8 +204,11 @@ def _check_weights(files: dict[str, Path], config: GPTConfig, where: Path) -> st
     from safetensors import safe_open
 
     names = [n for n in files if not n.endswith(IGNORED_SUFFIXES)]
-    prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
-    expected = {prefix + k: s for k, s in expected_shapes(config).items()}
+    if config.arch == "llama":
+        prefix, expected = "", llama_expected_shapes(config)
+    else:
+        prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
+        expected = {prefix + k: s for k, s in expected_shapes(config).items()}
     head = "lm_head.weight"
     if not config.tie_weights:
         expected[head] = (config.vocab_size, config.d_model)
@@ -201,7 +217,9 @@ def _check_weights(files: dict[str, Path], config: GPTConfig, where: Path) -> st
     extra = sorted(present - set(expected) - {head})
     if missing or extra:
         raise ImportRefused(
-            f"{where}: weights do not match a GPT2LMHeadModel of this config.json: "
+            f"{where}: weights do not match a "
+            f"{'causal Llama model' if config.arch == 'llama' else 'GPT2LMHeadModel'} of "
+            "this config.json: "
             f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}, unexpected "
             f"{extra[:4]}{' ...' if len(extra) > 4 else ''}")
     by_file: dict[Path, list[str]] = {}
@@ -255,9 +273,14 @@ def build_gpt2_tokenizer(vocab_file: Path, merges_file: Path, add_prefix_space: 
     return tokenizer
 
 
-def _load_tokenizer(src: Path, names: dict[str, str]) -> Any:
+def _load_tokenizer(src: Path, names: dict[str, str], arch: str = "gpt") -> Any:
     from tokenizers import Tokenizer
 
+    if arch == "llama" and not (src / HF_TOKENIZER).is_file():
+        # Their vocab.json/merges.txt or tokenizer.model need the model's own pre-tokenizer
+        # and normaliser, which only tokenizer.json spells out.
+        raise ImportRefused(f"{src} has no {HF_TOKENIZER}; Llama-family models are imported "
+                            "with their tokenizer.json (the fast tokenizer)")
     if (src / HF_TOKENIZER).is_file():
         try:
             return Tokenizer.from_file(str(src / HF_TOKENIZER))
@@ -309,7 +332,7 @@ def read_hf_source(src: Path) -> HFSource:
     files = _weight_files(src)
     prefix = _check_weights(files, config, src)
     names = _special_token_names(src)
-    tokenizer = _load_tokenizer(src, names)
+    tokenizer = _load_tokenizer(src, names, config.arch)
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise ImportRefused(f"{src}: the tokenizer has {tokenizer.get_vocab_size()} tokens but "
                             f"the model's vocab_size is {config.vocab_size}")
@@ -336,6 +359,8 @@ def state_dict_from_hf(source: HFSource) -> dict[str, Any]:
             for name in names:
                 raw[name.removeprefix(source.prefix)] = f.get_tensor(name).to(torch.float32)
     cfg, d = source.config, source.config.d_model
+    if cfg.arch == "llama":
+        return {k: v.contiguous() for k, v in llama_state_dict(raw, cfg).items()}
     out: dict[str, torch.Tensor] = {"tok_emb.weight": raw["wte.weight"],  # (V, d)
                                     "pos_emb.weight": raw["wpe.weight"]}  # (L, d)
     for i in range(cfg.n_layers):
@@ -390,9 +415,11 @@ def import_hf_checkpoint(src: Path, out: Path, *, force: bool = False) -> Path:
         tokenizer={"kind": "bpe", **source.special},
         training={"imported_from": {
             "format": "huggingface", "path": str(src.resolve()),
-            "architecture": "GPT2LMHeadModel",
+            "architecture": (source.hf_config.get("architectures") or ["GPT2LMHeadModel"])[0],
             "name_or_path": source.hf_config.get("_name_or_path"),
             "transformers_version": source.hf_config.get("transformers_version"),
         }},
     )
-    return save_checkpoint(out, model, meta, source.tokenizer_json)
+    extra = {name: (src / name).read_bytes() for name in PASSTHROUGH_FILES
+             if (src / name).is_file()}
+    return save_checkpoint(out, model, meta, source.tokenizer_json, extra_files=extra)

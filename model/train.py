@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from model.checkpoint import CheckpointMeta, read_meta
-from model.config import PRESETS, GPTConfig
+from model.config import ARCHS, PRESETS, GPTConfig
 from model.data import DOC_SEPARATOR, read_documents, resolve_data_path
 
 if TYPE_CHECKING:
@@ -57,8 +57,10 @@ class TrainOptions:
     resume: bool = False
     tokenizer: Literal["char", "bpe"] = "bpe"
     vocab_size: int | None = None
-    position: Literal["learned", "sinusoidal"] = "learned"
-    activation: Literal["relu", "gelu", "gelu_tanh"] = "relu"
+    # None: the architecture's own (GPT: learned positions, ReLU; llama: rotary, SwiGLU).
+    position: Literal["learned", "sinusoidal"] | None = None
+    activation: Literal["relu", "gelu", "gelu_tanh"] | None = None
+    arch: Literal["gpt", "llama"] | None = None  # None: the preset's
     tie_weights: bool = False
     attn_bias: bool = False  # biases on the Q/K/V/output projections, as GPT-2 has
     batch_size: int | None = None
@@ -98,6 +100,18 @@ def check_options(opts: TrainOptions) -> None:
         value = getattr(opts, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if opts.arch is not None and opts.arch not in ARCHS:
+        raise ValueError(f"unknown architecture {opts.arch!r}; choose one of {list(ARCHS)}")
+    if opts.preset is not None and opts.arch is not None \
+            and PRESETS[opts.preset].arch != opts.arch:
+        fitting = sorted(n for n, p in PRESETS.items() if p.arch == opts.arch)
+        raise ValueError(f"preset {opts.preset!r} is a {PRESETS[opts.preset].arch} preset; "
+                         f"with --arch {opts.arch} choose one of {fitting}")
+    llama = opts.arch == "llama" or (opts.preset is not None
+                                     and PRESETS[opts.preset].arch == "llama")
+    if llama and (opts.position is not None or opts.activation is not None):
+        raise ValueError("--position and --activation apply to the gpt architecture; llama "
+                         "uses rotary positions and a SwiGLU feed-forward")
     if opts.eval_tokens <= 0:
         raise ValueError(f"eval_tokens must be positive, got {opts.eval_tokens}")
     if opts.tokenizer not in ("char", "bpe"):
@@ -119,7 +133,8 @@ def with_defaults(opts: TrainOptions) -> TrainOptions:
     """Fill preset, seed, batch size and learning rate: from the checkpoint when resuming
     (so a bare ``--resume`` continues the same run), else from the preset."""
     saved = read_meta(opts.out).training if opts.resume else {}
-    preset = opts.preset or str(saved.get("preset", "small"))
+    default = "llama-small" if opts.arch == "llama" else "small"
+    preset = opts.preset or str(saved.get("preset", default))
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[preset]
@@ -265,8 +280,9 @@ def train(opts: TrainOptions) -> TrainResult:
             config = resumed.meta.model
         else:
             config = config_from_preset(
-                opts.preset, vocab_size=tokenizer.get_vocab_size(), position=opts.position,
-                activation=opts.activation, tie_weights=opts.tie_weights,
+                opts.preset, vocab_size=tokenizer.get_vocab_size(),
+                position=opts.position or "learned", activation=opts.activation or "relu",
+                tie_weights=opts.tie_weights,
                 attn_bias=opts.attn_bias)
             if opts.context is not None:
                 config = replace(config, max_seq_len=opts.context)

@@ -11,10 +11,11 @@ model.onnx  (B = batch_size, T = sequence_length, P = past_sequence_length)
              past_key_values.{i}.key / .value  [B, num_heads, P, head_dim]
     outputs  logits (float32) [B, T, vocab_size]
              present.{i}.key / .value  [B, num_heads, P + T, head_dim]
+    (grouped-query attention, Llama family: the cache has num_key_value_heads heads)
 
 attention.onnx (introspection, no cache)
     inputs   input_ids, attention_mask, position_ids  [B, T]
-    outputs  attention.{i}.{q,k,v}  [B, num_heads, T, head_dim]
+    outputs  attention.{i}.{q,k,v}  [B, num_heads, T, head_dim]  (k, v per query head)
              attention.{i}.{scores,scaled_scores,weights}  [B, num_heads, T, T]
 """
 
@@ -37,6 +38,7 @@ BATCH = "batch_size"
 SEQUENCE = "sequence_length"
 PAST_SEQUENCE = "past_sequence_length"
 TOTAL_SEQUENCE = "past_sequence_length + sequence_length"
+KV_HEADS = "num_key_value_heads"
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
@@ -96,10 +98,14 @@ def attention_output_names(n_layers: int) -> list[str]:
     return [attention_output_name(i, k) for i in range(n_layers) for k in ATTENTION_KINDS]
 
 
-def model_io_shapes(n_layers: int) -> dict[str, dict[str, list[str]]]:
-    """Symbolic shapes of model.onnx, as recorded in manifest.json."""
-    kv_in = [BATCH, "num_heads", PAST_SEQUENCE, "head_dim"]
-    kv_out = [BATCH, "num_heads", TOTAL_SEQUENCE, "head_dim"]
+def model_io_shapes(n_layers: int, grouped: bool = False) -> dict[str, dict[str, list[str]]]:
+    """Symbolic shapes of model.onnx, as recorded in manifest.json.
+
+    ``grouped``: grouped-query attention, whose cache has fewer heads than the queries.
+    """
+    heads = KV_HEADS if grouped else "num_heads"
+    kv_in = [BATCH, heads, PAST_SEQUENCE, "head_dim"]
+    kv_out = [BATCH, heads, TOTAL_SEQUENCE, "head_dim"]
     inputs: dict[str, list[str]] = {
         INPUT_IDS: [BATCH, SEQUENCE],
         ATTENTION_MASK: [BATCH, TOTAL_SEQUENCE],
@@ -138,10 +144,23 @@ class ArtifactConfig:
     tokenizer_kind: str  # "char" | "bpe"
     kv_dtype: KvDtype = "float32"  # dtype of past/present tensors; logits are always float32
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # Llama family: "llama" (rotary, RMSNorm, SwiGLU) and grouped-query attention's key/
+    # value heads. The defaults describe every artifact written before they existed.
+    arch: str = "gpt"
+    n_kv_heads: int | None = None
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of the KV cache: n_kv_heads under grouped-query attention, else n_heads."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    def kv_head_of(self, head: int) -> int:
+        """The key/value head query head ``head`` shares (transformers' repeat_kv order)."""
+        return head // (self.n_heads // self.kv_heads)
 
     @property
     def fill_token_id(self) -> int:

@@ -28,24 +28,24 @@ class OrtDecoder:
 
     sess: Any  # onnxruntime.InferenceSession
     n_layers: int
-    n_heads: int
+    kv_heads: int  # heads of the cache: num_key_value_heads under grouped-query attention
     head_dim: int
     kv_dtype: io.KvDtype = "float32"
 
     @classmethod
-    def from_file(cls, path: str | Path, n_layers: int, n_heads: int, head_dim: int,
+    def from_file(cls, path: str | Path, n_layers: int, kv_heads: int, head_dim: int,
                   kv_dtype: io.KvDtype = "float32", threads: int = 1) -> OrtDecoder:
-        return cls(create_session(path, threads=threads), n_layers, n_heads, head_dim,
+        return cls(create_session(path, threads=threads), n_layers, kv_heads, head_dim,
                    kv_dtype)
 
     @classmethod
     def from_artifact(cls, artifact_dir: str | Path, threads: int = 1) -> OrtDecoder:
         c = io.ArtifactConfig.load(artifact_dir)
-        return cls.from_file(Path(artifact_dir) / io.MODEL_FILE, c.n_layers, c.n_heads,
+        return cls.from_file(Path(artifact_dir) / io.MODEL_FILE, c.n_layers, c.kv_heads,
                              c.head_dim, c.kv_dtype, threads)
 
     def empty_past(self, batch: int) -> list[np.ndarray]:
-        shape = (batch, self.n_heads, 0, self.head_dim)  # (B, nh, 0, hs)
+        shape = (batch, self.kv_heads, 0, self.head_dim)  # (B, nkv, 0, hs)
         return [np.zeros(shape, np_kv_dtype(self.kv_dtype)) for _ in range(2 * self.n_layers)]
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
@@ -53,7 +53,7 @@ class OrtDecoder:
         feed = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, io.POSITION_IDS: pos}
         feed.update(zip(io.past_names(self.n_layers), past, strict=True))
         outs = self.sess.run(io.model_output_names(self.n_layers), feed)
-        return outs[0], outs[1:]  # logits (B, T, V); presents (B, nh, T_past + T, hs)
+        return outs[0], outs[1:]  # logits (B, T, V); presents (B, nkv, T_past + T, hs)
 
 
 def greedy(dec: OrtDecoder, prompts: np.ndarray, steps: int,

@@ -97,7 +97,7 @@ class OnnxModel:
         return logits, list(outputs[1:])
 
     def empty_kv(self, batch: int) -> list[Any]:
-        shape = (batch, self.config.n_heads, 0, self.config.head_dim)  # (B, nh, 0, hs)
+        shape = (batch, self.config.kv_heads, 0, self.config.head_dim)  # (B, nkv, 0, hs)
         return self.kv_from_numpy([np.zeros(shape, self.kv_dtype) for _ in self._past])
 
     def kv_to_numpy(self, kv: Sequence[Any]) -> list[np.ndarray]:
@@ -118,7 +118,9 @@ def create_model(artifact_dir: Path, config: io.ArtifactConfig, device: Device,
     from service.contract.engine_spec import ENGINE_FILE
 
     engine_path = artifact_dir / ENGINE_FILE
-    if engine_graph and engine_path.is_file() and select_providers(device) == [CPU]:
+    # engine.onnx is built for the GPT architecture only; a llama artifact never has one.
+    if engine_graph and engine_path.is_file() and select_providers(device) == [CPU] \
+            and config.arch == "gpt":
         from service.engine.static_cache import StaticCacheModel
 
         log.info("decoding with %s (in-place KV cache)", ENGINE_FILE)

@@ -65,7 +65,7 @@ class StaticCacheModel:
             raise ValueError(f"{es.ENGINE_FILE} lacks {missing}")
 
     def _new_buffers(self, batch: int) -> list[Any]:
-        shape = (batch, self.config.n_heads, self.max_len, self.config.head_dim)
+        shape = (batch, self.config.kv_heads, self.max_len, self.config.head_dim)
         return [ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32)
                 for _ in self._past]  # contents past each row's length are never read
 

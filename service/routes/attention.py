@@ -72,6 +72,9 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
            heads: list[int], full: dict[str, np.ndarray]) -> Response:
     codec = runtime.artifact.codec
     arrays = {k: np.ascontiguousarray(v[layers][:, heads]) for k, v in full.items()}
+    # Grouped-query attention: several query heads share one key/value head (their k and
+    # v entries are then equal); this says which.
+    kv_heads = [runtime.artifact.config.kv_head_of(h) for h in heads]
     tokens = [codec.token_text(i) for i in ids]
 
     if body.format == "png":
@@ -83,15 +86,17 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
             "token_ids": np.asarray(ids, dtype=np.int64),
             "tokens": np.asarray(tokens, dtype=np.str_),
             "layers": np.asarray(layers, dtype=np.int64),
-            "heads": np.asarray(heads, dtype=np.int64), **arrays}
+            "heads": np.asarray(heads, dtype=np.int64),
+            "kv_heads": np.asarray(kv_heads, dtype=np.int64), **arrays}
         np.savez(buffer, **contents)
         return Response(buffer.getvalue(), media_type="application/octet-stream",
                         headers={"Content-Disposition": 'attachment; filename="attention.npz"'})
     return Response(encode_json({
         "model": runtime.artifact.name,
         "tokens": [{"id": i, "text": t} for i, t in zip(ids, tokens, strict=True)],
-        "layers": layers, "heads": heads,
-        "layout": "(layers, heads, query, key); q, k, v: (layers, heads, token, head_dim)",
+        "layers": layers, "heads": heads, "kv_heads": kv_heads,
+        "layout": "(layers, heads, query, key); q, k, v: (layers, heads, token, head_dim); "
+                  "k and v of query head h are those of key/value head kv_heads[h]",
         "shapes": {k: list(v.shape) for k, v in arrays.items()},
     }, arrays), media_type="application/json")
 

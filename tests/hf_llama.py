@@ -1,0 +1,111 @@
+"""Random-weight Llama and Qwen2 models built locally with transformers, for import parity.
+
+Nothing is downloaded: a LlamaForCausalLM / Qwen2ForCausalLM is built from its config,
+every parameter randomised (RMSNorm scales near 1, Qwen2's Q/K/V biases nonzero, so a
+dropped bias or a norm read as identity cannot pass), and saved with
+``save_pretrained(safe_serialization=True)`` beside a byte-level BPE tokenizer trained on
+the stdlib corpus with ChatML special tokens, as SmolLM2 and Qwen2.5 have. Llama
+directories carry the chat template inside tokenizer_config.json, Qwen2 ones in
+chat_template.jinja: the two places transformers reads it from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIALS = (ENDOFTEXT, IM_START, IM_END)
+CHATML = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+Family = Literal["llama", "qwen2"]
+
+
+def write_tokenizer(out: Path, family: Family, vocab_size: int = 400) -> dict[str, int]:
+    """tokenizer.json + tokenizer_config.json (+ chat_template.jinja for qwen2); ids."""
+    from tokenizers import AddedToken, ByteLevelBPETokenizer
+
+    from tests.hf_gpt2 import sample_texts
+
+    bpe = ByteLevelBPETokenizer(add_prefix_space=False)
+    bpe.train_from_iterator(sample_texts(), vocab_size=vocab_size - len(SPECIALS),
+                            show_progress=False)
+    bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    out.mkdir(parents=True, exist_ok=True)
+    bpe.save(str(out / "tokenizer.json"))
+    ids = {t: int(bpe.token_to_id(t)) for t in SPECIALS}
+    tok_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": IM_END,
+        "pad_token": ENDOFTEXT if family == "qwen2" else IM_END,
+        "bos_token": None if family == "qwen2" else IM_START, "unk_token": None,
+        "model_max_length": 2048, "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {str(ids[t]): {"content": t, "special": True, "lstrip": False,
+                                               "rstrip": False, "normalized": False,
+                                               "single_word": False} for t in SPECIALS},
+    }
+    if family == "llama":
+        tok_config["chat_template"] = CHATML
+    else:
+        (out / "chat_template.jinja").write_text(CHATML, "utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1), "utf-8")
+    return ids
+
+
+def randomise(model: Any, seed: int, std: float = 0.1) -> None:
+    """Weights N(0, std), norm scales 1 ± 0.1, biases N(0, 0.05)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * noise)
+            else:
+                p.copy_(std * noise)
+
+
+def hf_config(family: Family, vocab_size: int, ids: dict[str, int], **overrides: Any) -> Any:
+    """A small LlamaConfig / Qwen2Config, GQA (2 key/value heads for 4 query heads)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    values: dict[str, Any] = {
+        "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 56,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": family == "qwen2", "eos_token_id": ids[IM_END],
+        "bos_token_id": ids[IM_START] if family == "llama" else ids[ENDOFTEXT],
+        "pad_token_id": None,
+    }
+    values.update(overrides)
+    return (LlamaConfig if family == "llama" else Qwen2Config)(**values)
+
+
+def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 400,
+                   **overrides: Any) -> Any:
+    """Write a complete model directory; return the eval-mode transformers model (eager)."""
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM, Qwen2ForCausalLM
+
+    ids = write_tokenizer(out, family, vocab_size)
+    config = hf_config(family, vocab_size, ids, **overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = (LlamaForCausalLM if family == "llama" else Qwen2ForCausalLM)(config)
+    randomise(model, seed)
+    model.eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    # Two stop ids, as the instruction-tuned Qwen2.5 declares: <|im_end|> first.
+    GenerationConfig(bos_token_id=config.bos_token_id,
+                     eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],
+                     do_sample=False).save_pretrained(str(out))
+    return model
