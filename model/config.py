@@ -115,8 +115,9 @@ class GPTConfig:
         head = 0 if self.tie_weights else v * d
         if self.arch == "llama":
             kv = self.kv_heads * self.head_dim
-            attention = 2 * d * d + 2 * d * kv + (d + 2 * kv if self.qkv_bias else 0)
-            attention += 2 * d + 2 * kv if self.attn_bias else 0
+            attention = 2 * d * d + 2 * d * kv
+            attention += (d + 2 * kv if self.qkv_bias or self.attn_bias else 0)  # Q/K/V biases
+            attention += d if self.attn_bias else 0  # output projection bias
             mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
             return v * d + n_layers * (attention + mlp + 2 * d) + d + head
         embeddings = v * d + (self.max_seq_len * d if self.position == "learned" else 0)

@@ -1,0 +1,227 @@
+"""The Llama architecture in our model, against transformers' own Llama and Qwen2.
+
+Random-weight LlamaForCausalLM / Qwen2ForCausalLM models are built locally (nothing is
+downloaded), imported through ``attnserve import``'s code path, and compared with
+transformers run in eager attention: logits, attention weights, cached decode, and the
+refusals of configurations the importer cannot convert exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint
+from model.config import GPTConfig, config_from_preset
+from model.gpt import GPT
+from model.hf_import import ImportRefused, import_hf_checkpoint
+from model.hf_llama import llama_config_from_hf, llama_state_dict
+from tests.conftest import torch_threads
+from tests.hf_llama import IM_END, build_hf_model, hf_config, randomise
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Any:
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def imported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[str, Any, Any, Path]:
+    """(family, transformers model, our imported GPT, HF directory)."""
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    hf = build_hf_model(root / "hf", family, seed=3)
+    import_hf_checkpoint(root / "hf", root / "ckpt")
+    return family, hf, load_checkpoint(root / "ckpt").model, root
+
+
+@torch.no_grad()
+def test_logits_and_attention_equal_transformers(imported: tuple[str, Any, Any, Path]) -> None:
+    family, hf, ours, _ = imported
+    ids = torch.randint(0, 400, (2, 23), generator=torch.Generator().manual_seed(0))
+    ref = hf(ids, output_attentions=True)
+    out = ours(ids, return_intermediates=True)
+    assert (out.logits - ref.logits).abs().max() <= 1e-4
+    assert len(out.intermediates) == len(ref.attentions) == 2
+    for inter, want in zip(out.intermediates, ref.attentions, strict=True):
+        assert inter.weights.shape == want.shape == (2, 4, 23, 23)
+        assert (inter.weights - want).abs().max() <= 1e-5
+        # Keys and values recorded per query head: heads 0-1 share kv head 0, 2-3 kv head 1.
+        assert torch.equal(inter.k[:, 0], inter.k[:, 1]) and torch.equal(inter.v[:, 2],
+                                                                         inter.v[:, 3])
+        assert not torch.equal(inter.k[:, 1], inter.k[:, 2])
+    assert ours.config.kv_head_of(3) == 1 and ours.config.kv_heads == 2
+    if family == "qwen2":
+        assert ours.blocks[0].attn.w_q.bias is not None and ours.blocks[0].attn.w_o.bias is None
+        assert ours.config.tie_weights
+
+
+@torch.no_grad()
+def test_cached_decode_with_left_padding_equals_transformers(
+        imported: tuple[str, Any, Any, Path]) -> None:
+    _, hf, ours, _ = imported
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 400, (2, 14), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # row 0 left-padded
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    prefill = ours(ids[:, :10], attention_mask=mask[:, :10], position_ids=pos[:, :10])
+    assert prefill.present[0][0].shape == (2, 2, 10, 8)  # the cache holds kv heads only
+    step = ours(ids[:, 10:], attention_mask=mask, position_ids=pos[:, 10:],
+                past_key_values=prefill.present)
+    ref = hf(ids, attention_mask=mask, position_ids=pos).logits
+    assert (step.logits - ref[:, 10:]).abs().max() <= 1e-4
+    assert (prefill.logits[1] - ref[1, :10]).abs().max() <= 1e-4
+
+
+def test_import_copies_chat_template_and_generation_config(
+        imported: tuple[str, Any, Any, Path]) -> None:
+    family, _, _, root = imported
+    ckpt = root / "ckpt"
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        assert (ckpt / name).read_bytes() == (root / "hf" / name).read_bytes()
+    template = "chat_template.jinja"
+    assert (ckpt / template).is_file() == (family == "qwen2")
+    meta = json.loads((ckpt / "config.json").read_text())
+    ids = json.loads((root / "hf" / "tokenizer.json").read_text())["added_tokens"]
+    im_end = next(t["id"] for t in ids if t["content"] == IM_END)
+    assert meta["tokenizer"]["eos_token_id"] == im_end  # generation_config's first stop id
+    assert meta["training"]["imported_from"]["architecture"] == (
+        "LlamaForCausalLM" if family == "llama" else "Qwen2ForCausalLM")
+
+
+@torch.no_grad()
+def test_llama3_rope_scaling_equals_transformers() -> None:
+    from transformers import LlamaForCausalLM
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    ids = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    cfg = hf_config("llama", 64, ids, rope_scaling=scaling, rope_theta=500000.0,
+                    head_dim=8)
+    cfg._attn_implementation = "eager"
+    hf = LlamaForCausalLM(cfg).eval()
+    randomise(hf, 5)
+    ours = GPT(llama_config_from_hf(cfg.to_dict(), ValueError)).eval()
+    ours.load_state_dict(llama_state_dict(hf.state_dict(), ours.config))
+    x = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(2))
+    assert (ours(x).logits - hf(x).logits).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+def test_smollm2_135m_shape_logits_equal_transformers() -> None:
+    """SmolLM2-135M's exact shape (576 wide, 30 layers, 9 heads / 3 kv heads, SwiGLU 1536,
+    tied), with the vocabulary cut to 512 rows to keep the test light."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      tie_word_embeddings=True, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).eval()
+    ours = GPT(llama_config_from_hf(cfg.to_dict(), ValueError)).eval()
+    ours.load_state_dict(llama_state_dict(hf.state_dict(), ours.config))
+    assert ours.num_params() == ours.config.num_params_closed_form() == sum(
+        p.numel() for p in hf.parameters())
+    x = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(3))
+    assert (ours(x).logits - hf(x).logits).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+def test_qwen25_05b_layer_shape_logits_equal_transformers() -> None:
+    """Qwen2.5-0.5B's layer shape (896 wide, 14 heads / 2 kv heads, Q/K/V biases, SwiGLU
+    4864, tied, θ = 10⁶) with 2 of its 24 layers and a 512-row vocabulary."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=512, hidden_size=896, intermediate_size=4864,
+                      num_hidden_layers=2, num_attention_heads=14, num_key_value_heads=2,
+                      max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6,
+                      tie_word_embeddings=True, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(cfg).eval()
+    randomise(hf, 7, std=0.05)
+    ours = GPT(llama_config_from_hf(cfg.to_dict(), ValueError)).eval()
+    ours.load_state_dict(llama_state_dict(hf.state_dict(), ours.config))
+    x = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(4))
+    assert (ours(x).logits - hf(x).logits).abs().max() <= 1e-4
+
+
+def _edit_config(src: Path, **changes: Any) -> None:
+    path = src / "config.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+    ({"head_dim": 16}, "head_dim 16"),
+    ({"architectures": ["Qwen2ForSequenceClassification"]}, "architectures"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+])
+def test_unconvertible_configs_are_refused_leaving_nothing(
+        tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    src = tmp_path / "hf"
+    build_hf_model(src, "qwen2", seed=1)
+    _edit_config(src, **change)
+    with pytest.raises(ImportRefused, match=message) as info:
+        import_hf_checkpoint(src, tmp_path / "out")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_llama_without_tokenizer_json_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "hf"
+    build_hf_model(src, "llama", seed=1)
+    (src / "tokenizer.json").unlink()
+    with pytest.raises(ImportRefused, match="tokenizer.json"):
+        import_hf_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_old_config_loads_as_gpt_and_llama_presets_build() -> None:
+    old = {"vocab_size": 10, "d_model": 8, "n_heads": 2, "n_layers": 1, "d_ff": 16,
+           "max_seq_len": 6, "dropout": 0.0, "position": "learned", "activation": "relu",
+           "tie_weights": False, "layer_norm_eps": 1e-5}
+    config = GPTConfig.from_dict(old)
+    assert config.arch == "gpt" and config.kv_heads == 2 and config.n_kv_heads is None
+    tiny = config_from_preset("llama-tiny", vocab_size=300, position="learned",
+                              activation="relu", tie_weights=True)
+    assert (tiny.arch, tiny.position, tiny.activation, tiny.kv_heads) == (
+        "llama", "rope", "silu", 2)
+    assert GPT(tiny).num_params() == tiny.num_params_closed_form()
+    biased = GPTConfig(**(tiny.to_dict() | {"qkv_bias": True, "mlp_bias": True,
+                                             "attn_bias": True, "tie_weights": False}))
+    assert GPT(biased).num_params() == biased.num_params_closed_form()
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        GPTConfig(**(tiny.to_dict() | {"n_kv_heads": 3}))
+    with pytest.raises(ValueError, match="position"):
+        GPTConfig(**(tiny.to_dict() | {"position": "learned"}))
+    with pytest.raises(ValueError, match="rope_scaling"):
+        GPTConfig(**(tiny.to_dict() | {"rope_scaling": {"rope_type": "dynamic",
+                                                        "factor": 2.0}}))
+
+
+@torch.no_grad()
+def test_grouped_attention_paths_agree() -> None:
+    """sdpa (enable_gqa), the explicit grouped matmul and intermediates: one function."""
+    config = config_from_preset("llama-tiny", vocab_size=300)
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    x = torch.randint(0, 300, (2, 12))
+    fast = model(x).logits
+    model.set_attention_impl("matmul")
+    assert (model(x).logits - fast).abs().max() <= 1e-5
+    assert (model(x, return_intermediates=True).logits - fast).abs().max() <= 1e-5
