@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -116,3 +117,20 @@ def tiny_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
     with torch_threads(1):
         export_artifact(tiny_checkpoint, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def llama_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """family ("llama" | "qwen2") → random-weight HF directory, its import, its verified fp32
+    artifact (tests/hf_llama.py); each family built once per session, on first use."""
+    from tests.hf_llama import LlamaBuild, build_llama_artifact
+
+    built: dict[str, LlamaBuild] = {}
+
+    def get(family: str) -> LlamaBuild:
+        if family not in built:
+            with torch_threads(1):
+                built[family] = build_llama_artifact(tmp_path_factory.mktemp(family), family)
+        return built[family]
+
+    return get

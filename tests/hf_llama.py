@@ -12,6 +12,7 @@ chat_template.jinja: the two places transformers reads it from.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -109,3 +110,30 @@ def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 4
                      eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],
                      do_sample=False).save_pretrained(str(out))
     return model
+
+
+@dataclass(frozen=True)
+class LlamaBuild:
+    """A random-weight HF model directory, its attnserve import and its exported artifact."""
+
+    family: Family
+    hf_dir: Path
+    checkpoint: Path
+    artifact: Path
+
+
+def build_llama_artifact(root: Path, family: Family, seed: int = 0) -> LlamaBuild:
+    from export.to_onnx import export_artifact
+    from model.hf_import import import_hf_checkpoint
+
+    build_hf_model(root / "hf", family, seed=seed)
+    import_hf_checkpoint(root / "hf", root / "ckpt")
+    export_artifact(root / "ckpt", root / "artifact")
+    return LlamaBuild(family, root / "hf", root / "ckpt", root / "artifact")
+
+
+def load_hf_model(path: Path) -> Any:
+    """The saved model back in transformers, eager attention (attentions are returned)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
