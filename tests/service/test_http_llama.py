@@ -1,0 +1,102 @@
+"""Llama and Qwen2 artifacts served over HTTP, against transformers.
+
+Random-weight models built locally with transformers (tests/hf_llama.py) are imported,
+exported and served by `attnserve serve` (torch hidden); greedy text must equal
+transformers' ``generate(do_sample=False)`` and /attention must equal its
+``output_attentions`` in eager attention, per query head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from service.contract import io_spec as io
+from tests.hf_llama import load_hf_model
+
+PROMPTS = ["Return the", "The attention weights of a query", "x", "Open the file and read"]
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def built(request: pytest.FixtureRequest, llama_artifacts: Any) -> Any:
+    return llama_artifacts(request.param)
+
+
+@pytest.fixture(scope="module")
+def artifact(built: Any) -> Path:
+    """Overrides tests/service/conftest.py's: start_server serves this artifact."""
+    return Path(built.artifact)
+
+
+@pytest.fixture(scope="module")
+def hf(built: Any) -> Any:
+    torch.set_num_threads(1)
+    return load_hf_model(built.hf_dir)
+
+
+@pytest.fixture(scope="module")
+def client(start_server: Callable[..., Any]) -> Iterator[httpx.Client]:
+    server = start_server("--max-batch-size", "4")
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def _hf_greedy(hf: Any, ids: list[int], eos: int | None) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                                                          dtype=torch.long),
+                          max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos,
+                          pad_token_id=eos)
+    return [int(t) for t in out[0, len(ids):]]
+
+
+def test_greedy_over_http_equals_transformers_generate(client: httpx.Client, hf: Any,
+                                                       artifact: Path) -> None:
+    """Concurrent requests (batched, left-padded in the engine) each equal HF alone."""
+    config = io.ArtifactConfig.load(artifact)
+    tok = Tokenizer.from_file(str(artifact / io.TOKENIZER_FILE))
+
+    def ask(prompt: str) -> dict[str, Any]:
+        r = client.post("/generate", json={"inputs": prompt, "parameters": {
+            "max_new_tokens": NEW_TOKENS, "details": True}})
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(ask, PROMPTS))
+    for prompt, body in zip(PROMPTS, answers, strict=True):
+        ids = tok.encode(prompt, add_special_tokens=False).ids
+        expected = _hf_greedy(hf, ids, config.eos_token_id)
+        assert [t["id"] for t in body["details"]["tokens"]] == expected
+        assert body["generated_text"] == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_attention_per_query_head_equals_transformers(client: httpx.Client, hf: Any,
+                                                      artifact: Path) -> None:
+    config = io.ArtifactConfig.load(artifact)
+    text = "The attention weights of a query"
+    r = client.post("/attention", json={"inputs": text, "include": ["weights", "k", "v"]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["kv_heads"] == [0, 0, 1, 1]  # 4 query heads share 2 key/value heads
+    ids = [t["id"] for t in body["tokens"]]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_attentions=True).attentions
+    weights = np.asarray(body["attention"]["weights"])  # (layers, heads, T, T)
+    assert weights.shape == (config.n_layers, config.n_heads, len(ids), len(ids))
+    for layer, want in enumerate(ref):
+        np.testing.assert_allclose(weights[layer], want[0].numpy(), atol=1e-5)
+    k, v = np.asarray(body["attention"]["k"]), np.asarray(body["attention"]["v"])
+    assert np.array_equal(k[:, 0], k[:, 1]) and np.array_equal(v[:, 2], v[:, 3])
+    assert not np.array_equal(k[:, 1], k[:, 2])
+    some = client.post("/attention", json={"inputs": text, "heads": [3, 0]}).json()
+    assert some["kv_heads"] == [1, 0]
