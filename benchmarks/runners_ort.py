@@ -38,7 +38,7 @@ class PlainORT:
 
     def _empty_past(self, batch: int) -> dict[str, np.ndarray]:
         c = self.config
-        shape = (batch, c.n_heads, 0, c.head_dim)  # (B, nh, 0, hs)
+        shape = (batch, c.kv_heads, 0, c.head_dim)  # (B, nkv, 0, hs)
         return {n: np.zeros(shape, dtype=self.kv_dtype) for n in self.past_names}
 
     def generate(self, prompts: list[list[int]], n_new: int) -> GenResult:

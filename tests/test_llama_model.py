@@ -225,3 +225,26 @@ def test_grouped_attention_paths_agree() -> None:
     model.set_attention_impl("matmul")
     assert (model(x).logits - fast).abs().max() <= 1e-5
     assert (model(x, return_intermediates=True).logits - fast).abs().max() <= 1e-5
+
+
+def test_training_cli_trains_a_llama(tmp_path: Path) -> None:
+    """`attnserve train --arch llama`: the pipeline, not only import, covers the family."""
+    from model.train import TrainOptions, train
+
+    corpus = tmp_path / "corpus.txt"
+    from tests.conftest import tiny_corpus
+
+    corpus.write_text(tiny_corpus()[:40_000], "utf-8")
+    opts = {"out": str(tmp_path / "ckpt"), "data": str(corpus), "steps": 3,
+            "tokenizer": "char", "context": 32, "batch_size": 4, "eval_tokens": 128,
+            "progress": False, "verbose": False}
+    result = train(TrainOptions(**opts, arch="llama", preset="llama-tiny"))  # type: ignore[arg-type]
+    config = load_checkpoint(result.out).meta.model
+    assert (config.arch, config.kv_heads, config.position) == ("llama", 2, "rope")
+    assert result.num_params == config.num_params_closed_form()
+    with pytest.raises(ValueError, match=r"with --arch llama choose one of \['llama-small', "
+                                         r"'llama-tiny'\]"):
+        train(TrainOptions(**opts, arch="llama", preset="tiny"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--position and --activation apply to the gpt"):
+        train(TrainOptions(**opts, preset="llama-tiny",  # type: ignore[arg-type]
+                           position="sinusoidal"))
