@@ -271,7 +271,10 @@ class GPT(nn.Module):
         past_key_values: KVCache | None = None,
         targets: Tensor | None = None,  # (B, T), -100 ignored
         return_intermediates: bool = False,
+        last_logits_only: bool = False,
     ) -> GPTOutput:
+        """``last_logits_only`` returns logits (B, 1, vocab) for the last position: all a
+        decoding step needs, and at GPT-2's 50,257 tokens the head is the largest matmul."""
         b, t = input_ids.shape
         past_len = past_key_values[0][0].shape[2] if past_key_values else 0
         if past_len + t > self.config.max_seq_len:
@@ -305,6 +308,10 @@ class GPT(nn.Module):
             present.append(layer_present)
             if inter is not None:
                 intermediates.append(inter)
+        if last_logits_only:
+            if targets is not None:
+                raise ValueError("last_logits_only cannot compute a loss over the sequence")
+            x = x[:, -1:]  # (B, 1, d)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
         loss = None

@@ -368,8 +368,9 @@ def state_dict_from_hf(source: HFSource) -> dict[str, Any]:
         w_qkv = raw[f"{h}.attn.c_attn.weight"].t()  # (3d, d): Conv1D stores (in, out)
         b_qkv = raw[f"{h}.attn.c_attn.bias"]  # (3d,)
         for j, name in enumerate(("w_q", "w_k", "w_v")):
-            out[f"{b}.attn.{name}.weight"] = w_qkv[j * d:(j + 1) * d]  # (d, d)
-            out[f"{b}.attn.{name}.bias"] = b_qkv[j * d:(j + 1) * d]  # (d,)
+            # clone: each projection gets its own storage, not a view into c_attn
+            out[f"{b}.attn.{name}.weight"] = w_qkv[j * d:(j + 1) * d].clone()  # (d, d)
+            out[f"{b}.attn.{name}.bias"] = b_qkv[j * d:(j + 1) * d].clone()  # (d,)
         out[f"{b}.attn.w_o.weight"] = raw[f"{h}.attn.c_proj.weight"].t()  # (d, d)
         out[f"{b}.attn.w_o.bias"] = raw[f"{h}.attn.c_proj.bias"]
         out[f"{b}.ffn.up.weight"] = raw[f"{h}.mlp.c_fc.weight"].t()  # (d_ff, d)
@@ -405,10 +406,12 @@ def import_hf_checkpoint(src: Path, out: Path, *, force: bool = False) -> Path:
     src, out = Path(src), Path(out)
     check_target(out, force)
     source = read_hf_source(src)
-    model = GPT(source.config)
     state = state_dict_from_hf(source)
-    with torch.no_grad():
-        model.load_state_dict(state, strict=True)  # tied: wte is written to both, equal
+    with torch.device("meta"):  # no random init of weights that are replaced at once
+        model = GPT(source.config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if source.config.tie_weights:
+        model.lm_head.weight = model.tok_emb.weight  # assign=True untied them
     model.eval()
     meta = CheckpointMeta(
         model=source.config,

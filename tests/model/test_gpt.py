@@ -155,6 +155,7 @@ def test_sinusoidal_encoding_matches_the_formula(random_gpt):
     {"tie_weights": True},
     {"position": "sinusoidal"},
     {"position": "sinusoidal", "tie_weights": True, "activation": "gelu"},
+    {"attn_bias": True, "tie_weights": True, "activation": "gelu_tanh"},  # GPT-2's
     {"vocab_size": 4, "d_model": 512, "n_heads": 8, "n_layers": 6, "d_ff": 2048,
      "max_seq_len": 128},
 ])
@@ -182,6 +183,32 @@ def test_closed_form_equals_a_hand_count():
     sinusoidal = GPTConfig(**(config.to_dict() | {"position": "sinusoidal"}))
     assert sinusoidal.num_params_closed_form() == 744
     assert GPT(config).num_params() == 792
+    # GPT-2's attention biases: 4 projections * 8 = 32 more
+    biased = GPTConfig(**(config.to_dict() | {"attn_bias": True}))
+    assert biased.num_params_closed_form() == GPT(biased).num_params() == 824
+
+
+def test_config_without_new_fields_loads_as_before():
+    """A config.json written before attn_bias / gelu_tanh existed builds the same model."""
+    old = {"vocab_size": 10, "d_model": 8, "n_heads": 2, "n_layers": 1, "d_ff": 16,
+           "max_seq_len": 6, "dropout": 0.0, "position": "learned", "activation": "relu",
+           "tie_weights": False, "layer_norm_eps": 1e-5}
+    config = GPTConfig.from_dict(old)
+    assert config.attn_bias is False
+    names = set(GPT(config).state_dict())
+    assert "blocks.0.attn.w_q.weight" in names and "blocks.0.attn.w_q.bias" not in names
+
+
+def test_gelu_tanh_is_gpt2_gelu_new_and_last_logits_only_is_the_last_row(random_gpt):
+    x = torch.linspace(-6, 6, 101)
+    gelu_new = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    model = random_gpt(activation="gelu_tanh", attn_bias=True)
+    assert (model.blocks[0].ffn.act(x) - gelu_new).abs().max().item() <= 1e-6
+    ids = _ids(3, (2, 9))
+    full = model(ids).logits
+    last = model(ids, last_logits_only=True).logits
+    assert last.shape == (2, 1, full.shape[-1])
+    assert (last - full[:, -1:]).abs().max().item() <= 1e-6
 
 
 def test_matmul_attention_impl_equals_sdpa_and_is_reversible(random_gpt):
