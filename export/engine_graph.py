@@ -8,9 +8,10 @@ Runtime's fused ``com.microsoft.GroupQueryAttention`` over a preallocated cache 
 same OrtValue, the kernel writes each new key/value in place and nothing is copied.
 
 Each row's cache starts at position 0 (no left padding); ``seqlens_k`` (total length − 1
-per row) tells the kernel where a row ends. Positions stay learned (or sinusoidal) table
-lookups by ``position_ids``, outside the attention op. Only the service uses this graph;
-model.onnx remains the contract graph for every other tool.
+per row) tells the kernel where a row ends. GPT positions stay learned (or sinusoidal)
+table lookups by ``position_ids``, outside the attention op; Llama-family models hand
+the kernel their rotary cos/sin tables and their key/value head count instead. Only the
+service uses this graph; model.onnx remains the contract graph for every other tool.
 
 The I/O names and shapes are in service/contract/engine_spec.py.
 """
@@ -64,6 +65,8 @@ def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
     (B, T, ·), through two reshapes that alias rather than copy.
     """
     cfg = gpt.config
+    if cfg.arch == "llama":
+        return _build_llama(gpt)
     nh, hs, d = cfg.n_heads, cfg.head_dim, cfg.d_model
     eps = float(cfg.layer_norm_eps)
     g = _Graph()
@@ -133,8 +136,13 @@ def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
     logits = g.op("MatMul", [h, g.const("lm_head.w", _f32(gpt.lm_head.weight).T)],
                   "lm_head")[0]  # (N, V)
     g.op("Reshape", [logits, shape_btc], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
+    return _model(g, gpt)
 
-    kv: list[str | int] = [io.BATCH, nh, MAX_SEQUENCE, hs]
+
+def _model(g: _Graph, gpt: GPT) -> onnx.ModelProto:
+    """Wrap the nodes with the engine's I/O (engine_spec.py): a cache of kv heads."""
+    cfg = gpt.config
+    kv: list[str | int] = [io.BATCH, cfg.kv_heads, MAX_SEQUENCE, cfg.head_dim]
     inputs = [
         helper.make_tensor_value_info(io.INPUT_IDS, TensorProto.INT64, [io.BATCH, io.SEQUENCE]),
         helper.make_tensor_value_info(io.POSITION_IDS, TensorProto.INT64,
@@ -159,6 +167,90 @@ def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
     model.doc_string = ("attnserve engine decoder: GroupQueryAttention over an in-place KV "
                         "buffer; service-only, see export/engine_graph.py")
     return model
+
+
+def _build_llama(gpt: GPT) -> onnx.ModelProto:
+    """The Llama-family decoder: RMSNorm as (Skip)SimplifiedLayerNormalization, SwiGLU,
+    and GroupQueryAttention with ``kv_num_heads`` key/value heads rotating Q and K itself
+    (``do_rotary``, cos/sin tables of max_seq_len rows computed as model/rotary.py does).
+
+    The kernel takes each token's rotary position from its row's cache length, so rows
+    start at position 0 and ``position_ids`` is not read; the input stays for the
+    engine's uniform I/O.
+    """
+    import torch
+
+    cfg = gpt.config
+    nh, nkv, hs, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model
+    eps = float(cfg.layer_norm_eps)
+    g = _Graph()
+    ms = "com.microsoft"
+    assert gpt.rotary is not None
+    inv_freq: torch.Tensor = gpt.rotary.inv_freq  # type: ignore[assignment]
+    with torch.no_grad():
+        angles = torch.arange(cfg.max_seq_len)[:, None].float() * inv_freq  # (L, hs/2)
+    cos = g.const("rope.cos", _f32(angles.cos()))  # (L, hs/2)
+    sin = g.const("rope.sin", _f32(angles.sin()))  # (L, hs/2)
+    blocks: list[Any] = list(gpt.blocks)
+    ids_shape = g.op("Shape", [io.INPUT_IDS], "ids_shape")[0]  # [B, T]
+    shape_btc = g.op("Concat", [ids_shape, g.const("minus1", np.array([-1], np.int64))],
+                     "shape_btc", axis=0)[0]  # [B, T, -1]
+    flat = g.const("shape_flat", np.array([-1, d], np.int64))  # [N, d]
+    embed = g.op("Gather", [g.const("tok_emb", _f32(gpt.tok_emb.weight)), io.INPUT_IDS],
+                 "tok_gather")[0]  # (B, T, d)
+    x = g.op("Reshape", [embed, flat], "embed_flat")[0]  # (N, d)
+    h = g.op("SimplifiedLayerNormalization", [x, g.const("l0.ln1.w",
+                                                         _f32(blocks[0].ln_1.weight))],
+             "l0.ln1", axis=-1, epsilon=eps)[0]  # (N, d)
+
+    def linear(inp: str, layer: Any, name: str, bias: bool) -> str:
+        w = g.const(f"{name}.w", _f32(layer.weight).T)  # (in, out)
+        if bias:
+            return g.op("Gemm", [inp, w, g.const(f"{name}.b", _f32(layer.bias))], name)[0]
+        return g.op("MatMul", [inp, w], name)[0]
+
+    for i, block in enumerate(blocks):
+        a, ffn, p = block.attn, block.ffn, f"l{i}"
+        w_qkv = np.concatenate([_f32(a.w_q.weight).T, _f32(a.w_k.weight).T,
+                                _f32(a.w_v.weight).T], axis=1)  # (d, d + 2·kv): q | k | v
+        if a.w_q.bias is not None:  # Qwen2: one Gemm adds the q | k | v biases
+            b_qkv = np.concatenate([_f32(a.w_q.bias), _f32(a.w_k.bias), _f32(a.w_v.bias)])
+            qkv = g.op("Gemm", [h, g.const(f"{p}.w_qkv", w_qkv), g.const(f"{p}.b_qkv", b_qkv)],
+                       f"{p}.qkv")[0]  # (N, d + 2·kv)
+        else:
+            qkv = g.op("MatMul", [h, g.const(f"{p}.w_qkv", w_qkv)], f"{p}.qkv")[0]
+        qkv = g.op("Reshape", [qkv, shape_btc], f"{p}.qkv_btc")[0]  # (B, T, d + 2·kv)
+        attn = g.op(
+            "GroupQueryAttention",
+            [qkv, "", "", io.past_key_name(i), io.past_value_name(i), SEQLENS_K,
+             TOTAL_SEQUENCE_LENGTH, cos, sin],
+            f"{p}.gqa", outputs=[f"{p}.attn", io.present_key_name(i), io.present_value_name(i)],
+            domain=ms, num_heads=nh, kv_num_heads=nkv, scale=float(1.0 / np.sqrt(hs)),
+            do_rotary=1, rotary_interleaved=0)[0]  # (B, T, d)
+        attn = g.op("Reshape", [attn, flat], f"{p}.attn_flat")[0]  # (N, d)
+        o = g.op("MatMul", [attn, g.const(f"{p}.w_o", _f32(a.w_o.weight).T)], f"{p}.o")[0]
+        o_bias = [g.const(f"{p}.b_o", _f32(a.w_o.bias))] if a.w_o.bias is not None else []
+        # x + o (+ b_o) → x;  RMSNorm_2(x) → h
+        h, x = g.op("SkipSimplifiedLayerNormalization",
+                    [x, o, g.const(f"{p}.ln2.w", _f32(block.ln_2.weight)), *o_bias],
+                    f"{p}.ln2", outputs=[f"{p}.ln2", "", "", f"{p}.res1"], domain=ms,
+                    epsilon=eps)[0::3]
+        bias = cfg.mlp_bias
+        gate = linear(h, ffn.gate, f"{p}.gate", bias)  # (N, d_ff)
+        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sig")[0]], f"{p}.silu")[0]
+        act = g.op("Mul", [silu, linear(h, ffn.up, f"{p}.up", bias)], f"{p}.glu")[0]
+        down = g.op("MatMul", [act, g.const(f"{p}.down.w", _f32(ffn.down.weight).T)],
+                    f"{p}.down")[0]  # (N, d)
+        down_bias = [g.const(f"{p}.down.b", _f32(ffn.down.bias))] if bias else []
+        ln = blocks[i + 1].ln_1 if i + 1 < len(blocks) else gpt.ln_f
+        q = f"l{i + 1}.ln1" if i + 1 < len(blocks) else "ln_f"
+        h, x = g.op("SkipSimplifiedLayerNormalization",
+                    [x, down, g.const(f"{q}.w", _f32(ln.weight)), *down_bias],
+                    q, outputs=[q, "", "", f"{p}.res2"], domain=ms, epsilon=eps)[0::3]
+    logits = g.op("MatMul", [h, g.const("lm_head.w", _f32(gpt.lm_head.weight).T)],
+                  "lm_head")[0]  # (N, V)
+    g.op("Reshape", [logits, shape_btc], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
+    return _model(g, gpt)
 
 
 def export_engine(gpt: GPT, path: Path) -> Path:
@@ -186,7 +278,7 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64,
     steps = min(steps, cfg.max_seq_len - 8)
     lens = [min(8, cfg.max_seq_len - steps), min(5, cfg.max_seq_len - steps)]
     prompts = [torch.randint(0, cfg.vocab_size, (k,), generator=gen).tolist() for k in lens]
-    shape = (len(lens), cfg.n_heads, cfg.max_seq_len, cfg.head_dim)
+    shape = (len(lens), cfg.kv_heads, cfg.max_seq_len, cfg.head_dim)
     buffers = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for _ in range(2 * n)]
     t = max(lens)
     ids = np.zeros((len(lens), t), np.int64)

@@ -1,4 +1,8 @@
-"""Write a checkpoint as a Hugging Face transformers GPT-2 model (config.json + safetensors).
+"""Write a checkpoint as a Hugging Face transformers model (config.json + safetensors).
+
+A Llama-architecture checkpoint becomes a LlamaForCausalLM (Qwen2ForCausalLM when it has
+Q/K/V biases alone): a renaming, see model/hf_llama.py. The rest of this docstring is
+about GPT checkpoints, written as GPT-2.
 
 Usage (through the export CLI):
     attnserve export --format hf --ckpt checkpoints/default --out hf/default
@@ -140,6 +144,7 @@ def export_hf(
     Built in a temporary sibling directory and renamed into place; an existing non-empty
     ``out_dir`` is refused unless ``force``.
     """
+    import torch
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -151,12 +156,19 @@ def export_hf(
     config: GPTConfig = ckpt.meta.model
     special = {k: ckpt.meta.tokenizer.get(k) for k in
                ("pad_token_id", "bos_token_id", "eos_token_id")}
-    tensors = hf_state_dict(ckpt.model)
+    if config.arch == "llama":
+        from model.hf_llama import hf_llama_config, hf_llama_state_dict
+
+        hf_cfg = hf_llama_config(config, special)
+        state = {k: v.detach().to(torch.float32).contiguous().clone()
+                 for k, v in ckpt.model.state_dict().items()}
+        tensors = hf_llama_state_dict(state, config)
+    else:
+        hf_cfg, tensors = hf_config(config, special), hf_state_dict(ckpt.model)
 
     with staged_directory(out) as tmp:
         save_file(tensors, str(tmp / HF_WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / HF_CONFIG_FILE).write_text(
-            json.dumps(hf_config(config, special), indent=2), encoding="utf-8")
+        (tmp / HF_CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2), encoding="utf-8")
         generation = {k: v for k, v in special.items() if v is not None}
         (tmp / HF_GENERATION_CONFIG_FILE).write_text(
             json.dumps(generation, indent=2), encoding="utf-8")

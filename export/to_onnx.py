@@ -140,10 +140,12 @@ def export_artifact(
                          "no --quantize)")
     check_target(out, force)
     ckpt, tok = load_source(Path(ckpt_dir))
-    if engine_graph and ckpt.meta.model.arch != "gpt":
-        raise ValueError(f"--engine-graph is not available for {ckpt.meta.model.arch}-"
-                         "architecture checkpoints yet (its GroupQueryAttention graph is "
-                         "GPT-only); export without it: the service decodes with model.onnx")
+    model_cfg = ckpt.meta.model
+    if engine_graph and model_cfg.arch == "llama" and model_cfg.head_dim % 16:
+        raise ValueError(f"--engine-graph needs a head_dim that is a multiple of 16 for "
+                         f"GroupQueryAttention's rotary kernel; this model's is "
+                         f"{model_cfg.head_dim}: export without it (the service then decodes "
+                         "with model.onnx)")
     gpt = ckpt.model.eval()
     with staged_directory(out) as tmp:
         started = time.perf_counter()

@@ -126,3 +126,51 @@ def llama_state_dict(raw: dict[str, Any], config: GPTConfig) -> dict[str, Any]:
     out["lm_head.weight"] = (raw["model.embed_tokens.weight"] if config.tie_weights
                              else raw["lm_head.weight"])
     return out
+
+
+def hf_llama_config(config: GPTConfig, special: dict[str, Any]) -> dict[str, Any]:
+    """The LlamaConfig (or Qwen2Config, for Q/K/V biases alone) computing what ``config``
+    computes: the inverse of :func:`llama_config_from_hf`."""
+    qwen2 = config.qkv_bias and not config.attn_bias
+    if qwen2 and config.mlp_bias:
+        raise ValueError("Q/K/V biases with SwiGLU biases have no transformers equivalent "
+                         "(Qwen2 has no mlp_bias, Llama biases all four attention projections)")
+    values: dict[str, Any] = {
+        "architectures": [ARCHITECTURES["qwen2" if qwen2 else "llama"]],
+        "model_type": "qwen2" if qwen2 else "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+        "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
+        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.layer_norm_eps,
+        "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
+        "hidden_act": "silu", "tie_word_embeddings": config.tie_weights,
+        "attention_dropout": 0.0, "use_cache": True, "torch_dtype": "float32",
+        "bos_token_id": special.get("bos_token_id"), "eos_token_id": special.get("eos_token_id"),
+        "pad_token_id": special.get("pad_token_id"),
+    }
+    if qwen2:
+        values.update(use_sliding_window=False, sliding_window=None,
+                      max_window_layers=config.n_layers)
+    else:
+        values.update(head_dim=config.head_dim, attention_bias=config.attn_bias,
+                      mlp_bias=config.mlp_bias, pretraining_tp=1)
+    return values
+
+
+def hf_llama_state_dict(state: dict[str, Any], config: GPTConfig) -> dict[str, Any]:
+    """model.gpt.GPT's tensors → transformers' names (the inverse of llama_state_dict)."""
+    out: dict[str, Any] = {"model.embed_tokens.weight": state["tok_emb.weight"],
+                           "model.norm.weight": state["ln_f.weight"]}
+    for name, tensor in state.items():
+        if not name.startswith("blocks."):
+            continue
+        index, _, tail = name.removeprefix("blocks.").partition(".")
+        for theirs, ours in RENAMES:
+            if tail.startswith(ours + "."):
+                out[f"model.layers.{index}.{theirs}{tail.removeprefix(ours)}"] = tensor
+                break
+        else:
+            raise ValueError(f"no transformers name for {name}")
+    if not config.tie_weights:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    return out

@@ -45,7 +45,7 @@ def load_engine(runtime: Runtime) -> None:
     settings, artifact = runtime.settings, runtime.artifact
     config = artifact.config
     model = create_model(artifact.path, config, settings.device, settings.intra_op_threads,
-                         settings.engine_graph)
+                         settings.engine_graph, max_len=artifact.limits.max_total_tokens)
     attention = AttentionModel(create_session(artifact.path / io.ATTENTION_FILE, "cpu"
                                               if model.device == "cpu" else settings.device,
                                               settings.intra_op_threads), config)

@@ -76,11 +76,12 @@ def randomise(model: Any, seed: int, std: float = 0.1) -> None:
 
 
 def hf_config(family: Family, vocab_size: int, ids: dict[str, int], **overrides: Any) -> Any:
-    """A small LlamaConfig / Qwen2Config, GQA (2 key/value heads for 4 query heads)."""
+    """A small LlamaConfig / Qwen2Config, GQA (2 key/value heads for 4 query heads of 16
+    dimensions: the smallest GroupQueryAttention's rotary kernel takes)."""
     from transformers import LlamaConfig, Qwen2Config
 
     values: dict[str, Any] = {
-        "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 56,
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 56,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "tie_word_embeddings": family == "qwen2", "eos_token_id": ids[IM_END],
@@ -114,7 +115,8 @@ def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 4
 
 @dataclass(frozen=True)
 class LlamaBuild:
-    """A random-weight HF model directory, its attnserve import and its exported artifact."""
+    """A random-weight HF model directory, its attnserve import and its exported artifact
+    (model.onnx, attention.onnx and engine.onnx)."""
 
     family: Family
     hf_dir: Path
@@ -128,7 +130,7 @@ def build_llama_artifact(root: Path, family: Family, seed: int = 0) -> LlamaBuil
 
     build_hf_model(root / "hf", family, seed=seed)
     import_hf_checkpoint(root / "hf", root / "ckpt")
-    export_artifact(root / "ckpt", root / "artifact")
+    export_artifact(root / "ckpt", root / "artifact", engine_graph=True)
     return LlamaBuild(family, root / "hf", root / "ckpt", root / "artifact")
 
 

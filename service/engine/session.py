@@ -109,7 +109,8 @@ class OnnxModel:
 
 
 def create_model(artifact_dir: Path, config: io.ArtifactConfig, device: Device,
-                 intra_op_threads: int, engine_graph: bool = True) -> Any:
+                 intra_op_threads: int, engine_graph: bool = True,
+                 max_len: int | None = None) -> Any:
     """The decode runner: engine.onnx's static cache when the artifact has it, else model.onnx.
 
     engine.onnx (written by ``attnserve export --engine-graph``) keeps a float32 cache on
@@ -118,13 +119,12 @@ def create_model(artifact_dir: Path, config: io.ArtifactConfig, device: Device,
     from service.contract.engine_spec import ENGINE_FILE
 
     engine_path = artifact_dir / ENGINE_FILE
-    # engine.onnx is built for the GPT architecture only; a llama artifact never has one.
-    if engine_graph and engine_path.is_file() and select_providers(device) == [CPU] \
-            and config.arch == "gpt":
+    if engine_graph and engine_path.is_file() and select_providers(device) == [CPU]:
         from service.engine.static_cache import StaticCacheModel
 
         log.info("decoding with %s (in-place KV cache)", ENGINE_FILE)
-        return StaticCacheModel(create_session(engine_path, "cpu", intra_op_threads), config)
+        return StaticCacheModel(create_session(engine_path, "cpu", intra_op_threads), config,
+                                max_len)
     return OnnxModel(create_session(artifact_dir / io.MODEL_FILE, device, intra_op_threads),
                      config)
 

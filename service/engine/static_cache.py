@@ -47,14 +47,17 @@ class PendingKV:
 class StaticCacheModel:
     """ModelRunner over engine.onnx (float32 cache on CPU)."""
 
-    def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig) -> None:
+    def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig,
+                 max_len: int | None = None) -> None:
+        """``max_len``: positions per slot, the longest sequence the service admits
+        (max_total_tokens); the model's whole context (imported models: 8k-32k) otherwise."""
         self.session = session
         self.config = config
         self.vocab_size = config.vocab_size
         self.graph_file = es.ENGINE_FILE
         self.provider = session.get_providers()[0]
         self.device = "cpu"
-        self.max_len = config.max_seq_len
+        self.max_len = min(max_len or config.max_seq_len, config.max_seq_len)
         n = config.n_layers
         self._past, self._present = io.past_names(n), io.present_names(n)
         inputs = {i.name for i in session.get_inputs()}

@@ -94,11 +94,37 @@ def test_manifest_names_the_key_value_heads(built: Any) -> None:
     assert graph_input.shape[1] == 2
 
 
-def test_engine_graph_is_refused_for_llama_leaving_nothing(built: Any, tmp_path: Path) -> None:
+def test_engine_graph_runs_grouped_rotary_attention(built: Any) -> None:
+    """engine.onnx (GroupQueryAttention with kv_num_heads and its own rotary tables) was
+    verified at export: greedy over ragged rows equal to PyTorch, cache updated in place."""
+    manifest = json.loads((built.artifact / io.MANIFEST_FILE).read_text())
+    engine = manifest["verification"]["engine"]
+    assert engine["greedy_equal"] and engine["in_place"] and engine["max_abs_diff"] <= 1e-4
+    import onnx
+
+    from service.contract.engine_spec import ENGINE_FILE
+
+    graph = onnx.load(str(built.artifact / ENGINE_FILE)).graph
+    gqa = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa[0].attribute}
+    assert len(gqa) == 2 and (attrs["num_heads"], attrs["kv_num_heads"], attrs["do_rotary"]) \
+        == (4, 2, 1)
+
+
+def test_engine_graph_refuses_a_head_dim_the_kernel_cannot_rotate(
+        built: Any, tmp_path: Path) -> None:
+    from model.checkpoint import CheckpointMeta, read_meta, save_checkpoint
+    from model.config import GPTConfig
+    from model.gpt import GPT
+
+    meta = read_meta(built.checkpoint)
+    config = GPTConfig(**(meta.model.to_dict() | {"d_model": 32}))  # head_dim 8
+    save_checkpoint(tmp_path / "ckpt", GPT(config), CheckpointMeta(config, meta.tokenizer),
+                    (built.checkpoint / "tokenizer.json").read_text("utf-8"))
     out = tmp_path / "art"
-    with pytest.raises(ValueError, match="--engine-graph is not available for llama"):
-        export_artifact(built.checkpoint, out, engine_graph=True)
-    assert not out.exists() and list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="head_dim that is a multiple of 16"):
+        export_artifact(tmp_path / "ckpt", out, engine_graph=True)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 @pytest.mark.parametrize(("dtype", "quantize"), [("float16", None), ("float32", "int8")])

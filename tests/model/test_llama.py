@@ -74,7 +74,7 @@ def test_cached_decode_with_left_padding_equals_transformers(
     mask[0, :5] = 0  # row 0 left-padded
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     prefill = ours(ids[:, :10], attention_mask=mask[:, :10], position_ids=pos[:, :10])
-    assert prefill.present[0][0].shape == (2, 2, 10, 8)  # the cache holds kv heads only
+    assert prefill.present[0][0].shape == (2, 2, 10, 16)  # the cache holds kv heads only
     step = ours(ids[:, 10:], attention_mask=mask, position_ids=pos[:, 10:],
                 past_key_values=prefill.present)
     ref = hf(ids, attention_mask=mask, position_ids=pos).logits
@@ -106,7 +106,7 @@ def test_llama3_rope_scaling_equals_transformers() -> None:
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     ids = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
     cfg = hf_config("llama", 64, ids, rope_scaling=scaling, rope_theta=500000.0,
-                    head_dim=8)
+                    head_dim=16)
     cfg._attn_implementation = "eager"
     hf = LlamaForCausalLM(cfg).eval()
     randomise(hf, 5)
@@ -166,7 +166,7 @@ def _edit_config(src: Path, **changes: Any) -> None:
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
-    ({"head_dim": 16}, "head_dim 16"),
+    ({"head_dim": 32}, "head_dim 32"),
     ({"architectures": ["Qwen2ForSequenceClassification"]}, "architectures"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
 ])
@@ -248,3 +248,25 @@ def test_training_cli_trains_a_llama(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--position and --activation apply to the gpt"):
         train(TrainOptions(**opts, preset="llama-tiny",  # type: ignore[arg-type]
                            position="sinusoidal"))
+
+
+@torch.no_grad()
+def test_export_format_hf_gives_back_the_same_model(imported: tuple[str, Any, Any, Path]
+                                                    ) -> None:
+    """`attnserve export --format hf` of an import: the same tensors, the same class, and
+    transformers computes the same logits from it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from export.hf import export_hf
+
+    _, hf, _, root = imported
+    out = export_hf(root / "ckpt", root / "back")
+    source = load_file(str(root / "hf" / "model.safetensors"))
+    back = load_file(str(out / "model.safetensors"))
+    assert sorted(back) == sorted(source)
+    assert all(torch.equal(back[k], source[k]) for k in source)
+    again = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
+    assert type(again) is type(hf)
+    x = torch.randint(0, 400, (1, 15), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(again(x).logits, hf(x).logits)

@@ -1,7 +1,8 @@
 """Llama and Qwen2 artifacts served over HTTP, against transformers.
 
 Random-weight models built locally with transformers (tests/hf_llama.py) are imported,
-exported and served by `attnserve serve` (torch hidden); greedy text must equal
+exported and served by `attnserve serve` (torch hidden), decoding with engine.onnx
+(GroupQueryAttention, in-place cache) and with model.onnx; greedy text must equal
 transformers' ``generate(do_sample=False)`` and /attention must equal its
 ``output_attentions`` in eager attention, per query head.
 """
@@ -26,9 +27,18 @@ PROMPTS = ["Return the", "The attention weights of a query", "x", "Open the file
 NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def built(request: pytest.FixtureRequest, llama_artifacts: Any) -> Any:
-    return llama_artifacts(request.param)
+@pytest.fixture(scope="module", params=[("llama", "engine.onnx"), ("llama", "model.onnx"),
+                                        ("qwen2", "engine.onnx"), ("qwen2", "model.onnx")],
+                ids=lambda p: "-".join(p))
+def served(request: pytest.FixtureRequest, llama_artifacts: Any) -> tuple[Any, str]:
+    """(build, decode graph): both families through both of the service's decode paths."""
+    family, graph = request.param
+    return llama_artifacts(family), graph
+
+
+@pytest.fixture(scope="module")
+def built(served: tuple[Any, str]) -> Any:
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +54,13 @@ def hf(built: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def client(start_server: Callable[..., Any]) -> Iterator[httpx.Client]:
-    server = start_server("--max-batch-size", "4")
+def client(start_server: Callable[..., Any], served: tuple[Any, str]
+           ) -> Iterator[httpx.Client]:
+    graph = served[1]
+    flag = "--engine-graph" if graph == "engine.onnx" else "--no-engine-graph"
+    server = start_server("--max-batch-size", "4", flag)
     with httpx.Client(base_url=server.url, timeout=120) as c:
+        assert c.get("/info").json()["decode_graph"] == graph
         yield c
 
 
