@@ -30,8 +30,9 @@ class Validator:
     eos_token_id: int | None  # None: stop only at max_new_tokens or a stop sequence
     default_max_new_tokens: int
 
-    def tokenize(self, text: str, field: str, truncate: int | None = None) -> list[int]:
-        ids = self.codec.encode(text)
+    def tokenize(self, text: str, field: str, truncate: int | None = None,
+                 add_special_tokens: bool = True) -> list[int]:
+        ids = self.codec.encode(text, add_special_tokens)
         if not ids:
             raise InputError(field, "encodes to zero tokens")
         if truncate is not None:

@@ -27,8 +27,12 @@ class TextCodec:
     def from_file(cls, path: str | Path) -> TextCodec:
         return cls(Tokenizer.from_file(str(path)))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text`` as transformers' ``tokenizer(text)`` gives them: with whatever
+        the tokenizer's post-processor adds (TinyLlama's ``<s>``; nothing for GPT-2, SmolLM2,
+        Qwen2.5 or ours), as TGI and vLLM do for raw prompts. A rendered chat template
+        already holds its special tokens: encode it with ``add_special_tokens=False``."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))

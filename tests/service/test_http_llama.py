@@ -114,3 +114,23 @@ def test_attention_per_query_head_equals_transformers(client: httpx.Client, hf: 
     assert not np.array_equal(k[:, 1], k[:, 2])
     some = client.post("/attention", json={"inputs": text, "heads": [3, 0]}).json()
     assert some["kv_heads"] == [1, 0]
+
+
+def test_prompts_get_what_the_tokenizer_post_processor_adds(tmp_path: Path) -> None:
+    """A tokenizer that prepends a BOS (TinyLlama's ``<s>``) gets it, as in transformers'
+    ``tokenizer(text)``; a rendered chat template is encoded without additions."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    from service.engine.text import TextCodec
+    from tests.hf_llama import IM_START, write_tokenizer
+
+    ids = write_tokenizer(tmp_path, "llama")
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{IM_START} $A", special_tokens=[(IM_START, ids[IM_START])])
+    text = "Open the file and read"
+    expected = PreTrainedTokenizerFast(tokenizer_object=tok)(text)["input_ids"]
+    codec = TextCodec(tok)
+    assert codec.encode(text) == expected and expected[0] == ids[IM_START]
+    assert codec.encode(text, add_special_tokens=False) == expected[1:]
