@@ -34,13 +34,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_import(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "import", help="convert a local Hugging Face GPT-2 model directory into a checkpoint",
-        description="Read a local Hugging Face GPT-2-architecture directory (config.json, "
-                    "model.safetensors or its sharded index, tokenizer.json or vocab.json + "
-                    "merges.txt, generation_config.json) and write an attnserve checkpoint "
-                    "directory (atomically). Nothing is downloaded; pickled weights "
-                    "(pytorch_model.bin) and configuration options the model does not "
-                    "compute are refused.",
+        "import", help="convert a local Hugging Face GPT-2, Llama or Qwen2 model directory "
+                       "into a checkpoint",
+        description="Read a local Hugging Face GPT2LMHeadModel, LlamaForCausalLM (SmolLM2, "
+                    "TinyLlama, Llama 3) or Qwen2ForCausalLM (Qwen2.5) directory (config.json, "
+                    "model.safetensors or its sharded index, tokenizer.json (or, for GPT-2, "
+                    "vocab.json + merges.txt), generation_config.json) and write an attnserve "
+                    "checkpoint directory (atomically), with the chat template, "
+                    "tokenizer_config.json and generation_config.json copied. Nothing is "
+                    "downloaded; pickled weights (pytorch_model.bin) and configuration "
+                    "options the model does not compute are refused.",
         formatter_class=_HelpFormatter)
     p.add_argument("--hf", required=True, metavar="DIR",
                    help="Hugging Face model directory, e.g. from `hf download distilgpt2 "

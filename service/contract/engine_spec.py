@@ -2,11 +2,13 @@
 
 Kept apart from the builder so the service can read them without importing torch.
 
-engine.onnx  (B = batch_size, T = sequence_length, M = max_sequence_length = max_seq_len)
+engine.onnx  (B = batch_size, T = sequence_length, M = max_sequence_length ≤ max_seq_len:
+              the positions each slot holds; the service sizes it by max_total_tokens)
     inputs   input_ids (int64) [B, T], position_ids (int64) [B, T]
              seqlens_k (int32) [B]: each row's total length − 1 after this call
              total_sequence_length (int32) [1]: the longest row's total length
              past_key_values.{i}.key / .value (float32) [B, num_heads, M, head_dim]
+             (num_key_value_heads under grouped-query attention)
     outputs  logits (float32) [B, T, vocab_size]
              present.{i}.key / .value: the same buffers as the pasts, written in place
 
