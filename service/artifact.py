@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.chat_template import ChatTemplate
 from service.contract import io_spec as io
 from service.contract.manifest import verify_manifest
 from service.engine.session import select_providers
@@ -28,6 +29,7 @@ class Artifact:
     codec: TextCodec
     limits: Limits
     providers: list[str]  # what the sessions will ask ONNX Runtime for, in order
+    chat_template: ChatTemplate
 
 
 def open_artifact(settings: Settings) -> Artifact:
@@ -38,9 +40,13 @@ def open_artifact(settings: Settings) -> Artifact:
     if codec.vocab_size > config.vocab_size:
         raise ValueError(f"tokenizer.json has {codec.vocab_size} tokens but the model only "
                          f"{config.vocab_size}")
+    specials = {"bos_token": codec.token_text(config.bos_token_id),
+                "eos_token": codec.token_text(config.eos_token_id),
+                "pad_token": codec.token_text(config.pad_token_id)}
+    chat_template = ChatTemplate.load(path, specials, listed=list(manifest.files))
     return Artifact(
         path=path, config=config, name=settings.served_model_name or config.model_name,
         sha256=hashlib.sha256((path / io.MANIFEST_FILE).read_bytes()).hexdigest(),
         files={name: entry.sha256 for name, entry in sorted(manifest.files.items())},
         codec=codec, limits=Limits.resolve(settings, config.max_seq_len),
-        providers=select_providers(settings.device))
+        providers=select_providers(settings.device), chat_template=chat_template)

@@ -175,8 +175,12 @@ class Batch:
         stop, stop_offset = None, None
         if req.stopping.eos_token_id is not None and token == req.stopping.eos_token_id:
             reason = "eos_token"
+        elif token in req.stopping.stop_token_ids:  # vLLM: left out of the text
+            reason = "stop_sequence"
+            stop_offset = len(seq.decoder.text) - (0 if special else len(text))
         else:
-            stop, stop_offset = self._match_stop(seq, len(text))
+            if seq.generated >= req.stopping.min_tokens:
+                stop, stop_offset = self._match_stop(seq, len(text))
             if stop is not None:
                 reason = "stop_sequence"
             elif seq.generated >= req.stopping.max_new_tokens:
