@@ -55,6 +55,9 @@ class GenerateParameters(Strict):
     truncate: int | None = Field(None, ge=1)
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS)
     grammar: Grammar | None = None
+    # Sent by TGI's own client; accepted at their neutral values only.
+    best_of: int | None = Field(None, ge=1, le=1)
+    watermark: Literal[False] = False
 
     def to_sampling_params(self) -> SamplingParams:
         warped = ((self.temperature not in (None, 1.0)) or bool(self.top_k)
@@ -76,6 +79,14 @@ class GenerateRequest(Strict):
     inputs: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=64)]
     parameters: GenerateParameters = GenerateParameters.model_validate({})  # never mutated
     stream: Literal[False] = False  # TGI clients send it; streaming is /generate_stream
+
+
+class CompatRequest(Strict):
+    """TGI's POST /: /generate or /generate_stream, chosen by ``stream``."""
+
+    inputs: NonEmptyText
+    parameters: GenerateParameters = GenerateParameters.model_validate({})
+    stream: bool = False
 
 
 class StreamRequest(Strict):

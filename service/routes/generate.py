@@ -13,7 +13,13 @@ from service.deps import ReadyRuntime, require_api_key
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenInfo
 from service.errors import ApiError
 from service.routes.relay import Completed, collect, merge, sse
-from service.schemas import GenerateParameters, GenerateRequest, JsonGrammar, StreamRequest
+from service.schemas import (
+    CompatRequest,
+    GenerateParameters,
+    GenerateRequest,
+    JsonGrammar,
+    StreamRequest,
+)
 
 router = APIRouter(tags=["generate"], dependencies=[Depends(require_api_key)])
 
@@ -141,3 +147,14 @@ async def generate_stream(body: StreamRequest, runtime: ReadyRuntime) -> Streami
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                       "x-prompt-tokens": str(len(request.prompt_ids))})
+
+
+@router.post("/", summary="TGI's compatibility route: /generate, or /generate_stream when "
+                          "`stream` is true")
+async def compat_generate(body: CompatRequest, request: Request, runtime: ReadyRuntime) -> Any:
+    if body.stream:
+        return await generate_stream(
+            StreamRequest(inputs=body.inputs, parameters=body.parameters, stream=True), runtime)
+    # TGI answers a list of one here (its client reads element 0)
+    return await generate(GenerateRequest(inputs=[body.inputs], parameters=body.parameters),
+                          request, runtime)
