@@ -20,6 +20,7 @@ from service.engine.grammar import GrammarCompiler
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import ObservabilityMiddleware
+from service.openapi import install as install_openapi
 from service.runtime import Runtime, load_engine
 from service.settings import Settings
 from service.validation import Validator
@@ -63,6 +64,7 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
 
     for module in (health, generate, openai, chat, tokenize, attention):
         app.include_router(module.router)
+    install_openapi(app)
     return app
 
 

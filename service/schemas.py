@@ -8,13 +8,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from service.contract.io_spec import ATTENTION_KINDS
 from service.engine.request import SamplingParams
 
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 3.0 as an integer; so do we (strict mode alone would not)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _bool_only(value: Any) -> Any:
+    """A Literal[False] alone would take 0 (0 == False); only JSON booleans pass here."""
+    if not isinstance(value, bool):
+        raise ValueError("Input should be a valid boolean")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
-Seed = Annotated[int, Field(ge=0, lt=2**63)]
+# Seeds stay below 2**53: every JSON client reads and writes them exactly (a double).
+SEED_BOUND = 2**53
+Seed = Annotated[Int, Field(ge=0, lt=SEED_BOUND)]
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 
 
@@ -39,9 +55,9 @@ class GenerateParameters(Strict):
     """TGI's parameters; temperature, top_k, top_p or typical_p other than neutral turn
     sampling on."""
 
-    max_new_tokens: int | None = Field(None, ge=1)
+    max_new_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, gt=0, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=0)
+    top_k: Int | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     typical_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -52,12 +68,12 @@ class GenerateParameters(Strict):
     return_full_text: bool = False
     details: bool = False
     decoder_input_details: bool = False
-    truncate: int | None = Field(None, ge=1)
-    top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS)
+    truncate: Int | None = Field(None, ge=1)
+    top_n_tokens: Int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS)
     grammar: Grammar | None = None
     # Sent by TGI's own client; accepted at their neutral values only.
-    best_of: int | None = Field(None, ge=1, le=1)
-    watermark: Literal[False] = False
+    best_of: Int | None = Field(None, ge=1, le=1)
+    watermark: Annotated[Literal[False], BeforeValidator(_bool_only)] = False
 
     def to_sampling_params(self) -> SamplingParams:
         warped = ((self.temperature not in (None, 1.0)) or bool(self.top_k)
@@ -78,7 +94,8 @@ class GenerateParameters(Strict):
 class GenerateRequest(Strict):
     inputs: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=64)]
     parameters: GenerateParameters = GenerateParameters.model_validate({})  # never mutated
-    stream: Literal[False] = False  # TGI clients send it; streaming is /generate_stream
+    # TGI clients send it; streaming is /generate_stream
+    stream: Annotated[Literal[False], BeforeValidator(_bool_only)] = False
 
 
 class CompatRequest(Strict):
@@ -92,7 +109,7 @@ class CompatRequest(Strict):
 class StreamRequest(Strict):
     inputs: NonEmptyText
     parameters: GenerateParameters = GenerateParameters.model_validate({})
-    stream: Literal[True] = True
+    stream: Annotated[Literal[True], BeforeValidator(_bool_only)] = True
 
 
 AttentionKindName = Literal["q", "k", "v", "scores", "scaled_scores", "weights"]
@@ -105,8 +122,8 @@ def _weights_only() -> list[AttentionKindName]:
 
 class AttentionRequest(Strict):
     inputs: NonEmptyText
-    layers: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
-    heads: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+    layers: list[Annotated[Int, Field(ge=0)]] | None = Field(None, min_length=1)
+    heads: list[Annotated[Int, Field(ge=0)]] | None = Field(None, min_length=1)
     include: list[AttentionKindName] = Field(default_factory=_weights_only, min_length=1)
     format: Literal["json", "npz", "png"] = "json"
 
@@ -128,4 +145,4 @@ class PromptTokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(max_length=1 << 16)
+    tokens: list[Annotated[Int, Field(ge=0, lt=2**31)]] = Field(max_length=1 << 16)

@@ -55,6 +55,9 @@ class Validator:
             raise InputError(field, str(exc)) from exc
 
     def tokenize(self, text: str, field: str, truncate: int | None = None) -> list[int]:
+        if truncate is not None and truncate > self.limits.max_input_tokens:
+            raise InputError("parameters.truncate", f"{truncate} exceeds max_input_tokens "
+                                                    f"{self.limits.max_input_tokens}")
         ids = self.codec.encode(text)
         if not ids:
             raise InputError(field, "encodes to zero tokens")

@@ -24,7 +24,8 @@ class RowSampler:
         self.seed: int | None = None
         self.rng: np.random.Generator | None = None
         if params.do_sample:
-            self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+            # a drawn seed stays below 2**53, so JSON clients can send it back exactly
+            self.seed = params.seed if params.seed is not None else secrets.randbits(53)
             self.rng = np.random.default_rng(self.seed)
         self.generated = 0
         self.seen: np.ndarray | None = None

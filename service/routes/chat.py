@@ -20,7 +20,9 @@ from service.deps import ReadyRuntime, require_api_key
 from service.engine.request import GenerationRequest, TokenEvent, TokenInfo
 from service.errors import ApiError
 from service.openai_schemas import ChatCompletionRequest, ChatMessage
+from service.responses import ChatCompletion, json_or_sse
 from service.routes.openai import (
+    OPENAI_ERRORS,
     build_requests,
     check_model,
     final_text,
@@ -67,7 +69,9 @@ def logprobs_json(tokens: list[TokenEvent]) -> dict[str, Any]:
     return {"content": [token_logprob(e.token, True) for e in tokens], "refusal": None}
 
 
-@router.post("/chat/completions", summary="OpenAI chat completions, plain or streamed")
+@router.post("/chat/completions", summary="OpenAI chat completions, plain or streamed",
+             responses={**json_or_sse(ChatCompletion, "A chat completion, or its chunks when "
+                                                      "streamed"), **OPENAI_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            runtime: ReadyRuntime) -> Any:
     requests = chat_requests(body, runtime)

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from service.deps import ReadyRuntime, require_api_key
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenInfo
 from service.errors import ApiError
+from service.responses import SSE_NOTE, GenerateResponse, sse_content, tgi_errors
 from service.routes.relay import Completed, collect, merge, sse
 from service.schemas import (
     CompatRequest,
@@ -22,6 +23,7 @@ from service.schemas import (
 )
 
 router = APIRouter(tags=["generate"], dependencies=[Depends(require_api_key)])
+TGI_ERRORS = tgi_errors(401, 413, 422, 424, 429, 503)
 
 
 def sampling_params(runtime: ReadyRuntime, params: GenerateParameters) -> SamplingParams:
@@ -94,7 +96,9 @@ def timing_headers(results: list[Completed]) -> dict[str, str]:
     }
 
 
-@router.post("/generate", summary="Generate text (TGI); a list of inputs gives a list back")
+@router.post("/generate", summary="Generate text (TGI); a list of inputs gives a list back",
+             responses={200: {"model": GenerateResponse | list[GenerateResponse]},
+                        **TGI_ERRORS})
 async def generate(body: GenerateRequest, request: Request, runtime: ReadyRuntime) -> JSONResponse:
     params = body.parameters
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
@@ -116,7 +120,11 @@ async def generate(body: GenerateRequest, request: Request, runtime: ReadyRuntim
     return JSONResponse(content, headers=timing_headers(results))
 
 
-@router.post("/generate_stream", summary="Generate text token by token as Server-Sent Events")
+@router.post("/generate_stream", summary="Generate text token by token as Server-Sent Events",
+             response_class=StreamingResponse,
+             responses={200: {"description": SSE_NOTE + " (schema: StreamResponse)",
+                              "content": sse_content("events of StreamResponse")},
+                        **TGI_ERRORS})
 async def generate_stream(body: StreamRequest, runtime: ReadyRuntime) -> StreamingResponse:
     params = body.parameters
     request = build_request(runtime, body.inputs, params, sampling_params(runtime, params),
@@ -150,7 +158,10 @@ async def generate_stream(body: StreamRequest, runtime: ReadyRuntime) -> Streami
 
 
 @router.post("/", summary="TGI's compatibility route: /generate, or /generate_stream when "
-                          "`stream` is true")
+                          "`stream` is true",
+             responses={200: {"model": list[GenerateResponse],
+                              "content": sse_content("events of StreamResponse")},
+                        **TGI_ERRORS})
 async def compat_generate(body: CompatRequest, request: Request, runtime: ReadyRuntime) -> Any:
     if body.stream:
         return await generate_stream(

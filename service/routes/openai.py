@@ -21,11 +21,14 @@ from service.engine.grammar import Grammar
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenEvent
 from service.errors import ApiError
 from service.openai_schemas import CompletionRequest, JsonSchemaFormat, OpenAISampling
+from service.responses import Completion, ModelCard, ModelList, json_or_sse, openai_errors
 from service.routes.relay import collect, merge, sse
 from service.runtime import Runtime
+from service.schemas import SEED_BOUND
 from service.validation import Validator
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+OPENAI_ERRORS = openai_errors(401, 404, 413, 422, 424, 429, 503)
 
 
 def model_card(runtime: Runtime) -> dict[str, Any]:
@@ -33,12 +36,14 @@ def model_card(runtime: Runtime) -> dict[str, Any]:
             "owned_by": "attnserve", "max_model_len": runtime.artifact.limits.max_total_tokens}
 
 
-@router.get("/models", summary="The one model this server serves")
+@router.get("/models", summary="The one model this server serves",
+            responses={200: {"model": ModelList}, **openai_errors(401, 503)})
 async def list_models(runtime: RuntimeDep) -> dict[str, Any]:
     return {"object": "list", "data": [model_card(runtime)]}
 
 
-@router.get("/models/{model_id}")
+@router.get("/models/{model_id}", summary="The model card, if the name is the served one",
+            responses={200: {"model": ModelCard}, **openai_errors(401, 404, 503)})
 async def get_model(model_id: str, runtime: RuntimeDep) -> dict[str, Any]:
     if model_id != runtime.artifact.name:
         raise ApiError(404, f"model {model_id!r} not found", "not_found", param="model",
@@ -113,7 +118,7 @@ def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
     not n copies of one sample."""
     if sampling.seed is None or choice == 0:
         return sampling
-    return replace(sampling, seed=(sampling.seed + choice) % 2**63)
+    return replace(sampling, seed=(sampling.seed + choice) % SEED_BOUND)
 
 
 def final_text(finish: FinishInfo) -> str:
@@ -144,7 +149,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-@router.post("/completions", summary="OpenAI completions, plain or streamed")
+@router.post("/completions", summary="OpenAI completions, plain or streamed",
+             responses={**json_or_sse(Completion, "A completion, or its chunks when streamed"),
+                        **OPENAI_ERRORS})
 async def completions(body: CompletionRequest, request: Request,
                       runtime: ReadyRuntime) -> Any:
     requests = completion_requests(body, runtime)

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Body, Depends
 
 from service.deps import RuntimeDep, require_api_key
 from service.openai_schemas import ChatTokenizeRequest
+from service.responses import DetokenizeResponse, TgiToken, TokenizeResponse, tgi_errors
 from service.routes.chat import render_messages
 from service.routes.openai import check_model
 from service.schemas import DetokenizeRequest, PromptTokenizeRequest, TgiTokenizeRequest
@@ -24,7 +25,9 @@ TokenizeBody = Annotated[TgiTokenizeRequest | PromptTokenizeRequest | ChatTokeni
 
 
 @router.post("/tokenize", summary="Token ids of a prompt or a conversation (vLLM), or "
-                                  "tokens with character spans (TGI, body {\"inputs\"})")
+                                  "tokens with character spans (TGI, body {\"inputs\"})",
+             responses={200: {"model": TokenizeResponse | list[TgiToken]},
+                        **tgi_errors(401, 404, 413, 422, 503)})
 async def tokenize(body: TokenizeBody, runtime: RuntimeDep) -> Any:
     tokenizer = runtime.artifact.codec.tokenizer
     if isinstance(body, TgiTokenizeRequest):
@@ -43,7 +46,9 @@ async def tokenize(body: TokenizeBody, runtime: RuntimeDep) -> Any:
             "tokens": ids}
 
 
-@router.post("/detokenize", summary="Text of a list of token ids (vLLM)")
+@router.post("/detokenize", summary="Text of a list of token ids (vLLM)",
+             responses={200: {"model": DetokenizeResponse},
+                        **tgi_errors(401, 404, 413, 422, 503)})
 async def detokenize(body: DetokenizeRequest, runtime: RuntimeDep) -> dict[str, str]:
     check_model(body.model, runtime)
     runtime.validator.check_token_ids(body.tokens, "tokens")
