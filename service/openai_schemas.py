@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from service.schemas import Int, NonEmptyText, Seed, Strict
+from service.schemas import Integral, NonEmptyText, Seed, Strict
 
-TokenId = Annotated[Int, Field(ge=0, lt=2**31)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31), Integral]
 Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
 MAX_BIAS_ENTRIES = 300  # OpenAI's own cap on logit_bias
 MAX_STOP_TOKEN_IDS = 64
@@ -55,7 +55,7 @@ class OpenAISampling(Strict):
     model: str
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    n: Int = Field(1, ge=1, le=8)
+    n: Annotated[int, Field(ge=1, le=8), Integral] = 1
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None = None
     seed: Seed | None = None
     stream: bool = False
@@ -68,10 +68,10 @@ class OpenAISampling(Strict):
         None, description="token id (as a string) → bias added to its logit, -100..100")
     response_format: ResponseFormat | None = None
     # vLLM's extra sampling parameters
-    top_k: Int = Field(0, ge=-1, description="0 or -1: off")
+    top_k: Annotated[int, Field(ge=-1, description="0 or -1: off"), Integral] = 0
     min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
-    min_tokens: Int = Field(0, ge=0)
+    min_tokens: Annotated[int, Field(ge=0), Integral] = 0
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
 
@@ -90,10 +90,11 @@ class CompletionRequest(OpenAISampling):
     """OpenAI /v1/completions (the fields the service honours; others are refused)."""
 
     prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=64)]
-    max_tokens: Int | None = Field(16, ge=1)
-    logprobs: Int | None = Field(None, ge=0, le=5)
+    max_tokens: Annotated[int, Field(ge=1), Integral] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=5), Integral] | None = None
     echo: bool = False
-    best_of: Int | None = Field(None, ge=1, le=1)  # accepted at its neutral value only
+    # accepted at its neutral value only
+    best_of: Annotated[int, Field(ge=1, le=1), Integral] | None = None
 
     @property
     def prompts(self) -> list[str]:
@@ -138,10 +139,10 @@ class ChatCompletionRequest(OpenAISampling):
     """OpenAI /v1/chat/completions: messages rendered with the model's chat template."""
 
     messages: Messages
-    max_tokens: Int | None = Field(None, ge=1)
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), Integral] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), Integral] | None = None
     logprobs: bool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    top_logprobs: Annotated[int, Field(ge=0, le=20), Integral] | None = None
     add_generation_prompt: bool = True  # vLLM extra
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: more template variables
 

@@ -86,10 +86,26 @@ def _bound(prop: dict[str, Any], maximum: int) -> None:
             member["maximum"] = maximum
 
 
+def _drop_default_422(schema: dict[str, Any]) -> None:
+    """FastAPI documents a 422 of its own body shape on every operation with parameters;
+    routes with a body list their real 422 instead, so what is left (a str path
+    parameter, which cannot fail) is dropped, with its unused schemas."""
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            default = operation["responses"].get("422", {})
+            ref = default.get("content", {}).get("application/json", {}).get("schema", {})
+            if ref.get("$ref", "").endswith("/HTTPValidationError"):
+                del operation["responses"]["422"]
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+
+
 def build(app: FastAPI, runtime: Runtime | None) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, description=app.description,
                          routes=app.routes)
     _add_stream_schemas(schema)
+    _drop_default_422(schema)
     if runtime is None:
         return schema
     components = schema.get("components", {}).get("schemas", {})

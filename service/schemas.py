@@ -26,11 +26,11 @@ def _bool_only(value: Any) -> Any:
     return value
 
 
-Int = Annotated[int, BeforeValidator(_integral)]
+Integral = BeforeValidator(_integral)  # after the constraints, so they reach the schema
 NonEmptyText = Annotated[str, Field(min_length=1)]
 # Seeds stay below 2**53: every JSON client reads and writes them exactly (a double).
 SEED_BOUND = 2**53
-Seed = Annotated[Int, Field(ge=0, lt=SEED_BOUND)]
+Seed = Annotated[int, Field(ge=0, lt=SEED_BOUND), Integral]
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 
 
@@ -55,9 +55,9 @@ class GenerateParameters(Strict):
     """TGI's parameters; temperature, top_k, top_p or typical_p other than neutral turn
     sampling on."""
 
-    max_new_tokens: Int | None = Field(None, ge=1)
+    max_new_tokens: Annotated[int, Field(ge=1), Integral] | None = None
     temperature: float | None = Field(None, gt=0, allow_inf_nan=False)
-    top_k: Int | None = Field(None, ge=0)
+    top_k: Annotated[int, Field(ge=0), Integral] | None = None
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     typical_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -68,11 +68,11 @@ class GenerateParameters(Strict):
     return_full_text: bool = False
     details: bool = False
     decoder_input_details: bool = False
-    truncate: Int | None = Field(None, ge=1)
-    top_n_tokens: Int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS)
+    truncate: Annotated[int, Field(ge=1), Integral] | None = None
+    top_n_tokens: Annotated[int, Field(ge=0, le=MAX_TOP_N_TOKENS), Integral] | None = None
     grammar: Grammar | None = None
     # Sent by TGI's own client; accepted at their neutral values only.
-    best_of: Int | None = Field(None, ge=1, le=1)
+    best_of: Annotated[int, Field(ge=1, le=1), Integral] | None = None
     watermark: Annotated[Literal[False], BeforeValidator(_bool_only)] = False
 
     def to_sampling_params(self) -> SamplingParams:
@@ -122,8 +122,8 @@ def _weights_only() -> list[AttentionKindName]:
 
 class AttentionRequest(Strict):
     inputs: NonEmptyText
-    layers: list[Annotated[Int, Field(ge=0)]] | None = Field(None, min_length=1)
-    heads: list[Annotated[Int, Field(ge=0)]] | None = Field(None, min_length=1)
+    layers: list[Annotated[int, Field(ge=0), Integral]] | None = Field(None, min_length=1)
+    heads: list[Annotated[int, Field(ge=0), Integral]] | None = Field(None, min_length=1)
     include: list[AttentionKindName] = Field(default_factory=_weights_only, min_length=1)
     format: Literal["json", "npz", "png"] = "json"
 
@@ -145,4 +145,4 @@ class PromptTokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[Annotated[Int, Field(ge=0, lt=2**31)]] = Field(max_length=1 << 16)
+    tokens: list[Annotated[int, Field(ge=0, lt=2**31), Integral]] = Field(max_length=1 << 16)

@@ -51,6 +51,10 @@ def chat_requests(body: ChatCompletionRequest, runtime: Runtime) -> list[Generat
                            body.chat_template_kwargs)
     ids = runtime.validator.tokenize(text, "messages")
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    bound = runtime.artifact.limits.max_new_tokens
+    if body.max_tokens is not None and body.max_tokens > bound:  # set beside the other
+        raise InputError("max_tokens", f"{body.max_tokens} exceeds the server's bound "
+                                       f"max_new_tokens {bound}")
     return build_requests(body, runtime, [("messages", ids)], body.max_new_tokens,
                           body.top_n_logprobs, max_field=field)
 

@@ -105,7 +105,7 @@ def test_bounds_security_and_served_name_are_in_the_document(document: dict[str,
     ("/generate", {"inputs": "a", "parameters": {"truncate": 500}}, "parameters.truncate"),
     ("/v1/completions", {"model": NAME, "prompt": "a", "seed": 2**53}, "seed"),
     ("/v1/completions", {"model": NAME, "prompt": "a", "logit_bias": {"x": 1}},
-     "logit_bias.x.[key]"),
+     "logit_bias.x"),
     ("/v1/completions", {"model": NAME, "prompt": "a", "max_tokens": 2.5}, "max_tokens"),
 ])
 def test_bodies_the_schema_calls_invalid_are_rejected(server: ServerProcess, path: str,
