@@ -42,7 +42,8 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
                                    config.eos_token_id)
         runtime = Runtime(settings, opened, metrics, Validator(
             opened.codec, opened.limits, config.eos_token_id, gen.max_new_tokens,
-            vocab_size=config.vocab_size, grammars=grammars))
+            vocab_size=config.vocab_size, extra_eos_ids=opened.extra_eos_ids,
+            grammars=grammars))
         app.state.runtime = runtime
         loader = asyncio.create_task(_load(runtime, on_fatal))
         try:

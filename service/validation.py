@@ -33,6 +33,7 @@ class Validator:
     eos_token_id: int
     default_max_new_tokens: int
     vocab_size: int = 0  # the model's logits width; 0: the tokenizer's
+    extra_eos_ids: tuple[int, ...] = ()  # generation_config.json's eos_token_id list
     grammars: GrammarCompiler | None = None
 
     def check_token_id(self, token: int, field: str) -> None:
@@ -94,11 +95,12 @@ class Validator:
         if min_tokens > max_new_tokens:
             raise InputError("min_tokens", f"{min_tokens} exceeds max_tokens {max_new_tokens}")
         eos = None if ignore_eos else self.eos_token_id
+        eos_ids = () if eos is None else (eos, *self.extra_eos_ids)
         if min_tokens:  # vLLM: eos and stop_token_ids cannot end the text before min_tokens
             sampling = replace(sampling, min_tokens=min_tokens, suppress_ids=tuple(
-                sorted({*stop_token_ids, *(() if eos is None else (eos,))})))
+                sorted({*stop_token_ids, *eos_ids})))
         return GenerationRequest(
             prompt_ids=prompt_ids, sampling=sampling,
-            stopping=StoppingCriteria(max_new_tokens, tuple(stop), eos, stop_token_ids,
-                                      min_tokens),
+            stopping=StoppingCriteria(max_new_tokens, tuple(stop), eos, self.extra_eos_ids,
+                                      stop_token_ids, min_tokens),
             prompt_logprobs=prompt_logprobs)

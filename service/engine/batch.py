@@ -173,7 +173,8 @@ class Batch:
 
         reason: FinishReason | None = None
         stop, stop_offset = None, None
-        if req.stopping.eos_token_id is not None and token == req.stopping.eos_token_id:
+        if req.stopping.eos_token_id is not None and (
+                token == req.stopping.eos_token_id or token in req.stopping.extra_eos_ids):
             reason = "eos_token"
         elif token in req.stopping.stop_token_ids:  # vLLM: left out of the text
             reason = "stop_sequence"

@@ -69,6 +69,7 @@ class StoppingCriteria:
     max_new_tokens: int
     stop_sequences: tuple[str, ...] = ()
     eos_token_id: int | None = None  # None: ignore_eos
+    extra_eos_ids: tuple[int, ...] = ()  # generation_config.json's other end tokens
     stop_token_ids: tuple[int, ...] = ()  # end the sequence, left out of the text (vLLM)
     min_tokens: int = 0  # no stop sequence ends the sequence before this many tokens
 

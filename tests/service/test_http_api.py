@@ -2,7 +2,8 @@
 tokenize / detokenize, sampling controls, structured output, X-Request-Id, and the official
 openai and text-generation clients.
 
-One server (torch hidden) serves a copy of the tiny artifact that carries a chat template and a tokenizer_config.json, pinned by its manifest as export writes them.
+One server (torch hidden) serves a copy of the tiny artifact that carries a chat template
+and a tokenizer_config.json, pinned by its manifest as export writes them.
 """
 
 from __future__ import annotations
