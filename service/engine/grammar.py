@@ -34,8 +34,9 @@ class GrammarError(ValueError):
 
 
 class GrammarCompiler:
-    """Turns a schema or pattern into a ``Grammar``; the tokenizer table is built on first
-    use (it walks the whole vocabulary), so servers that never constrain never pay for it."""
+    """Turns a schema or pattern into a ``Grammar``. The tokenizer table (a walk over the
+    whole vocabulary, about a second for 128k tokens) is built once, at start-up, by
+    ``tokenizer()`` from the loader thread."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int) -> None:
         self._tokenizer_json = tokenizer_json
@@ -64,25 +65,24 @@ class GrammarCompiler:
                 text = llguidance.LLMatcher.grammar_from_lark(str(value))
         except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
             raise GrammarError(f"not a valid {kind.replace('_', ' ')}: {exc}") from exc
-        tokenizer = self.tokenizer()
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
-        if is_error:
-            raise GrammarError(f"invalid {kind.replace('_', ' ')}: {messages[0]}")
-        return Grammar(tokenizer, text, self._vocab_size, self._eos)
+        matcher = llguidance.LLMatcher(self.tokenizer(), text, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {kind.replace('_', ' ')}: {matcher.get_error()}")
+        return Grammar(matcher, self._vocab_size, self._eos)
 
 
 @dataclass(frozen=True)
 class Grammar:
-    """A compiled grammar; each sequence that follows it gets its own matcher (``new``)."""
+    """A compiled grammar, compiled once when the request is validated; each sequence that
+    follows it gets a copy of the fresh matcher (``new``: cheap, so the engine thread never
+    compiles)."""
 
-    tokenizer: llguidance.LLTokenizer
-    text: str
+    prototype: llguidance.LLMatcher  # never advanced
     vocab_size: int
     eos_token_id: int
 
     def new(self) -> GrammarState:
-        return GrammarState(llguidance.LLMatcher(self.tokenizer, self.text, log_level=0),
-                            self.vocab_size, self.eos_token_id)
+        return GrammarState(self.prototype.deep_copy(), self.vocab_size, self.eos_token_id)
 
 
 class GrammarState:

@@ -47,6 +47,8 @@ def render_messages(runtime: Runtime, messages: list[ChatMessage], add_generatio
 
 def chat_requests(body: ChatCompletionRequest, runtime: Runtime) -> list[GenerationRequest]:
     check_model(body.model, runtime)
+    if body.top_logprobs and not body.logprobs:
+        raise InputError("top_logprobs", "needs logprobs: true")
     text = render_messages(runtime, body.messages, body.add_generation_prompt,
                            body.chat_template_kwargs)
     ids = runtime.validator.tokenize(text, "messages")

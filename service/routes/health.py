@@ -69,6 +69,7 @@ async def info(runtime: RuntimeDep) -> dict[str, Any]:
             "max_body_bytes": settings.max_body_bytes,
         },
         "auth": settings.api_key is not None,
+        "chat_template": artifact.chat_template.origin,
         "versions": {
             "attnserve": _version("attnserve"), "python": platform.python_version(),
             "onnxruntime": _version("onnxruntime") or _version("onnxruntime-gpu"),

@@ -121,6 +121,14 @@ def test_chat_prompt_is_the_template_rendering_and_greedy_output_matches_the_ref
         assert entry.bytes == list(entry.token.encode())
 
 
+def test_info_names_the_chat_template_and_top_logprobs_needs_logprobs(
+        client: httpx.Client) -> None:
+    assert client.get("/info").json()["chat_template"] == "chat_template.jinja"
+    r = client.post("/v1/chat/completions", json={"model": NAME, "messages": CONVERSATION,
+                                                  "top_logprobs": 2})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "top_logprobs"
+
+
 def test_chat_streaming_with_the_openai_client_gives_the_same_text_and_usage(
         api: openai.OpenAI) -> None:
     plain = api.chat.completions.create(model=NAME, messages=CONVERSATION,  # type: ignore[arg-type]
