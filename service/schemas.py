@@ -39,7 +39,7 @@ class Strict(BaseModel):
 
 
 class JsonGrammar(Strict):
-    type: Literal["json", "json_object"]
+    type: Literal["json"]
     value: dict[str, Any] | str = Field(description="a JSON schema (object or string)")
 
 

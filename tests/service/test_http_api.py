@@ -19,12 +19,14 @@ from typing import Any
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 from tokenizers import Tokenizer, models
 
 from service.contract import io_spec as io
 from service.contract.manifest import describe_files, load_manifest
+from service.contract.reference import OrtDecoder
 from tests.service.conftest import ServerProcess
 
 NAME = "tiny-chat"
@@ -248,17 +250,67 @@ def test_stop_token_ids_end_the_text_before_the_token(
     assert out["usage"]["completion_tokens"] == cut + 1
 
 
-def test_presence_penalty_changes_greedy_output_only_through_repeats(
-        client: httpx.Client, encode: Encode, reference_greedy: Greedy,
-        tokenizer: Tokenizer) -> None:
-    expected = reference_greedy(encode("Return the"), 16)
-    free = completion(client, max_tokens=16, presence_penalty=0.0)["choices"][0]["text"]
-    assert free == decode(tokenizer, expected)
-    penalised = completion(client, max_tokens=16, presence_penalty=2.0,
-                           frequency_penalty=2.0)["choices"][0]["text"]
-    first_repeat = next(i for i, t in enumerate(expected) if t in expected[:i])
-    assert penalised.startswith(decode(tokenizer, expected[:first_repeat]))
-    assert penalised != free
+Pick = Callable[[np.ndarray, list[int]], int]
+
+
+@pytest.fixture(scope="module")
+def decode_with(artifact: Path) -> Callable[[list[int], int, Pick], list[int]]:
+    """The plain ORT loop (no service sampling code) choosing each token with ``pick``
+    from the float64 logits and the tokens so far; stops right after end-of-sequence."""
+    dec = OrtDecoder.from_artifact(artifact)
+
+    def run(prompt: list[int], steps: int, pick: Pick) -> list[int]:
+        ids = np.asarray([prompt], np.int64)  # (1, T)
+        total, past, out = len(prompt), dec.empty_past(1), []
+        while len(out) < steps:
+            pos = np.arange(total - ids.shape[1], total, dtype=np.int64)[None, :]  # (1, T)
+            logits, past = dec(ids, np.ones((1, total), np.int64), pos, past)
+            token = pick(logits[0, -1].astype(np.float64), out)
+            out.append(token)
+            if token == EOS:
+                break
+            ids, total = np.asarray([[token]], np.int64), total + 1
+        return out
+
+    return run
+
+
+def test_presence_and_frequency_penalties_match_their_definition(
+        client: httpx.Client, encode: Encode, tokenizer: Tokenizer,
+        decode_with: Callable[[list[int], int, Pick], list[int]]) -> None:
+    def penalised(logits: np.ndarray, out: list[int]) -> int:
+        counts = np.bincount(out, minlength=logits.shape[0])  # generated tokens only
+        return int(np.argmax(logits - 0.6 * counts - 1.1 * (counts > 0)))
+
+    expected = decode_with(encode("Return the"), 24, penalised)
+    out = completion(client, max_tokens=24, presence_penalty=1.1, frequency_penalty=0.6)
+    assert out["choices"][0]["text"] == decode(tokenizer, expected)
+    assert out["usage"]["completion_tokens"] == len(expected)
+
+
+def test_min_p_one_keeps_only_the_top_token_whatever_the_temperature(
+        client: httpx.Client, encode: Encode, tokenizer: Tokenizer,
+        reference_greedy: Greedy) -> None:
+    expected = decode(tokenizer, reference_greedy(encode("Return the"), 16))
+    for seed in range(3):
+        out = completion(client, max_tokens=16, temperature=2.0, seed=seed, min_p=1.0)
+        assert out["choices"][0]["text"] == expected
+
+
+def test_typical_p_keeps_the_token_whose_surprisal_is_closest_to_the_entropy(
+        client: httpx.Client, encode: Encode,
+        decode_with: Callable[[list[int], int, Pick], list[int]]) -> None:
+    def most_typical(logits: np.ndarray, _: list[int]) -> int:
+        logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+        entropy = -np.sum(np.exp(logp) * logp)
+        return int(np.argmin(np.abs(-logp - entropy)))
+
+    expected = decode_with(encode("Return the"), 12, most_typical)
+    for seed in range(2):  # a tiny mass keeps exactly one token: the draw is forced
+        r = client.post("/generate", json={"inputs": "Return the", "parameters": {
+            "max_new_tokens": 12, "typical_p": 1e-9, "seed": seed, "details": True}})
+        assert r.status_code == 200, r.text
+        assert [t["id"] for t in r.json()["details"]["tokens"]] == expected
 
 
 def test_tgi_top_n_tokens_in_details_and_stream(client: httpx.Client) -> None:
