@@ -101,6 +101,7 @@ class Validator:
                 sorted({*stop_token_ids, *eos_ids})))
         return GenerationRequest(
             prompt_ids=prompt_ids, sampling=sampling,
-            stopping=StoppingCriteria(max_new_tokens, tuple(stop), eos, self.extra_eos_ids,
-                                      stop_token_ids, min_tokens),
+            stopping=StoppingCriteria(
+                max_new_tokens, tuple(stop), eos_token_id=eos, extra_eos_ids=self.extra_eos_ids,
+                stop_token_ids=stop_token_ids, min_tokens=min_tokens),
             prompt_logprobs=prompt_logprobs)
