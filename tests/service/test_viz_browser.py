@@ -388,7 +388,8 @@ def test_three_views_over_prompt_and_continuation(chromium: Any, server: Any,
     corners = page.evaluate("""() => {
         const c = document.querySelector("canvas.thumb[data-layer='1'][data-head='2']");
         const g = c.getContext('2d');
-        return [[...g.getImageData(0, 0, 1, 1).data], [...g.getImageData(c.width - 1, 0, 1, 1).data]];
+        const at = (x) => [...g.getImageData(x, 0, 1, 1).data];
+        return [at(0), at(c.width - 1)];
     }""")
     assert corners == [[253, 231, 37, 255], [68, 1, 84, 255]]
     page.select_option("#query", str(t - 3))

@@ -163,7 +163,6 @@ export class HeadView {
     const { side, index } = this.focus;
     const x0 = this.labelW + 6;
     const x1 = this.rightX() - 6;
-    ctx.lineWidth = 2;
     const heads = [...this.heads];
     heads.forEach((h, n) => {
       ctx.strokeStyle = headColour(h);
@@ -172,7 +171,8 @@ export class HeadView {
         const [i, j] = side === "left" ? [index, other] : [other, index];
         const a = this.alpha(h, i, j);
         if (a <= 0) continue;
-        ctx.globalAlpha = a;
+        ctx.globalAlpha = 0.12 + 0.88 * a;  // monotone in α, and a weak link stays visible
+        ctx.lineWidth = 1 + 3 * a;
         ctx.beginPath();
         ctx.moveTo(x0, this.y(i));
         ctx.lineTo(x1, this.y(j));
@@ -180,6 +180,7 @@ export class HeadView {
         // A box per head behind the attended token, split into one slice per head.
         const slice = this.labelW / heads.length;
         const bx = side === "left" ? this.rightX() + n * slice : n * slice;
+        ctx.globalAlpha = 0.1 + 0.7 * a;
         ctx.fillRect(bx, TOP + other * ROW + 1, slice, ROW - 2);
       }
     });
