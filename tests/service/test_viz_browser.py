@@ -475,8 +475,9 @@ def test_full_context_input_stays_responsive(chromium: Any, long_server: ServerP
     assert canvas_ink(page, "#head-canvas") > 0
     page.click("[data-view=model]")
     assert page.locator("canvas.thumb").count() == 2 * 12
+    page.select_option("#scale", "sqrt")  # random weights: near-uniform, faint α
     page.click("canvas.thumb[data-layer='1'][data-head='11']")
-    save_shot(page.locator("#views"), shots / "model-view-12-heads-300-tokens.png")
+    save_shot(page.locator("#views"), shots / "model-view-long.png")
     page.click("#detail-step")
     with httpx.Client(base_url=server.url, timeout=120) as client:
         check_step(step_numbers(page, 1, 11, 150), reference(client, text, 1, 11), 150)

@@ -26,6 +26,7 @@ const modelView = new ModelView($("model-grid"), {
   panel: $("model-detail"), title: $("detail-title"), canvas: $("detail-canvas"), tip: $("detail-tip"),
 }, (l, h) => { state.layer = l; state.head = h; syncControls(); render(); }, (i) => setQuery(i));
 const stepView = new StepView($("step"));
+modelView.setScale($("scale").value);
 
 function setStatus(stateName, message) {
   const status = $("status");
@@ -271,7 +272,12 @@ $("theme").addEventListener("click", () => {
 
 applyTheme(sessionStorage.getItem("attnserve.theme")
   || (window.matchMedia("(prefers-color-scheme: dark)").matches ? "dark" : "light"));
-legend($("model-legend"));
+legend($("model-legend"), $("scale").value);
+$("scale").addEventListener("change", (e) => {
+  modelView.setScale(e.target.value);
+  legend($("model-legend"), e.target.value);
+  render();
+});
 $("run").disabled = true;
 window.attnviz = { state, render, submit };  // for tests and the console
 connect();

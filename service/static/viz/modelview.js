@@ -6,8 +6,11 @@ import { VIRIDIS, cssVar, fmt, sizeCanvas, tokenLabel, viridisCss } from "./colo
 
 const LABELLED = 48;  // token labels on the opened map up to this many tokens
 
+/** Colour scales: α itself, or √α, which lifts the faint weights of long inputs. */
+export const SCALES = { linear: (a) => a, sqrt: (a) => Math.sqrt(a) };
+
 /** (T × T) slice of weights at (l, h) → ImageData of side s, each pixel the max of its block. */
-function pooled(model, l, h, s) {
+function pooled(model, l, h, s, scale) {
   const { weights, H, T } = model;
   const image = new ImageData(s, s);
   const base = (l * H + h) * T * T;
@@ -22,7 +25,7 @@ function pooled(model, l, h, s) {
     }
   }
   for (let p = 0; p < s * s; p++) {
-    const c = Math.max(0, Math.min(255, Math.round(cell[p] * 255))) * 3;
+    const c = Math.max(0, Math.min(255, Math.round(scale(cell[p]) * 255))) * 3;
     image.data[p * 4] = VIRIDIS[c];
     image.data[p * 4 + 1] = VIRIDIS[c + 1];
     image.data[p * 4 + 2] = VIRIDIS[c + 2];
@@ -50,12 +53,19 @@ export class ModelView {
     this.drawn = false;
   }
 
+  setScale(name) {
+    this.scale = SCALES[name];
+    this.drawn = false;
+  }
+
   /** Build and paint the grid (once per data set, when the view is first shown). */
   drawGrid() {
     if (this.drawn) return;
     const { L, H, T } = this.model;
-    const width = this.grid.parentElement.clientWidth || 640;
-    const thumb = Math.max(36, Math.min(96, Math.floor((width - 48) / H) - 6));
+    // Leave room beside the grid for the opened map (the layout wraps below 900 px).
+    const total = this.grid.closest(".model-layout").clientWidth || 900;
+    const width = total >= 900 ? total - 480 : total;
+    const thumb = Math.max(24, Math.min(96, Math.floor((width - 40) / H) - 6));
     this.grid.style.setProperty("--cols", H);
     this.grid.style.setProperty("--thumb", `${thumb}px`);
     this.grid.replaceChildren();
@@ -81,7 +91,7 @@ export class ModelView {
         canvas.dataset.layer = l;
         canvas.dataset.head = h;
         canvas.title = `layer ${l}, head ${h}`;
-        canvas.getContext("2d").putImageData(pooled(this.model, l, h, side), 0, 0);
+        canvas.getContext("2d").putImageData(pooled(this.model, l, h, side, this.scale), 0, 0);
         canvas.addEventListener("click", () => this.onOpen(l, h));
         this.grid.append(canvas);
         this.cells.push(canvas);
@@ -110,7 +120,7 @@ export class ModelView {
     const off = document.createElement("canvas");
     off.width = T;
     off.height = T;
-    off.getContext("2d").putImageData(pooled(this.model, layer, head, T), 0, 0);
+    off.getContext("2d").putImageData(pooled(this.model, layer, head, T, this.scale), 0, 0);
     ctx.imageSmoothingEnabled = false;
     ctx.drawImage(off, this.margin, this.margin, side, side);
     if (query !== null && query < T) {
@@ -154,11 +164,11 @@ export class ModelView {
   }
 }
 
-/** A colour bar 0 … 1 for α. */
-export function legend(container) {
+/** A colour bar 0 … 1 for α, with the α at its middle under the chosen scale. */
+export function legend(container, scaleName) {
   container.replaceChildren();
   const title = document.createElement("span");
-  title.textContent = "α";
+  title.textContent = scaleName === "sqrt" ? "α (colour ∝ √α; middle = 0.25)" : "α (middle = 0.5)";
   const bar = document.createElement("canvas");
   bar.className = "legend-bar";
   bar.width = 256;

@@ -191,6 +191,7 @@ export class StepView {
     canvas.rowHeight = rh;
     const ctx = sizeCanvas(canvas, bar + d * cw, T * rh);
     const dark = isDark();
+    const top = alpha ? Math.max(...alpha) || 1 : 1;  // bars relative to the largest α
     for (let j = 0; j < T; j++) {
       for (let c = 0; c < d; c++) {
         const [r, g, b] = divergingRgb(rows[j][c] / scale, dark);
@@ -199,7 +200,8 @@ export class StepView {
       }
       if (alpha) {
         ctx.fillStyle = "rgba(214, 120, 40, 0.9)";
-        ctx.fillRect(bar - 4 - alpha[j] * (bar - 8), j * rh, alpha[j] * (bar - 8), Math.max(1, rh - 1));
+        const w = (alpha[j] / top) * (bar - 8);
+        ctx.fillRect(bar - 4 - w, j * rh, w, Math.max(1, rh - 1));
       }
     }
     if (query + 1 < T) {  // keys after the query are masked: dim them
