@@ -144,6 +144,9 @@ def test_wheel_ships_no_benchmark_or_test_code_and_serve_needs_no_torch(tmp_path
         metadata = next(zf.read(n).decode() for n in names if n.endswith("METADATA"))
     top = {n.split("/")[0] for n in names}
     assert {"model", "export", "service"} <= top
+    static = {str(p.relative_to(REPO)) for p in (REPO / "service" / "static").rglob("*")
+              if p.is_file()}  # the /viz page is package data
+    assert static and static <= set(names), sorted(static - set(names))
     assert not top & {"benchmarks", "tests"}
     serve_requirements = [line for line in metadata.splitlines()
                           if line.startswith("Requires-Dist:") and 'extra == "serve"' in line]

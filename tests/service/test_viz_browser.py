@@ -256,23 +256,6 @@ def test_page_and_assets_are_public_the_data_is_not(server: Any) -> None:
     assert httpx.post(f"{server.url}/attention", json={"inputs": "a"}).status_code == 401
 
 
-def test_pyproject_ships_every_static_file() -> None:
-    """setuptools package-data globs cover every file under service/static (a wheel or a
-    non-editable `pip install .` carries exactly what these globs match)."""
-    import tomllib
-
-    root = Path(__file__).resolve().parents[2]
-    config = tomllib.loads((root / "pyproject.toml").read_text("utf-8"))
-    globs = config["tool"]["setuptools"]["package-data"]["service"]
-    static = root / "service" / "static"
-    files = {p.relative_to(root / "service") for p in static.rglob("*") if p.is_file()}
-    matched = {p.relative_to(root / "service") for g in globs
-               for p in (root / "service").glob(g) if p.is_file()}
-    assert files and files == matched
-    dockerfile = (root / "deploy" / "Dockerfile").read_text("utf-8")
-    assert "COPY service ./service" in dockerfile
-
-
 def test_bertviz_format_renders_in_bertviz(client: httpx.Client) -> None:
     bertviz = pytest.importorskip("bertviz", reason="bertviz (dev extra)")
     torch = pytest.importorskip("torch")
