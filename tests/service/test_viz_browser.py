@@ -284,7 +284,7 @@ def test_bertviz_format_renders_in_bertviz(client: httpx.Client) -> None:
     np.testing.assert_array_equal(np.asarray(some["attention"]), weights[[1]][:, [3, 0]][:, None])
     bad = client.post("/attention", json={"inputs": text, "format": "bertviz",
                                           "include": ["q"]})
-    assert bad.status_code == 422 and "include" in bad.text
+    assert bad.status_code == 422 and bad.json()["error"].startswith("include:"), bad.text
 
 
 # ---------------------------------------------------------------------------- in the browser

@@ -242,10 +242,11 @@ async function renderStep() {
     } catch (error) {
       showError(error);
       return;
+    } finally {
+      delete step.dataset.loading;
     }
     if (run !== state.run) return;
     state.layers.set(layer, data);
-    delete step.dataset.loading;
     const { L, H, T } = state.model;
     setStatus("ready", `${T} tokens · ${L} × ${H} maps · layer ${layer} loaded`);
   }
