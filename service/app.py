@@ -61,10 +61,11 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
     app.add_middleware(ObservabilityMiddleware,
                        metrics=lambda: app.state.runtime.metrics if app.state.runtime else None,
                        max_body_bytes=settings.max_body_bytes)
-    from service.routes import attention, chat, generate, health, openai, tokenize
+    from service.routes import attention, chat, generate, health, openai, tokenize, viz
 
     for module in (health, generate, openai, chat, tokenize, attention):
         app.include_router(module.router)
+    viz.install(app)
     install_openapi(app)
     return app
 

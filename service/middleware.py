@@ -23,7 +23,7 @@ from service.metrics import Metrics
 
 ROUTES = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
                     "/v1/models", "/tokenize", "/detokenize", "/attention", "/health",
-                    "/ready", "/info", "/metrics"})
+                    "/ready", "/info", "/metrics", "/viz"})
 QUIET = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers: no access line
 log = logging.getLogger("attnserve.access")
 

@@ -45,7 +45,7 @@ TOKEN_ID_LISTS = (("DetokenizeRequest", "tokens"), ("CompletionRequest", "stop_t
                   ("ChatCompletionRequest", "stop_token_ids"))
 MODEL_FIELDS = ("CompletionRequest", "ChatCompletionRequest", "PromptTokenizeRequest",
                 "ChatTokenizeRequest", "DetokenizeRequest")
-PUBLIC = frozenset({"/health", "/ready", "/metrics"})
+PUBLIC = frozenset({"/health", "/ready", "/metrics", "/viz"})
 # (path, method) → (the event payload models, whether the stream ends with "data: [DONE]")
 STREAMS: dict[tuple[str, str], tuple[tuple[type[BaseModel], ...], bool]] = {
     ("/generate_stream", "post"): ((StreamResponse, TgiError), False),
