@@ -64,19 +64,21 @@ def client(start_server: Callable[..., Any], served: tuple[Any, str]
         yield c
 
 
-def _hf_greedy(hf: Any, ids: list[int], eos: int | None) -> list[int]:
+def _hf_greedy(hf: Any, ids: list[int], max_new: int = NEW_TOKENS) -> list[int]:
+    """transformers' greedy generate with the model's own generation_config.json (both
+    stop ids: <|im_end|> and <|endoftext|>); the stop token is kept, as the server does."""
+    eos = hf.generation_config.eos_token_id
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                                                                           dtype=torch.long),
-                          max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos,
-                          pad_token_id=eos)
+                          max_new_tokens=max_new, do_sample=False,
+                          pad_token_id=eos[0] if isinstance(eos, list) else eos)
     return [int(t) for t in out[0, len(ids):]]
 
 
 def test_greedy_over_http_equals_transformers_generate(client: httpx.Client, hf: Any,
                                                        artifact: Path) -> None:
     """Concurrent requests (batched, left-padded in the engine) each equal HF alone."""
-    config = io.ArtifactConfig.load(artifact)
     tok = Tokenizer.from_file(str(artifact / io.TOKENIZER_FILE))
 
     def ask(prompt: str) -> dict[str, Any]:
@@ -89,9 +91,33 @@ def test_greedy_over_http_equals_transformers_generate(client: httpx.Client, hf:
         answers = list(pool.map(ask, PROMPTS))
     for prompt, body in zip(PROMPTS, answers, strict=True):
         ids = tok.encode(prompt, add_special_tokens=False).ids
-        expected = _hf_greedy(hf, ids, config.eos_token_id)
+        expected = _hf_greedy(hf, ids)
         assert [t["id"] for t in body["details"]["tokens"]] == expected
         assert body["generated_text"] == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_chat_completion_uses_the_models_template_like_apply_chat_template(
+        client: httpx.Client, hf: Any, built: Any) -> None:
+    """The artifact's own template (tokenizer_config.json for llama, chat_template.jinja
+    for qwen2) renders what transformers' apply_chat_template renders; greedy replies equal
+    generate on those ids."""
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(str(built.hf_dir))
+    messages = [{"role": "user", "content": "Open the file and read"}]
+    ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = _hf_greedy(hf, list(ids), 12)
+    r = client.post("/v1/chat/completions", json={
+        "model": client.get("/v1/models").json()["data"][0]["id"], "messages": messages,
+        "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["usage"]["completion_tokens"] == len(expected)
+    assert body["choices"][0]["message"]["content"] == hf_tok.decode(
+        expected, skip_special_tokens=True)
+    rendered = client.post("/tokenize", json={"messages": messages}).json()
+    assert rendered["tokens"] == list(ids)
 
 
 def test_attention_per_query_head_equals_transformers(client: httpx.Client, hf: Any,
