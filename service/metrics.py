@@ -20,12 +20,13 @@ from prometheus_client import (
     generate_latest,
 )
 
+from service.admission import AdmissionStats
 from service.engine.stats import LoadStats, RequestStats, StepStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
                    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
-REJECTION_REASONS = ("queue_full", "validation", "too_large", "unauthorized")
+REJECTION_REASONS = ("queue_full", "attention_busy", "validation", "too_large", "unauthorized")
 
 
 class Metrics:
@@ -76,6 +77,9 @@ class Metrics:
                                 ["reason"], registry=r)
         for reason in REJECTION_REASONS:
             self.rejected.labels(reason=reason)  # exported at 0 from the start
+        self.admitted = Gauge("attnserve_admission_requests",
+                              "Requests inside a bounded side route (/attention), by state.",
+                              ["route", "state"], registry=r)
         self.info = Gauge("attnserve_model_info", "The served model (value is always 1).",
                           ["model", "provider", "artifact_sha256"], registry=r)
 
@@ -91,6 +95,10 @@ class Metrics:
 
     def record_rejection(self, reason: str) -> None:
         self.rejected.labels(reason=reason).inc()
+
+    def record_admission(self, stats: AdmissionStats) -> None:
+        self.admitted.labels(route=stats.route, state="running").set(stats.running)
+        self.admitted.labels(route=stats.route, state="waiting").set(stats.waiting)
 
     # -- engine StatsSink -------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from service.admission import AdmissionGate
 from service.artifact import Artifact
 from service.contract import io_spec as io
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
@@ -38,6 +39,13 @@ class Runtime:
     draining: bool = False
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
+    attention_gate: AdmissionGate = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.attention_gate = AdmissionGate(
+            "/attention", self.settings.attention_max_concurrent,
+            self.settings.attention_max_queued, "attention_busy",
+            on_change=self.metrics.record_admission)
 
 
 def load_engine(runtime: Runtime) -> None:
@@ -48,7 +56,7 @@ def load_engine(runtime: Runtime) -> None:
                          settings.engine_graph)
     attention = AttentionModel(create_session(artifact.path / io.ATTENTION_FILE, "cpu"
                                               if model.device == "cpu" else settings.device,
-                                              settings.intra_op_threads), config)
+                                              settings.attention_threads), config)
     limits = artifact.limits
     scheduler = Scheduler(
         model, artifact.codec,

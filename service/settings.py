@@ -44,6 +44,13 @@ class Settings(BaseSettings):
     drain_timeout: float = Field(
         30.0, ge=0, description="seconds SIGTERM waits for in-flight requests")
     intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime threads; 0 = all cores")
+    attention_max_concurrent: int = Field(
+        2, ge=1, description="/attention requests computed at once; more wait or get 429")
+    attention_max_queued: int = Field(
+        4, ge=0, description="/attention requests waiting for a slot; beyond this → 429")
+    attention_threads: int = Field(
+        1, ge=0, description="ONNX Runtime threads of the attention session (0 = all cores); "
+                             "small, so /attention cannot take the decode loop's cores")
     engine_graph: bool = Field(
         True, description="decode with the artifact's engine.onnx (in-place KV cache) when it "
                           "has one and runs on CPU; false: always model.onnx")
