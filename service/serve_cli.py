@@ -36,7 +36,7 @@ OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--intra-op-threads", "intra_op_threads", int,
      "ONNX Runtime intra-op threads, 0 = all cores (default 0)"),
     ("--attention-max-concurrent", "attention_max_concurrent", int,
-     "/attention requests computed at once (default 2)"),
+     "/attention requests computed at once (default 1)"),
     ("--attention-max-queued", "attention_max_queued", int,
      "/attention requests waiting for a slot before 429 (default 4)"),
     ("--attention-threads", "attention_threads", int,

@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "seconds, while the load runs")
     p.add_argument("--attention-interval", type=float, default=1.0)
     p.add_argument("--attention-input-len", type=_positive, default=128)
+    p.add_argument("--attention-include", default="weights",
+                   help="comma-separated kinds each /attention request asks for "
+                        "(q,k,v,scores,scaled_scores,weights; default weights)")
+    p.add_argument("--attention-format", choices=("json", "npz", "png"), default="json")
     p.add_argument("--result-dir", type=Path, default=None,
                    help="where the JSON, report.md and report.png go "
                         "(default results/serve/<date>-<workload>)")
@@ -196,10 +200,13 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
         if attention_text is not None and args.attention_flood > 0:
             flood_client = httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(
                 max_connections=args.attention_flood))
+            body = {"inputs": attention_text, "format": args.attention_format,
+                    "include": [k.strip() for k in args.attention_include.split(",")]}
             flooding = asyncio.create_task(load.attention_flood(
-                flood_client, attention_text, args.attention_flood, args.attention_interval,
-                stop, flood))
+                flood_client, body, args.attention_flood, args.attention_interval, stop,
+                flood))
         started = datetime.now().astimezone().isoformat(timespec="seconds")
+        load_before = os.getloadavg()[0]
         try:
             outputs, duration = await load.run_load(client, send, requests, offsets,
                                                     args.max_concurrency)
@@ -215,12 +222,17 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
         "num_prompts": len(requests), "request_rate": rate, "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency, "goodput": goodput or None,
         "workload_params": _workload_params(args), "server_info": info,
+        # Timings mean little on a busy machine: say how busy it was.
+        "host": {"cpus": os.cpu_count(), "loadavg_1m_before": load_before,
+                 "loadavg_1m_after": os.getloadavg()[0]},
     }
     run.update(calculate_metrics(outputs, duration, args.metric_percentiles, goodput))
     if flooding is not None:
         run["attention_flood"] = {
             "concurrency": args.attention_flood, "interval_s": args.attention_interval,
-            "input_len": args.attention_input_len, "sent": flood.sent, "ok": flood.ok,
+            "input_len": args.attention_input_len, "include": args.attention_include,
+            "format": args.attention_format,
+            "sent": flood.sent, "ok": flood.ok,
             "rejected": flood.rejected, "other": flood.other,
             "median_ok_latency_ms": (float(np.median(flood.ok_latencies)) * 1000
                                      if flood.ok_latencies else None)}

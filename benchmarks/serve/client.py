@@ -201,7 +201,7 @@ class FloodStats:
     ok_latencies: list[float] = field(default_factory=list)
 
 
-async def attention_flood(client: httpx.AsyncClient, text: str, concurrency: int,
+async def attention_flood(client: httpx.AsyncClient, body: dict[str, Any], concurrency: int,
                           interval: float, stop: asyncio.Event, stats: FloodStats) -> None:
     """A wave of ``concurrency`` simultaneous /attention requests every ``interval``
     seconds (or when the last wave is answered, if later) until ``stop`` is set."""
@@ -209,8 +209,12 @@ async def attention_flood(client: httpx.AsyncClient, text: str, concurrency: int
     async def one() -> None:
         t0 = time.perf_counter()
         try:
-            r = await client.post("/attention", json={"inputs": text})
-            code = str(r.status_code)
+            # Streamed and dropped: a full-size answer is tens of MB, and holding it would
+            # cost this process time it owes to timing the token streams.
+            async with client.stream("POST", "/attention", json=body) as r:
+                async for _ in r.aiter_raw():
+                    pass
+                code = str(r.status_code)
         except httpx.HTTPError as exc:
             code = type(exc).__name__
         stats.sent += 1

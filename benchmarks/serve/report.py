@@ -56,6 +56,15 @@ def summary(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _host(runs: list[dict[str, Any]]) -> str:
+    hosts = [r["host"] for r in runs if r.get("host")]
+    if not hosts:
+        return ""
+    loads = [h[k] for h in hosts for k in ("loadavg_1m_before", "loadavg_1m_after")]
+    return (f"Client host: {hosts[0]['cpus']} CPUs, 1-minute load average "
+            f"{min(loads):.1f}–{max(loads):.1f} during the runs.")
+
+
 def markdown(runs: list[dict[str, Any]], command: str) -> str:
     """One row per run: throughput, then mean / median / p99 (ms) of each latency."""
     head = ("| workload | rate (req/s) | max conc. | done / failed | duration (s) | req/s | "
@@ -63,7 +72,7 @@ def markdown(runs: list[dict[str, Any]], command: str) -> str:
             "TPOT mean / med / p99 | ITL mean / med / p99 | E2E mean / med / p99 |")
     lines = ["# Serving benchmark", "", f"Command: `{command}`", "",
              f"Model: {runs[0]['model_id']} via `{runs[0]['backend']}` at "
-             f"{runs[0]['base_url']}; latencies in ms.", "", head,
+             f"{runs[0]['base_url']}; latencies in ms. {_host(runs)}", "", head,
              "|" + "---|" * (head.count("|") - 1)]
     for run in runs:
         def trio(name: str, run: dict[str, Any] = run) -> str:
