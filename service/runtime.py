@@ -17,6 +17,7 @@ from service.engine.request import GenerationRequest, SamplingParams, StoppingCr
 from service.engine.scheduler import Scheduler, SchedulerLimits
 from service.engine.session import AttentionModel, create_model, create_session
 from service.metrics import Metrics
+from service.offload import Offload
 from service.settings import Settings
 from service.validation import Validator
 
@@ -40,12 +41,15 @@ class Runtime:
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
     attention_gate: AdmissionGate = field(init=False)
+    attention_encoder: Offload = field(init=False)
 
     def __post_init__(self) -> None:
         self.attention_gate = AdmissionGate(
             "/attention", self.settings.attention_max_concurrent,
             self.settings.attention_max_queued, "attention_busy",
             on_change=self.metrics.record_admission)
+        # One encoding process per admitted request: the gate bounds how many are busy.
+        self.attention_encoder = Offload(self.settings.attention_max_concurrent)
 
 
 def load_engine(runtime: Runtime) -> None:

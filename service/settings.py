@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime threads; 0 = all cores")
     attention_max_concurrent: int = Field(
         1, ge=1, description="/attention requests computed at once; more wait or get 429 "
-                             "(1: a full-size JSON answer is seconds of GIL-bound encoding)")
+                             "(each is seconds of CPU at full length)")
     attention_max_queued: int = Field(
         4, ge=0, description="/attention requests waiting for a slot; beyond this → 429")
     attention_threads: int = Field(

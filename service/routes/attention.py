@@ -90,7 +90,8 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
         np.savez(buffer, **contents)
         return Response(buffer.getvalue(), media_type="application/octet-stream",
                         headers={"Content-Disposition": 'attachment; filename="attention.npz"'})
-    return Response(encode_json({
+    # In a worker process (service/offload.py): seconds of GIL-bound work otherwise.
+    return Response(runtime.attention_encoder.call(encode_json, {
         "model": runtime.artifact.name,
         "tokens": [{"id": i, "text": t} for i, t in zip(ids, tokens, strict=True)],
         "layers": layers, "heads": heads,
