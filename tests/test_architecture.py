@@ -7,6 +7,7 @@ imports are still dependencies) is read with ``ast``; nothing is imported to che
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -134,16 +135,29 @@ def test_nothing_reads_outside_the_repository() -> None:
 
 @pytest.mark.slow
 def test_wheel_ships_no_benchmark_or_test_code_and_serve_needs_no_torch(tmp_path: Path) -> None:
-    """What `pip install '.[serve]'` installs: the wheel's files and its serve extra."""
+    """What `pip install '.[serve]'` installs: the wheel's files and its serve extra.
+
+    Built from a copy of the tracked sources, so no stale build/ directory of the checkout
+    can hide a file the package data would miss (and none is left in the checkout)."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
+                             check=True).stdout.decode().split("\0")
+    source = tmp_path / "src"
+    for rel in filter(None, tracked):
+        if (REPO / rel).is_file():
+            (source / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, source / rel)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "-w", str(tmp_path), str(REPO)], check=True,
-                   cwd=tmp_path)
-    (wheel,) = tmp_path.glob("attnserve-*.whl")
+                    "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
+                   check=True, cwd=tmp_path)
+    (wheel,) = (tmp_path / "dist").glob("attnserve-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         metadata = next(zf.read(n).decode() for n in names if n.endswith("METADATA"))
     top = {n.split("/")[0] for n in names}
     assert {"model", "export", "service"} <= top
+    static = {str(p.relative_to(REPO)) for p in (REPO / "service" / "static").rglob("*")
+              if p.is_file()}  # the /viz page is package data
+    assert static and static <= set(names), sorted(static - set(names))
     assert not top & {"benchmarks", "tests"}
     serve_requirements = [line for line in metadata.splitlines()
                           if line.startswith("Requires-Dist:") and 'extra == "serve"' in line]

@@ -4,6 +4,10 @@ Matrices come back in bertviz's layout, (layers, heads, query, key) — or (laye
 tokens, head_dim) for q, k and v — restricted to the requested layers and heads.
 ``scaled_scores`` hold -inf where the causal mask hides a key; JSON has no infinity,
 so those entries are ``null`` in the json format (npz keeps the real -inf).
+
+``format=bertviz`` returns what bertviz's ``head_view`` / ``model_view`` take: ``attention``
+as one ``(1, heads, query, key)`` nested list per layer and ``tokens`` as plain strings, so
+a notebook passes ``[torch.tensor(a) for a in data["attention"]]`` straight to bertviz.
 """
 
 from __future__ import annotations
@@ -59,8 +63,8 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
     layers = _pick(body.layers, config.n_layers, "layers")
     heads = _pick(body.heads, config.n_heads, "heads")
     kinds = list(dict.fromkeys(body.include))
-    if body.format == "png" and kinds != ["weights"]:
-        raise InputError("include", "the png format renders only ['weights']")
+    if body.format in ("png", "bertviz") and kinds != ["weights"]:
+        raise InputError("include", f"the {body.format} format carries only ['weights']")
     assert runtime.attention is not None
     # Bounded (settings attention_max_concurrent/_queued; 429 beyond): running and encoding
     # a request costs seconds of CPU, and unbounded floods of them starve decoding.
@@ -90,7 +94,13 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
         np.savez(buffer, **contents)
         return Response(buffer.getvalue(), media_type="application/octet-stream",
                         headers={"Content-Disposition": 'attachment; filename="attention.npz"'})
-    # In a worker process (service/offload.py): seconds of GIL-bound work otherwise.
+    # JSON is encoded in a worker process (service/offload.py): seconds of GIL-bound work
+    # in this one would stall the decode loop.
+    if body.format == "bertviz":
+        return Response(runtime.attention_encoder.call(encode_bertviz, {
+            "model": runtime.artifact.name, "tokens": tokens, "token_ids": ids,
+            "layers": layers, "heads": heads,
+        }, arrays["weights"]), media_type="application/json")
     return Response(runtime.attention_encoder.call(encode_json, {
         "model": runtime.artifact.name,
         "tokens": [{"id": i, "text": t} for i, t in zip(ids, tokens, strict=True)],
@@ -113,3 +123,12 @@ def encode_json(head: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
         per_layer = ("[" + ",".join(_dumps(_json_safe(m)) for m in layer) + "]" for layer in a)
         kinds.append(_dumps(kind) + ":[" + ",".join(per_layer) + "]")
     return (_dumps(head)[:-1] + ',"attention":{' + ",".join(kinds) + "}}").encode()
+
+
+def encode_bertviz(head: dict[str, Any], weights: np.ndarray) -> bytes:
+    """``head`` plus ``"attention"``: per layer a ``(1, heads, query, key)`` nested list, the
+    tuple-of-tensors layout bertviz takes (batch axis included), encoded matrix by matrix
+    like ``encode_json``. Weights are finite (masked keys are 0), so no nulls."""
+    per_layer = ("[[" + ",".join(_dumps(m.tolist()) for m in layer) + "]]"
+                 for layer in weights)  # weights: (layers, heads, T, T)
+    return (_dumps(head)[:-1] + ',"attention":[' + ",".join(per_layer) + "]}").encode()
