@@ -249,7 +249,7 @@ def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1, allow_nan=True), encoding="utf-8")
+    tmp.write_text(json.dumps(data, allow_nan=True), encoding="utf-8")
     tmp.replace(path)
 
 
