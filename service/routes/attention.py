@@ -24,7 +24,7 @@ from fastapi.responses import Response
 
 from service.deps import ReadyRuntime, require_api_key
 from service.render import heatmap_grid
-from service.responses import tgi_errors
+from service.responses import TgiError, tgi_errors
 from service.runtime import Runtime
 from service.schemas import AttentionRequest
 from service.validation import InputError
@@ -64,7 +64,10 @@ def _json_safe(a: np.ndarray) -> Any:
                                               "type": "string", "format": "binary"}},
                                           "image/png": {"schema": {"type": "string",
                                                                    "format": "binary"}}}},
-                        **tgi_errors(401, 413, 422, 503)})
+                        **tgi_errors(401, 413, 422, 503),
+                        429: {"model": TgiError, "description":
+                              "/attention is at capacity: attention_max_concurrent running "
+                              "and attention_max_queued waiting (Retry-After: 1)"}})
 async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
     config = runtime.artifact.config
     ids = runtime.validator.tokenize(body.inputs, "inputs")

@@ -147,3 +147,10 @@ def test_flood_beyond_the_bound_gets_429_counted_while_a_stream_completes(
     again = HeldRequest(server.url, gate, {"inputs": HELD_TEXT})
     assert again.release().status_code == 200
     assert metric(scrape(), "attnserve_rejected_requests_total", busy) - before == FLOOD
+
+
+def test_the_openapi_document_lists_the_429(server: Any) -> None:
+    responses = httpx.get(f"{server.url}/openapi.json").json()["paths"]["/attention"]["post"][
+        "responses"]
+    assert responses["429"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/TgiError")
