@@ -180,6 +180,7 @@ def run_with_joins(model: ModelRunner, codec: TextCodec, waves: list[list[Genera
         if keep:
             batch.filter(keep, model)
         else:
+            batch.release(model)
             batch = None
         step += 1
     return tokens
