@@ -163,6 +163,9 @@ class Metrics:
             self.prefix_capacity.set(prefix.capacity_blocks)
             self.prefix_bytes.set(prefix.bytes_allocated)
 
+    def record_queue(self, waiting: int) -> None:
+        self.waiting.set(waiting)
+
     def record_request(self, stats: RequestStats) -> None:
         if stats.queue_time is not None:
             self.queue_time.observe(stats.queue_time)

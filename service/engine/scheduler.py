@@ -139,6 +139,7 @@ class Scheduler:
             for h in handles:
                 self._handles[h.request.id] = h
             self._waiting.extend(handles)
+            self.stats.record_queue(len(self._waiting))
             self._cv.notify()
         return handles
 

@@ -77,6 +77,10 @@ class StatsSink(Protocol):
 
     def record_load(self, stats: LoadStats) -> None: ...
 
+    def record_queue(self, waiting: int) -> None:
+        """Requests waiting, reported by ``submit`` as they arrive (the loop may be busy)."""
+        ...
+
     def record_request(self, stats: RequestStats) -> None: ...
 
 
@@ -85,6 +89,9 @@ class NullStats:
         pass
 
     def record_load(self, stats: LoadStats) -> None:
+        pass
+
+    def record_queue(self, waiting: int) -> None:
         pass
 
     def record_request(self, stats: RequestStats) -> None:

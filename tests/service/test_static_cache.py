@@ -8,7 +8,6 @@ served process never does).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,18 +26,6 @@ from tests.service.conftest import run_with_joins
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O"]
-
-
-@pytest.fixture(scope="module")
-def engine_artifact(artifact: Path, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                    ) -> Path:
-    from export.engine_graph import export_engine
-    from model.checkpoint import load_checkpoint
-
-    out = tmp_path_factory.mktemp("engine") / "artifact"
-    shutil.copytree(artifact, out)
-    export_engine(load_checkpoint(tiny_checkpoint).model.eval(), out / ENGINE_FILE)
-    return out
 
 
 @pytest.fixture(scope="module")
