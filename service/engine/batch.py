@@ -135,8 +135,7 @@ class Batch:
         if len(self) != 1 or self._prefilled or size >= self.prompt_left:
             raise ValueError("prefill_chunk needs a one-row batch with more than one chunk "
                              "of prompt left")
-        if not self.prompt_done:
-            self.sequences[0].prefill_start = time.perf_counter()
+        self.sequences[0].prefill_start = self.sequences[0].prefill_start or time.perf_counter()
         end = self.prompt_done + size
         _, self.kv = runner.forward(self.input_ids[:, self.prompt_done:end],
                                     self.attention_mask[:, :end],

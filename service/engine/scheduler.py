@@ -175,6 +175,7 @@ class Scheduler:
 
     def _run(self) -> None:
         batch: Batch | None = None
+        self._report_load(None)  # the pool's size is known from the start
         while True:
             with self._cv:
                 while (not self._stopping and not self._waiting and batch is None
@@ -188,6 +189,7 @@ class Scheduler:
                 self._report_load(batch)
             if self._partial is not None:
                 batch = self._join(batch, self._advance_partial())
+                self._report_load(batch)
             if batch is not None:
                 batch = self._retire(batch)  # rows cancelled while the step ran
             if batch is not None:
@@ -272,7 +274,12 @@ class Scheduler:
         batch = self._new_batch([handle.request])
         try:
             batch.kv = self.runner.reserve(1, top=True)  # type: ignore[attr-defined]
+            batch.sequences[0].prefill_start = time.perf_counter()
+            # A cached prefix goes in first: chunks start after it.
+            batch.prompt_done = self.runner.reuse_prefix(  # type: ignore[attr-defined]
+                batch.kv, handle.request.prompt_ids)
         except Exception as exc:
+            batch.release(self.runner)
             self._fail_step(batch, exc)
             return
         self._partial = batch

@@ -87,6 +87,16 @@ class StaticCacheModel:
         """Empty slots for a batch prefilled in chunks (``top``: away from the running rows)."""
         return PoolKV(self.pool.allocate(rows, top))
 
+    def reuse_prefix(self, kv: PoolKV, prompt: Sequence[int]) -> int:
+        """Copy the cached prefix of ``prompt`` into the empty slot of a one-row ``kv`` (a
+        chunked prefill, which then starts after it); tokens reused."""
+        if self.prefix is None or len(kv.slots) != 1:
+            return 0
+        ids = np.asarray(prompt, np.int64)
+        if not self.prefix.match(ids):
+            return 0
+        return self.prefix.load(ids, kv.slots[0].index)
+
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray,
                 position_ids: np.ndarray, past: Any, all_logits: bool
                 ) -> tuple[np.ndarray, PoolKV]:

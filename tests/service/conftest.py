@@ -7,6 +7,7 @@ proves the service never imports torch.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -235,6 +237,14 @@ def run_with_joins(model: ModelRunner, codec: TextCodec, waves: list[list[Genera
             batch = None
         step += 1
     return tokens
+
+
+def first_sse(lines: Iterator[str]) -> dict[str, Any]:
+    """The first server-sent event of a stream, parsed."""
+    for line in lines:
+        if line.startswith("data:"):
+            return dict(json.loads(line[5:]))
+    raise AssertionError("stream ended before its first event")
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
