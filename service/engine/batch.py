@@ -41,10 +41,10 @@ class ModelRunner(Protocol):
         input_ids: np.ndarray,  # (B, T) int64
         attention_mask: np.ndarray,  # (B, T_past + T) int64
         position_ids: np.ndarray,  # (B, T) int64
-        past: Sequence[Any] | None,  # 2 * n_layers KV tensors, or None for an empty cache
+        past: Any,  # the runner's cache from the last call, or None for new rows
         all_logits: bool,
-    ) -> tuple[np.ndarray, list[Any]]:
-        """Logits (B, T, V) if all_logits else (B, 1, V) for the last position, and presents."""
+    ) -> tuple[np.ndarray, Any]:
+        """Logits (B, T, V) if all_logits else (B, 1, V) for the last position, and the cache."""
         ...
 
     def kv_filter(self, kv: Any, rows: Sequence[int], trim: int) -> Any:
