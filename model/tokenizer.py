@@ -41,7 +41,7 @@ def special_ids(tokenizer: Tokenizer) -> SpecialIds:
     ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
     if any(i is None for i in ids):
         raise ValueError(f"tokenizer lacks the special tokens {SPECIAL_TOKENS}")
-    pad, bos, eos = (int(i) for i in ids)  # type: ignore[arg-type]
+    pad, bos, eos = (int(i) for i in ids if i is not None)
     return SpecialIds(pad, bos, eos)
 
 

@@ -54,10 +54,11 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
     app.add_middleware(ObservabilityMiddleware,
                        metrics=lambda: app.state.runtime.metrics if app.state.runtime else None,
                        max_body_bytes=settings.max_body_bytes)
-    from service.routes import attention, generate, health, openai
+    from service.routes import attention, generate, health, openai, viz
 
     for module in (health, generate, openai, attention):
         app.include_router(module.router)
+    viz.install(app)
     return app
 
 

@@ -18,7 +18,7 @@ from service.errors import ClientDisconnected, error_body
 from service.metrics import Metrics
 
 ROUTES = frozenset({"/generate", "/generate_stream", "/v1/completions", "/v1/models",
-                    "/attention", "/health", "/ready", "/info", "/metrics"})
+                    "/attention", "/health", "/ready", "/info", "/metrics", "/viz"})
 
 
 class BodyTooLarge(StarletteHTTPException):

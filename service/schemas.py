@@ -120,4 +120,4 @@ class AttentionRequest(Strict):
     layers: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     heads: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     include: list[AttentionKindName] = Field(default_factory=_weights_only, min_length=1)
-    format: Literal["json", "npz", "png"] = "json"
+    format: Literal["json", "npz", "png", "bertviz"] = "json"
