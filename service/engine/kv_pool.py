@@ -136,13 +136,15 @@ class KVPool:
         slot.index = dst
         self.moves += 1
 
-    def compact(self, slots: Sequence[Slot]) -> int:
-        """Make ``slots`` (one batch) consecutive from their lowest index; the first slot of
-        the run. Rows already inside the run stay; each row outside moves into a hole.
+    def compact(self, slots: Sequence[Slot], start: int | None = None) -> int:
+        """Make ``slots`` (one batch) consecutive from ``start`` (default: their lowest
+        index); the first slot of the run. Rows inside the run stay; each row outside moves
+        into a hole. A batch that lost rows passes its old start, so it never drifts up.
         """
         if not slots:
             return 0
-        lo = min(s.index for s in slots)
+        lo = min(s.index for s in slots) if start is None else min(
+            start, min(s.index for s in slots))
         hi = lo + len(slots)
         if hi > self.slots:
             lo, hi = self.slots - len(slots), self.slots

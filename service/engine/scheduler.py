@@ -184,16 +184,18 @@ class Scheduler:
                 if self._stopping:
                     break
                 admitted = self._admit(batch)
-            if admitted:
-                batch = self._join(batch, self._prefill(admitted))
-                self._report_load(batch)
-            if self._partial is not None:
-                batch = self._join(batch, self._advance_partial())
-                self._report_load(batch)
-            if batch is not None:
-                batch = self._retire(batch)  # rows cancelled while the step ran
-            if batch is not None:
-                batch = self._decode(batch)
+            try:
+                batch = self._iterate(batch, admitted)
+            except Exception as exc:  # a bug outside a forward pass: fail what is in flight
+                log.exception("engine loop failed; failing the requests in flight")
+                for doomed in (batch, self._partial):
+                    if doomed is not None:
+                        with contextlib.suppress(Exception):
+                            doomed.release(self.runner)
+                self._fail(batch, admitted, f"generation failed: {exc}", "generation")
+                if self._partial is not None:
+                    self._fail(self._partial, [], f"generation failed: {exc}", "generation")
+                batch, self._partial = None, None
             self._report_load(batch)
         self._fail(batch, list(self._waiting), "the server is shutting down", "shutdown")
         if self._partial is not None:
@@ -201,6 +203,20 @@ class Scheduler:
             self._partial = None
         self._waiting.clear()
         self._report_load(None)
+
+    def _iterate(self, batch: Batch | None, admitted: list[RequestHandle]) -> Batch | None:
+        """One loop iteration: newcomers join, a chunk of a long prompt, one decode step."""
+        if admitted:
+            batch = self._join(batch, self._prefill(admitted))
+            self._report_load(batch)
+        if self._partial is not None:
+            batch = self._join(batch, self._advance_partial())
+            self._report_load(batch)
+        if batch is not None:
+            batch = self._retire(batch)  # rows cancelled while the step ran
+        if batch is not None:
+            batch = self._decode(batch)
+        return batch
 
     def _chunked(self, request: GenerationRequest) -> bool:
         size = self.limits.prefill_chunk_tokens

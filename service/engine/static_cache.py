@@ -225,6 +225,7 @@ class StaticCacheModel:
     def kv_filter(self, kv: PoolKV, rows: Sequence[int], trim: int) -> PoolKV | None:
         """Keep ``rows``; free the others' slots and close the holes (≤ one move per leave)."""
         keep = {int(r) for r in rows}
+        start = min(s.index for s in kv.slots)  # the batch's run begins here, and stays
         dropped = [s for i, s in enumerate(kv.slots) if i not in keep]
         if self.prefix is not None:
             for s in dropped:  # what the request generated may start the next turn's prompt
@@ -233,7 +234,7 @@ class StaticCacheModel:
         kept = [kv.slots[int(r)] for r in rows]
         if not kept:
             return None
-        self.pool.compact(kept)
+        self.pool.compact(kept, start)
         return PoolKV(kept)
 
     def kv_concat(self, kvs: Sequence[Any], widths: Sequence[int], width: int) -> PoolKV:

@@ -141,6 +141,13 @@ def test_a_leave_moves_at_most_one_row_and_only_its_tokens(
     assert pool.moves == 2 and pool.used == 1
     batch.release(engine)
     assert pool.used == 0 and pool.tokens_held == 0
+    # A leave at the bottom refills the bottom slot: the batch never drifts up the pool.
+    batch = Batch.from_requests(reqs[:3], codec, engine.vocab_size, 0)
+    batch.step(engine)
+    assert isinstance(batch.kv, PoolKV)
+    batch.filter([1, 2], engine)
+    assert sorted(s.index for s in batch.kv.slots) == [0, 1] and pool.moves == 3
+    batch.release(engine)
 
 
 def test_prefix_cache_reuses_blocks_and_changes_no_token(
