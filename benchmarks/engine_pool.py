@@ -109,7 +109,8 @@ class Engine:
                 nonlocal total
                 while queue:
                     prompt, n = queue.pop()
-                    total += (await self.run(self.request(prompt, n)))[0]
+                    count, _ = await self.run(self.request(prompt, n))
+                    total += count  # after the await: `total += await ...` would lose updates
 
             await asyncio.gather(*(worker() for _ in range(BATCH)))
             return total

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from service.engine.batch import Batch, ModelRunner, SequenceState
 from service.engine.request import ErrorEvent, Event, GenerationRequest
@@ -108,6 +108,9 @@ class Scheduler:
                  pad_token_id: int, stats: StatsSink | None = None) -> None:
         self.runner = runner
         self.codec = codec
+        pool = getattr(runner, "pool", None)  # engine.onnx: a batch never outgrows its pool
+        if pool is not None and pool.slots < limits.max_batch_size:
+            limits = replace(limits, max_batch_size=pool.slots)
         self.limits = limits
         self.pad_token_id = pad_token_id
         self.stats: StatsSink = stats or NullStats()
