@@ -10,6 +10,7 @@ preset initialised at random (benchmarks/prepare.py); end-of-sequence is not a s
 - join/leave: the same number of rows kept running (closed loop at concurrency 32) with
   output lengths spread over [n/2, 3n/2]; every finish is replaced by a new request, so
   rows join and leave at almost every step. Figure: generated tokens/s; ratio to static.
+  Run with prefix caching on (as served) and off: on random prompts it can only cost.
 - shared prefix: prompts of a long common prefix (≥ 75 %) plus a short distinct suffix,
   sent one at a time after one warm-up request; median time to first token, on vs off.
 """
@@ -159,13 +160,26 @@ def main(argv: list[str] | None = None) -> int:
                                         lengths))
     moves = engine.model.pool.moves
     engine.close()
+    plain = Engine(artifact, args.threads, prefix_blocks=0, chunk=256)  # random prompts:
+    plain.static([prompt(args.prompt_len) for _ in range(BATCH)], 8)  # caching can't help
+    uncached = []
+    for _ in range(args.repeats):
+        count = args.waves * BATCH
+        lengths = [rng.randint(n // 2, 3 * n // 2) for _ in range(count)]
+        uncached.append(plain.join_leave([prompt(args.prompt_len) for _ in range(count)],
+                                         lengths))
+    plain.close()
     s, j = statistics.median(static), statistics.median(joined)
+    u = statistics.median(uncached)
     print(f"static batch {BATCH} x {n} tokens:         {s:8.1f} tok/s (median of "
           f"{args.repeats}: {', '.join(f'{v:.1f}' for v in static)})")
     print(f"join/leave at concurrency {BATCH}:         {j:8.1f} tok/s (median of "
           f"{args.repeats}: {', '.join(f'{v:.1f}' for v in joined)})")
     print(f"join/leave / static:                  {j / s:8.2f}x   (rows moved in the pool: "
           f"{moves})")
+    print(f"join/leave, prefix caching off:       {u:8.1f} tok/s (median of "
+          f"{args.repeats}: {', '.join(f'{v:.1f}' for v in uncached)}); on / off "
+          f"{j / u:.2f}x")
 
     # -- warm shared-prefix TTFT: prefix caching on vs off ---------------------------------
     total = min(config.max_seq_len - 16, 4 * args.prompt_len + 64)
