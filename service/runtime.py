@@ -82,6 +82,8 @@ def load_engine(runtime: Runtime) -> None:
                         settings.prefill_chunk_tokens),
         pad_token_id=config.pad_token_id, stats=runtime.metrics)
     started = time.perf_counter()
+    if runtime.validator.grammars is not None:
+        runtime.validator.grammars.tokenizer()  # structured output's table, off the event loop
     scheduler.warmup(GenerationRequest([config.bos_token_id], SamplingParams(),
                                        StoppingCriteria(max_new_tokens=4)))
     attention.run([config.bos_token_id], ["weights"])

@@ -24,6 +24,7 @@ from fastapi.responses import Response
 
 from service.deps import ReadyRuntime, require_api_key
 from service.render import heatmap_grid
+from service.responses import tgi_errors
 from service.runtime import Runtime
 from service.schemas import AttentionRequest
 from service.validation import InputError
@@ -56,7 +57,14 @@ def _json_safe(a: np.ndarray) -> Any:
     return walk(values)
 
 
-@router.post("/attention", summary="Attention matrices of every layer and head (bertviz layout)")
+@router.post("/attention", summary="Attention matrices of every layer and head (bertviz layout)",
+             responses={200: {"description": "format json (default) or bertviz: JSON; npz; png",
+                              "content": {"application/json": {"schema": {"type": "object"}},
+                                          "application/octet-stream": {"schema": {
+                                              "type": "string", "format": "binary"}},
+                                          "image/png": {"schema": {"type": "string",
+                                                                   "format": "binary"}}}},
+                        **tgi_errors(401, 413, 422, 503)})
 async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
     config = runtime.artifact.config
     ids = runtime.validator.tokenize(body.inputs, "inputs")
