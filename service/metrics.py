@@ -68,10 +68,45 @@ class Metrics:
         self.waiting = Gauge("attnserve_num_requests_waiting",
                              "Requests queued to join the batch.", registry=r)
         self.kv_tokens = Gauge("attnserve_kv_cache_tokens",
-                               "Tokens held in the KV cache by running requests.", registry=r)
-        self.kv_usage = Gauge("attnserve_kv_cache_usage_perc",
-                              "KV-cache tokens in use as a fraction (0..1) of max_batch_tokens.",
+                               "Tokens whose keys and values the KV cache holds now.",
+                               registry=r)
+        self.kv_usage = Gauge(
+            "attnserve_kv_cache_usage_perc",
+            "Cached tokens as a fraction (0..1) of the KV pool's capacity (engine.onnx), or of "
+            "max_batch_tokens (model.onnx, which has no pool).", registry=r)
+        self.kv_slots = Gauge("attnserve_kv_cache_slots",
+                              "Rows the KV pool holds (model.onnx: rows of the running batch).",
                               registry=r)
+        self.kv_slots_used = Gauge("attnserve_kv_cache_slots_used",
+                                   "KV pool slots taken by requests.", registry=r)
+        self.kv_capacity = Gauge("attnserve_kv_cache_capacity_tokens",
+                                 "Tokens the KV pool can hold (0 without a pool).", registry=r)
+        self.kv_bytes = Gauge("attnserve_kv_cache_bytes",
+                              "Bytes allocated for the KV cache (pool, or the batch's tensors).",
+                              registry=r)
+        self.kv_moves = Gauge("attnserve_kv_cache_rows_moved",
+                              "Rows copied inside the KV pool to close holes, since start.",
+                              registry=r)
+        self.prefilling = Gauge("attnserve_num_requests_prefilling",
+                                "Requests part-way through a chunked prefill.", registry=r)
+        self.prefix_queries = Counter("attnserve_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_hits = Counter("attnserve_prefix_cache_hits",
+                                   "Prompt tokens whose keys/values came from the prefix cache.",
+                                   registry=r)
+        self.prefix_hit_rate = Gauge("attnserve_prefix_cache_hit_rate",
+                                     "Prefix cache hits / queries (tokens) since start.",
+                                     registry=r)
+        self._prefix_seen = (0, 0, 0)  # queries, hits, evictions already counted
+        self.prefix_blocks = Gauge("attnserve_prefix_cache_blocks",
+                                   "Blocks held by the prefix cache.", registry=r)
+        self.prefix_capacity = Gauge("attnserve_prefix_cache_capacity_blocks",
+                                     "Blocks the prefix cache can hold.", registry=r)
+        self.prefix_bytes = Gauge("attnserve_prefix_cache_bytes",
+                                  "Bytes allocated for the prefix cache's block store.",
+                                  registry=r)
+        self.prefix_evictions = Counter("attnserve_prefix_cache_evictions",
+                                        "Blocks evicted (least recently used).", registry=r)
         self.rejected = Counter("attnserve_rejected_requests",
                                 "Requests refused before reaching the engine, by reason.",
                                 ["reason"], registry=r)
@@ -115,8 +150,29 @@ class Metrics:
     def record_load(self, stats: LoadStats) -> None:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
-        self.kv_tokens.set(stats.kv_cache_tokens)
-        self.kv_usage.set(min(1.0, stats.kv_cache_tokens / self.max_batch_tokens))
+        kv = stats.kv
+        self.kv_tokens.set(kv.tokens)
+        self.kv_usage.set(min(1.0, kv.tokens / (kv.capacity_tokens or self.max_batch_tokens)))
+        self.kv_slots.set(kv.slots)
+        self.kv_slots_used.set(kv.slots_used)
+        self.kv_capacity.set(kv.capacity_tokens)
+        self.kv_bytes.set(kv.bytes_allocated)
+        self.kv_moves.set(kv.rows_moved)
+        self.prefilling.set(stats.prefilling)
+        prefix = stats.prefix_cache
+        if prefix is not None:
+            queries, hits, evictions = self._prefix_seen
+            self.prefix_queries.inc(prefix.queries - queries)
+            self.prefix_hits.inc(prefix.hits - hits)
+            self.prefix_evictions.inc(prefix.evictions - evictions)
+            self._prefix_seen = (prefix.queries, prefix.hits, prefix.evictions)
+            self.prefix_hit_rate.set(prefix.hits / prefix.queries if prefix.queries else 0.0)
+            self.prefix_blocks.set(prefix.blocks)
+            self.prefix_capacity.set(prefix.capacity_blocks)
+            self.prefix_bytes.set(prefix.bytes_allocated)
+
+    def record_queue(self, waiting: int) -> None:
+        self.waiting.set(waiting)
 
     def record_request(self, stats: RequestStats) -> None:
         if stats.queue_time is not None:
