@@ -41,6 +41,8 @@ HF_GENERATION_CONFIG = "generation_config.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.ckpt",
                    "tf_model.h5", "flax_model.msgpack")
 ENDOFTEXT = "<|endoftext|>"
+# Copied as they are: what the service reads from an artifact besides our own files.
+CARRIED_FILES = ("generation_config.json", "tokenizer_config.json", "chat_template.jinja")
 
 # transformers' ACT2FN names → ours. gelu_new and gelu_pytorch_tanh are the same tanh
 # approximation; "gelu" is the exact erf form.
@@ -398,4 +400,7 @@ def import_hf_checkpoint(src: Path, out: Path, *, force: bool = False) -> Path:
             "transformers_version": source.hf_config.get("transformers_version"),
         }},
     )
-    return save_checkpoint(out, model, meta, source.tokenizer_json)
+    # Files `attnserve export` carries into the artifact (chat template, end tokens).
+    carried = {name: (src / name).read_bytes() for name in CARRIED_FILES
+               if (src / name).is_file()}
+    return save_checkpoint(out, model, meta, source.tokenizer_json, extra_files=carried)

@@ -56,6 +56,8 @@ def load_engine(runtime: Runtime) -> None:
                         limits.max_queued_requests),
         pad_token_id=config.fill_token_id, stats=runtime.metrics)
     started = time.perf_counter()
+    if runtime.validator.grammars is not None:
+        runtime.validator.grammars.tokenizer()  # structured output's table, off the event loop
     scheduler.warmup(GenerationRequest([config.start_token_id], SamplingParams(),
                                        StoppingCriteria(max_new_tokens=4)))
     attention.run([config.start_token_id], ["weights"])

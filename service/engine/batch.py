@@ -173,10 +173,15 @@ class Batch:
 
         reason: FinishReason | None = None
         stop, stop_offset = None, None
-        if req.stopping.eos_token_id is not None and token == req.stopping.eos_token_id:
+        if req.stopping.eos_token_id is not None and (
+                token == req.stopping.eos_token_id or token in req.stopping.extra_eos_ids):
             reason = "eos_token"
+        elif token in req.stopping.stop_token_ids:  # vLLM: left out of the text
+            reason = "stop_sequence"
+            stop_offset = len(seq.decoder.text) - (0 if special else len(text))
         else:
-            stop, stop_offset = self._match_stop(seq, len(text))
+            if seq.generated >= req.stopping.min_tokens:
+                stop, stop_offset = self._match_stop(seq, len(text))
             if stop is not None:
                 reason = "stop_sequence"
             elif seq.generated >= req.stopping.max_new_tokens:

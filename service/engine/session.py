@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.contract import io_spec as io
+from service.contract import sessions
 from service.settings import Device
 
 log = logging.getLogger("attnserve.session")
@@ -43,12 +44,10 @@ def select_providers(device: Device) -> list[str]:
 
 
 def create_session(path: Path, device: Device, intra_op_threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = intra_op_threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=select_providers(device))
+    """A session on ``device``'s providers, refusing to start if CUDA was asked for and
+    ONNX Runtime cannot use it."""
+    session = sessions.create_session(path, threads=intra_op_threads,
+                                      providers=select_providers(device))
     active = session.get_providers()[0]
     if device == "cuda" and active != CUDA:
         raise DeviceError(f"--device cuda: ONNX Runtime could not use CUDA for {path.name} "

@@ -17,12 +17,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
-import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer
 
 from service.contract import io_spec as io
+from service.contract.reference import OrtDecoder, greedy_until
 from service.engine.batch import Batch, ModelRunner
 from service.engine.request import GenerationRequest
 from service.engine.text import TextCodec
@@ -49,38 +48,13 @@ def encode(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
 
 @pytest.fixture(scope="session")
 def reference_greedy(artifact: Path) -> Callable[[list[int], int], list[int]]:
-    """The plain decode loop: batch 1, by io_spec names, session.run, argmax; no service code.
-
-    Stops at max_new tokens or right after the end-of-sequence token, like the engine.
-    """
+    """The greedy reference (service/contract/reference.py): batch 1, model.onnx by the
+    contract's names, the past fed back every step, argmax; it shares no code with the
+    engine. Stops at max_new tokens or right after the end-of-sequence token, like the
+    engine."""
     config = io.ArtifactConfig.load(artifact)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(artifact / io.MODEL_FILE), options,
-                                   providers=["CPUExecutionProvider"])
-    kv_shape = (1, config.n_heads, 0, config.head_dim)
-
-    def run(prompt: list[int], max_new: int) -> list[int]:
-        past = {n: np.zeros(kv_shape, np.dtype(config.kv_dtype))
-                for n in io.past_names(config.n_layers)}
-        ids = np.asarray([prompt], dtype=np.int64)  # (1, T)
-        total = len(prompt)
-        out: list[int] = []
-        while len(out) < max_new:
-            feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: np.ones((1, total), np.int64),
-                     io.POSITION_IDS: np.arange(total - ids.shape[1], total)[None, :],
-                     **past}
-            logits, *present = session.run(None, feeds)
-            token = int(np.argmax(logits[0, -1]))
-            out.append(token)
-            if token == config.eos_token_id:
-                break
-            past = dict(zip(io.past_names(config.n_layers), present, strict=True))
-            ids = np.asarray([[token]], dtype=np.int64)
-            total += 1
-        return out
-
-    return run
+    decoder = OrtDecoder.from_artifact(artifact)
+    return lambda prompt, max_new: greedy_until(decoder, prompt, max_new, config.eos_token_id)
 
 
 def free_port() -> int:
