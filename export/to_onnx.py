@@ -76,9 +76,11 @@ def load_source(ckpt_dir: Path) -> tuple[Any, Any]:
     except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
         raise CheckpointError(f"{ckpt.tokenizer_path} is not a valid tokenizer: {exc}") from exc
     vocab = ckpt.meta.model.vocab_size
-    # A model may have more embedding rows than tokens (vocabularies padded for speed),
-    # never fewer: every token id must be one the model can embed.
-    if tok.get_vocab_size() > vocab:
+    # A trained checkpoint's vocab_size is its tokenizer's size, so any difference means the
+    # wrong tokenizer.json; an imported model may have more embedding rows than tokens
+    # (vocabularies padded for speed), never fewer.
+    size, imported = tok.get_vocab_size(), "imported_from" in ckpt.meta.training
+    if size > vocab or (size < vocab and not imported):
         raise CheckpointError(
             f"tokenizer {ckpt.tokenizer_path} has {tok.get_vocab_size()} tokens but the model's "
             f"vocab_size is {vocab}")
