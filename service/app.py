@@ -54,6 +54,7 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
             loader.cancel()
             if runtime.scheduler is not None:
                 await asyncio.to_thread(runtime.scheduler.stop, 10.0)
+            await asyncio.to_thread(runtime.attention_encoder.shutdown)
 
     app = FastAPI(title="attnserve", version=_version(), lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 
 from service.deps import ReadyRuntime, require_api_key
 from service.render import heatmap_grid
-from service.responses import tgi_errors
+from service.responses import TgiError, tgi_errors
 from service.runtime import Runtime
 from service.schemas import AttentionRequest
 from service.validation import InputError
@@ -64,7 +64,10 @@ def _json_safe(a: np.ndarray) -> Any:
                                               "type": "string", "format": "binary"}},
                                           "image/png": {"schema": {"type": "string",
                                                                    "format": "binary"}}}},
-                        **tgi_errors(401, 413, 422, 503)})
+                        **tgi_errors(401, 413, 422, 503),
+                        429: {"model": TgiError, "description":
+                              "/attention is at capacity: attention_max_concurrent running "
+                              "and attention_max_queued waiting (Retry-After: 1)"}})
 async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
     config = runtime.artifact.config
     ids = runtime.validator.tokenize(body.inputs, "inputs")
@@ -74,10 +77,13 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
     if body.format in ("png", "bertviz") and kinds != ["weights"]:
         raise InputError("include", f"the {body.format} format carries only ['weights']")
     assert runtime.attention is not None
-    full = await asyncio.to_thread(runtime.attention.run, ids, kinds)
-    # Encoding can take seconds (all kinds at full length is ~55 MB of JSON): off the event
-    # loop, so the token streams of other requests do not stall meanwhile.
-    return await asyncio.to_thread(render, body, runtime, ids, layers, heads, full)
+    # Bounded (settings attention_max_concurrent/_queued; 429 beyond): running and encoding
+    # a request costs seconds of CPU, and unbounded floods of them starve decoding.
+    async with runtime.attention_gate.admit():
+        full = await asyncio.to_thread(runtime.attention.run, ids, kinds)
+        # Encoding can take seconds (all kinds at full length is ~55 MB of JSON): off the
+        # event loop, so the token streams of other requests do not stall meanwhile.
+        return await asyncio.to_thread(render, body, runtime, ids, layers, heads, full)
 
 
 def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: list[int],
@@ -99,12 +105,14 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
         np.savez(buffer, **contents)
         return Response(buffer.getvalue(), media_type="application/octet-stream",
                         headers={"Content-Disposition": 'attachment; filename="attention.npz"'})
+    # JSON is encoded in a worker process (service/offload.py): seconds of GIL-bound work
+    # in this one would stall the decode loop.
     if body.format == "bertviz":
-        return Response(encode_bertviz({
+        return Response(runtime.attention_encoder.call(encode_bertviz, {
             "model": runtime.artifact.name, "tokens": tokens, "token_ids": ids,
             "layers": layers, "heads": heads,
         }, arrays["weights"]), media_type="application/json")
-    return Response(encode_json({
+    return Response(runtime.attention_encoder.call(encode_json, {
         "model": runtime.artifact.name,
         "tokens": [{"id": i, "text": t} for i, t in zip(ids, tokens, strict=True)],
         "layers": layers, "heads": heads,

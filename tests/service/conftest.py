@@ -7,7 +7,9 @@ proves the service never imports torch.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,12 +17,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from tokenizers import Tokenizer
 
 from service.contract import io_spec as io
+from service.contract.engine_spec import ENGINE_FILE
 from service.contract.reference import OrtDecoder, greedy_until
 from service.engine.batch import Batch, ModelRunner
 from service.engine.request import GenerationRequest
@@ -47,11 +51,29 @@ def encode(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
 
 
 @pytest.fixture(scope="session")
+def engine_artifact(artifact: Path, tiny_checkpoint: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny artifact plus engine.onnx (built here with torch; servers never import it)."""
+    from export.engine_graph import export_engine
+    from model.checkpoint import load_checkpoint
+
+    out = tmp_path_factory.mktemp("engine") / "artifact"
+    shutil.copytree(artifact, out)
+    export_engine(load_checkpoint(tiny_checkpoint).model.eval(), out / ENGINE_FILE)
+    return out
+
+
+@pytest.fixture(scope="session")
 def reference_greedy(artifact: Path) -> Callable[[list[int], int], list[int]]:
-    """The greedy reference (service/contract/reference.py): batch 1, model.onnx by the
-    contract's names, the past fed back every step, argmax; it shares no code with the
-    engine. Stops at max_new tokens or right after the end-of-sequence token, like the
-    engine."""
+    """The greedy reference over the tiny artifact (see ``greedy_loop``)."""
+    return greedy_loop(artifact)
+
+
+def greedy_loop(artifact: Path) -> Callable[[list[int], int], list[int]]:
+    """The greedy reference (service/contract/reference.py) over any artifact's model.onnx:
+    batch 1, model.onnx by the contract's names, the past fed back every step, argmax; it
+    shares no code with the engine. Stops at max_new tokens or right after the
+    end-of-sequence token, like the engine."""
     config = io.ArtifactConfig.load(artifact)
     decoder = OrtDecoder.from_artifact(artifact)
     return lambda prompt, max_new: greedy_until(decoder, prompt, max_new, config.eos_token_id)
@@ -63,16 +85,45 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class GateWriter:
+    """The test's end of a server's step gate (see fault_runner.py): a FIFO of commands.
+
+    Opened read-write so opening never blocks; closing it opens the server's gate for good.
+    """
+
+    def __init__(self, path: Path) -> None:
+        os.mkfifo(path)
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDWR)
+
+    def send(self, commands: str) -> None:
+        assert self._fd is not None, "the gate is closed"
+        os.write(self._fd, commands.encode("ascii"))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class ServerProcess:
-    """`attnserve serve` in a subprocess on a free loopback port, torch hidden."""
+    """`attnserve serve` in a subprocess on a free loopback port, torch hidden.
+
+    With ``gate``, every forward pass of the server waits for the test's command (the
+    warm-up's too): ``server.gate.send("+")`` lets it run freely, "-" holds it again.
+    """
 
     def __init__(self, artifact: Path, log_path: Path, args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, gate: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         environment = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
         environment.update(env or {})
+        self.gate: GateWriter | None = None
+        if gate:
+            self.gate = GateWriter(log_path.parent / "gate.fifo")
+            environment["ATTNSERVE_TEST_GATE"] = str(self.gate.path)
         environment["PYTHONPATH"] = os.pathsep.join(
             [str(NO_TORCH), *filter(None, [os.environ.get("PYTHONPATH")])])
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -98,6 +149,8 @@ class ServerProcess:
         raise AssertionError(f"server not ready after {timeout}s:\n{self.log()}")
 
     def stop(self) -> int:
+        if self.gate is not None:
+            self.gate.close()  # whatever waits at the gate runs on, so the drain ends
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -115,10 +168,10 @@ def start_server(artifact: Path, tmp_path_factory: pytest.TempPathFactory
     """Factory: start a server (ready on return); every one is stopped at module end."""
     servers: list[ServerProcess] = []
 
-    def start(*args: str, env: dict[str, str] | None = None,
-              wait: bool = True) -> ServerProcess:
+    def start(*args: str, env: dict[str, str] | None = None, wait: bool = True,
+              gate: bool = False, model: Path | None = None) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "server.log"
-        server = ServerProcess(artifact, log, args, env)
+        server = ServerProcess(model or artifact, log, args, env, gate)
         servers.append(server)
         if wait:
             server.wait_ready()
@@ -154,9 +207,18 @@ def run_with_joins(model: ModelRunner, codec: TextCodec, waves: list[list[Genera
         if keep:
             batch.filter(keep, model)
         else:
+            batch.release(model)
             batch = None
         step += 1
     return tokens
+
+
+def first_sse(lines: Iterator[str]) -> dict[str, Any]:
+    """The first server-sent event of a stream, parsed."""
+    for line in lines:
+        if line.startswith("data:"):
+            return dict(json.loads(line[5:]))
+    raise AssertionError("stream ended before its first event")
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
