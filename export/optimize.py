@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from export.verify import verify_decoder
+from export.verify import TorchReference, verify_decoder
 from model.gpt import GPT
 from service.contract import io_spec as io
 from service.contract.reference import np_kv_dtype
@@ -100,11 +100,12 @@ def optimize_decoder(gpt: GPT, model_path: Path, kv_dtype: io.KvDtype = "float32
         candidate.unlink(missing_ok=True)
 
 
-def fp_check(gpt: GPT, kv_dtype: io.KvDtype) -> Check:
-    """The optimised graph must pass the same decoder checks against PyTorch."""
+def fp_check(gpt: GPT, kv_dtype: io.KvDtype, reference: TorchReference | None = None) -> Check:
+    """The optimised graph must pass the same decoder checks against PyTorch (the same
+    sequences: with the ``reference`` of the first verification, PyTorch runs no more)."""
 
     def check(path: Path) -> dict[str, Any]:
-        figures = verify_decoder(gpt, path, kv_dtype)
+        figures = verify_decoder(gpt, path, kv_dtype, reference=reference)
         return {name: figures[name]["max_abs_diff"] for name in figures}
 
     return check

@@ -76,9 +76,11 @@ def load_source(ckpt_dir: Path) -> tuple[Any, Any]:
     except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
         raise CheckpointError(f"{ckpt.tokenizer_path} is not a valid tokenizer: {exc}") from exc
     vocab = ckpt.meta.model.vocab_size
-    # A model may have more embedding rows than tokens (vocabularies padded for speed),
-    # never fewer: every token id must be one the model can embed.
-    if tok.get_vocab_size() > vocab:
+    # A trained checkpoint's vocab_size is its tokenizer's size, so any difference means the
+    # wrong tokenizer.json; an imported model may have more embedding rows than tokens
+    # (vocabularies padded for speed), never fewer.
+    size, imported = tok.get_vocab_size(), "imported_from" in ckpt.meta.training
+    if size > vocab or (size < vocab and not imported):
         raise CheckpointError(
             f"tokenizer {ckpt.tokenizer_path} has {tok.get_vocab_size()} tokens but the model's "
             f"vocab_size is {vocab}")
@@ -140,6 +142,13 @@ def export_artifact(
     if engine_graph and (dtype != "float32" or quantize is not None):
         raise ValueError("--engine-graph needs a float32 artifact (no --dtype float16, "
                          "no --quantize)")
+    if engine_graph:
+        from model.checkpoint import read_meta
+
+        head_dim = read_meta(ckpt_dir).model.head_dim
+        if head_dim % 8:
+            raise ValueError(f"--engine-graph needs a head size that is a multiple of 8 "
+                             f"(ONNX Runtime's GroupQueryAttention); this model's is {head_dim}")
     check_target(out, force)
     ckpt, tok = load_source(Path(ckpt_dir))
     model_cfg = ckpt.meta.model
@@ -157,10 +166,13 @@ def export_artifact(
         export_seconds = time.perf_counter() - started
         say(f"traced model.onnx and attention.onnx in {export_seconds:.1f}s")
         verification: dict[str, Any] = {"skipped": True}
+        reference = None
         if verify:
-            from export.verify import verify_artifact
+            from export.verify import TorchReference, verify_artifact
 
-            verification = verify_artifact(gpt, model_path, attention_path, dtype)
+            reference = TorchReference(gpt)
+            verification = verify_artifact(gpt, model_path, attention_path, dtype,
+                                           reference=reference)
             say(f"verified: prefill {verification['prefill']['max_abs_diff']:.2e}, "
                 f"decode {verification['decode']['max_abs_diff']:.2e} over "
                 f"{verification['decode']['steps']} steps")
@@ -181,7 +193,7 @@ def export_artifact(
         elif verify:
             from export.optimize import fp_check
 
-            check = fp_check(gpt, dtype)
+            check = fp_check(gpt, dtype, reference)
         optimization: dict[str, Any] = {"skipped": True}
         if optimize:
             from export.optimize import optimize_decoder

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,21 +87,21 @@ def save_checkpoint(
     meta: CheckpointMeta,
     tokenizer_json: str,
     metrics: Iterable[dict[str, Any]] = (),
-    extra_files: dict[str, bytes] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Write a complete checkpoint atomically and return its path.
 
-    ``extra_files`` (name → bytes) land beside the others: an import's chat template,
-    tokenizer_config.json and generation_config.json.
+    ``extra_files`` (name → content) travel along, e.g. an imported model's
+    generation_config.json and chat template, which `attnserve export` carries on.
     """
     from safetensors.torch import save_model
 
     with staged_directory(out_dir) as tmp:
-        for name, data in (extra_files or {}).items():
+        for name, content in (extra_files or {}).items():
             if Path(name).name != name or name in (WEIGHTS_FILE, TOKENIZER_FILE, CONFIG_FILE,
                                                    METRICS_FILE):
                 raise ValueError(f"extra checkpoint file {name!r} is not a plain new name")
-            (tmp / name).write_bytes(data)
+            (tmp / name).write_bytes(content)
         save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / TOKENIZER_FILE).write_text(tokenizer_json, encoding="utf-8")
         (tmp / METRICS_FILE).write_text(

@@ -45,13 +45,11 @@ HF_MERGES = "merges.txt"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 HF_SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 HF_GENERATION_CONFIG = "generation_config.json"
-HF_CHAT_TEMPLATE = "chat_template.jinja"
-# Copied verbatim into the checkpoint (and on into the artifact) for chat templates and
-# generation defaults; tokenizer.json is rewritten from the parsed tokenizer instead.
-PASSTHROUGH_FILES = (HF_CHAT_TEMPLATE, HF_TOKENIZER_CONFIG, HF_GENERATION_CONFIG)
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.ckpt",
                    "tf_model.h5", "flax_model.msgpack")
 ENDOFTEXT = "<|endoftext|>"
+# Copied as they are: what the service reads from an artifact besides our own files.
+CARRIED_FILES = ("generation_config.json", "tokenizer_config.json", "chat_template.jinja")
 
 # transformers' ACT2FN names → ours. gelu_new and gelu_pytorch_tanh are the same tanh
 # approximation; "gelu" is the exact erf form.
@@ -423,6 +421,7 @@ def import_hf_checkpoint(src: Path, out: Path, *, force: bool = False) -> Path:
             "transformers_version": source.hf_config.get("transformers_version"),
         }},
     )
-    extra = {name: (src / name).read_bytes() for name in PASSTHROUGH_FILES
-             if (src / name).is_file()}
-    return save_checkpoint(out, model, meta, source.tokenizer_json, extra_files=extra)
+    # Files `attnserve export` carries into the artifact (chat template, end tokens).
+    carried = {name: (src / name).read_bytes() for name in CARRIED_FILES
+               if (src / name).is_file()}
+    return save_checkpoint(out, model, meta, source.tokenizer_json, extra_files=carried)

@@ -38,10 +38,9 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
         metrics = Metrics(opened.limits.max_batch_tokens)
         gen = opened.config.generation
         config = opened.config
-        # A grammar ends at the end-of-sequence token: without one, no structured output.
-        grammars = (GrammarCompiler(opened.codec.tokenizer.to_str(), config.vocab_size,
-                                    config.eos_token_id)
-                    if config.eos_token_id is not None else None)
+        # A grammar ends by emitting eos; a tokenizer without one gets no structured output.
+        grammars = None if config.eos_token_id is None else GrammarCompiler(
+            opened.codec.tokenizer.to_str(), config.vocab_size, config.eos_token_id)
         runtime = Runtime(settings, opened, metrics, Validator(
             opened.codec, opened.limits, config.eos_token_id, gen.max_new_tokens,
             vocab_size=config.vocab_size, extra_eos_ids=opened.extra_eos_ids,

@@ -59,10 +59,10 @@ def open_artifact(settings: Settings) -> Artifact:
     if codec.vocab_size > config.vocab_size:
         raise ValueError(f"tokenizer.json has {codec.vocab_size} tokens but the model only "
                          f"{config.vocab_size}")
-    # GPT-2 has no pad token, Qwen2.5 no bos: a missing one is simply not offered.
-    specials = {f"{kind}_token": codec.token_text(token_id) for kind, token_id in (
-        ("bos", config.bos_token_id), ("eos", config.eos_token_id),
-        ("pad", config.pad_token_id)) if token_id is not None}
+    # GPT-2 has no pad token: a template then sees no pad_token variable at all.
+    specials = {name: codec.token_text(token_id) for name, token_id in (
+        ("bos_token", config.bos_token_id), ("eos_token", config.eos_token_id),
+        ("pad_token", config.pad_token_id)) if token_id is not None}
     chat_template = ChatTemplate.load(path, specials, listed=list(manifest.files))
     return Artifact(
         path=path, config=config, name=settings.served_model_name or config.model_name,

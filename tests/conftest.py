@@ -120,6 +120,37 @@ def tiny_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="session")
+def served_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A random-weight GPT-2 saved by transformers (12 layers × 12 heads, width 96,
+    vocab.json + merges.txt) whose greedy decoding of one prompt ends at <|endoftext|>."""
+    pytest.importorskip("transformers")
+    from tests.hf_gpt2 import build_served_gpt2
+
+    with torch_threads(1):
+        return build_served_gpt2(tmp_path_factory.mktemp("gpt2-hf") / "hf")
+
+
+@pytest.fixture(scope="session")
+def gpt2_checkpoint(served_gpt2: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``served_gpt2`` through `attnserve import`."""
+    from model.hf_import import import_hf_checkpoint
+
+    with torch_threads(1):
+        return import_hf_checkpoint(served_gpt2.hf_dir,
+                                    tmp_path_factory.mktemp("gpt2-ckpt") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def gpt2_artifact(gpt2_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The verified fp32 artifact of ``gpt2_checkpoint``, engine.onnx included."""
+    from export.to_onnx import export_artifact
+
+    out = tmp_path_factory.mktemp("gpt2-artifact") / "artifact"
+    with torch_threads(1):
+        return export_artifact(gpt2_checkpoint, out, engine_graph=True)
+
+
+@pytest.fixture(scope="session")
 def llama_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """family ("llama" | "qwen2") → random-weight HF directory, its import, its verified fp32
     artifact (tests/hf_llama.py); each family built once per session, on first use."""

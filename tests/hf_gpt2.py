@@ -176,7 +176,8 @@ class ServedGpt2:
 
 
 def build_served_gpt2(out: Path) -> ServedGpt2:
-    """GPT-2's 12 layers × 12 heads at width 48, vocab.json + merges.txt tokenizer."""
+    """GPT-2's 12 layers × 12 heads at width 96 (head_dim 8, the least ONNX Runtime's
+    GroupQueryAttention takes), vocab.json + merges.txt tokenizer."""
     from transformers import GPT2TokenizerFast
 
     steps: list[int] = []
@@ -185,6 +186,6 @@ def build_served_gpt2(out: Path) -> ServedGpt2:
         tok = GPT2TokenizerFast.from_pretrained(str(out))
         steps.append(route_to_eos(model, tok(STOP_PROMPT)["input_ids"], tok.eos_token_id))
 
-    build_hf_model(out, "vocab+merges", seed=3, n_layer=12, n_head=12, n_embd=48,
+    build_hf_model(out, "vocab+merges", seed=3, n_layer=12, n_head=12, n_embd=96,
                    prepare=prepare)
     return ServedGpt2(out, STOP_PROMPT, steps[0])

@@ -78,13 +78,12 @@ def test_import_matches_transformers_logits(tmp_path: Path, files: str,
     src = build_hf_model(tmp_path / "hf", files, seed=1, **overrides)  # type: ignore[arg-type]
     hf_config = json.loads((src / "config.json").read_text("utf-8"))
     out = import_hf_checkpoint(src, tmp_path / "ckpt")
-    # generation_config.json (and tokenizer_config.json, chat_template.jinja when the
-    # source has them) are copied verbatim for the chat route and generation defaults.
-    copied = [n for n in ("generation_config.json", "tokenizer_config.json")
-              if (src / n).is_file()]
-    assert sorted(p.name for p in out.iterdir()) == sorted([
-        "config.json", "metrics.jsonl", "model.safetensors", "tokenizer.json", *copied])
-    assert all((out / n).read_bytes() == (src / n).read_bytes() for n in copied)
+    carried = {"generation_config.json"} | (
+        {"tokenizer_config.json"} if files == "vocab+merges" else set())  # for export
+    assert {p.name for p in out.iterdir()} == {
+        "config.json", "metrics.jsonl", "model.safetensors", "tokenizer.json", *carried}
+    for name in carried:
+        assert (out / name).read_bytes() == (src / name).read_bytes()
     meta = read_meta(out)
     eos = hf_config["eos_token_id"]
     assert eos == hf_config["vocab_size"] - 1  # <|endoftext|> is the last id, as in GPT-2
