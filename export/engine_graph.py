@@ -226,3 +226,43 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64,
     if not (worst <= tolerance and equal and in_place):
         raise ValueError(f"engine.onnx disagrees with PyTorch: {result}")
     return result
+
+
+class EngineDecoder:
+    """engine.onnx behind OrtDecoder's call shape, so export/quantize.py can judge an int8
+    engine graph the way it judges model.onnx.
+
+    The past is opaque here: the static (B, nh, max_seq_len, hs) buffers and each row's
+    length. Rows must be unpadded and of equal length (the quantisation checks are).
+    """
+
+    def __init__(self, path: Path, gpt: GPT, threads: int = 1) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.log_severity_level = 3
+        self.session = ort.InferenceSession(str(path), options,
+                                            providers=["CPUExecutionProvider"])
+        self.config = gpt.config
+
+    def empty_past(self, batch: int) -> tuple[list[np.ndarray], np.ndarray]:
+        cfg = self.config
+        shape = (batch, cfg.n_heads, cfg.max_seq_len, cfg.head_dim)  # (B, nh, L, hs)
+        zeros = [np.zeros(shape, np.float32) for _ in range(2 * cfg.n_layers)]
+        return zeros, np.zeros(batch, np.int64)
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
+                 past: tuple[list[np.ndarray], np.ndarray]
+                 ) -> tuple[np.ndarray, tuple[list[np.ndarray], np.ndarray]]:
+        if not mask.all():
+            raise ValueError("EngineDecoder takes unpadded rows only")
+        buffers, lengths = past
+        total = lengths + ids.shape[1]  # (B,)
+        n = self.config.n_layers
+        feed = {io.INPUT_IDS: ids, io.POSITION_IDS: pos,
+                SEQLENS_K: (total - 1).astype(np.int32),
+                TOTAL_SEQUENCE_LENGTH: np.array([int(total.max())], np.int32),
+                **dict(zip(io.past_names(n), buffers, strict=True))}
+        logits, *present = self.session.run([io.LOGITS, *io.present_names(n)], feed)
+        return logits, (present, total)  # logits (B, T, V)
