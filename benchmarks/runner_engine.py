@@ -26,7 +26,7 @@ class EngineRunner:
         codec = TextCodec.from_file(artifact_dir / io.TOKENIZER_FILE)
         limits = SchedulerLimits(max_batch_size=64, max_batch_tokens=1 << 20,
                                  max_queued_requests=1024)
-        self.scheduler = Scheduler(model, codec, limits, config.pad_token_id)
+        self.scheduler = Scheduler(model, codec, limits, config.fill_token_id)
         self.loop = asyncio.new_event_loop()
         self.scheduler.start(self.loop)
 

@@ -58,8 +58,9 @@ def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
     """The decoder as fused ONNX Runtime nodes, weights from ``gpt``.
 
     Hidden states stay flat, (N = B·T, d), so projections with a bias become one Gemm
-    (FusedGemm with the ReLU folded in), and every residual add joins its LayerNorm in
-    one SkipLayerNormalization, the FFN's output bias included. Only attention sees
+    (FusedGemm with the ReLU folded in; BiasGelu or FastGelu take GELU's bias), and every
+    residual add joins its LayerNorm in one SkipLayerNormalization, the output
+    projections' biases included. Only attention sees
     (B, T, ·), through two reshapes that alias rather than copy.
     """
     cfg = gpt.config
@@ -86,7 +87,12 @@ def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
         a, ffn, p = block.attn, block.ffn, f"l{i}"
         w_qkv = np.concatenate([_f32(a.w_q.weight).T, _f32(a.w_k.weight).T,
                                 _f32(a.w_v.weight).T], axis=1)  # (d, 3d): q | k | v
-        qkv = g.op("MatMul", [h, g.const(f"{p}.w_qkv", w_qkv)], f"{p}.qkv")[0]  # (N, 3d)
+        if cfg.attn_bias:  # GPT-2: one Gemm adds the q | k | v biases
+            b_qkv = np.concatenate([_f32(a.w_q.bias), _f32(a.w_k.bias), _f32(a.w_v.bias)])
+            qkv = g.op("Gemm", [h, g.const(f"{p}.w_qkv", w_qkv), g.const(f"{p}.b_qkv", b_qkv)],
+                       f"{p}.qkv")[0]  # (N, 3d)
+        else:
+            qkv = g.op("MatMul", [h, g.const(f"{p}.w_qkv", w_qkv)], f"{p}.qkv")[0]  # (N, 3d)
         qkv = g.op("Reshape", [qkv, shape_btc], f"{p}.qkv_btc")[0]  # (B, T, 3d)
         attn = g.op(
             "GroupQueryAttention",
@@ -97,10 +103,11 @@ def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
             do_rotary=0)[0]  # (B, T, d)
         attn = g.op("Reshape", [attn, flat], f"{p}.attn_flat")[0]  # (N, d)
         o = g.op("MatMul", [attn, g.const(f"{p}.w_o", _f32(a.w_o.weight).T)], f"{p}.o")[0]
-        # x + o → x;  LN_2(x) → h
+        # x + o (+ b_o) → x;  LN_2(x) → h
+        o_bias = [g.const(f"{p}.b_o", _f32(a.w_o.bias))] if cfg.attn_bias else []
         h, x = g.op("SkipLayerNormalization",
                     [x, o, g.const(f"{p}.ln2.w", _f32(block.ln_2.weight)),
-                     g.const(f"{p}.ln2.b", _f32(block.ln_2.bias))],
+                     g.const(f"{p}.ln2.b", _f32(block.ln_2.bias)), *o_bias],
                     f"{p}.ln2", outputs=[f"{p}.ln2", "", "", f"{p}.res1"], domain=ms,
                     epsilon=eps)[0::3]
         up_w, up_b = g.const(f"{p}.up.w", _f32(ffn.up.weight).T), g.const(f"{p}.up.b",
@@ -108,6 +115,9 @@ def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
         if cfg.activation == "relu":
             act = g.op("FusedGemm", [h, up_w, up_b], f"{p}.up", domain=ms,
                        activation="Relu")[0]  # (N, d_ff)
+        elif cfg.activation == "gelu_tanh":  # GPT-2's tanh approximation, bias folded in
+            up = g.op("MatMul", [h, up_w], f"{p}.up")[0]
+            act = g.op("FastGelu", [up, up_b], f"{p}.act", domain=ms)[0]
         else:  # exact (erf) GELU, as nn.GELU()
             up = g.op("MatMul", [h, up_w], f"{p}.up")[0]
             act = g.op("BiasGelu", [up, up_b], f"{p}.act", domain=ms)[0]

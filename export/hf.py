@@ -5,11 +5,13 @@ Usage (through the export CLI):
 
 Our GPT and GPT-2 are the same network once a few choices are spelled out: pre-norm
 blocks, a final LayerNorm, learned positions (a sinusoidal table is written into ``wpe``
-and reproduces ours exactly), Q/K/V/O without bias (GPT-2's attention biases become
-zeros), a biased feed-forward layer with ReLU or exact-erf GELU, and a bias-free head
-that is tied or not. GPT-2 stores its linear layers as ``Conv1D`` with (in, out) weights,
-so every matrix is transposed. The copy exists so that a benchmark against transformers
-runs on the very same weights; transformers itself is not needed to write it.
+and reproduces ours exactly), Q/K/V/O with biases (``attn_bias``, as imported GPT-2
+models have) or without (GPT-2's attention biases become zeros), a biased feed-forward
+layer with ReLU, exact-erf GELU or GPT-2's tanh GELU, and a bias-free head that is tied
+or not. A model imported from GPT-2 comes back bit-identical. GPT-2 stores its linear
+layers as ``Conv1D`` with (in, out) weights, so every matrix is transposed. The copy
+exists so that a benchmark against transformers runs on the very same weights;
+transformers itself is not needed to write it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
 HF_TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 HF_GENERATION_CONFIG_FILE = "generation_config.json"
+HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
 def hf_config(config: GPTConfig, special: dict[str, Any]) -> dict[str, Any]:
@@ -43,8 +46,8 @@ def hf_config(config: GPTConfig, special: dict[str, Any]) -> dict[str, Any]:
         "n_head": config.n_heads,
         "n_inner": config.d_ff,
         # transformers' "gelu" is the exact-erf GELU, like torch.nn.GELU(); GPT-2's own
-        # default "gelu_new" is the tanh approximation and would not match.
-        "activation_function": config.activation,
+        # "gelu_new" is the tanh approximation, our gelu_tanh.
+        "activation_function": HF_ACTIVATIONS[config.activation],
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
@@ -81,6 +84,7 @@ def hf_state_dict(model: Any) -> dict[str, Any]:
         put("transformer.wpe.weight", model.pos_table)  # (L, d): the fixed sinusoid table
     zeros_3d = torch.zeros(3 * d)
     zeros_d = torch.zeros(d)
+    biased = config.attn_bias
     for i, block in enumerate(model.blocks):
         p = f"transformer.h.{i}"
         attn = block.attn
@@ -88,9 +92,10 @@ def hf_state_dict(model: Any) -> dict[str, Any]:
         put(f"{p}.ln_1.bias", block.ln_1.bias)
         qkv = torch.cat([attn.w_q.weight, attn.w_k.weight, attn.w_v.weight], dim=0)  # (3d, d)
         put(f"{p}.attn.c_attn.weight", qkv.t())  # (d, 3d)
-        put(f"{p}.attn.c_attn.bias", zeros_3d)
+        put(f"{p}.attn.c_attn.bias", torch.cat([attn.w_q.bias, attn.w_k.bias, attn.w_v.bias])
+            if biased else zeros_3d)  # (3d,)
         put(f"{p}.attn.c_proj.weight", attn.w_o.weight.t())  # (d, d)
-        put(f"{p}.attn.c_proj.bias", zeros_d)
+        put(f"{p}.attn.c_proj.bias", attn.w_o.bias if biased else zeros_d)
         put(f"{p}.ln_2.weight", block.ln_2.weight)
         put(f"{p}.ln_2.bias", block.ln_2.bias)
         put(f"{p}.mlp.c_fc.weight", block.ffn.up.weight.t())  # (d, d_ff)
@@ -104,16 +109,27 @@ def hf_state_dict(model: Any) -> dict[str, Any]:
     return out
 
 
-def _tokenizer_config(config: GPTConfig) -> dict[str, Any]:
-    """Lets transformers' AutoTokenizer wrap our tokenizer.json as a fast tokenizer."""
-    return {
+def _tokenizer_config(config: GPTConfig, special: dict[str, Any],
+                      tokenizer_path: Path) -> dict[str, Any]:
+    """Lets transformers' AutoTokenizer wrap our tokenizer.json as a fast tokenizer.
+
+    The special tokens are named from the checkpoint's ids (``<pad>``/``<start>``/``<end>``
+    for ours, ``<|endoftext|>`` for GPT-2); a missing one (GPT-2's pad) stays unset.
+    """
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    out: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": config.max_seq_len,
-        "pad_token": "<pad>",
-        "bos_token": "<start>",
-        "eos_token": "<end>",
         "clean_up_tokenization_spaces": False,
     }
+    for kind in ("pad", "bos", "eos"):
+        token_id = special.get(f"{kind}_token_id")
+        token = tok.id_to_token(token_id) if token_id is not None else None
+        if token is not None:
+            out[f"{kind}_token"] = token
+    return out
 
 
 def export_hf(
@@ -146,5 +162,6 @@ def export_hf(
             json.dumps(generation, indent=2), encoding="utf-8")
         shutil.copyfile(ckpt.tokenizer_path, tmp / TOKENIZER_FILE)
         (tmp / HF_TOKENIZER_CONFIG_FILE).write_text(
-            json.dumps(_tokenizer_config(config), indent=2), encoding="utf-8")
+            json.dumps(_tokenizer_config(config, special, ckpt.tokenizer_path), indent=2),
+            encoding="utf-8")
     return out

@@ -67,7 +67,7 @@ def load_source(ckpt_dir: Path) -> tuple[Any, Any]:
     from tokenizers import Tokenizer
 
     from model.checkpoint import CheckpointError, load_checkpoint
-    from model.tokenizer import special_ids
+    from model.tokenizer import checkpoint_special_ids
 
     ckpt = load_checkpoint(ckpt_dir)
     try:
@@ -75,27 +75,25 @@ def load_source(ckpt_dir: Path) -> tuple[Any, Any]:
     except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
         raise CheckpointError(f"{ckpt.tokenizer_path} is not a valid tokenizer: {exc}") from exc
     vocab = ckpt.meta.model.vocab_size
-    if tok.get_vocab_size() != vocab:
+    # A model may have more embedding rows than tokens (vocabularies padded for speed),
+    # never fewer: every token id must be one the model can embed.
+    if tok.get_vocab_size() > vocab:
         raise CheckpointError(
             f"tokenizer {ckpt.tokenizer_path} has {tok.get_vocab_size()} tokens but the model's "
             f"vocab_size is {vocab}")
     try:
-        ids = special_ids(tok).to_dict()
+        checkpoint_special_ids(tok, ckpt.meta.tokenizer)
     except ValueError as exc:
-        raise CheckpointError(f"{ckpt.tokenizer_path}: {exc}") from exc
-    declared = {k: ckpt.meta.tokenizer.get(k, v) for k, v in ids.items()}
-    if declared != ids:
-        raise CheckpointError(f"special token ids in config.json {declared} do not match the "
-                              f"tokenizer's {ids}")
+        raise CheckpointError(f"{ckpt.path / 'config.json'}: special token ids: {exc}") from exc
     return ckpt, tok
 
 
 def artifact_config(ckpt: Any, model_name: str, kv_dtype: io.KvDtype,
                     tok: Any) -> io.ArtifactConfig:
-    from model.tokenizer import special_ids
+    from model.tokenizer import checkpoint_special_ids
 
     cfg = ckpt.meta.model
-    ids = special_ids(tok)
+    ids = checkpoint_special_ids(tok, ckpt.meta.tokenizer)
     return io.ArtifactConfig(
         model_name=model_name, vocab_size=cfg.vocab_size, d_model=cfg.d_model,
         n_heads=cfg.n_heads, n_layers=cfg.n_layers, max_seq_len=cfg.max_seq_len,

@@ -1,8 +1,9 @@
-"""`attnserve train` and `attnserve sample`.
+"""`attnserve train`, `attnserve sample` and `attnserve import`.
 
 Usage:
     attnserve train --data stdlib --preset small --out checkpoints/default
     attnserve sample --ckpt checkpoints/default --prompt "Return the" --max-new-tokens 80
+    attnserve import --hf models/distilgpt2 --out checkpoints/distilgpt2
 
 Parsers only; the handlers import torch when they run, so `attnserve --help` stays fast
 and works where only the serving extra is installed.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from model.config import PRESETS
+from model.config import ACTIVATIONS, PRESETS
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -28,6 +29,25 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def register(subparsers: argparse._SubParsersAction) -> None:
     _register_train(subparsers)
     _register_sample(subparsers)
+    _register_import(subparsers)
+
+
+def _register_import(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "import", help="convert a local Hugging Face GPT-2 model directory into a checkpoint",
+        description="Read a local Hugging Face GPT-2-architecture directory (config.json, "
+                    "model.safetensors or its sharded index, tokenizer.json or vocab.json + "
+                    "merges.txt, generation_config.json) and write an attnserve checkpoint "
+                    "directory (atomically). Nothing is downloaded; pickled weights "
+                    "(pytorch_model.bin) and configuration options the model does not "
+                    "compute are refused.",
+        formatter_class=_HelpFormatter)
+    p.add_argument("--hf", required=True, metavar="DIR",
+                   help="Hugging Face model directory, e.g. from `hf download distilgpt2 "
+                        "--local-dir DIR`")
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    p.set_defaults(handler=_import)
 
 
 def _register_train(subparsers: argparse._SubParsersAction) -> None:
@@ -70,8 +90,11 @@ def _register_train(subparsers: argparse._SubParsersAction) -> None:
                    help="BPE vocabulary size; default: the preset's (4096 for small/base)")
     p.add_argument("--position", choices=("learned", "sinusoidal"), default="learned",
                    help="learned position embeddings or the fixed sinusoidal encoding")
-    p.add_argument("--activation", choices=("relu", "gelu"), default="relu",
-                   help="feed-forward activation")
+    p.add_argument("--activation", choices=ACTIVATIONS, default="relu",
+                   help="feed-forward activation: gelu is the exact (erf) GELU, gelu_tanh "
+                        "the tanh approximation GPT-2 uses (transformers' gelu_new)")
+    p.add_argument("--attn-bias", action="store_true",
+                   help="biases on the attention Q/K/V/output projections, as GPT-2 has")
     p.add_argument("--tie-weights", action="store_true",
                    help="share the token embedding matrix with the LM head")
     p.add_argument("--batch-size", type=int, default=None, metavar="N",
@@ -125,10 +148,23 @@ def _train(args: argparse.Namespace) -> int:
         out=args.out, data=args.data, preset=args.preset, steps=args.steps,
         time_budget=args.time_budget, seed=args.seed, device=args.device, resume=args.resume,
         tokenizer=args.tokenizer, vocab_size=args.vocab_size, position=args.position,
-        activation=args.activation, tie_weights=args.tie_weights, batch_size=args.batch_size,
+        activation=args.activation, tie_weights=args.tie_weights, attn_bias=args.attn_bias,
+        batch_size=args.batch_size,
         lr=args.lr, context=args.context, eval_interval=args.eval_interval,
         eval_tokens=args.eval_tokens, progress=not args.no_progress,
         dump_rank_weights=args.dump_rank_weights))
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from model.hf_import import import_hf_checkpoint
+
+    started = time.perf_counter()
+    out = import_hf_checkpoint(Path(args.hf), Path(args.out), force=args.force)
+    print(f"imported {args.hf} → {out} in {time.perf_counter() - started:.1f}s")
     return 0
 
 

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 PositionKind = Literal["learned", "sinusoidal"]
-ActivationKind = Literal["relu", "gelu"]
+ActivationKind = Literal["relu", "gelu", "gelu_tanh"]
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,12 @@ class GPTConfig:
     max_seq_len: int = 256
     dropout: float = 0.0
     position: PositionKind = "learned"
-    activation: ActivationKind = "relu"
+    activation: ActivationKind = "relu"  # gelu: exact erf; gelu_tanh: GPT-2's gelu_new
     tie_weights: bool = False
     layer_norm_eps: float = 1e-5
+    # GPT-2 has a bias on every Q/K/V/output projection; the seeds' model has none. False
+    # keeps checkpoints written before the field existed loading unchanged.
+    attn_bias: bool = False
 
     def __post_init__(self) -> None:
         checks = {
@@ -39,7 +43,8 @@ class GPTConfig:
             "max_seq_len": self.max_seq_len > 0,
             "dropout": 0.0 <= self.dropout < 1.0,
             "position": self.position in ("learned", "sinusoidal"),
-            "activation": self.activation in ("relu", "gelu"),
+            "activation": self.activation in ACTIVATIONS,
+            "layer_norm_eps": self.layer_norm_eps > 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -66,13 +71,15 @@ class GPTConfig:
     def num_params_closed_form(self) -> int:
         """Parameter count from the formula, adapted from seed 002's 2VD + L(4D² + 2DF + 4D).
 
-        Exact for this architecture: bias-free Q/K/V/O projections, biased feed-forward
-        layers, two LayerNorms per block, a final LayerNorm, a bias-free LM head that may
-        share the token embedding, and learned positions (sinusoidal ones are a buffer).
+        Exact for this architecture: Q/K/V/O projections (biased with ``attn_bias``),
+        biased feed-forward layers, two LayerNorms per block, a final LayerNorm, a
+        bias-free LM head that may share the token embedding, and learned positions
+        (sinusoidal ones are a buffer).
         """
         v, d, f, n_layers = self.vocab_size, self.d_model, self.d_ff, self.n_layers
         embeddings = v * d + (self.max_seq_len * d if self.position == "learned" else 0)
-        per_block = 4 * d * d + (d * f + f) + (f * d + d) + 2 * (2 * d)
+        attention = 4 * d * d + (4 * d if self.attn_bias else 0)
+        per_block = attention + (d * f + f) + (f * d + d) + 2 * (2 * d)
         head = 0 if self.tie_weights else v * d
         return embeddings + n_layers * per_block + 2 * d + head
 

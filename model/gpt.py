@@ -74,17 +74,19 @@ def attention_allowed(
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention with bias-free Q, K, V and output projections (seed 000)."""
+    """Multi-head self-attention; Q, K, V and output projections are bias-free (seed 000)
+    unless ``attn_bias`` (GPT-2)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
         self.head_dim = config.head_dim
         d = config.d_model
-        self.w_q = nn.Linear(d, d, bias=False)
-        self.w_k = nn.Linear(d, d, bias=False)
-        self.w_v = nn.Linear(d, d, bias=False)
-        self.w_o = nn.Linear(d, d, bias=False)
+        bias = config.attn_bias
+        self.w_q = nn.Linear(d, d, bias=bias)
+        self.w_k = nn.Linear(d, d, bias=bias)
+        self.w_v = nn.Linear(d, d, bias=bias)
+        self.w_o = nn.Linear(d, d, bias=bias)
         self.dropout = config.dropout
         self.use_sdpa = True  # see GPT.set_attention_impl
 
@@ -135,13 +137,16 @@ class CausalSelfAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Position-wise d → d_ff → d with ReLU (the seeds' choice) or GELU."""
+    """Position-wise d → d_ff → d with ReLU (the seeds' choice), exact GELU, or GPT-2's
+    tanh-approximated GELU (``gelu_new`` in transformers)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.up = nn.Linear(config.d_model, config.d_ff)
         self.down = nn.Linear(config.d_ff, config.d_model)
-        self.act: nn.Module = nn.ReLU() if config.activation == "relu" else nn.GELU()
+        self.act: nn.Module = (nn.ReLU() if config.activation == "relu"
+                               else nn.GELU(approximate="tanh" if config.activation == "gelu_tanh"
+                                            else "none"))
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -146,9 +146,14 @@ def sample_text(
         raise ValueError("--device cuda was asked for but CUDA is not available")
     ckpt_obj = load_checkpoint(ckpt, device=device)
     tokenizer = Tokenizer.from_file(str(ckpt_obj.tokenizer_path))
-    eos = int(ckpt_obj.meta.tokenizer["eos_token_id"])
-    # Training documents start right after <end>, so an empty prompt starts from there.
-    prompt_ids = encode(tokenizer, prompt) or [eos]
+    declared = ckpt_obj.meta.tokenizer
+    eos: int | None = declared.get("eos_token_id")
+    # Training documents start right after <end> (GPT-2's after <|endoftext|>, its bos), so
+    # an empty prompt starts from there.
+    start = declared.get("bos_token_id") if declared.get("bos_token_id") is not None else eos
+    prompt_ids = encode(tokenizer, prompt) or ([start] if start is not None else [])
+    if not prompt_ids:
+        raise ValueError("an empty prompt needs a bos or eos token, and the tokenizer has none")
     limit = ckpt_obj.model.config.max_seq_len
     if len(prompt_ids) >= limit:
         raise ValueError(f"prompt is {len(prompt_ids)} tokens; the model's context is {limit}")
@@ -156,7 +161,7 @@ def sample_text(
     out = generate(ckpt_obj.model, ids, max_new_tokens, greedy=greedy, temperature=temperature,
                    top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos)
     new = out.new_tokens(len(prompt_ids))[0].tolist()
-    if eos in new:
+    if eos is not None and eos in new:
         new = new[: new.index(eos)]
     if not prompt:
         return decode(tokenizer, new)

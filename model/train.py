@@ -58,8 +58,9 @@ class TrainOptions:
     tokenizer: Literal["char", "bpe"] = "bpe"
     vocab_size: int | None = None
     position: Literal["learned", "sinusoidal"] = "learned"
-    activation: Literal["relu", "gelu"] = "relu"
+    activation: Literal["relu", "gelu", "gelu_tanh"] = "relu"
     tie_weights: bool = False
+    attn_bias: bool = False  # biases on the Q/K/V/output projections, as GPT-2 has
     batch_size: int | None = None
     lr: float | None = None
     context: int | None = None  # training window = model max_seq_len
@@ -238,7 +239,7 @@ def train(opts: TrainOptions) -> TrainResult:
     from model.checkpoint import load_checkpoint
     from model.config import config_from_preset
     from model.data import encode_documents, eval_windows, split_stream, unigram_cross_entropy
-    from model.tokenizer import special_ids
+    from model.tokenizer import checkpoint_special_ids, special_ids
 
     info = dist_utils.env_info()
     device = pick_device(opts.device, info)
@@ -255,14 +256,18 @@ def train(opts: TrainOptions) -> TrainResult:
             own = _prepare_tokenizer(opts, docs, preset.vocab_size) if info.is_main else None
             tokenizer_json = dist_utils.broadcast_text(own, info, device)
         tokenizer = Tokenizer.from_str(tokenizer_json)
-        specials = special_ids(tokenizer)
+        specials = (checkpoint_special_ids(tokenizer, resumed.meta.tokenizer)
+                    if resumed is not None else special_ids(tokenizer))
+        if specials.eos_token_id is None:
+            raise ValueError("the tokenizer has no end-of-text token to separate documents")
 
         if resumed is not None:
             config = resumed.meta.model
         else:
             config = config_from_preset(
                 opts.preset, vocab_size=tokenizer.get_vocab_size(), position=opts.position,
-                activation=opts.activation, tie_weights=opts.tie_weights)
+                activation=opts.activation, tie_weights=opts.tie_weights,
+                attn_bias=opts.attn_bias)
             if opts.context is not None:
                 config = replace(config, max_seq_len=opts.context)
         context = config.max_seq_len

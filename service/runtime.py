@@ -54,11 +54,11 @@ def load_engine(runtime: Runtime) -> None:
         model, artifact.codec,
         SchedulerLimits(limits.max_batch_size, limits.max_batch_tokens,
                         limits.max_queued_requests),
-        pad_token_id=config.pad_token_id, stats=runtime.metrics)
+        pad_token_id=config.fill_token_id, stats=runtime.metrics)
     started = time.perf_counter()
-    scheduler.warmup(GenerationRequest([config.bos_token_id], SamplingParams(),
+    scheduler.warmup(GenerationRequest([config.start_token_id], SamplingParams(),
                                        StoppingCriteria(max_new_tokens=4)))
-    attention.run([config.bos_token_id], ["weights"])
+    attention.run([config.start_token_id], ["weights"])
     log.info("model %s on %s (%s), warmed up in %.0f ms", artifact.name, model.provider,
              model.graph_file, (time.perf_counter() - started) * 1000)
     runtime.metrics.set_model_info(artifact.name, model.provider, artifact.sha256)

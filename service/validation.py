@@ -27,7 +27,7 @@ class InputError(ValueError):
 class Validator:
     codec: TextCodec
     limits: Limits
-    eos_token_id: int
+    eos_token_id: int | None  # None: stop only at max_new_tokens or a stop sequence
     default_max_new_tokens: int
 
     def tokenize(self, text: str, field: str, truncate: int | None = None) -> list[int]:

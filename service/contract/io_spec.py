@@ -130,9 +130,11 @@ class ArtifactConfig:
     n_heads: int
     n_layers: int
     max_seq_len: int  # context length: prompt plus generated tokens
-    pad_token_id: int
-    bos_token_id: int
-    eos_token_id: int
+    # Special ids follow the tokenizer: ours are <pad> 0, <start> 1, <end> 2; GPT-2's
+    # <|endoftext|> 50256 is both bos and eos and it has no pad token (None).
+    pad_token_id: int | None
+    bos_token_id: int | None
+    eos_token_id: int | None
     tokenizer_kind: str  # "char" | "bpe"
     kv_dtype: KvDtype = "float32"  # dtype of past/present tensors; logits are always float32
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
@@ -140,6 +142,23 @@ class ArtifactConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def fill_token_id(self) -> int:
+        """The id padded positions hold: the pad token, else any real id (eos, else 0).
+
+        Padding is always masked out of attention and its logits are never read, so
+        without a pad token any id does.
+        """
+        for token_id in (self.pad_token_id, self.eos_token_id):
+            if token_id is not None:
+                return token_id
+        return 0
+
+    @property
+    def start_token_id(self) -> int:
+        """A one-token prompt for warm-ups: bos when the tokenizer has one."""
+        return self.bos_token_id if self.bos_token_id is not None else self.fill_token_id
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
