@@ -54,8 +54,12 @@ def _f32(t: Any) -> np.ndarray:
     return np.asarray(t.detach().float().cpu().numpy(), dtype=np.float32)
 
 
-def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
+def build_engine_graph(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
     """The decoder as fused ONNX Runtime nodes, weights from ``gpt``.
+
+    ``matmul_only`` writes every weight product as a MatMul (a bias as a separate Add)
+    instead of Gemm/FusedGemm, because weight quantisation (MatMulNBits) rewrites only
+    MatMul nodes; the Adds are cheap elementwise ops over (N, ·).
 
     Hidden states stay flat, (N = B·T, d), so projections with a bias become one Gemm
     (FusedGemm with the ReLU folded in; BiasGelu or FastGelu take GELU's bias), and every
@@ -89,8 +93,13 @@ def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
                                 _f32(a.w_v.weight).T], axis=1)  # (d, 3d): q | k | v
         if cfg.attn_bias:  # GPT-2: one Gemm adds the q | k | v biases
             b_qkv = np.concatenate([_f32(a.w_q.bias), _f32(a.w_k.bias), _f32(a.w_v.bias)])
-            qkv = g.op("Gemm", [h, g.const(f"{p}.w_qkv", w_qkv), g.const(f"{p}.b_qkv", b_qkv)],
-                       f"{p}.qkv")[0]  # (N, 3d)
+            if matmul_only:
+                qkv = g.op("Add", [g.op("MatMul", [h, g.const(f"{p}.w_qkv", w_qkv)],
+                                        f"{p}.qkv_mm")[0], g.const(f"{p}.b_qkv", b_qkv)],
+                           f"{p}.qkv")[0]  # (N, 3d)
+            else:
+                qkv = g.op("Gemm", [h, g.const(f"{p}.w_qkv", w_qkv),
+                                    g.const(f"{p}.b_qkv", b_qkv)], f"{p}.qkv")[0]  # (N, 3d)
         else:
             qkv = g.op("MatMul", [h, g.const(f"{p}.w_qkv", w_qkv)], f"{p}.qkv")[0]  # (N, 3d)
         qkv = g.op("Reshape", [qkv, shape_btc], f"{p}.qkv_btc")[0]  # (B, T, 3d)
@@ -112,7 +121,10 @@ def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
                     epsilon=eps)[0::3]
         up_w, up_b = g.const(f"{p}.up.w", _f32(ffn.up.weight).T), g.const(f"{p}.up.b",
                                                                          _f32(ffn.up.bias))
-        if cfg.activation == "relu":
+        if cfg.activation == "relu" and matmul_only:
+            up = g.op("Add", [g.op("MatMul", [h, up_w], f"{p}.up_mm")[0], up_b], f"{p}.up")[0]
+            act = g.op("Relu", [up], f"{p}.act")[0]  # (N, d_ff)
+        elif cfg.activation == "relu":
             act = g.op("FusedGemm", [h, up_w, up_b], f"{p}.up", domain=ms,
                        activation="Relu")[0]  # (N, d_ff)
         elif cfg.activation == "gelu_tanh":  # GPT-2's tanh approximation, bias folded in
@@ -161,9 +173,9 @@ def build_engine_graph(gpt: GPT) -> onnx.ModelProto:
     return model
 
 
-def export_engine(gpt: GPT, path: Path) -> Path:
+def export_engine(gpt: GPT, path: Path, matmul_only: bool = False) -> Path:
     """Write engine.onnx for ``gpt`` (float32 weights and cache)."""
-    onnx.save_model(build_engine_graph(gpt), str(path))
+    onnx.save_model(build_engine_graph(gpt, matmul_only), str(path))
     return path
 
 

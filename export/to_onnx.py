@@ -200,7 +200,7 @@ def export_artifact(
 
             engine_path = tmp / ENGINE_FILE
             engine_fp32 = export_engine(gpt, tmp / f".{ENGINE_FILE}.fp32" if quantize
-                                        else engine_path)
+                                        else engine_path, matmul_only=bool(quantize))
             if verify:
                 verification["engine"] = verify_engine(gpt, engine_fp32)
                 say(f"verified engine.onnx: {verification['engine']['max_abs_diff']:.2e} "
