@@ -37,6 +37,7 @@ run: artifact
 	@echo "Serving $(ARTIFACT) on http://$(HOST):$(PORT)  (Ctrl-C stops it). Try:"
 	@echo "  curl -s http://$(HOST):$(PORT)/generate -H 'Content-Type: application/json' \\"
 	@echo "       -d '{\"inputs\": \"Return the\", \"parameters\": {\"max_new_tokens\": 40, \"repetition_penalty\": 1.3}}'"
+	@echo "  attention viewer: http://$(HOST):$(PORT)/viz"
 	@echo
 	exec $(BIN)/attnserve serve --model $(ARTIFACT) --host $(HOST) --port $(PORT)
 

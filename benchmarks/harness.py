@@ -333,15 +333,9 @@ def _int8_agreement(result: dict[str, Any], prep: Prepared, prompts: dict[str, A
     if "artifact" not in prep.paths or "artifact_int8" not in prep.paths:
         result["int8_agreement"] = {"error": "needs both the fp32 and the int8 artifact"}
         return
-    source = next((result["engines"][e]["rows"][-1] for e in ("engine", "ort_plain", "torch_kv")
-                   if result["engines"].get(e, {}).get("rows")), None)
-    if source is None:
-        result["int8_agreement"] = {"error": "no fp32 greedy tokens to compare with"}
-        return
-    n = len(source["greedy_tokens"])
     payload = run_worker({"job": "agreement", "threads": opts.threads,
                           "fp32": prep.paths["artifact"], "int8": prep.paths["artifact_int8"],
-                          "prompts": prompts["ids"][:n], "fp32_tokens": source["greedy_tokens"]},
+                          "prompts": prompts["ids"][:8], "new_tokens": opts.new_tokens},
                          work / "jobs", opts)
     result["int8_agreement"] = payload.get("result", {"error": payload.get("error")})
 

@@ -36,8 +36,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cli = Path(sys.executable).with_name("attnserve")
         cmd = [str(cli)] if cli.exists() else [sys.executable, "-m", "service.cli"]
-        env = {**env, "ATTNSERVE_INTRA_OP_THREADS": str(threads),
-               "ATTNSERVE_MAX_BATCH_SIZE": "32", "ATTNSERVE_LOG_LEVEL": "warning"}
+        # Defaults first: a variable the caller sets (e.g. a larger batch) wins.
+        env = {"ATTNSERVE_MAX_BATCH_SIZE": "32", "ATTNSERVE_LOG_LEVEL": "warning", **env,
+               "ATTNSERVE_INTRA_OP_THREADS": str(threads)}
         self.log = log_path.open("wb")
         self.proc = subprocess.Popen(
             [*cmd, "serve", "--model", str(artifact), "--host", "127.0.0.1",

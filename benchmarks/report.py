@@ -113,7 +113,7 @@ def gpt2_targets(preset: dict[str, Any], ceiling: dict[str, Any]) -> list[dict[s
     out.append(_check("batch-1 fp32 decode share of the memory-bandwidth bound",
                       frac * 100 if frac is not None else None, 50.0, True, "%",
                       "needs the engine row and the ceiling"))
-    agree = preset.get("int8_agreement", {}).get("int8_teacher_forced_agreement")
+    agree = preset.get("int8_agreement", {}).get("token_agreement")
     out.append(_check("int8 greedy agreement (random weights: see the export figure on "
                       "trained weights in the README)",
                       agree * 100 if agree is not None else None, 97.0, True, "%",
@@ -157,7 +157,7 @@ def evaluate_targets(preset: dict[str, Any], ceiling: dict[str, Any],
                       "needs the engine row and the ceiling"))
     out.append(_check("int8 vs fp32 tokens/s, batch 1", ratio("engine_int8", "engine", 1), 1.3,
                       True, "×", "needs both engine rows"))
-    agree = preset.get("int8_agreement", {}).get("int8_teacher_forced_agreement")
+    agree = preset.get("int8_agreement", {}).get("token_agreement")
     out.append(_check("int8 greedy agreement", agree * 100 if agree is not None else None,
                       95.0, True, "%", preset.get("int8_agreement", {}).get("error", "not run")))
     out.append(_check("HTTP c=1 vs bare engine batch 1", ratio("http", "engine", 1), 0.9, True,
@@ -224,9 +224,9 @@ def markdown(run: dict[str, Any]) -> str:
                       f"tokens (random init, context widened): {kv['torch_kv_s']:.2f} s vs "
                       f"{kv['torch_nocache_s']:.2f} s → {kv['speedup']:.1f}×."]
         ag = p.get("int8_agreement", {})
-        if "int8_teacher_forced_agreement" in ag:
+        if "token_agreement" in ag:
             lines += ["", f"int8 greedy agreement (teacher-forced over {ag['positions']} "
-                      f"positions): {ag['int8_teacher_forced_agreement'] * 100:.1f}%."]
+                      f"positions): {ag['token_agreement'] * 100:.1f}%."]
         bwf = p.get("bandwidth_fraction_batch1") or {}
         if bwf:
             lines += ["", "Batch-1 decode as a share of the memory-bandwidth bound (weight "

@@ -22,10 +22,13 @@ class EngineRunner:
 
         self.name = name
         config = io.ArtifactConfig.load(artifact_dir)
-        model = create_model(artifact_dir, config, "cpu", threads)  # engine.onnx if present
-        codec = TextCodec.from_file(artifact_dir / io.TOKENIZER_FILE)
+        from service.engine.static_cache import PoolConfig
+
         limits = SchedulerLimits(max_batch_size=64, max_batch_tokens=1 << 20,
                                  max_queued_requests=1024)
+        model = create_model(artifact_dir, config, "cpu", threads,  # engine.onnx if present
+                             pool=PoolConfig(slots=limits.max_batch_size))
+        codec = TextCodec.from_file(artifact_dir / io.TOKENIZER_FILE)
         self.scheduler = Scheduler(model, codec, limits, config.fill_token_id)
         self.loop = asyncio.new_event_loop()
         self.scheduler.start(self.loop)

@@ -3,7 +3,7 @@
 ``PlainORT`` is what a user following the Optimum convention writes by hand: feed
 ``present.*`` back as ``past_key_values.*`` every step, the cache crossing the Python
 boundary (and being re-concatenated inside the graph) each time. ``greedy_agreement``
-scores the int8 artifact against the fp32 one under teacher forcing.
+scores the int8 artifact against the fp32 one with the project's one agreement metric.
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ from service.contract import io_spec as io
 
 
 def ort_session(model_path: Path, threads: int) -> Any:
-    import onnxruntime as ort
+    from service.contract.sessions import create_session
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    return create_session(model_path, threads=threads)
 
 
 class PlainORT:
@@ -74,39 +71,12 @@ class PlainORT:
         return GenResult(np.stack(out, axis=1).tolist(), ttft, total)
 
 
-def _teacher_forced_argmax(session: Any, config: io.ArtifactConfig,
-                           seqs: np.ndarray) -> np.ndarray:
-    b, t = seqs.shape
-    kv_dtype = np.float16 if config.kv_dtype == "float16" else np.float32
-    empty = np.zeros((b, config.n_heads, 0, config.head_dim), dtype=kv_dtype)
-    feed = {io.INPUT_IDS: seqs, io.ATTENTION_MASK: np.ones((b, t), dtype=np.int64),
-            io.POSITION_IDS: np.tile(np.arange(t, dtype=np.int64), (b, 1)),
-            **{n: empty for n in io.past_names(config.n_layers)}}
-    (logits,) = session.run([io.LOGITS], feed)  # (B, T, V)
-    return np.asarray(logits.argmax(-1))  # (B, T)
-
-
 def greedy_agreement(fp32_dir: Path, int8_dir: Path, prompts: list[list[int]],
-                     fp32_tokens: list[list[int]], threads: int) -> dict[str, Any]:
-    """Share of positions where int8 picks fp32's greedy token, given fp32's own prefix.
+                     new_tokens: int, threads: int) -> dict[str, Any]:
+    """The int8 artifact scored against the fp32 one by the project's one agreement metric
+    (service/contract/reference.py: teacher-forced greedy token agreement)."""
+    from service.contract.reference import OrtDecoder, int8_agreement
 
-    Teacher forcing keeps one early disagreement from counting every later token as
-    wrong; the free-running figure (tokens equal before the first divergence) is reported
-    beside it.
-    """
-    seqs = np.asarray([p + g for p, g in zip(prompts, fp32_tokens, strict=True)],
-                      dtype=np.int64)  # (B, T + N)
-    t = len(prompts[0])
-    picks = {}
-    for name, path in (("fp32", fp32_dir), ("int8", int8_dir)):
-        session = ort_session(path / io.MODEL_FILE, threads)
-        picks[name] = _teacher_forced_argmax(session, io.ArtifactConfig.load(path), seqs)
-    # Positions t-1 .. T+N-2 predict the N generated tokens.
-    fp32_pred = picks["fp32"][:, t - 1:-1]
-    int8_pred = picks["int8"][:, t - 1:-1]
-    target = seqs[:, t:]
-    return {
-        "positions": int(target.size),
-        "fp32_reproduces_its_greedy": float((fp32_pred == target).mean()),
-        "int8_teacher_forced_agreement": float((int8_pred == target).mean()),
-    }
+    return int8_agreement(OrtDecoder.from_artifact(fp32_dir, threads),
+                          OrtDecoder.from_artifact(int8_dir, threads),
+                          np.asarray(prompts, np.int64), new_tokens)

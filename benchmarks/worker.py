@@ -117,7 +117,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
         from benchmarks.runners_ort import greedy_agreement
 
         return {"result": greedy_agreement(Path(spec["fp32"]), Path(spec["int8"]),
-                                           spec["prompts"], spec["fp32_tokens"],
+                                           spec["prompts"], spec["new_tokens"],
                                            spec["threads"])}
     if job == "optimum_export":
         _limit_torch_threads(spec["threads"])

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install the system tools the deploy checks need: prometheus + promtool (Debian package
 # `prometheus`) and docker-compose (Debian package `docker-compose`, v1, which parses the
-# compose file offline).
+# compose file offline); and the headless browser the /viz tests drive through Playwright
+# (Debian package `chromium`, /usr/bin/chromium; Playwright's own browser download is not
+# used).
 #
 # Usage: deploy/install-system-deps.sh        (run by `make system-deps`, which `make test` runs)
 #
@@ -11,9 +13,19 @@
 set -euo pipefail
 
 missing=()
-for tool in promtool prometheus docker-compose; do
-    command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+packages=()
+for tool in promtool prometheus docker-compose chromium; do
+    if ! command -v "$tool" >/dev/null 2>&1; then
+        missing+=("$tool")
+        case "$tool" in
+            promtool) ;;  # comes with the prometheus package
+            *) packages+=("$tool") ;;
+        esac
+    fi
 done
+if [[ " ${missing[*]} " == *" promtool "* && " ${packages[*]} " != *" prometheus "* ]]; then
+    packages+=(prometheus)
+fi
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
 fi
@@ -26,16 +38,16 @@ banner() {
 
 if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     banner "missing ${missing[*]}; not root with apt-get, so not installing. Install the" \
-        "Debian/Ubuntu packages 'prometheus' and 'docker-compose' yourself, or the deploy" \
-        "smoke/config tests will SKIP."
+        "Debian/Ubuntu packages ${packages[*]} yourself, or the deploy smoke/config tests" \
+        "and the /viz browser tests will SKIP."
     exit 0
 fi
 
-echo "install-system-deps: installing prometheus docker-compose (missing: ${missing[*]})" >&2
+echo "install-system-deps: installing ${packages[*]} (missing: ${missing[*]})" >&2
 export DEBIAN_FRONTEND=noninteractive
-if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends \
-        prometheus docker-compose; }; then
-    banner "apt-get could not install prometheus/docker-compose (offline?); the deploy" \
-        "smoke/config tests will SKIP."
+if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${packages[@]}"; }
+then
+    banner "apt-get could not install ${packages[*]} (offline?); the deploy smoke/config" \
+        "tests and the /viz browser tests will SKIP."
     exit 0
 fi

@@ -189,12 +189,11 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64,
     import onnxruntime as ort
     import torch
 
+    from service.contract.sessions import create_session
+
     cfg = gpt.config
     n = cfg.n_layers
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = create_session(path)
     gen = torch.Generator().manual_seed(0)
     steps = min(steps, cfg.max_seq_len - 8)
     lens = [min(8, cfg.max_seq_len - steps), min(5, cfg.max_seq_len - steps)]

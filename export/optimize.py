@@ -20,22 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
-from export.verify import np_kv_dtype, verify_decoder
+from export.verify import verify_decoder
 from model.gpt import GPT
 from service.contract import io_spec as io
+from service.contract.reference import np_kv_dtype
+from service.contract.sessions import Optimization, create_session
 
-LEVEL = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+LEVEL: Optimization = "extended"
 Check = Callable[[Path], dict[str, Any]]
 
 
 def write_optimized(src: Path, dst: Path) -> Path:
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = LEVEL
-    opts.optimized_model_filepath = str(dst)
-    opts.log_severity_level = 3
-    ort.InferenceSession(str(src), opts, providers=["CPUExecutionProvider"])
+    create_session(src, optimization=LEVEL, save_optimized_to=dst)
     return dst
 
 
@@ -59,7 +56,7 @@ def decode_step_feed(gpt: GPT, kv_dtype: io.KvDtype, batch: int = 1,
 def median_latencies(paths: list[Path], feed: dict[str, np.ndarray], runs: int = 40,
                      warmup: int = 5) -> list[float]:
     """Median seconds per call of each graph, runs interleaved across graphs."""
-    sessions = [decoder_for_path(p) for p in paths]
+    sessions = [create_session(p, threads=0) for p in paths]
     times: list[list[float]] = [[] for _ in paths]
     for i in range(warmup + runs):
         for sess, bucket in zip(sessions, times, strict=True):
@@ -68,12 +65,6 @@ def median_latencies(paths: list[Path], feed: dict[str, np.ndarray], runs: int =
             if i >= warmup:
                 bucket.append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]
-
-
-def decoder_for_path(path: Path) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
 def optimize_decoder(gpt: GPT, model_path: Path, kv_dtype: io.KvDtype = "float32",

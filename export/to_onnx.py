@@ -3,6 +3,8 @@
     model.onnx       decoder with KV cache (export/graphs.py)
     attention.onnx   attention introspection graph
     tokenizer.json   copied from the checkpoint
+    chat_template.jinja, tokenizer_config.json, generation_config.json
+                     copied from the checkpoint when it has them (the chat template)
     config.json      io_spec.ArtifactConfig: what the service needs to know
     manifest.json    sha256 + size of each file, provenance, I/O shapes, verification figures
 
@@ -212,6 +214,9 @@ def export_artifact(
                     f"{verification['engine_int8'].get('token_agreement')}")
                 engine_fp32.unlink()
         shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
+        for name in io.OPTIONAL_HF_FILES:  # chat template and friends, when the checkpoint has them
+            if (Path(ckpt_dir) / name).is_file():
+                shutil.copyfile(Path(ckpt_dir) / name, tmp / name)
         config = artifact_config(ckpt, model_name or out.name, dtype, tok)
         (tmp / io.CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n", "utf-8")
         manifest = Manifest(

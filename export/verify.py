@@ -16,16 +16,16 @@ ORT is driven only through the names in service/contract/io_spec.py, as any clie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 import torch
 
 from model.gpt import GPT
 from service.contract import io_spec as io
+from service.contract.reference import OrtDecoder
+from service.contract.sessions import create_session
 
 FP32_LOGITS_TOL = 1e-4
 FP16_LOGITS_TOL = 1e-2  # the cache is rounded to float16; compute stays float32
@@ -37,43 +37,9 @@ class VerificationError(ValueError):
     """The exported graph disagrees with PyTorch beyond the tolerance."""
 
 
-def session(path: str | Path, threads: int = 1) -> ort.InferenceSession:
-    """A CPU session; one thread by default: checks need exactness, not speed."""
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
-def np_kv_dtype(kv_dtype: io.KvDtype) -> type[np.floating[Any]]:
-    return np.float16 if kv_dtype == "float16" else np.float32
-
-
-@dataclass
-class OrtDecoder:
-    """model.onnx behind the contract names: call with ids/mask/positions and the past."""
-
-    sess: ort.InferenceSession
-    n_layers: int
-    n_heads: int
-    head_dim: int
-    kv_dtype: io.KvDtype = "float32"
-
-    def empty_past(self, batch: int) -> list[np.ndarray]:
-        shape = (batch, self.n_heads, 0, self.head_dim)  # (B, nh, 0, hs)
-        return [np.zeros(shape, np_kv_dtype(self.kv_dtype)) for _ in range(2 * self.n_layers)]
-
-    def __call__(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
-                 past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        feed = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, io.POSITION_IDS: pos}
-        feed.update(zip(io.past_names(self.n_layers), past, strict=True))
-        outs = self.sess.run(io.model_output_names(self.n_layers), feed)
-        return outs[0], outs[1:]  # logits (B, T, V); presents (B, nh, T_past + T, hs)
-
-
 def decoder_for(path: str | Path, gpt: GPT, kv_dtype: io.KvDtype) -> OrtDecoder:
     cfg = gpt.config
-    return OrtDecoder(session(path), cfg.n_layers, cfg.n_heads, cfg.head_dim, kv_dtype)
+    return OrtDecoder.from_file(path, cfg.n_layers, cfg.n_heads, cfg.head_dim, kv_dtype)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, ...]:
@@ -169,7 +135,7 @@ def check_ragged(gpt: GPT, dec: OrtDecoder, rng: np.random.Generator,
 @torch.no_grad()
 def check_attention(gpt: GPT, path: str | Path, rng: np.random.Generator,
                     lengths: tuple[int, ...] = (12, 7)) -> dict[str, Any]:
-    sess = session(path)
+    sess = create_session(path)
     n = gpt.config.n_layers
     ids, mask, pos = left_pad(random_prompts(rng, gpt.config.vocab_size, list(lengths)))
     outs = dict(zip(io.attention_output_names(n),

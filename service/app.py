@@ -16,9 +16,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service.artifact import Artifact, open_artifact
+from service.engine.grammar import GrammarCompiler
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import ObservabilityMiddleware
+from service.openapi import install as install_openapi
 from service.runtime import Runtime, load_engine
 from service.settings import Settings
 from service.validation import Validator
@@ -35,8 +37,13 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
         opened = artifact or open_artifact(settings)
         metrics = Metrics(opened.limits.max_batch_tokens)
         gen = opened.config.generation
+        config = opened.config
+        grammars = GrammarCompiler(opened.codec.tokenizer.to_str(), config.vocab_size,
+                                   config.eos_token_id)
         runtime = Runtime(settings, opened, metrics, Validator(
-            opened.codec, opened.limits, opened.config.eos_token_id, gen.max_new_tokens))
+            opened.codec, opened.limits, config.eos_token_id, gen.max_new_tokens,
+            vocab_size=config.vocab_size, extra_eos_ids=opened.extra_eos_ids,
+            grammars=grammars))
         app.state.runtime = runtime
         loader = asyncio.create_task(_load(runtime, on_fatal))
         try:
@@ -46,6 +53,7 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
             loader.cancel()
             if runtime.scheduler is not None:
                 await asyncio.to_thread(runtime.scheduler.stop, 10.0)
+            await asyncio.to_thread(runtime.attention_encoder.shutdown)
 
     app = FastAPI(title="attnserve", version=_version(), lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
@@ -54,10 +62,12 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
     app.add_middleware(ObservabilityMiddleware,
                        metrics=lambda: app.state.runtime.metrics if app.state.runtime else None,
                        max_body_bytes=settings.max_body_bytes)
-    from service.routes import attention, generate, health, openai
+    from service.routes import attention, chat, generate, health, openai, tokenize, viz
 
-    for module in (health, generate, openai, attention):
+    for module in (health, generate, openai, chat, tokenize, attention):
         app.include_router(module.router)
+    viz.install(app)
+    install_openapi(app)
     return app
 
 

@@ -8,9 +8,12 @@ The ONNX Runtime sessions are created afterwards, in the app's lifespan.
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.chat_template import ChatTemplate
 from service.contract import io_spec as io
 from service.contract.manifest import verify_manifest
 from service.engine.session import select_providers
@@ -28,6 +31,24 @@ class Artifact:
     codec: TextCodec
     limits: Limits
     providers: list[str]  # what the sessions will ask ONNX Runtime for, in order
+    chat_template: ChatTemplate
+    extra_eos_ids: tuple[int, ...]  # generation_config.json's eos_token_id beyond config's
+
+
+def generation_eos_ids(path: Path, listed: Mapping[str, object],
+                       config: io.ArtifactConfig) -> tuple[int, ...]:
+    """End-of-sequence ids a Hugging Face generation_config.json adds (Llama 3 lists
+    several: <|eot_id|>, <|end_of_text|>); those outside the vocabulary are refused."""
+    if io.GENERATION_CONFIG_FILE not in listed:
+        return ()
+    data = json.loads((path / io.GENERATION_CONFIG_FILE).read_text("utf-8"))
+    value = data.get("eos_token_id")
+    ids = [value] if isinstance(value, int) else value if isinstance(value, list) else []
+    bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < config.vocab_size]
+    if bad:
+        raise ValueError(f"{io.GENERATION_CONFIG_FILE}: eos_token_id {bad} outside the "
+                         f"vocabulary of {config.vocab_size}")
+    return tuple(sorted(set(ids) - {config.eos_token_id}))
 
 
 def open_artifact(settings: Settings) -> Artifact:
@@ -38,9 +59,14 @@ def open_artifact(settings: Settings) -> Artifact:
     if codec.vocab_size > config.vocab_size:
         raise ValueError(f"tokenizer.json has {codec.vocab_size} tokens but the model only "
                          f"{config.vocab_size}")
+    specials = {"bos_token": codec.token_text(config.bos_token_id),
+                "eos_token": codec.token_text(config.eos_token_id),
+                "pad_token": codec.token_text(config.pad_token_id)}
+    chat_template = ChatTemplate.load(path, specials, listed=list(manifest.files))
     return Artifact(
         path=path, config=config, name=settings.served_model_name or config.model_name,
         sha256=hashlib.sha256((path / io.MANIFEST_FILE).read_bytes()).hexdigest(),
         files={name: entry.sha256 for name, entry in sorted(manifest.files.items())},
         codec=codec, limits=Limits.resolve(settings, config.max_seq_len),
-        providers=select_providers(settings.device))
+        providers=select_providers(settings.device), chat_template=chat_template,
+        extra_eos_ids=generation_eos_ids(path, manifest.files, config))

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.admission import Overloaded
 from service.engine.scheduler import EngineStopped, QueueFull
 from service.validation import InputError
 
@@ -112,6 +113,13 @@ def install_error_handlers(app: FastAPI) -> None:
         _reject(request, "queue_full")
         return error_response(request, ApiError(429, f"model is overloaded: {exc}",
                                                 "overloaded", code="queue_full"))
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        _reject(request, exc.reason)
+        return error_response(request, ApiError(429, f"model is overloaded: {exc}",
+                                                "overloaded", code=exc.reason,
+                                                headers={"Retry-After": "1"}))
 
     @app.exception_handler(EngineStopped)
     async def stopped(request: Request, exc: EngineStopped) -> JSONResponse:

@@ -20,12 +20,13 @@ from prometheus_client import (
     generate_latest,
 )
 
+from service.admission import AdmissionStats
 from service.engine.stats import LoadStats, RequestStats, StepStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
                    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
-REJECTION_REASONS = ("queue_full", "validation", "too_large", "unauthorized")
+REJECTION_REASONS = ("queue_full", "attention_busy", "validation", "too_large", "unauthorized")
 
 
 class Metrics:
@@ -67,15 +68,53 @@ class Metrics:
         self.waiting = Gauge("attnserve_num_requests_waiting",
                              "Requests queued to join the batch.", registry=r)
         self.kv_tokens = Gauge("attnserve_kv_cache_tokens",
-                               "Tokens held in the KV cache by running requests.", registry=r)
-        self.kv_usage = Gauge("attnserve_kv_cache_usage_perc",
-                              "KV-cache tokens in use as a fraction (0..1) of max_batch_tokens.",
+                               "Tokens whose keys and values the KV cache holds now.",
+                               registry=r)
+        self.kv_usage = Gauge(
+            "attnserve_kv_cache_usage_perc",
+            "Cached tokens as a fraction (0..1) of the KV pool's capacity (engine.onnx), or of "
+            "max_batch_tokens (model.onnx, which has no pool).", registry=r)
+        self.kv_slots = Gauge("attnserve_kv_cache_slots",
+                              "Rows the KV pool holds (model.onnx: rows of the running batch).",
                               registry=r)
+        self.kv_slots_used = Gauge("attnserve_kv_cache_slots_used",
+                                   "KV pool slots taken by requests.", registry=r)
+        self.kv_capacity = Gauge("attnserve_kv_cache_capacity_tokens",
+                                 "Tokens the KV pool can hold (0 without a pool).", registry=r)
+        self.kv_bytes = Gauge("attnserve_kv_cache_bytes",
+                              "Bytes allocated for the KV cache (pool, or the batch's tensors).",
+                              registry=r)
+        self.kv_moves = Gauge("attnserve_kv_cache_rows_moved",
+                              "Rows copied inside the KV pool to close holes, since start.",
+                              registry=r)
+        self.prefilling = Gauge("attnserve_num_requests_prefilling",
+                                "Requests part-way through a chunked prefill.", registry=r)
+        self.prefix_queries = Counter("attnserve_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_hits = Counter("attnserve_prefix_cache_hits",
+                                   "Prompt tokens whose keys/values came from the prefix cache.",
+                                   registry=r)
+        self.prefix_hit_rate = Gauge("attnserve_prefix_cache_hit_rate",
+                                     "Prefix cache hits / queries (tokens) since start.",
+                                     registry=r)
+        self._prefix_seen = (0, 0, 0)  # queries, hits, evictions already counted
+        self.prefix_blocks = Gauge("attnserve_prefix_cache_blocks",
+                                   "Blocks held by the prefix cache.", registry=r)
+        self.prefix_capacity = Gauge("attnserve_prefix_cache_capacity_blocks",
+                                     "Blocks the prefix cache can hold.", registry=r)
+        self.prefix_bytes = Gauge("attnserve_prefix_cache_bytes",
+                                  "Bytes allocated for the prefix cache's block store.",
+                                  registry=r)
+        self.prefix_evictions = Counter("attnserve_prefix_cache_evictions",
+                                        "Blocks evicted (least recently used).", registry=r)
         self.rejected = Counter("attnserve_rejected_requests",
                                 "Requests refused before reaching the engine, by reason.",
                                 ["reason"], registry=r)
         for reason in REJECTION_REASONS:
             self.rejected.labels(reason=reason)  # exported at 0 from the start
+        self.admitted = Gauge("attnserve_admission_requests",
+                              "Requests inside a bounded side route (/attention), by state.",
+                              ["route", "state"], registry=r)
         self.info = Gauge("attnserve_model_info", "The served model (value is always 1).",
                           ["model", "provider", "artifact_sha256"], registry=r)
 
@@ -92,6 +131,10 @@ class Metrics:
     def record_rejection(self, reason: str) -> None:
         self.rejected.labels(reason=reason).inc()
 
+    def record_admission(self, stats: AdmissionStats) -> None:
+        self.admitted.labels(route=stats.route, state="running").set(stats.running)
+        self.admitted.labels(route=stats.route, state="waiting").set(stats.waiting)
+
     # -- engine StatsSink -------------------------------------------------------------
 
     def record_step(self, stats: StepStats) -> None:
@@ -107,8 +150,29 @@ class Metrics:
     def record_load(self, stats: LoadStats) -> None:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
-        self.kv_tokens.set(stats.kv_cache_tokens)
-        self.kv_usage.set(min(1.0, stats.kv_cache_tokens / self.max_batch_tokens))
+        kv = stats.kv
+        self.kv_tokens.set(kv.tokens)
+        self.kv_usage.set(min(1.0, kv.tokens / (kv.capacity_tokens or self.max_batch_tokens)))
+        self.kv_slots.set(kv.slots)
+        self.kv_slots_used.set(kv.slots_used)
+        self.kv_capacity.set(kv.capacity_tokens)
+        self.kv_bytes.set(kv.bytes_allocated)
+        self.kv_moves.set(kv.rows_moved)
+        self.prefilling.set(stats.prefilling)
+        prefix = stats.prefix_cache
+        if prefix is not None:
+            queries, hits, evictions = self._prefix_seen
+            self.prefix_queries.inc(prefix.queries - queries)
+            self.prefix_hits.inc(prefix.hits - hits)
+            self.prefix_evictions.inc(prefix.evictions - evictions)
+            self._prefix_seen = (prefix.queries, prefix.hits, prefix.evictions)
+            self.prefix_hit_rate.set(prefix.hits / prefix.queries if prefix.queries else 0.0)
+            self.prefix_blocks.set(prefix.blocks)
+            self.prefix_capacity.set(prefix.capacity_blocks)
+            self.prefix_bytes.set(prefix.bytes_allocated)
+
+    def record_queue(self, waiting: int) -> None:
+        self.waiting.set(waiting)
 
     def record_request(self, stats: RequestStats) -> None:
         if stats.queue_time is not None:

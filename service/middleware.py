@@ -1,24 +1,31 @@
-"""ASGI middleware: request-body size limit, and per-route request counts and latency.
+"""ASGI middleware: request ids, request-body size limit, per-route request counts and latency.
 
 Written against raw ASGI rather than BaseHTTPMiddleware so streaming responses pass
 through untouched and their latency covers the whole stream. A response that never
-completes because the client left is counted with status 499.
+completes because the client left is counted with status 499. Every request gets an
+X-Request-Id (the client's, or a new one) on its response and on the log lines written
+while it runs, including one access line per model request.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service import request_id
 from service.errors import ClientDisconnected, error_body
 from service.metrics import Metrics
 
-ROUTES = frozenset({"/generate", "/generate_stream", "/v1/completions", "/v1/models",
-                    "/attention", "/health", "/ready", "/info", "/metrics"})
+ROUTES = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
+                    "/v1/models", "/tokenize", "/detokenize", "/attention", "/health",
+                    "/ready", "/info", "/metrics", "/viz"})
+QUIET = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers: no access line
+log = logging.getLogger("attnserve.access")
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -46,6 +53,9 @@ class ObservabilityMiddleware:
         start = time.perf_counter()
         path: str = scope["path"]
         state = {"status": 0, "complete": False, "received": 0}
+        rid = request_id.resolve(_header(scope, b"x-request-id"))
+        token = request_id.current.set(rid)
+        rid_header = (b"x-request-id", rid.encode())
 
         async def limited_receive() -> Message:
             message = await receive()
@@ -59,6 +69,7 @@ class ObservabilityMiddleware:
         async def observed_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), rid_header]}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 state["complete"] = True
             await send(message)
@@ -69,16 +80,21 @@ class ObservabilityMiddleware:
             if length is not None and length > self.max_body_bytes:
                 self._count_rejection()
                 status = "413"
-                await self._too_large(path, send)
+                await self._too_large(path, observed_send)
                 return
             await self.app(scope, limited_receive, observed_send)
             status = str(state["status"]) if state["complete"] else "499"
         except ClientDisconnected:
             status = "499"
         finally:
+            elapsed = time.perf_counter() - start
             metrics = self.metrics()
             if metrics is not None:
-                metrics.record_http(route_label(path), status, time.perf_counter() - start)
+                metrics.record_http(route_label(path), status, elapsed)
+            if path not in QUIET:
+                log.info("%s %s %s %.1f ms", scope.get("method", ""), path, status,
+                         elapsed * 1000)
+            request_id.current.reset(token)
 
     def _count_rejection(self) -> None:
         metrics = self.metrics()
@@ -96,11 +112,16 @@ class ObservabilityMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-def _content_length(scope: Scope) -> int | None:
+def _header(scope: Scope, key: bytes) -> str | None:
     for name, value in scope.get("headers", []):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
+        if name == key:
+            return bytes(value).decode("latin-1")
     return None
+
+
+def _content_length(scope: Scope) -> int | None:
+    value = _header(scope, b"content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

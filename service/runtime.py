@@ -10,12 +10,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from service.admission import AdmissionGate
 from service.artifact import Artifact
 from service.contract import io_spec as io
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.scheduler import Scheduler, SchedulerLimits
 from service.engine.session import AttentionModel, create_model, create_session
+from service.engine.static_cache import PoolConfig
 from service.metrics import Metrics
+from service.offload import Offload
 from service.settings import Settings
 from service.validation import Validator
 
@@ -38,6 +41,35 @@ class Runtime:
     draining: bool = False
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
+    attention_gate: AdmissionGate = field(init=False)
+    attention_encoder: Offload = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.attention_gate = AdmissionGate(
+            "/attention", self.settings.attention_max_concurrent,
+            self.settings.attention_max_queued, "attention_busy",
+            on_change=self.metrics.record_admission)
+        # One encoding process per admitted request: the gate bounds how many are busy.
+        self.attention_encoder = Offload(self.settings.attention_max_concurrent)
+
+
+def pool_config(settings: Settings, config: io.ArtifactConfig) -> PoolConfig:
+    """Slots and prefix-cache blocks for engine.onnx's KV pool, from the memory settings."""
+    token_bytes = 2 * config.n_layers * config.n_heads * config.head_dim * 4  # float32 K and V
+    slots = settings.max_batch_size
+    if settings.kv_cache_memory_mb is not None:
+        fit = int(settings.kv_cache_memory_mb * 2**20 // (token_bytes * config.max_seq_len))
+        if fit < 1:
+            raise ValueError(f"kv_cache_memory_mb {settings.kv_cache_memory_mb} holds no "
+                             f"full-context slot ({token_bytes * config.max_seq_len / 2**20:.2f}"
+                             " MiB each)")
+        slots = min(slots, fit)
+    blocks = 0
+    if settings.prefix_caching:
+        block_bytes = token_bytes * settings.prefix_block_size
+        blocks = max(1, int(settings.prefix_cache_memory_mb * 2**20 // block_bytes))
+    return PoolConfig(slots=slots, prefix_block_size=settings.prefix_block_size,
+                      prefix_cache_blocks=blocks)
 
 
 def load_engine(runtime: Runtime) -> None:
@@ -45,17 +77,25 @@ def load_engine(runtime: Runtime) -> None:
     settings, artifact = runtime.settings, runtime.artifact
     config = artifact.config
     model = create_model(artifact.path, config, settings.device, settings.intra_op_threads,
-                         settings.engine_graph)
+                         settings.engine_graph, pool_config(settings, config))
     attention = AttentionModel(create_session(artifact.path / io.ATTENTION_FILE, "cpu"
                                               if model.device == "cpu" else settings.device,
-                                              settings.intra_op_threads), config)
+                                              settings.attention_threads), config)
     limits = artifact.limits
+    batch_size = limits.max_batch_size
+    pool = getattr(model, "pool", None)
+    if pool is not None and pool.slots < batch_size:
+        log.warning("the KV pool budget holds %d slots: batches are capped at %d rows, not "
+                    "max_batch_size %d", pool.slots, pool.slots, batch_size)
+        batch_size = pool.slots
     scheduler = Scheduler(
         model, artifact.codec,
-        SchedulerLimits(limits.max_batch_size, limits.max_batch_tokens,
-                        limits.max_queued_requests),
+        SchedulerLimits(batch_size, limits.max_batch_tokens, limits.max_queued_requests,
+                        settings.prefill_chunk_tokens),
         pad_token_id=config.fill_token_id, stats=runtime.metrics)
     started = time.perf_counter()
+    if runtime.validator.grammars is not None:
+        runtime.validator.grammars.tokenizer()  # structured output's table, off the event loop
     scheduler.warmup(GenerationRequest([config.start_token_id], SamplingParams(),
                                        StoppingCriteria(max_new_tokens=4)))
     attention.run([config.start_token_id], ["weights"])

@@ -35,6 +35,20 @@ OPTIONS: tuple[tuple[str, str, type, str], ...] = (
      "seconds to let in-flight requests finish on SIGTERM (default 30)"),
     ("--intra-op-threads", "intra_op_threads", int,
      "ONNX Runtime intra-op threads, 0 = all cores (default 0)"),
+    ("--attention-max-concurrent", "attention_max_concurrent", int,
+     "/attention requests computed at once (default 1)"),
+    ("--attention-max-queued", "attention_max_queued", int,
+     "/attention requests waiting for a slot before 429 (default 4)"),
+    ("--attention-threads", "attention_threads", int,
+     "ONNX Runtime threads of the attention session, 0 = all cores (default 1)"),
+    ("--kv-cache-memory-mb", "kv_cache_memory_mb", float,
+     "KV pool budget in MiB (engine.onnx); default max_batch_size full-context slots"),
+    ("--prefix-cache-memory-mb", "prefix_cache_memory_mb", float,
+     "prefix cache block store in MiB (default 256)"),
+    ("--prefix-block-size", "prefix_block_size", int, "tokens per prefix-cache block (16)"),
+    ("--prefill-chunk-tokens", "prefill_chunk_tokens", int,
+     "prefill longer prompts in chunks of this many tokens between decode steps; 0: off "
+     "(default 256)"),
 )
 
 
@@ -53,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="decode with the artifact's engine.onnx (in-place KV cache) when "
                              "it has one and runs on CPU (default); --no-engine-graph: "
                              "always model.onnx")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=None, help="reuse cached keys/values of shared prompt "
+                                           "prefixes (engine.onnx; default on)")
     parser.set_defaults(handler=run)
 
 
@@ -62,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from service.artifact import open_artifact
     from service.settings import Settings
 
-    fields = [dest for _, dest, _, _ in OPTIONS] + ["device", "log_level", "engine_graph"]
+    fields = [dest for _, dest, _, _ in OPTIONS] + ["device", "log_level", "engine_graph",
+                                                "prefix_caching"]
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     try:
         settings = Settings(**overrides)

@@ -21,6 +21,7 @@ from types import FrameType
 
 import uvicorn
 
+from service import request_id
 from service.app import create_app
 from service.artifact import Artifact
 from service.settings import Settings
@@ -79,8 +80,7 @@ class DrainingServer(uvicorn.Server):
 
 def serve(settings: Settings, artifact: Artifact) -> int:
     """Serve until a signal drains the server; return the process exit code."""
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    request_id.install(settings.log_level)
     holder: list[DrainingServer] = []
     app = create_app(settings, artifact, on_fatal=lambda: holder[0].fail())
     config = uvicorn.Config(

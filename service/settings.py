@@ -44,9 +44,29 @@ class Settings(BaseSettings):
     drain_timeout: float = Field(
         30.0, ge=0, description="seconds SIGTERM waits for in-flight requests")
     intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime threads; 0 = all cores")
+    attention_max_concurrent: int = Field(
+        1, ge=1, description="/attention requests computed at once; more wait or get 429 "
+                             "(each is seconds of CPU at full length)")
+    attention_max_queued: int = Field(
+        4, ge=0, description="/attention requests waiting for a slot; beyond this → 429")
+    attention_threads: int = Field(
+        1, ge=0, description="ONNX Runtime threads of the attention session (0 = all cores); "
+                             "small, so /attention cannot take the decode loop's cores")
     engine_graph: bool = Field(
         True, description="decode with the artifact's engine.onnx (in-place KV cache) when it "
                           "has one and runs on CPU; false: always model.onnx")
+    kv_cache_memory_mb: float | None = Field(
+        None, gt=0, description="engine.onnx KV pool budget in MiB; the pool holds as many "
+                                "full-context slots as fit, at most max_batch_size (default: "
+                                "max_batch_size slots)")
+    prefix_caching: bool = Field(
+        True, description="reuse cached keys/values of shared prompt prefixes (engine.onnx)")
+    prefix_cache_memory_mb: float = Field(
+        256.0, gt=0, description="memory for the prefix cache's block store, in MiB")
+    prefix_block_size: int = Field(16, ge=1, description="tokens per prefix-cache block")
+    prefill_chunk_tokens: int = Field(
+        256, ge=0, description="prompts longer than this are prefilled in chunks of this "
+                               "size between decode steps (engine.onnx); 0: one pass")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("api_key")

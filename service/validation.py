@@ -7,8 +7,11 @@ unset max_new_tokens takes the artifact's default, shortened to fit max_total_to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
 
+from service.engine.grammar import Grammar, GrammarCompiler, GrammarError, GrammarKind
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.text import TextCodec
 from service.settings import Limits
@@ -29,8 +32,33 @@ class Validator:
     limits: Limits
     eos_token_id: int | None  # None: stop only at max_new_tokens or a stop sequence
     default_max_new_tokens: int
+    vocab_size: int = 0  # the model's logits width; 0: the tokenizer's
+    extra_eos_ids: tuple[int, ...] = ()  # generation_config.json's eos_token_id list
+    grammars: GrammarCompiler | None = None
+
+    def check_token_id(self, token: int, field: str) -> None:
+        """Token ids a client names (stop_token_ids, logit_bias, /detokenize) must exist."""
+        vocab = self.vocab_size or self.codec.vocab_size
+        if not 0 <= token < vocab:
+            raise InputError(field, f"token id {token} is outside the vocabulary "
+                                    f"(0..{vocab - 1})")
+
+    def check_token_ids(self, ids: Iterable[int], field: str) -> None:
+        for i, token in enumerate(ids):
+            self.check_token_id(token, f"{field}.{i}")
+
+    def grammar(self, kind: GrammarKind, value: str | dict[str, Any], field: str) -> Grammar:
+        if self.grammars is None:
+            raise InputError(field, "structured output is not available on this server")
+        try:
+            return self.grammars.compile(kind, value)
+        except GrammarError as exc:
+            raise InputError(field, str(exc)) from exc
 
     def tokenize(self, text: str, field: str, truncate: int | None = None) -> list[int]:
+        if truncate is not None and truncate > self.limits.max_input_tokens:
+            raise InputError("parameters.truncate", f"{truncate} exceeds max_input_tokens "
+                                                    f"{self.limits.max_input_tokens}")
         ids = self.codec.encode(text)
         if not ids:
             raise InputError(field, "encodes to zero tokens")
@@ -49,7 +77,8 @@ class Validator:
 
     def build(
         self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int | None,
-        stop: list[str], max_new_field: str, prompt_logprobs: bool = False,
+        stop: list[str], max_new_field: str, prompt_logprobs: bool = False, *,
+        stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, min_tokens: int = 0,
     ) -> GenerationRequest:
         room = self.limits.max_total_tokens - len(prompt_ids)
         if max_new_tokens is None:
@@ -63,7 +92,16 @@ class Validator:
                 max_new_field,
                 f"inputs tokens + max_new_tokens must be <= {self.limits.max_total_tokens}; "
                 f"given {len(prompt_ids)} input tokens and {max_new_tokens} max_new_tokens")
+        if min_tokens > max_new_tokens:
+            raise InputError("min_tokens", f"{min_tokens} exceeds max_tokens {max_new_tokens}")
+        eos = None if ignore_eos else self.eos_token_id
+        eos_ids = () if eos is None else (eos, *self.extra_eos_ids)
+        if min_tokens:  # vLLM: eos and stop_token_ids cannot end the text before min_tokens
+            sampling = replace(sampling, min_tokens=min_tokens, suppress_ids=tuple(
+                sorted({*stop_token_ids, *eos_ids})))
         return GenerationRequest(
             prompt_ids=prompt_ids, sampling=sampling,
-            stopping=StoppingCriteria(max_new_tokens, tuple(stop), self.eos_token_id),
+            stopping=StoppingCriteria(
+                max_new_tokens, tuple(stop), eos_token_id=eos, extra_eos_ids=self.extra_eos_ids,
+                stop_token_ids=stop_token_ids, min_tokens=min_tokens),
             prompt_logprobs=prompt_logprobs)

@@ -31,6 +31,12 @@ ATTENTION_FILE = "attention.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
+# Hugging Face files carried over from the checkpoint when it has them (chat template,
+# special-token names, generation defaults); the manifest pins them like the rest.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+OPTIONAL_HF_FILES = (CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE)
 
 # Names of dynamic axes.
 BATCH = "batch_size"

@@ -3,10 +3,11 @@
 Rows are left-padded, so every row's newest token sits in the last column and one decode
 step feeds a (B, 1) column of tokens. ``attention_mask`` marks real tokens, and
 ``position_ids`` count each row's own tokens, so padding changes nothing a row computes.
-The KV cache stays in whatever form the runner returns (ONNX Runtime OrtValues, on the
-device) from step to step; it is copied only when the composition changes: ``filter``
-drops finished rows and trims columns of padding no row needs any more, and
-``concatenate`` merges a freshly prefilled batch into the running one.
+The KV cache stays in whatever form the runner returns from step to step (OrtValues for
+model.onnx, pool slots for engine.onnx); the runner decides what a change of composition
+costs: ``filter`` drops finished rows and trims columns of padding no row needs any more,
+and ``concatenate`` merges a freshly prefilled batch into the running one. A one-row
+batch can also be prefilled in chunks (``prefill_chunk``) before its first ``step``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from service.engine.request import (
     TokenInfo,
 )
 from service.engine.sampling import RowSampler, choose_tokens, log_softmax, top_logprobs
+from service.engine.stats import KVStats
 from service.engine.text import IncrementalDecoder, TextCodec
 
 
@@ -39,15 +41,21 @@ class ModelRunner(Protocol):
         input_ids: np.ndarray,  # (B, T) int64
         attention_mask: np.ndarray,  # (B, T_past + T) int64
         position_ids: np.ndarray,  # (B, T) int64
-        past: Sequence[Any] | None,  # 2 * n_layers KV tensors, or None for an empty cache
+        past: Any,  # the runner's cache from the last call, or None for new rows
         all_logits: bool,
-    ) -> tuple[np.ndarray, list[Any]]:
-        """Logits (B, T, V) if all_logits else (B, 1, V) for the last position, and presents."""
+    ) -> tuple[np.ndarray, Any]:
+        """Logits (B, T, V) if all_logits else (B, 1, V) for the last position, and the cache."""
         ...
 
-    def kv_to_numpy(self, kv: Sequence[Any]) -> list[np.ndarray]: ...
+    def kv_filter(self, kv: Any, rows: Sequence[int], trim: int) -> Any:
+        """The cache of rows ``rows`` only (None if none), minus ``trim`` padding columns."""
+        ...
 
-    def kv_from_numpy(self, arrays: Sequence[np.ndarray]) -> list[Any]: ...
+    def kv_concat(self, kvs: Sequence[Any], widths: Sequence[int], width: int) -> Any:
+        """One cache of all rows; batch j's mask is ``widths[j]`` wide, the result ``width``."""
+        ...
+
+    def kv_stats(self, kv: Any) -> KVStats: ...
 
 
 @dataclass
@@ -87,6 +95,8 @@ class Batch:
         self.attention_mask = attention_mask
         self.position_ids = position_ids
         self.kv = kv
+        self.prompt_done = 0  # prompt columns already fed by prefill_chunk
+        self._prefilled = kv is not None
 
     @classmethod
     def from_requests(
@@ -110,7 +120,33 @@ class Batch:
 
     @property
     def is_prefilled(self) -> bool:
-        return self.kv is not None
+        return self._prefilled
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt columns not fed yet (before the first step)."""
+        return 0 if self._prefilled else self.input_ids.shape[1] - self.prompt_done
+
+    def prefill_chunk(self, runner: ModelRunner, size: int) -> None:
+        """Feed the next ``size`` prompt tokens of a one-row batch, sampling nothing.
+
+        The last part of the prompt is left to ``step``, which samples the first token.
+        """
+        if len(self) != 1 or self._prefilled or size >= self.prompt_left:
+            raise ValueError("prefill_chunk needs a one-row batch with more than one chunk "
+                             "of prompt left")
+        self.sequences[0].prefill_start = self.sequences[0].prefill_start or time.perf_counter()
+        end = self.prompt_done + size
+        _, self.kv = runner.forward(self.input_ids[:, self.prompt_done:end],
+                                    self.attention_mask[:, :end],
+                                    self.position_ids[:, self.prompt_done:end], self.kv, False)
+        self.prompt_done = end
+
+    def release(self, runner: ModelRunner) -> None:
+        """Give the batch's cache back to the runner (its pool slots, if it has any)."""
+        if self.kv is not None:
+            runner.kv_filter(self.kv, [], 0)
+            self.kv = None
 
     @property
     def reserved_tokens(self) -> int:
@@ -123,12 +159,14 @@ class Batch:
     def step(self, runner: ModelRunner) -> list[TokenEvent]:
         """Run prefill (first call) or one decode step; one new token for every row."""
         start = time.perf_counter()
-        if self.kv is None:
+        if not self._prefilled:
+            done = self.prompt_done
             for seq in self.sequences:
-                seq.prefill_start = start
-            want_prompt = any(s.request.prompt_logprobs for s in self.sequences)
-            logits, self.kv = runner.forward(self.input_ids, self.attention_mask,
-                                             self.position_ids, None, want_prompt)
+                seq.prefill_start = seq.prefill_start or start
+            want_prompt = any(s.request.prompt_logprobs for s in self.sequences) and not done
+            logits, self.kv = runner.forward(self.input_ids[:, done:], self.attention_mask,
+                                             self.position_ids[:, done:], self.kv, want_prompt)
+            self._prefilled = True
             if want_prompt:
                 self._record_prompt_logprobs(logits)
             self.position_ids = self.attention_mask.sum(axis=1, keepdims=True)  # (B, 1)
@@ -173,10 +211,15 @@ class Batch:
 
         reason: FinishReason | None = None
         stop, stop_offset = None, None
-        if req.stopping.eos_token_id is not None and token == req.stopping.eos_token_id:
+        if req.stopping.eos_token_id is not None and (
+                token == req.stopping.eos_token_id or token in req.stopping.extra_eos_ids):
             reason = "eos_token"
+        elif token in req.stopping.stop_token_ids:  # vLLM: left out of the text
+            reason = "stop_sequence"
+            stop_offset = len(seq.decoder.text) - (0 if special else len(text))
         else:
-            stop, stop_offset = self._match_stop(seq, len(text))
+            if seq.generated >= req.stopping.min_tokens:
+                stop, stop_offset = self._match_stop(seq, len(text))
             if stop is not None:
                 reason = "stop_sequence"
             elif seq.generated >= req.stopping.max_new_tokens:
@@ -217,8 +260,7 @@ class Batch:
         rows = np.asarray(keep, dtype=np.int64)
         mask = self.attention_mask[rows]  # (B', L)
         trim = int((mask.shape[1] - mask.sum(axis=1)).min())  # padding columns all rows share
-        self.kv = runner.kv_from_numpy(
-            [np.ascontiguousarray(a[rows, :, trim:, :]) for a in runner.kv_to_numpy(self.kv)])
+        self.kv = runner.kv_filter(self.kv, keep, trim)
         self.attention_mask = np.ascontiguousarray(mask[:, trim:])  # (B', L - trim)
         self.input_ids = self.input_ids[rows]
         self.position_ids = self.position_ids[rows]
@@ -232,19 +274,16 @@ class Batch:
         width = max(b.attention_mask.shape[1] for b in batches)
         total = sum(len(b) for b in batches)
         mask = np.zeros((total, width), dtype=np.int64)  # (B, L)
-        per_batch = [runner.kv_to_numpy(b.kv or []) for b in batches]
-        kv = [np.zeros((total, a.shape[1], width, a.shape[3]), dtype=a.dtype)
-              for a in per_batch[0]]  # each (B, nh, L, hs)
         start = 0
-        for b, arrays in zip(batches, per_batch, strict=True):
+        for b in batches:
             end, w = start + len(b), b.attention_mask.shape[1]
             mask[start:end, width - w:] = b.attention_mask
-            for dst, src in zip(kv, arrays, strict=True):
-                dst[start:end, :, width - w:, :] = src
             start = end
+        kv = runner.kv_concat([b.kv for b in batches],
+                              [b.attention_mask.shape[1] for b in batches], width)
         return cls(
             sequences=[s for b in batches for s in b.sequences], codec=batches[0].codec,
             input_ids=np.concatenate([b.input_ids for b in batches]),
             attention_mask=mask,
             position_ids=np.concatenate([b.position_ids for b in batches]),
-            kv=runner.kv_from_numpy(kv))
+            kv=kv)

@@ -6,35 +6,72 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _ids = itertools.count(1)
 
 
+class TokenConstraint(Protocol):
+    """A per-sequence grammar state (service/engine/grammar.py): which tokens may come next."""
+
+    def allowed(self) -> np.ndarray:  # (V,) bool
+        ...
+
+    def consume(self, token_id: int) -> None: ...
+
+
+class ConstraintFactory(Protocol):
+    """Makes a fresh constraint for each sequence (the n choices of a request each get one)."""
+
+    def new(self) -> TokenConstraint: ...
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request next-token choice; several of these live side by side in one batch."""
+    """Per-request next-token choice; several of these live side by side in one batch.
+
+    Logits are processed in this order (vLLM's and TGI's): grammar mask, logit_bias,
+    min_tokens mask, repetition penalty, presence and frequency penalties; then, when
+    sampling, temperature, top-k, top-p, typical-p and min-p.
+    """
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k filtering
     top_p: float = 1.0
-    repetition_penalty: float = 1.0
+    typical_p: float = 1.0  # 1: off (TGI / transformers' TypicalLogitsWarper)
+    min_p: float = 0.0  # 0: off; keep tokens with p >= min_p * max p
+    repetition_penalty: float = 1.0  # prompt and output tokens (CTRL / TGI)
+    presence_penalty: float = 0.0  # output tokens only (OpenAI / vLLM)
+    frequency_penalty: float = 0.0  # output tokens only, per occurrence
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # suppress_ids are masked until this many tokens are generated
+    suppress_ids: tuple[int, ...] = ()  # eos and stop_token_ids, for min_tokens
     seed: int | None = None  # None with do_sample: the engine picks one and reports it
-    top_n_logprobs: int = 0  # alternatives reported per token (OpenAI `logprobs`)
+    top_n_logprobs: int = 0  # alternatives reported per token (OpenAI logprobs, TGI top_n_tokens)
+    constraint: ConstraintFactory | None = None  # structured output (a grammar)
 
     @property
     def is_plain_greedy(self) -> bool:
-        return not self.do_sample and self.repetition_penalty == 1.0
+        """Greedy on the raw logits: the whole batch's argmax is the answer for this row."""
+        return (not self.do_sample and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+                and not self.logit_bias and self.min_tokens == 0 and self.constraint is None)
 
 
 @dataclass(frozen=True)
 class StoppingCriteria:
     max_new_tokens: int
     stop_sequences: tuple[str, ...] = ()
-    eos_token_id: int | None = None
+    eos_token_id: int | None = None  # None: ignore_eos
+    extra_eos_ids: tuple[int, ...] = ()  # generation_config.json's other end tokens
+    stop_token_ids: tuple[int, ...] = ()  # end the sequence, left out of the text (vLLM)
+    min_tokens: int = 0  # no stop sequence ends the sequence before this many tokens
 
 
 @dataclass

@@ -3,7 +3,13 @@
 Routes call ``submit`` on the event loop and read events from a per-request asyncio
 queue. The loop thread admits waiting requests at every step (their prefill runs, then
 they decode with the rest), retires finished and cancelled rows at once, and hands each
-step's events back to the event loop with one ``call_soon_threadsafe``. Admission is
+step's events back to the event loop with one ``call_soon_threadsafe``. A prompt longer
+than ``prefill_chunk_tokens`` (engine.onnx only) is prefilled one chunk per loop
+iteration, between decode steps of the running rows, so they keep their pace.
+
+Faults stay local: a failed prefill is retried request by request, and only the requests
+that fail alone get an error (424 over HTTP); a failed decode step fails the rows of that
+step, frees their cache, and the loop goes on with the next requests. Admission is
 bounded: when ``max_queued_requests`` are already waiting, ``submit`` raises QueueFull.
 A batch never holds more than ``max_batch_size`` rows, nor more than ``max_batch_tokens``
 reserved (prompt plus max_new_tokens per row), so a running request is never evicted.
@@ -18,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from service.engine.batch import Batch, ModelRunner, SequenceState
 from service.engine.request import ErrorEvent, Event, GenerationRequest
@@ -41,6 +47,7 @@ class SchedulerLimits:
     max_batch_size: int
     max_batch_tokens: int
     max_queued_requests: int
+    prefill_chunk_tokens: int = 0  # 0: prompts are prefilled in one pass
 
 
 def _is_last(event: Event) -> bool:
@@ -101,11 +108,15 @@ class Scheduler:
                  pad_token_id: int, stats: StatsSink | None = None) -> None:
         self.runner = runner
         self.codec = codec
+        pool = getattr(runner, "pool", None)  # engine.onnx: a batch never outgrows its pool
+        if pool is not None and pool.slots < limits.max_batch_size:
+            limits = replace(limits, max_batch_size=pool.slots)
         self.limits = limits
         self.pad_token_id = pad_token_id
         self.stats: StatsSink = stats or NullStats()
         self._cv = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
+        self._partial: Batch | None = None  # a long prompt part-way through its prefill
         self._handles: dict[int, RequestHandle] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -131,6 +142,7 @@ class Scheduler:
             for h in handles:
                 self._handles[h.request.id] = h
             self._waiting.extend(handles)
+            self.stats.record_queue(len(self._waiting))
             self._cv.notify()
         return handles
 
@@ -154,42 +166,71 @@ class Scheduler:
         """Run one request to completion on the calling thread (before ``start``)."""
         batch = Batch.from_requests([request], self.codec, self.runner.vocab_size,
                                     self.pad_token_id)
-        while True:
-            events = batch.step(self.runner)
-            if events[0].finish is not None:
-                return
+        try:
+            while True:
+                events = batch.step(self.runner)
+                if events[0].finish is not None:
+                    return
+        finally:
+            batch.release(self.runner)
 
     # -- loop thread ------------------------------------------------------------------
 
     def _run(self) -> None:
         batch: Batch | None = None
+        self._report_load(None)  # the pool's size is known from the start
         while True:
             with self._cv:
-                while not self._stopping and not self._waiting and batch is None:
+                while (not self._stopping and not self._waiting and batch is None
+                       and self._partial is None):
                     self._cv.wait()
                 if self._stopping:
                     break
                 admitted = self._admit(batch)
             try:
-                if admitted:
-                    batch = self._join(batch, admitted)
-                    self._report_load(batch)
-                if batch is not None:
-                    batch = self._retire(batch)  # rows cancelled while the step ran
-                if batch is not None:
-                    batch = self._step(batch, "decode")
-            except Exception as exc:  # a failed forward pass fails its rows, not the loop
-                log.exception("engine step failed")
+                batch = self._iterate(batch, admitted)
+            except Exception as exc:  # a bug outside a forward pass: fail what is in flight
+                log.exception("engine loop failed; failing the requests in flight")
+                for doomed in (batch, self._partial):
+                    if doomed is not None:
+                        with contextlib.suppress(Exception):
+                            doomed.release(self.runner)
                 self._fail(batch, admitted, f"generation failed: {exc}", "generation")
-                batch = None
+                if self._partial is not None:
+                    self._fail(self._partial, [], f"generation failed: {exc}", "generation")
+                batch, self._partial = None, None
             self._report_load(batch)
         self._fail(batch, list(self._waiting), "the server is shutting down", "shutdown")
+        if self._partial is not None:
+            self._fail(self._partial, [], "the server is shutting down", "shutdown")
+            self._partial = None
         self._waiting.clear()
         self._report_load(None)
 
+    def _iterate(self, batch: Batch | None, admitted: list[RequestHandle]) -> Batch | None:
+        """One loop iteration: newcomers join, a chunk of a long prompt, one decode step."""
+        if admitted:
+            batch = self._join(batch, self._prefill(admitted))
+            self._report_load(batch)
+        if self._partial is not None:
+            batch = self._join(batch, self._advance_partial())
+            self._report_load(batch)
+        if batch is not None:
+            batch = self._retire(batch)  # rows cancelled while the step ran
+        if batch is not None:
+            batch = self._decode(batch)
+        return batch
+
+    def _chunked(self, request: GenerationRequest) -> bool:
+        size = self.limits.prefill_chunk_tokens
+        return (size > 0 and len(request.prompt_ids) > size and not request.prompt_logprobs
+                and getattr(self.runner, "supports_chunked_prefill", False))
+
     def _admit(self, batch: Batch | None) -> list[RequestHandle]:
-        rows = len(batch) if batch is not None else 0
+        rows = (len(batch) if batch is not None else 0) + (self._partial is not None)
         reserved = batch.reserved_tokens if batch is not None else 0
+        if self._partial is not None:
+            reserved += self._partial.reserved_tokens
         admitted: list[RequestHandle] = []
         while self._waiting:
             head = self._waiting[0]
@@ -209,25 +250,112 @@ class Scheduler:
                     self._leave(head, "error", None)
                     continue
                 break
-            admitted.append(self._waiting.popleft())
+            if self._chunked(head.request):
+                if self._partial is not None:
+                    break  # one chunked prefill at a time, in arrival order
+                self._waiting.popleft()
+                self._start_partial(head)
+                rows += 1
+            else:
+                admitted.append(self._waiting.popleft())
             reserved += need
         return admitted
 
-    def _join(self, batch: Batch | None, admitted: list[RequestHandle]) -> Batch | None:
-        fresh = Batch.from_requests([h.request for h in admitted], self.codec,
-                                    self.runner.vocab_size, self.pad_token_id)
-        fresh_or_none = self._step(fresh, "prefill")
-        if fresh_or_none is None:
+    def _prefill(self, admitted: list[RequestHandle]) -> Batch | None:
+        """Prefill the newcomers together; if that fails, each alone, so a request whose
+        prefill fails is the only one that gets the error."""
+        fresh = self._new_batch([h.request for h in admitted])
+        try:
+            return self._step(fresh, "prefill")
+        except Exception as exc:
+            fresh.release(self.runner)
+            if len(admitted) == 1:
+                self._fail_step(fresh, exc)
+                return None
+            log.warning("prefill of %d requests failed (%s); retrying one by one",
+                        len(admitted), exc)
+        survivors = []
+        for handle in admitted:
+            alone = self._new_batch([handle.request])
+            try:
+                done = self._step(alone, "prefill")
+            except Exception as exc:
+                alone.release(self.runner)
+                self._fail_step(alone, exc)
+                continue
+            if done is not None:
+                survivors.append(done)
+        if not survivors:
+            return None
+        return Batch.concatenate(survivors, self.runner)
+
+    def _start_partial(self, handle: RequestHandle) -> None:
+        batch = self._new_batch([handle.request])
+        try:
+            batch.kv = self.runner.reserve(1, top=True)  # type: ignore[attr-defined]
+            batch.sequences[0].prefill_start = time.perf_counter()
+            # A cached prefix goes in first: chunks start after it.
+            batch.prompt_done = self.runner.reuse_prefix(  # type: ignore[attr-defined]
+                batch.kv, handle.request.prompt_ids)
+        except Exception as exc:
+            batch.release(self.runner)
+            self._fail_step(batch, exc)
+            return
+        self._partial = batch
+
+    def _advance_partial(self) -> Batch | None:
+        """One chunk of the partly prefilled request; the batch once its prompt is in."""
+        partial = self._partial
+        assert partial is not None
+        seq = partial.sequences[0]
+        if seq.request.cancelled.is_set():
+            self._partial = None
+            partial.release(self.runner)
+            self._leave(self._handles[seq.request.id], "cancelled", seq)
+            return None
+        size = self.limits.prefill_chunk_tokens
+        try:
+            if partial.prompt_left > size:
+                started = time.perf_counter()
+                partial.prefill_chunk(self.runner, size)
+                self.stats.record_step(StepStats("prefill", time.perf_counter() - started,
+                                                 1, size))
+                return None
+            self._partial = None
+            return self._step(partial, "prefill")
+        except Exception as exc:
+            self._partial = None
+            partial.release(self.runner)
+            self._fail_step(partial, exc)
+            return None
+
+    def _join(self, batch: Batch | None, fresh: Batch | None) -> Batch | None:
+        if fresh is None:
             return batch
         if batch is None:
-            return fresh_or_none
-        return Batch.concatenate([batch, fresh_or_none], self.runner)
+            return fresh
+        return Batch.concatenate([batch, fresh], self.runner)
+
+    def _decode(self, batch: Batch) -> Batch | None:
+        """One decode step; if it fails, its rows fail (424) and the engine goes on."""
+        try:
+            return self._step(batch, "decode")
+        except Exception as exc:
+            batch.release(self.runner)
+            self._fail_step(batch, exc)
+            return None
+
+    def _new_batch(self, requests: list[GenerationRequest]) -> Batch:
+        return Batch.from_requests(requests, self.codec, self.runner.vocab_size,
+                                   self.pad_token_id)
 
     def _step(self, batch: Batch, phase: str) -> Batch | None:
         start = time.perf_counter()
+        # prompt tokens this pass feeds (after any chunks), or one token per row
+        tokens = len(batch) if batch.is_prefilled else int(
+            batch.attention_mask[:, batch.prompt_done:].sum())
         events = batch.step(self.runner)
         duration = time.perf_counter() - start
-        tokens = int(batch.attention_mask.sum()) if phase == "prefill" else len(batch)
         self.stats.record_step(StepStats("prefill" if phase == "prefill" else "decode",
                                          duration, len(batch), tokens))
         self._send([(self._handles[s.request.id], e)
@@ -245,9 +373,15 @@ class Scheduler:
             else:
                 keep.append(i)
         if not keep:
+            batch.release(self.runner)
             return None
         batch.filter(keep, self.runner)
         return batch
+
+    def _fail_step(self, batch: Batch, exc: Exception) -> None:
+        log.error("engine step failed for %d request(s): %s", len(batch), exc,
+                  exc_info=exc)
+        self._fail(batch, [], f"generation failed: {exc}", "generation")
 
     def _fail(self, batch: Batch | None, handles: Sequence[RequestHandle], message: str,
               kind: str) -> None:
@@ -275,9 +409,12 @@ class Scheduler:
 
     def _report_load(self, batch: Batch | None) -> None:
         self.running = len(batch) if batch is not None else 0
+        prefix = getattr(self.runner, "prefix_stats", None)
         self.stats.record_load(LoadStats(
             running=self.running, waiting=len(self._waiting),
-            kv_cache_tokens=batch.cached_tokens if batch is not None else 0))
+            kv=self.runner.kv_stats(batch.kv if batch is not None else None),
+            prefix_cache=prefix() if prefix is not None else None,
+            prefilling=int(self._partial is not None)))
 
     def _send(self, pairs: list[tuple[RequestHandle, Event]]) -> None:
         if not pairs or self._loop is None:

@@ -11,13 +11,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnxruntime as ort
 
 from service.contract import io_spec as io
+from service.contract import sessions
+from service.engine.stats import KVStats
 from service.settings import Device
+
+if TYPE_CHECKING:
+    from service.engine.static_cache import PoolConfig
 
 log = logging.getLogger("attnserve.session")
 
@@ -43,12 +48,10 @@ def select_providers(device: Device) -> list[str]:
 
 
 def create_session(path: Path, device: Device, intra_op_threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = intra_op_threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=select_providers(device))
+    """A session on ``device``'s providers, refusing to start if CUDA was asked for and
+    ONNX Runtime cannot use it."""
+    session = sessions.create_session(path, threads=intra_op_threads,
+                                      providers=select_providers(device))
     active = session.get_providers()[0]
     if device == "cuda" and active != CUDA:
         raise DeviceError(f"--device cuda: ONNX Runtime could not use CUDA for {path.name} "
@@ -104,14 +107,50 @@ class OnnxModel:
     def kv_to_numpy(self, kv: Sequence[Any]) -> list[np.ndarray]:
         return [v.numpy() for v in kv]
 
+    # model.onnx's cache is the batch's own left-padded tensors: a change of composition
+    # copies every row (device → host → device under CUDA). engine.onnx's pool does not.
+
+    def kv_filter(self, kv: Sequence[Any], rows: Sequence[int], trim: int) -> list[Any] | None:
+        """Rows ``rows`` of the cache without its first ``trim`` (padding) columns."""
+        if not len(rows):
+            return None
+        index = np.asarray(rows, dtype=np.int64)
+        return self.kv_from_numpy([np.ascontiguousarray(a[index, :, trim:, :])
+                                   for a in self.kv_to_numpy(kv)])
+
+    def kv_concat(self, kvs: Sequence[Any], widths: Sequence[int], width: int) -> list[Any]:
+        """One left-padded cache (B, nh, width, hs) of all batches' rows (one copy)."""
+        per_batch = [self.kv_to_numpy(kv) for kv in kvs]
+        total = sum(a[0].shape[0] for a in per_batch)
+        out = [np.zeros((total, a.shape[1], width, a.shape[3]), dtype=a.dtype)
+               for a in per_batch[0]]  # each (B, nh, L, hs)
+        start = 0
+        for arrays, w in zip(per_batch, widths, strict=True):
+            end = start + arrays[0].shape[0]
+            for dst, src in zip(out, arrays, strict=True):
+                dst[start:end, :, width - w:, :] = src
+            start = end
+        return self.kv_from_numpy(out)
+
+    def kv_stats(self, kv: Sequence[Any] | None) -> KVStats:
+        """The running batch's tensors: rows, tokens and bytes, padding included."""
+        if not kv:
+            return KVStats(slots=0, slots_used=0, tokens=0, capacity_tokens=0,
+                           bytes_allocated=0)
+        b, _, width, _ = kv[0].shape()
+        nbytes = sum(int(np.prod(v.shape())) for v in kv) * self.kv_dtype.itemsize
+        return KVStats(slots=b, slots_used=b, tokens=b * width, capacity_tokens=0,
+                       bytes_allocated=nbytes)
+
     def kv_from_numpy(self, arrays: Sequence[np.ndarray]) -> list[Any]:
         return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.device, 0)
                 for a in arrays]
 
 
 def create_model(artifact_dir: Path, config: io.ArtifactConfig, device: Device,
-                 intra_op_threads: int, engine_graph: bool = True) -> Any:
-    """The decode runner: engine.onnx's static cache when the artifact has it, else model.onnx.
+                 intra_op_threads: int, engine_graph: bool = True,
+                 pool: PoolConfig | None = None) -> Any:
+    """The decode runner: engine.onnx over a KV pool when the artifact has it, else model.onnx.
 
     engine.onnx (written by ``attnserve export --engine-graph``) keeps a float32 cache on
     the host, so it is used only when the session would run on CPU anyway.
@@ -122,8 +161,13 @@ def create_model(artifact_dir: Path, config: io.ArtifactConfig, device: Device,
     if engine_graph and engine_path.is_file() and select_providers(device) == [CPU]:
         from service.engine.static_cache import StaticCacheModel
 
-        log.info("decoding with %s (in-place KV cache)", ENGINE_FILE)
-        return StaticCacheModel(create_session(engine_path, "cpu", intra_op_threads), config)
+        model = StaticCacheModel(create_session(engine_path, "cpu", intra_op_threads), config,
+                                 pool)
+        log.info("decoding with %s: KV pool of %d slots x %d tokens (%.1f MiB)%s", ENGINE_FILE,
+                 model.pool.slots, model.max_len, model.pool.bytes_allocated / 2**20,
+                 f", prefix cache of {model.prefix.capacity} blocks x "
+                 f"{model.prefix.block_size} tokens" if model.prefix else "")
+        return model
     return OnnxModel(create_session(artifact_dir / io.MODEL_FILE, device, intra_op_threads),
                      config)
 

@@ -17,12 +17,47 @@ class StepStats:
 
 
 @dataclass(frozen=True)
+class KVStats:
+    """What the KV cache really holds: a persistent pool (engine.onnx) or the batch's tensors.
+
+    ``slots`` and ``capacity_tokens`` are fixed for a pool; for model.onnx, which allocates
+    its cache per step, ``slots`` is the running rows and ``capacity_tokens`` 0 (no pool).
+    """
+
+    slots: int
+    slots_used: int
+    tokens: int  # tokens whose keys/values are cached, over all rows
+    capacity_tokens: int
+    bytes_allocated: int
+    rows_moved: int = 0  # rows copied by compaction since start (pool only)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Automatic prefix caching, cumulative since start (counters) and now (gauges)."""
+
+    queries: int  # prompt tokens looked up
+    hits: int  # prompt tokens whose keys/values were reused
+    blocks: int
+    capacity_blocks: int
+    block_size: int
+    bytes_allocated: int
+    evictions: int
+
+
+@dataclass(frozen=True)
 class LoadStats:
     """The engine's occupancy after a loop iteration."""
 
     running: int
     waiting: int
-    kv_cache_tokens: int
+    kv: KVStats
+    prefix_cache: PrefixCacheStats | None = None
+    prefilling: int = 0  # requests part-way through a chunked prefill
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.kv.tokens
 
 
 @dataclass(frozen=True)
@@ -42,6 +77,10 @@ class StatsSink(Protocol):
 
     def record_load(self, stats: LoadStats) -> None: ...
 
+    def record_queue(self, waiting: int) -> None:
+        """Requests waiting, reported by ``submit`` as they arrive (the loop may be busy)."""
+        ...
+
     def record_request(self, stats: RequestStats) -> None: ...
 
 
@@ -50,6 +89,9 @@ class NullStats:
         pass
 
     def record_load(self, stats: LoadStats) -> None:
+        pass
+
+    def record_queue(self, waiting: int) -> None:
         pass
 
     def record_request(self, stats: RequestStats) -> None:

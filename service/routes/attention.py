@@ -4,6 +4,10 @@ Matrices come back in bertviz's layout, (layers, heads, query, key) — or (laye
 tokens, head_dim) for q, k and v — restricted to the requested layers and heads.
 ``scaled_scores`` hold -inf where the causal mask hides a key; JSON has no infinity,
 so those entries are ``null`` in the json format (npz keeps the real -inf).
+
+``format=bertviz`` returns what bertviz's ``head_view`` / ``model_view`` take: ``attention``
+as one ``(1, heads, query, key)`` nested list per layer and ``tokens`` as plain strings, so
+a notebook passes ``[torch.tensor(a) for a in data["attention"]]`` straight to bertviz.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from fastapi.responses import Response
 
 from service.deps import ReadyRuntime, require_api_key
 from service.render import heatmap_grid
+from service.responses import TgiError, tgi_errors
 from service.runtime import Runtime
 from service.schemas import AttentionRequest
 from service.validation import InputError
@@ -52,20 +57,33 @@ def _json_safe(a: np.ndarray) -> Any:
     return walk(values)
 
 
-@router.post("/attention", summary="Attention matrices of every layer and head (bertviz layout)")
+@router.post("/attention", summary="Attention matrices of every layer and head (bertviz layout)",
+             responses={200: {"description": "format json (default) or bertviz: JSON; npz; png",
+                              "content": {"application/json": {"schema": {"type": "object"}},
+                                          "application/octet-stream": {"schema": {
+                                              "type": "string", "format": "binary"}},
+                                          "image/png": {"schema": {"type": "string",
+                                                                   "format": "binary"}}}},
+                        **tgi_errors(401, 413, 422, 503),
+                        429: {"model": TgiError, "description":
+                              "/attention is at capacity: attention_max_concurrent running "
+                              "and attention_max_queued waiting (Retry-After: 1)"}})
 async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
     config = runtime.artifact.config
     ids = runtime.validator.tokenize(body.inputs, "inputs")
     layers = _pick(body.layers, config.n_layers, "layers")
     heads = _pick(body.heads, config.n_heads, "heads")
     kinds = list(dict.fromkeys(body.include))
-    if body.format == "png" and kinds != ["weights"]:
-        raise InputError("include", "the png format renders only ['weights']")
+    if body.format in ("png", "bertviz") and kinds != ["weights"]:
+        raise InputError("include", f"the {body.format} format carries only ['weights']")
     assert runtime.attention is not None
-    full = await asyncio.to_thread(runtime.attention.run, ids, kinds)
-    # Encoding can take seconds (all kinds at full length is ~55 MB of JSON): off the event
-    # loop, so the token streams of other requests do not stall meanwhile.
-    return await asyncio.to_thread(render, body, runtime, ids, layers, heads, full)
+    # Bounded (settings attention_max_concurrent/_queued; 429 beyond): running and encoding
+    # a request costs seconds of CPU, and unbounded floods of them starve decoding.
+    async with runtime.attention_gate.admit():
+        full = await asyncio.to_thread(runtime.attention.run, ids, kinds)
+        # Encoding can take seconds (all kinds at full length is ~55 MB of JSON): off the
+        # event loop, so the token streams of other requests do not stall meanwhile.
+        return await asyncio.to_thread(render, body, runtime, ids, layers, heads, full)
 
 
 def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: list[int],
@@ -87,7 +105,14 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
         np.savez(buffer, **contents)
         return Response(buffer.getvalue(), media_type="application/octet-stream",
                         headers={"Content-Disposition": 'attachment; filename="attention.npz"'})
-    return Response(encode_json({
+    # JSON is encoded in a worker process (service/offload.py): seconds of GIL-bound work
+    # in this one would stall the decode loop.
+    if body.format == "bertviz":
+        return Response(runtime.attention_encoder.call(encode_bertviz, {
+            "model": runtime.artifact.name, "tokens": tokens, "token_ids": ids,
+            "layers": layers, "heads": heads,
+        }, arrays["weights"]), media_type="application/json")
+    return Response(runtime.attention_encoder.call(encode_json, {
         "model": runtime.artifact.name,
         "tokens": [{"id": i, "text": t} for i, t in zip(ids, tokens, strict=True)],
         "layers": layers, "heads": heads,
@@ -109,3 +134,12 @@ def encode_json(head: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
         per_layer = ("[" + ",".join(_dumps(_json_safe(m)) for m in layer) + "]" for layer in a)
         kinds.append(_dumps(kind) + ":[" + ",".join(per_layer) + "]")
     return (_dumps(head)[:-1] + ',"attention":{' + ",".join(kinds) + "}}").encode()
+
+
+def encode_bertviz(head: dict[str, Any], weights: np.ndarray) -> bytes:
+    """``head`` plus ``"attention"``: per layer a ``(1, heads, query, key)`` nested list, the
+    tuple-of-tensors layout bertviz takes (batch axis included), encoded matrix by matrix
+    like ``encode_json``. Weights are finite (masked keys are 0), so no nulls."""
+    per_layer = ("[[" + ",".join(_dumps(m.tolist()) for m in layer) + "]]"
+                 for layer in weights)  # weights: (layers, heads, T, T)
+    return (_dumps(head)[:-1] + ',"attention":[' + ",".join(per_layer) + "]}").encode()

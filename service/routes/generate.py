@@ -3,25 +3,48 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.deps import ReadyRuntime, require_api_key
-from service.engine.request import FinishInfo, GenerationRequest, TokenInfo
+from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenInfo
 from service.errors import ApiError
+from service.responses import SSE_NOTE, GenerateResponse, sse_content, tgi_errors
 from service.routes.relay import Completed, collect, merge, sse
-from service.schemas import GenerateParameters, GenerateRequest, StreamRequest
+from service.schemas import (
+    CompatRequest,
+    GenerateParameters,
+    GenerateRequest,
+    JsonGrammar,
+    StreamRequest,
+)
 
 router = APIRouter(tags=["generate"], dependencies=[Depends(require_api_key)])
+TGI_ERRORS = tgi_errors(401, 413, 422, 424, 429, 503)
+
+
+def sampling_params(runtime: ReadyRuntime, params: GenerateParameters) -> SamplingParams:
+    sampling = params.to_sampling_params()
+    grammar = params.grammar
+    if grammar is None:
+        return sampling
+    if isinstance(grammar, JsonGrammar):
+        constraint = runtime.validator.grammar("json_schema", grammar.value,
+                                               "parameters.grammar.value")
+    else:
+        constraint = runtime.validator.grammar("regex", grammar.value,
+                                               "parameters.grammar.value")
+    return replace(sampling, constraint=constraint)
 
 
 def build_request(runtime: ReadyRuntime, text: str, params: GenerateParameters,
-                  field: str) -> GenerationRequest:
+                  sampling: SamplingParams, field: str) -> GenerationRequest:
     validator = runtime.validator
     ids = validator.tokenize(text, field, params.truncate)
-    return validator.build(ids, params.to_sampling_params(), params.max_new_tokens,
+    return validator.build(ids, sampling, params.max_new_tokens,
                            params.stop, "parameters.max_new_tokens",
                            prompt_logprobs=params.decoder_input_details)
 
@@ -33,9 +56,16 @@ def token_json(token: TokenInfo, with_special: bool = True) -> dict[str, Any]:
     return data
 
 
-def details_json(result: Completed, params: GenerateParameters) -> dict[str, Any]:
+def top_tokens_json(token: TokenInfo, special: frozenset[int]) -> list[dict[str, Any]]:
+    """TGI's top_tokens of one position: the most likely tokens with their logprobs."""
+    return [{"id": i, "text": text, "logprob": lp, "special": i in special}
+            for i, text, lp in token.top]
+
+
+def details_json(result: Completed, params: GenerateParameters,
+                 special: frozenset[int]) -> dict[str, Any]:
     finish = result.finish
-    return {
+    details: dict[str, Any] = {
         "finish_reason": finish.reason,
         "generated_tokens": finish.generated_tokens,
         "seed": finish.seed,
@@ -43,6 +73,9 @@ def details_json(result: Completed, params: GenerateParameters) -> dict[str, Any
         if params.decoder_input_details else [],
         "tokens": [token_json(e.token) for e in result.tokens],
     }
+    if params.top_n_tokens:
+        details["top_tokens"] = [top_tokens_json(e.token, special) for e in result.tokens]
+    return details
 
 
 def output_text(prompt: str, finish: FinishInfo, params: GenerateParameters) -> str:
@@ -63,30 +96,40 @@ def timing_headers(results: list[Completed]) -> dict[str, str]:
     }
 
 
-@router.post("/generate", summary="Generate text (TGI); a list of inputs gives a list back")
+@router.post("/generate", summary="Generate text (TGI); a list of inputs gives a list back",
+             responses={200: {"model": GenerateResponse | list[GenerateResponse]},
+                        **TGI_ERRORS})
 async def generate(body: GenerateRequest, request: Request, runtime: ReadyRuntime) -> JSONResponse:
     params = body.parameters
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     fields = ["inputs"] if isinstance(body.inputs, str) else [f"inputs.{i}" for i in
                                                               range(len(texts))]
     runtime.validator.check_count(len(texts), "inputs")
-    requests = [build_request(runtime, t, params, f) for t, f in zip(texts, fields, strict=True)]
+    sampling = sampling_params(runtime, params)
+    requests = [build_request(runtime, t, params, sampling, f)
+                for t, f in zip(texts, fields, strict=True)]
     assert runtime.scheduler is not None
     results = await collect(runtime.scheduler.submit(requests), request)
     outputs = []
     for text, result in zip(texts, results, strict=True):
         item: dict[str, Any] = {"generated_text": output_text(text, result.finish, params)}
         if params.details or params.decoder_input_details:
-            item["details"] = details_json(result, params)
+            item["details"] = details_json(result, params, runtime.artifact.codec.special_ids)
         outputs.append(item)
     content: Any = outputs[0] if isinstance(body.inputs, str) else outputs
     return JSONResponse(content, headers=timing_headers(results))
 
 
-@router.post("/generate_stream", summary="Generate text token by token as Server-Sent Events")
+@router.post("/generate_stream", summary="Generate text token by token as Server-Sent Events",
+             response_class=StreamingResponse,
+             responses={200: {"description": SSE_NOTE + " (schema: StreamResponse)",
+                              "content": sse_content("events of StreamResponse")},
+                        **TGI_ERRORS})
 async def generate_stream(body: StreamRequest, runtime: ReadyRuntime) -> StreamingResponse:
     params = body.parameters
-    request = build_request(runtime, body.inputs, params, "inputs")
+    request = build_request(runtime, body.inputs, params, sampling_params(runtime, params),
+                            "inputs")
+    special = runtime.artifact.codec.special_ids
     assert runtime.scheduler is not None
     (handle,) = runtime.scheduler.submit([request])
 
@@ -95,7 +138,9 @@ async def generate_stream(body: StreamRequest, runtime: ReadyRuntime) -> Streami
             async for _, event in merge([handle]):
                 payload: dict[str, Any] = {
                     "index": event.index + 1, "token": token_json(event.token),
-                    "top_tokens": None, "generated_text": None, "details": None}
+                    "top_tokens": top_tokens_json(event.token, special)
+                    if params.top_n_tokens else None,
+                    "generated_text": None, "details": None}
                 if event.finish is not None:
                     payload["generated_text"] = output_text(body.inputs, event.finish, params)
                     payload["details"] = {
@@ -110,3 +155,17 @@ async def generate_stream(body: StreamRequest, runtime: ReadyRuntime) -> Streami
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                       "x-prompt-tokens": str(len(request.prompt_ids))})
+
+
+@router.post("/", summary="TGI's compatibility route: /generate, or /generate_stream when "
+                          "`stream` is true",
+             responses={200: {"model": list[GenerateResponse],
+                              "content": sse_content("events of StreamResponse")},
+                        **TGI_ERRORS})
+async def compat_generate(body: CompatRequest, request: Request, runtime: ReadyRuntime) -> Any:
+    if body.stream:
+        return await generate_stream(
+            StreamRequest(inputs=body.inputs, parameters=body.parameters, stream=True), runtime)
+    # TGI answers a list of one here (its client reads element 0)
+    return await generate(GenerateRequest(inputs=[body.inputs], parameters=body.parameters),
+                          request, runtime)

@@ -11,9 +11,10 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from service.deps import RuntimeDep, require_api_key
+from service.responses import Status, tgi_errors
 
 router = APIRouter(tags=["health"])
 
@@ -25,12 +26,14 @@ def _version(package: str) -> str | None:
         return None
 
 
-@router.get("/health", summary="Liveness: the process is up")
+@router.get("/health", summary="Liveness: the process is up", responses={200: {"model": Status}})
 async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/ready", summary="Readiness: 200 once the model is loaded and warmed up")
+@router.get("/ready", summary="Readiness: 200 once the model is loaded and warmed up",
+            responses={200: {"model": Status},
+                       503: {"model": Status, "description": "loading, draining or failed"}})
 async def ready(runtime: RuntimeDep) -> JSONResponse:
     if runtime.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
@@ -42,7 +45,7 @@ async def ready(runtime: RuntimeDep) -> JSONResponse:
 
 
 @router.get("/info", summary="Model, provider, limits, versions and artifact hashes",
-            dependencies=[Depends(require_api_key)])
+            dependencies=[Depends(require_api_key)], responses=tgi_errors(401, 503))
 async def info(runtime: RuntimeDep) -> dict[str, Any]:
     artifact, settings = runtime.artifact, runtime.settings
     limits = artifact.limits
@@ -66,6 +69,7 @@ async def info(runtime: RuntimeDep) -> dict[str, Any]:
             "max_body_bytes": settings.max_body_bytes,
         },
         "auth": settings.api_key is not None,
+        "chat_template": artifact.chat_template.origin,
         "versions": {
             "attnserve": _version("attnserve"), "python": platform.python_version(),
             "onnxruntime": _version("onnxruntime") or _version("onnxruntime-gpu"),
@@ -76,7 +80,10 @@ async def info(runtime: RuntimeDep) -> dict[str, Any]:
     }
 
 
-@router.get("/metrics", summary="Prometheus exposition")
+@router.get("/metrics", summary="Prometheus exposition", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text format 0.0.4",
+                             "content": {"text/plain": {"schema": {"type": "string"}}}},
+                       **tgi_errors(503)})
 async def metrics(runtime: RuntimeDep) -> Response:
     body, content_type = runtime.metrics.render()
     return Response(body, media_type=content_type)

@@ -17,13 +17,18 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.deps import ReadyRuntime, RuntimeDep, require_api_key
+from service.engine.grammar import Grammar
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenEvent
 from service.errors import ApiError
+from service.openai_schemas import CompletionRequest, JsonSchemaFormat, OpenAISampling
+from service.responses import Completion, ModelCard, ModelList, json_or_sse, openai_errors
 from service.routes.relay import collect, merge, sse
 from service.runtime import Runtime
-from service.schemas import CompletionRequest
+from service.schemas import SEED_BOUND
+from service.validation import Validator
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+OPENAI_ERRORS = openai_errors(401, 404, 413, 422, 424, 429, 503)
 
 
 def model_card(runtime: Runtime) -> dict[str, Any]:
@@ -31,12 +36,14 @@ def model_card(runtime: Runtime) -> dict[str, Any]:
             "owned_by": "attnserve", "max_model_len": runtime.artifact.limits.max_total_tokens}
 
 
-@router.get("/models", summary="The one model this server serves")
+@router.get("/models", summary="The one model this server serves",
+            responses={200: {"model": ModelList}, **openai_errors(401, 503)})
 async def list_models(runtime: RuntimeDep) -> dict[str, Any]:
     return {"object": "list", "data": [model_card(runtime)]}
 
 
-@router.get("/models/{model_id}")
+@router.get("/models/{model_id}", summary="The model card, if the name is the served one",
+            responses={200: {"model": ModelCard}, **openai_errors(401, 404, 503)})
 async def get_model(model_id: str, runtime: RuntimeDep) -> dict[str, Any]:
     if model_id != runtime.artifact.name:
         raise ApiError(404, f"model {model_id!r} not found", "not_found", param="model",
@@ -44,23 +51,66 @@ async def get_model(model_id: str, runtime: RuntimeDep) -> dict[str, Any]:
     return model_card(runtime)
 
 
-def build_requests(body: CompletionRequest, runtime: Runtime) -> list[GenerationRequest]:
-    if body.model != runtime.artifact.name:
-        raise ApiError(404, f"model {body.model!r} not found; this server serves "
+def check_model(model: str | None, runtime: Runtime) -> None:
+    if model is not None and model != runtime.artifact.name:
+        raise ApiError(404, f"model {model!r} not found; this server serves "
                             f"{runtime.artifact.name!r}", "not_found", param="model",
                        code="model_not_found")
+
+
+def response_constraint(body: OpenAISampling, validator: Validator) -> Grammar | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return validator.grammar("json_schema", {"type": "object"}, "response_format")
+    assert isinstance(fmt, JsonSchemaFormat)
+    return validator.grammar("json_schema", fmt.json_schema.json_schema,
+                             "response_format.json_schema.schema")
+
+
+def sampling_params(body: OpenAISampling, validator: Validator, top_n: int) -> SamplingParams:
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        validator.check_token_id(int(key), f"logit_bias.{key}")
+        bias.append((int(key), value))
+    return SamplingParams(
+        do_sample=body.temperature > 0,
+        temperature=body.temperature if body.temperature > 0 else 1.0,
+        top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        logit_bias=tuple(bias), seed=body.seed, top_n_logprobs=top_n,
+        constraint=response_constraint(body, validator))
+
+
+def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[str, list[int]]],
+                   max_new_tokens: int | None, top_n: int, prompt_logprobs: bool = False,
+                   max_field: str = "max_tokens") -> list[GenerationRequest]:
+    """n requests per prompt; ``prompts`` are (field, token ids)."""
     validator = runtime.validator
-    validator.check_count(len(body.prompts) * body.n, "n" if body.n > 1 else "prompt")
-    sampling = body.to_sampling_params()
+    validator.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
+    stop_ids = tuple(body.stop_token_ids or ())
+    validator.check_token_ids(stop_ids, "stop_token_ids")
+    sampling = sampling_params(body, validator, top_n)
     requests = []
-    for i, prompt in enumerate(body.prompts):
-        field = "prompt" if isinstance(body.prompt, str) else f"prompt.{i}"
-        ids = validator.tokenize(prompt, field)
+    for _, ids in prompts:
         for j in range(body.n):
             requests.append(validator.build(
-                ids, choice_sampling(sampling, j), body.max_tokens, body.stop_sequences,
-                "max_tokens", prompt_logprobs=body.echo and body.logprobs is not None))
+                ids, choice_sampling(sampling, j), max_new_tokens, body.stop_sequences,
+                max_field, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_ids,
+                ignore_eos=body.ignore_eos, min_tokens=body.min_tokens))
     return requests
+
+
+def completion_requests(body: CompletionRequest, runtime: Runtime) -> list[GenerationRequest]:
+    check_model(body.model, runtime)
+    prompts = []
+    for i, prompt in enumerate(body.prompts):
+        field = "prompt" if isinstance(body.prompt, str) else f"prompt.{i}"
+        prompts.append((field, runtime.validator.tokenize(prompt, field)))
+    return build_requests(body, runtime, prompts, body.max_tokens, body.top_n_logprobs,
+                          prompt_logprobs=body.echo and body.logprobs is not None)
 
 
 def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
@@ -68,7 +118,7 @@ def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
     not n copies of one sample."""
     if sampling.seed is None or choice == 0:
         return sampling
-    return replace(sampling, seed=(sampling.seed + choice) % 2**63)
+    return replace(sampling, seed=(sampling.seed + choice) % SEED_BOUND)
 
 
 def final_text(finish: FinishInfo) -> str:
@@ -99,10 +149,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-@router.post("/completions", summary="OpenAI completions, plain or streamed")
+@router.post("/completions", summary="OpenAI completions, plain or streamed",
+             responses={**json_or_sse(Completion, "A completion, or its chunks when streamed"),
+                        **OPENAI_ERRORS})
 async def completions(body: CompletionRequest, request: Request,
                       runtime: ReadyRuntime) -> Any:
-    requests = build_requests(body, runtime)
+    requests = completion_requests(body, runtime)
     assert runtime.scheduler is not None
     handles = runtime.scheduler.submit(requests)
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -162,7 +214,7 @@ async def stream(body: CompletionRequest, runtime: Runtime, handles: list[Any],
                 rest = final_text(event.finish)[sent[i]:]
                 sent[i] += len(rest)
                 yield chunk(i, rest, event, finish_reason(event.finish))
-        if body.stream_options is not None and body.stream_options.include_usage:
+        if body.include_usage:
             prompt_tokens = sum(len(h.request.prompt_ids) for h in handles[::body.n])
             yield sse({"id": completion_id, "object": "text_completion", "created": created,
                        "model": runtime.artifact.name, "choices": [],

@@ -7,7 +7,9 @@ proves the service never imports torch.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,14 +17,15 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
-import numpy as np
-import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer
 
 from service.contract import io_spec as io
+from service.contract.engine_spec import ENGINE_FILE
+from service.contract.reference import OrtDecoder, greedy_until
 from service.engine.batch import Batch, ModelRunner
 from service.engine.request import GenerationRequest
 from service.engine.text import TextCodec
@@ -48,39 +51,32 @@ def encode(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
 
 
 @pytest.fixture(scope="session")
+def engine_artifact(artifact: Path, tiny_checkpoint: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny artifact plus engine.onnx (built here with torch; servers never import it)."""
+    from export.engine_graph import export_engine
+    from model.checkpoint import load_checkpoint
+
+    out = tmp_path_factory.mktemp("engine") / "artifact"
+    shutil.copytree(artifact, out)
+    export_engine(load_checkpoint(tiny_checkpoint).model.eval(), out / ENGINE_FILE)
+    return out
+
+
+@pytest.fixture(scope="session")
 def reference_greedy(artifact: Path) -> Callable[[list[int], int], list[int]]:
-    """The plain decode loop: batch 1, by io_spec names, session.run, argmax; no service code.
+    """The greedy reference over the tiny artifact (see ``greedy_loop``)."""
+    return greedy_loop(artifact)
 
-    Stops at max_new tokens or right after the end-of-sequence token, like the engine.
-    """
+
+def greedy_loop(artifact: Path) -> Callable[[list[int], int], list[int]]:
+    """The greedy reference (service/contract/reference.py) over any artifact's model.onnx:
+    batch 1, model.onnx by the contract's names, the past fed back every step, argmax; it
+    shares no code with the engine. Stops at max_new tokens or right after the
+    end-of-sequence token, like the engine."""
     config = io.ArtifactConfig.load(artifact)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(artifact / io.MODEL_FILE), options,
-                                   providers=["CPUExecutionProvider"])
-    kv_shape = (1, config.n_heads, 0, config.head_dim)
-
-    def run(prompt: list[int], max_new: int) -> list[int]:
-        past = {n: np.zeros(kv_shape, np.dtype(config.kv_dtype))
-                for n in io.past_names(config.n_layers)}
-        ids = np.asarray([prompt], dtype=np.int64)  # (1, T)
-        total = len(prompt)
-        out: list[int] = []
-        while len(out) < max_new:
-            feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: np.ones((1, total), np.int64),
-                     io.POSITION_IDS: np.arange(total - ids.shape[1], total)[None, :],
-                     **past}
-            logits, *present = session.run(None, feeds)
-            token = int(np.argmax(logits[0, -1]))
-            out.append(token)
-            if token == config.eos_token_id:
-                break
-            past = dict(zip(io.past_names(config.n_layers), present, strict=True))
-            ids = np.asarray([[token]], dtype=np.int64)
-            total += 1
-        return out
-
-    return run
+    decoder = OrtDecoder.from_artifact(artifact)
+    return lambda prompt, max_new: greedy_until(decoder, prompt, max_new, config.eos_token_id)
 
 
 def free_port() -> int:
@@ -89,16 +85,45 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class GateWriter:
+    """The test's end of a server's step gate (see fault_runner.py): a FIFO of commands.
+
+    Opened read-write so opening never blocks; closing it opens the server's gate for good.
+    """
+
+    def __init__(self, path: Path) -> None:
+        os.mkfifo(path)
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDWR)
+
+    def send(self, commands: str) -> None:
+        assert self._fd is not None, "the gate is closed"
+        os.write(self._fd, commands.encode("ascii"))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class ServerProcess:
-    """`attnserve serve` in a subprocess on a free loopback port, torch hidden."""
+    """`attnserve serve` in a subprocess on a free loopback port, torch hidden.
+
+    With ``gate``, every forward pass of the server waits for the test's command (the
+    warm-up's too): ``server.gate.send("+")`` lets it run freely, "-" holds it again.
+    """
 
     def __init__(self, artifact: Path, log_path: Path, args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, gate: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         environment = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
         environment.update(env or {})
+        self.gate: GateWriter | None = None
+        if gate:
+            self.gate = GateWriter(log_path.parent / "gate.fifo")
+            environment["ATTNSERVE_TEST_GATE"] = str(self.gate.path)
         environment["PYTHONPATH"] = os.pathsep.join(
             [str(NO_TORCH), *filter(None, [os.environ.get("PYTHONPATH")])])
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -124,6 +149,8 @@ class ServerProcess:
         raise AssertionError(f"server not ready after {timeout}s:\n{self.log()}")
 
     def stop(self) -> int:
+        if self.gate is not None:
+            self.gate.close()  # whatever waits at the gate runs on, so the drain ends
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -141,10 +168,10 @@ def start_server(artifact: Path, tmp_path_factory: pytest.TempPathFactory
     """Factory: start a server (ready on return); every one is stopped at module end."""
     servers: list[ServerProcess] = []
 
-    def start(*args: str, env: dict[str, str] | None = None,
-              wait: bool = True) -> ServerProcess:
+    def start(*args: str, env: dict[str, str] | None = None, wait: bool = True,
+              gate: bool = False, model: Path | None = None) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "server.log"
-        server = ServerProcess(artifact, log, args, env)
+        server = ServerProcess(model or artifact, log, args, env, gate)
         servers.append(server)
         if wait:
             server.wait_ready()
@@ -180,9 +207,18 @@ def run_with_joins(model: ModelRunner, codec: TextCodec, waves: list[list[Genera
         if keep:
             batch.filter(keep, model)
         else:
+            batch.release(model)
             batch = None
         step += 1
     return tokens
+
+
+def first_sse(lines: Iterator[str]) -> dict[str, Any]:
+    """The first server-sent event of a stream, parsed."""
+    for line in lines:
+        if line.startswith("data:"):
+            return dict(json.loads(line[5:]))
+    raise AssertionError("stream ended before its first event")
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:

@@ -1,32 +1,60 @@
-"""Start `attnserve serve` for the service tests.
+"""Start `attnserve serve` for the service tests, its model runner under the test's control.
 
 Usage:
-    [ATTNSERVE_TEST_STEP_DELAY=0.02] python tests/service/launch_server.py serve --model DIR ...
+    [ATTNSERVE_TEST_GATE=FIFO] [ATTNSERVE_TEST_POISON=TOKEN_ID] \
+        [ATTNSERVE_TEST_ATTENTION_GATE=DIR] \
+        python tests/service/launch_server.py serve --model DIR ...
 
-With ATTNSERVE_TEST_STEP_DELAY set, every model forward pass sleeps that many seconds
-first, so tests can act while a request is provably still decoding (cancellation, queue
-limits, drain) without timing races. Nothing else changes: same CLI, same server.
+ATTNSERVE_TEST_GATE names a FIFO the test writes one-character commands to (see
+fault_runner.py): every forward pass, the warm-up included, waits for "." (run) or "!"
+(fail), or runs freely after "+" or once the test closes the FIFO. So a test acts while a
+request is provably mid-decode, or fails exactly one pass, with no timing involved.
+ATTNSERVE_TEST_POISON fails every prefill whose prompt holds that token id.
+ATTNSERVE_TEST_ATTENTION_GATE names a directory holding two FIFOs, ``entered`` and
+``release``: every attention.onnx run of more than one token (the warm-up runs one) first
+writes a byte to ``entered`` and then waits for a byte on ``release``, so the test knows
+exactly when a request is inside the attention session and decides when it leaves.
+Nothing else changes: same CLI, same server.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import time
+from typing import Any
 
 
 def main() -> int:
-    delay = float(os.environ.get("ATTNSERVE_TEST_STEP_DELAY", "0"))
-    if delay > 0:
-        from service.engine.session import OnnxModel
+    gate_path = os.environ.get("ATTNSERVE_TEST_GATE")
+    poison = os.environ.get("ATTNSERVE_TEST_POISON")
+    if gate_path or poison:
+        from fault_runner import ControlledRunner, FifoGate  # beside this script
 
-        forward = OnnxModel.forward
+        import service.runtime as runtime
 
-        def slow_forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            time.sleep(delay)
-            return forward(self, *args, **kwargs)
+        create = runtime.create_model
 
-        OnnxModel.forward = slow_forward  # type: ignore[method-assign]
+        def controlled(*args: Any, **kwargs: Any) -> Any:
+            return ControlledRunner(create(*args, **kwargs),
+                                    FifoGate(gate_path) if gate_path else None,
+                                    int(poison) if poison else None)
+
+        runtime.create_model = controlled  # type: ignore[assignment]
+    attention_gate = os.environ.get("ATTNSERVE_TEST_ATTENTION_GATE")
+    if attention_gate:
+        from service.engine.session import AttentionModel
+
+        run = AttentionModel.run
+
+        def gated_run(self: Any, token_ids: Any, kinds: Any) -> Any:
+            if len(token_ids) > 1:
+                with open(os.path.join(attention_gate, "entered"), "w") as entered:
+                    entered.write("1")  # blocks until the test reads
+                with open(os.path.join(attention_gate, "release")) as release:
+                    release.read(1)  # blocks until the test writes
+            return run(self, token_ids, kinds)
+
+        AttentionModel.run = gated_run  # type: ignore[method-assign]
     from service.cli import main as cli_main
 
     return cli_main(sys.argv[1:])

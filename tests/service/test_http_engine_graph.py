@@ -7,6 +7,7 @@ that share decode steps, exactly the greedy tokens of the plain model.onnx refer
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -72,3 +73,176 @@ def test_concurrent_greedy_requests_equal_the_reference_loop(
              if line.startswith("attnserve_batch_size_count")]
     assert batched and total
     assert float(total[0].split()[-1]) > float(batched[0].split()[-1])  # steps with >1 row
+
+
+SYSTEM = ("You are a careful assistant. Answer briefly, in plain words, and cite the "
+          "standard library where you can.\n")
+
+
+@pytest.fixture(scope="module")
+def poison(encode: Callable[[str], list[int]]) -> int:
+    token = encode("Z")[0]
+    assert all(token not in encode(p) for p in [*PROMPTS, SYSTEM])
+    return token
+
+
+@pytest.fixture(scope="module")
+def tuned(engine_artifact: Path, poison: int, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[ServerProcess]:
+    """Prefix caching in blocks of 4, chunked prefill of 16, a step gate and a poison token."""
+    proc = ServerProcess(engine_artifact, tmp_path_factory.mktemp("log") / "server.log",
+                         ("--prefix-block-size", "4", "--prefill-chunk-tokens", "16"),
+                         env={"ATTNSERVE_TEST_POISON": str(poison)}, gate=True)
+    try:
+        assert proc.gate is not None
+        proc.gate.send("+")
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def uncached(engine_artifact: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[ServerProcess]:
+    proc = ServerProcess(engine_artifact, tmp_path_factory.mktemp("log") / "server.log",
+                         ("--no-prefix-caching", "--prefill-chunk-tokens", "0"))
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def greedy_ids(url: str, prompt: str, n: int) -> list[int]:
+    r = httpx.post(f"{url}/generate", timeout=60, json={
+        "inputs": prompt, "parameters": {"max_new_tokens": n, "details": True}})
+    assert r.status_code == 200, r.text
+    return [t["id"] for t in r.json()["details"]["tokens"]]
+
+
+def test_prefix_caching_on_and_off_give_the_reference_tokens(
+        tuned: ServerProcess, uncached: ServerProcess, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    from tests.service.conftest import metric_value
+
+    prompts = [SYSTEM + p for p in PROMPTS]
+    lengths = [9, 14, 6, 11, 17, 8]
+    expected = [reference_greedy(encode(p), n) for p, n in zip(prompts, lengths, strict=True)]
+    for server in (tuned, uncached):
+        assert greedy_ids(server.url, prompts[0], lengths[0]) == expected[0]  # warms the cache
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda i, s=server: greedy_ids(s.url, prompts[i], lengths[i]),
+                                range(len(prompts))))
+        assert got == expected
+    on = httpx.get(f"{tuned.url}/metrics").text
+    off = httpx.get(f"{uncached.url}/metrics").text
+    shared = (len(encode(SYSTEM)) // 4) * 4
+    assert metric_value(on, "attnserve_prefix_cache_hits_total") >= len(prompts) * shared
+    assert 0 < metric_value(on, "attnserve_prefix_cache_hit_rate") < 1
+    assert metric_value(on, "attnserve_prefix_cache_blocks") > 0
+    assert metric_value(off, "attnserve_prefix_cache_hits_total") == 0
+    assert metric_value(off, "attnserve_prefix_cache_capacity_blocks") == 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_with_the_reference_tokens(
+        tuned: ServerProcess, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    from tests.service.conftest import metric_value
+
+    long = " ".join(PROMPTS) + " " + PROMPTS[1]
+    ids = encode(long)
+    assert len(ids) > 3 * 16
+    before = metric_value(httpx.get(f"{tuned.url}/metrics").text,
+                          "attnserve_prefill_duration_seconds_count")
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(greedy_ids, tuned.url, PROMPTS[0], 30)
+        joined = pool.submit(greedy_ids, tuned.url, long, 12)
+        assert joined.result() == reference_greedy(ids, 12)
+        assert running.result() == reference_greedy(encode(PROMPTS[0]), 30)
+    after = metric_value(httpx.get(f"{tuned.url}/metrics").text,
+                         "attnserve_prefill_duration_seconds_count")
+    # Whatever the prefix cache reused, the rest of the long prompt went in 16 at a time.
+    assert after - before >= 1 + 2
+
+
+def test_a_poisoned_prefill_is_424_while_its_neighbours_succeed(
+        tuned: ServerProcess, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    bad = "Zounds! " + PROMPTS[0]
+
+    def post(path: str, body: dict[str, object]) -> httpx.Response:
+        return httpx.post(f"{tuned.url}{path}", json=body, timeout=60)
+
+    with ThreadPoolExecutor(4) as pool:
+        good = [pool.submit(greedy_ids, tuned.url, PROMPTS[i], 10) for i in (1, 3)]
+        tgi = pool.submit(post, "/generate", {"inputs": bad})
+        model = httpx.get(f"{tuned.url}/v1/models").json()["data"][0]["id"]
+        v1 = pool.submit(post, "/v1/completions", {"model": model, "prompt": bad})
+        for i, future in zip((1, 3), good, strict=True):
+            assert future.result() == reference_greedy(encode(PROMPTS[i]), 10)
+        assert tgi.result().status_code == 424
+        assert tgi.result().json()["error_type"] == "generation"
+        assert "poison" in tgi.result().json()["error"]
+        assert v1.result().status_code == 424
+        assert "poison" in v1.result().json()["error"]["message"]
+
+
+def test_a_failed_decode_step_is_424_and_the_next_request_succeeds(
+        tuned: ServerProcess, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    from tests.service.conftest import metric_value
+
+    gate = tuned.gate
+    assert gate is not None
+    gate.send("-")  # the engine is idle: the next passes are the ones below
+    try:
+        gate.send(".!")  # the prefill runs, the first decode step raises
+        failed = httpx.post(f"{tuned.url}/generate", timeout=60, json={
+            "inputs": PROMPTS[2], "parameters": {"max_new_tokens": 20}})
+    finally:
+        gate.send("+")
+    assert failed.status_code == 424, failed.text
+    assert failed.json()["error_type"] == "generation"
+    assert "injected fault" in failed.json()["error"]
+    assert greedy_ids(tuned.url, PROMPTS[2], 20) == reference_greedy(encode(PROMPTS[2]), 20)
+    metrics = httpx.get(f"{tuned.url}/metrics").text
+    assert metric_value(metrics, "attnserve_kv_cache_slots_used") == 0
+
+
+def test_kv_metrics_report_what_the_pool_holds(
+        tuned: ServerProcess, engine_artifact: Path, encode: Callable[[str], list[int]]) -> None:
+    from service.contract import io_spec as io
+    from tests.service.conftest import first_sse, metric_value
+
+    config = io.ArtifactConfig.load(engine_artifact)
+    token_bytes = 2 * config.n_layers * config.d_model * 4
+    idle = httpx.get(f"{tuned.url}/metrics").text
+    assert metric_value(idle, "attnserve_kv_cache_slots") == 32  # default max_batch_size
+    assert metric_value(idle, "attnserve_kv_cache_bytes") == 32 * config.max_seq_len * token_bytes
+    assert metric_value(idle, "attnserve_kv_cache_capacity_tokens") == 32 * config.max_seq_len
+    assert metric_value(idle, "attnserve_kv_cache_slots_used") == 0
+    assert metric_value(idle, "attnserve_kv_cache_tokens") == 0
+    gate = tuned.gate
+    assert gate is not None
+    prompt = PROMPTS[0]
+    assert len(encode(prompt)) < 16  # one prefill pass, no chunks
+    gate.send("-")
+    try:
+        with httpx.stream("POST", f"{tuned.url}/generate_stream", timeout=60, json={
+                "inputs": prompt, "parameters": {"max_new_tokens": 20}}) as r:
+            lines = r.iter_lines()
+            gate.send(".")
+            first_sse(lines)  # prefilled; its first decode step waits at the gate
+            deadline = time.monotonic() + 20  # the loop reports its load right after the join
+            while metric_value(held := httpx.get(f"{tuned.url}/metrics").text,
+                               "attnserve_kv_cache_slots_used") != 1:
+                assert time.monotonic() < deadline, held
+            gate.send("+")
+            list(lines)
+    finally:
+        gate.send("+")
+    assert metric_value(held, "attnserve_kv_cache_slots_used") == 1
+    assert metric_value(held, "attnserve_kv_cache_tokens") == len(encode(prompt))
+    assert metric_value(held, "attnserve_kv_cache_usage_perc") == pytest.approx(
+        len(encode(prompt)) / (32 * config.max_seq_len))

@@ -1,7 +1,8 @@
 """Server lifecycle over HTTP: API key, queue limit, client disconnects, readiness, SIGTERM drain.
 
-These servers run with every forward pass slowed down (ATTNSERVE_TEST_STEP_DELAY, see
-launch_server.py), so a request is provably still decoding when the test acts on it.
+The servers decode with engine.onnx (the production CPU path, KV pool) and every forward
+pass waits at a gate the test opens ("." one pass, "+" free, "-" hold; see
+fault_runner.py), so a request is provably still decoding when the test acts on it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,14 +20,25 @@ import openai
 import pytest
 
 KEY = "s3cret-key"
-STEP = "0.02"  # seconds added to every forward pass
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(start_server: Callable[..., Any]) -> Any:
-    return start_server("--max-batch-size", "1", "--max-queued-requests", "1",
-                        env={"ATTNSERVE_API_KEY": KEY, "ATTNSERVE_TEST_STEP_DELAY": STEP})
+def server(start_server: Callable[..., Any], engine_artifact: Path) -> Any:
+    server = start_server("--max-batch-size", "1", "--max-queued-requests", "1",
+                          env={"ATTNSERVE_API_KEY": KEY}, gate=True, wait=False,
+                          model=engine_artifact)
+    server.gate.send("+")
+    server.wait_ready()
+    return server
+
+
+@pytest.fixture
+def held(server: Any) -> Iterator[Any]:
+    """The server's gate, closed (the engine is idle between tests); opened again after."""
+    server.gate.send("-")
+    yield server.gate
+    server.gate.send("+")
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +96,7 @@ def test_api_key_guards_model_routes_only(server: Any, client: httpx.Client,
     assert after - before == 15
 
 
-def test_full_queue_answers_429_overloaded(client: httpx.Client,
+def test_full_queue_answers_429_overloaded(client: httpx.Client, held: Any,
                                            metric: Callable[..., float]) -> None:
     long = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}}
     short = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 2}}
@@ -91,6 +104,7 @@ def test_full_queue_answers_429_overloaded(client: httpx.Client,
                     {"reason": "queue_full"})
     with client.stream("POST", "/generate_stream", json=long, headers=AUTH) as running:
         lines = running.iter_lines()  # kept referenced: a dropped iterator closes the stream
+        held.send(".")  # its prefill; its next step waits at the gate
         first_event(lines)  # the long request holds the only batch slot now
         queued: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: queued.append(
@@ -106,6 +120,7 @@ def test_full_queue_answers_429_overloaded(client: httpx.Client,
                                                   "max_tokens": 2}, headers=AUTH)
         assert v1.status_code == 429
         assert v1.json()["error"]["type"] == "overloaded"
+        held.send("+")
     waiter.join(30)
     assert queued and queued[0].status_code == 200
     after = metric(client.get("/metrics").text, "attnserve_rejected_requests_total",
@@ -122,16 +137,21 @@ def test_list_longer_than_the_queue_is_422_not_429(client: httpx.Client) -> None
 
 
 def test_disconnected_stream_is_cancelled_and_frees_its_slot(
-        client: httpx.Client, metric: Callable[..., float]) -> None:
+        client: httpx.Client, held: Any, metric: Callable[..., float]) -> None:
     before = client.get("/metrics").text
     with client.stream("POST", "/generate_stream", headers=AUTH, json={
             "inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}}) as r:
         lines = r.iter_lines()
+        held.send("..")
         first_event(lines)
         first_event(lines)
-        assert metric(client.get("/metrics").text, "attnserve_num_requests_running") == 1
-    # Leaving the block closes the connection mid-stream.
+        text = client.get("/metrics").text
+        assert metric(text, "attnserve_num_requests_running") == 1
+        assert metric(text, "attnserve_kv_cache_slots_used") == 1
+    # Leaving the block closes the connection mid-stream; the held step then runs.
+    held.send("+")
     wait_for(client, metric, "attnserve_num_requests_running", 0)
+    assert metric(client.get("/metrics").text, "attnserve_kv_cache_slots_used") == 0
     after = client.get("/metrics").text
     generated = metric(after, "attnserve_generation_tokens_total") - metric(
         before, "attnserve_generation_tokens_total")
@@ -141,12 +161,14 @@ def test_disconnected_stream_is_cancelled_and_frees_its_slot(
     assert ok.status_code == 200  # the single slot is free again
 
 
-def test_disconnected_plain_request_is_cancelled(client: httpx.Client,
+def test_disconnected_plain_request_is_cancelled(client: httpx.Client, held: Any,
                                                  metric: Callable[..., float]) -> None:
     before = client.get("/metrics").text
+    held.send(".")  # prefill only: the request is still decoding when the client gives up
     with pytest.raises(httpx.ReadTimeout):
         client.post("/generate", headers=AUTH, timeout=1.0, json={
             "inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}})
+    held.send("+")
     wait_for(client, metric, "attnserve_num_requests_running", 0)
     after = client.get("/metrics").text
     generated = metric(after, "attnserve_generation_tokens_total") - metric(
@@ -157,10 +179,29 @@ def test_disconnected_plain_request_is_cancelled(client: httpx.Client,
         before, "attnserve_requests_total", labels) == 1
 
 
+def wait_refused(url: str) -> None:
+    """Until the server stops accepting connections (bounded)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/health", timeout=2)
+        except httpx.ConnectError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the server kept accepting connections after SIGTERM")
+
+
+def wait_log(server: Any, text: str) -> None:
+    deadline = time.monotonic() + 30
+    while text not in server.log():
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+
+
 def test_ready_is_503_until_warm_then_sigterm_drains_and_exits_0(
-        start_server: Callable[..., Any]) -> None:
-    # Each forward pass takes 0.4 s here, so the 4-token warm-up alone takes 1.6 s.
-    server = start_server(wait=False, env={"ATTNSERVE_TEST_STEP_DELAY": "0.4"})
+        start_server: Callable[..., Any], engine_artifact: Path) -> None:
+    # The warm-up waits at the gate, so the server is up but provably not warm yet.
+    server = start_server(wait=False, gate=True, model=engine_artifact)
     deadline = time.monotonic() + 60
     while True:
         assert time.monotonic() < deadline, server.log()
@@ -173,16 +214,18 @@ def test_ready_is_503_until_warm_then_sigterm_drains_and_exits_0(
     assert (loading.status_code, loading.json()) == (503, {"status": "loading"})
     early = httpx.post(f"{server.url}/generate", json={"inputs": "a"})
     assert early.status_code == 503 and early.json()["error_type"] == "unhealthy"
+    server.gate.send("....")  # the warm-up: a prefill and three decode steps
     server.wait_ready()
+    assert "engine.onnx" in server.log()
 
     with httpx.stream("POST", f"{server.url}/generate_stream", timeout=60, json={
             "inputs": "ROMEO:", "parameters": {"max_new_tokens": 6}}) as r:
         lines = r.iter_lines()
+        server.gate.send(".")
         first_event(lines)
-        server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(httpx.ConnectError):  # no longer accepting
-            httpx.get(f"{server.url}/health", timeout=2)
+        server.proc.send_signal(signal.SIGTERM)  # while its second token waits at the gate
+        wait_refused(server.url)  # no longer accepting
+        server.gate.send("+")
         events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
     assert events[-1]["details"]["generated_tokens"] == 6  # the in-flight request finished
     assert server.proc.wait(timeout=30) == 0
@@ -190,24 +233,32 @@ def test_ready_is_503_until_warm_then_sigterm_drains_and_exits_0(
 
 
 def test_sigterm_past_the_drain_timeout_fails_requests_with_json_errors(
-        start_server: Callable[..., Any]) -> None:
+        start_server: Callable[..., Any], engine_artifact: Path) -> None:
     """Requests outliving --drain-timeout get a 503 JSON body or a final SSE error event,
     not uvicorn's bare-text 500 or a cut stream, and the process still exits 0."""
-    server = start_server("--drain-timeout", "0.5", env={"ATTNSERVE_TEST_STEP_DELAY": "0.1"})
-    long = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}}  # ~10 s of decoding
+    server = start_server("--drain-timeout", "0.5", gate=True, wait=False,
+                          model=engine_artifact)
+    server.gate.send("+")
+    server.wait_ready()
+    server.gate.send("-")
+    long = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}}
     plain: list[httpx.Response] = []
     waiter = threading.Thread(target=lambda: plain.append(
         httpx.post(f"{server.url}/generate", json=long, timeout=60)))
     with httpx.stream("POST", f"{server.url}/generate_stream", json=long, timeout=60) as r:
         lines = r.iter_lines()
+        server.gate.send(".")
         first_event(lines)
         waiter.start()
         deadline = time.monotonic() + 20
         while "attnserve_num_requests_running 2.0" not in httpx.get(
                 f"{server.url}/metrics").text:
             assert time.monotonic() < deadline, "the plain request never started decoding"
+            server.gate.send(".")  # a step at a time until the plain request has joined
             time.sleep(0.02)
-        server.proc.send_signal(signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)  # both wait at the gate, mid-decode
+        wait_log(server, "drain timeout of 0.5s reached")
+        server.gate.send("+")  # the held step ends; the loop fails what is left
         events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
     waiter.join(30)
     assert events[-1] == {"error": "the server is shutting down", "error_type": "unhealthy"}

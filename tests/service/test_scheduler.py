@@ -1,10 +1,13 @@
-"""The engine loop without HTTP: joining mid-decode, admission limits, cancellation, seeds."""
+"""The engine loop without HTTP: joining mid-decode, admission limits, cancellation, seeds,
+faults and chunked prefill.
+
+Forward passes wait at a gate the test opens step by step (tests/service/fault_runner.py),
+so "while a request is still decoding" is a fact the test arranged, not a timing bet.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,8 +24,10 @@ from service.engine.request import (
 )
 from service.engine.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerLimits
 from service.engine.session import OnnxModel, create_session
+from service.engine.static_cache import PoolConfig, StaticCacheModel
 from service.engine.stats import LoadStats, RequestStats, StepStats
 from service.engine.text import TextCodec
+from tests.service.fault_runner import ControlledRunner, QueueGate
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "To be", "What say you, my lord?"]
 
@@ -39,30 +44,16 @@ class Recorder:
     def record_load(self, stats: LoadStats) -> None:
         self.loads.append(stats)
 
+    def record_queue(self, waiting: int) -> None:
+        pass
+
     def record_request(self, stats: RequestStats) -> None:
         self.requests.append(stats)
 
 
-class GatedModel:
-    """The real model behind a gate (and an optional delay), to hold a step mid-flight."""
-
-    def __init__(self, model: OnnxModel, delay: float = 0.0) -> None:
-        self.model = model
-        self.vocab_size = model.vocab_size
-        self.gate = threading.Event()
-        self.gate.set()
-        self.delay = delay
-
-    def forward(self, *args: Any) -> Any:
-        self.gate.wait()
-        time.sleep(self.delay)
-        return self.model.forward(*args)
-
-    def kv_to_numpy(self, kv: Any) -> Any:
-        return self.model.kv_to_numpy(kv)
-
-    def kv_from_numpy(self, arrays: Any) -> Any:
-        return self.model.kv_from_numpy(arrays)
+def gated(runner: Any, poison: int | None = None) -> tuple[ControlledRunner, QueueGate]:
+    gate = QueueGate()
+    return ControlledRunner(runner, gate, poison), gate
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +67,17 @@ def codec(artifact: Path) -> TextCodec:
     return TextCodec.from_file(artifact / io.TOKENIZER_FILE)
 
 
+@pytest.fixture
+def engine(engine_artifact: Path) -> StaticCacheModel:
+    return StaticCacheModel(create_session(engine_artifact / "engine.onnx", "cpu", 1),
+                            io.ArtifactConfig.load(engine_artifact), PoolConfig(slots=8))
+
+
 def make(runner: Any, codec: TextCodec, batch: int = 8, queued: int = 16,
-         tokens: int = 4096) -> tuple[Scheduler, Recorder]:
+         tokens: int = 4096, chunk: int = 0) -> tuple[Scheduler, Recorder]:
     stats = Recorder()
-    return Scheduler(runner, codec, SchedulerLimits(batch, tokens, queued), 0, stats), stats
+    return Scheduler(runner, codec, SchedulerLimits(batch, tokens, queued, chunk), 0,
+                     stats), stats
 
 
 def greedy(ids: list[int], n: int, **sampling: Any) -> GenerationRequest:
@@ -97,14 +95,17 @@ async def tokens_of(handle: RequestHandle) -> list[int]:
 def test_requests_join_a_running_batch_and_match_the_reference(
         model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    scheduler, stats = make(GatedModel(model, delay=0.002), codec)
+    runner, gate = gated(model)
+    scheduler, stats = make(runner, codec)
 
     async def main() -> list[list[int]]:
         scheduler.start(asyncio.get_running_loop())
         (first,) = scheduler.submit([greedy(encode(PROMPTS[0]), 40)])
+        gate.send("...")  # prefill and two decode steps; the third waits at the gate
         events = first.events()
         head = [(await anext(events)).token.id for _ in range(3)]  # type: ignore[union-attr]
         late = scheduler.submit([greedy(encode(p), 12) for p in PROMPTS[1:]])
+        gate.send("+")
         rest = [e.token.id async for e in events]  # type: ignore[union-attr]
         others = await asyncio.gather(*(tokens_of(h) for h in late))
         return [head + rest, *others]
@@ -120,26 +121,27 @@ def test_requests_join_a_running_batch_and_match_the_reference(
     assert len(prefill_steps) == 2 and prefill_steps[1].batch_size == 3  # joined as one wave
     assert max(s.batch_size for s in stats.steps if s.phase == "decode") == 4
     assert sorted(r.generated_tokens for r in stats.requests) == [12, 12, 12, 40]
-    assert stats.loads[-1] == LoadStats(running=0, waiting=0, kv_cache_tokens=0)
+    assert stats.loads[-1].running == stats.loads[-1].waiting == 0
+    assert stats.loads[-1].kv_cache_tokens == 0
 
 
 def test_queue_bound_rejects_and_batch_size_bound_holds(
         model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
-    gated = GatedModel(model)
-    scheduler, stats = make(gated, codec, batch=1, queued=1)
+    runner, gate = gated(model)
+    scheduler, stats = make(runner, codec, batch=1, queued=1)
     ids = encode(PROMPTS[0])
 
     async def main() -> None:
         scheduler.start(asyncio.get_running_loop())
-        gated.gate.clear()
         (running,) = scheduler.submit([greedy(ids, 5)])
-        while scheduler.waiting:  # admitted: its prefill is held at the gate
-            await asyncio.sleep(0.005)
+        gate.send(".")  # its prefill; its first decode step waits at the gate
+        events = running.events()
+        await anext(events)
         (queued,) = scheduler.submit([greedy(ids, 5)])
         with pytest.raises(QueueFull):
             scheduler.submit([greedy(ids, 5)])
-        gated.gate.set()
-        assert len(await tokens_of(running)) == 5
+        gate.send("+")
+        assert len([e async for e in events]) == 4
         assert len(await tokens_of(queued)) == 5
 
     try:
@@ -150,26 +152,31 @@ def test_queue_bound_rejects_and_batch_size_bound_holds(
 
 
 def test_cancel_frees_the_slot_at_once(
-        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
-    scheduler, stats = make(GatedModel(model, delay=0.005), codec, batch=1)
+        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    runner, gate = gated(model)
+    scheduler, stats = make(runner, codec, batch=1)
     ids = encode(PROMPTS[1])
 
     async def main() -> list[int]:
         scheduler.start(asyncio.get_running_loop())
         (doomed,) = scheduler.submit([greedy(ids, 100)])
+        gate.send("...")
         events = doomed.events()
         for _ in range(3):
             await anext(events)
         (after,) = scheduler.submit([greedy(ids, 4)])  # waits: the batch holds one row
         doomed.cancel()
+        gate.send("+")
         return await tokens_of(after)
 
     try:
-        assert len(asyncio.run(main())) == 4
+        assert asyncio.run(main()) == reference_greedy(ids, 4)
     finally:
         scheduler.stop(5)
     cancelled = [r for r in stats.requests if r.outcome == "cancelled"]
-    assert len(cancelled) == 1 and 3 <= cancelled[0].generated_tokens < 100
+    # It leaves before or right after the step held at the gate, whichever the loop reaches.
+    assert len(cancelled) == 1 and cancelled[0].generated_tokens in (3, 4)
     assert stats.loads[-1].running == 0
 
 
@@ -197,22 +204,120 @@ def test_a_seeded_request_gives_the_same_text_alone_or_in_company(
 
 def test_stop_fails_waiting_requests_with_a_shutdown_error(
         model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
-    gated = GatedModel(model)
-    scheduler, _ = make(gated, codec, batch=1)
+    runner, gate = gated(model)
+    scheduler, _ = make(runner, codec, batch=1)
 
     async def main() -> list[Any]:
         scheduler.start(asyncio.get_running_loop())
-        gated.gate.clear()
         handles = scheduler.submit([greedy(encode(PROMPTS[0]), 50) for _ in range(2)])
-        await asyncio.sleep(0.05)
-        stopper = asyncio.ensure_future(asyncio.to_thread(scheduler.stop, 5))
-        await asyncio.sleep(0.05)
-        gated.gate.set()
-        await stopper
+        gate.send(".")
+        await anext(handles[0].events())  # first row decoding, second waiting
+        scheduler.stop(timeout=0)  # asks the loop to stop after the step held at the gate
+        gate.send("+")
+        await asyncio.to_thread(scheduler.stop, 5)
         return [[e async for e in h.events()][-1] for h in handles]
 
     last = asyncio.run(main())
     assert all(isinstance(e, ErrorEvent) and e.kind == "shutdown" for e in last)
+
+
+def test_a_failed_decode_step_fails_its_rows_and_the_engine_recovers(
+        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    runner, gate = gated(engine)
+    scheduler, stats = make(runner, codec)
+
+    async def main() -> tuple[list[Any], list[int]]:
+        scheduler.start(asyncio.get_running_loop())
+        doomed = scheduler.submit([greedy(encode(p), 20) for p in PROMPTS[:2]])
+        gate.send(".")  # one prefill for both
+        streams = [h.events() for h in doomed]
+        for events in streams:
+            await anext(events)
+        gate.send("!+")  # their first decode step raises
+        last = [[e async for e in events][-1] for events in streams]
+        (after,) = scheduler.submit([greedy(encode(PROMPTS[2]), 15)])
+        return last, await tokens_of(after)
+
+    try:
+        last, after = asyncio.run(main())
+    finally:
+        scheduler.stop(5)
+    assert all(isinstance(e, ErrorEvent) and e.kind == "generation"
+               and "injected fault" in e.message for e in last)
+    assert after == reference_greedy(encode(PROMPTS[2]), 15)
+    assert sorted(r.outcome for r in stats.requests) == ["error", "error", "finished"]
+    assert engine.pool.used == 0 and stats.loads[-1].kv.slots_used == 0  # slots came back
+
+
+def test_a_failed_prefill_fails_that_request_alone(
+        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    poison = encode("Z")[0]
+    runner, gate = gated(engine, poison=poison)
+    scheduler, stats = make(runner, codec)
+    bad = encode("Zounds, " + PROMPTS[0])
+    assert poison in bad and all(poison not in encode(p) for p in PROMPTS)
+
+    async def main() -> tuple[list[int], Any, list[int], list[int]]:
+        scheduler.start(asyncio.get_running_loop())
+        (running,) = scheduler.submit([greedy(encode(PROMPTS[1]), 30)])
+        gate.send(".")
+        events = running.events()
+        head = [(await anext(events)).token.id]  # type: ignore[union-attr]
+        # Both join in one wave while the running row's next step waits at the gate.
+        poisoned, fine = scheduler.submit([greedy(bad, 10), greedy(encode(PROMPTS[3]), 10)])
+        gate.send("+")
+        rest = [e.token.id async for e in events]  # type: ignore[union-attr]
+        failed = [e async for e in poisoned.events()]
+        return head + rest, failed[-1], await tokens_of(fine), [len(failed)]
+
+    try:
+        running, failed, fine, n_failed = asyncio.run(main())
+    finally:
+        scheduler.stop(5)
+    assert isinstance(failed, ErrorEvent) and "poison" in failed.message and n_failed == [1]
+    assert running == reference_greedy(encode(PROMPTS[1]), 30)
+    assert fine == reference_greedy(encode(PROMPTS[3]), 10)
+    waves = [s.batch_size for s in stats.steps if s.phase == "prefill"]
+    assert waves == [1, 1]  # the running row, then the healthy newcomer retried alone
+    assert engine.pool.used == 0
+
+
+def test_chunked_prefill_interleaves_with_decode_steps(
+        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    runner, gate = gated(engine)
+    scheduler, stats = make(runner, codec, chunk=8)
+    long = encode(" ".join(PROMPTS))
+    assert len(long) > 3 * 8
+
+    async def main() -> tuple[list[int], list[int]]:
+        scheduler.start(asyncio.get_running_loop())
+        (running,) = scheduler.submit([greedy(encode(PROMPTS[0]), 40)])
+        gate.send(".")
+        events = running.events()
+        head = [(await anext(events)).token.id]  # type: ignore[union-attr]
+        (joiner,) = scheduler.submit([greedy(long, 10)])
+        gate.send("+")
+        rest = [e.token.id async for e in events]  # type: ignore[union-attr]
+        return head + rest, await tokens_of(joiner)
+
+    try:
+        running, joined = asyncio.run(main())
+    finally:
+        scheduler.stop(5)
+    assert running == reference_greedy(encode(PROMPTS[0]), 40)
+    assert joined == reference_greedy(long, 10)
+    # The long prompt went in as chunks of 8 tokens, one per loop iteration, each followed
+    # by a decode step of the running row; its last part came with its first token.
+    chunks = (len(long) - 1) // 8
+    phases = [(s.phase, s.batch_size, s.tokens) for s in stats.steps]
+    first = phases.index(("prefill", 1, 8), 1)
+    expected = [("prefill", 1, 8), ("decode", 1, 1)] * chunks
+    assert phases[first:first + 2 * chunks] == expected
+    assert phases[first + 2 * chunks] == ("prefill", 1, len(long) - 8 * chunks)
+    assert phases[first + 2 * chunks + 1] == ("decode", 2, 2)
 
 
 def test_all_events_gathers_what_events_streams_before_or_after_the_finish(

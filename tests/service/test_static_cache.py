@@ -1,4 +1,5 @@
-"""StaticCacheModel (engine.onnx, in-place KV cache) drives the same Batch to the same tokens.
+"""StaticCacheModel (engine.onnx over a persistent KV pool) drives the same Batch to the same
+tokens, with joins, leaves, prefix caching and chunked prefill.
 
 The reference is the plain model.onnx loop of conftest (batch 1, session.run, argmax); the
 engine graph is built here from the tiny checkpoint (the test process may use torch; the
@@ -7,11 +8,11 @@ served process never does).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from service.contract import io_spec as io
@@ -19,7 +20,7 @@ from service.contract.engine_spec import ENGINE_FILE
 from service.engine.batch import Batch
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.session import OnnxModel, create_model, create_session
-from service.engine.static_cache import StaticCacheModel, StaticKV
+from service.engine.static_cache import PoolConfig, PoolKV, StaticCacheModel
 from service.engine.text import TextCodec
 from tests.service.conftest import run_with_joins
 
@@ -28,22 +29,19 @@ PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
 
 
 @pytest.fixture(scope="module")
-def engine_artifact(artifact: Path, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-                    ) -> Path:
-    from export.engine_graph import export_engine
-    from model.checkpoint import load_checkpoint
-
-    out = tmp_path_factory.mktemp("engine") / "artifact"
-    shutil.copytree(artifact, out)
-    export_engine(load_checkpoint(tiny_checkpoint).model.eval(), out / ENGINE_FILE)
-    return out
+def session(engine_artifact: Path) -> ort.InferenceSession:
+    return create_session(engine_artifact / ENGINE_FILE, "cpu", 1)
 
 
 @pytest.fixture(scope="module")
-def engine(engine_artifact: Path) -> StaticCacheModel:
-    model = create_model(engine_artifact, io.ArtifactConfig.load(engine_artifact), "cpu", 1)
-    assert isinstance(model, StaticCacheModel)
-    return model
+def config(engine_artifact: Path) -> io.ArtifactConfig:
+    return io.ArtifactConfig.load(engine_artifact)
+
+
+@pytest.fixture
+def engine(session: ort.InferenceSession, config: io.ArtifactConfig) -> StaticCacheModel:
+    """A fresh pool (8 slots, no prefix cache) over the shared session."""
+    return StaticCacheModel(session, config, PoolConfig(slots=8))
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +84,7 @@ def test_logits_equal_model_onnx_for_left_padded_prompts_and_decode(
     want, kv_p = plain.forward(ids, mask, pos, None, True)
     for i, p in enumerate(prompts):  # padding positions carry no meaning in either
         np.testing.assert_allclose(got[i, width - len(p):], want[i, width - len(p):], atol=1e-4)
-    buffers = [b.data_ptr() for b in kv_e.buffers]
+    arrays = [a.ctypes.data for a in engine.pool.arrays]
     for _ in range(5):
         nxt = want[:, -1].argmax(-1)[:, None]  # (B, 1)
         mask = np.concatenate([mask, np.ones((3, 1), np.int64)], axis=1)
@@ -94,14 +92,15 @@ def test_logits_equal_model_onnx_for_left_padded_prompts_and_decode(
         got, kv_e = engine.forward(nxt, mask, pos, kv_e, False)
         want, kv_p = plain.forward(nxt, mask, pos, kv_p, False)
         np.testing.assert_allclose(got, want, atol=1e-4)
-    # Every step wrote into the buffers allocated at prefill: no new cache, no copy.
-    assert [b.data_ptr() for b in kv_e.buffers] == buffers
-    assert list(kv_e.lengths) == [len(p) + 5 for p in prompts]
+    # Every step wrote into the pool allocated at start: no new cache, no copy.
+    assert [a.ctypes.data for a in engine.pool.arrays] == arrays
+    assert [engine.pool.lengths[s.index] for s in kv_e.slots] == [len(p) + 5 for p in prompts]
+    assert engine.pool.moves == 0
 
 
-def test_kv_round_trip_through_left_padded_arrays(
+def test_pool_holds_each_row_from_column_zero_as_model_onnx_does(
         engine: StaticCacheModel, plain: OnnxModel, encode: Callable[[str], list[int]]) -> None:
-    """kv_to_numpy gives the same left-padded cache model.onnx would hold."""
+    """The pool slot of each row holds the same keys/values model.onnx returns, unpadded."""
     prompts = [encode(PROMPTS[0]), encode(PROMPTS[3])]
     width = max(len(p) for p in prompts)
     ids = np.zeros((2, width), np.int64)
@@ -111,12 +110,117 @@ def test_kv_round_trip_through_left_padded_arrays(
     pos = np.clip(mask.cumsum(1) - 1, 0, None)
     _, kv_e = engine.forward(ids, mask, pos, None, False)
     _, kv_p = plain.forward(ids, mask, pos, None, False)
-    mine, ref = engine.kv_to_numpy(kv_e), plain.kv_to_numpy(kv_p)
-    for a, b in zip(mine, ref, strict=True):
-        assert a.shape == b.shape
+    ref = plain.kv_to_numpy(kv_p)  # each (B, nh, width, hs), left-padded
+    for mine, theirs in zip(engine.pool.arrays, ref, strict=True):
         for i, p in enumerate(prompts):
-            np.testing.assert_allclose(a[i, :, width - len(p):], b[i, :, width - len(p):],
+            slot = kv_e.slots[i].index
+            np.testing.assert_allclose(mine[slot, :, :len(p)], theirs[i, :, width - len(p):],
                                        atol=1e-5)
+    assert engine.kv_stats(kv_e).tokens == sum(len(p) for p in prompts)
+
+
+def test_a_leave_moves_at_most_one_row_and_only_its_tokens(
+        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
+    reqs = [request(encode(p), 40) for p in PROMPTS[:4]]
+    batch = Batch.from_requests(reqs, codec, engine.vocab_size, 0)
+    batch.step(engine)
+    pool = engine.pool
+    assert isinstance(batch.kv, PoolKV)
+    assert [s.index for s in batch.kv.slots] == [0, 1, 2, 3] and pool.used == 4
+    before = [a[3, :, :pool.lengths[3]].copy() for a in pool.arrays]  # row 3's cache
+    untouched = [a[0, :, :pool.lengths[0]].copy() for a in pool.arrays]
+    batch.filter([0, 2, 3], engine)  # row 1 leaves: the highest row (3) fills its slot
+    assert pool.moves == 1 and pool.used == 3
+    assert [s.index for s in batch.kv.slots] == [0, 2, 1]
+    for a, b, c in zip(pool.arrays, before, untouched, strict=True):
+        np.testing.assert_array_equal(a[1, :, :b.shape[1]], b)
+        np.testing.assert_array_equal(a[0, :, :c.shape[1]], c)
+    batch.filter([0, 1], engine)  # the row in slot 1 leaves; slot 2 is the top: one move
+    assert pool.moves == 2 and [s.index for s in batch.kv.slots] == [0, 1]
+    batch.filter([0], engine)  # the top row leaves: nothing moves
+    assert pool.moves == 2 and pool.used == 1
+    batch.release(engine)
+    assert pool.used == 0 and pool.tokens_held == 0
+    # A leave at the bottom refills the bottom slot: the batch never drifts up the pool.
+    batch = Batch.from_requests(reqs[:3], codec, engine.vocab_size, 0)
+    batch.step(engine)
+    assert isinstance(batch.kv, PoolKV)
+    batch.filter([1, 2], engine)
+    assert sorted(s.index for s in batch.kv.slots) == [0, 1] and pool.moves == 3
+    batch.release(engine)
+
+
+def test_prefix_cache_reuses_blocks_and_changes_no_token(
+        session: ort.InferenceSession, config: io.ArtifactConfig, codec: TextCodec,
+        encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    cached = StaticCacheModel(session, config, PoolConfig(slots=8, prefix_block_size=4,
+                                                          prefix_cache_blocks=64))
+    system = encode("You are a helpful assistant. Answer in the style of Shakespeare.\n")
+    prompts = [system + encode(p) for p in PROMPTS]
+    first = [request(prompts[0], 10)]
+    got = run_with_joins(cached, codec, [first], join_every=1)
+    assert cached.prefix is not None and cached.prefix.counters.hits == 0
+    later = [request(p, n) for p, n in zip(prompts[1:], [9, 14, 5, 20], strict=True)]
+    got |= run_with_joins(cached, codec, [later[:2], later[2:]], join_every=3)
+    for r in first + later:
+        assert got[r.id] == reference_greedy(r.prompt_ids, r.stopping.max_new_tokens), r.id
+    reusable = (len(system) // 4) * 4
+    assert cached.prefix.counters.hits >= 4 * reusable  # each later prompt reused the prefix
+    stats = cached.prefix_stats()
+    assert stats is not None and 0 < stats.blocks <= 64
+    # The same prompt again reuses all of its full blocks but its last token's.
+    again = request(prompts[0], 10)
+    hits = cached.prefix.counters.hits
+    assert run_with_joins(cached, codec, [[again]], join_every=1)[again.id] == got[first[0].id]
+    assert cached.prefix.counters.hits - hits == ((len(prompts[0]) - 1) // 4) * 4
+
+
+def test_prefix_cache_memory_is_bounded_with_lru_eviction(
+        session: ort.InferenceSession, config: io.ArtifactConfig, codec: TextCodec,
+        encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    cached = StaticCacheModel(session, config, PoolConfig(slots=8, prefix_block_size=4,
+                                                          prefix_cache_blocks=8))
+    prefix = cached.prefix
+    assert prefix is not None
+    store = prefix.store.ctypes.data
+    a, b = request(encode(PROMPTS[1]), 8), request(encode(PROMPTS[3]), 8)
+    assert len(a.prompt_ids) > 8 and len(b.prompt_ids) > 8
+    got = run_with_joins(cached, codec, [[a]], join_every=1)
+    full_a = prefix.match(np.asarray(a.prompt_ids))
+    assert full_a == min((len(a.prompt_ids) - 1) // 4, 8) * 4
+    got |= run_with_joins(cached, codec, [[b]], join_every=1)  # b's blocks push a's out
+    for r in (a, b):
+        assert got[r.id] == reference_greedy(r.prompt_ids, 8)
+    assert prefix.blocks_used <= 8 and prefix.counters.evicted > 0
+    assert prefix.store.ctypes.data == store  # allocated once, never grown
+    assert prefix.match(np.asarray(b.prompt_ids)) == min((len(b.prompt_ids) - 1) // 4, 8) * 4
+    assert prefix.match(np.asarray(a.prompt_ids)) < full_a
+
+
+def test_chunked_prefill_equals_the_reference_loop(
+        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    ids = encode(PROMPTS[1] + " " + PROMPTS[3])
+    running = Batch.from_requests([request(encode(PROMPTS[0]), 30)], codec, engine.vocab_size, 0)
+    tokens = [running.step(engine)[0].token.id]
+    long = Batch.from_requests([request(ids, 12)], codec, engine.vocab_size, 0)
+    long.kv = engine.reserve(1, top=True)
+    chunks = 0
+    while long.prompt_left > 5:  # chunks of 5 tokens between decode steps of the other row
+        long.prefill_chunk(engine, 5)
+        chunks += 1
+        tokens.append(running.step(engine)[0].token.id)
+    assert chunks == (len(ids) - 1) // 5
+    out = [long.step(engine)[0].token.id]
+    merged = Batch.concatenate([running, long], engine)
+    while len(out) < 12:
+        events = merged.step(engine)
+        tokens.append(events[0].token.id)
+        out.append(events[1].token.id)
+    assert out == reference_greedy(ids, 12)
+    assert tokens == reference_greedy(encode(PROMPTS[0]), len(tokens))
 
 
 def test_create_model_falls_back_to_model_onnx(engine_artifact: Path, artifact: Path) -> None:
@@ -125,6 +229,10 @@ def test_create_model_falls_back_to_model_onnx(engine_artifact: Path, artifact: 
     assert isinstance(create_model(engine_artifact, config, "cpu", 1, engine_graph=False),
                       OnnxModel)
     assert isinstance(create_model(engine_artifact, config, "cpu", 1), StaticCacheModel)
+    sized = create_model(engine_artifact, config, "cpu", 1, pool=PoolConfig(slots=3))
+    assert sized.pool.slots == 3
+    assert sized.kv_stats(None).bytes_allocated == 3 * config.max_seq_len * (
+        2 * config.n_layers * config.d_model * 4)
 
 
 def test_prompt_logprobs_through_the_batch_match_model_onnx(
@@ -139,4 +247,4 @@ def test_prompt_logprobs_through_the_batch_match_model_onnx(
     assert [t.id for t in a] == [t.id for t in b]
     np.testing.assert_allclose([t.logprob or 0.0 for t in a], [t.logprob or 0.0 for t in b],
                                atol=1e-4)
-    assert isinstance(got.kv, StaticKV)
+    assert isinstance(got.kv, PoolKV)

@@ -1,0 +1,327 @@
+"""Serving benchmark in the form of vLLM's ``vllm bench serve``: streamed requests arriving
+as a Poisson process (or all at once), TTFT / TPOT / ITL / E2E, throughput and goodput.
+
+Usage (from the repository root, in the dev venv):
+    # against a running server (the artifact gives the tokenizer that sizes the prompts)
+    python -m benchmarks.serve --url http://127.0.0.1:8000 --model artifacts/default \\
+        --workload random --input-len 128 --output-len 64 --num-prompts 100 \\
+        --request-rate 2,8,inf --max-concurrency 32 --goodput ttft:500 tpot:50
+    # or let it start `attnserve serve --model ARTIFACT` on a free port for the run
+    python -m benchmarks.serve --model artifacts/default --workload shared-prefix \\
+        --num-prefixes 4 --prefix-len 192 --suffix-len 32 --output-len 32 \\
+        --server-env ATTNSERVE_MAX_BATCH_SIZE=32
+    # decode latency while /attention is flooded (20 at once, every second)
+    python -m benchmarks.serve --model artifacts/default --attention-flood 20
+
+Writes, under --result-dir (default results/serve/<date>-<workload>), one JSON per request
+rate with vLLM's field names (completed, duration, request_throughput, output_throughput,
+total_token_throughput, request_goodput, mean_/median_/std_/pNN_ttft_ms, ..._tpot_ms,
+..._itl_ms, ..._e2el_ms, the per-request arrays), plus report.md and report.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import sys
+import tempfile
+from datetime import date, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from benchmarks.serve import client as load
+from benchmarks.serve import report
+from benchmarks.serve.stats import calculate_metrics, parse_goodput
+from benchmarks.serve.workloads import SampleRequest, random_requests, shared_prefix_requests
+
+WORKLOADS = ("random", "shared-prefix")
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates like 2,8,inf: {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"request rates must be positive: {text!r}")
+    return rates
+
+
+def _percentiles(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected percentiles like 50,90,99: {text!r}") from None
+    if not values or any(not 0 < v < 100 for v in values):
+        raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100): {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer: {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="base URL of a running server; without it, the benchmark "
+                                 "starts `attnserve serve --model ARTIFACT` itself")
+    p.add_argument("--model", type=Path,
+                   help="artifact directory: its tokenizer sizes the prompts, and it is "
+                        "served when --url is not given")
+    p.add_argument("--tokenizer", type=Path,
+                   help="tokenizer.json (default: the artifact's)")
+    p.add_argument("--backend", choices=load.BACKENDS, default="tgi",
+                   help="tgi: POST /generate_stream; openai: POST /v1/completions stream")
+    p.add_argument("--workload", choices=WORKLOADS, default="random")
+    p.add_argument("--num-prompts", type=_positive, default=100)
+    p.add_argument("--input-len", type=_positive, default=128, help="random: prompt tokens")
+    p.add_argument("--output-len", type=_positive, default=64, help="max_new_tokens")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="random: lengths uniform in len·[1−r, 1+r] (default 0)")
+    p.add_argument("--num-prefixes", type=_positive, default=4, help="shared-prefix")
+    p.add_argument("--prefix-len", type=_positive, default=192, help="shared-prefix: tokens")
+    p.add_argument("--suffix-len", type=_positive, default=32, help="shared-prefix: tokens")
+    p.add_argument("--request-rate", type=_rates, default=[math.inf],
+                   help="requests per second, comma-separated for a sweep; inf = all at "
+                        "once (default inf)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier")
+    p.add_argument("--max-concurrency", type=_positive, default=None,
+                   help="cap on requests in flight (default none)")
+    p.add_argument("--goodput", nargs="+", metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    p.add_argument("--metric-percentiles", type=_percentiles, default=[50.0, 90.0, 99.0])
+    p.add_argument("--num-warmups", type=int, default=2,
+                   help="requests sent (and not measured) before each rate (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--attention-flood", type=int, default=0, metavar="N",
+                   help="also send N /attention requests at once, every --attention-interval "
+                        "seconds, while the load runs")
+    p.add_argument("--attention-interval", type=float, default=1.0)
+    p.add_argument("--attention-input-len", type=_positive, default=128)
+    p.add_argument("--attention-include", default="weights",
+                   help="comma-separated kinds each /attention request asks for "
+                        "(q,k,v,scores,scaled_scores,weights; default weights)")
+    p.add_argument("--attention-format", choices=("json", "npz", "png"), default="json")
+    p.add_argument("--result-dir", type=Path, default=None,
+                   help="where the JSON, report.md and report.png go "
+                        "(default results/serve/<date>-<workload>)")
+    p.add_argument("--label", default=None, help="prefix of the JSON file names")
+    p.add_argument("--server-threads", type=_positive, default=2,
+                   help="ATTNSERVE_INTRA_OP_THREADS of the server it starts (default 2)")
+    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the server it starts (repeatable)")
+    return p
+
+
+def _server_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--server-env expects KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
+def _tokenizer_path(args: argparse.Namespace) -> Path:
+    path = args.tokenizer or (args.model / "tokenizer.json" if args.model else None)
+    if path is None:
+        raise ValueError("give --model ARTIFACT (or --tokenizer tokenizer.json) so prompts "
+                         "can be sized in the served model's tokens")
+    if not path.is_file():
+        raise ValueError(f"no tokenizer at {path}")
+    return path
+
+
+def build_requests(args: argparse.Namespace, tokenizer: Path) -> list[SampleRequest]:
+    from service.engine.text import TextCodec
+
+    codec = TextCodec.from_file(tokenizer)
+    if args.workload == "random":
+        return random_requests(codec, args.num_prompts, args.input_len, args.output_len,
+                               args.range_ratio, args.seed)
+    return shared_prefix_requests(codec, args.num_prompts, args.num_prefixes,
+                                  args.prefix_len, args.suffix_len, args.output_len, args.seed)
+
+
+def _attention_text(tokenizer: Path, n_tokens: int, seed: int) -> str:
+    from service.engine.text import TextCodec
+
+    codec = TextCodec.from_file(tokenizer)
+    return random_requests(codec, 1, n_tokens, 1, 0.0, seed + 1)[0].prompt
+
+
+async def _served_model(client: httpx.AsyncClient) -> tuple[str, dict[str, Any]]:
+    info: dict[str, Any] = {}
+    try:
+        r = await client.get("/info")
+        if r.status_code == 200:
+            info = r.json()
+    except httpx.HTTPError:
+        pass
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    return str(r.json()["data"][0]["id"]), info
+
+
+async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequest],
+                   rate: float, attention_text: str | None) -> dict[str, Any]:
+    limit = args.max_concurrency or len(requests)
+    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
+    timeout = httpx.Timeout(args.request_timeout)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        model, info = await _served_model(client)
+        send = load.request_func(args.backend, model)
+        for req in requests[:args.num_warmups]:
+            warm = await send(client, req, load.RequestOutput())
+            if not warm.success:
+                raise RuntimeError(f"warm-up request failed: {warm.error}")
+        offsets = load.arrival_offsets(len(requests), rate, args.burstiness,
+                                       np.random.default_rng(args.seed))
+        flood = load.FloodStats()
+        stop = asyncio.Event()
+        flooding = None
+        if attention_text is not None and args.attention_flood > 0:
+            flood_client = httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(
+                max_connections=args.attention_flood))
+            body = {"inputs": attention_text, "format": args.attention_format,
+                    "include": [k.strip() for k in args.attention_include.split(",")]}
+            flooding = asyncio.create_task(load.attention_flood(
+                flood_client, body, args.attention_flood, args.attention_interval, stop,
+                flood))
+        started = datetime.now().astimezone().isoformat(timespec="seconds")
+        load_before = os.getloadavg()[0]
+        try:
+            outputs, duration = await load.run_load(client, send, requests, offsets,
+                                                    args.max_concurrency)
+        finally:
+            stop.set()
+            if flooding is not None:
+                await flooding
+                await flood_client.aclose()
+    goodput = parse_goodput(args.goodput)
+    run: dict[str, Any] = {
+        "date": started, "backend": args.backend, "base_url": url, "model_id": model,
+        "tokenizer_id": str(_tokenizer_path(args)), "workload": args.workload,
+        "num_prompts": len(requests), "request_rate": rate, "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency, "goodput": goodput or None,
+        "workload_params": _workload_params(args), "server_info": info,
+        # Timings mean little on a busy machine: say how busy it was.
+        "host": {"cpus": os.cpu_count(), "loadavg_1m_before": load_before,
+                 "loadavg_1m_after": os.getloadavg()[0]},
+    }
+    run.update(calculate_metrics(outputs, duration, args.metric_percentiles, goodput))
+    if flooding is not None:
+        run["attention_flood"] = {
+            "concurrency": args.attention_flood, "interval_s": args.attention_interval,
+            "input_len": args.attention_input_len, "include": args.attention_include,
+            "format": args.attention_format,
+            "sent": flood.sent, "ok": flood.ok,
+            "rejected": flood.rejected, "other": flood.other,
+            "median_ok_latency_ms": (float(np.median(flood.ok_latencies)) * 1000
+                                     if flood.ok_latencies else None)}
+    return run
+
+
+def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
+    if args.workload == "random":
+        return {"input_len": args.input_len, "output_len": args.output_len,
+                "range_ratio": args.range_ratio}
+    return {"num_prefixes": args.num_prefixes, "prefix_len": args.prefix_len,
+            "suffix_len": args.suffix_len, "output_len": args.output_len}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, allow_nan=True), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _rate_name(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def handle(args: argparse.Namespace) -> int:
+    goodput = parse_goodput(args.goodput)  # refuse a bad SLO before any work
+    if args.burstiness <= 0 or not 0 <= args.range_ratio < 1 or args.num_warmups < 0:
+        raise ValueError("--burstiness must be > 0, --range-ratio in [0, 1), "
+                         "--num-warmups ≥ 0")
+    if args.url is None and args.model is None:
+        raise ValueError("give --url of a running server or --model ARTIFACT to serve")
+    if args.attention_flood < 0 or args.attention_interval <= 0:
+        raise ValueError("--attention-flood must be ≥ 0 and --attention-interval > 0")
+    tokenizer = _tokenizer_path(args)
+    requests = build_requests(args, tokenizer)
+    attention_text = (_attention_text(tokenizer, args.attention_input_len, args.seed)
+                      if args.attention_flood else None)
+    out = args.result_dir or Path("results/serve") / f"{date.today()}-{args.workload}"
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m benchmarks.serve " + shlex.join(sys.argv[1:])
+
+    server = None
+    if args.url is None:
+        from benchmarks.http_load import Server
+
+        log_path = Path(tempfile.mkdtemp(prefix="attnserve-bench-")) / "server.log"
+        server = Server(args.model, args.server_threads,
+                        {**os.environ, **_server_env(args.server_env)}, log_path)
+        print(f"starting attnserve serve --model {args.model} (log: {log_path})",
+              file=sys.stderr)
+    runs = []
+    try:
+        if server is not None:
+            server.wait_ready()
+        url = args.url or (server.url if server else "")
+        for rate in args.request_rate:
+            run = asyncio.run(run_rate(args, url.rstrip("/"), requests, rate, attention_text))
+            run["command"] = command
+            if server is not None:
+                run["server_env"] = _server_env(args.server_env)
+                run["server_threads"] = args.server_threads
+            name = f"{args.label + '-' if args.label else ''}{args.backend}-{args.workload}-" \
+                   f"rate{_rate_name(rate)}.json"
+            _write_json(out / name, run)
+            print(report.summary(run))
+            runs.append(run)
+    finally:
+        if server is not None:
+            server.stop()
+    (out / "report.md").write_text(report.markdown(runs, command), encoding="utf-8")
+    report.figure(runs, out / "report.png")
+    if goodput:
+        print(f"goodput SLOs: {goodput}")
+    print(f"results: {out}/ (JSON per rate, report.md, report.png)")
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return handle(args)
+    except KeyboardInterrupt:
+        print("benchmarks.serve: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError, httpx.HTTPError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"benchmarks.serve: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

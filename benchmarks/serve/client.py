@@ -1,0 +1,233 @@
+"""The load generator: arrivals on a schedule, streamed requests, per-token timestamps.
+
+Arrival times follow vLLM's ``bench serve``: gaps drawn from a gamma distribution of shape
+``burstiness`` and mean 1/rate (burstiness 1 is a Poisson process), rescaled so that n
+requests span n/rate seconds; rate ``inf`` sends them all at once. ``max_concurrency``
+caps the requests in flight; an arrival beyond the cap waits for a slot, and its latency
+is counted from when it is sent. Every request streams, so time to first token and each
+inter-token gap are measured where a client sees them: when the SSE line arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from benchmarks.serve.workloads import SampleRequest
+
+BACKENDS = ("tgi", "openai")
+
+
+@dataclass
+class RequestOutput:
+    """One request as the client saw it (vLLM's RequestFuncOutput)."""
+
+    success: bool = False
+    prompt_len: int = 0  # the server's count when it reports one
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds from send to the first token
+    itl: list[float] = field(default_factory=list)  # gaps between later chunks
+    latency: float = 0.0  # send to last token
+    start_time: float = 0.0  # send time, seconds after the run began
+    generated_text: str = ""
+    error: str = ""
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float,
+                    rng: np.random.Generator) -> list[float]:
+    """Send times in seconds after the start for ``n`` requests at ``rate`` per second."""
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("--request-rate and --burstiness must be positive")
+    if math.isinf(rate) or n == 0:
+        return [0.0] * n
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    times = np.cumsum(gaps)
+    return [float(t) for t in times * (n / rate) / times[-1]]
+
+
+class _Timer:
+    """Token arrival times of one stream."""
+
+    def __init__(self, out: RequestOutput) -> None:
+        self.out = out
+        self.sent = time.perf_counter()
+        self.last = self.sent
+
+    def chunk(self) -> None:
+        now = time.perf_counter()
+        if self.out.ttft == 0.0:
+            self.out.ttft = now - self.sent
+        else:
+            self.out.itl.append(now - self.last)
+        self.last = now
+
+    def finish(self) -> None:
+        self.out.latency = self.last - self.sent
+
+
+async def _sse(response: httpx.Response) -> Any:
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            data = line[len("data:"):].strip()
+            yield None if data == "[DONE]" else json.loads(data)
+
+
+async def _failed(response: httpx.Response, out: RequestOutput) -> RequestOutput:
+    body = (await response.aread()).decode("utf-8", "replace")
+    out.error = f"HTTP {response.status_code}: {body[:300]}"
+    return out
+
+
+async def tgi_request(client: httpx.AsyncClient, req: SampleRequest,
+                      out: RequestOutput) -> RequestOutput:
+    """POST /generate_stream: one SSE event per token; the last carries the details."""
+    body = {"inputs": req.prompt, "parameters": {
+        "max_new_tokens": req.expected_output_len, "do_sample": False, "details": True}}
+    timer = _Timer(out)
+    async with client.stream("POST", "/generate_stream", json=body) as r:
+        if r.status_code != 200:
+            return await _failed(r, out)
+        async for event in _sse(r):
+            if event is None:
+                continue
+            if "error" in event:
+                out.error = f"{event.get('error_type')}: {event['error']}"
+                return out
+            timer.chunk()
+            out.output_tokens += 1
+            if event.get("details"):
+                out.prompt_len = int(event["details"].get("input_length", out.prompt_len))
+                out.generated_text = event.get("generated_text") or ""
+    timer.finish()
+    out.success = out.output_tokens > 0
+    return out
+
+
+async def openai_request(client: httpx.AsyncClient, req: SampleRequest, out: RequestOutput,
+                         model: str) -> RequestOutput:
+    """POST /v1/completions with stream and usage: chunks timed, usage counts the tokens."""
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.expected_output_len,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    timer = _Timer(out)
+    texts: list[str] = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return await _failed(r, out)
+        async for event in _sse(r):
+            if event is None:
+                continue
+            if "error" in event:
+                out.error = str(event["error"])
+                return out
+            for choice in event.get("choices") or []:
+                if choice.get("text"):
+                    timer.chunk()
+                    texts.append(choice["text"])
+            if event.get("usage"):
+                out.prompt_len = int(event["usage"]["prompt_tokens"])
+                out.output_tokens = int(event["usage"]["completion_tokens"])
+    timer.finish()
+    out.generated_text = "".join(texts)
+    out.success = out.output_tokens > 0 and out.ttft > 0
+    return out
+
+
+RequestFunc = Callable[[httpx.AsyncClient, SampleRequest, RequestOutput],
+                       Awaitable[RequestOutput]]
+
+
+def request_func(backend: str, model: str | None) -> RequestFunc:
+    if backend == "tgi":
+        return tgi_request
+    if backend == "openai":
+        if not model:
+            raise ValueError("the openai backend needs the served model name")
+        name = model
+
+        async def call(client: httpx.AsyncClient, req: SampleRequest,
+                       out: RequestOutput) -> RequestOutput:
+            return await openai_request(client, req, out, name)
+
+        return call
+    raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+async def run_load(client: httpx.AsyncClient, send: RequestFunc,
+                   requests: list[SampleRequest], offsets: list[float],
+                   max_concurrency: int | None) -> tuple[list[RequestOutput], float]:
+    """Send every request at its offset; (outputs in request order, wall seconds)."""
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    start = time.perf_counter()
+
+    async def one(req: SampleRequest) -> RequestOutput:
+        if slots is not None:
+            await slots.acquire()
+        out = RequestOutput(prompt_len=req.prompt_len,
+                            start_time=time.perf_counter() - start)
+        try:
+            return await send(client, req, out)
+        except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as exc:
+            out.error = f"{type(exc).__name__}: {exc}"
+            return out
+        finally:
+            if slots is not None:
+                slots.release()
+
+    tasks = []
+    for req, offset in zip(requests, offsets, strict=True):
+        wait = start + offset - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)  # the arrival schedule itself, not synchronisation
+        tasks.append(asyncio.create_task(one(req)))
+    outputs = list(await asyncio.gather(*tasks))
+    return outputs, time.perf_counter() - start
+
+
+@dataclass
+class FloodStats:
+    sent: int = 0
+    ok: int = 0
+    rejected: int = 0  # 429
+    other: dict[str, int] = field(default_factory=dict)
+    ok_latencies: list[float] = field(default_factory=list)
+
+
+async def attention_flood(client: httpx.AsyncClient, body: dict[str, Any], concurrency: int,
+                          interval: float, stop: asyncio.Event, stats: FloodStats) -> None:
+    """A wave of ``concurrency`` simultaneous /attention requests every ``interval``
+    seconds (or when the last wave is answered, if later) until ``stop`` is set."""
+
+    async def one() -> None:
+        t0 = time.perf_counter()
+        try:
+            # Streamed and dropped: a full-size answer is tens of MB, and holding it would
+            # cost this process time it owes to timing the token streams.
+            async with client.stream("POST", "/attention", json=body) as r:
+                async for _ in r.aiter_raw():
+                    pass
+                code = str(r.status_code)
+        except httpx.HTTPError as exc:
+            code = type(exc).__name__
+        stats.sent += 1
+        if code == "200":
+            stats.ok += 1
+            stats.ok_latencies.append(time.perf_counter() - t0)
+        elif code == "429":
+            stats.rejected += 1
+        else:
+            stats.other[code] = stats.other.get(code, 0) + 1
+
+    while not stop.is_set():
+        wave = asyncio.gather(*(one() for _ in range(concurrency)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+        await wave

@@ -1,0 +1,118 @@
+"""The greedy reference over model.onnx, and the one int8 agreement metric.
+
+A plain decode loop driven only by the contract's graph names (batch of equal-length
+prompts, the whole past fed back every step): no engine code, no torch. Export checks
+the int8 graph with it, the benchmark scores the int8 artifact with it, and the service
+tests use it as the independent reference the engine must reproduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.contract import io_spec as io
+from service.contract.sessions import create_session
+
+
+def np_kv_dtype(kv_dtype: io.KvDtype) -> type[np.floating[Any]]:
+    return np.float16 if kv_dtype == "float16" else np.float32
+
+
+@dataclass
+class OrtDecoder:
+    """model.onnx behind the contract names: call with ids/mask/positions and the past."""
+
+    sess: Any  # onnxruntime.InferenceSession
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    kv_dtype: io.KvDtype = "float32"
+
+    @classmethod
+    def from_file(cls, path: str | Path, n_layers: int, n_heads: int, head_dim: int,
+                  kv_dtype: io.KvDtype = "float32", threads: int = 1) -> OrtDecoder:
+        return cls(create_session(path, threads=threads), n_layers, n_heads, head_dim,
+                   kv_dtype)
+
+    @classmethod
+    def from_artifact(cls, artifact_dir: str | Path, threads: int = 1) -> OrtDecoder:
+        c = io.ArtifactConfig.load(artifact_dir)
+        return cls.from_file(Path(artifact_dir) / io.MODEL_FILE, c.n_layers, c.n_heads,
+                             c.head_dim, c.kv_dtype, threads)
+
+    def empty_past(self, batch: int) -> list[np.ndarray]:
+        shape = (batch, self.n_heads, 0, self.head_dim)  # (B, nh, 0, hs)
+        return [np.zeros(shape, np_kv_dtype(self.kv_dtype)) for _ in range(2 * self.n_layers)]
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
+                 past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        feed = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, io.POSITION_IDS: pos}
+        feed.update(zip(io.past_names(self.n_layers), past, strict=True))
+        outs = self.sess.run(io.model_output_names(self.n_layers), feed)
+        return outs[0], outs[1:]  # logits (B, T, V); presents (B, nh, T_past + T, hs)
+
+
+def greedy(dec: OrtDecoder, prompts: np.ndarray, steps: int,
+           forced: np.ndarray | None = None) -> np.ndarray:
+    """Greedy decode of equal-length prompts (B, T) through the KV cache, (B, steps).
+
+    With ``forced`` (B, steps), those tokens are fed instead of the argmax (teacher
+    forcing), and the result is still the argmax chosen at every step.
+    """
+    b, t = prompts.shape
+    mask = np.ones((b, t), np.int64)
+    pos = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
+    logits, past = dec(prompts.astype(np.int64), mask, pos, dec.empty_past(b))
+    chosen = np.zeros((b, steps), np.int64)
+    for step in range(steps):
+        chosen[:, step] = logits[:, -1].argmax(-1)
+        if step == steps - 1:
+            break
+        nxt = (forced[:, step] if forced is not None else chosen[:, step])[:, None]  # (B, 1)
+        mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
+        pos = pos[:, -1:] + 1
+        logits, past = dec(nxt, mask, pos, past)
+    return chosen
+
+
+def greedy_until(dec: OrtDecoder, prompt: list[int], max_new: int,
+                 eos_token_id: int | None) -> list[int]:
+    """One prompt, greedy, stopping after ``max_new`` tokens or right after end-of-sequence
+    (the engine's stopping rule)."""
+    ids = np.asarray([prompt], np.int64)  # (1, T)
+    total = len(prompt)
+    past = dec.empty_past(1)
+    out: list[int] = []
+    while len(out) < max_new:
+        mask = np.ones((1, total), np.int64)
+        pos = np.arange(total - ids.shape[1], total, dtype=np.int64)[None, :]  # (1, T)
+        logits, past = dec(ids, mask, pos, past)
+        token = int(np.argmax(logits[0, -1]))
+        out.append(token)
+        if token == eos_token_id:
+            break
+        ids = np.asarray([[token]], np.int64)
+        total += 1
+    return out
+
+
+def int8_agreement(reference: OrtDecoder, candidate: OrtDecoder, prompts: np.ndarray,
+                   steps: int) -> dict[str, Any]:
+    """How often ``candidate`` (int8) picks ``reference``'s (fp32) greedy token.
+
+    ``token_agreement`` is teacher-forced: the candidate is fed the reference's tokens, so
+    one early divergence does not count every later token as wrong. The free-running figure
+    (tokens equal before the first divergence, averaged over prompts) is reported beside it.
+    """
+    expected = greedy(reference, prompts, steps)  # (P, steps)
+    forced = greedy(candidate, prompts, steps, forced=expected)
+    free = greedy(candidate, prompts, steps)
+    common = [int(np.argmin(np.append(f == e, False))) for f, e in zip(free, expected,
+                                                                      strict=True)]
+    return {"prompts": int(prompts.shape[0]), "steps": steps, "positions": int(expected.size),
+            "token_agreement": float((forced == expected).mean()),
+            "free_running_mean_common_prefix": float(np.mean(common))}

@@ -1,0 +1,45 @@
+"""The one ONNX Runtime session factory: export checks, the service and the benchmark.
+
+Every session in the project is built here so thread counts, optimisation level and log
+noise are set the same way everywhere. Provider *choice* (CPU or CUDA for a ``--device``)
+is the service's business (service/engine/session.py); this only applies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import onnxruntime as ort
+
+CPU = "CPUExecutionProvider"
+Optimization = Literal["disable", "basic", "extended", "all"]
+
+_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def create_session(model: str | Path | bytes, *, threads: int = 1,
+                   providers: Sequence[str] = (CPU,), optimization: Optimization = "all",
+                   save_optimized_to: Path | None = None) -> ort.InferenceSession:
+    """A session over a model file (or serialized bytes).
+
+    ``threads`` is the intra-op pool (one thread by default: checks need exactness, and the
+    serving tests run several servers on two cores); inter-op stays at 1 because decoder
+    graphs are a chain. ``save_optimized_to`` writes the graph after optimisation (what
+    export/optimize.py keeps when it measures faster).
+    """
+    options = ort.SessionOptions()
+    options.graph_optimization_level = _LEVELS[optimization]
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    if save_optimized_to is not None:
+        options.optimized_model_filepath = str(save_optimized_to)
+    source = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(source, options, providers=list(providers))

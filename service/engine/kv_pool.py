@@ -1,0 +1,187 @@
+"""A persistent KV pool: one buffer per layer for every slot, allocated once at start.
+
+engine.onnx's GroupQueryAttention reads and writes a (B, nh, M, hs) cache in place. The
+pool holds one (S, nh, M, hs) array per layer's keys and values for S slots; a request
+takes a slot when it joins and gives it back when it leaves. A forward pass binds rows
+[lo, lo + n) of every array as its (n, nh, M, hs) past and present: one slot's memory is
+contiguous, so a run of slots is a plain view, bound by pointer with no copy.
+
+A batch's rows must therefore sit in consecutive slots. When rows leave, ``compact``
+moves the batch's highest rows into the holes below them: each leave moves at most one
+row, and only its cached tokens. Rows that stay where they are are never touched.
+
+The pool also keeps, per slot, the token ids whose keys and values it holds, so the
+prefix cache can hash them without asking the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class Slot:
+    """A row's place in the pool. Shared by the batch and the pool: a move updates it."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"Slot({self.index})"
+
+
+class PoolExhausted(RuntimeError):
+    """No run of free slots is long enough; admission should have prevented this."""
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    layers: int  # 2 * n_layers arrays: key and value per layer
+    heads: int
+    max_len: int
+    head_dim: int
+    dtype: np.dtype
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one cached token takes over all layers' keys and values."""
+        return self.layers * self.heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.token_bytes * self.max_len
+
+
+class KVPool:
+    """S slots of (nh, M, hs) per array; lengths and token ids per slot."""
+
+    def __init__(self, shape: PoolShape, slots: int) -> None:
+        if slots < 1:
+            raise ValueError("the KV pool needs at least one slot")
+        self.shape = shape
+        self.slots = slots
+        # np.empty: pages are committed by the OS as rows are first written.
+        self.arrays = [np.empty((slots, shape.heads, shape.max_len, shape.head_dim),
+                                shape.dtype) for _ in range(shape.layers)]  # each (S, nh, M, hs)
+        self.lengths = np.zeros(slots, np.int64)  # (S,) tokens cached per slot
+        self.tokens = np.zeros((slots, shape.max_len), np.int64)  # (S, M) their ids
+        self._owner: list[Slot | None] = [None] * slots
+        self.moves = 0  # rows moved by compaction since start (a stat)
+
+    # -- occupancy -------------------------------------------------------------------
+
+    @property
+    def bytes_allocated(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.slots * self.shape.max_len
+
+    @property
+    def used(self) -> int:
+        return sum(o is not None for o in self._owner)
+
+    @property
+    def tokens_held(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def row_bytes(self) -> int:
+        return self.shape.heads * self.shape.max_len * self.shape.head_dim * \
+            self.shape.dtype.itemsize
+
+    def pointers(self, lo: int) -> list[int]:
+        """Address of slot ``lo`` in every array: the start of a bound (n, nh, M, hs) view."""
+        return [a.ctypes.data + lo * self.row_bytes for a in self.arrays]
+
+    # -- allocation ------------------------------------------------------------------
+
+    def allocate(self, n: int, top: bool = False) -> list[Slot]:
+        """``n`` consecutive free slots: the lowest run, or the highest one with ``top``."""
+        free = [o is None for o in self._owner]
+        starts = range(self.slots - n, -1, -1) if top else range(self.slots - n + 1)
+        for lo in starts:
+            if all(free[lo:lo + n]):
+                slots = [Slot(lo + i) for i in range(n)]
+                for s in slots:
+                    self._owner[s.index] = s
+                    self.lengths[s.index] = 0
+                return slots
+        raise PoolExhausted(f"the KV pool has no {n} consecutive free slots "
+                            f"({self.used} of {self.slots} in use)")
+
+    def free(self, slots: Sequence[Slot]) -> None:
+        for s in slots:
+            if self._owner[s.index] is s:
+                self._owner[s.index] = None
+                self.lengths[s.index] = 0
+
+    def move(self, slot: Slot, dst: int) -> None:
+        """Move one row's cached tokens to the free slot ``dst`` (only its ``length`` columns)."""
+        src = slot.index
+        if self._owner[dst] is not None:
+            raise ValueError(f"slot {dst} is taken")
+        n = int(self.lengths[src])
+        for a in self.arrays:
+            a[dst, :, :n] = a[src, :, :n]  # (nh, n, hs)
+        self.tokens[dst, :n] = self.tokens[src, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0
+        self._owner[src], self._owner[dst] = None, slot
+        slot.index = dst
+        self.moves += 1
+
+    def compact(self, slots: Sequence[Slot], start: int | None = None) -> int:
+        """Make ``slots`` (one batch) consecutive from ``start`` (default: their lowest
+        index); the first slot of the run. Rows inside the run stay; each row outside moves
+        into a hole. A batch that lost rows passes its old start, so it never drifts up.
+        """
+        if not slots:
+            return 0
+        lo = min(s.index for s in slots) if start is None else min(
+            start, min(s.index for s in slots))
+        hi = lo + len(slots)
+        if hi > self.slots:
+            lo, hi = self.slots - len(slots), self.slots
+        outside = sorted((s for s in slots if not lo <= s.index < hi),
+                         key=lambda s: -s.index)
+        mine = {id(s) for s in slots}
+        for dst in range(lo, hi):
+            if not outside:
+                break
+            owner = self._owner[dst]
+            if owner is not None and id(owner) in mine:
+                continue
+            if owner is not None:  # another batch's row sits in the way: move it out first
+                self.move(owner, self._free_outside(lo, hi))
+            self.move(outside.pop(0), dst)
+        return lo
+
+    def _free_outside(self, lo: int, hi: int) -> int:
+        for i in range(self.slots - 1, -1, -1):
+            if not lo <= i < hi and self._owner[i] is None:
+                return i
+        raise PoolExhausted("no free slot to move a row out of the way")
+
+    def span(self, slots: Sequence[Slot]) -> tuple[int, bool]:
+        """(lowest index, whether the slots fill [lowest, lowest + n) exactly)."""
+        idx = [s.index for s in slots]
+        lo = min(idx)
+        return lo, max(idx) - lo + 1 == len(idx)
+
+    def assign(self, slots: Sequence[Slot], indices: Sequence[int]) -> None:
+        """Give empty ``slots`` the (free or their own) ``indices``, in that order."""
+        for s in slots:
+            if self.lengths[s.index]:
+                raise ValueError("only empty slots can be reassigned")
+            self._owner[s.index] = None
+        for s, i in zip(slots, indices, strict=True):
+            if self._owner[i] is not None:
+                raise ValueError(f"slot {i} is taken")
+            s.index = i
+            self._owner[i] = s

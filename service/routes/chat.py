@@ -1,0 +1,150 @@
+"""OpenAI chat completions: POST /v1/chat/completions, plain or streamed.
+
+The conversation is rendered with the model's chat template (service/chat_template.py)
+and tokenized without adding special tokens (the template places them), as vLLM does;
+from there a chat request is a completion request with chat-shaped output.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from service.chat_template import ChatTemplateError
+from service.deps import ReadyRuntime, require_api_key
+from service.engine.request import GenerationRequest, TokenEvent, TokenInfo
+from service.errors import ApiError
+from service.openai_schemas import ChatCompletionRequest, ChatMessage
+from service.responses import ChatCompletion, json_or_sse
+from service.routes.openai import (
+    OPENAI_ERRORS,
+    build_requests,
+    check_model,
+    final_text,
+    finish_reason,
+    usage,
+)
+from service.routes.relay import collect, merge, sse
+from service.runtime import Runtime
+from service.validation import InputError
+
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
+
+
+def render_messages(runtime: Runtime, messages: list[ChatMessage], add_generation_prompt: bool,
+                    extra: dict[str, Any] | None) -> str:
+    try:
+        return runtime.artifact.chat_template.render(
+            [m.to_template() for m in messages], add_generation_prompt, extra)
+    except ChatTemplateError as exc:
+        raise InputError("messages", f"the chat template refused them: {exc}") from exc
+
+
+def chat_requests(body: ChatCompletionRequest, runtime: Runtime) -> list[GenerationRequest]:
+    check_model(body.model, runtime)
+    if body.top_logprobs and not body.logprobs:
+        raise InputError("top_logprobs", "needs logprobs: true")
+    text = render_messages(runtime, body.messages, body.add_generation_prompt,
+                           body.chat_template_kwargs)
+    ids = runtime.validator.tokenize(text, "messages")
+    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    bound = runtime.artifact.limits.max_new_tokens
+    if body.max_tokens is not None and body.max_tokens > bound:  # set beside the other
+        raise InputError("max_tokens", f"{body.max_tokens} exceeds the server's bound "
+                                       f"max_new_tokens {bound}")
+    return build_requests(body, runtime, [("messages", ids)], body.max_new_tokens,
+                          body.top_n_logprobs, max_field=field)
+
+
+def token_logprob(info: TokenInfo, top: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {"token": info.text, "logprob": info.logprob,
+                             "bytes": list(info.text.encode("utf-8"))}
+    if top:
+        entry["top_logprobs"] = [{"token": text, "logprob": lp,
+                                  "bytes": list(text.encode("utf-8"))}
+                                 for _, text, lp in info.top]
+    return entry
+
+
+def logprobs_json(tokens: list[TokenEvent]) -> dict[str, Any]:
+    return {"content": [token_logprob(e.token, True) for e in tokens], "refusal": None}
+
+
+@router.post("/chat/completions", summary="OpenAI chat completions, plain or streamed",
+             responses={**json_or_sse(ChatCompletion, "A chat completion, or its chunks when "
+                                                      "streamed"), **OPENAI_ERRORS})
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           runtime: ReadyRuntime) -> Any:
+    requests = chat_requests(body, runtime)
+    assert runtime.scheduler is not None
+    handles = runtime.scheduler.submit(requests)
+    chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        return StreamingResponse(stream(body, runtime, handles, chat_id, created),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    results = await collect(handles, request)
+    choices = [{"index": i,
+                "message": {"role": "assistant", "content": final_text(r.finish)},
+                "logprobs": logprobs_json(r.tokens) if body.logprobs else None,
+                "finish_reason": finish_reason(r.finish)}
+               for i, r in enumerate(results)]
+    prompt_tokens = len(requests[0].prompt_ids)
+    completion_tokens = sum(r.finish.generated_tokens for r in results)
+    return JSONResponse({"id": chat_id, "object": "chat.completion", "created": created,
+                         "model": runtime.artifact.name, "choices": choices,
+                         "usage": usage(prompt_tokens, completion_tokens)})
+
+
+async def stream(body: ChatCompletionRequest, runtime: Runtime, handles: list[Any],
+                 chat_id: str, created: int) -> AsyncIterator[bytes]:
+    """OpenAI's chunk sequence: a role delta per choice, content deltas, a last delta with
+    finish_reason, then (stream_options.include_usage) a usage chunk with no choices."""
+    hold = max((len(s) for s in body.stop_sequences), default=1) - 1
+    texts = ["" for _ in handles]
+    sent = [0 for _ in handles]
+
+    def chunk(index: int, delta: dict[str, Any], event: TokenEvent | None,
+              reason: str | None) -> bytes:
+        payload: dict[str, Any] = {
+            "id": chat_id, "object": "chat.completion.chunk", "created": created,
+            "model": runtime.artifact.name,
+            "choices": [{"index": index, "delta": delta,
+                         "logprobs": logprobs_json([event])
+                         if event is not None and body.logprobs else None,
+                         "finish_reason": reason}]}
+        if body.include_usage:
+            payload["usage"] = None
+        return sse(payload)
+
+    completion_tokens = 0
+    try:
+        for i in range(len(handles)):
+            yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+        async for i, event in merge(handles):
+            texts[i] += "" if event.token.special else event.token.text
+            if event.finish is None:
+                ready = len(texts[i]) - hold
+                out = texts[i][sent[i]:ready] if ready > sent[i] else ""
+                sent[i] += len(out)
+                yield chunk(i, {"content": out}, event, None)
+            else:
+                completion_tokens += event.finish.generated_tokens
+                rest = final_text(event.finish)[sent[i]:]
+                sent[i] += len(rest)
+                yield chunk(i, {"content": rest} if rest else {}, event,
+                            finish_reason(event.finish))
+        if body.include_usage:
+            yield sse({"id": chat_id, "object": "chat.completion.chunk", "created": created,
+                       "model": runtime.artifact.name, "choices": [],
+                       "usage": usage(len(handles[0].request.prompt_ids), completion_tokens)})
+        yield sse("[DONE]")
+    except ApiError as exc:
+        yield sse({"error": {"message": exc.message, "type": exc.error_type,
+                             "code": exc.code, "param": None}})

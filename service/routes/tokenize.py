@@ -1,0 +1,56 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes, plus TGI's /tokenize.
+
+One path serves both servers' clients, told apart by the body: ``{"inputs"}`` is TGI's
+(a list of tokens with their character spans), ``{"prompt"}`` or ``{"messages"}`` is
+vLLM's (the ids, their count and the context length).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends
+
+from service.deps import RuntimeDep, require_api_key
+from service.openai_schemas import ChatTokenizeRequest
+from service.responses import DetokenizeResponse, TgiToken, TokenizeResponse, tgi_errors
+from service.routes.chat import render_messages
+from service.routes.openai import check_model
+from service.schemas import DetokenizeRequest, PromptTokenizeRequest, TgiTokenizeRequest
+
+router = APIRouter(tags=["tokenize"], dependencies=[Depends(require_api_key)])
+
+TokenizeBody = Annotated[TgiTokenizeRequest | PromptTokenizeRequest | ChatTokenizeRequest,
+                         Body()]
+
+
+@router.post("/tokenize", summary="Token ids of a prompt or a conversation (vLLM), or "
+                                  "tokens with character spans (TGI, body {\"inputs\"})",
+             responses={200: {"model": TokenizeResponse | list[TgiToken]},
+                        **tgi_errors(401, 404, 413, 422, 503)})
+async def tokenize(body: TokenizeBody, runtime: RuntimeDep) -> Any:
+    tokenizer = runtime.artifact.codec.tokenizer
+    if isinstance(body, TgiTokenizeRequest):
+        encoding = tokenizer.encode(body.inputs, add_special_tokens=True)
+        return [{"id": i, "text": body.inputs[start:stop], "start": start, "stop": stop}
+                for i, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)]
+    check_model(body.model, runtime)
+    if isinstance(body, PromptTokenizeRequest):
+        text, special = body.prompt, body.add_special_tokens
+    else:
+        text = render_messages(runtime, body.messages, body.add_generation_prompt,
+                               body.chat_template_kwargs)
+        special = body.add_special_tokens
+    ids = list(tokenizer.encode(text, add_special_tokens=special).ids)
+    return {"count": len(ids), "max_model_len": runtime.artifact.limits.max_total_tokens,
+            "tokens": ids}
+
+
+@router.post("/detokenize", summary="Text of a list of token ids (vLLM)",
+             responses={200: {"model": DetokenizeResponse},
+                        **tgi_errors(401, 404, 413, 422, 503)})
+async def detokenize(body: DetokenizeRequest, runtime: RuntimeDep) -> dict[str, str]:
+    check_model(body.model, runtime)
+    runtime.validator.check_token_ids(body.tokens, "tokens")
+    text = runtime.artifact.codec.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    return {"prompt": str(text)}

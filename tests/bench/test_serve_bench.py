@@ -1,0 +1,123 @@
+"""`python -m benchmarks.serve` end to end against a real server on the tiny artifact.
+
+A few requests per run, bounded; nothing about speed is asserted. What is asserted: every
+request completed, the JSON carries vLLM's field names and agrees with what the server
+itself counted (/metrics), the token lengths are the ones asked for, the concurrency cap
+held, the /attention flood was answered, and the Markdown and PNG were written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.http_load import Server
+from benchmarks.serve.__main__ import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+VLLM_FIELDS = {"date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+               "burstiness", "max_concurrency", "duration", "completed", "failed",
+               "total_input_tokens", "total_output_tokens", "request_throughput",
+               "request_goodput", "output_throughput", "total_token_throughput",
+               "max_output_tokens_per_s", "max_concurrent_requests", "input_lens",
+               "output_lens", "ttfts", "itls", "latencies", "start_times", "generated_texts",
+               "errors"} | {f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p99")
+                            for m in ("ttft", "tpot", "itl", "e2el")}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("serve-bench") / "server.log"
+    env = {**os.environ, "ATTNSERVE_ATTENTION_MAX_CONCURRENT": "1",
+           "ATTNSERVE_ATTENTION_MAX_QUEUED": "0"}  # PYTHONPATH: this tree's service
+    srv = Server(tiny_artifact, 1, env, log)
+    try:
+        srv.wait_ready(120)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def generated_tokens(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "attnserve_generation_tokens_total":
+                return float(sample.value)
+    raise AssertionError("no attnserve_generation_tokens_total")
+
+
+def runs(directory: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+
+
+def test_random_workload_over_generate_stream(server: Server, tiny_artifact: Path,
+                                              tmp_path: Path) -> None:
+    before = generated_tokens(server.url)
+    code = main(["--url", server.url, "--model", str(tiny_artifact), "--workload", "random",
+                 "--input-len", "24", "--output-len", "8", "--num-prompts", "5",
+                 "--request-rate", "100,inf", "--num-warmups", "0",
+                 "--goodput", "ttft:600000", "e2el:600000", "--result-dir", str(tmp_path)])
+    assert code == 0
+    results = runs(tmp_path)
+    assert [r["request_rate"] for r in sorted(results, key=lambda r: r["request_rate"])] == [
+        100.0, float("inf")]
+    for run in results:
+        assert set(run) >= VLLM_FIELDS, sorted(VLLM_FIELDS - set(run))
+        assert (run["completed"], run["failed"]) == (5, 0), run["errors"]
+        assert run["input_lens"] == [24] * 5  # the server's count of each prompt
+        assert all(1 <= n <= 8 for n in run["output_lens"])
+        assert run["total_output_tokens"] == sum(run["output_lens"])
+        # One SSE event per token: every token but the first has an inter-token gap.
+        assert [len(g) for g in run["itls"]] == [n - 1 for n in run["output_lens"]]
+        assert run["request_goodput"] == pytest.approx(run["request_throughput"])
+        assert run["output_throughput"] == pytest.approx(
+            run["total_output_tokens"] / run["duration"])
+    # The server generated exactly the tokens the client counted.
+    assert generated_tokens(server.url) - before == sum(r["total_output_tokens"]
+                                                        for r in results)
+    md = (tmp_path / "report.md").read_text()
+    assert md.count("| random |") == 2 and "ttft ≤ 600000 ms" in md
+    assert (tmp_path / "report.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_shared_prefix_over_openai_with_a_cap_and_an_attention_flood(
+        server: Server, tiny_artifact: Path, tmp_path: Path) -> None:
+    code = main(["--url", server.url, "--model", str(tiny_artifact), "--backend", "openai",
+                 "--workload", "shared-prefix", "--num-prefixes", "2", "--prefix-len", "40",
+                 "--suffix-len", "8", "--output-len", "6", "--num-prompts", "6",
+                 "--request-rate", "50", "--max-concurrency", "2", "--num-warmups", "1",
+                 "--attention-flood", "3", "--attention-input-len", "16",
+                 "--result-dir", str(tmp_path), "--label", "smoke"])
+    assert code == 0
+    (run,) = runs(tmp_path)
+    assert (tmp_path / "smoke-openai-shared-prefix-rate50.json").is_file()
+    assert (run["completed"], run["failed"]) == (6, 0), run["errors"]
+    assert run["max_concurrent_requests"] <= 2
+    assert all(46 <= n <= 50 for n in run["input_lens"]), run["input_lens"]
+    assert all(1 <= n <= 6 for n in run["output_lens"])
+    flood = run["attention_flood"]
+    # One /attention slot and no queue: of each wave of 3, at least 2 are refused.
+    assert flood["sent"] >= 3 and flood["ok"] + flood["rejected"] == flood["sent"]
+    assert flood["ok"] >= 1 and flood["rejected"] >= 2 and not flood["other"]
+    assert "/attention flood of 3" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "x", "--goodput", "itl:5"], "--goodput"),
+    (["--workload", "random"], "--url"),
+    (["--url", "http://127.0.0.1:9", "--model", "/nonexistent"], "no tokenizer"),
+])
+def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("benchmarks.serve: error:") and message in err
+    assert len(err.splitlines()) == 1

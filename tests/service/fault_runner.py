@@ -1,0 +1,112 @@
+"""A ModelRunner wrapper the tests drive: forward passes wait at a gate and fail on command.
+
+Tests act while a request is provably mid-decode, or make exactly one forward pass fail,
+without sleeping: the engine thread blocks inside ``forward`` until the test lets the
+pass through. The gate reads one-character commands, in order:
+
+    "."  let one forward pass run          "!"  make the next forward pass raise
+    "+"  open: run freely                  "-"  closed: every pass waits for "." or "!"
+
+In process the commands go through a queue (``QueueGate``); for a server subprocess they
+go through a FIFO the test writes (``FifoGate``; end of file opens the gate for good).
+``poison`` makes every multi-token pass (a prefill) that contains that token id raise,
+so one request's prefill fails whatever else is prefilled with it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import select
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+
+class InjectedFault(RuntimeError):
+    """The failure a test asked for."""
+
+
+class Gate:
+    def __init__(self, is_open: bool = False) -> None:
+        self.is_open = is_open
+        self._pending: deque[str] = deque()
+
+    def _read(self, block: bool) -> str:
+        raise NotImplementedError
+
+    def next(self) -> bool:
+        """Wait until a forward pass may run; False if it must fail."""
+        while True:
+            if not self._pending:
+                self._pending.extend(self._read(block=not self.is_open))
+            while self._pending:
+                command = self._pending.popleft()
+                if command == "+":
+                    self.is_open = True
+                elif command == "-":
+                    self.is_open = False
+                elif command in ".!":
+                    return command == "."
+            if self.is_open:
+                return True
+
+
+class QueueGate(Gate):
+    """Commands from the test thread through a queue (in-process tests)."""
+
+    def __init__(self, is_open: bool = False) -> None:
+        super().__init__(is_open)
+        self.commands: queue.Queue[str] = queue.Queue()
+
+    def send(self, commands: str) -> None:
+        for c in commands:
+            self.commands.put(c)
+
+    def _read(self, block: bool) -> str:
+        try:
+            return self.commands.get(block=block)
+        except queue.Empty:
+            return ""
+
+
+class FifoGate(Gate):
+    """Commands from a FIFO (a server subprocess); opened at the first forward pass."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(False)
+        self.path = path
+        self._fd: int | None = None
+
+    def _read(self, block: bool) -> str:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        if not block and not select.select([self._fd], [], [], 0)[0]:
+            return ""
+        data = os.read(self._fd, 4096)
+        if not data:  # the test closed its end: run freely from now on
+            self.is_open = True
+            return "+"
+        return data.decode("ascii")
+
+
+class ControlledRunner:
+    """The real runner behind a gate and a poison token; everything else passes through."""
+
+    def __init__(self, runner: Any, gate: Gate | None = None, poison: int | None = None) -> None:
+        self.runner = runner
+        self.gate = gate
+        self.poison = poison
+        self.forwards = 0
+
+    def forward(self, input_ids: np.ndarray, *args: Any) -> Any:
+        if self.gate is not None and not self.gate.next():
+            raise InjectedFault("injected fault in a forward pass")
+        if self.poison is not None and input_ids.shape[1] > 1 and (input_ids == self.poison).any():
+            raise InjectedFault(f"injected fault: prompt holds poison token {self.poison}")
+        self.forwards += 1
+        return self.runner.forward(input_ids, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)

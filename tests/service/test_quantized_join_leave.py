@@ -1,0 +1,75 @@
+"""int8 and float16 artifacts through joins and leaves: batched greedy equals the plain loop.
+
+Each variant is compared with the plain ONNX Runtime loop (conftest.greedy_loop) over the
+same artifact's model.onnx, so the reference shares the variant's weights and cache dtype
+but none of the service's batching, padding or cache copying.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from service.contract import io_spec as io
+from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.engine.session import OnnxModel, create_model
+from service.engine.text import TextCodec
+from tests.service.conftest import greedy_loop, run_with_joins
+
+PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
+           "What say you, my good lord? I pray", "O"]
+
+
+INT8_BATCH_VARIANT = pytest.mark.xfail(
+    strict=True, reason="known defect: the int8 graph's DynamicQuantizeLinear takes one "
+    "activation scale over the whole (B*T, d) tensor, so a row's tokens depend on who else "
+    "is in the batch; per-row (or MatMulNBits block) quantization would fix it")
+
+
+@pytest.fixture(scope="module", params=["int8", "float16"])
+def variant(request: pytest.FixtureRequest, tiny_checkpoint: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from export.to_onnx import export_artifact
+    from tests.conftest import torch_threads
+
+    out = tmp_path_factory.mktemp(request.param) / "artifact"
+    options = {"quantize": "int8"} if request.param == "int8" else {"dtype": "float16"}
+    with torch_threads(1):
+        return export_artifact(tiny_checkpoint, out, optimize=False, verify=False,
+                               **options)  # type: ignore[arg-type]
+
+
+def requests_for(encode: Callable[[str], list[int]]) -> list[GenerationRequest]:
+    lengths = [12, 30, 7, 21, 16]
+    return [GenerationRequest(encode(p), SamplingParams(), StoppingCriteria(n))
+            for p, n in zip(PROMPTS, lengths, strict=True)]
+
+
+def test_variant_served_alone_equals_the_plain_loop(
+        variant: Path, encode: Callable[[str], list[int]]) -> None:
+    config = io.ArtifactConfig.load(variant)
+    model = create_model(variant, config, "cpu", 1)
+    codec = TextCodec.from_file(variant / io.TOKENIZER_FILE)
+    reference = greedy_loop(variant)
+    for r in requests_for(encode):
+        got = run_with_joins(model, codec, [[r]], join_every=1)
+        assert got[r.id] == reference(r.prompt_ids, r.stopping.max_new_tokens), r.id
+
+
+def test_variant_greedy_with_joins_and_leaves_equals_the_plain_loop(
+        variant: Path, encode: Callable[[str], list[int]], request: pytest.FixtureRequest
+        ) -> None:
+    if "int8" in variant.parent.name:
+        request.applymarker(INT8_BATCH_VARIANT)
+    config = io.ArtifactConfig.load(variant)
+    model = create_model(variant, config, "cpu", 1)
+    assert isinstance(model, OnnxModel)  # no engine.onnx for these: model.onnx decodes
+    codec = TextCodec.from_file(variant / io.TOKENIZER_FILE)
+    requests = requests_for(encode)
+    got = run_with_joins(model, codec, [requests[:2], requests[2:3], requests[3:]],
+                         join_every=4)
+    reference = greedy_loop(variant)
+    for r in requests:
+        assert got[r.id] == reference(r.prompt_ids, r.stopping.max_new_tokens), r.id
