@@ -64,7 +64,7 @@ class Engine:
                                                  prefix_cache_blocks=prefix_blocks))
         codec = TextCodec.from_file(artifact / io.TOKENIZER_FILE)
         limits = SchedulerLimits(BATCH, 1 << 20, 4096, chunk)
-        self.scheduler = Scheduler(self.model, codec, limits, self.config.pad_token_id)
+        self.scheduler = Scheduler(self.model, codec, limits, self.config.fill_token_id)
         self.loop = asyncio.new_event_loop()
         self.scheduler.start(self.loop)
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from export.verify import decoder_for
 from model.gpt import GPT
-from service.contract.reference import OrtDecoder, int8_agreement
+from service.contract.reference import int8_agreement
 
 METHODS = ("int8", "int8-dynamic")
 # Block-wise 8-bit weights lose ~10x less than per-channel dynamic int8, so they are held

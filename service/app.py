@@ -38,8 +38,10 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
         metrics = Metrics(opened.limits.max_batch_tokens)
         gen = opened.config.generation
         config = opened.config
+        # a tokenizer without eos still needs an end token for the grammar matcher
         grammars = GrammarCompiler(opened.codec.tokenizer.to_str(), config.vocab_size,
-                                   config.eos_token_id)
+                                   config.eos_token_id if config.eos_token_id is not None
+                                   else config.fill_token_id)
         runtime = Runtime(settings, opened, metrics, Validator(
             opened.codec, opened.limits, config.eos_token_id, gen.max_new_tokens,
             vocab_size=config.vocab_size, extra_eos_ids=opened.extra_eos_ids,

@@ -59,9 +59,9 @@ def open_artifact(settings: Settings) -> Artifact:
     if codec.vocab_size > config.vocab_size:
         raise ValueError(f"tokenizer.json has {codec.vocab_size} tokens but the model only "
                          f"{config.vocab_size}")
-    specials = {"bos_token": codec.token_text(config.bos_token_id),
-                "eos_token": codec.token_text(config.eos_token_id),
-                "pad_token": codec.token_text(config.pad_token_id)}
+    ids = {"bos_token": config.bos_token_id, "eos_token": config.eos_token_id,
+           "pad_token": config.pad_token_id}  # GPT-2 has no pad token: left out
+    specials = {name: codec.token_text(i) for name, i in ids.items() if i is not None}
     chat_template = ChatTemplate.load(path, specials, listed=list(manifest.files))
     return Artifact(
         path=path, config=config, name=settings.served_model_name or config.model_name,
