@@ -4,6 +4,8 @@ Usage (from the repository root, in the dev venv):
     python -m benchmarks                                  # small and base, full run (~12 min)
     python -m benchmarks --presets small --quick          # smoke run, fewer tokens
     python -m benchmarks --setup-optimum                  # also build the Optimum side env
+    python -m benchmarks --presets gpt2 --setup-llamacpp  # GPT-2 124M vs CTranslate2, llama.cpp
+    python -m benchmarks --presets gpt2 --engines engine,llamacpp_f32 --batch-sizes 1
     python -m benchmarks --ckpt small=checkpoints/default --out results/bench/mine
 
 Writes results.json, results.md and results.png under --out (default
@@ -19,6 +21,7 @@ from datetime import date
 from pathlib import Path
 
 DEFAULT_OPTIMUM_VENV = Path(".cache/optimum-venv")
+DEFAULT_LLAMACPP_VENV = Path(".cache/llamacpp-venv")
 
 
 def _ints(text: str) -> list[int]:
@@ -50,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", type=_names, default=["small", "base"],
-                   help="comma-separated presets (default small,base)")
+                   help="comma-separated presets (default small,base); gpt2 is GPT-2 small "
+                        "(124M, random weights) against CTranslate2 and llama.cpp")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 16 new tokens, 1 repetition, small ceiling arrays")
     p.add_argument("--out", type=Path, default=None,
@@ -71,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed repetitions per row (default 3/2/2 for batch 1/8/32; 1 quick)")
     p.add_argument("--engines", type=_names, default=None,
                    help="subset of torch_nocache,torch_kv,hf_generate,ort_plain,optimum,"
-                        "engine,engine_int8,http")
+                        "engine,engine_int8,http,ct2,ct2_int8,llamacpp_f32,llamacpp_q8_0 "
+                        "(default: all but the peers for small/base; hf_generate, ct2, "
+                        "ct2_int8, llamacpp_f32, llamacpp_q8_0, engine, engine_int8 for gpt2)")
     p.add_argument("--ckpt", action="append", metavar="PRESET=DIR",
                    help="use this checkpoint for a preset instead of random init")
     p.add_argument("--artifact", action="append", metavar="PRESET=DIR",
@@ -82,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlay venv with optimum (default .cache/optimum-venv)")
     p.add_argument("--setup-optimum", action="store_true",
                    help="create the Optimum overlay venv if it is missing (pip, --no-deps)")
+    p.add_argument("--llamacpp-venv", type=Path, default=DEFAULT_LLAMACPP_VENV,
+                   help="overlay venv with llama-cpp-python (default .cache/llamacpp-venv)")
+    p.add_argument("--setup-llamacpp", action="store_true",
+                   help="build the llama.cpp overlay venv if it is missing (compiles "
+                        "llama.cpp from source: ~20 min on 2 cores, once)")
     p.add_argument("--keep-work", action="store_true",
                    help="keep the temporary checkpoints and artifacts")
     return p
@@ -108,11 +119,34 @@ def _optimum(args: argparse.Namespace) -> tuple[Path | None, str]:
                   f"run with --setup-optimum to build {args.optimum_venv}")
 
 
-def handle(args: argparse.Namespace) -> int:
-    from benchmarks.harness import ENGINES, BenchOptions, run_bench
+def _llamacpp(args: argparse.Namespace) -> tuple[Path | None, str]:
+    from benchmarks.llamacpp_env import ensure_overlay, has_llama_cpp, overlay_python
 
-    engines = args.engines or list(ENGINES)
-    unknown = sorted(set(engines) - set(ENGINES))
+    python = overlay_python(args.llamacpp_venv)
+    if python.exists() and has_llama_cpp(python):
+        return python, ""
+    if args.setup_llamacpp:
+        try:
+            return ensure_overlay(args.llamacpp_venv), ""
+        except (OSError, Exception) as exc:
+            return None, f"llama-cpp-python could not be built here: {exc}"
+    return None, (f"llama-cpp-python is not built; run with --setup-llamacpp to compile it "
+                  f"into {args.llamacpp_venv}")
+
+
+def handle(args: argparse.Namespace) -> int:
+    from benchmarks.harness import (
+        DEFAULT_ENGINES,
+        ENGINES,
+        SMALL_ENGINES,
+        BenchOptions,
+        run_bench,
+    )
+
+    engines = args.engines
+    wanted = set(engines) if engines else {
+        e for p in args.presets for e in DEFAULT_ENGINES.get(p, SMALL_ENGINES)}
+    unknown = sorted(set(engines or []) - set(ENGINES))
     if unknown:
         raise ValueError(f"unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
     if args.threads < 1 or args.prompt_tokens < 1:
@@ -120,8 +154,11 @@ def handle(args: argparse.Namespace) -> int:
     quick = args.quick
     out = args.out or Path("results/bench") / date.today().isoformat()
     optimum_python, optimum_note = (None, "not requested")
-    if "optimum" in engines:
+    if "optimum" in wanted:
         optimum_python, optimum_note = _optimum(args)
+    llamacpp_python, llamacpp_note = (None, "not requested")
+    if any(e.startswith("llamacpp") for e in wanted):
+        llamacpp_python, llamacpp_note = _llamacpp(args)
     reps = ({b: args.reps for b in args.batch_sizes} if args.reps else
             {b: 1 for b in args.batch_sizes} if quick else
             {b: 3 if b == 1 else 2 for b in args.batch_sizes})
@@ -136,7 +173,8 @@ def handle(args: argparse.Namespace) -> int:
         reps=reps, http_waves=1 if quick else 2, engines=engines,
         ckpts=_mapping(args.ckpt, "--ckpt"), artifacts=_mapping(args.artifact, "--artifact"),
         artifacts_int8=_mapping(args.artifact_int8, "--artifact-int8"),
-        optimum_python=optimum_python, optimum_note=optimum_note, keep_work=args.keep_work,
+        optimum_python=optimum_python, optimum_note=optimum_note,
+        llamacpp_python=llamacpp_python, llamacpp_note=llamacpp_note, keep_work=args.keep_work,
         command="python -m benchmarks " + shlex.join(sys.argv[1:]),
     )
     run = run_bench(opts)

@@ -25,7 +25,15 @@ from benchmarks.prepare import REPO_ROOT, Prepared, export_copies, make_prompts
 from benchmarks.prepare import prepare_checkpoint as _prepare_checkpoint
 
 ENGINES = ("torch_nocache", "torch_kv", "hf_generate", "ort_plain", "optimum", "engine",
-           "engine_int8", "http")
+           "engine_int8", "http", "ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0")
+# Peers that convert the transformers GPT-2 copy: run on the gpt2 preset only.
+PEER_ENGINES = ("ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0")
+# What each preset runs when --engines is not given.
+DEFAULT_ENGINES = {
+    "gpt2": ("hf_generate", "ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0", "engine",
+             "engine_int8"),
+}
+SMALL_ENGINES = tuple(e for e in ENGINES if e not in PEER_ENGINES)
 
 
 @dataclass
@@ -43,12 +51,14 @@ class BenchOptions:
     long_new_tokens: int = 512
     reps: dict[int, int] = field(default_factory=lambda: {1: 3, 8: 2, 32: 2})
     http_waves: int = 2
-    engines: list[str] = field(default_factory=lambda: list(ENGINES))
+    engines: list[str] | None = None  # None: DEFAULT_ENGINES per preset
     ckpts: dict[str, Path] = field(default_factory=dict)
     artifacts: dict[str, Path] = field(default_factory=dict)
     artifacts_int8: dict[str, Path] = field(default_factory=dict)
     optimum_python: Path | None = None
     optimum_note: str = ""
+    llamacpp_python: Path | None = None
+    llamacpp_note: str = ""
     keep_work: bool = False
     command: str = ""
     worker_timeout: float = 900.0
@@ -85,7 +95,7 @@ def run_worker(spec: dict[str, Any], work: Path, opts: BenchOptions,
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {opts.worker_timeout:.0f}s"}
     for line in proc.stderr.splitlines():
-        if line.startswith(("torch_", "hf_", "ort_", "optimum", "engine")):
+        if line.startswith(("torch_", "hf_", "ort_", "optimum", "engine", "ct2", "llamacpp")):
             log(f"  {line}")
     if not out_path.is_file():
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
@@ -137,6 +147,55 @@ def _engine_missing(engine: str, prep: Prepared, opts: BenchOptions) -> str | No
             return f"{module} is not in this tree yet"
     if engine == "optimum" and opts.optimum_python is None:
         return opts.optimum_note or "optimum is not installed"
+    if engine in PEER_ENGINES and prep.preset != "gpt2":
+        return "the CTranslate2 and llama.cpp peers run on the gpt2 preset"
+    if engine.startswith("ct2"):
+        import importlib.util
+
+        if importlib.util.find_spec("ctranslate2") is None:
+            return "ctranslate2 is not installed"
+    if engine.startswith("llamacpp") and opts.llamacpp_python is None:
+        return opts.llamacpp_note or "llama-cpp-python side env is not built"
+    return None
+
+
+def engines_for(preset: str, opts: BenchOptions) -> list[str]:
+    if opts.engines is not None:
+        return list(opts.engines)
+    return list(DEFAULT_ENGINES.get(preset, SMALL_ENGINES))
+
+
+def _prepare_peer(engine: str, prep: Prepared, opts: BenchOptions, work: Path,
+                  result: dict[str, Any]) -> str | None:
+    """Convert the transformers copy for a peer engine (once); an error message or None."""
+    jobs = work / "jobs"
+    if engine.startswith("ct2"):
+        from benchmarks.runners_ct2 import COMPUTE_TYPES
+
+        payload = run_worker({"job": "ct2_convert", "threads": opts.threads,
+                              "hf": prep.paths["hf"], "out": str(work / engine),
+                              "compute_type": COMPUTE_TYPES[engine]}, jobs, opts)
+        if "error" in payload:
+            return f"CTranslate2 conversion: {payload['error']}"
+        prep.paths[engine] = str(work / engine)
+        result.setdefault("conversions", {})[engine] = payload["result"]
+        return None
+    if "gguf_f32" not in prep.paths:
+        payload = run_worker({"job": "gguf_export", "threads": opts.threads,
+                              "hf": prep.paths["hf"], "out": str(work / "gpt2-f32.gguf")},
+                             jobs, opts)
+        if "error" in payload:
+            return f"GGUF export: {payload['error']}"
+        prep.paths["gguf_f32"] = str(work / "gpt2-f32.gguf")
+        result.setdefault("conversions", {})["gguf_f32"] = payload["result"]
+    if engine == "llamacpp_q8_0" and "gguf_q8_0" not in prep.paths:
+        payload = run_worker({"job": "llamacpp_quantize", "threads": opts.threads,
+                              "src": prep.paths["gguf_f32"], "out": str(work / "gpt2-q8_0.gguf"),
+                              "kind": "q8_0"}, jobs, opts, opts.llamacpp_python)
+        if "error" in payload:
+            return f"llama.cpp quantize: {payload['error']}"
+        prep.paths["gguf_q8_0"] = str(work / "gpt2-q8_0.gguf")
+        result.setdefault("conversions", {})["gguf_q8_0"] = payload["result"]
     return None
 
 
@@ -151,20 +210,25 @@ def _artifacts_needed(engines: list[str]) -> set[str]:
 
 def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
-    log(f"preset {preset}: preparing weights and exports")
+    engines = engines_for(preset, opts)
+    log(f"preset {preset}: preparing weights and exports ({', '.join(engines)})")
     prep = _prepare_checkpoint(preset, work, opts.ckpts.get(preset))
+    t_export = time.perf_counter()
     export_copies(prep, work, {"artifact": opts.artifacts.get(preset),
                                "artifact_int8": opts.artifacts_int8.get(preset)},
-                  needed=_artifacts_needed(opts.engines), log=lambda m: log(f"  export: {m}"))
+                  needed=_artifacts_needed(engines), log=lambda m: log(f"  export: {m}"))
+    export_s = time.perf_counter() - t_export
     count = max([*opts.batch_sizes, *opts.concurrency])
     prompts = make_prompts(prep.ckpt / "tokenizer.json", count, opts.prompt_tokens)
     result: dict[str, Any] = {"params": prep.params, "weights": prep.weights,
                               "model": prep.model_config, "notes": prep.notes, "engines": {},
-                              "timings_s": {"prepare": time.perf_counter() - t0}}
+                              "timings_s": {"prepare": time.perf_counter() - t0,
+                                            "export": export_s}}
     common = {"job": "measure", "threads": opts.threads, "paths": prep.paths,
               "prompts": prompts["ids"], "new_tokens": opts.new_tokens,
-              "warmup_tokens": min(4, opts.new_tokens), "reps": opts.reps}
-    for engine in (e for e in opts.engines if e != "http"):
+              "warmup_tokens": min(4, opts.new_tokens), "reps": opts.reps,
+              "n_ctx": opts.prompt_tokens + opts.new_tokens + 8}
+    for engine in (e for e in engines if e != "http"):
         t1 = time.perf_counter()
         missing = _engine_missing(engine, prep, opts)
         if missing:
@@ -182,15 +246,25 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
                 continue
             prep.paths["optimum"] = str(work / "optimum")
             result["optimum_export"] = exported["result"]
+        if engine in PEER_ENGINES:
+            failed = _prepare_peer(engine, prep, opts, work, result)
+            if failed:
+                result["engines"][engine] = {"error": failed}
+                continue
+            if engine.startswith("llamacpp"):
+                python = opts.llamacpp_python
         batches = opts.nocache_batch_sizes if engine == "torch_nocache" else opts.batch_sizes
+        if engine.startswith("llamacpp"):
+            batches = [b for b in batches if b == 1] or [1]  # one sequence at a time
         spec = {**common, "engine": engine, "batch_sizes": batches, "paths": prep.paths}
         payload = run_worker(spec, work / "jobs", opts, python)
         result["engines"][engine] = ({"error": payload["error"]} if "error" in payload else
                                      {**payload["result"], "memory": payload.get("memory", {})})
         result["timings_s"][engine] = time.perf_counter() - t1
     _greedy_consistency(result)
-    _long_and_agreement(result, prep, prompts, opts, work)
-    if "http" in opts.engines:
+    _long_and_agreement(result, prep, prompts, opts, work,
+                        kv_compare=bool({"torch_kv", "torch_nocache"} & set(engines)))
+    if "http" in engines:
         t1 = time.perf_counter()
         missing = _engine_missing("http", prep, opts)
         if missing:
@@ -214,20 +288,36 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
 
 
 def _greedy_consistency(result: dict[str, Any]) -> None:
-    """Share of rows whose greedy tokens equal PyTorch-with-cache's: same weights, same path."""
+    """Share of rows whose greedy tokens equal PyTorch-with-cache's: same weights, same path.
+
+    Also, per row set, the mean number of leading tokens equal to our fp32 engine's: the
+    same-weights check for the peers, whose arithmetic differs in summation order only,
+    so on random weights (near-uniform logits) they agree for a prefix, then may part.
+    """
     ref = {r["batch"]: r["greedy_tokens"]
            for r in result["engines"].get("torch_kv", {}).get("rows", [])}
+    ours = {r["batch"]: r["greedy_tokens"]
+            for r in result["engines"].get("engine", {}).get("rows", [])}
     for res in result["engines"].values():
         for row in res.get("rows", []):
             mine, theirs = row.get("greedy_tokens"), ref.get(row["batch"])
             if mine is not None and theirs is not None:
                 same = sum(a == b for a, b in zip(mine, theirs, strict=True))
                 row["greedy_rows_equal_torch_kv"] = same / len(mine)
+            base = ours.get(row["batch"])
+            if mine is not None and base is not None:
+                prefixes = [next((i for i, (a, b) in enumerate(zip(m, e, strict=True))
+                                  if a != b), len(m)) for m, e in zip(mine, base, strict=True)]
+                row["greedy_prefix_equal_engine"] = sum(prefixes) / len(prefixes)
 
 
 def _long_and_agreement(result: dict[str, Any], prep: Prepared, prompts: dict[str, Any],
-                        opts: BenchOptions, work: Path) -> None:
+                        opts: BenchOptions, work: Path, kv_compare: bool = True) -> None:
     t1 = time.perf_counter()
+    if not kv_compare:
+        result["kv_vs_nocache"] = {"error": "not run: no PyTorch engine in this preset's list"}
+        _int8_agreement(result, prep, prompts, opts, work)
+        return
     config = dict(prep.model_config)
     config["max_seq_len"] = max(config["max_seq_len"], opts.prompt_tokens + opts.long_new_tokens)
     payload = run_worker({"job": "kv_vs_nocache", "threads": opts.threads, "config": config,
@@ -235,6 +325,11 @@ def _long_and_agreement(result: dict[str, Any], prep: Prepared, prompts: dict[st
                          work / "jobs", opts)
     result["kv_vs_nocache"] = payload.get("result", {"error": payload.get("error")})
     result["timings_s"]["kv_vs_nocache"] = time.perf_counter() - t1
+    _int8_agreement(result, prep, prompts, opts, work)
+
+
+def _int8_agreement(result: dict[str, Any], prep: Prepared, prompts: dict[str, Any],
+                    opts: BenchOptions, work: Path) -> None:
     if "artifact" not in prep.paths or "artifact_int8" not in prep.paths:
         result["int8_agreement"] = {"error": "needs both the fp32 and the int8 artifact"}
         return
@@ -265,7 +360,9 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                      "prompt_tokens": opts.prompt_tokens, "new_tokens": opts.new_tokens,
                      "long_new_tokens": opts.long_new_tokens,
                      "reps": {str(k): v for k, v in opts.reps.items()},
-                     "engines": opts.engines, "optimum": opts.optimum_note or "available"},
+                     "engines": opts.engines or {p: engines_for(p, opts) for p in opts.presets},
+                     "optimum": opts.optimum_note or "available",
+                     "llamacpp": opts.llamacpp_note or "available"},
     }
     try:
         log("machine ceiling: GEMM and memory bandwidth")
@@ -275,7 +372,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         for preset in opts.presets:
             run["presets"][preset] = run_preset(preset, opts, work / preset)
             run["presets"][preset]["targets"] = evaluate_targets(run["presets"][preset],
-                                                                 run["ceiling"])
+                                                                 run["ceiling"], preset)
     finally:
         if opts.keep_work:
             log(f"work directory kept: {work}")

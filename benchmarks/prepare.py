@@ -84,16 +84,24 @@ def random_checkpoint(preset: str, out: Path, tokenizer_json: str) -> Path:
 
 
 def prepare_checkpoint(preset: str, work: Path, given: Path | None) -> Prepared:
+    hf: Path | None = None
     if given is not None:
         ckpt, weights = given, f"trained ({given})"
+    elif preset == "gpt2":
+        from benchmarks.gpt2_preset import prepare_gpt2
+
+        ckpt, hf, weights = prepare_gpt2(work)
     elif preset == "small" and _matches_preset(DEFAULT_CKPT, preset):
         ckpt, weights = DEFAULT_CKPT, f"trained ({DEFAULT_CKPT.relative_to(REPO_ROOT)})"
     else:
         ckpt = random_checkpoint(preset, work / "ckpt", _tokenizer_json(work.parent))
         weights = "random init (seed 0)"
     meta = read_meta(ckpt)
-    return Prepared(preset=preset, ckpt=ckpt, weights=weights,
+    prep = Prepared(preset=preset, ckpt=ckpt, weights=weights,
                     params=_count_params(ckpt), model_config=meta.model.to_dict())
+    if hf is not None:  # the peers convert the very directory our checkpoint came from
+        prep.paths["hf"] = str(hf)
+    return prep
 
 
 def _count_params(ckpt: Path) -> int:
@@ -134,7 +142,8 @@ def export_copies(prep: Prepared, work: Path, artifacts: dict[str, Path | None],
     from export.hf import export_hf
 
     prep.paths["ckpt"] = str(prep.ckpt)
-    prep.paths["hf"] = str(export_hf(prep.ckpt, work / "hf", force=True))
+    if "hf" not in prep.paths:
+        prep.paths["hf"] = str(export_hf(prep.ckpt, work / "hf", force=True))
     trained = not prep.weights.startswith("random")
     for key, quantize in (("artifact", None), ("artifact_int8", "int8")):
         if artifacts.get(key) is not None:
@@ -151,7 +160,7 @@ def export_copies(prep: Prepared, work: Path, artifacts: dict[str, Path | None],
             # Verification compares greedy paths, which near-ties on random weights can
             # fail for reasons that have nothing to do with speed; skip it there.
             out = export_artifact(prep.ckpt, work / key, quantize=quantize, verify=trained,
-                                  force=True, log=log, engine_graph=quantize is None)
+                                  force=True, log=log, engine_graph=True)
         except Exception as exc:  # the rows that need it are reported as unavailable
             prep.notes.append(f"{key}: export failed: {type(exc).__name__}: {exc}")
             continue

@@ -18,7 +18,15 @@ LABELS = {
     "engine": "4 our engine (fp32)",
     "engine_int8": "5 our engine (int8)",
     "http": "6 HTTP service",
+    "ct2": "7 CTranslate2 (fp32)",
+    "ct2_int8": "7 CTranslate2 (int8)",
+    "llamacpp_f32": "8 llama.cpp (f32 GGUF)",
+    "llamacpp_q8_0": "8 llama.cpp (q8_0 GGUF)",
 }
+# Bytes of weights one decode step reads, per parameter, for the bandwidth bound.
+WEIGHT_BYTES = {"engine": 4.0, "llamacpp_f32": 4.0, "ct2": 4.0, "hf_generate": 4.0,
+                "engine_int8": 1.0 + 4.0 / 32, "llamacpp_q8_0": 1.0 + 2.0 / 32,
+                "ct2_int8": 1.0}
 BASELINE = "hf_generate"
 
 
@@ -67,7 +75,56 @@ def _check(name: str, value: float | None, target: float, higher: bool, unit: st
             "detail": f"{value:.3g}{unit} (target {op} {target:g}{unit})"}
 
 
-def evaluate_targets(preset: dict[str, Any], ceiling: dict[str, Any]) -> list[dict[str, Any]]:
+def bandwidth_fractions(preset: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, float]:
+    """Batch-1 decode as a fraction of the memory-bandwidth bound, per engine.
+
+    Each decode step streams every weight once, so tokens/s can be at most read
+    bandwidth ÷ weight bytes; the fraction is weight bytes × decode tok/s ÷ bandwidth.
+    int8 weight bytes include the scales (one fp32 per 32 for MatMulNBits, one fp16 per
+    32 for q8_0); embeddings and norms are counted at the same width, an approximation.
+    """
+    bw = ceiling.get("read_bandwidth_gbs_best")
+    out: dict[str, float] = {}
+    for r in flat_rows(preset):
+        per = WEIGHT_BYTES.get(r["engine"])
+        tps = r.get("decode_tokens_per_s")
+        if r["batch"] == 1 and per and tps and bw:
+            out[r["engine"]] = preset["params"] * per * tps / (bw * 1e9)
+    return out
+
+
+def gpt2_targets(preset: dict[str, Any], ceiling: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 10's targets for the gpt2 preset (ratios within this one run)."""
+    rows = flat_rows(preset)
+    tps = {(r["engine"], r["batch"]): r.get("tokens_per_s") for r in rows}
+    big = max((r["batch"] for r in rows if r["engine"] == "engine"), default=32)
+
+    def ratio(a: str, b: str, batch: int) -> float | None:
+        return _ratio(tps.get((a, batch)), tps.get((b, batch)))
+
+    checks = [("engine", "llamacpp_f32", 1, 1.2), ("engine", "ct2", 1, 1.3),
+              ("engine", "ct2", big, 1.5), ("engine", BASELINE, 1, 3.0),
+              ("engine", BASELINE, big, 2.0), ("engine_int8", "llamacpp_q8_0", 1, 1.0)]
+    out = [_check(f"{LABELS[a]} vs {LABELS[b]}, batch {n}", ratio(a, b, n), t, True, "×",
+                  f"needs the {a} and {b} rows") for a, b, n, t in checks]
+    fractions = bandwidth_fractions(preset, ceiling)
+    preset["bandwidth_fraction_batch1"] = fractions
+    frac = fractions.get("engine")
+    out.append(_check("batch-1 fp32 decode share of the memory-bandwidth bound",
+                      frac * 100 if frac is not None else None, 50.0, True, "%",
+                      "needs the engine row and the ceiling"))
+    agree = preset.get("int8_agreement", {}).get("token_agreement")
+    out.append(_check("int8 greedy agreement (random weights: see the export figure on "
+                      "trained weights in the README)",
+                      agree * 100 if agree is not None else None, 97.0, True, "%",
+                      preset.get("int8_agreement", {}).get("error", "not run")))
+    return out
+
+
+def evaluate_targets(preset: dict[str, Any], ceiling: dict[str, Any],
+                     name: str = "") -> list[dict[str, Any]]:
+    if name == "gpt2":
+        return gpt2_targets(preset, ceiling)
     rows = flat_rows(preset)
     tps = {(r["engine"], r["batch"]): r.get("tokens_per_s") for r in rows}
     big = max((r["batch"] for r in rows if r["engine"] == "engine"), default=32)
@@ -142,12 +199,13 @@ def markdown(run: dict[str, Any]) -> str:
               "runtime: torch rows include torch itself); HTTP is the server process. "
               "'greedy = (2)' is the share of rows whose greedy tokens equal PyTorch with "
               "KV cache: the engines run the same weights (near-ties on random weights "
-              "may flip a token).", ""]
+              "may flip a token); 'prefix = (4)' is the mean number of leading generated "
+              "tokens equal to our fp32 engine's (same-weights check for the peers).", ""]
     for name, p in run["presets"].items():
         lines += [f"## {name} — {p['params'] / 1e6:.2f} M parameters, weights: {p['weights']}", ""]
         lines += ["| engine | batch | tok/s | ×(3) | decode tok/s | TTFT ms | ×(3) | p50 ms "
-                  "| p99 ms | peak RSS MiB | ×(3) | greedy = (2) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| p99 ms | peak RSS MiB | ×(3) | greedy = (2) | prefix = (4) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in flat_rows(p):
             label = LABELS.get(r["engine"], r["engine"])
             if r["engine"] == "http":
@@ -158,7 +216,8 @@ def markdown(run: dict[str, Any]) -> str:
                 f"{_fmt(r.get('ttft_ms'))} | {_fmt(r.get('x_ttft'), 2)} | "
                 f"{_fmt(r.get('latency_p50_ms'), 0)} | {_fmt(r.get('latency_p99_ms'), 0)} | "
                 f"{_fmt(r.get('peak_rss_mb'), 0)} | {_fmt(r.get('x_peak_rss'), 2)} | "
-                f"{_fmt(r.get('greedy_rows_equal_torch_kv'), 2)} |")
+                f"{_fmt(r.get('greedy_rows_equal_torch_kv'), 2)} | "
+                f"{_fmt(r.get('greedy_prefix_equal_engine'), 1)} |")
         kv = p.get("kv_vs_nocache", {})
         if "speedup" in kv:
             lines += ["", f"KV cache vs none, batch 1, {kv['prompt_tokens']}+{kv['new_tokens']} "
@@ -168,6 +227,16 @@ def markdown(run: dict[str, Any]) -> str:
         if "token_agreement" in ag:
             lines += ["", f"int8 greedy agreement (teacher-forced over {ag['positions']} "
                       f"positions): {ag['token_agreement'] * 100:.1f}%."]
+        bwf = p.get("bandwidth_fraction_batch1") or {}
+        if bwf:
+            lines += ["", "Batch-1 decode as a share of the memory-bandwidth bound (weight "
+                      "bytes × decode tok/s ÷ measured read bandwidth): " + ", ".join(
+                          f"{LABELS.get(k, k)} {v * 100:.0f}%" for k, v in bwf.items()) + "."]
+        conv = p.get("conversions") or {}
+        if conv:
+            lines += ["", "Conversions of the transformers copy: " + "; ".join(
+                f"{k}: " + ", ".join(f"{a} {_fmt(b, 1) if isinstance(b, float) else b}"
+                                     for a, b in v.items()) for k, v in conv.items()) + "."]
         frac = p.get("compute_fraction_batch_decode")
         if frac is not None:
             lines += ["", f"Batch decode reaches {frac * 100:.1f}% of the GEMM ceiling "

@@ -3,7 +3,8 @@
 Usage (started by the harness, not by hand):
     python -m benchmarks.worker SPEC.json RESULT.json
 
-SPEC names a job (ceiling, measure, kv_vs_nocache, agreement, optimum_export) and its
+SPEC names a job (ceiling, measure, kv_vs_nocache, agreement, optimum_export, ct2_convert,
+gguf_export, llamacpp_quantize) and its
 inputs; RESULT receives {"result": ..., "memory": {...}} or {"error": "..."}. Thread
 pools are limited through the environment by the harness before this process starts
 (OMP/MKL/OpenBLAS), and again here through each library's own switch.
@@ -61,6 +62,15 @@ def _make_runner(spec: dict[str, Any]) -> Any:
 
         key = "artifact" if engine == "engine" else "artifact_int8"
         return EngineRunner(Path(paths[key]), threads, name=engine)
+    if engine in ("ct2", "ct2_int8"):
+        from benchmarks.runners_ct2 import COMPUTE_TYPES, CT2Generator
+
+        return CT2Generator(Path(paths[engine]), threads, COMPUTE_TYPES[engine], name=engine)
+    if engine in ("llamacpp_f32", "llamacpp_q8_0"):
+        from benchmarks.runner_llamacpp import LlamaCpp
+
+        gguf = paths["gguf_f32" if engine == "llamacpp_f32" else "gguf_q8_0"]
+        return LlamaCpp(Path(gguf), threads, spec["n_ctx"], name=engine)
     raise ValueError(f"unknown engine {engine!r}")
 
 
@@ -73,6 +83,10 @@ def _import_libraries(spec: dict[str, Any]) -> None:
         import transformers  # noqa: F401
     if engine in ("optimum", "ort_plain", "engine", "engine_int8"):
         import onnxruntime  # noqa: F401
+    if engine in ("ct2", "ct2_int8"):
+        import ctranslate2  # noqa: F401
+    if engine.startswith("llamacpp"):
+        import llama_cpp  # noqa: F401
 
 
 def run_job(spec: dict[str, Any]) -> dict[str, Any]:
@@ -110,6 +124,20 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
         from benchmarks.runners_torch import optimum_export
 
         return {"result": optimum_export(Path(spec["hf"]), Path(spec["out"]))}
+    if job == "ct2_convert":
+        _limit_torch_threads(spec["threads"])
+        from benchmarks.runners_ct2 import convert
+
+        return {"result": convert(Path(spec["hf"]), Path(spec["out"]), spec["compute_type"])}
+    if job == "gguf_export":
+        from benchmarks.gguf_export import write_gguf
+
+        return {"result": write_gguf(Path(spec["hf"]), Path(spec["out"]))}
+    if job == "llamacpp_quantize":
+        from benchmarks.runner_llamacpp import quantize
+
+        return {"result": quantize(Path(spec["src"]), Path(spec["out"]), spec["kind"],
+                                   spec["threads"])}
     raise ValueError(f"unknown job {job!r}")
 
 

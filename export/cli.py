@@ -2,7 +2,7 @@
 
 Usage:
     attnserve export --ckpt checkpoints/default --out artifacts/default
-    attnserve export --ckpt CKPT --out ART --quantize int8 --force
+    attnserve export --ckpt CKPT --out ART --quantize int8 --engine-graph --force
     attnserve export --ckpt CKPT --out ART --dtype float16 --opset 20
     attnserve export --ckpt CKPT --out HF_DIR --format hf
     attnserve export --ckpt CKPT --out ART --engine-graph   # + engine.onnx for the service
@@ -29,8 +29,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="artifact directory to create")
     p.add_argument("--opset", type=int, default=None,
                    help="ONNX opset (default 18; supported 18-21)")
-    p.add_argument("--quantize", choices=["int8"], default=None,
-                   help="dynamic int8 quantisation of the MatMul weights")
+    p.add_argument("--quantize", choices=["int8", "int8-dynamic"], default=None,
+                   help="int8: block-quantised 8-bit MatMulNBits weights (block 32, int8 "
+                        "activations; works with --engine-graph); int8-dynamic: ORT "
+                        "quantize_dynamic (per-channel weights, activations per call)")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="KV cache dtype; logits and arithmetic stay float32")
     p.add_argument("--no-verify", action="store_true",
@@ -42,7 +44,8 @@ def register(subparsers: Any) -> None:
                    help="onnx: the attnserve artifact; hf: a Hugging Face transformers model")
     p.add_argument("--engine-graph", action="store_true",
                    help="also write engine.onnx: the service's own decoder graph "
-                        "(GroupQueryAttention, KV cache updated in place); float32 only")
+                        "(GroupQueryAttention, KV cache updated in place); float32 or "
+                        "--quantize int8")
     p.set_defaults(handler=run)
 
 

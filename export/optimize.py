@@ -88,7 +88,11 @@ def optimize_decoder(gpt: GPT, model_path: Path, kv_dtype: io.KvDtype = "float32
         }
         keep = optimized < base
         if keep and check is not None:
-            figures["verification"] = check(candidate)
+            try:
+                figures["verification"] = check(candidate)
+            except ValueError as exc:  # faster but not good enough: keep the original graph
+                figures["verification_failed"] = str(exc)
+                keep = False
         if keep:
             os.replace(candidate, model_path)
         figures["kept"] = keep

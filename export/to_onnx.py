@@ -28,7 +28,7 @@ from service.contract import io_spec as io
 from service.contract.manifest import Manifest, checkpoint_fingerprint, describe_files
 
 DTYPES = ("float32", "float16")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int8-dynamic")  # export/quantize.py METHODS
 
 
 def _versions() -> dict[str, str]:
@@ -60,7 +60,8 @@ def check_options(opset: int, dtype: str, quantize: str | None) -> None:
         raise ValueError(f"unsupported quantization {quantize!r}; choose one of "
                          f"{list(QUANTIZATIONS)}")
     if quantize is not None and dtype != "float32":
-        raise ValueError("--quantize int8 needs --dtype float32 (weights int8, cache float32)")
+        raise ValueError(f"--quantize {quantize} needs --dtype float32 "
+                         "(weights int8, cache float32)")
 
 
 def load_source(ckpt_dir: Path) -> tuple[Any, Any]:
@@ -108,6 +109,19 @@ def artifact_config(ckpt: Any, model_name: str, kv_dtype: io.KvDtype,
     )
 
 
+def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
+                     training: dict[str, Any], method: str, measure: bool) -> dict[str, Any]:
+    """engine.onnx with quantised weights, judged against its float32 self."""
+    from export.engine_graph import EngineDecoder
+    from export.quantize import compare_decoders, quantize_weights
+
+    figures = quantize_weights(fp32_path, out, method)
+    if measure:
+        figures.update(compare_decoders(gpt, EngineDecoder(fp32_path, gpt),
+                                        EngineDecoder(out, gpt), tok, training, method))
+    return figures
+
+
 def export_artifact(
     ckpt_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -125,7 +139,8 @@ def export_artifact(
     """Export, verify, optimise and (optionally) quantise; return the artifact directory.
 
     ``engine_graph`` also writes engine.onnx, the service-only decoder with an in-place
-    KV cache (export/engine_graph.py); model.onnx is unchanged either way.
+    KV cache (export/engine_graph.py); model.onnx is unchanged either way. With
+    ``quantize="int8"`` both graphs get MatMulNBits weights (export/quantize.py).
     """
     from export.graphs import (
         DEFAULT_OPSET,
@@ -139,9 +154,9 @@ def export_artifact(
     opset = DEFAULT_OPSET if opset is None else opset
     out = Path(out_dir)
     check_options(opset, dtype, quantize)
-    if engine_graph and (dtype != "float32" or quantize is not None):
-        raise ValueError("--engine-graph needs a float32 artifact (no --dtype float16, "
-                         "no --quantize)")
+    if engine_graph and (dtype != "float32" or quantize not in (None, "int8")):
+        raise ValueError("--engine-graph needs float32 weights or --quantize int8 "
+                         "(no --dtype float16, no --quantize int8-dynamic)")
     if engine_graph:
         from model.checkpoint import read_meta
 
@@ -179,17 +194,17 @@ def export_artifact(
         quantization: dict[str, Any] | None = None
         fp32_copy = tmp / f".{io.MODEL_FILE}.fp32"
         check = None
-        if quantize == "int8":
+        if quantize is not None:
             from export.quantize import int8_check, quantize_int8
 
             os.replace(model_path, fp32_copy)
             quantization = quantize_int8(gpt, model_path, fp32_copy, tok, ckpt.meta.training,
-                                         measure=verify)
-            say(f"int8: token agreement {quantization.get('token_agreement')}, perplexity "
-                f"change {quantization.get('perplexity_relative_change')}")
+                                         measure=verify, method=quantize)
+            say(f"{quantize}: token agreement {quantization.get('token_agreement')}, "
+                f"perplexity change {quantization.get('perplexity_relative_change')}")
             verification["int8"] = quantization
             if verify:
-                check = int8_check(gpt, fp32_copy, tok, ckpt.meta.training)
+                check = int8_check(gpt, fp32_copy, tok, ckpt.meta.training, quantize)
         elif verify:
             from export.optimize import fp_check
 
@@ -205,11 +220,19 @@ def export_artifact(
             from export.engine_graph import export_engine, verify_engine
             from service.contract.engine_spec import ENGINE_FILE
 
-            engine_path = export_engine(gpt, tmp / ENGINE_FILE)
+            engine_path = tmp / ENGINE_FILE
+            engine_fp32 = export_engine(gpt, tmp / f".{ENGINE_FILE}.fp32" if quantize
+                                        else engine_path, matmul_only=bool(quantize))
             if verify:
-                verification["engine"] = verify_engine(gpt, engine_path)
+                verification["engine"] = verify_engine(gpt, engine_fp32)
                 say(f"verified engine.onnx: {verification['engine']['max_abs_diff']:.2e} "
                     f"over {verification['engine']['steps']} steps, cache updated in place")
+            if quantize:
+                verification["engine_int8"] = _quantize_engine(
+                    gpt, engine_fp32, engine_path, tok, ckpt.meta.training, quantize, verify)
+                say(f"{quantize} engine.onnx: token agreement "
+                    f"{verification['engine_int8'].get('token_agreement')}")
+                engine_fp32.unlink()
         shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
         for name in io.OPTIONAL_HF_FILES:  # chat template and friends, when the checkpoint has them
             if (Path(ckpt_dir) / name).is_file():

@@ -22,9 +22,27 @@ def test_int8_export_reports_agreement_and_perplexity(tiny_checkpoint: Path,
     assert manifest.quantization == "int8"
     figures = manifest.verification["int8"]
     assert figures["steps"] == 64 and figures["prompts"] == 8
-    assert figures["token_agreement"] >= 0.95
-    assert abs(figures["perplexity_relative_change"]) < 0.05
+    assert figures["token_agreement"] >= 0.97
+    assert abs(figures["perplexity_relative_change"]) < 0.02
     assert figures["int8_bytes"] < figures["fp32_bytes"]
+    nodes = onnx.load(str(out / "model.onnx")).graph.node
+    nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
+    assert nbits and len(nbits) == figures["quantized_matmuls"]
+    attrs = {a.name: a.i for a in nbits[0].attribute}
+    assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (8, 32, 4)
+    assert not {"MatMulInteger", "DynamicQuantizeLinear"} & {n.op_type for n in nodes}
+
+
+def test_int8_dynamic_export_keeps_quantize_dynamic(tiny_checkpoint: Path,
+                                                    tmp_path: Path) -> None:
+    out = export_artifact(tiny_checkpoint, tmp_path / "dyn", quantize="int8-dynamic",
+                          optimize=False)
+    manifest = verify_manifest(out)
+    assert manifest.quantization == "int8-dynamic"
+    figures = manifest.verification["int8"]
+    # the weaker method (per-tensor activation scales): ~92% on the tiny checkpoint
+    assert figures["agreement_target"] == 0.95 and figures["token_agreement"] >= 0.9
+    assert abs(figures["perplexity_relative_change"]) < 0.05
     ops = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
     assert {"MatMulInteger", "DynamicQuantizeLinear"} & ops
 

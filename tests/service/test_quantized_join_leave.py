@@ -1,4 +1,5 @@
-"""int8 and float16 artifacts through joins and leaves: batched greedy equals the plain loop.
+"""int8 (MatMulNBits and dynamic) and float16 artifacts through joins and leaves: batched
+greedy equals the plain loop.
 
 Each variant is compared with the plain ONNX Runtime loop (conftest.greedy_loop) over the
 same artifact's model.onnx, so the reference shares the variant's weights and cache dtype
@@ -23,19 +24,21 @@ PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
 
 
 INT8_BATCH_VARIANT = pytest.mark.xfail(
-    strict=True, reason="known defect: the int8 graph's DynamicQuantizeLinear takes one "
-    "activation scale over the whole (B*T, d) tensor, so a row's tokens depend on who else "
-    "is in the batch; per-row (or MatMulNBits block) quantization would fix it")
+    strict=True, reason="known defect of --quantize int8-dynamic: DynamicQuantizeLinear takes "
+    "one activation scale over the whole (B*T, d) tensor, so a row's tokens depend on who "
+    "else is in the batch; --quantize int8 (MatMulNBits, per-block scales within a row) "
+    "does not have it")
 
 
-@pytest.fixture(scope="module", params=["int8", "float16"])
+@pytest.fixture(scope="module", params=["int8", "int8-dynamic", "float16"])
 def variant(request: pytest.FixtureRequest, tiny_checkpoint: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Path:
     from export.to_onnx import export_artifact
     from tests.conftest import torch_threads
 
     out = tmp_path_factory.mktemp(request.param) / "artifact"
-    options = {"quantize": "int8"} if request.param == "int8" else {"dtype": "float16"}
+    options = ({"quantize": request.param} if request.param.startswith("int8")
+               else {"dtype": "float16"})
     with torch_threads(1):
         return export_artifact(tiny_checkpoint, out, optimize=False, verify=False,
                                **options)  # type: ignore[arg-type]
@@ -61,7 +64,7 @@ def test_variant_served_alone_equals_the_plain_loop(
 def test_variant_greedy_with_joins_and_leaves_equals_the_plain_loop(
         variant: Path, encode: Callable[[str], list[int]], request: pytest.FixtureRequest
         ) -> None:
-    if "int8" in variant.parent.name:
+    if "int8-dynamic" in variant.parent.name:
         request.applymarker(INT8_BATCH_VARIANT)
     config = io.ArtifactConfig.load(variant)
     model = create_model(variant, config, "cpu", 1)
