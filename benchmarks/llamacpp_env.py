@@ -13,25 +13,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
+
+from benchmarks.overlay_venv import create_overlay, imports_ok, overlay_python
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 OVERLAY_PACKAGES = (LLAMA_CPP_PYTHON, "diskcache")
 BUILD_JOBS = "2"
 
 
-def overlay_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
 def has_llama_cpp(python: Path) -> bool:
     probe = "import llama_cpp; llama_cpp.llama_backend_init()"
-    try:
-        return subprocess.run([str(python), "-c", probe], capture_output=True,
-                              timeout=120).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    return imports_ok(python, probe)
 
 
 def ensure_overlay(venv: Path, log: object = print) -> Path:
@@ -42,13 +35,7 @@ def ensure_overlay(venv: Path, log: object = print) -> Path:
     python = overlay_python(venv)
     if python.exists() and has_llama_cpp(python):
         return python
-    base = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base, "-m", "venv", str(venv)], check=True, capture_output=True)
-    purelib = Path(sysconfig.get_paths()["purelib"])  # this (.venv) interpreter's packages
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True).stdout.strip()
-    Path(site, "zz_attnserve_main_venv.pth").write_text(f"{purelib}\n", encoding="utf-8")
+    create_overlay(venv)
     env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=BUILD_JOBS,
                # CPU only, tuned for this machine; no multimodal library, server, tools or tests
                CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF "

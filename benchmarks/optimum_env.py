@@ -1,7 +1,7 @@
 """A side environment for Optimum, whose releases pin transformers < 4.58.
 
-The project's .venv has transformers 5, which optimum-onnx cannot import. Rather than
-downgrade it, the benchmark runs its Optimum worker in an overlay venv: a fresh venv
+The project's .venv may hold a transformers that optimum-onnx cannot import. Rather than
+pin it, the benchmark runs its Optimum worker in an overlay venv: a fresh venv
 whose own site-packages hold only optimum, optimum-onnx and the older transformers /
 huggingface_hub / tokenizers they need, with a .pth line that falls back to .venv for
 everything else (torch, onnxruntime, numpy), so torch is never reinstalled.
@@ -10,9 +10,9 @@ everything else (torch, onnxruntime, numpy), so torch is never reinstalled.
 from __future__ import annotations
 
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
+
+from benchmarks.overlay_venv import create_overlay, imports_ok, overlay_python
 
 OVERLAY_PACKAGES = (
     "optimum==2.3.0",
@@ -24,17 +24,9 @@ OVERLAY_PACKAGES = (
 )
 
 
-def overlay_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
 def has_optimum(python: Path) -> bool:
     probe = "from optimum.onnxruntime import ORTModelForCausalLM"
-    try:
-        return subprocess.run([str(python), "-c", probe], capture_output=True,
-                              timeout=120).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    return imports_ok(python, probe)
 
 
 def ensure_overlay(venv: Path, log: object = print) -> Path:
@@ -42,13 +34,7 @@ def ensure_overlay(venv: Path, log: object = print) -> Path:
     python = overlay_python(venv)
     if python.exists() and has_optimum(python):
         return python
-    base = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base, "-m", "venv", str(venv)], check=True, capture_output=True)
-    purelib = Path(sysconfig.get_paths()["purelib"])  # this (.venv) interpreter's packages
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True).stdout.strip()
-    Path(site, "zz_attnserve_main_venv.pth").write_text(f"{purelib}\n", encoding="utf-8")
+    create_overlay(venv)
     result = subprocess.run(
         [str(python), "-m", "pip", "install", "--quiet", "--no-deps", *OVERLAY_PACKAGES],
         capture_output=True, text=True)
