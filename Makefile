@@ -58,13 +58,13 @@ deploy-check: venv system-deps
 deploy-smoke: venv system-deps
 	$(BIN)/python -m pytest tests/deploy/test_smoke.py
 
-## bench: side-by-side benchmark, small, base and gpt2 (not part of `make test`; the first
+## bench: side-by-side benchmark, small, base, gpt2 and smollm2-135m (not part of `make test`; the first
 ## run also compiles llama.cpp into .cache/llamacpp-venv, ~20 min on 2 cores, once);
 ## results in results/bench/<date>/ and results/bench/latest.{json,md,png}
 .PHONY: bench
 BENCH_ARGS ?=
 bench: venv
-	$(BIN)/python -m benchmarks --presets small,base,gpt2 --setup-optimum --setup-llamacpp $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks --presets small,base,gpt2,smollm2-135m --setup-optimum --setup-llamacpp $(BENCH_ARGS)
 
 lint: venv
 	$(BIN)/ruff check model export service benchmarks tests

@@ -6,6 +6,7 @@ Usage (from the repository root, in the dev venv):
     python -m benchmarks --setup-optimum                  # also build the Optimum side env
     python -m benchmarks --presets gpt2 --setup-llamacpp  # GPT-2 124M vs CTranslate2, llama.cpp
     python -m benchmarks --presets gpt2 --engines engine,llamacpp_f32 --batch-sizes 1
+    python -m benchmarks --presets smollm2-135m           # SmolLM2-135M shape vs CTranslate2
     python -m benchmarks --ckpt small=checkpoints/default --out results/bench/mine
 
 Writes results.json, results.md and results.png under --out (default
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", type=_names, default=["small", "base"],
                    help="comma-separated presets (default small,base); gpt2 is GPT-2 small "
-                        "(124M, random weights) against CTranslate2 and llama.cpp")
+                        "(124M, random weights) against CTranslate2 and llama.cpp; "
+                        "smollm2-135m is SmolLM2-135M's Llama shape against CTranslate2")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 16 new tokens, 1 repetition, small ceiling arrays")
     p.add_argument("--out", type=Path, default=None,
@@ -77,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="subset of torch_nocache,torch_kv,hf_generate,ort_plain,optimum,"
                         "engine,engine_int8,http,ct2,ct2_int8,llamacpp_f32,llamacpp_q8_0 "
                         "(default: all but the peers for small/base; hf_generate, ct2, "
-                        "ct2_int8, llamacpp_f32, llamacpp_q8_0, engine, engine_int8 for gpt2)")
+                        "ct2_int8, llamacpp_f32, llamacpp_q8_0, engine, engine_int8 for gpt2; "
+                        "the same less llama.cpp for smollm2-135m)")
     p.add_argument("--ckpt", action="append", metavar="PRESET=DIR",
                    help="use this checkpoint for a preset instead of random init")
     p.add_argument("--artifact", action="append", metavar="PRESET=DIR",

@@ -11,6 +11,7 @@ preset initialised at random (benchmarks/prepare.py); end-of-sequence is not a s
   output lengths spread over [n/2, 3n/2]; every finish is replaced by a new request, so
   rows join and leave at almost every step. Figure: generated tokens/s; ratio to static.
   Run with prefix caching on (as served) and off: on random prompts it can only cost.
+  Static, on and off are interleaved in every repeat; the figures are medians.
 - shared prefix: prompts of a long common prefix (≥ 75 %) plus a short distinct suffix,
   sent one at a time after one warm-up request; median time to first token, on vs off.
 """
@@ -148,26 +149,25 @@ def main(argv: list[str] | None = None) -> int:
           f"{config.n_layers}, context {config.max_seq_len}; {args.threads} threads; "
           f"pool {BATCH} slots")
 
-    # -- throughput: static batch vs join/leave traffic (prefix caching on, as served) ---
+    # -- throughput: static batch vs join/leave traffic, prefix caching on (as served) and
+    # off (random prompts: caching can only cost); the three interleaved in every repeat,
+    # so a change in the machine's load moves all three alike.
     engine = Engine(artifact, args.threads, prefix_blocks=4096, chunk=256)
-    engine.static([prompt(args.prompt_len) for _ in range(BATCH)], 8)  # warm-up
-    static, joined = [], []
+    plain = Engine(artifact, args.threads, prefix_blocks=0, chunk=256)
+    for warm in (engine, plain):
+        warm.static([prompt(args.prompt_len) for _ in range(BATCH)], 8)
+    static: list[float] = []
+    joined: list[float] = []
+    uncached: list[float] = []
+    count = args.waves * BATCH
     for _ in range(args.repeats):
         static.append(engine.static([prompt(args.prompt_len) for _ in range(BATCH)], n))
-        count = args.waves * BATCH
-        lengths = [rng.randint(n // 2, 3 * n // 2) for _ in range(count)]
-        joined.append(engine.join_leave([prompt(args.prompt_len) for _ in range(count)],
-                                        lengths))
+        for runs, eng in ((joined, engine), (uncached, plain)):
+            lengths = [rng.randint(n // 2, 3 * n // 2) for _ in range(count)]
+            runs.append(eng.join_leave([prompt(args.prompt_len) for _ in range(count)],
+                                       lengths))
     moves = engine.model.pool.moves
     engine.close()
-    plain = Engine(artifact, args.threads, prefix_blocks=0, chunk=256)  # random prompts:
-    plain.static([prompt(args.prompt_len) for _ in range(BATCH)], 8)  # caching can't help
-    uncached = []
-    for _ in range(args.repeats):
-        count = args.waves * BATCH
-        lengths = [rng.randint(n // 2, 3 * n // 2) for _ in range(count)]
-        uncached.append(plain.join_leave([prompt(args.prompt_len) for _ in range(count)],
-                                         lengths))
     plain.close()
     s, j = statistics.median(static), statistics.median(joined)
     u = statistics.median(uncached)

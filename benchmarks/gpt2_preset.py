@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 PRESET = "gpt2"
@@ -39,7 +40,7 @@ def _trained_vocab(vocab_size: int) -> tuple[dict[str, int], str]:
         return vocab, (Path(tmp) / "merges.txt").read_text("utf-8")
 
 
-def write_tokenizer(out: Path, vocab_size: int) -> int:
+def write_tokenizer(out: Path, vocab_size: int, model_max_length: int = 1024) -> int:
     """GPT-2-layout tokenizer files in ``out`` (vocab.json, merges.txt, tokenizer.json and
     the two config files GPT2Tokenizer reads); returns the eos id (vocab_size - 1)."""
     from tokenizers import AddedToken, ByteLevelBPETokenizer
@@ -63,8 +64,14 @@ def write_tokenizer(out: Path, vocab_size: int) -> int:
     (out / "special_tokens_map.json").write_text(json.dumps(special), "utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps(
         {**special, "tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False,
-         "model_max_length": 1024}), "utf-8")
+         "model_max_length": model_max_length}), "utf-8")
     return eos
+
+
+def learned_token_count(hf_dir: Path) -> int:
+    """Entries of vocab.json that the BPE learned (not the ``<|unusedN|>`` filler)."""
+    vocab = json.loads((hf_dir / "vocab.json").read_text("utf-8"))
+    return sum(not k.startswith("<|unused") for k in vocab)
 
 
 def build_hf_gpt2(out: Path, seed: int = SEED) -> dict[str, int]:
@@ -78,20 +85,26 @@ def build_hf_gpt2(out: Path, seed: int = SEED) -> dict[str, int]:
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).eval()
     model.save_pretrained(str(out), safe_serialization=True)
-    learned = sum(not k.startswith("<|unused") for k in json.loads(
-        (out / "vocab.json").read_text("utf-8")))
     return {"params": int(model.num_parameters()), "vocab_size": config.vocab_size,
-            "learned_tokens": learned, "eos_token_id": eos}
+            "learned_tokens": learned_token_count(out), "eos_token_id": eos}
+
+
+def import_built(work: Path, name: str, build: Callable[[Path], dict[str, int]],
+                 model: str) -> tuple[Path, Path, str]:
+    """Build a Hugging Face directory ``work/name`` with ``build``, import it with
+    ``attnserve import``; (checkpoint, HF directory, the weights' description)."""
+    from model.hf_import import import_hf_checkpoint
+
+    hf = work / name
+    sizes = build(hf)
+    ckpt = import_hf_checkpoint(hf, work / "ckpt", force=True)
+    return ckpt, hf, (f"random init ({model}, seed {SEED}); tokenizer: byte-level BPE "
+                      f"trained on the stdlib corpus, {sizes['learned_tokens']} learned tokens "
+                      f"in a {sizes['vocab_size']}-id vocabulary, <|endoftext|> = "
+                      f"{sizes['eos_token_id']}")
 
 
 def prepare_gpt2(work: Path) -> tuple[Path, Path, str]:
     """(checkpoint, HF directory, description) for the gpt2 preset, built under ``work``."""
-    from model.hf_import import import_hf_checkpoint
-
-    hf = work / "hf-gpt2"
-    sizes = build_hf_gpt2(hf)
-    ckpt = import_hf_checkpoint(hf, work / "ckpt", force=True)
-    return ckpt, hf, (f"random init (transformers GPT2LMHeadModel(GPT2Config()), seed {SEED}); "
-                      f"tokenizer: byte-level BPE trained on the stdlib corpus, "
-                      f"{sizes['learned_tokens']} learned tokens in a {sizes['vocab_size']}-id "
-                      f"vocabulary, <|endoftext|> = {sizes['eos_token_id']}")
+    return import_built(work, "hf-gpt2", build_hf_gpt2,
+                        "transformers GPT2LMHeadModel(GPT2Config())")

@@ -26,13 +26,18 @@ from benchmarks.prepare import prepare_checkpoint as _prepare_checkpoint
 
 ENGINES = ("torch_nocache", "torch_kv", "hf_generate", "ort_plain", "optimum", "engine",
            "engine_int8", "http", "ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0")
-# Peers that convert the transformers GPT-2 copy: run on the gpt2 preset only.
+# Peers that convert the transformers copy of an imported model (gpt2, smollm2-135m).
 PEER_ENGINES = ("ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0")
+# Which presets each peer runs on: our GGUF writer knows GPT-2's tensor layout only.
+PEER_PRESETS = {"ct2": ("gpt2", "smollm2-135m"), "ct2_int8": ("gpt2", "smollm2-135m"),
+                "llamacpp_f32": ("gpt2",), "llamacpp_q8_0": ("gpt2",)}
 # What each preset runs when --engines is not given.
 DEFAULT_ENGINES = {
     "gpt2": ("hf_generate", "ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0", "engine",
              "engine_int8"),
+    "smollm2-135m": ("hf_generate", "ct2", "ct2_int8", "engine", "engine_int8"),
 }
+GPT2_SMALL_SHAPE = {"n_layers": 12, "n_heads": 12, "n_kv_heads": 12, "d_model": 768}
 SMALL_ENGINES = tuple(e for e in ENGINES if e not in PEER_ENGINES)
 
 
@@ -147,8 +152,8 @@ def _engine_missing(engine: str, prep: Prepared, opts: BenchOptions) -> str | No
             return f"{module} is not in this tree yet"
     if engine == "optimum" and opts.optimum_python is None:
         return opts.optimum_note or "optimum is not installed"
-    if engine in PEER_ENGINES and prep.preset != "gpt2":
-        return "the CTranslate2 and llama.cpp peers run on the gpt2 preset"
+    if engine in PEER_ENGINES and prep.preset not in PEER_PRESETS[engine]:
+        return f"{engine} runs on the {' and '.join(PEER_PRESETS[engine])} preset(s)"
     if engine.startswith("ct2"):
         import importlib.util
 
@@ -218,14 +223,21 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
                                "artifact_int8": opts.artifacts_int8.get(preset)},
                   needed=_artifacts_needed(engines), log=lambda m: log(f"  export: {m}"))
     export_s = time.perf_counter() - t_export
-    count = max([*opts.batch_sizes, *opts.concurrency])
+    count = max(opts.batch_sizes)
+    if "http" in engines:
+        from benchmarks.http_load import http_prompt_count
+
+        count = max(count, http_prompt_count(opts.concurrency, opts.http_waves,
+                                             http_ttft_reps(opts)))
     prompts = make_prompts(prep.ckpt / "tokenizer.json", count, opts.prompt_tokens)
     result: dict[str, Any] = {"params": prep.params, "weights": prep.weights,
                               "model": prep.model_config, "notes": prep.notes, "engines": {},
+                              "kv_cache_bytes_per_token": kv_cache_comparison(
+                                  preset, prep.model_config),
                               "timings_s": {"prepare": time.perf_counter() - t0,
                                             "export": export_s}}
     common = {"job": "measure", "threads": opts.threads, "paths": prep.paths,
-              "prompts": prompts["ids"], "new_tokens": opts.new_tokens,
+              "prompts": prompts["ids"][:max(opts.batch_sizes)], "new_tokens": opts.new_tokens,
               "warmup_tokens": min(4, opts.new_tokens), "reps": opts.reps,
               "n_ctx": opts.prompt_tokens + opts.new_tokens + 8}
     for engine in (e for e in engines if e != "http"):
@@ -275,7 +287,7 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
             try:
                 result["http"] = run_http(Path(prep.paths["artifact"]), prompts["texts"],
                                           opts.threads, opts.new_tokens, opts.concurrency,
-                                          opts.http_waves, 3 if opts.quick else 10, work, log)
+                                          opts.http_waves, http_ttft_reps(opts), work, log)
             except Exception as exc:  # recorded, the rest of the report still stands
                 result["http"] = {"error": f"{type(exc).__name__}: {exc}"}
                 log(f"  http failed: {exc}")
@@ -285,6 +297,20 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
             row.pop("greedy_tokens", None)
     result["timings_s"]["total"] = time.perf_counter() - t0
     return result
+
+
+def http_ttft_reps(opts: BenchOptions) -> int:
+    return 3 if opts.quick else 10
+
+
+def kv_cache_comparison(preset: str, model: dict[str, Any]) -> dict[str, int]:
+    """KV-cache bytes per token of this preset and, for an imported one, GPT-2 small's."""
+    from benchmarks.smollm2_preset import kv_bytes_per_token
+
+    sizes = {preset: kv_bytes_per_token(model)}
+    if preset != "gpt2" and preset in DEFAULT_ENGINES:
+        sizes["gpt2"] = kv_bytes_per_token(GPT2_SMALL_SHAPE)
+    return sizes
 
 
 def _greedy_consistency(result: dict[str, Any]) -> None:

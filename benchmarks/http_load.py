@@ -122,17 +122,29 @@ async def _load(url: str, texts: list[str], concurrency: int, n_requests: int,
     }
 
 
-def http_ttft_ms(url: str, text: str, reps: int) -> float:
+def http_ttft_ms(url: str, texts: list[str]) -> float:
+    """Median over texts[1:] (texts[0] warms up); each prompt is new to the prefix cache."""
     import httpx
 
     times = []
     with httpx.Client(base_url=url, timeout=60.0) as client:
-        client.post("/generate", json=_body(text, 1))
-        for _ in range(reps):
+        client.post("/generate", json=_body(texts[0], 1))
+        for text in texts[1:]:
             t0 = time.perf_counter()
             client.post("/generate", json=_body(text, 1)).raise_for_status()
             times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+def http_requests(concurrency: int, waves: int) -> int:
+    """Requests measured at a concurrency: ``waves`` full waves (at least 3 at c = 1)."""
+    return concurrency * waves if concurrency > 1 else max(waves, 3)
+
+
+def http_prompt_count(concurrencies: list[int], waves: int, ttft_reps: int) -> int:
+    """Distinct prompts run_http needs: the TTFT ones, then a warm-up wave and the measured
+    requests of every concurrency."""
+    return 1 + ttft_reps + sum(c + http_requests(c, waves) for c in concurrencies)
 
 
 def run_http(artifact: Path, texts: list[str], threads: int, n_new: int,
@@ -143,11 +155,18 @@ def run_http(artifact: Path, texts: list[str], threads: int, n_new: int,
     try:
         server.wait_ready()
         out: dict[str, Any] = {"rows": []}
-        out["ttft_ms"] = http_ttft_ms(server.url, texts[0], ttft_reps)
+        out["ttft_ms"] = http_ttft_ms(server.url, texts[:1 + ttft_reps])
         log(f"http TTFT {out['ttft_ms']:.1f} ms")
+        fresh = iter(texts[1 + ttft_reps:])
         for c in concurrencies:
-            n = c * waves if c > 1 else max(waves, 3)
-            row = asyncio.run(_load(server.url, texts, c, n, n_new))
+            n = http_requests(c, waves)
+            # One unmeasured wave at this concurrency, as every engine row is warmed at its
+            # batch size: the first batch of a size touches fresh pool pages and buffers.
+            # Every request has a prompt of its own, so prefix caching (on, as served) finds
+            # nothing to reuse and the row measures batching, as the engine rows do.
+            asyncio.run(_load(server.url, [next(fresh) for _ in range(c)], c, c,
+                              min(4, n_new)))
+            row = asyncio.run(_load(server.url, [next(fresh) for _ in range(n)], c, n, n_new))
             out["rows"].append(row)
             log(f"http c={c}: {row['tokens_per_s']:.1f} tok/s")
         out["peak_rss_mb"] = server.peak_rss_mb()

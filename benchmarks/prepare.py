@@ -91,6 +91,10 @@ def prepare_checkpoint(preset: str, work: Path, given: Path | None) -> Prepared:
         from benchmarks.gpt2_preset import prepare_gpt2
 
         ckpt, hf, weights = prepare_gpt2(work)
+    elif preset == "smollm2-135m":
+        from benchmarks.smollm2_preset import prepare_smollm2
+
+        ckpt, hf, weights = prepare_smollm2(work)
     elif preset == "small" and _matches_preset(DEFAULT_CKPT, preset):
         ckpt, weights = DEFAULT_CKPT, f"trained ({DEFAULT_CKPT.relative_to(REPO_ROOT)})"
     else:

@@ -93,20 +93,31 @@ def bandwidth_fractions(preset: dict[str, Any], ceiling: dict[str, Any]) -> dict
     return out
 
 
-def gpt2_targets(preset: dict[str, Any], ceiling: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 10's targets for the gpt2 preset (ratios within this one run)."""
+# Issue 10 (gpt2) and issue 14 (smollm2-135m): (ours, peer, batch or None = the largest,
+# minimum ratio of tokens/s) within one run.
+PEER_CHECKS: dict[str, list[tuple[str, str, int | None, float]]] = {
+    "gpt2": [("engine", "llamacpp_f32", 1, 1.2), ("engine", "ct2", 1, 1.3),
+             ("engine", "ct2", None, 1.5), ("engine", BASELINE, 1, 3.0),
+             ("engine", BASELINE, None, 2.0), ("engine_int8", "llamacpp_q8_0", 1, 1.0)],
+    "smollm2-135m": [("engine", "ct2", 1, 1.2), ("engine", BASELINE, 1, 3.0),
+                     ("engine", "ct2", None, 1.5), ("engine", BASELINE, None, 2.0),
+                     ("engine_int8", "engine", 1, 1.5)],
+}
+
+
+def peer_targets(preset: dict[str, Any], ceiling: dict[str, Any],
+                 name: str) -> list[dict[str, Any]]:
+    """The imported presets' targets: ratios to the peers within this one run, the batch-1
+    share of the memory-bandwidth bound, and int8 agreement."""
     rows = flat_rows(preset)
     tps = {(r["engine"], r["batch"]): r.get("tokens_per_s") for r in rows}
     big = max((r["batch"] for r in rows if r["engine"] == "engine"), default=32)
-
-    def ratio(a: str, b: str, batch: int) -> float | None:
-        return _ratio(tps.get((a, batch)), tps.get((b, batch)))
-
-    checks = [("engine", "llamacpp_f32", 1, 1.2), ("engine", "ct2", 1, 1.3),
-              ("engine", "ct2", big, 1.5), ("engine", BASELINE, 1, 3.0),
-              ("engine", BASELINE, big, 2.0), ("engine_int8", "llamacpp_q8_0", 1, 1.0)]
-    out = [_check(f"{LABELS[a]} vs {LABELS[b]}, batch {n}", ratio(a, b, n), t, True, "×",
-                  f"needs the {a} and {b} rows") for a, b, n, t in checks]
+    out = []
+    for a, b, batch, target in PEER_CHECKS[name]:
+        n = batch or big
+        out.append(_check(f"{LABELS[a]} vs {LABELS[b]}, batch {n}",
+                          _ratio(tps.get((a, n)), tps.get((b, n))), target, True, "×",
+                          f"needs the {a} and {b} rows"))
     fractions = bandwidth_fractions(preset, ceiling)
     preset["bandwidth_fraction_batch1"] = fractions
     frac = fractions.get("engine")
@@ -123,8 +134,8 @@ def gpt2_targets(preset: dict[str, Any], ceiling: dict[str, Any]) -> list[dict[s
 
 def evaluate_targets(preset: dict[str, Any], ceiling: dict[str, Any],
                      name: str = "") -> list[dict[str, Any]]:
-    if name == "gpt2":
-        return gpt2_targets(preset, ceiling)
+    if name in PEER_CHECKS:
+        return peer_targets(preset, ceiling, name)
     rows = flat_rows(preset)
     tps = {(r["engine"], r["batch"]): r.get("tokens_per_s") for r in rows}
     big = max((r["batch"] for r in rows if r["engine"] == "engine"), default=32)
@@ -232,6 +243,10 @@ def markdown(run: dict[str, Any]) -> str:
             lines += ["", "Batch-1 decode as a share of the memory-bandwidth bound (weight "
                       "bytes × decode tok/s ÷ measured read bandwidth): " + ", ".join(
                           f"{LABELS.get(k, k)} {v * 100:.0f}%" for k, v in bwf.items()) + "."]
+        kv = p.get("kv_cache_bytes_per_token")
+        if kv:
+            lines += ["", "KV cache per token (fp32 keys and values, every layer): " + ", ".join(
+                f"{k} {v:,} B" for k, v in kv.items()) + "."]
         conv = p.get("conversions") or {}
         if conv:
             lines += ["", "Conversions of the transformers copy: " + "; ".join(

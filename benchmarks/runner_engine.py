@@ -15,7 +15,10 @@ from service.contract import io_spec as io
 
 
 class EngineRunner:
-    def __init__(self, artifact_dir: Path, threads: int, name: str = "engine") -> None:
+    def __init__(self, artifact_dir: Path, threads: int, name: str = "engine",
+                 max_len: int | None = None) -> None:
+        """``max_len``: tokens per KV slot (the server's --max-total-tokens), default the
+        model's context."""
         from service.engine.scheduler import Scheduler, SchedulerLimits
         from service.engine.session import create_model
         from service.engine.text import TextCodec
@@ -27,7 +30,8 @@ class EngineRunner:
         limits = SchedulerLimits(max_batch_size=64, max_batch_tokens=1 << 20,
                                  max_queued_requests=1024)
         model = create_model(artifact_dir, config, "cpu", threads,  # engine.onnx if present
-                             pool=PoolConfig(slots=limits.max_batch_size))
+                             pool=PoolConfig(slots=limits.max_batch_size, max_len=max_len and min(
+                                 max_len, config.max_seq_len)))
         codec = TextCodec.from_file(artifact_dir / io.TOKENIZER_FILE)
         self.scheduler = Scheduler(model, codec, limits, config.fill_token_id)
         self.loop = asyncio.new_event_loop()

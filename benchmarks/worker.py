@@ -61,7 +61,7 @@ def _make_runner(spec: dict[str, Any]) -> Any:
         from benchmarks.runner_engine import EngineRunner
 
         key = "artifact" if engine == "engine" else "artifact_int8"
-        return EngineRunner(Path(paths[key]), threads, name=engine)
+        return EngineRunner(Path(paths[key]), threads, name=engine, max_len=spec.get("n_ctx"))
     if engine in ("ct2", "ct2_int8"):
         from benchmarks.runners_ct2 import COMPUTE_TYPES, CT2Generator
 

@@ -55,6 +55,7 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
             if runtime.scheduler is not None:
                 await asyncio.to_thread(runtime.scheduler.stop, 10.0)
             await asyncio.to_thread(runtime.attention_encoder.shutdown)
+            runtime.attention_threads.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="attnserve", version=_version(), lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)

@@ -18,6 +18,7 @@ from service.contract import io_spec as io
 from service.contract.manifest import verify_manifest
 from service.engine.session import select_providers
 from service.engine.text import TextCodec
+from service.generation_defaults import GenerationDefaults, load_generation_defaults
 from service.settings import Limits, Settings
 
 
@@ -33,6 +34,7 @@ class Artifact:
     providers: list[str]  # what the sessions will ask ONNX Runtime for, in order
     chat_template: ChatTemplate
     extra_eos_ids: tuple[int, ...]  # generation_config.json's eos_token_id beyond config's
+    generation_defaults: GenerationDefaults  # its sampling fields, for the OpenAI routes
 
 
 def generation_eos_ids(path: Path, listed: Mapping[str, object],
@@ -70,4 +72,6 @@ def open_artifact(settings: Settings) -> Artifact:
         files={name: entry.sha256 for name, entry in sorted(manifest.files.items())},
         codec=codec, limits=Limits.resolve(settings, config.max_seq_len),
         providers=select_providers(settings.device), chat_template=chat_template,
-        extra_eos_ids=generation_eos_ids(path, manifest.files, config))
+        extra_eos_ids=generation_eos_ids(path, manifest.files, config),
+        generation_defaults=load_generation_defaults(
+            path, manifest.files, enabled=settings.generation_config == "auto"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from service.admission import AdmissionGate
@@ -18,7 +19,7 @@ from service.engine.scheduler import Scheduler, SchedulerLimits
 from service.engine.session import AttentionModel, create_model, create_session
 from service.engine.static_cache import PoolConfig
 from service.metrics import Metrics
-from service.offload import Offload
+from service.offload import Offload, low_priority_threads
 from service.settings import Settings
 from service.validation import Validator
 
@@ -43,6 +44,7 @@ class Runtime:
     started_at: float = field(default_factory=time.time)
     attention_gate: AdmissionGate = field(init=False)
     attention_encoder: Offload = field(init=False)
+    attention_threads: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.attention_gate = AdmissionGate(
@@ -51,25 +53,34 @@ class Runtime:
             on_change=self.metrics.record_admission)
         # One encoding process per admitted request: the gate bounds how many are busy.
         self.attention_encoder = Offload(self.settings.attention_max_concurrent)
+        # attention.onnx runs here, below the decode loop's priority (offload.py).
+        self.attention_threads = low_priority_threads(self.settings.attention_max_concurrent,
+                                                      "attnserve-attention")
 
 
-def pool_config(settings: Settings, config: io.ArtifactConfig) -> PoolConfig:
-    """Slots and prefix-cache blocks for engine.onnx's KV pool, from the memory settings."""
+def pool_config(settings: Settings, config: io.ArtifactConfig, slot_tokens: int) -> PoolConfig:
+    """Slots and prefix-cache blocks for engine.onnx's KV pool, from the memory settings.
+
+    A slot holds ``slot_tokens`` (max_total_tokens: vLLM's max_model_len), not the model's
+    whole context, so a long-context model (SmolLM2 8k, Qwen2.5 32k) is served in the
+    memory its requests can use.
+    """
     token_bytes = 2 * config.n_layers * config.kv_heads * config.head_dim * 4  # float32 K and V
+    slot_bytes = token_bytes * slot_tokens
     slots = settings.max_batch_size
     if settings.kv_cache_memory_mb is not None:
-        fit = int(settings.kv_cache_memory_mb * 2**20 // (token_bytes * config.max_seq_len))
+        fit = int(settings.kv_cache_memory_mb * 2**20 // slot_bytes)
         if fit < 1:
             raise ValueError(f"kv_cache_memory_mb {settings.kv_cache_memory_mb} holds no "
-                             f"full-context slot ({token_bytes * config.max_seq_len / 2**20:.2f}"
-                             " MiB each)")
+                             f"slot of max_total_tokens {slot_tokens} "
+                             f"({slot_bytes / 2**20:.2f} MiB each)")
         slots = min(slots, fit)
     blocks = 0
     if settings.prefix_caching:
         block_bytes = token_bytes * settings.prefix_block_size
         blocks = max(1, int(settings.prefix_cache_memory_mb * 2**20 // block_bytes))
     return PoolConfig(slots=slots, prefix_block_size=settings.prefix_block_size,
-                      prefix_cache_blocks=blocks)
+                      prefix_cache_blocks=blocks, max_len=slot_tokens)
 
 
 def load_engine(runtime: Runtime) -> None:
@@ -77,7 +88,8 @@ def load_engine(runtime: Runtime) -> None:
     settings, artifact = runtime.settings, runtime.artifact
     config = artifact.config
     model = create_model(artifact.path, config, settings.device, settings.intra_op_threads,
-                         settings.engine_graph, pool_config(settings, config))
+                         settings.engine_graph,
+                         pool_config(settings, config, artifact.limits.max_total_tokens))
     attention = AttentionModel(create_session(artifact.path / io.ATTENTION_FILE, "cpu"
                                               if model.device == "cpu" else settings.device,
                                               settings.attention_threads), config)
@@ -91,7 +103,7 @@ def load_engine(runtime: Runtime) -> None:
     scheduler = Scheduler(
         model, artifact.codec,
         SchedulerLimits(batch_size, limits.max_batch_tokens, limits.max_queued_requests,
-                        settings.prefill_chunk_tokens),
+                        settings.prefill_chunk_tokens, settings.adaptive_prefill_chunks),
         pad_token_id=config.fill_token_id, stats=runtime.metrics)
     started = time.perf_counter()
     if runtime.validator.grammars is not None:

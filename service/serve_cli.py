@@ -63,10 +63,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="auto: CUDA when available, else CPU; cuda fails if absent")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                         default=None)
+    parser.add_argument("--generation-config", choices=("auto", "off"), default=None,
+                        help="auto (default): OpenAI requests take unset sampling fields "
+                             "from the model's generation_config.json; off: ignore it")
     parser.add_argument("--engine-graph", action=argparse.BooleanOptionalAction, default=None,
                         help="decode with the artifact's engine.onnx (in-place KV cache) when "
                              "it has one and runs on CPU (default); --no-engine-graph: "
                              "always model.onnx")
+    parser.add_argument("--adaptive-prefill-chunks", action=argparse.BooleanOptionalAction,
+                        default=None, help="size each prefill chunk to cost about one decode "
+                                           "step of the running rows (default on); "
+                                           "--no-adaptive-prefill-chunks: fixed chunks of "
+                                           "--prefill-chunk-tokens")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="reuse cached keys/values of shared prompt "
                                            "prefixes (engine.onnx; default on)")
@@ -80,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from service.settings import Settings
 
     fields = [dest for _, dest, _, _ in OPTIONS] + ["device", "log_level", "engine_graph",
-                                                "prefix_caching"]
+                                                "prefix_caching", "generation_config",
+                                                "adaptive_prefill_chunks"]
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     try:
         settings = Settings(**overrides)

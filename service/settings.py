@@ -65,8 +65,16 @@ class Settings(BaseSettings):
         256.0, gt=0, description="memory for the prefix cache's block store, in MiB")
     prefix_block_size: int = Field(16, ge=1, description="tokens per prefix-cache block")
     prefill_chunk_tokens: int = Field(
-        256, ge=0, description="prompts longer than this are prefilled in chunks of this "
-                               "size between decode steps (engine.onnx); 0: one pass")
+        256, ge=0, description="prompts longer than this are prefilled in chunks of at most "
+                               "this size between decode steps (engine.onnx); 0: one pass")
+    adaptive_prefill_chunks: bool = Field(
+        True, description="size each chunk to cost about one decode step of the running "
+                          "rows (at least 16 tokens), and prefill in one pass when no row "
+                          "is running; false: every chunk is prefill_chunk_tokens")
+    generation_config: Literal["auto", "off"] = Field(
+        "auto", description="auto: the OpenAI routes take sampling fields a request leaves "
+                            "unset from the artifact's generation_config.json (vLLM's "
+                            "default); off: the API's neutral defaults")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("api_key")

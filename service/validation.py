@@ -80,11 +80,13 @@ class Validator:
         self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int | None,
         stop: list[str], max_new_field: str, prompt_logprobs: bool = False, *,
         stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, min_tokens: int = 0,
+        default_max_new_tokens: int | None = None,
     ) -> GenerationRequest:
+        """``default_max_new_tokens`` replaces the server's default for an unset length."""
         room = self.limits.max_total_tokens - len(prompt_ids)
         if max_new_tokens is None:
-            max_new_tokens = max(1, min(self.default_max_new_tokens, room,
-                                        self.limits.max_new_tokens))
+            max_new_tokens = max(1, min(default_max_new_tokens or self.default_max_new_tokens,
+                                        room, self.limits.max_new_tokens))
         if max_new_tokens > self.limits.max_new_tokens:
             raise InputError(max_new_field, f"{max_new_tokens} exceeds the server's bound "
                                             f"max_new_tokens {self.limits.max_new_tokens}")

@@ -12,6 +12,8 @@ Usage (from the repository root, in the dev venv):
         --server-env ATTNSERVE_MAX_BATCH_SIZE=32
     # decode latency while /attention is flooded (20 at once, every second)
     python -m benchmarks.serve --model artifacts/default --attention-flood 20
+    # running streams' inter-token gaps while a maximum-length prompt joins, every 4 s
+    python -m benchmarks.serve --model artifacts/default --long-join-interval 4
 
 Writes, under --result-dir (default results/serve/<date>-<workload>), one JSON per request
 rate with vLLM's field names (completed, duration, request_throughput, output_throughput,
@@ -29,6 +31,7 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 from datetime import date, datetime
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,7 @@ import numpy as np
 
 from benchmarks.serve import client as load
 from benchmarks.serve import report
-from benchmarks.serve.stats import calculate_metrics, parse_goodput
+from benchmarks.serve.stats import calculate_metrics, itl_during_windows, parse_goodput
 from benchmarks.serve.workloads import SampleRequest, random_requests, shared_prefix_requests
 
 WORKLOADS = ("random", "shared-prefix")
@@ -118,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated kinds each /attention request asks for "
                         "(q,k,v,scores,scaled_scores,weights; default weights)")
     p.add_argument("--attention-format", choices=("json", "npz", "png"), default="json")
+    p.add_argument("--long-join-interval", type=float, default=0.0, metavar="S",
+                   help="every S seconds during the run, send one prompt of "
+                        "--long-join-len tokens (1 new token) and report the streams' ITL "
+                        "while it is prefilled against the rest (default 0: off)")
+    p.add_argument("--long-join-count", type=_positive, default=8,
+                   help="at most this many joins, each a new prompt (default 8)")
+    p.add_argument("--long-join-len", type=_positive, default=None,
+                   help="tokens of that prompt (default: the server's max_input_tokens)")
     p.add_argument("--result-dir", type=Path, default=None,
                    help="where the JSON, report.md and report.png go "
                         "(default results/serve/<date>-<workload>)")
@@ -180,6 +191,19 @@ async def _served_model(client: httpx.AsyncClient) -> tuple[str, dict[str, Any]]
     return str(r.json()["data"][0]["id"]), info
 
 
+def _long_prompts(args: argparse.Namespace, info: dict[str, Any]) -> list[str]:
+    """--long-join-count distinct prompts of --long-join-len tokens (else as long as the
+    server takes), made before the run so that making them times nothing."""
+    from service.engine.text import TextCodec
+
+    n = args.long_join_len or info.get("limits", {}).get("max_input_tokens")
+    if not n:
+        raise ValueError("the server's /info has no max_input_tokens: give --long-join-len")
+    codec = TextCodec.from_file(_tokenizer_path(args))
+    return [random_requests(codec, 1, int(n), 1, 0.0, args.seed + 1000 + k)[0].prompt
+            for k in range(args.long_join_count)]
+
+
 async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequest],
                    rate: float, attention_text: str | None) -> dict[str, Any]:
     limit = args.max_concurrency or len(requests)
@@ -205,16 +229,25 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
             flooding = asyncio.create_task(load.attention_flood(
                 flood_client, body, args.attention_flood, args.attention_interval, stop,
                 flood))
+        joins = load.JoinStats()
+        joining = None
+        long_prompts = _long_prompts(args, info) if args.long_join_interval > 0 else []
+        t_start = time.perf_counter()
+        if long_prompts:
+            joining = asyncio.create_task(load.long_prompt_joins(
+                client, long_prompts, args.long_join_interval, t_start, stop, joins))
         started = datetime.now().astimezone().isoformat(timespec="seconds")
         load_before = os.getloadavg()[0]
         try:
             outputs, duration = await load.run_load(client, send, requests, offsets,
-                                                    args.max_concurrency)
+                                                    args.max_concurrency, start=t_start)
         finally:
             stop.set()
             if flooding is not None:
                 await flooding
                 await flood_client.aclose()
+            if joining is not None:
+                await joining
     goodput = parse_goodput(args.goodput)
     run: dict[str, Any] = {
         "date": started, "backend": args.backend, "base_url": url, "model_id": model,
@@ -227,6 +260,12 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
                  "loadavg_1m_after": os.getloadavg()[0]},
     }
     run.update(calculate_metrics(outputs, duration, args.metric_percentiles, goodput))
+    if joining is not None:
+        run["long_prompt_joins"] = {
+            "interval_s": args.long_join_interval, "windows": joins.windows,
+            "failed": joins.failed, "prompt_len": args.long_join_len or info.get(
+                "limits", {}).get("max_input_tokens"),
+            **itl_during_windows(outputs, joins.windows, args.metric_percentiles)}
     if flooding is not None:
         run["attention_flood"] = {
             "concurrency": args.attention_flood, "interval_s": args.attention_interval,
@@ -264,6 +303,8 @@ def handle(args: argparse.Namespace) -> int:
                          "--num-warmups ≥ 0")
     if args.url is None and args.model is None:
         raise ValueError("give --url of a running server or --model ARTIFACT to serve")
+    if args.long_join_interval < 0:
+        raise ValueError("--long-join-interval must be ≥ 0")
     if args.attention_flood < 0 or args.attention_interval <= 0:
         raise ValueError("--attention-flood must be ≥ 0 and --attention-interval > 0")
     tokenizer = _tokenizer_path(args)

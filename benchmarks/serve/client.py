@@ -163,10 +163,12 @@ def request_func(backend: str, model: str | None) -> RequestFunc:
 
 async def run_load(client: httpx.AsyncClient, send: RequestFunc,
                    requests: list[SampleRequest], offsets: list[float],
-                   max_concurrency: int | None) -> tuple[list[RequestOutput], float]:
-    """Send every request at its offset; (outputs in request order, wall seconds)."""
+                   max_concurrency: int | None, start: float | None = None
+                   ) -> tuple[list[RequestOutput], float]:
+    """Send every request at its offset after ``start`` (a perf_counter reading, default
+    now); (outputs in request order, wall seconds)."""
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
 
     async def one(req: SampleRequest) -> RequestOutput:
         if slots is not None:
@@ -231,3 +233,35 @@ async def attention_flood(client: httpx.AsyncClient, body: dict[str, Any], concu
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
         await wave
+
+
+@dataclass
+class JoinStats:
+    """Long-prompt joins: (sent, answered) seconds after the run began, and failures."""
+
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+async def long_prompt_joins(client: httpx.AsyncClient, prompts: list[str], interval: float,
+                            start: float, stop: asyncio.Event, stats: JoinStats) -> None:
+    """One maximum-length prompt (one new token) every ``interval`` seconds, one at a time,
+    until ``stop`` or the prompts run out: the running streams' gaps while it is prefilled
+    show what a join costs them. Each prompt is new, so no prefix cache shortens its
+    prefill. The first is sent after one interval, so the load has started."""
+    for prompt in prompts:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+        if stop.is_set():
+            return
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 1, "do_sample": False}}
+        sent = time.perf_counter() - start
+        try:
+            r = await client.post("/generate", json=body)
+            if r.status_code != 200:
+                stats.failed.append(f"HTTP {r.status_code}: {r.text[:200]}")
+                continue
+        except httpx.HTTPError as exc:
+            stats.failed.append(f"{type(exc).__name__}: {exc}")
+            continue
+        stats.windows.append((sent, time.perf_counter() - start))

@@ -47,6 +47,15 @@ def summary(run: dict[str, Any]) -> str:
         row(f"Median {label} (ms):", run[f"median_{name}_ms"])
         for key in sorted(k for k in run if k.startswith("p") and k.endswith(f"_{name}_ms")):
             row(f"P{key[1:].split('_')[0]} {label} (ms):", run[key])
+    joins = run.get("long_prompt_joins")
+    if joins:
+        lines.append("{s:{c}^{n}}".format(s="Long-prompt joins", n=50, c="-"))
+        row("Joins answered / failed:", f"{joins['joins']} / {len(joins['failed'])}")
+        row("Joining prompt tokens:", joins["prompt_len"])
+        for key in sorted(k for k in joins if k.startswith("p") and k.endswith("_ms")):
+            row(f"{key[:-3].replace('_itl_', ' ITL ')} (ms):", joins[key])
+        ratio = next((v for k, v in joins.items() if k.endswith("_during_over_steady")), None)
+        row("ITL during ÷ steady (top percentile):", ratio if ratio is not None else "–")
     flood = run.get("attention_flood")
     if flood:
         lines.append("{s:{c}^{n}}".format(s="/attention flood", n=50, c="-"))

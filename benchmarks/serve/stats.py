@@ -10,6 +10,7 @@ Written with the standard library only, so the tests can check it against numpy.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -136,4 +137,40 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration: float,
         "generated_texts": [o.generated_text for o in outputs],
         "errors": [o.error for o in outputs],
     })
+    return result
+
+
+def token_times(out: RequestOutput) -> list[float]:
+    """When each token of a stream arrived, in seconds after the run began."""
+    t = out.start_time + out.ttft
+    times = [t]
+    for gap in out.itl:
+        t += gap
+        times.append(t)
+    return times
+
+
+def itl_during_windows(outputs: Sequence[RequestOutput], windows: Sequence[tuple[float, float]],
+                       percentiles: Sequence[float] = (50, 90, 99)) -> dict[str, Any]:
+    """Inter-token gaps of the streams split by whether they overlap a window (a long
+    prompt being prefilled) or not: the running rows' ITL while a prompt joins vs steady."""
+    during: list[float] = []
+    steady: list[float] = []
+    for out in outputs:
+        if not out.success:
+            continue
+        times = token_times(out)
+        for a, b in itertools.pairwise(times):
+            overlaps = any(b > lo and a < hi for lo, hi in windows)
+            (during if overlaps else steady).append(b - a)
+    result: dict[str, Any] = {"joins": len(windows), "gaps_during": len(during),
+                              "gaps_steady": len(steady)}
+    result.update({k.replace("_itl_", "_itl_during_"): v
+                   for k, v in describe("itl", during, percentiles).items()})
+    result.update({k.replace("_itl_", "_itl_steady_"): v
+                   for k, v in describe("itl", steady, percentiles).items()})
+    top = max(percentiles)
+    steady_top = result[f"p{top:g}_itl_steady_ms"]
+    result[f"p{top:g}_itl_during_over_steady"] = (
+        result[f"p{top:g}_itl_during_ms"] / steady_top if during and steady_top else None)
     return result

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -32,6 +33,29 @@ class Slot:
 
     def __repr__(self) -> str:
         return f"Slot({self.index})"
+
+
+def memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def ensure_memory(need: int, what: str, available: int | None = None) -> None:
+    """Refuse, before allocating, a cache larger than the memory available (``available``,
+    default MemAvailable): the pool's pages are committed as rows fill, so an oversized
+    pool would start fine and meet the OOM killer under load."""
+    available = memory_available() if available is None else available
+    if available is not None and need > available:
+        raise MemoryError(
+            f"the KV cache needs {need / 2**30:.1f} GiB ({what}) but {available / 2**30:.1f} "
+            f"GiB of memory is available: lower --max-total-tokens or --max-batch-size, or "
+            f"set --kv-cache-memory-mb")
 
 
 class PoolExhausted(RuntimeError):

@@ -100,12 +100,14 @@ class PrefixCache:
             return 0
         for block in reversed(chain):  # parents end up fresher than children
             self._blocks.move_to_end(block.name)
-        rows = self.store[[b.index for b in chain]]  # (n, layers, nh, bs, hs)
         n = len(chain) * bs
-        for layer, array in enumerate(self.pool.arrays):
-            # (n, nh, bs, hs) → (nh, n·bs, hs)
-            array[slot, :, :n] = rows[:, layer].transpose(1, 0, 2, 3).reshape(
-                array.shape[1], n, array.shape[3])
+        # Block by block, straight from the store into the slot: one copy of the bytes,
+        # no gathered (n, layers, nh, bs, hs) intermediate (a long prefix is tens of MB,
+        # and the running rows wait while it is copied).
+        for b, block in enumerate(chain):
+            rows = self.store[block.index]  # (layers, nh, bs, hs), a view
+            for layer, array in enumerate(self.pool.arrays):
+                array[slot, :, b * bs:(b + 1) * bs] = rows[layer]  # (nh, bs, hs)
         self.pool.tokens[slot, :n] = prompt[:n]
         self.pool.lengths[slot] = n
         self.counters.hits += n

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from service.engine.batch import Batch, ModelRunner, SequenceState
+from service.engine.chunking import ChunkBudget
 from service.engine.request import ErrorEvent, Event, GenerationRequest
 from service.engine.stats import LoadStats, NullStats, RequestStats, StatsSink, StepStats
 from service.engine.text import TextCodec
@@ -48,6 +49,7 @@ class SchedulerLimits:
     max_batch_tokens: int
     max_queued_requests: int
     prefill_chunk_tokens: int = 0  # 0: prompts are prefilled in one pass
+    adaptive_chunks: bool = False  # chunks cost about a decode step (chunking.py)
 
 
 def _is_last(event: Event) -> bool:
@@ -117,6 +119,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
         self._partial: Batch | None = None  # a long prompt part-way through its prefill
+        self.chunks = ChunkBudget(limits.prefill_chunk_tokens, limits.adaptive_chunks)
         self._handles: dict[int, RequestHandle] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -213,7 +216,7 @@ class Scheduler:
             batch = self._join(batch, self._prefill(admitted))
             self._report_load(batch)
         if self._partial is not None:
-            batch = self._join(batch, self._advance_partial())
+            batch = self._join(batch, self._advance_partial(running=batch is not None))
             self._report_load(batch)
         if batch is not None:
             batch = self._retire(batch)  # rows cancelled while the step ran
@@ -303,8 +306,9 @@ class Scheduler:
             return
         self._partial = batch
 
-    def _advance_partial(self) -> Batch | None:
-        """One chunk of the partly prefilled request; the batch once its prompt is in."""
+    def _advance_partial(self, running: bool) -> Batch | None:
+        """One chunk of the partly prefilled request; the batch once its prompt is in.
+        ``running``: rows are decoding, and wait for this chunk."""
         partial = self._partial
         assert partial is not None
         seq = partial.sequences[0]
@@ -313,13 +317,14 @@ class Scheduler:
             partial.release(self.runner)
             self._leave(self._handles[seq.request.id], "cancelled", seq)
             return None
-        size = self.limits.prefill_chunk_tokens
+        size = self.chunks.next_chunk(running, partial.prompt_left)
         try:
             if partial.prompt_left > size:
                 started = time.perf_counter()
                 partial.prefill_chunk(self.runner, size)
-                self.stats.record_step(StepStats("prefill", time.perf_counter() - started,
-                                                 1, size))
+                took = time.perf_counter() - started
+                self.chunks.observe_chunk(size, took)
+                self.stats.record_step(StepStats("prefill", took, 1, size))
                 return None
             self._partial = None
             return self._step(partial, "prefill")
@@ -356,6 +361,8 @@ class Scheduler:
             batch.attention_mask[:, batch.prompt_done:].sum())
         events = batch.step(self.runner)
         duration = time.perf_counter() - start
+        if phase == "decode":
+            self.chunks.observe_decode(duration)
         self.stats.record_step(StepStats("prefill" if phase == "prefill" else "decode",
                                          duration, len(batch), tokens))
         self._send([(self._handles[s.request.id], e)

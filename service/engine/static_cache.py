@@ -31,7 +31,7 @@ import onnxruntime as ort
 
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
-from service.engine.kv_pool import KVPool, PoolShape, Slot
+from service.engine.kv_pool import KVPool, PoolShape, Slot, ensure_memory
 from service.engine.prefix_cache import PrefixCache
 from service.engine.stats import KVStats, PrefixCacheStats
 
@@ -48,6 +48,7 @@ class PoolConfig:
     slots: int  # rows the pool holds (≥ the batch size the scheduler may form)
     prefix_block_size: int = 16
     prefix_cache_blocks: int = 0  # 0: no prefix caching
+    max_len: int | None = None  # tokens per slot (max_total_tokens); None: the model context
 
 
 class StaticCacheModel:
@@ -63,7 +64,11 @@ class StaticCacheModel:
         self.graph_file = es.ENGINE_FILE
         self.provider = session.get_providers()[0]
         self.device = "cpu"
-        self.max_len = config.max_seq_len
+        pool = pool or PoolConfig(slots=8)
+        self.max_len = pool.max_len or config.max_seq_len
+        if not 1 < self.max_len <= config.max_seq_len:
+            raise ValueError(f"KV pool slots of {self.max_len} tokens: must be 2.."
+                             f"{config.max_seq_len} (the model's context)")
         n = config.n_layers
         self._past, self._present = io.past_names(n), io.present_names(n)
         inputs = {i.name for i in session.get_inputs()}
@@ -72,9 +77,12 @@ class StaticCacheModel:
                          | ({*es.engine_output_names(n)} - outputs))
         if missing:
             raise ValueError(f"{es.ENGINE_FILE} lacks {missing}")
-        pool = pool or PoolConfig(slots=8)
         self.shape = PoolShape(2 * n, config.kv_heads, self.max_len, config.head_dim,
                                np.dtype(np.float32))
+        ensure_memory(pool.slots * self.shape.slot_bytes
+                      + pool.prefix_cache_blocks * pool.prefix_block_size * self.shape.token_bytes,
+                      f"{pool.slots} slots x {self.max_len} tokens x "
+                      f"{self.shape.token_bytes:,} bytes, plus the prefix cache")
         self.pool = KVPool(self.shape, pool.slots)
         self.prefix: PrefixCache | None = None
         if pool.prefix_cache_blocks > 0:

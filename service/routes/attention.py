@@ -80,7 +80,8 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
     # Bounded (settings attention_max_concurrent/_queued; 429 beyond): running and encoding
     # a request costs seconds of CPU, and unbounded floods of them starve decoding.
     async with runtime.attention_gate.admit():
-        full = await asyncio.to_thread(runtime.attention.run, ids, kinds)
+        full = await asyncio.get_running_loop().run_in_executor(
+            runtime.attention_threads, runtime.attention.run, ids, kinds)
         # Encoding can take seconds (all kinds at full length is ~55 MB of JSON): off the
         # event loop, so the token streams of other requests do not stall meanwhile.
         return await asyncio.to_thread(render, body, runtime, ids, layers, heads, full)

@@ -70,6 +70,7 @@ async def info(runtime: RuntimeDep) -> dict[str, Any]:
         },
         "auth": settings.api_key is not None,
         "chat_template": artifact.chat_template.origin,
+        "generation_defaults": artifact.generation_defaults.to_dict(),
         "versions": {
             "attnserve": _version("attnserve"), "python": platform.python_version(),
             "onnxruntime": _version("onnxruntime") or _version("onnxruntime-gpu"),

@@ -90,6 +90,11 @@ def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[s
     """n requests per prompt; ``prompts`` are (field, token ids)."""
     validator = runtime.validator
     validator.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
+    defaults = runtime.artifact.generation_defaults
+    body = defaults.fill(body)
+    length_given = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
+    if defaults.max_new_tokens is not None and not length_given:
+        max_new_tokens = None  # the author's length, shortened to fit like the server's own
     stop_ids = tuple(body.stop_token_ids or ())
     validator.check_token_ids(stop_ids, "stop_token_ids")
     sampling = sampling_params(body, validator, top_n)
@@ -99,6 +104,7 @@ def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[s
             requests.append(validator.build(
                 ids, choice_sampling(sampling, j), max_new_tokens, body.stop_sequences,
                 max_field, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_ids,
+                default_max_new_tokens=defaults.max_new_tokens,
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens))
     return requests
 

@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 from benchmarks.serve.client import RequestOutput, arrival_offsets
-from benchmarks.serve.stats import calculate_metrics, parse_goodput, peak_output_rate
+from benchmarks.serve.stats import (
+    calculate_metrics,
+    itl_during_windows,
+    parse_goodput,
+    peak_output_rate,
+)
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 
@@ -125,3 +130,31 @@ def test_poisson_arrivals() -> None:
     assert arrival_offsets(5, math.inf, 1.0, rng) == [0.0] * 5
     with pytest.raises(ValueError):
         arrival_offsets(5, 0.0, 1.0, rng)
+
+
+def test_itl_split_by_join_windows_equals_numpy() -> None:
+    """Each gap goes to 'during' exactly when its (previous, next) arrival interval overlaps
+    a window, computed here with numpy arrays of absolute arrival times."""
+    outs = synthetic(seed=3)
+    windows = [(0.8, 1.1), (2.5, 2.55), (4.0, 4.6)]
+    got = itl_during_windows(outs, windows, PERCENTILES)
+    during, steady = [], []
+    for o in outs:
+        if not o.success:
+            continue
+        arrivals = o.start_time + o.ttft + np.concatenate([[0.0], np.cumsum(o.itl)])
+        prev, nxt = arrivals[:-1], arrivals[1:]
+        hit = np.zeros(len(prev), dtype=bool)
+        for lo, hi in windows:
+            hit |= (nxt > lo) & (prev < hi)
+        during.append((nxt - prev)[hit])
+        steady.append((nxt - prev)[~hit])
+    d, s = np.concatenate(during) * 1000, np.concatenate(steady) * 1000
+    assert got["joins"] == 3
+    assert (got["gaps_during"], got["gaps_steady"]) == (len(d), len(s))
+    assert 0 < len(d) < len(s)
+    for q in PERCENTILES:
+        assert got[f"p{q:g}_itl_during_ms"] == pytest.approx(np.percentile(d, q), rel=1e-9)
+        assert got[f"p{q:g}_itl_steady_ms"] == pytest.approx(np.percentile(s, q), rel=1e-9)
+    assert got["p99.9_itl_during_over_steady"] == pytest.approx(
+        np.percentile(d, 99.9) / np.percentile(s, 99.9), rel=1e-9)

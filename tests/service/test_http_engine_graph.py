@@ -89,9 +89,11 @@ def poison(encode: Callable[[str], list[int]]) -> int:
 @pytest.fixture(scope="module")
 def tuned(engine_artifact: Path, poison: int, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[ServerProcess]:
-    """Prefix caching in blocks of 4, chunked prefill of 16, a step gate and a poison token."""
+    """Prefix caching in blocks of 4, fixed prefill chunks of 16, a step gate and a poison
+    token."""
     proc = ServerProcess(engine_artifact, tmp_path_factory.mktemp("log") / "server.log",
-                         ("--prefix-block-size", "4", "--prefill-chunk-tokens", "16"),
+                         ("--prefix-block-size", "4", "--prefill-chunk-tokens", "16",
+                          "--no-adaptive-prefill-chunks"),
                          env={"ATTNSERVE_TEST_POISON": str(poison)}, gate=True)
     try:
         assert proc.gate is not None

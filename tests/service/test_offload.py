@@ -48,3 +48,22 @@ def test_the_attention_session_has_its_own_thread_count(artifact: Path) -> None:
     assert decode.get_session_options().intra_op_num_threads == 2
     gate = runtime.attention_gate
     assert (gate.max_running, gate.max_waiting, runtime.attention_encoder.workers) == (3, 2, 3)
+
+
+def test_low_priority_threads_run_ten_nice_levels_below_the_process() -> None:
+    """Read back from the OS: the pool's thread has nice + 10, the caller is unchanged."""
+    import threading
+
+    from service.offload import low_priority_threads
+
+    def nice_of_this_thread() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = nice_of_this_thread()
+    pool = low_priority_threads(1, "test-attention")
+    try:
+        inside = pool.submit(nice_of_this_thread).result()
+    finally:
+        pool.shutdown()
+    assert inside == min(before + 10, 19)
+    assert nice_of_this_thread() == before

@@ -23,13 +23,6 @@ PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O"]
 
 
-INT8_BATCH_VARIANT = pytest.mark.xfail(
-    strict=True, reason="known defect of --quantize int8-dynamic: DynamicQuantizeLinear takes "
-    "one activation scale over the whole (B*T, d) tensor, so a row's tokens depend on who "
-    "else is in the batch; --quantize int8 (MatMulNBits, per-block scales within a row) "
-    "does not have it")
-
-
 @pytest.fixture(scope="module", params=["int8", "int8-dynamic", "float16"])
 def variant(request: pytest.FixtureRequest, tiny_checkpoint: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -62,10 +55,10 @@ def test_variant_served_alone_equals_the_plain_loop(
 
 
 def test_variant_greedy_with_joins_and_leaves_equals_the_plain_loop(
-        variant: Path, encode: Callable[[str], list[int]], request: pytest.FixtureRequest
-        ) -> None:
+        variant: Path, encode: Callable[[str], list[int]]) -> None:
     if "int8-dynamic" in variant.parent.name:
-        request.applymarker(INT8_BATCH_VARIANT)
+        pytest.skip("int8-dynamic rows depend on their neighbours (known defect, shown "
+                    "deterministically by the logits test below)")
     config = io.ArtifactConfig.load(variant)
     model = create_model(variant, config, "cpu", 1)
     assert isinstance(model, OnnxModel)  # no engine.onnx for these: model.onnx decodes
@@ -76,3 +69,29 @@ def test_variant_greedy_with_joins_and_leaves_equals_the_plain_loop(
     reference = greedy_loop(variant)
     for r in requests:
         assert got[r.id] == reference(r.prompt_ids, r.stopping.max_new_tokens), r.id
+
+
+def test_a_rows_logits_depend_on_its_neighbour_only_under_int8_dynamic(
+        variant: Path, encode: Callable[[str], list[int]]) -> None:
+    """The known defect of --quantize int8-dynamic, by its mechanism: DynamicQuantizeLinear
+    takes one activation scale over the whole (B*T, d) tensor, so a prompt's logits change
+    when another prompt shares its batch. MatMulNBits (int8: per-block scales within a
+    row) and float16 keep them. Plain ORT runs of model.onnx by its names, equal-length
+    prompts (no padding), batch of 1 against batch of 2."""
+    import numpy as np
+
+    from service.contract.reference import OrtDecoder
+
+    dec = OrtDecoder.from_artifact(variant)
+    a, b = encode(PROMPTS[1]), encode(PROMPTS[3])
+    n = min(len(a), len(b))
+    ids = np.array([a[:n], b[:n]], np.int64)  # (2, n)
+    mask = np.ones_like(ids)
+    pos = np.broadcast_to(np.arange(n), ids.shape).astype(np.int64)
+    alone, _ = dec(ids[:1], mask[:1], pos[:1], dec.empty_past(1))  # (1, n, V)
+    paired, _ = dec(ids, mask, pos, dec.empty_past(2))  # (2, n, V)
+    change = float(np.abs(paired[0].astype(np.float32) - alone[0].astype(np.float32)).max())
+    if "int8-dynamic" in variant.parent.name:
+        assert change > 1e-3, change
+    else:
+        assert change < 1e-4, change

@@ -74,9 +74,10 @@ def engine(engine_artifact: Path) -> StaticCacheModel:
 
 
 def make(runner: Any, codec: TextCodec, batch: int = 8, queued: int = 16,
-         tokens: int = 4096, chunk: int = 0) -> tuple[Scheduler, Recorder]:
+         tokens: int = 4096, chunk: int = 0, adaptive: bool = False
+         ) -> tuple[Scheduler, Recorder]:
     stats = Recorder()
-    return Scheduler(runner, codec, SchedulerLimits(batch, tokens, queued, chunk), 0,
+    return Scheduler(runner, codec, SchedulerLimits(batch, tokens, queued, chunk, adaptive), 0,
                      stats), stats
 
 
@@ -318,6 +319,46 @@ def test_chunked_prefill_interleaves_with_decode_steps(
     assert phases[first:first + 2 * chunks] == expected
     assert phases[first + 2 * chunks] == ("prefill", 1, len(long) - 8 * chunks)
     assert phases[first + 2 * chunks + 1] == ("decode", 2, 2)
+
+
+def test_adaptive_chunks_prefill_alone_in_one_pass_and_beside_rows_in_step_sized_chunks(
+        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    """Idle engine: the long prompt goes in one pass. Beside a running row: chunks of at
+    least 16 and at most prefill_chunk_tokens, sized from the measured step costs; the
+    tokens equal the plain loop's either way."""
+    runner, gate = gated(engine)
+    scheduler, stats = make(runner, codec, chunk=32, adaptive=True)
+    long = encode(" ".join(PROMPTS * 2))
+    assert 16 + 32 < len(long) <= 128 - 5
+
+    async def main() -> tuple[list[int], list[int], list[int]]:
+        scheduler.start(asyncio.get_running_loop())
+        gate.send("+")
+        alone = await tokens_of(scheduler.submit([greedy(long, 3)])[0])
+        gate.send("-")
+        (running,) = scheduler.submit([greedy(encode(PROMPTS[0]), 60)])
+        gate.send(".")
+        events = running.events()
+        head = [(await anext(events)).token.id]  # type: ignore[union-attr]
+        (joiner,) = scheduler.submit([greedy(long, 5)])
+        gate.send("+")
+        rest = [e.token.id async for e in events]  # type: ignore[union-attr]
+        return alone, head + rest, await tokens_of(joiner)
+
+    try:
+        alone, running, joined = asyncio.run(main())
+    finally:
+        scheduler.stop(5)
+    assert alone == reference_greedy(long, 3)
+    assert joined == reference_greedy(long, 5)
+    assert running == reference_greedy(encode(PROMPTS[0]), 60)
+    phases = [(s.phase, s.batch_size, s.tokens) for s in stats.steps]
+    assert phases[0] == ("prefill", 1, len(long))  # alone: one pass, no chunks
+    later = phases[phases.index(("prefill", 1, len(encode(PROMPTS[0])))):]
+    chunks = [t for p, b, t in later if p == "prefill" and b == 1][1:-1]  # between first/last
+    assert len(chunks) >= 1 and sum(chunks) < len(long)
+    assert all(16 <= t <= 32 for t in chunks), chunks
 
 
 def test_all_events_gathers_what_events_streams_before_or_after_the_finish(

@@ -223,6 +223,39 @@ def test_chunked_prefill_equals_the_reference_loop(
     assert tokens == reference_greedy(encode(PROMPTS[0]), len(tokens))
 
 
+def test_slots_shorter_than_the_context_decode_the_reference_tokens(
+        session: ort.InferenceSession, config: io.ArtifactConfig, codec: TextCodec,
+        encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    """A pool sized by max_total_tokens (48 here, the model's context is longer) gives the
+    plain loop's tokens for requests that fit, and holds 48 tokens per slot."""
+    assert config.max_seq_len > 48
+    short = StaticCacheModel(session, config, PoolConfig(slots=4, max_len=48))
+    assert short.kv_stats(None).bytes_allocated == 4 * 48 * 2 * config.n_layers * \
+        config.d_model * 4
+    requests = [request(encode(p), 48 - len(encode(p))) for p in PROMPTS[:3]]
+    got = run_with_joins(short, codec, [requests[:2], requests[2:]], join_every=5)
+    for r in requests:
+        assert got[r.id] == reference_greedy(r.prompt_ids, r.stopping.max_new_tokens), r.id
+    with pytest.raises(ValueError, match="must be 2"):
+        StaticCacheModel(session, config, PoolConfig(slots=1, max_len=config.max_seq_len + 1))
+
+
+def test_a_pool_larger_than_the_memory_available_is_refused_before_allocating(
+        session: ort.InferenceSession, config: io.ArtifactConfig) -> None:
+    from service.engine.kv_pool import ensure_memory, memory_available
+
+    available = memory_available()
+    assert available is not None and available > 0  # Linux: /proc/meminfo
+    slot = config.max_seq_len * 2 * config.n_layers * config.d_model * 4
+    slots = available // slot + 1  # one slot more than fits
+    with pytest.raises(MemoryError, match="--max-total-tokens or --max-batch-size"):
+        StaticCacheModel(session, config, PoolConfig(slots=int(slots)))
+    with pytest.raises(MemoryError, match=r"needs 2\.0 GiB .* 1\.0 GiB"):
+        ensure_memory(2 << 30, "test", available=1 << 30)
+    ensure_memory(1 << 30, "test", available=2 << 30)  # fits: no error
+
+
 def test_create_model_falls_back_to_model_onnx(engine_artifact: Path, artifact: Path) -> None:
     config = io.ArtifactConfig.load(artifact)
     assert isinstance(create_model(artifact, config, "cpu", 1), OnnxModel)

@@ -1,0 +1,45 @@
+"""The benchmark's per-preset targets and KV-cache figures on a synthetic result, against
+figures worked out by hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks.harness import kv_cache_comparison
+from benchmarks.report import evaluate_targets
+
+
+def row(batch: int, tps: float, decode: float | None = None) -> dict[str, Any]:
+    return {"batch": batch, "tokens_per_s": tps, "decode_tokens_per_s": decode or tps}
+
+
+def test_kv_bytes_per_token_follow_the_key_value_heads() -> None:
+    smollm2 = {"n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "d_model": 576}
+    # 30 layers × (K and V) × 3 kv heads × 64 dims × 4 bytes; GPT-2: 12 × 2 × 12 × 64 × 4
+    assert kv_cache_comparison("smollm2-135m", smollm2) == {"smollm2-135m": 46_080,
+                                                            "gpt2": 73_728}
+    assert kv_cache_comparison("gpt2", {"n_layers": 12, "n_heads": 12, "d_model": 768}) == {
+        "gpt2": 73_728}
+
+
+def test_smollm2_targets_are_ratios_to_ctranslate2_transformers_and_fp32() -> None:
+    preset = {"params": 100_000_000, "engines": {
+        "hf_generate": {"rows": [row(1, 10.0), row(32, 100.0)]},
+        "ct2": {"rows": [row(1, 25.0), row(32, 120.0)]},
+        "engine": {"rows": [row(1, 31.0, 40.0), row(32, 210.0)]},
+        "engine_int8": {"rows": [row(1, 45.0), row(32, 230.0)]},
+    }, "int8_agreement": {"token_agreement": 0.99}}
+    ceiling = {"read_bandwidth_gbs_best": 20.0}
+    got = {t["target"]: t for t in evaluate_targets(preset, ceiling, "smollm2-135m")}
+    checks = {name: (t["status"], t["value"]) for name, t in got.items()}
+    assert checks["4 our engine (fp32) vs 7 CTranslate2 (fp32), batch 1"] == ("PASS", 1.24)
+    assert checks["4 our engine (fp32) vs 3 transformers generate, batch 1"] == ("PASS", 3.1)
+    assert checks["4 our engine (fp32) vs 7 CTranslate2 (fp32), batch 32"] == ("PASS", 1.75)
+    assert checks["4 our engine (fp32) vs 3 transformers generate, batch 32"] == ("PASS", 2.1)
+    status, value = checks["5 our engine (int8) vs 4 our engine (fp32), batch 1"]
+    assert status == "MISS" and value == pytest.approx(45 / 31)
+    # 1e8 parameters × 4 bytes × 40 decode tok/s ÷ 20 GB/s = 80 %
+    status, value = checks["batch-1 fp32 decode share of the memory-bandwidth bound"]
+    assert status == "PASS" and value == pytest.approx(80.0)
