@@ -35,10 +35,20 @@ class Slot:
         return f"Slot({self.index})"
 
 
-def memory_available() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+def memory_available(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")
+                     ) -> int | None:
+    """Bytes this process may still use: MemAvailable from /proc/meminfo, lowered to the
+    headroom of its container's memory limit (cgroup v2 memory.max − memory.current, or v1
+    memory.limit_in_bytes − memory.usage_in_bytes) when one is set, since a container
+    (docker compose, Kubernetes) sees the host's MemAvailable but is killed at its limit.
+    None where neither can be read."""
+    figures = [v for v in (_meminfo_available(proc), _cgroup_headroom(cgroup)) if v is not None]
+    return min(figures) if figures else None
+
+
+def _meminfo_available(proc: Path) -> int | None:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in (proc / "meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
@@ -46,9 +56,24 @@ def memory_available() -> int | None:
     return None
 
 
+def _cgroup_headroom(root: Path) -> int | None:
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes",
+                                    "memory/memory.usage_in_bytes")):
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # no limit set (v1 writes a huge number)
+            return None
+        return max(0, int(limit) - usage)
+    return None
+
+
 def ensure_memory(need: int, what: str, available: int | None = None) -> None:
     """Refuse, before allocating, a cache larger than the memory available (``available``,
-    default MemAvailable): the pool's pages are committed as rows fill, so an oversized
+    default ``memory_available()``): the pool's pages are committed as rows fill, so an oversized
     pool would start fine and meet the OOM killer under load."""
     available = memory_available() if available is None else available
     if available is not None and need > available:

@@ -281,3 +281,25 @@ def test_prompt_logprobs_through_the_batch_match_model_onnx(
     np.testing.assert_allclose([t.logprob or 0.0 for t in a], [t.logprob or 0.0 for t in b],
                                atol=1e-4)
     assert isinstance(got.kv, PoolKV)
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1"])
+def test_memory_available_is_lowered_to_the_containers_headroom(
+        tmp_path: Path, layout: str) -> None:
+    from service.engine.kv_pool import memory_available
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text("MemTotal: 24000000 kB\nMemAvailable: 20000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    files = ({"memory.max": "8589934592\n", "memory.current": "1073741824\n"} if layout == "v2"
+             else {"memory/memory.limit_in_bytes": "8589934592\n",
+                   "memory/memory.usage_in_bytes": "1073741824\n"})
+    for name, text in files.items():
+        (cgroup / name).parent.mkdir(parents=True, exist_ok=True)
+        (cgroup / name).write_text(text)
+    assert memory_available(proc, cgroup) == 8 * 2**30 - 2**30  # limit − usage < MemAvailable
+    unlimited = "max\n" if layout == "v2" else "9223372036854771712\n"
+    (cgroup / next(iter(files))).write_text(unlimited)
+    assert memory_available(proc, cgroup) == 20000000 * 1024  # no limit: MemAvailable
+    assert memory_available(tmp_path / "none", tmp_path / "none") is None
