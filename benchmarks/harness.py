@@ -303,10 +303,15 @@ def http_ttft_reps(opts: BenchOptions) -> int:
     return 3 if opts.quick else 10
 
 
+def kv_bytes_per_token(model: dict[str, Any], bytes_per_value: int = 4) -> int:
+    """Bytes one token adds to the KV cache: keys and values, every layer, kv heads only."""
+    n_kv = model.get("n_kv_heads") or model["n_heads"]
+    head_dim = model["d_model"] // model["n_heads"]
+    return 2 * model["n_layers"] * n_kv * head_dim * bytes_per_value
+
+
 def kv_cache_comparison(preset: str, model: dict[str, Any]) -> dict[str, int]:
     """KV-cache bytes per token of this preset and, for an imported one, GPT-2 small's."""
-    from benchmarks.smollm2_preset import kv_bytes_per_token
-
     sizes = {preset: kv_bytes_per_token(model)}
     if preset != "gpt2" and preset in DEFAULT_ENGINES:
         sizes["gpt2"] = kv_bytes_per_token(GPT2_SMALL_SHAPE)

@@ -30,8 +30,9 @@ class EngineRunner:
         limits = SchedulerLimits(max_batch_size=64, max_batch_tokens=1 << 20,
                                  max_queued_requests=1024)
         model = create_model(artifact_dir, config, "cpu", threads,  # engine.onnx if present
-                             pool=PoolConfig(slots=limits.max_batch_size, max_len=max_len and min(
-                                 max_len, config.max_seq_len)))
+                             pool=PoolConfig(slots=limits.max_batch_size, max_len=None
+                                             if max_len is None
+                                             else min(max_len, config.max_seq_len)))
         codec = TextCodec.from_file(artifact_dir / io.TOKENIZER_FILE)
         self.scheduler = Scheduler(model, codec, limits, config.fill_token_id)
         self.loop = asyncio.new_event_loop()

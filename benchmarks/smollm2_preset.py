@@ -51,9 +51,3 @@ def prepare_smollm2(work: Path) -> tuple[Path, Path, str]:
     return import_built(work, "hf-smollm2", build_hf_smollm2,
                         "transformers LlamaForCausalLM, SmolLM2-135M's config")
 
-
-def kv_bytes_per_token(model: dict[str, Any], bytes_per_value: int = 4) -> int:
-    """Bytes one token adds to the KV cache: keys and values, every layer, kv heads only."""
-    n_kv = model.get("n_kv_heads") or model["n_heads"]
-    head_dim = model["d_model"] // model["n_heads"]
-    return 2 * model["n_layers"] * n_kv * head_dim * bytes_per_value

@@ -12,13 +12,14 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from service.chat_template import ChatTemplate
 from service.contract import io_spec as io
 from service.contract.manifest import verify_manifest
 from service.engine.session import select_providers
 from service.engine.text import TextCodec
-from service.generation_defaults import GenerationDefaults, load_generation_defaults
+from service.generation_defaults import GenerationDefaults, parse_generation_defaults
 from service.settings import Limits, Settings
 
 
@@ -37,13 +38,19 @@ class Artifact:
     generation_defaults: GenerationDefaults  # its sampling fields, for the OpenAI routes
 
 
-def generation_eos_ids(path: Path, listed: Mapping[str, object],
-                       config: io.ArtifactConfig) -> tuple[int, ...]:
+def read_generation_config(path: Path, listed: Mapping[str, object]) -> dict[str, Any]:
+    """The artifact's pinned generation_config.json ({} when it has none)."""
+    if io.GENERATION_CONFIG_FILE not in listed:
+        return {}
+    data = json.loads((path / io.GENERATION_CONFIG_FILE).read_text("utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{io.GENERATION_CONFIG_FILE}: expected a JSON object")
+    return data
+
+
+def generation_eos_ids(data: Mapping[str, Any], config: io.ArtifactConfig) -> tuple[int, ...]:
     """End-of-sequence ids a Hugging Face generation_config.json adds (Llama 3 lists
     several: <|eot_id|>, <|end_of_text|>); those outside the vocabulary are refused."""
-    if io.GENERATION_CONFIG_FILE not in listed:
-        return ()
-    data = json.loads((path / io.GENERATION_CONFIG_FILE).read_text("utf-8"))
     value = data.get("eos_token_id")
     ids = [value] if isinstance(value, int) else value if isinstance(value, list) else []
     bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < config.vocab_size]
@@ -66,12 +73,13 @@ def open_artifact(settings: Settings) -> Artifact:
         ("bos_token", config.bos_token_id), ("eos_token", config.eos_token_id),
         ("pad_token", config.pad_token_id)) if token_id is not None}
     chat_template = ChatTemplate.load(path, specials, listed=list(manifest.files))
+    generation = read_generation_config(path, manifest.files)
     return Artifact(
         path=path, config=config, name=settings.served_model_name or config.model_name,
         sha256=hashlib.sha256((path / io.MANIFEST_FILE).read_bytes()).hexdigest(),
         files={name: entry.sha256 for name, entry in sorted(manifest.files.items())},
         codec=codec, limits=Limits.resolve(settings, config.max_seq_len),
         providers=select_providers(settings.device), chat_template=chat_template,
-        extra_eos_ids=generation_eos_ids(path, manifest.files, config),
-        generation_defaults=load_generation_defaults(
-            path, manifest.files, enabled=settings.generation_config == "auto"))
+        extra_eos_ids=generation_eos_ids(generation, config),
+        generation_defaults=parse_generation_defaults(generation)
+        if settings.generation_config == "auto" else GenerationDefaults())

@@ -12,11 +12,9 @@ does not).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -82,13 +80,3 @@ def parse_generation_defaults(data: Mapping[str, Any]) -> GenerationDefaults:
     return GenerationDefaults(**{k: v for k, v in values.items()
                                  if _TRANSFORMERS_DEFAULTS.get(k) != v})
 
-
-def load_generation_defaults(path: Path, listed: Mapping[str, object],
-                             enabled: bool = True) -> GenerationDefaults:
-    """The artifact's generation_config.json defaults (none when absent or disabled)."""
-    if not enabled or io.GENERATION_CONFIG_FILE not in listed:
-        return GenerationDefaults()
-    data = json.loads((path / io.GENERATION_CONFIG_FILE).read_text("utf-8"))
-    if not isinstance(data, dict):
-        raise ValueError(f"{io.GENERATION_CONFIG_FILE}: expected a JSON object")
-    return parse_generation_defaults(data)

@@ -61,13 +61,14 @@ def _cgroup_headroom(root: Path) -> int | None:
                                    ("memory/memory.limit_in_bytes",
                                     "memory/memory.usage_in_bytes")):
         try:
-            limit = (root / limit_file).read_text().strip()
+            text = (root / limit_file).read_text().strip()
+            limit = None if text == "max" else int(text)
             usage = int((root / usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
-        if limit == "max" or int(limit) >= 1 << 60:  # no limit set (v1 writes a huge number)
+        if limit is None or limit >= 1 << 60:  # no limit set (v1 writes a huge number)
             return None
-        return max(0, int(limit) - usage)
+        return max(0, limit - usage)
     return None
 
 

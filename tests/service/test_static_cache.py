@@ -302,4 +302,6 @@ def test_memory_available_is_lowered_to_the_containers_headroom(
     unlimited = "max\n" if layout == "v2" else "9223372036854771712\n"
     (cgroup / next(iter(files))).write_text(unlimited)
     assert memory_available(proc, cgroup) == 20000000 * 1024  # no limit: MemAvailable
+    (cgroup / next(iter(files))).write_text("garbage\n")
+    assert memory_available(proc, cgroup) == 20000000 * 1024  # unreadable: MemAvailable
     assert memory_available(tmp_path / "none", tmp_path / "none") is None
