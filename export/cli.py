@@ -37,8 +37,6 @@ def register(subparsers: Any) -> None:
                    help="KV cache dtype; logits and arithmetic stay float32")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the parity checks against PyTorch (not recommended)")
-    p.add_argument("--no-optimize", action="store_true",
-                   help="skip the offline ONNX Runtime graph optimisation")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--format", choices=["onnx", "hf"], default="onnx",
                    help="onnx: the attnserve artifact; hf: a Hugging Face transformers model")
@@ -61,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     out = export_artifact(
         args.ckpt, args.out, opset=args.opset, dtype=args.dtype, quantize=args.quantize,
-        verify=not args.no_verify, optimize=not args.no_optimize, force=args.force,
+        verify=not args.no_verify, force=args.force,
         engine_graph=args.engine_graph,
         log=lambda msg: print(f"  {msg}", file=sys.stderr))
     print(f"exported {args.ckpt} → {out} in {time.perf_counter() - started:.1f}s")

@@ -23,36 +23,17 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
+
+from export.graphs import head_weight, qkv_bias, qkv_weight
+from export.onnx_build import Graph, f32
+from export.verify import logits_tolerance
 
 from model.gpt import GPT
 from service.contract import io_spec as io
 from service.contract.engine_spec import MAX_SEQUENCE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
 
 ENGINE_OPSET = 18
-
-
-class _Graph:
-    """Accumulates initializers and nodes with unique names."""
-
-    def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-
-    def const(self, name: str, array: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], name: str, n_out: int = 1,
-           outputs: list[str] | None = None, domain: str = "", **attrs: Any) -> list[str]:
-        outs = outputs or [name if n_out == 1 else f"{name}.{j}" for j in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, inputs, outs, name=name, domain=domain,
-                                           **attrs))
-        return outs
-
-
-def _f32(t: Any) -> np.ndarray:
-    return np.asarray(t.detach().float().cpu().numpy(), dtype=np.float32)
 
 
 def build_engine_graph(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
@@ -73,12 +54,12 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
         return _build_llama(gpt, matmul_only)
     nh, hs, d = cfg.n_heads, cfg.head_dim, cfg.d_model
     eps = float(cfg.layer_norm_eps)
-    g = _Graph()
+    g = Graph()
     ms = "com.microsoft"
-    tok = g.const("tok_emb", _f32(gpt.tok_emb.weight))  # (V, d)
+    tok = g.const("tok_emb", f32(gpt.tok_emb.weight))  # (V, d)
     blocks: list[Any] = list(gpt.blocks)
     pos_table: Any = gpt.pos_emb.weight if gpt.pos_emb is not None else gpt.pos_table
-    pos = g.const("pos_emb", _f32(pos_table))  # (L, d)
+    pos = g.const("pos_emb", f32(pos_table))  # (L, d)
     ids_shape = g.op("Shape", [io.INPUT_IDS], "ids_shape")[0]  # [B, T]
     shape_btc = g.op("Concat", [ids_shape, g.const("minus1", np.array([-1], np.int64))],
                      "shape_btc", axis=0)[0]  # [B, T, -1]
@@ -86,16 +67,15 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
     embed = g.op("Add", [g.op("Gather", [tok, io.INPUT_IDS], "tok_gather")[0],
                          g.op("Gather", [pos, io.POSITION_IDS], "pos_gather")[0]], "embed")[0]
     x = g.op("Reshape", [embed, flat], "embed_flat")[0]  # (N, d)
-    h = g.op("LayerNormalization", [x, g.const("l0.ln1.w", _f32(blocks[0].ln_1.weight)),
-                                    g.const("l0.ln1.b", _f32(blocks[0].ln_1.bias))],
+    h = g.op("LayerNormalization", [x, g.const("l0.ln1.w", f32(blocks[0].ln_1.weight)),
+                                    g.const("l0.ln1.b", f32(blocks[0].ln_1.bias))],
              "l0.ln1", axis=-1, epsilon=eps)[0]  # (N, d)
     n_layers = len(blocks)
     for i, block in enumerate(blocks):
         a, ffn, p = block.attn, block.ffn, f"l{i}"
-        w_qkv = np.concatenate([_f32(a.w_q.weight).T, _f32(a.w_k.weight).T,
-                                _f32(a.w_v.weight).T], axis=1)  # (d, 3d): q | k | v
+        w_qkv = qkv_weight(a)  # (d, 3d): q | k | v
         if cfg.attn_bias:  # GPT-2: one Gemm adds the q | k | v biases
-            b_qkv = np.concatenate([_f32(a.w_q.bias), _f32(a.w_k.bias), _f32(a.w_v.bias)])
+            b_qkv = qkv_bias(a)
             if matmul_only:
                 qkv = g.op("Add", [g.op("MatMul", [h, g.const(f"{p}.w_qkv", w_qkv)],
                                         f"{p}.qkv_mm")[0], g.const(f"{p}.b_qkv", b_qkv)],
@@ -114,16 +94,16 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
             domain=ms, num_heads=nh, kv_num_heads=nh, scale=float(1.0 / np.sqrt(hs)),
             do_rotary=0)[0]  # (B, T, d)
         attn = g.op("Reshape", [attn, flat], f"{p}.attn_flat")[0]  # (N, d)
-        o = g.op("MatMul", [attn, g.const(f"{p}.w_o", _f32(a.w_o.weight).T)], f"{p}.o")[0]
+        o = g.op("MatMul", [attn, g.const(f"{p}.w_o", f32(a.w_o.weight).T)], f"{p}.o")[0]
         # x + o (+ b_o) → x;  LN_2(x) → h
-        o_bias = [g.const(f"{p}.b_o", _f32(a.w_o.bias))] if cfg.attn_bias else []
+        o_bias = [g.const(f"{p}.b_o", f32(a.w_o.bias))] if cfg.attn_bias else []
         h, x = g.op("SkipLayerNormalization",
-                    [x, o, g.const(f"{p}.ln2.w", _f32(block.ln_2.weight)),
-                     g.const(f"{p}.ln2.b", _f32(block.ln_2.bias)), *o_bias],
+                    [x, o, g.const(f"{p}.ln2.w", f32(block.ln_2.weight)),
+                     g.const(f"{p}.ln2.b", f32(block.ln_2.bias)), *o_bias],
                     f"{p}.ln2", outputs=[f"{p}.ln2", "", "", f"{p}.res1"], domain=ms,
                     epsilon=eps)[0::3]
-        up_w, up_b = g.const(f"{p}.up.w", _f32(ffn.up.weight).T), g.const(f"{p}.up.b",
-                                                                         _f32(ffn.up.bias))
+        up_w, up_b = g.const(f"{p}.up.w", f32(ffn.up.weight).T), g.const(f"{p}.up.b",
+                                                                         f32(ffn.up.bias))
         if cfg.activation == "relu" and matmul_only:
             up = g.op("Add", [g.op("MatMul", [h, up_w], f"{p}.up_mm")[0], up_b], f"{p}.up")[0]
             act = g.op("Relu", [up], f"{p}.act")[0]  # (N, d_ff)
@@ -136,22 +116,31 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
         else:  # exact (erf) GELU, as nn.GELU()
             up = g.op("MatMul", [h, up_w], f"{p}.up")[0]
             act = g.op("BiasGelu", [up, up_b], f"{p}.act", domain=ms)[0]
-        down = g.op("MatMul", [act, g.const(f"{p}.down.w", _f32(ffn.down.weight).T)],
+        down = g.op("MatMul", [act, g.const(f"{p}.down.w", f32(ffn.down.weight).T)],
                     f"{p}.down")[0]  # (N, d), bias added inside the next SkipLayerNorm
         ln = blocks[i + 1].ln_1 if i + 1 < n_layers else gpt.ln_f
         q = f"l{i + 1}.ln1" if i + 1 < n_layers else "ln_f"
         # x + down + b_down → x;  next LN(x) → h
         h, x = g.op("SkipLayerNormalization",
-                    [x, down, g.const(f"{q}.w", _f32(ln.weight)), g.const(f"{q}.b", _f32(ln.bias)),
-                     g.const(f"{p}.down.b", _f32(ffn.down.bias))],
+                    [x, down, g.const(f"{q}.w", f32(ln.weight)), g.const(f"{q}.b", f32(ln.bias)),
+                     g.const(f"{p}.down.b", f32(ffn.down.bias))],
                     q, outputs=[q, "", "", f"{p}.res2"], domain=ms, epsilon=eps)[0::3]
-    logits = g.op("MatMul", [h, g.const("lm_head.w", _f32(gpt.lm_head.weight).T)],
-                  "lm_head")[0]  # (N, V)
+    logits = _head(g, gpt, h, matmul_only)  # (N, V)
     g.op("Reshape", [logits, shape_btc], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
     return _model(g, gpt)
 
 
-def _model(g: _Graph, gpt: GPT) -> onnx.ModelProto:
+def _head(g: Graph, gpt: GPT, h: str, matmul_only: bool) -> str:
+    """Logits (N, V): Gemm(transB=1) over the (V, d) head, which for a tied model is the
+    embedding matrix itself (stored once); a MatMul over its transpose where weight
+    quantisation must see one."""
+    if matmul_only:
+        return g.op("MatMul", [h, g.const("lm_head.w", head_weight(gpt).T)], "lm_head")[0]
+    name = "tok_emb" if gpt.config.tie_weights else "lm_head.weight"
+    return g.op("Gemm", [h, g.const(name, head_weight(gpt))], "lm_head", transB=1)[0]
+
+
+def _model(g: Graph, gpt: GPT) -> onnx.ModelProto:
     """Wrap the nodes with the engine's I/O (engine_spec.py): a cache of kv heads."""
     cfg = gpt.config
     kv: list[str | int] = [io.BATCH, cfg.kv_heads, MAX_SEQUENCE, cfg.head_dim]
@@ -195,24 +184,24 @@ def _build_llama(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
     cfg = gpt.config
     nh, nkv, hs, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model
     eps = float(cfg.layer_norm_eps)
-    g = _Graph()
+    g = Graph()
     ms = "com.microsoft"
     assert gpt.rotary is not None
     inv_freq: torch.Tensor = gpt.rotary.inv_freq  # type: ignore[assignment]
     with torch.no_grad():
         angles = torch.arange(cfg.max_seq_len)[:, None].float() * inv_freq  # (L, hs/2)
-    cos = g.const("rope.cos", _f32(angles.cos()))  # (L, hs/2)
-    sin = g.const("rope.sin", _f32(angles.sin()))  # (L, hs/2)
+    cos = g.const("rope.cos", f32(angles.cos()))  # (L, hs/2)
+    sin = g.const("rope.sin", f32(angles.sin()))  # (L, hs/2)
     blocks: list[Any] = list(gpt.blocks)
     ids_shape = g.op("Shape", [io.INPUT_IDS], "ids_shape")[0]  # [B, T]
     shape_btc = g.op("Concat", [ids_shape, g.const("minus1", np.array([-1], np.int64))],
                      "shape_btc", axis=0)[0]  # [B, T, -1]
     flat = g.const("shape_flat", np.array([-1, d], np.int64))  # [N, d]
-    embed = g.op("Gather", [g.const("tok_emb", _f32(gpt.tok_emb.weight)), io.INPUT_IDS],
+    embed = g.op("Gather", [g.const("tok_emb", f32(gpt.tok_emb.weight)), io.INPUT_IDS],
                  "tok_gather")[0]  # (B, T, d)
     x = g.op("Reshape", [embed, flat], "embed_flat")[0]  # (N, d)
     h = g.op("SimplifiedLayerNormalization", [x, g.const("l0.ln1.w",
-                                                         _f32(blocks[0].ln_1.weight))],
+                                                         f32(blocks[0].ln_1.weight))],
              "l0.ln1", axis=-1, epsilon=eps)[0]  # (N, d)
 
     def affine(inp: str, w: str, b: str | None, name: str) -> str:
@@ -224,17 +213,14 @@ def _build_llama(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
         return g.op("Gemm", [inp, w, b], name)[0]
 
     def linear(inp: str, layer: Any, name: str, bias: bool) -> str:
-        w = g.const(f"{name}.w", _f32(layer.weight).T)  # (in, out)
-        return affine(inp, w, g.const(f"{name}.b", _f32(layer.bias)) if bias else None, name)
+        w = g.const(f"{name}.w", f32(layer.weight).T)  # (in, out)
+        return affine(inp, w, g.const(f"{name}.b", f32(layer.bias)) if bias else None, name)
 
     for i, block in enumerate(blocks):
         a, ffn, p = block.attn, block.ffn, f"l{i}"
-        w_qkv = np.concatenate([_f32(a.w_q.weight).T, _f32(a.w_k.weight).T,
-                                _f32(a.w_v.weight).T], axis=1)  # (d, d + 2·kv): q | k | v
-        b_qkv = None  # Qwen2 biases q | k | v
-        if a.w_q.bias is not None:
-            b_qkv = g.const(f"{p}.b_qkv", np.concatenate(
-                [_f32(a.w_q.bias), _f32(a.w_k.bias), _f32(a.w_v.bias)]))
+        w_qkv = qkv_weight(a)  # (d, d + 2·kv): q | k | v
+        raw_b_qkv = qkv_bias(a)  # Qwen2 biases q | k | v
+        b_qkv = None if raw_b_qkv is None else g.const(f"{p}.b_qkv", raw_b_qkv)
         qkv = affine(h, g.const(f"{p}.w_qkv", w_qkv), b_qkv, f"{p}.qkv")  # (N, d + 2·kv)
         qkv = g.op("Reshape", [qkv, shape_btc], f"{p}.qkv_btc")[0]  # (B, T, d + 2·kv)
         attn = g.op(
@@ -245,27 +231,26 @@ def _build_llama(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
             domain=ms, num_heads=nh, kv_num_heads=nkv, scale=float(1.0 / np.sqrt(hs)),
             do_rotary=1, rotary_interleaved=0)[0]  # (B, T, d)
         attn = g.op("Reshape", [attn, flat], f"{p}.attn_flat")[0]  # (N, d)
-        o = g.op("MatMul", [attn, g.const(f"{p}.w_o", _f32(a.w_o.weight).T)], f"{p}.o")[0]
-        o_bias = [g.const(f"{p}.b_o", _f32(a.w_o.bias))] if a.w_o.bias is not None else []
+        o = g.op("MatMul", [attn, g.const(f"{p}.w_o", f32(a.w_o.weight).T)], f"{p}.o")[0]
+        o_bias = [g.const(f"{p}.b_o", f32(a.w_o.bias))] if a.w_o.bias is not None else []
         # x + o (+ b_o) → x;  RMSNorm_2(x) → h
         h, x = g.op("SkipSimplifiedLayerNormalization",
-                    [x, o, g.const(f"{p}.ln2.w", _f32(block.ln_2.weight)), *o_bias],
+                    [x, o, g.const(f"{p}.ln2.w", f32(block.ln_2.weight)), *o_bias],
                     f"{p}.ln2", outputs=[f"{p}.ln2", "", "", f"{p}.res1"], domain=ms,
                     epsilon=eps)[0::3]
         bias = cfg.mlp_bias
         gate = linear(h, ffn.gate, f"{p}.gate", bias)  # (N, d_ff)
         silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sig")[0]], f"{p}.silu")[0]
         act = g.op("Mul", [silu, linear(h, ffn.up, f"{p}.up", bias)], f"{p}.glu")[0]
-        down = g.op("MatMul", [act, g.const(f"{p}.down.w", _f32(ffn.down.weight).T)],
+        down = g.op("MatMul", [act, g.const(f"{p}.down.w", f32(ffn.down.weight).T)],
                     f"{p}.down")[0]  # (N, d)
-        down_bias = [g.const(f"{p}.down.b", _f32(ffn.down.bias))] if bias else []
+        down_bias = [g.const(f"{p}.down.b", f32(ffn.down.bias))] if bias else []
         ln = blocks[i + 1].ln_1 if i + 1 < len(blocks) else gpt.ln_f
         q = f"l{i + 1}.ln1" if i + 1 < len(blocks) else "ln_f"
         h, x = g.op("SkipSimplifiedLayerNormalization",
-                    [x, down, g.const(f"{q}.w", _f32(ln.weight)), *down_bias],
+                    [x, down, g.const(f"{q}.w", f32(ln.weight)), *down_bias],
                     q, outputs=[q, "", "", f"{p}.res2"], domain=ms, epsilon=eps)[0::3]
-    logits = g.op("MatMul", [h, g.const("lm_head.w", _f32(gpt.lm_head.weight).T)],
-                  "lm_head")[0]  # (N, V)
+    logits = _head(g, gpt, h, matmul_only)  # (N, V)
     g.op("Reshape", [logits, shape_btc], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
     return _model(g, gpt)
 
@@ -277,7 +262,7 @@ def export_engine(gpt: GPT, path: Path, matmul_only: bool = False) -> Path:
 
 
 def verify_engine(gpt: GPT, path: Path, steps: int = 64,
-                  tolerance: float = 1e-4) -> dict[str, object]:
+                  tolerance: float | None = None) -> dict[str, object]:
     """Greedy-decode two ragged rows through engine.onnx and PyTorch; logits within tolerance.
 
     Also checks that the presents come back in the very buffers bound as pasts, i.e. that
@@ -303,7 +288,8 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64,
         ids[row, :len(p)] = p
     pos = np.tile(np.arange(t, dtype=np.int64), (len(lens), 1))
     total = np.asarray(lens, np.int64)
-    worst, in_place, equal = 0.0, True, True
+    worst, in_place, scale = 0.0, True, 0.0
+    margins: list[float] = []  # the reference's top-2 margin where the argmax differed
     refs = []
     with torch.no_grad():
         pasts = []
@@ -329,9 +315,13 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64,
                                                                           strict=True))
             logits = outs[0].numpy()  # (B, T, V)
             last = logits[np.arange(len(lens)), total - 1 if step == 0 else 0]  # (B, V)
-            worst = max(worst, float(np.abs(last - np.stack(refs)).max()))
-            nxt = last.argmax(-1)  # (B,)
-            equal &= bool((nxt == np.stack(refs).argmax(-1)).all())
+            ref = np.stack(refs)  # (B, V)
+            worst = max(worst, float(np.abs(last - ref).max()))
+            scale = max(scale, float(np.abs(ref).max()))
+            nxt = ref.argmax(-1)  # (B,): PyTorch's tokens, so both sides read the same cache
+            for row in np.flatnonzero(last.argmax(-1) != nxt):
+                top2 = np.partition(ref[row], -2)[-2:]
+                margins.append(float(top2[1] - top2[0]))
             if step == steps:
                 break
             for row in range(len(lens)):
@@ -339,9 +329,13 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64,
                 refs[row], pasts[row] = out.logits[0, -1].numpy(), out.present
             ids, pos = nxt[:, None].astype(np.int64), total[:, None].copy()
             total = total + 1
-    result: dict[str, object] = {"steps": steps, "max_abs_diff": worst, "greedy_equal": equal,
-                                 "in_place": in_place, "tolerance": tolerance}
-    if not (worst <= tolerance and equal and in_place):
+    if tolerance is None:
+        tolerance = logits_tolerance(cfg, scale)
+    decided = [m for m in margins if m > 2 * tolerance]  # not a near-tie: must agree
+    result: dict[str, object] = {"steps": steps, "max_abs_diff": worst,
+                                 "greedy_equal": not decided, "near_ties": len(margins)
+                                 - len(decided), "in_place": in_place, "tolerance": tolerance}
+    if not (worst <= tolerance and not decided and in_place):
         raise ValueError(f"engine.onnx disagrees with PyTorch: {result}")
     return result
 

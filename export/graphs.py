@@ -1,147 +1,39 @@
-"""Trace model.gpt.GPT into the two ONNX graphs of an artifact.
+"""model.onnx and attention.onnx, written node by node from model.gpt.GPT's weights.
 
 ``model.onnx`` is one merged decoder graph: the same graph runs prefill (past tensors of
 length 0) and cached decode, because the past is simply concatenated in front of this
 call's keys and values. ``attention.onnx`` is the introspection graph: no cache, every
 layer's Q, K, V, raw and scaled scores and attention weights as outputs.
 
-Both are traced with the dynamo-based ``torch.onnx.export(dynamo=True)``; its symbolic
-dimension names (``s10``, ``s70 + s89`` ...) are then renamed to the contract's names from
-service/contract/io_spec.py, so the graph reads exactly as the manifest documents it.
+Both compute what GPT.forward computes, op for op (the export verifies it against
+PyTorch): the boolean mask of ``attention_allowed``, rotary angles from ``position_ids``
+as model/rotary.py forms them, grouped-query attention by folding each group's query
+heads into the query axis (the cache is multiplied as it is, never repeated). Only
+standard ONNX operators are used, so any runtime can read the contract graph; ONNX
+Runtime fuses them (LayerNorm, Gelu, MatMul(Q, Transpose(K)) → FusedMatMul) when a
+session loads. Weight names and layouts are shared with engine.onnx (export/onnx_build.py
+stores each tensor once for all three).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io as _io
-import logging
-import re
-import warnings
-from pathlib import Path
+import math
+from typing import Any
 
+import numpy as np
 import onnx
-import torch
-from torch import Tensor, nn
+from onnx import TensorProto, helper
 
+from export.onnx_build import Graph, f32, make_model
 from model.config import GPTConfig
 from model.gpt import GPT
 from service.contract import io_spec as io
 
 DEFAULT_OPSET = 18
-# The dynamo exporter emits opset 18 natively; other versions go through the ONNX version
-# converter. These are the ones checked to convert and run on onnxruntime.
+# Every operator used here has the same meaning from opset 18 to 21, so the requested
+# version is simply declared (checked to load and run on onnxruntime).
 SUPPORTED_OPSETS = (18, 19, 20, 21)
-
-_SYMBOL = re.compile(r"\bs\d+\b")
-
-
-class DecoderAdapter(nn.Module):
-    """GPT behind the flat I/O of the contract: (ids, mask, positions, *past) → (logits, *present).
-
-    With a float16 KV cache the past is widened to float32 on entry and the present narrowed
-    on exit, so the arithmetic (and the logits) stay float32 while the cache, the only tensor
-    that grows with context, takes half the memory.
-    """
-
-    def __init__(self, gpt: GPT, kv_dtype: io.KvDtype = "float32") -> None:
-        super().__init__()
-        self.gpt = gpt
-        self.kv_half = kv_dtype == "float16"
-
-    def forward(
-        self,
-        input_ids: Tensor,  # (B, T) int64
-        attention_mask: Tensor,  # (B, T_past + T) int64
-        position_ids: Tensor,  # (B, T) int64
-        *past: Tensor,  # 2 * n_layers tensors (B, nkv, T_past, hs)
-    ) -> tuple[Tensor, ...]:
-        pairs = [(past[2 * i].float(), past[2 * i + 1].float()) for i in range(len(past) // 2)]
-        out = self.gpt(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=pairs)
-        present = [t for kv in out.present for t in kv]  # 2 * n_layers (B, nh, T_past + T, hs)
-        if self.kv_half:
-            present = [t.half() for t in present]
-        return (out.logits, *present)  # logits (B, T, vocab) float32
-
-
-class AttentionAdapter(nn.Module):
-    """GPT with intermediates: (ids, mask, positions) → per layer q, k, v, scores, scaled, α."""
-
-    def __init__(self, gpt: GPT) -> None:
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor,
-                position_ids: Tensor) -> tuple[Tensor, ...]:
-        out = self.gpt(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       return_intermediates=True)
-        assert out.intermediates is not None
-        flat: list[Tensor] = []
-        for inter in out.intermediates:
-            flat.extend(getattr(inter, kind) for kind in io.ATTENTION_KINDS)
-        return tuple(flat)
-
-
-def _example_decoder_inputs(gpt: GPT, kv_dtype: io.KvDtype) -> tuple[Tensor, ...]:
-    """Non-degenerate example sizes (not 0 or 1, all distinct) so no axis gets specialised."""
-    cfg = gpt.config
-    b, t, p = 2, min(7, max(2, cfg.max_seq_len // 4)), min(5, max(2, cfg.max_seq_len // 4))
-    ids = torch.randint(0, cfg.vocab_size, (b, t))
-    mask = torch.ones(b, p + t, dtype=torch.long)
-    pos = torch.arange(p, p + t).unsqueeze(0).expand(b, t).contiguous()
-    dtype = torch.float16 if kv_dtype == "float16" else torch.float32
-    past = [torch.zeros(b, cfg.kv_heads, p, cfg.head_dim, dtype=dtype)
-            for _ in range(2 * cfg.n_layers)]
-    return (ids, mask, pos, *past)
-
-
-def _export(module: nn.Module, args: tuple[Tensor, ...], input_names: list[str],
-            output_names: list[str], dynamic_shapes: dict[str, object],
-            opset: int) -> onnx.ModelProto:
-    module.eval()
-    # The exporter logs a warning per missing torchvision op and prints progress lines.
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    sink = _io.StringIO()
-    with warnings.catch_warnings(), contextlib.redirect_stdout(sink), torch.no_grad():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            module, args, f=None, input_names=input_names, output_names=output_names,
-            dynamic_shapes=dynamic_shapes, dynamo=True, opset_version=opset,
-            external_data=False, verbose=False)
-    if program is None:
-        raise RuntimeError("torch.onnx.export returned no program")
-    proto: onnx.ModelProto = program.model_proto
-    return proto
-
-
-def _set_dims(value: onnx.ValueInfoProto, dims: list[str | int]) -> None:
-    shape = value.type.tensor_type.shape
-    if len(shape.dim) != len(dims):
-        raise RuntimeError(f"{value.name}: rank {len(shape.dim)}, contract says {len(dims)}")
-    for dim, new in zip(shape.dim, dims, strict=True):
-        if isinstance(new, int):
-            dim.dim_value = new
-        else:
-            dim.dim_param = new
-
-
-def _rename_dims(proto: onnx.ModelProto, shapes: dict[str, dict[str, list[str]]],
-                 static: dict[str, int]) -> None:
-    """Give every graph input/output the contract's axis names; rename internal symbols too."""
-    symbols: dict[str, str] = {}
-    graph = proto.graph
-    for section, values in (("inputs", graph.input), ("outputs", graph.output)):
-        for value in values:
-            contract = shapes[section][value.name]
-            for dim, name in zip(value.type.tensor_type.shape.dim, contract, strict=True):
-                if dim.dim_param and _SYMBOL.fullmatch(dim.dim_param):
-                    symbols.setdefault(dim.dim_param, name)
-            _set_dims(value, [static.get(n, n) for n in contract])
-    for value in graph.value_info:
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param:
-                dim.dim_param = _SYMBOL.sub(lambda m: symbols.get(m.group(0), m.group(0)),
-                                            dim.dim_param)
+_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 
 def grouped_kv(cfg: GPTConfig) -> bool:
@@ -149,31 +41,271 @@ def grouped_kv(cfg: GPTConfig) -> bool:
     return cfg.kv_heads != cfg.n_heads
 
 
-def export_decoder(gpt: GPT, path: Path, opset: int = DEFAULT_OPSET,
-                   kv_dtype: io.KvDtype = "float32") -> Path:
-    """Write model.onnx: the merged prefill/decode graph with KV cache."""
+def qkv_weight(attn: Any) -> np.ndarray:
+    """Q | K | V projections side by side, (d, d + 2·kv): one MatMul for all three."""
+    return np.concatenate([f32(attn.w_q.weight).T, f32(attn.w_k.weight).T,
+                           f32(attn.w_v.weight).T], axis=1)
+
+
+def qkv_bias(attn: Any) -> np.ndarray | None:
+    if attn.w_q.bias is None:
+        return None
+    return np.concatenate([f32(attn.w_q.bias), f32(attn.w_k.bias), f32(attn.w_v.bias)])
+
+
+def head_weight(gpt: GPT) -> np.ndarray:
+    """The LM head as (V, d), read by Gemm(transB=1): for a tied model these are the
+    embedding's own bytes, so the artifact stores the matrix once."""
+    return f32(gpt.lm_head.weight)
+
+
+class DecoderBuilder:
+    """The nodes of one decoder graph; ``cached`` adds past/present, ``introspect`` adds
+    every layer's attention intermediates as outputs."""
+
+    def __init__(self, gpt: GPT, cached: bool, introspect: bool,
+                 kv_dtype: io.KvDtype = "float32", matmul_head: bool = False) -> None:
+        self.gpt, self.cfg = gpt, gpt.config
+        self.cached, self.introspect, self.kv_dtype = cached, introspect, kv_dtype
+        self.matmul_head = matmul_head
+        self.g = Graph()
+        self.outputs: list[str] = []
+
+    # -- leaves --------------------------------------------------------------------------
+    def _linear(self, x: str, weight: np.ndarray, bias: np.ndarray | None, name: str) -> str:
+        g = self.g
+        y = g.one("MatMul", [x, g.const(f"{name}.w", weight)], f"{name}.mm")
+        if bias is not None:
+            y = g.one("Add", [y, g.const(f"{name}.b", bias)], name)
+        return y
+
+    def _norm(self, x: str, module: Any, name: str) -> str:
+        g, eps = self.g, float(self.cfg.layer_norm_eps)
+        w = g.const(f"{name}.w", f32(module.weight))
+        if self.cfg.arch != "llama":
+            return g.one("LayerNormalization", [x, w, g.const(f"{name}.b", f32(module.bias))],
+                         name, axis=-1, epsilon=eps)
+        # RMSNorm: w · x / sqrt(mean(x²) + ε), the pattern ORT fuses into one kernel.
+        var = g.one("ReduceMean", [g.one("Pow", [x, g.const("two", np.array(2.0, np.float32))],
+                                         f"{name}.sq"), g.ints("axis_last", [-1])],
+                    f"{name}.var", keepdims=1)  # (B, T, 1)
+        std = g.one("Sqrt", [g.one("Add", [var, g.const("rms_eps", np.array(eps, np.float32))],
+                                   f"{name}.var_eps")], f"{name}.std")
+        return g.one("Mul", [w, g.one("Div", [x, std], f"{name}.unit")], name)  # (B, T, d)
+
+    def _activation(self, x: str, name: str) -> str:
+        g, kind = self.g, self.cfg.activation
+        if kind == "relu":
+            return g.one("Relu", [x], name)
+        half, one = g.const("half", np.array(0.5, np.float32)), g.const("one", np.array(
+            1.0, np.float32))
+        if kind == "gelu":  # x · ½(1 + erf(x/√2)), exact
+            erf = g.one("Erf", [g.one("Div", [x, g.const("sqrt2", np.array(
+                math.sqrt(2.0), np.float32))], f"{name}.scaled")], f"{name}.erf")
+        else:  # gelu_tanh: x · ½(1 + tanh(√(2/π)(x + 0.044715x³)))
+            cube = g.one("Mul", [g.one("Pow", [x, g.const("three", np.array(3.0, np.float32))],
+                                       f"{name}.cube_raw"),
+                                 g.const("gelu_c", np.array(0.044715, np.float32))],
+                         f"{name}.cube")
+            inner = g.one("Mul", [g.one("Add", [x, cube], f"{name}.poly"),
+                                  g.const("gelu_k", np.array(math.sqrt(2 / math.pi),
+                                                             np.float32))], f"{name}.inner")
+            erf = g.one("Tanh", [inner], f"{name}.tanh")
+        gate = g.one("Add", [erf, one], f"{name}.gate")
+        return g.one("Mul", [g.one("Mul", [x, gate], f"{name}.xg"), half], name)
+
+    def _heads(self, x: str, heads: int, name: str) -> str:
+        """(B, T, heads·hs) → (B, heads, T, hs)."""
+        g = self.g
+        shaped = g.one("Reshape", [x, g.ints(f"shape_heads{heads}",
+                                             [0, 0, heads, self.cfg.head_dim])], f"{name}.bthd")
+        return g.one("Transpose", [shaped], name, perm=[0, 2, 1, 3])
+
+    def _rotate(self, x: str, cos: str, sin: str, name: str) -> str:
+        """x·cos + rotate_half(x)·sin (model/rotary.py's layout)."""
+        g, half = self.g, self.cfg.head_dim // 2
+        x1, x2 = g.op("Split", [x, g.ints("split_half", [half, half])], f"{name}.halves",
+                      n_out=2, axis=-1)
+        rotated = g.one("Concat", [g.one("Neg", [x2], f"{name}.neg"), x1], f"{name}.rot",
+                        axis=-1)
+        return g.one("Add", [g.one("Mul", [x, cos], f"{name}.xcos"),
+                             g.one("Mul", [rotated, sin], f"{name}.rsin")], name)
+
+    # -- shared inputs -------------------------------------------------------------------
+    def _mask_bias(self) -> str:
+        """0 where a query may attend, -inf elsewhere, (B, 1, T, S): attention_allowed."""
+        g = self.g
+        t = g.one("Gather", [g.one("Shape", [io.INPUT_IDS], "ids_shape"),
+                             g.const("one_i", np.array(1, np.int64))], "T", axis=0)
+        s = g.one("Gather", [g.one("Shape", [io.ATTENTION_MASK], "mask_shape"), "one_i"], "S",
+                  axis=0)
+        zero, step = g.const("zero_i", np.array(0, np.int64)), "one_i"
+        query = g.one("Unsqueeze", [g.one("Range", [g.one("Sub", [s, t], "P"), s, step],
+                                          "query_pos"), g.ints("axis1", [1])], "query_col")
+        key = g.one("Unsqueeze", [g.one("Range", [zero, s, step], "key_pos"),
+                                  g.ints("axis0", [0])], "key_row")  # (1, S)
+        causal = g.one("LessOrEqual", [key, query], "causal")  # (T, S)
+        diagonal = g.one("Equal", [key, query], "diagonal")  # (T, S)
+        real = g.one("Unsqueeze", [g.one("Cast", [io.ATTENTION_MASK], "mask_bool",
+                                         to=TensorProto.BOOL), g.ints("axes12", [1, 2])],
+                     "not_padding")  # (B, 1, 1, S)
+        allowed = g.one("Or", [g.one("And", [causal, real], "causal_real"), diagonal],
+                        "allowed")  # (B, 1, T, S)
+        return g.one("Where", [allowed, g.const("zero_f", np.array(0.0, np.float32)),
+                               g.const("neg_inf", np.array(-np.inf, np.float32))], "mask_bias")
+
+    def _rotary(self) -> tuple[str, str]:
+        """cos, sin (B, 1, T, hs) from position_ids, as Rotary.forward forms them."""
+        g, gpt = self.g, self.gpt
+        assert gpt.rotary is not None
+        inv_freq = f32(gpt.rotary.inv_freq)  # (hs/2,)
+        freqs = g.one("Mul", [g.one("Unsqueeze", [g.one("Cast", [io.POSITION_IDS], "pos_f",
+                                                        to=TensorProto.FLOAT),
+                                                  g.ints("axis_last", [-1])], "pos_col"),
+                              g.const("rope.inv_freq", inv_freq)], "rope.freqs")  # (B, T, hs/2)
+        emb = g.one("Unsqueeze", [g.one("Concat", [freqs, freqs], "rope.emb", axis=-1),
+                                  "axis1"], "rope.emb4")  # (B, 1, T, hs)
+        return g.one("Cos", [emb], "rope.cos"), g.one("Sin", [emb], "rope.sin")
+
+    # -- the block -----------------------------------------------------------------------
+    def _attention(self, i: int, h: str, bias: str, rotary: tuple[str, str] | None) -> str:
+        g, cfg, attn = self.g, self.cfg, self.gpt.blocks[i].attn
+        p, d, nh, nkv, hs = f"l{i}", cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        kv = nkv * hs
+        qkv = self._linear(h, qkv_weight(attn), qkv_bias(attn), f"{p}.qkv")  # (B, T, d + 2kv)
+        q, k, v = g.op("Split", [qkv, g.ints(f"split_qkv{kv}", [d, kv, kv])], f"{p}.split",
+                       n_out=3, axis=-1)
+        q, k, v = (self._heads(q, nh, f"{p}.q"), self._heads(k, nkv, f"{p}.k_new"),
+                   self._heads(v, nkv, f"{p}.v_new"))  # (B, heads, T, hs)
+        if rotary is not None:
+            q, k = self._rotate(q, *rotary, f"{p}.q_rot"), self._rotate(k, *rotary, f"{p}.k_rot")
+        if self.cached:
+            pasts = [io.past_key_name(i), io.past_value_name(i)]
+            if self.kv_dtype == "float16":
+                pasts = [g.one("Cast", [n], f"{n}.f32", to=TensorProto.FLOAT) for n in pasts]
+            k = g.one("Concat", [pasts[0], k], f"{p}.k", axis=2)  # (B, nkv, S, hs)
+            v = g.one("Concat", [pasts[1], v], f"{p}.v", axis=2)  # (B, nkv, S, hs)
+            for value, out in ((k, io.present_key_name(i)), (v, io.present_value_name(i))):
+                if self.kv_dtype == "float16":
+                    g.op("Cast", [value], f"{out}.cast", outputs=[out], to=TensorProto.FLOAT16)
+                else:
+                    g.op("Identity", [value], f"{out}.id", outputs=[out])
+        # The rep query heads of a group share one key head: fold them into the query axis.
+        grouped = g.ints("shape_grouped", [0, nkv, -1, hs])
+        by_head = g.ints("shape_by_head", [0, nh, -1, 0])
+        qg = g.one("Reshape", [q, grouped], f"{p}.q_grouped")  # (B, nkv, rep·T, hs)
+        kt = g.one("Transpose", [k], f"{p}.kt", perm=[0, 1, 3, 2])  # (B, nkv, hs, S)
+        scores = g.one("Reshape", [g.one("MatMul", [qg, kt], f"{p}.qk"), by_head],
+                       f"{p}.scores")  # (B, nh, T, S)
+        scaled = g.one("Add", [g.one("Div", [scores, g.const(f"sqrt_hs{hs}", np.array(
+            math.sqrt(hs), np.float32))], f"{p}.scaled_raw"), bias], f"{p}.scaled")
+        weights = g.one("Softmax", [scaled], f"{p}.weights", axis=-1)  # (B, nh, T, S)
+        ctx = g.one("MatMul", [g.one("Reshape", [weights, g.ints("shape_grouped_s",
+                                                                   [0, nkv, -1, 0])],
+                                     f"{p}.w_grouped"), v], f"{p}.ctx_grouped")
+        ctx = g.one("Transpose", [g.one("Reshape", [ctx, g.ints("shape_by_head_hs",
+                                                                  [0, nh, -1, hs])],
+                                        f"{p}.ctx_heads")], f"{p}.ctx_bthd", perm=[0, 2, 1, 3])
+        merged = g.one("Reshape", [ctx, g.ints("shape_merge", [0, 0, d])], f"{p}.ctx")
+        if self.introspect:
+            self._record(i, q, k, v, scores, scaled, weights)
+        b_o = f32(attn.w_o.bias) if attn.w_o.bias is not None else None
+        return self._linear(merged, f32(attn.w_o.weight).T, b_o, f"{p}.o")  # (B, T, d)
+
+    def _record(self, i: int, *values: str) -> None:
+        """Name layer i's intermediates as outputs; k and v per query head (GQA: repeated)."""
+        g, cfg = self.g, self.cfg
+        rep = cfg.n_heads // cfg.kv_heads
+        for kind, value in zip(io.ATTENTION_KINDS, values, strict=True):
+            if kind in ("k", "v") and rep > 1:
+                value = g.one("Reshape", [g.one("Tile", [
+                    g.one("Unsqueeze", [value, g.ints("axis2", [2])], f"l{i}.{kind}_5d"),
+                    g.ints("tile_rep", [1, 1, rep, 1, 1])], f"l{i}.{kind}_tiled"),
+                    g.ints("shape_by_head_hs", [0, cfg.n_heads, -1, cfg.head_dim])],
+                    f"l{i}.{kind}_per_head")
+            name = io.attention_output_name(i, kind)
+            g.op("Identity", [value], f"{name}.id", outputs=[name])
+            self.outputs.append(name)
+
+    def _ffn(self, i: int, h: str) -> str:
+        ffn, p = self.gpt.blocks[i].ffn, f"l{i}"
+
+        def bias(layer: Any) -> np.ndarray | None:
+            return f32(layer.bias) if layer.bias is not None else None
+
+        if self.cfg.arch == "llama":  # SwiGLU: down(silu(gate(h)) ⊙ up(h))
+            gate = self._linear(h, f32(ffn.gate.weight).T, bias(ffn.gate), f"{p}.gate")
+            silu = self.g.one("Mul", [gate, self.g.one("Sigmoid", [gate], f"{p}.sig")],
+                              f"{p}.silu")
+            up = self._linear(h, f32(ffn.up.weight).T, bias(ffn.up), f"{p}.up")
+            act = self.g.one("Mul", [silu, up], f"{p}.glu")
+        else:
+            act = self._activation(self._linear(h, f32(ffn.up.weight).T, bias(ffn.up),
+                                                f"{p}.up"), f"{p}.act")
+        return self._linear(act, f32(ffn.down.weight).T, bias(ffn.down), f"{p}.down")
+
+    def _logits(self, x: str) -> None:
+        g, cfg = self.g, self.cfg
+        h = self._norm(x, self.gpt.ln_f, "ln_f")  # (B, T, d)
+        if self.matmul_head:  # weight quantisation rewrites MatMul nodes only
+            g.op("MatMul", [h, g.const("lm_head.w", head_weight(self.gpt).T)], "lm_head",
+                 outputs=[io.LOGITS])
+            return
+        flat = g.one("Reshape", [h, g.ints("shape_flat", [-1, cfg.d_model])], "ln_f_flat")
+        logits = g.one("Gemm", [flat, g.const("tok_emb" if cfg.tie_weights else "lm_head.weight",
+                                              head_weight(self.gpt))], "lm_head", transB=1)
+        shape = g.one("Concat", ["ids_shape", g.ints("minus1", [-1])], "shape_btv", axis=0)
+        g.op("Reshape", [logits, shape], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
+
+    def build(self) -> None:
+        g, gpt = self.g, self.gpt
+        bias = self._mask_bias()
+        x = g.one("Gather", [g.const("tok_emb", f32(gpt.tok_emb.weight)), io.INPUT_IDS],
+                  "tok_gather")  # (B, T, d)
+        rotary = None
+        if gpt.rotary is not None:
+            rotary = self._rotary()
+        else:
+            table: Any = gpt.pos_emb.weight if gpt.pos_emb is not None else gpt.pos_table
+            x = g.one("Add", [x, g.one("Gather", [g.const("pos_emb", f32(table)),
+                                                 io.POSITION_IDS], "pos_gather")], "embed")
+        for i, block in enumerate(gpt.blocks):
+            a = self._attention(i, self._norm(x, block.ln_1, f"l{i}.ln1"), bias, rotary)
+            if self.introspect and i == len(gpt.blocks) - 1:
+                break  # nothing after the last layer's attention is an output
+            x = g.one("Add", [x, a], f"l{i}.res1")
+            x = g.one("Add", [x, self._ffn(i, self._norm(x, block.ln_2, f"l{i}.ln2"))],
+                      f"l{i}.res2")  # (B, T, d)
+        if not self.introspect:
+            self._logits(x)
+
+
+def _value_infos(shapes: dict[str, list[str]], static: dict[str, int],
+                 dtypes: dict[str, int]) -> list[onnx.ValueInfoProto]:
+    return [helper.make_tensor_value_info(name, dtypes.get(name, TensorProto.FLOAT),
+                                          [static.get(dim, dim) for dim in dims])
+            for name, dims in shapes.items()]
+
+
+def build_decoder(gpt: GPT, opset: int = DEFAULT_OPSET, kv_dtype: io.KvDtype = "float32",
+                  matmul_head: bool = False) -> onnx.ModelProto:
+    """model.onnx: the merged prefill/decode graph with KV cache (the I/O contract)."""
     cfg = gpt.config
-    n = cfg.n_layers
-    batch = torch.export.Dim.DYNAMIC
-    dyn: dict[str, object] = {
-        "input_ids": {0: batch, 1: batch},
-        "attention_mask": {0: batch, 1: batch},
-        "position_ids": {0: batch, 1: batch},
-        "past": tuple({0: batch, 2: batch} for _ in range(2 * n)),
-    }
-    gpt.set_attention_impl("matmul")  # fuses into FusedMatMul: no per-step copy of Kᵀ
-    try:
-        proto = _export(DecoderAdapter(gpt, kv_dtype), _example_decoder_inputs(gpt, kv_dtype),
-                        io.model_input_names(n), io.model_output_names(n), dyn, opset)
-    finally:
-        gpt.set_attention_impl("sdpa")
+    builder = DecoderBuilder(gpt.eval(), cached=True, introspect=False, kv_dtype=kv_dtype,
+                             matmul_head=matmul_head)
+    builder.build()
+    shapes = io.model_io_shapes(cfg.n_layers, grouped_kv(cfg))
     static = {"num_heads": cfg.n_heads, io.KV_HEADS: cfg.kv_heads, "head_dim": cfg.head_dim,
               "vocab_size": cfg.vocab_size}
-    _rename_dims(proto, io.model_io_shapes(n, grouped_kv(cfg)), static)
-    proto.doc_string = (f"attnserve decoder with KV cache; kv_dtype={kv_dtype}; "
-                        "logits float32; I/O per service/contract/io_spec.py")
-    onnx.save_model(proto, str(path))
-    return path
+    kv = _DTYPES[kv_dtype]
+    dtypes = {io.INPUT_IDS: TensorProto.INT64, io.ATTENTION_MASK: TensorProto.INT64,
+              io.POSITION_IDS: TensorProto.INT64,
+              **{n: kv for n in io.past_names(cfg.n_layers) + io.present_names(cfg.n_layers)}}
+    return make_model(builder.g, "attnserve_decoder",
+                      _value_infos(shapes["inputs"], static, dtypes),
+                      _value_infos(shapes["outputs"], static, dtypes), opset,
+                      f"attnserve decoder with KV cache; kv_dtype={kv_dtype}; logits float32; "
+                      "I/O per service/contract/io_spec.py")
 
 
 def attention_io_shapes(n_layers: int) -> dict[str, dict[str, list[str]]]:
@@ -188,19 +320,16 @@ def attention_io_shapes(n_layers: int) -> dict[str, dict[str, list[str]]]:
     return {"inputs": {name: seq for name in io.attention_input_names()}, "outputs": outputs}
 
 
-def export_attention(gpt: GPT, path: Path, opset: int = DEFAULT_OPSET) -> Path:
-    """Write attention.onnx: every layer's intermediates for a whole (left-padded) prompt."""
+def build_attention(gpt: GPT, opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
+    """attention.onnx: every layer's intermediates for a whole (left-padded) prompt."""
     cfg = gpt.config
-    b, t = 2, min(7, cfg.max_seq_len)
-    ids = torch.randint(0, cfg.vocab_size, (b, t))
-    mask = torch.ones(b, t, dtype=torch.long)
-    pos = torch.arange(t).unsqueeze(0).expand(b, t).contiguous()
-    dim = torch.export.Dim.DYNAMIC
-    dyn: dict[str, object] = {name: {0: dim, 1: dim} for name in io.attention_input_names()}
-    proto = _export(AttentionAdapter(gpt), (ids, mask, pos), io.attention_input_names(),
-                    io.attention_output_names(cfg.n_layers), dyn, opset)
+    builder = DecoderBuilder(gpt.eval(), cached=False, introspect=True)
+    builder.build()
+    shapes = attention_io_shapes(cfg.n_layers)
     static = {"num_heads": cfg.n_heads, "head_dim": cfg.head_dim}
-    _rename_dims(proto, attention_io_shapes(cfg.n_layers), static)
-    proto.doc_string = "attnserve attention introspection: q, k, v, scores, scaled_scores, weights"
-    onnx.save_model(proto, str(path))
-    return path
+    ints = {name: TensorProto.INT64 for name in io.attention_input_names()}
+    return make_model(builder.g, "attnserve_attention",
+                      _value_infos(shapes["inputs"], static, ints),
+                      _value_infos(shapes["outputs"], static, {}), opset,
+                      "attnserve attention introspection: q, k, v, scores, scaled_scores, "
+                      "weights")

@@ -164,8 +164,10 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8") -> dict[str, An
     finally:
         for lg, lv in zip(loggers, levels, strict=True):
             lg.setLevel(lv)
-    return {"quantization": method, **figures, "fp32_bytes": src.stat().st_size,
-            "int8_bytes": dst.stat().st_size}
+    from export.onnx_build import weight_bytes
+
+    return {"quantization": method, **figures, "fp32_bytes": weight_bytes(src),
+            "int8_bytes": weight_bytes(dst)}
 
 
 def _matmul_nbits(src: Path, dst: Path) -> dict[str, Any]:
@@ -199,16 +201,3 @@ def quantize_int8(gpt: GPT, model_path: Path, fp32_path: Path, tokenizer: Any,
     if measure:
         figures.update(int8_figures(gpt, fp32_path, model_path, tokenizer, training, method))
     return figures
-
-
-def int8_check(gpt: GPT, fp32_reference: Path, tokenizer: Any,
-               training: dict[str, Any], method: str = "int8") -> Any:
-    """A check for optimize_decoder: the optimised int8 graph must still meet the target."""
-
-    def check(path: Path) -> dict[str, Any]:
-        figures = int8_figures(gpt, fp32_reference, path, tokenizer, training, method)
-        if not figures["meets_target"]:
-            raise ValueError(f"optimised int8 graph agreement {figures['token_agreement']}")
-        return {k: figures[k] for k in ("token_agreement", "perplexity_int8")}
-
-    return check

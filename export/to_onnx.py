@@ -1,7 +1,9 @@
 """Checkpoint directory → verified artifact directory (the whole export pipeline).
 
-    model.onnx       decoder with KV cache (export/graphs.py)
+    model.onnx       decoder with KV cache, the I/O contract graph (export/graphs.py)
     attention.onnx   attention introspection graph
+    engine.onnx      with --engine-graph: the service's decoder (export/engine_graph.py)
+    weights.bin      every graph's weights, each distinct tensor once (export/onnx_build.py)
     tokenizer.json   copied from the checkpoint
     chat_template.jinja, tokenizer_config.json, generation_config.json
                      copied from the checkpoint when it has them (the chat template)
@@ -130,25 +132,27 @@ def export_artifact(
     dtype: io.KvDtype = "float32",
     quantize: str | None = None,
     verify: bool = True,
-    optimize: bool = True,
     force: bool = False,
     model_name: str | None = None,
     log: Any = None,
     engine_graph: bool = False,
 ) -> Path:
-    """Export, verify, optimise and (optionally) quantise; return the artifact directory.
+    """Build, verify and (optionally) quantise; return the artifact directory.
 
     ``engine_graph`` also writes engine.onnx, the service-only decoder with an in-place
     KV cache (export/engine_graph.py); model.onnx is unchanged either way. With
-    ``quantize="int8"`` both graphs get MatMulNBits weights (export/quantize.py).
+    ``quantize="int8"`` both graphs get MatMulNBits weights (export/quantize.py). All
+    graphs point into one weights.bin, each distinct tensor stored once.
     """
-    from export.graphs import (
-        DEFAULT_OPSET,
-        attention_io_shapes,
-        export_attention,
-        export_decoder,
-        grouped_kv,
-    )
+    # Everything heavy is imported before the staging directory exists, so a SIGTERM
+    # never lands inside an extension module's initialisation.
+    from export.engine_graph import build_engine_graph, verify_engine
+    from export.graphs import DEFAULT_OPSET, attention_io_shapes, build_attention, \
+        build_decoder, grouped_kv
+    from export.onnx_build import WEIGHTS_FILE, load_graph, save_graphs
+    from export.quantize import quantize_int8
+    from export.verify import verify_artifact
+    from service.contract.engine_spec import ENGINE_FILE
 
     say = log or (lambda _msg: None)
     opset = DEFAULT_OPSET if opset is None else opset
@@ -176,81 +180,73 @@ def export_artifact(
     with staged_directory(out) as tmp:
         started = time.perf_counter()
         model_path, attention_path = tmp / io.MODEL_FILE, tmp / io.ATTENTION_FILE
-        export_decoder(gpt, model_path, opset, dtype)
-        export_attention(gpt, attention_path, opset)
-        export_seconds = time.perf_counter() - started
-        say(f"traced model.onnx and attention.onnx in {export_seconds:.1f}s")
+        engine_path = tmp / ENGINE_FILE
+        graphs = {io.MODEL_FILE: build_decoder(gpt, opset, dtype, matmul_head=bool(quantize)),
+                  io.ATTENTION_FILE: build_attention(gpt, opset)}
+        if engine_graph:
+            graphs[ENGINE_FILE] = build_engine_graph(gpt, matmul_only=bool(quantize))
+        storage = save_graphs(tmp, graphs)
+        del graphs
+        build_seconds = time.perf_counter() - started
+        say(f"built {', '.join(sorted(p.name for p in tmp.glob('*.onnx')))} in "
+            f"{build_seconds:.1f}s")
         verification: dict[str, Any] = {"skipped": True}
-        reference = None
         if verify:
-            from export.verify import TorchReference, verify_artifact
-
-            reference = TorchReference(gpt)
-            verification = verify_artifact(gpt, model_path, attention_path, dtype,
-                                           reference=reference)
+            verification = verify_artifact(gpt, model_path, attention_path, dtype)
             say(f"verified: prefill {verification['prefill']['max_abs_diff']:.2e}, "
                 f"decode {verification['decode']['max_abs_diff']:.2e} over "
-                f"{verification['decode']['steps']} steps")
-        quantization: dict[str, Any] | None = None
-        fp32_copy = tmp / f".{io.MODEL_FILE}.fp32"
-        check = None
+                f"{verification['decode']['steps']} steps (tolerance "
+                f"{verification['tolerance']['logits']:.2e})")
+            if engine_graph:
+                verification["engine"] = verify_engine(gpt, engine_path)
+                say(f"verified engine.onnx: {verification['engine']['max_abs_diff']:.2e} "
+                    f"over {verification['engine']['steps']} steps, cache updated in place")
         if quantize is not None:
-            from export.quantize import int8_check, quantize_int8
-
-            os.replace(model_path, fp32_copy)
-            quantization = quantize_int8(gpt, model_path, fp32_copy, tok, ckpt.meta.training,
+            fp32_model = tmp / f".{io.MODEL_FILE}.fp32"
+            os.replace(model_path, fp32_model)
+            quantization = quantize_int8(gpt, model_path, fp32_model, tok, ckpt.meta.training,
                                          measure=verify, method=quantize)
             say(f"{quantize}: token agreement {quantization.get('token_agreement')}, "
                 f"perplexity change {quantization.get('perplexity_relative_change')}")
             verification["int8"] = quantization
-            if verify:
-                check = int8_check(gpt, fp32_copy, tok, ckpt.meta.training, quantize)
-        elif verify:
-            from export.optimize import fp_check
-
-            check = fp_check(gpt, dtype, reference)
-        optimization: dict[str, Any] = {"skipped": True}
-        if optimize:
-            from export.optimize import optimize_decoder
-
-            optimization = optimize_decoder(gpt, model_path, dtype, check)
-            say(f"graph optimisation: {optimization['decision']}")
-        fp32_copy.unlink(missing_ok=True)
-        if engine_graph:
-            from export.engine_graph import export_engine, verify_engine
-            from service.contract.engine_spec import ENGINE_FILE
-
-            engine_path = tmp / ENGINE_FILE
-            engine_fp32 = export_engine(gpt, tmp / f".{ENGINE_FILE}.fp32" if quantize
-                                        else engine_path, matmul_only=bool(quantize))
-            if verify:
-                verification["engine"] = verify_engine(gpt, engine_fp32)
-                say(f"verified engine.onnx: {verification['engine']['max_abs_diff']:.2e} "
-                    f"over {verification['engine']['steps']} steps, cache updated in place")
-            if quantize:
+            if engine_graph:
+                fp32_engine = tmp / f".{ENGINE_FILE}.fp32"
+                os.replace(engine_path, fp32_engine)
                 verification["engine_int8"] = _quantize_engine(
-                    gpt, engine_fp32, engine_path, tok, ckpt.meta.training, quantize, verify)
+                    gpt, fp32_engine, engine_path, tok, ckpt.meta.training, quantize, verify)
                 say(f"{quantize} engine.onnx: token agreement "
                     f"{verification['engine_int8'].get('token_agreement')}")
-                engine_fp32.unlink()
+            final = {p.name: load_graph(p) for p in sorted(tmp.glob("*.onnx"))}
+            storage = save_graphs(tmp, final, base=tmp)  # one weights.bin again
+            for stale in tmp.glob(".*.fp32"):
+                stale.unlink()
         shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
         for name in io.OPTIONAL_HF_FILES:  # chat template and friends, when the checkpoint has them
             if (Path(ckpt_dir) / name).is_file():
                 shutil.copyfile(Path(ckpt_dir) / name, tmp / name)
         config = artifact_config(ckpt, model_name or out.name, dtype, tok)
         (tmp / io.CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n", "utf-8")
+        files = describe_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
+        parameter_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
+        storage.update(artifact_bytes=sum(e.size for e in files.values()),
+                       parameter_bytes=parameter_bytes)
+        say(f"artifact {storage['artifact_bytes'] / 1e6:.1f} MB for "
+            f"{parameter_bytes / 1e6:.1f} MB of weights ({WEIGHTS_FILE}: "
+            f"{storage['weights_bytes'] / 1e6:.1f} MB, shared by every graph)")
         manifest = Manifest(
-            files=describe_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file())),
+            files=files,
             source_checkpoint=checkpoint_fingerprint(ckpt_dir),
-            exporter={"name": "torch.onnx.export", "method": "dynamo",
-                      "native_opset": DEFAULT_OPSET, "export_seconds": round(export_seconds, 3),
-                      "versions": _versions()},
+            exporter={"name": "attnserve graph builder", "method": "direct (export/graphs.py, "
+                      "export/engine_graph.py)", "build_seconds": round(build_seconds, 3),
+                      "storage": storage, "versions": _versions()},
             opset=opset, kv_dtype=dtype, quantization=quantize,
             io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,
                                             grouped_kv(ckpt.meta.model)),
                 "attention": attention_io_shapes(ckpt.meta.model.n_layers),
                 "logits_dtype": "float32", "kv_dtype": dtype},
-            verification=verification, optimization=optimization,
+            verification=verification,
+            optimization={"offline": False, "note": "ONNX Runtime optimises each graph when "
+                          "a session loads it; an optimised copy would store the weights again"},
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )
         manifest.write(tmp)

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from export.engine_graph import build_engine_graph, export_engine, verify_engine
+from export.graphs import build_attention, build_decoder
+from export.onnx_build import save_graphs
 from export.to_onnx import export_artifact
 from model.checkpoint import load_checkpoint
 from model.config import GPTConfig
@@ -24,7 +26,7 @@ from service.contract.engine_spec import ENGINE_FILE, SEQLENS_K, TOTAL_SEQUENCE_
 @pytest.fixture(scope="module")
 def engine_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("engine-artifact") / "artifact"
-    return export_artifact(tiny_checkpoint, out, optimize=False, engine_graph=True)
+    return export_artifact(tiny_checkpoint, out, engine_graph=True)
 
 
 def test_engine_graph_is_listed_in_the_manifest_with_its_sha256(engine_artifact: Path) -> None:
@@ -64,7 +66,7 @@ def test_engine_graph_refuses_float16_and_int8_dynamic(tiny_checkpoint: Path,
 @torch.no_grad()
 def test_int8_engine_graph_agrees_with_pytorch_teacher_forced(tiny_checkpoint: Path,
                                                               tmp_path: Path) -> None:
-    out = export_artifact(tiny_checkpoint, tmp_path / "int8", quantize="int8", optimize=False,
+    out = export_artifact(tiny_checkpoint, tmp_path / "int8", quantize="int8",
                           engine_graph=True)
     manifest = json.loads((out / io.MANIFEST_FILE).read_text("utf-8"))
     assert manifest["verification"]["engine_int8"]["token_agreement"] >= 0.97
@@ -110,6 +112,25 @@ def test_gelu_tied_sinusoidal_model_matches_pytorch(tmp_path: Path) -> None:
     result = verify_engine(gpt, export_engine(gpt, tmp_path / ENGINE_FILE), steps=70)
     assert result["greedy_equal"] and result["in_place"]
     assert float(result["max_abs_diff"]) <= 1e-4  # type: ignore[arg-type]
+
+
+def test_a_tied_embedding_is_stored_once_across_all_graphs(tmp_path: Path) -> None:
+    """The LM head of a tied model is the embedding's own bytes (Gemm transB), in
+    model.onnx, attention.onnx and engine.onnx alike: weights.bin holds it once."""
+    torch.manual_seed(4)
+    cfg = GPTConfig(vocab_size=2048, d_model=64, n_heads=4, n_layers=2, d_ff=128,
+                    max_seq_len=64, tie_weights=True)
+    gpt = GPT(cfg).eval()
+    graphs = {"model.onnx": build_decoder(gpt), "attention.onnx": build_attention(gpt),
+              ENGINE_FILE: build_engine_graph(gpt)}
+    save_graphs(tmp_path, graphs)
+    embedding = gpt.tok_emb.weight.detach().numpy().tobytes()  # 512 KiB
+    blob = (tmp_path / "weights.bin").read_bytes()
+    assert blob.count(embedding) == 1
+    params = sum(p.numel() for p in gpt.parameters()) * 4  # the tied matrix counted once
+    assert 0.95 * params < len(blob) < 1.02 * params  # small norm scales stay in the graphs
+    for name in graphs:  # and each graph still runs from the shared file
+        ort.InferenceSession(str(tmp_path / name), providers=["CPUExecutionProvider"])
 
 
 def test_prefill_of_ragged_rows_matches_each_row_alone(tiny_checkpoint: Path) -> None:

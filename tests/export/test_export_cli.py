@@ -79,8 +79,7 @@ def test_non_empty_output_needs_force_then_opset_option(tiny_checkpoint: Path,
     assert result.returncode != 0 and "--force" in result.stderr.strip().splitlines()[0]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
-    result = attnserve("--ckpt", tiny_checkpoint, "--out", out, "--force", "--opset", "20",
-                       "--no-optimize")
+    result = attnserve("--ckpt", tiny_checkpoint, "--out", out, "--force", "--opset", "20")
     assert result.returncode == 0, result.stderr
     assert not (out / "keep.txt").exists()
     manifest = verify_manifest(out)

@@ -23,7 +23,7 @@ def test_hf_files_are_copied_pinned_and_loaded(tiny_checkpoint: Path, tmp_path: 
     (ckpt / io.TOKENIZER_CONFIG_FILE).write_text(json.dumps({"eos_token": "<end>"}), "utf-8")
     (ckpt / io.GENERATION_CONFIG_FILE).write_text(json.dumps({"eos_token_id": [2, 7]}),
                                                    "utf-8")
-    out = export_artifact(ckpt, tmp_path / "artifact", verify=False, optimize=False)
+    out = export_artifact(ckpt, tmp_path / "artifact", verify=False)
     manifest = verify_manifest(out)
     for name in io.OPTIONAL_HF_FILES:
         assert (out / name).read_bytes() == (ckpt / name).read_bytes()

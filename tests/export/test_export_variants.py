@@ -17,7 +17,7 @@ from service.contract.manifest import verify_manifest
 
 def test_int8_export_reports_agreement_and_perplexity(tiny_checkpoint: Path,
                                                       tmp_path: Path) -> None:
-    out = export_artifact(tiny_checkpoint, tmp_path / "int8", quantize="int8", optimize=False)
+    out = export_artifact(tiny_checkpoint, tmp_path / "int8", quantize="int8")
     manifest = verify_manifest(out)
     assert manifest.quantization == "int8"
     figures = manifest.verification["int8"]
@@ -35,8 +35,7 @@ def test_int8_export_reports_agreement_and_perplexity(tiny_checkpoint: Path,
 
 def test_int8_dynamic_export_keeps_quantize_dynamic(tiny_checkpoint: Path,
                                                     tmp_path: Path) -> None:
-    out = export_artifact(tiny_checkpoint, tmp_path / "dyn", quantize="int8-dynamic",
-                          optimize=False)
+    out = export_artifact(tiny_checkpoint, tmp_path / "dyn", quantize="int8-dynamic")
     manifest = verify_manifest(out)
     assert manifest.quantization == "int8-dynamic"
     figures = manifest.verification["int8"]
@@ -49,7 +48,7 @@ def test_int8_dynamic_export_keeps_quantize_dynamic(tiny_checkpoint: Path,
 
 @torch.no_grad()
 def test_float16_kv_cache_export(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    out = export_artifact(tiny_checkpoint, tmp_path / "fp16", dtype="float16", optimize=False)
+    out = export_artifact(tiny_checkpoint, tmp_path / "fp16", dtype="float16")
     assert verify_manifest(out).kv_dtype == "float16"
     model = onnx.load(str(out / "model.onnx"))
     types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input,

@@ -21,7 +21,7 @@ def _optimized_graph(artifact: Path, tmp_path: Path) -> onnx.GraphProto:
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     ort.InferenceSession(str(artifact / io.MODEL_FILE), options,
                          providers=["CPUExecutionProvider"])
-    return onnx.load(str(tmp_path / "optimized.onnx")).graph
+    return onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False).graph
 
 
 def test_no_node_transposes_the_key_cache(tiny_artifact: Path, tmp_path: Path) -> None:

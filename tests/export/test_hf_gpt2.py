@@ -162,11 +162,11 @@ def test_int8_and_float16_artifacts_of_an_imported_gpt2(tmp_path: Path) -> None:
     src = build_hf_model(tmp_path / "hf", seed=7)
     ckpt = import_hf_checkpoint(src, tmp_path / "ckpt")
     hf = load_hf_model(src)
-    half = export_artifact(ckpt, tmp_path / "fp16", dtype="float16", optimize=False)
+    half = export_artifact(ckpt, tmp_path / "fp16", dtype="float16")
     cfg = io.ArtifactConfig.load(half)
     assert cfg.kv_dtype == "float16"
     assert _decode_against_transformers(half / io.MODEL_FILE, hf, cfg)[0] <= 1e-2
-    int8 = export_artifact(ckpt, tmp_path / "int8", quantize="int8", optimize=False)
+    int8 = export_artifact(ckpt, tmp_path / "int8", quantize="int8")
     figures = verify_manifest(int8).verification["int8"]
     assert figures["token_agreement"] >= 0.9, figures
     _, agreement = _decode_against_transformers(int8 / io.MODEL_FILE, hf,

@@ -28,7 +28,7 @@ def engine_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFact
     from export.to_onnx import export_artifact
 
     out = tmp_path_factory.mktemp("engine-http") / "artifact"
-    return export_artifact(tiny_checkpoint, out, engine_graph=True, optimize=False)
+    return export_artifact(tiny_checkpoint, out, engine_graph=True)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def variant(request: pytest.FixtureRequest, tiny_checkpoint: Path,
     options = ({"quantize": request.param} if request.param.startswith("int8")
                else {"dtype": "float16"})
     with torch_threads(1):
-        return export_artifact(tiny_checkpoint, out, optimize=False, verify=False,
+        return export_artifact(tiny_checkpoint, out, verify=False,
                                **options)  # type: ignore[arg-type]
 
 

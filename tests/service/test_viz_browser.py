@@ -417,7 +417,7 @@ def long_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
         meta = CheckpointMeta(model=config, tokenizer=dict(tiny.meta.tokenizer))
         ckpt = save_checkpoint(out / "ckpt", GPT(config).eval(), meta,
                                (tiny_checkpoint / io.TOKENIZER_FILE).read_text("utf-8"))
-        return export_artifact(ckpt, out / "artifact", optimize=False, verify=False)
+        return export_artifact(ckpt, out / "artifact", verify=False)
 
 
 @pytest.fixture(scope="module")
