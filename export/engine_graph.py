@@ -28,7 +28,6 @@ from onnx import TensorProto, helper
 from export.graphs import head_weight, qkv_bias, qkv_weight
 from export.onnx_build import Graph, f32
 from export.verify import logits_tolerance
-
 from model.gpt import GPT
 from service.contract import io_spec as io
 from service.contract.engine_spec import MAX_SEQUENCE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
@@ -76,6 +75,7 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
         w_qkv = qkv_weight(a)  # (d, 3d): q | k | v
         if cfg.attn_bias:  # GPT-2: one Gemm adds the q | k | v biases
             b_qkv = qkv_bias(a)
+            assert b_qkv is not None
             if matmul_only:
                 qkv = g.op("Add", [g.op("MatMul", [h, g.const(f"{p}.w_qkv", w_qkv)],
                                         f"{p}.qkv_mm")[0], g.const(f"{p}.b_qkv", b_qkv)],
@@ -319,8 +319,8 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64,
             worst = max(worst, float(np.abs(last - ref).max()))
             scale = max(scale, float(np.abs(ref).max()))
             nxt = ref.argmax(-1)  # (B,): PyTorch's tokens, so both sides read the same cache
-            for row in np.flatnonzero(last.argmax(-1) != nxt):
-                top2 = np.partition(ref[row], -2)[-2:]
+            for differs in np.flatnonzero(last.argmax(-1) != nxt):
+                top2 = np.partition(ref[differs], -2)[-2:]
                 margins.append(float(top2[1] - top2[0]))
             if step == steps:
                 break

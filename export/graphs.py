@@ -169,7 +169,8 @@ class DecoderBuilder:
 
     # -- the block -----------------------------------------------------------------------
     def _attention(self, i: int, h: str, bias: str, rotary: tuple[str, str] | None) -> str:
-        g, cfg, attn = self.g, self.cfg, self.gpt.blocks[i].attn
+        block: Any = self.gpt.blocks[i]
+        g, cfg, attn = self.g, self.cfg, block.attn
         p, d, nh, nkv, hs = f"l{i}", cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
         kv = nkv * hs
         qkv = self._linear(h, qkv_weight(attn), qkv_bias(attn), f"{p}.qkv")  # (B, T, d + 2kv)
@@ -228,7 +229,8 @@ class DecoderBuilder:
             self.outputs.append(name)
 
     def _ffn(self, i: int, h: str) -> str:
-        ffn, p = self.gpt.blocks[i].ffn, f"l{i}"
+        block: Any = self.gpt.blocks[i]
+        ffn, p = block.ffn, f"l{i}"
 
         def bias(layer: Any) -> np.ndarray | None:
             return f32(layer.bias) if layer.bias is not None else None
@@ -281,7 +283,7 @@ class DecoderBuilder:
 
 
 def _value_infos(shapes: dict[str, list[str]], static: dict[str, int],
-                 dtypes: dict[str, int]) -> list[onnx.ValueInfoProto]:
+                 dtypes: dict[str, Any]) -> list[onnx.ValueInfoProto]:
     return [helper.make_tensor_value_info(name, dtypes.get(name, TensorProto.FLOAT),
                                           [static.get(dim, dim) for dim in dims])
             for name, dims in shapes.items()]

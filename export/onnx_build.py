@@ -135,7 +135,7 @@ def save_graphs(directory: Path, models: Mapping[str, onnx.ModelProto],
                 tensor.ClearField("raw_data")
                 for field in ("float_data", "int32_data", "int64_data", "double_data",
                               "uint64_data", "string_data"):
-                    tensor.ClearField(field)  # type: ignore[arg-type]
+                    tensor.ClearField(field)
                 del tensor.external_data[:]
                 tensor.data_location = TensorProto.EXTERNAL
                 for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)),

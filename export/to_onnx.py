@@ -147,8 +147,13 @@ def export_artifact(
     # Everything heavy is imported before the staging directory exists, so a SIGTERM
     # never lands inside an extension module's initialisation.
     from export.engine_graph import build_engine_graph, verify_engine
-    from export.graphs import DEFAULT_OPSET, attention_io_shapes, build_attention, \
-        build_decoder, grouped_kv
+    from export.graphs import (
+        DEFAULT_OPSET,
+        attention_io_shapes,
+        build_attention,
+        build_decoder,
+        grouped_kv,
+    )
     from export.onnx_build import WEIGHTS_FILE, load_graph, save_graphs
     from export.quantize import quantize_int8
     from export.verify import verify_artifact

