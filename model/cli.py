@@ -4,6 +4,7 @@ Usage:
     attnserve train --data stdlib --preset small --out checkpoints/default
     attnserve sample --ckpt checkpoints/default --prompt "Return the" --max-new-tokens 80
     attnserve import --hf models/distilgpt2 --out checkpoints/distilgpt2
+    attnserve import --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --out checkpoints/smollm2
 
 Parsers only; the handlers import torch when they run, so `attnserve --help` stays fast
 and works where only the serving extra is installed.
@@ -34,20 +35,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_import(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "import", help="convert a local Hugging Face GPT-2, Llama or Qwen2 model directory "
-                       "into a checkpoint",
+        "import", help="convert a local Hugging Face directory or a GGUF file (GPT-2, Llama, "
+                       "Qwen2) into a checkpoint",
         description="Read a local Hugging Face GPT2LMHeadModel, LlamaForCausalLM (SmolLM2, "
                     "TinyLlama, Llama 3) or Qwen2ForCausalLM (Qwen2.5) directory (config.json, "
                     "model.safetensors or its sharded index, tokenizer.json (or, for GPT-2, "
-                    "vocab.json + merges.txt), generation_config.json) and write an attnserve "
-                    "checkpoint directory (atomically), with the chat template, "
-                    "tokenizer_config.json and generation_config.json copied. Nothing is "
-                    "downloaded; pickled weights (pytorch_model.bin) and configuration "
-                    "options the model does not compute are refused.",
+                    "vocab.json + merges.txt), generation_config.json), or a llama.cpp GGUF "
+                    "file of the llama, qwen2 or gpt2 architecture (F32/F16/BF16, Q4_0, Q4_1, "
+                    "Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K, dequantised to float32; "
+                    "byte-level BPE tokenizer), and write an attnserve checkpoint directory "
+                    "(atomically), with the chat template, tokenizer_config.json and "
+                    "generation_config.json beside it. Nothing is downloaded; pickled weights "
+                    "(pytorch_model.bin), other tensor types and configuration options the "
+                    "model does not compute are refused.",
         formatter_class=_HelpFormatter)
-    p.add_argument("--hf", required=True, metavar="DIR",
-                   help="Hugging Face model directory, e.g. from `hf download distilgpt2 "
-                        "--local-dir DIR`")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", metavar="DIR",
+                        help="Hugging Face model directory, e.g. from `hf download distilgpt2 "
+                             "--local-dir DIR`")
+    source.add_argument("--gguf", metavar="FILE",
+                        help="GGUF model file, e.g. SmolLM2-135M-Instruct.Q4_1.gguf "
+                             "(`make default-model` installs it under .cache/)")
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.set_defaults(handler=_import)
@@ -171,11 +179,18 @@ def _import(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from model.hf_import import import_hf_checkpoint
-
     started = time.perf_counter()
-    out = import_hf_checkpoint(Path(args.hf), Path(args.out), force=args.force)
-    print(f"imported {args.hf} → {out} in {time.perf_counter() - started:.1f}s")
+    if args.gguf is not None:
+        from model.gguf_import import import_gguf_checkpoint
+
+        source, out = args.gguf, import_gguf_checkpoint(Path(args.gguf), Path(args.out),
+                                                        force=args.force)
+    else:
+        from model.hf_import import import_hf_checkpoint
+
+        source, out = args.hf, import_hf_checkpoint(Path(args.hf), Path(args.out),
+                                                    force=args.force)
+    print(f"imported {source} → {out} in {time.perf_counter() - started:.1f}s")
     return 0
 
 

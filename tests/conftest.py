@@ -165,3 +165,17 @@ def llama_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Any:
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real SmolLM2-135M-Instruct GGUF (model/default_model.py) through `attnserve import
+    --gguf`: a 30-layer Llama with its ChatML template; skipped when `make default-model`
+    has not installed the file."""
+    from model.default_model import default_gguf_path, install_hint
+    from model.gguf_import import import_gguf_checkpoint
+
+    src = default_gguf_path()
+    if not src.is_file():
+        pytest.skip(f"SmolLM2 GGUF not installed at {src}: {install_hint()}")
+    return import_gguf_checkpoint(src, tmp_path_factory.mktemp("smollm2-ckpt") / "ckpt")
