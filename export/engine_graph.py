@@ -27,7 +27,7 @@ from onnx import TensorProto, helper
 
 from export.graphs import head_weight, qkv_bias, qkv_weight
 from export.onnx_build import Graph, f32
-from export.verify import logits_tolerance
+from export.verify import TorchReference, decode_prompts, logits_tolerance
 from model.gpt import GPT
 from service.contract import io_spec as io
 from service.contract.engine_spec import MAX_SEQUENCE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
@@ -261,80 +261,73 @@ def export_engine(gpt: GPT, path: Path, matmul_only: bool = False) -> Path:
     return path
 
 
-def verify_engine(gpt: GPT, path: Path, steps: int = 64,
-                  tolerance: float | None = None) -> dict[str, object]:
-    """Greedy-decode two ragged rows through engine.onnx and PyTorch; logits within tolerance.
+def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None = None,
+                  prompts: list[list[int]] | None = None,
+                  reference: TorchReference | None = None) -> dict[str, object]:
+    """Greedy-decode ragged rows through engine.onnx, teacher-forced with PyTorch's tokens;
+    logits within tolerance, greedy choices equal wherever PyTorch's choice is clear.
 
+    Pass model.onnx's ``reference`` and decode ``prompts`` and PyTorch runs no more.
     Also checks that the presents come back in the very buffers bound as pasts, i.e. that
     ONNX Runtime really updated the cache in place.
     """
     import onnxruntime as ort
-    import torch
 
     from service.contract.sessions import create_session
 
     cfg = gpt.config
     n = cfg.n_layers
+    if prompts is None:
+        prompts = decode_prompts(np.random.default_rng(0), cfg.vocab_size)
+    steps = max(1, min(steps, cfg.max_seq_len - max(len(p) for p in prompts)))
+    reference = reference or TorchReference(gpt)
+    seqs, refs = zip(*(reference.greedy(p, steps) for p in prompts), strict=True)
     session = create_session(path)
-    gen = torch.Generator().manual_seed(0)
-    steps = min(steps, cfg.max_seq_len - 8)
-    lens = [min(8, cfg.max_seq_len - steps), min(5, cfg.max_seq_len - steps)]
-    prompts = [torch.randint(0, cfg.vocab_size, (k,), generator=gen).tolist() for k in lens]
+    lens = [len(p) for p in prompts]
     shape = (len(lens), cfg.kv_heads, cfg.max_seq_len, cfg.head_dim)
     buffers = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for _ in range(2 * n)]
     t = max(lens)
-    ids = np.zeros((len(lens), t), np.int64)
+    ids = np.zeros((len(lens), t), np.int64)  # right-padded: each row's cache starts at 0
     for row, p in enumerate(prompts):
         ids[row, :len(p)] = p
     pos = np.tile(np.arange(t, dtype=np.int64), (len(lens), 1))
     total = np.asarray(lens, np.int64)
     worst, in_place, scale = 0.0, True, 0.0
     margins: list[float] = []  # the reference's top-2 margin where the argmax differed
-    refs = []
-    with torch.no_grad():
-        pasts = []
-        for p in prompts:
-            out = gpt(torch.tensor([p]))
-            refs.append(out.logits[0, -1].numpy())
-            pasts.append(out.present)
-        for step in range(steps + 1):
-            binding = session.io_binding()
-            binding.bind_output(io.LOGITS, "cpu")
-            binding.bind_cpu_input(io.INPUT_IDS, ids)
-            binding.bind_cpu_input(io.POSITION_IDS, pos)
-            binding.bind_cpu_input(SEQLENS_K, (total - 1).astype(np.int32))
-            binding.bind_cpu_input(TOTAL_SEQUENCE_LENGTH,
-                                   np.array([t if step == 0 else int(total.max())], np.int32))
-            for name, value in zip(io.past_names(n), buffers, strict=True):
-                binding.bind_ortvalue_input(name, value)
-            for name, value in zip(io.present_names(n), buffers, strict=True):
-                binding.bind_ortvalue_output(name, value)
-            session.run_with_iobinding(binding)
-            outs = binding.get_outputs()
-            in_place &= all(o.data_ptr() == b.data_ptr() for o, b in zip(outs[1:], buffers,
-                                                                          strict=True))
-            logits = outs[0].numpy()  # (B, T, V)
-            last = logits[np.arange(len(lens)), total - 1 if step == 0 else 0]  # (B, V)
-            ref = np.stack(refs)  # (B, V)
-            worst = max(worst, float(np.abs(last - ref).max()))
-            scale = max(scale, float(np.abs(ref).max()))
-            nxt = ref.argmax(-1)  # (B,): PyTorch's tokens, so both sides read the same cache
-            for differs in np.flatnonzero(last.argmax(-1) != nxt):
-                top2 = np.partition(ref[differs], -2)[-2:]
-                margins.append(float(top2[1] - top2[0]))
-            if step == steps:
-                break
-            for row in range(len(lens)):
-                out = gpt(torch.tensor([[int(nxt[row])]]), past_key_values=pasts[row])
-                refs[row], pasts[row] = out.logits[0, -1].numpy(), out.present
-            ids, pos = nxt[:, None].astype(np.int64), total[:, None].copy()
-            total = total + 1
+    for step in range(steps):
+        binding = session.io_binding()
+        binding.bind_output(io.LOGITS, "cpu")
+        binding.bind_cpu_input(io.INPUT_IDS, ids)
+        binding.bind_cpu_input(io.POSITION_IDS, pos)
+        binding.bind_cpu_input(SEQLENS_K, (total - 1).astype(np.int32))
+        binding.bind_cpu_input(TOTAL_SEQUENCE_LENGTH,
+                               np.array([t if step == 0 else int(total.max())], np.int32))
+        for name, value in zip(io.past_names(n), buffers, strict=True):
+            binding.bind_ortvalue_input(name, value)
+        for name, value in zip(io.present_names(n), buffers, strict=True):
+            binding.bind_ortvalue_output(name, value)
+        session.run_with_iobinding(binding)
+        outs = binding.get_outputs()
+        in_place &= all(o.data_ptr() == b.data_ptr() for o, b in zip(outs[1:], buffers,
+                                                                      strict=True))
+        logits = outs[0].numpy()  # (B, T, V)
+        last = logits[np.arange(len(lens)), total - 1 if step == 0 else 0]  # (B, V)
+        ref = np.stack([r[k - 1 + step] for r, k in zip(refs, lens, strict=True)])  # (B, V)
+        worst = max(worst, float(np.abs(last - ref).max()))
+        scale = max(scale, float(np.abs(ref).max()))
+        for differs in np.flatnonzero(last.argmax(-1) != ref.argmax(-1)):
+            top2 = np.partition(ref[differs], -2)[-2:]
+            margins.append(float(top2[1] - top2[0]))
+        nxt = np.array([s[k + step] for s, k in zip(seqs, lens, strict=True)], np.int64)
+        ids, pos = nxt[:, None], total[:, None].copy()  # PyTorch's tokens: the same cache
+        total = total + 1
     if tolerance is None:
         tolerance = logits_tolerance(cfg, scale)
     decided = [m for m in margins if m > 2 * tolerance]  # not a near-tie: must agree
     result: dict[str, object] = {"steps": steps, "max_abs_diff": worst,
                                  "greedy_equal": not decided, "near_ties": len(margins)
-                                 - len(decided), "in_place": in_place, "tolerance": tolerance}
+                                 - len(decided), "in_place": in_place, "tolerance": tolerance,
+                                 "prompt_lengths": lens}
     if not (worst <= tolerance and not decided and in_place):
         raise ValueError(f"engine.onnx disagrees with PyTorch: {result}")
     return result

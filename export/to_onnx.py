@@ -156,7 +156,7 @@ def export_artifact(
     )
     from export.onnx_build import WEIGHTS_FILE, load_graph, save_graphs
     from export.quantize import quantize_int8
-    from export.verify import verify_artifact
+    from export.verify import TorchReference, verify_artifact
     from service.contract.engine_spec import ENGINE_FILE
 
     say = log or (lambda _msg: None)
@@ -197,13 +197,17 @@ def export_artifact(
             f"{build_seconds:.1f}s")
         verification: dict[str, Any] = {"skipped": True}
         if verify:
-            verification = verify_artifact(gpt, model_path, attention_path, dtype)
+            reference = TorchReference(gpt)  # PyTorch's greedy sequences, computed once
+            verification = verify_artifact(gpt, model_path, attention_path, dtype,
+                                           reference=reference)
             say(f"verified: prefill {verification['prefill']['max_abs_diff']:.2e}, "
                 f"decode {verification['decode']['max_abs_diff']:.2e} over "
                 f"{verification['decode']['steps']} steps (tolerance "
                 f"{verification['tolerance']['logits']:.2e})")
             if engine_graph:
-                verification["engine"] = verify_engine(gpt, engine_path)
+                verification["engine"] = verify_engine(
+                    gpt, engine_path, prompts=verification["decode"]["prompts"],
+                    reference=reference)
                 say(f"verified engine.onnx: {verification['engine']['max_abs_diff']:.2e} "
                     f"over {verification['engine']['steps']} steps, cache updated in place")
         if quantize is not None:

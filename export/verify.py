@@ -132,21 +132,27 @@ def check_prefill(gpt: GPT, dec: OrtDecoder, rng: np.random.Generator,
             "prompt_length": length, "past_length": 0, "scale": logit_scale(ref)}
 
 
-def check_decode(gpt: GPT, dec: OrtDecoder, rng: np.random.Generator, steps: int = DECODE_STEPS,
-                 batch: int = 2, prompt_len: int = 8,
+def decode_prompts(rng: np.random.Generator, vocab: int,
+                   lengths: tuple[int, ...] = (8, 5)) -> list[list[int]]:
+    """The decode check's prompts, of different lengths so that padding is exercised."""
+    return random_prompts(rng, vocab, list(lengths))
+
+
+def check_decode(gpt: GPT, dec: OrtDecoder, prompts: list[list[int]],
+                 steps: int = DECODE_STEPS,
                  reference: TorchReference | None = None) -> dict[str, Any]:
-    """Cached decode vs full recomputation, teacher-forced with PyTorch's greedy tokens."""
+    """Cached decode vs full recomputation, teacher-forced with PyTorch's greedy tokens
+    (left-padded rows of different lengths)."""
     reference = reference or TorchReference(gpt)
-    steps = max(1, min(steps, gpt.config.max_seq_len - prompt_len))
-    prompts = random_prompts(rng, gpt.config.vocab_size, [prompt_len] * batch)
+    steps = max(1, min(steps, gpt.config.max_seq_len - max(len(p) for p in prompts)))
     seqs, refs = zip(*(reference.greedy(p, steps) for p in prompts), strict=True)
+    batch = len(prompts)
     ids, mask, pos = left_pad(prompts)
     logits, past = dec(ids, mask, pos, dec.empty_past(batch))
     worst, margins = 0.0, []
     for step in range(steps):
-        at = prompt_len - 1 + step  # the position whose next-token logits this call gives
-        for row in range(batch):
-            ref = refs[row][at]
+        for row, p in enumerate(prompts):
+            ref = refs[row][len(p) - 1 + step]  # next-token logits this call gives
             got = logits[row, -1].astype(np.float32)
             worst = max(worst, float(np.abs(got - ref).max()))
             if np.argmax(got) != np.argmax(ref):  # judged in verify_decoder: near-tie or not
@@ -154,11 +160,13 @@ def check_decode(gpt: GPT, dec: OrtDecoder, rng: np.random.Generator, steps: int
                 margins.append(float(top2[1] - top2[0]))
         if step == steps - 1:
             break
-        nxt = np.array([[s[at + 1]] for s in seqs], np.int64)  # (B, 1)
+        nxt = np.array([[s[len(p) + step]] for s, p in zip(seqs, prompts, strict=True)],
+                       np.int64)  # (B, 1)
         mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
         pos = pos[:, -1:] + 1
         logits, past = dec(nxt, mask, pos, past)
-    return {"max_abs_diff": worst, "steps": steps, "batch": batch, "prompt_length": prompt_len,
+    return {"max_abs_diff": worst, "steps": steps, "batch": batch,
+            "prompt_lengths": [len(p) for p in prompts], "prompts": prompts,
             "greedy_mismatches": len(margins), "greedy_tokens_identical": not margins,
             "mismatch_margins": margins, "scale": logit_scale(*refs)}
 
@@ -237,7 +245,8 @@ def verify_decoder(gpt: GPT, model_path: Path, kv_dtype: io.KvDtype = "float32",
     reference = reference or TorchReference(gpt)
     figures: dict[str, Any] = {
         "prefill": check_prefill(gpt, dec, rng),
-        "decode": check_decode(gpt, dec, rng, steps=decode_steps, reference=reference),
+        "decode": check_decode(gpt, dec, decode_prompts(rng, gpt.config.vocab_size),
+                               steps=decode_steps, reference=reference),
         "ragged_batch": check_ragged(gpt, dec, rng, reference=reference),
     }
     checks = ("prefill", "decode", "ragged_batch")
