@@ -179,3 +179,22 @@ def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not src.is_file():
         pytest.skip(f"SmolLM2 GGUF not installed at {src}: {install_hint()}")
     return import_gguf_checkpoint(src, tmp_path_factory.mktemp("smollm2-ckpt") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers() -> tuple[Any, Any]:
+    """transformers' own model and tokenizer read from the same GGUF file: the reference
+    the real model is checked against (float32, eager attention so output_attentions holds
+    the weights); loaded once per session (~15 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from model.default_model import default_gguf_path, install_hint
+
+    path = default_gguf_path()
+    if not path.is_file():
+        pytest.skip(f"SmolLM2 GGUF not installed at {path}: {install_hint()}")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32,
+        attn_implementation="eager").eval()
+    return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

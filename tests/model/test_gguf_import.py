@@ -471,9 +471,9 @@ def real_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def real_transformers(real_gguf: Path) -> Any:
-    """transformers' model from the same file (~20 s: loaded once)."""
-    return transformers_from_gguf(real_gguf)
+def real_transformers(smollm2_transformers: tuple[Any, Any]) -> Any:
+    """transformers' model from the same file (tests/conftest.py: loaded once a session)."""
+    return smollm2_transformers[0]
 
 
 def test_real_smollm2_import_metadata(smollm2_checkpoint: Path) -> None:

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from export.to_onnx import export_artifact
-from model.default_model import default_gguf_path
 from service.contract import io_spec as io
 from service.contract.manifest import verify_manifest
 
@@ -43,17 +42,9 @@ def artifact(smollm2_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="module")
-def hf() -> tuple[Any, Any]:
-    """transformers' model and tokenizer from the same GGUF file (eager attention, so
-    output_attentions holds the weights)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = default_gguf_path()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32,
-        attn_implementation="eager").eval()
-    return model, tok
+def hf(smollm2_transformers: tuple[Any, Any]) -> tuple[Any, Any]:
+    """transformers' model and tokenizer from the same GGUF file (tests/conftest.py)."""
+    return smollm2_transformers
 
 
 @pytest.fixture(scope="module")
