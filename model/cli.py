@@ -58,6 +58,10 @@ def _register_import(subparsers: argparse._SubParsersAction) -> None:
                              "(`make default-model` installs it under .cache/)")
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--sampling", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recommended sampling default written into generation_config.json "
+                        "(temperature, top_p, top_k, min_p, repetition_penalty; repeatable): "
+                        "the OpenAI routes use it when a request leaves the field out")
     p.set_defaults(handler=_import)
 
 
@@ -179,17 +183,18 @@ def _import(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    from model.hf_import import import_hf_checkpoint, parse_sampling
+
     started = time.perf_counter()
+    sampling = parse_sampling(args.sampling)
     if args.gguf is not None:
         from model.gguf_import import import_gguf_checkpoint
 
         source, out = args.gguf, import_gguf_checkpoint(Path(args.gguf), Path(args.out),
-                                                        force=args.force)
+                                                        force=args.force, sampling=sampling)
     else:
-        from model.hf_import import import_hf_checkpoint
-
         source, out = args.hf, import_hf_checkpoint(Path(args.hf), Path(args.out),
-                                                    force=args.force)
+                                                    force=args.force, sampling=sampling)
     print(f"imported {source} → {out} in {time.perf_counter() - started:.1f}s")
     return 0
 

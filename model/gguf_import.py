@@ -41,7 +41,7 @@ from model.gguf_tokenizer import (
     read_vocab,
     side_files,
 )
-from model.hf_import import ImportRefused, check_target, gpt_config_from_hf
+from model.hf_import import ImportRefused, check_target, gpt_config_from_hf, with_sampling
 from model.hf_llama import ARCHITECTURES as HF_ARCHITECTURES
 from model.rotary import inverse_frequencies
 
@@ -366,8 +366,20 @@ def state_dict_from_gguf(source: GGUFSource) -> dict[str, torch.Tensor]:
     return out
 
 
-def import_gguf_checkpoint(src: Path, out: Path, *, force: bool = False) -> Path:
-    """Convert the GGUF file ``src`` into our checkpoint at ``out`` (nothing written on refusal)."""
+# llama.cpp's general.sampling.* keys (a model author's recommended sampling) → the
+# generation_config.json fields the service reads.
+GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                 "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                 "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def import_gguf_checkpoint(src: Path, out: Path, *, force: bool = False,
+                           sampling: dict[str, float | int] | None = None) -> Path:
+    """Convert the GGUF file ``src`` into our checkpoint at ``out`` (nothing written on refusal).
+
+    ``sampling`` (e.g. the model card's temperature) goes into generation_config.json over
+    whatever the file's ``general.sampling.*`` keys recommend.
+    """
     src, out = Path(src), Path(out)
     check_target(out, force)
     source = read_gguf_source(src)
@@ -392,4 +404,9 @@ def import_gguf_checkpoint(src: Path, out: Path, *, force: bool = False) -> Path
         }},
     )
     extra = side_files(source.vocab, source.config.max_seq_len)
+    recommended = {field: source.meta[key] for key, field in GGUF_SAMPLING.items()
+                   if source.meta.get(key) is not None}
+    if recommended or sampling:
+        extra["generation_config.json"] = with_sampling(extra["generation_config.json"],
+                                                        {**recommended, **(sampling or {})})
     return save_checkpoint(out, model, meta, source.tokenizer_json, extra_files=extra)

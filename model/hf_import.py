@@ -69,6 +69,41 @@ class ImportRefused(ValueError):
     """The directory is not something this importer converts faithfully (one-line reason)."""
 
 
+# Sampling fields a model author may recommend in generation_config.json, with the range
+# each must lie in (the service applies them to OpenAI requests that leave them out).
+SAMPLING_FIELDS: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, 1 << 30),
+    "min_p": (0.0, 1.0), "repetition_penalty": (0.0, 10.0)}
+
+
+def parse_sampling(pairs: list[str]) -> dict[str, float | int]:
+    """``["temperature=0.2", "top_p=0.9"]`` → checked values; ImportRefused names the bad one."""
+    values: dict[str, float | int] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in SAMPLING_FIELDS:
+            raise ImportRefused(f"--sampling {pair!r}: expected KEY=VALUE with KEY one of "
+                                f"{sorted(SAMPLING_FIELDS)}")
+        low, high = SAMPLING_FIELDS[key]
+        try:
+            value: float | int = int(raw) if key == "top_k" else float(raw)
+        except ValueError:
+            raise ImportRefused(f"--sampling {pair!r}: {raw!r} is not a number") from None
+        if not low <= value <= high or (key in ("top_p", "repetition_penalty") and value == 0):
+            raise ImportRefused(f"--sampling {pair!r}: {key} must lie in "
+                                f"{'(' if key in ('top_p', 'repetition_penalty') else '['}"
+                                f"{low:g}, {high:g}]")
+        values[key] = value
+    return values
+
+
+def with_sampling(generation_config: bytes | None, sampling: dict[str, float | int]) -> bytes:
+    """generation_config.json with ``sampling`` written over it (the author's defaults)."""
+    data = json.loads(generation_config) if generation_config else {}
+    data.update(sampling)
+    return (json.dumps(data, indent=2) + "\n").encode()
+
+
 @dataclass(frozen=True)
 class HFSource:
     """What an import reads, checked and ready to write."""
@@ -391,7 +426,8 @@ def check_target(out: Path, force: bool) -> None:
         raise ImportRefused(f"output directory {out} is not empty (use --force to replace it)")
 
 
-def import_hf_checkpoint(src: Path, out: Path, *, force: bool = False) -> Path:
+def import_hf_checkpoint(src: Path, out: Path, *, force: bool = False,
+                         sampling: dict[str, float | int] | None = None) -> Path:
     """Convert the Hugging Face GPT-2 directory ``src`` into our checkpoint at ``out``.
 
     Everything is read and checked before ``out`` is touched, and the checkpoint is built
@@ -424,4 +460,7 @@ def import_hf_checkpoint(src: Path, out: Path, *, force: bool = False) -> Path:
     # Files `attnserve export` carries into the artifact (chat template, end tokens).
     carried = {name: (src / name).read_bytes() for name in CARRIED_FILES
                if (src / name).is_file()}
+    if sampling:
+        carried[HF_GENERATION_CONFIG] = with_sampling(carried.get(HF_GENERATION_CONFIG),
+                                                      sampling)
     return save_checkpoint(out, model, meta, source.tokenizer_json, extra_files=carried)

@@ -90,9 +90,12 @@ def load_engine(runtime: Runtime) -> None:
     model = create_model(artifact.path, config, settings.device, settings.intra_op_threads,
                          settings.engine_graph,
                          pool_config(settings, config, artifact.limits.max_total_tokens))
+    # The attention dump runs rarely: its weights stay in the page cache mapped from
+    # weights.bin (shared) rather than in a second packed copy beside the decoder's.
     attention = AttentionModel(create_session(artifact.path / io.ATTENTION_FILE, "cpu"
                                               if model.device == "cpu" else settings.device,
-                                              settings.attention_threads), config)
+                                              settings.attention_threads, prepack=False),
+                               config)
     limits = artifact.limits
     batch_size = limits.max_batch_size
     pool = getattr(model, "pool", None)

@@ -26,19 +26,24 @@ _LEVELS = {
 
 def create_session(model: str | Path | bytes, *, threads: int = 1,
                    providers: Sequence[str] = (CPU,), optimization: Optimization = "all",
-                   save_optimized_to: Path | None = None) -> ort.InferenceSession:
+                   save_optimized_to: Path | None = None,
+                   prepack: bool = True) -> ort.InferenceSession:
     """A session over a model file (or serialized bytes).
 
     ``threads`` is the intra-op pool (one thread by default: checks need exactness, and the
     serving tests run several servers on two cores); inter-op stays at 1 because decoder
-    graphs are a chain. ``save_optimized_to`` writes the graph after optimisation (what
-    export/optimize.py keeps when it measures faster).
+    graphs are a chain. ``save_optimized_to`` writes the graph after optimisation.
+    ``prepack=False`` leaves the weights where ONNX Runtime memory-mapped them from
+    weights.bin instead of copying them into packed buffers: a graph run rarely (the
+    attention dump) then costs page cache shared with the file, not a private copy.
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = _LEVELS[optimization]
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     if save_optimized_to is not None:
         options.optimized_model_filepath = str(save_optimized_to)
     source = model if isinstance(model, bytes) else str(model)

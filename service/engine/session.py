@@ -47,11 +47,12 @@ def select_providers(device: Device) -> list[str]:
     return [CPU]
 
 
-def create_session(path: Path, device: Device, intra_op_threads: int) -> ort.InferenceSession:
+def create_session(path: Path, device: Device, intra_op_threads: int,
+                   prepack: bool = True) -> ort.InferenceSession:
     """A session on ``device``'s providers, refusing to start if CUDA was asked for and
     ONNX Runtime cannot use it."""
     session = sessions.create_session(path, threads=intra_op_threads,
-                                      providers=select_providers(device))
+                                      providers=select_providers(device), prepack=prepack)
     active = session.get_providers()[0]
     if device == "cuda" and active != CUDA:
         raise DeviceError(f"--device cuda: ONNX Runtime could not use CUDA for {path.name} "

@@ -435,6 +435,27 @@ def test_cli_imports_and_takes_exactly_one_source(
     assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
+def test_recommended_sampling_reaches_generation_config(
+        built: Callable[[str], Built], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """llama.cpp's general.sampling.* keys become generation_config.json's fields (what the
+    OpenAI routes fill in); --sampling overrides them; a bad pair is refused, nothing written."""
+    path = _variant(built, tmp_path, metadata={"general.sampling.temp": 0.7,
+                                               "general.sampling.top_k": 40})
+    ckpt = import_gguf_checkpoint(path, tmp_path / "a")
+    generation = json.loads((ckpt / "generation_config.json").read_text("utf-8"))
+    assert generation["temperature"] == pytest.approx(0.7) and generation["top_k"] == 40
+    assert cli_main(["import", "--gguf", str(path), "--out", str(tmp_path / "b"),
+                     "--sampling", "temperature=0.2", "--sampling", "top_p=0.9"]) == 0
+    generation = json.loads((tmp_path / "b" / "generation_config.json").read_text("utf-8"))
+    assert (generation["temperature"], generation["top_p"], generation["top_k"]) == (0.2, 0.9, 40)
+    assert generation["eos_token_id"] == read_meta(ckpt).tokenizer["eos_token_id"]
+    capsys.readouterr()
+    for bad in ("temp=0.2", "top_p=0", "temperature=hot"):
+        assert cli_main(["import", "--gguf", str(path), "--out", str(tmp_path / "c"),
+                         "--sampling", bad]) == 2
+        assert bad in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
 def test_fast_string_array_reader_equals_ggufreader(built: Callable[[str], Built],
                                                     tmp_path: Path) -> None:
     """_Reader parses string arrays its own way; every field must be what gguf's is."""
