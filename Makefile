@@ -17,10 +17,11 @@ NAME ?= $(if $(filter $(SMOLLM2_GGUF),$(MODEL)),smollm2-135m-instruct,$(patsubst
 CKPT ?= checkpoints/$(NAME)
 ARTIFACT ?= artifacts/$(NAME)
 IMPORT_FROM = $(if $(filter %.gguf,$(MODEL)),--gguf,--hf)
-# SmolLM2-Instruct's model card samples at temperature 0.2, top_p 0.9; the GGUF carries no
-# sampling keys, so the default model's generation_config.json gets them here (a request's
-# own values always win). IMPORT_ARGS= for any other model.
-IMPORT_ARGS ?= $(if $(filter $(SMOLLM2_GGUF),$(MODEL)),--sampling temperature=0.2 --sampling top_p=0.9)
+# The GGUF carries no sampling keys, so the default model's generation_config.json gets one
+# here: greedy. At 135 M parameters a sampled answer to "What is the capital of France?"
+# was right in 12 of 20 tries even at the model card's temperature 0.2 (top_p 0.9), 20 of
+# 20 greedy. A request's own temperature always wins. IMPORT_ARGS= for any other model.
+IMPORT_ARGS ?= $(if $(filter $(SMOLLM2_GGUF),$(MODEL)),--sampling temperature=0)
 # A 4,096-token context per sequence keeps the KV pool at a laptop's size (SmolLM2's 8,192
 # would reserve 11.5 GB for 32 sequences); any serve option can be passed here.
 SERVE_ARGS ?= --max-total-tokens 4096
