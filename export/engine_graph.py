@@ -337,23 +337,20 @@ class EngineDecoder:
     """engine.onnx behind OrtDecoder's call shape, so export/quantize.py can judge an int8
     engine graph the way it judges model.onnx.
 
-    The past is opaque here: the static (B, nh, max_seq_len, hs) buffers and each row's
-    length. Rows must be unpadded and of equal length (the quantisation checks are).
+    The past is opaque here: the static (B, nkv, max_seq_len, hs) buffers (key/value heads,
+    as the service's KV pool holds them) and each row's length. Rows must be unpadded and
+    of equal length (the quantisation checks are).
     """
 
     def __init__(self, path: Path, gpt: GPT, threads: int = 1) -> None:
-        import onnxruntime as ort
+        from service.contract.sessions import create_session
 
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.log_severity_level = 3
-        self.session = ort.InferenceSession(str(path), options,
-                                            providers=["CPUExecutionProvider"])
+        self.session = create_session(path, threads=threads)
         self.config = gpt.config
 
     def empty_past(self, batch: int) -> tuple[list[np.ndarray], np.ndarray]:
         cfg = self.config
-        shape = (batch, cfg.n_heads, cfg.max_seq_len, cfg.head_dim)  # (B, nh, L, hs)
+        shape = (batch, cfg.kv_heads, cfg.max_seq_len, cfg.head_dim)  # (B, nkv, L, hs)
         zeros = [np.zeros(shape, np.float32) for _ in range(2 * cfg.n_layers)]
         return zeros, np.zeros(batch, np.int64)
 
