@@ -35,7 +35,7 @@ QUANTIZATIONS = ("int8", "int8-dynamic")  # export/quantize.py METHODS
 
 def _versions() -> dict[str, str]:
     out = {}
-    for package in ("attnserve", "torch", "onnx", "onnxscript", "onnxruntime", "numpy"):
+    for package in ("attnserve", "torch", "onnx", "onnxruntime", "numpy", "gguf"):
         try:
             out[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def missing_extra_message(exc: ModuleNotFoundError, command: str) -> str:
-    extra = {"torch": "train", "onnx": "export", "onnxscript": "export",
+    extra = {"torch": "train", "onnx": "export", "gguf": "train",
              "transformers": "dev", "matplotlib": "dev"}.get((exc.name or "").split(".")[0])
     hint = f" (pip install 'attnserve[{extra}]')" if extra else ""
     return f"`attnserve {command}` needs the Python package {exc.name!r}{hint}"
