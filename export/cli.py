@@ -46,6 +46,10 @@ def register(subparsers: Any) -> None:
                         "--quantize int8")
     p.set_defaults(handler=run)
 
+    from export.eval_cli import register as register_eval
+
+    register_eval(subparsers)
+
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
