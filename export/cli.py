@@ -1,11 +1,12 @@
 """`attnserve export`: checkpoint directory → verified ONNX artifact directory.
 
 Usage:
-    attnserve export --ckpt checkpoints/default --out artifacts/default
+    attnserve export --ckpt checkpoints/smollm2-135m-instruct --out artifacts/smollm2-135m-instruct
     attnserve export --ckpt CKPT --out ART --quantize int8 --engine-graph --force
     attnserve export --ckpt CKPT --out ART --dtype float16 --opset 20
     attnserve export --ckpt CKPT --out HF_DIR --format hf
     attnserve export --ckpt CKPT --out ART --engine-graph   # + engine.onnx for the service
+    attnserve eval --model ART --data stdlib                # perplexity (export/eval_cli.py)
 
 Imports nothing heavy at module level: the root CLI registers this parser even where
 torch is not installed.

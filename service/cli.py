@@ -1,10 +1,12 @@
 """attnserve: the command line.
 
 Usage:
-    attnserve train  --data stdlib --preset small --out checkpoints/default
-    attnserve sample --ckpt checkpoints/default --prompt "Return the"
-    attnserve export --ckpt checkpoints/default --out artifacts/default
-    attnserve serve  --model artifacts/default
+    attnserve import --gguf model.gguf --out checkpoints/mine     # or --hf DIR
+    attnserve train  --data stdlib --preset small --out checkpoints/demo
+    attnserve sample --ckpt checkpoints/demo --prompt "Return the"
+    attnserve export --ckpt checkpoints/mine --out artifacts/mine --engine-graph
+    attnserve eval   --model artifacts/mine --data stdlib
+    attnserve serve  --model artifacts/mine
 
 Each package registers its own subcommands through the ``attnserve.commands`` entry-point
 group (pyproject.toml), so this root knows no package but its own: the serving image,
