@@ -113,3 +113,36 @@ typecheck: venv
 clean:
 	rm -rf $(CKPT) $(ARTIFACT) $(DEMO_CKPT) $(DEMO_ARTIFACT) .pytest_cache .ruff_cache \
 		.mypy_cache
+
+# ---------------------------------------------------------------------------------------------
+# Containers (docs/containers.md): images built here, the real model mounted, compose tested.
+.PHONY: dockerd dockerd-stop images deploy-model deploy-e2e
+# What docker-compose.yml mounts read-only at /models/default (override: ATTNSERVE_MODEL_DIR).
+COMPOSE_MODEL_DIR := artifacts/smollm2-135m-instruct
+
+## dockerd: start Debian's dockerd where no service manager runs one (root; no-op if one answers)
+dockerd: system-deps
+	bash deploy/images/dockerd.sh start
+
+## dockerd-stop: stop the daemon `make dockerd` started
+dockerd-stop:
+	bash deploy/images/dockerd.sh stop
+
+## images: attnserve:cpu (torch-free, model mounted), Prometheus and HAProxy from Debian
+## packages; a local debootstrapped base when no registry answers (cached per machine)
+images: venv system-deps
+	bash deploy/images/build.sh
+
+## deploy-model: export SmolLM2-135M-Instruct (make artifact) where docker-compose mounts it;
+## MODEL=... exports another model: point ATTNSERVE_MODEL_DIR at the directory it prints
+deploy-model: artifact
+	chmod -R a+rX $(ARTIFACT)
+	@echo
+	@echo "$(ARTIFACT) is ready for docker-compose (mounted read-only at /models/default)."
+	@if [ "$(ARTIFACT)" != "$(COMPOSE_MODEL_DIR)" ]; then \
+		echo "Not the default: run  export ATTNSERVE_MODEL_DIR=$(CURDIR)/$(ARTIFACT)"; fi
+
+## deploy-e2e: build the images and run docker-compose end to end, one replica and three
+## behind HAProxy (the tests start their own dockerd; root)
+deploy-e2e: venv system-deps
+	$(BIN)/python -m pytest tests/deploy/test_compose_e2e.py tests/deploy/test_compose_scale.py

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install the system tools the deploy checks need: prometheus + promtool (Debian package
-# `prometheus`) and docker-compose (Debian package `docker-compose`, v1, which parses the
-# compose file offline); and the headless browser the /viz tests drive through Playwright
+# `prometheus`), docker-compose (Debian package `docker-compose`, v1, which parses the
+# compose file offline), dockerd (`docker.io`, which runs the compose stack end to end) and
+# debootstrap (builds the local Debian base image where no registry answers); and the
+# headless browser the /viz tests drive through Playwright
 # (Debian package `chromium`, /usr/bin/chromium; Playwright's own browser download is not
 # used).
 #
@@ -14,11 +16,12 @@ set -euo pipefail
 
 missing=()
 packages=()
-for tool in promtool prometheus docker-compose chromium; do
+for tool in promtool prometheus docker-compose dockerd debootstrap chromium; do
     if ! command -v "$tool" >/dev/null 2>&1; then
         missing+=("$tool")
         case "$tool" in
             promtool) ;;  # comes with the prometheus package
+            dockerd) packages+=(docker.io) ;;
             *) packages+=("$tool") ;;
         esac
     fi

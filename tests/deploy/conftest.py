@@ -1,4 +1,5 @@
-"""Fixtures for the deploy checks: the parsed Dockerfiles, deploy/smoke.py, system tools.
+"""Fixtures for the deploy checks: the parsed Dockerfiles, deploy/smoke.py, system tools, and
+for the docker-compose end-to-end tests a Docker daemon, the images and the exported model.
 
 The system tools (promtool, prometheus, docker-compose) come from Debian packages that
 deploy/install-system-deps.sh installs (`make system-deps`, which `make test` runs). If they
@@ -12,9 +13,11 @@ import importlib.util
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -75,3 +78,46 @@ def system_tool() -> Callable[[str], str]:
         return path
 
     return find
+
+
+# ---------------------------------------------------------------------------------------------
+# docker-compose end to end (test_compose_e2e.py, test_compose_scale.py): a daemon of our own
+# per module, stopped when the module ends (not idling through the rest of the suite); the
+# images built once per machine and only checked after; the real model exported once.
+
+
+@pytest.fixture(scope="module")
+def docker_daemon() -> Iterator[Any]:
+    from tests.deploy import docker_harness as harness
+
+    reason = harness.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"!!! SKIPPED LOUDLY: docker-compose end-to-end tests cannot run: {reason}")
+    daemon = harness.start_daemon()
+    try:
+        yield daemon
+    finally:
+        harness.stop_daemon(daemon)
+
+
+@pytest.fixture(scope="module")
+def deploy_images(docker_daemon) -> dict[str, Any]:
+    """`make images`' script against our daemon: a no-op check when the cache is warm."""
+    started = time.monotonic()
+    proc = subprocess.run(["bash", str(DEPLOY / "images" / "build.sh")], env=docker_daemon.env,
+                          cwd=REPO, capture_output=True, text=True, timeout=1500, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"deploy/images/build.sh failed:\n{proc.stderr[-4000:]}")
+    return {"seconds": time.monotonic() - started, "log": proc.stderr}
+
+
+@pytest.fixture(scope="session")
+def deploy_model() -> Path:
+    """`make deploy-model`: SmolLM2-135M-Instruct exported where docker-compose mounts it."""
+    artifact = REPO / "artifacts" / "smollm2-135m-instruct"
+    if not (artifact / "manifest.json").is_file():
+        proc = subprocess.run(["make", "-s", "deploy-model"], cwd=REPO, capture_output=True,
+                              text=True, timeout=1200, check=False)
+        if proc.returncode != 0:
+            pytest.fail(f"make deploy-model failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return artifact

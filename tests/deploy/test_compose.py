@@ -2,12 +2,14 @@
 
 `docker-compose config` (Debian package, Compose v1.29) resolves the file offline: profiles,
 extension fields, depends_on conditions and device reservations must all be accepted.
+test_compose_e2e.py and test_compose_scale.py then run the file for real.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -23,6 +25,15 @@ def compose_config(docker_compose: str, *args: str, env: dict[str, str] | None =
                           env={**os.environ, **(env or {})}, check=False)
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
+
+
+def port(entry: str | dict) -> tuple[str, str, int]:
+    """(host ip, published port or range, container port) from v1 short or v2 long syntax."""
+    if isinstance(entry, dict):
+        return entry.get("host_ip", ""), str(entry["published"]), int(entry["target"])
+    *host, target = entry.split("/")[0].split(":")
+    ip, published = host if len(host) == 2 else ("", host[0])
+    return ip, published, int(target)
 
 
 def bind_mounts(service: dict) -> dict[str, tuple[Path, bool]]:
@@ -51,7 +62,8 @@ def resolved(docker_compose) -> dict:
 
 
 def test_docker_compose_config_parses_all_services(resolved) -> None:
-    assert set(resolved["services"]) == {"attnserve", "attnserve-gpu", "prometheus", "grafana"}
+    assert set(resolved["services"]) == {"attnserve", "attnserve-gpu", "prometheus", "proxy",
+                                         "grafana"}
 
 
 def test_docker_compose_rejects_a_broken_file(docker_compose, tmp_path) -> None:
@@ -69,10 +81,68 @@ def test_service_builds_cpu_image_and_serves_on_8000(resolved, cpu_stages, smoke
     svc = resolved["services"]["attnserve"]
     assert svc["build"]["dockerfile"] == "deploy/Dockerfile"
     assert Path(svc["build"]["context"]) == REPO
-    assert svc["build"]["args"] == {"ARTIFACT_DIR": ""}
-    port = smoke.stage_env(cpu_stages[-1])["ATTNSERVE_PORT"]
-    assert {"published": 8000, "target": int(port)}.items() <= svc["ports"][0].items()
+    assert svc["build"]["args"] == {"BASE_IMAGE": "python:3.11-slim-bookworm"}
+    assert svc["image"] == "attnserve:cpu"  # what `make images` tags
+    container_port = int(smoke.stage_env(cpu_stages[-1])["ATTNSERVE_PORT"])
+    # one replica takes 8000; `--scale attnserve=N` gives each the next port of the range
+    assert port(svc["ports"][0]) == ("127.0.0.1", "8000-8009", container_port)
     assert svc["stop_signal"] == "SIGTERM"
+    assert svc["init"] is True  # an init as PID 1 forwards SIGTERM and reaps
+
+
+def test_the_model_is_a_read_only_mount_of_the_smollm2_export(resolved, docker_compose,
+                                                             tmp_path) -> None:
+    svc = resolved["services"]["attnserve"]
+    default = REPO / "artifacts" / "smollm2-135m-instruct"  # what `make deploy-model` exports
+    assert bind_mounts(svc)["/models/default"] == (default, True)
+    assert "ARTIFACT_DIR" not in str(svc["build"])  # no model is built into the image
+    other = compose_config(docker_compose, env={"ATTNSERVE_MODEL_DIR": str(tmp_path)})
+    assert bind_mounts(other["services"]["attnserve"])["/models/default"] == (tmp_path, True)
+    makefile = (REPO / "Makefile").read_text()
+    assert f"COMPOSE_MODEL_DIR := {default.relative_to(REPO)}" in makefile
+    assert "\ndeploy-model: artifact\n" in makefile
+
+
+def test_every_port_binds_to_loopback_unless_asked(resolved, docker_compose) -> None:
+    for name, svc in resolved["services"].items():
+        assert port(svc["ports"][0])[0] == "127.0.0.1", name
+    public = compose_config(docker_compose, env={"PUBLISH_ADDRESS": "0.0.0.0"})
+    assert port(public["services"]["attnserve"]["ports"][0])[0] == "0.0.0.0"
+
+
+def test_prometheus_and_proxy_images_build_from_debian_packages(resolved) -> None:
+    for name, image in (("prometheus", "attnserve-prometheus:bookworm"),
+                        ("proxy", "attnserve-haproxy:bookworm")):
+        svc = resolved["services"][name]
+        assert svc["image"] == image, name
+        context = Path(svc["build"]["context"])
+        assert context.parent == REPO / "deploy" / "images", name
+        assert svc["build"]["args"] == {"BASE_IMAGE": "debian:bookworm-slim"}, name
+        dockerfile = (context / "Dockerfile").read_text()
+        assert "ARG BASE_IMAGE=debian:bookworm-slim" in dockerfile
+        assert "apt-get install -y --no-install-recommends" in dockerfile
+    build_script = (REPO / "deploy" / "images" / "build.sh").read_text()
+    for image in ("attnserve:cpu", "attnserve-prometheus:bookworm", "attnserve-haproxy:bookworm"):
+        assert f"build {image} " in build_script, image
+
+
+def test_proxy_fronts_the_replicas_and_stops_softly(resolved) -> None:
+    proxy = resolved["services"]["proxy"]
+    assert proxy["profiles"] == ["scale"]
+    assert proxy["depends_on"] == {"attnserve": {"condition": "service_healthy"}}
+    haproxy_dir = REPO / "deploy" / "haproxy"
+    assert bind_mounts(proxy)["/usr/local/etc/haproxy"] == (haproxy_dir, True)
+    assert proxy["stop_signal"] == "SIGUSR1"  # HAProxy's soft stop: in-flight requests finish
+    assert port(proxy["ports"][0])[1:] == ("8080", 8080)
+    config = (haproxy_dir / "haproxy.cfg").read_text()
+    assert "server-template attnserve 10 attnserve:8000" in config
+    assert "option httpchk GET /ready" in config
+    assert "retry-on conn-failure empty-response 503" in config
+    errorfile = re.search(r"errorfile 503 /usr/local/etc/haproxy/(\S+)", config)
+    assert errorfile, config
+    page = (haproxy_dir / errorfile.group(1)).read_bytes()
+    assert page.startswith(b"HTTP/1.1 503 ") and b"\r\nRetry-After: " in page
+    assert page.split(b"\r\n\r\n", 1)[1].strip().startswith(b"{")
 
 
 def test_healthchecks_match_the_image_healthcheck(resolved, cpu_stages, smoke) -> None:
@@ -114,12 +184,19 @@ def test_gpu_profile_reserves_an_nvidia_device(resolved, docker_compose) -> None
     assert gpu["build"]["dockerfile"] == "deploy/Dockerfile.gpu"
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert gpu["ports"][0]["published"] != 8000  # runs beside the CPU service
-    # only the gpu profile is optional: the default stack starts the other three
-    for name in ("attnserve", "prometheus", "grafana"):
-        assert "profiles" not in resolved["services"][name]
+    assert port(gpu["ports"][0])[1] != "8000"  # runs beside the CPU service
+    assert bind_mounts(gpu)["/models/default"][1] is True
     with_profile = compose_config(docker_compose, "--profile", "gpu")
     assert "attnserve-gpu" in with_profile["services"]
+
+
+def test_only_the_service_and_prometheus_start_by_default(resolved) -> None:
+    # Grafana's image comes only from a registry, the proxy only matters when scaled, the
+    # GPU image needs a GPU: each behind its profile, so a bare `docker-compose up` starts
+    # where no registry answers.
+    profiles = {name: svc.get("profiles") for name, svc in resolved["services"].items()}
+    assert profiles == {"attnserve": None, "prometheus": None, "attnserve-gpu": ["gpu"],
+                        "proxy": ["scale"], "grafana": ["grafana"]}
 
 
 def test_prometheus_mounts_config_and_rules(resolved) -> None:
@@ -127,7 +204,7 @@ def test_prometheus_mounts_config_and_rules(resolved) -> None:
     assert bind_mounts(prom)["/etc/prometheus"] == (REPO / "deploy" / "prometheus", True)
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
     assert (REPO / "deploy" / "prometheus" / "prometheus.yml").is_file()
-    assert {"published": 9090, "target": 9090}.items() <= prom["ports"][0].items()
+    assert port(prom["ports"][0])[1:] == ("9090", 9090)
 
 
 def test_grafana_is_provisioned_and_anonymous(resolved) -> None:
@@ -146,4 +223,4 @@ def test_grafana_is_provisioned_and_anonymous(resolved) -> None:
     provider = yaml.safe_load((REPO / "deploy/grafana/provisioning/dashboards/attnserve.yml")
                               .read_text())["providers"][0]
     assert provider["options"]["path"] == "/etc/grafana/dashboards"
-    assert {"published": 3000, "target": 3000}.items() <= graf["ports"][0].items()
+    assert port(graf["ports"][0])[1:] == ("3000", 3000)

@@ -1,7 +1,8 @@
 """Static checks of deploy/Dockerfile, deploy/Dockerfile.gpu and .dockerignore.
 
-No container engine runs here, so these parse the Dockerfiles and check the properties the
-deployment relies on; test_smoke.py then runs the runtime stage's command for real.
+These parse the Dockerfiles and check the properties the deployment relies on, with no
+container engine; test_smoke.py runs the runtime stage's command on the host, and
+test_compose_e2e.py builds and runs the images themselves where a dockerd can run.
 """
 
 from __future__ import annotations
@@ -56,11 +57,10 @@ def test_parser_joins_continuations_and_reads_env(smoke, tmp_path) -> None:
     assert smoke.container_command(second) == ["x"]
 
 
-def test_stages_model_venv_runtime(flavour) -> None:
+def test_stages_venv_runtime(flavour) -> None:
     _, stages = flavour
-    assert [s.name for s in stages] == ["model", "serve-venv", "runtime"]
+    assert [s.name for s in stages] == ["serve-venv", "runtime"]
     # the runtime stage is the last one, so a plain `docker build` produces it
-    assert stages[-1].name == "runtime"
 
 
 def test_runtime_installs_only_the_serve_extra_and_no_torch(flavour) -> None:
@@ -72,62 +72,55 @@ def test_runtime_installs_only_the_serve_extra_and_no_torch(flavour) -> None:
     for text in (installs, run_text(runtime)):
         assert "torch" not in text
         assert not re.search(r"\[(train|export|dev)", text)
-    # the runtime takes only the venv and the artifact from the other stages
+    # the runtime takes only the venv from the other stage: no sources, no build inputs
     assert copied_from(runtime, "serve-venv") == ["/opt/venv /opt/venv"]
-    assert copied_from(runtime, "model") == ["/artifact /models/default"]
     assert not runtime.all("ADD")
     assert all("--from=" in i.args for i in runtime.all("COPY")), "no sources copied in runtime"
 
 
-def test_model_stage_trains_and_exports_or_copies_a_given_artifact(flavour) -> None:
+def test_no_model_is_built_into_the_images(flavour) -> None:
+    # The model is mounted read-only at /models/default (docker-compose.yml, make
+    # deploy-model); the images neither train nor export nor copy one.
     kind, stages = flavour
-    model = stage_named(stages, "model")
-    text = run_text(model)
-    assert any(i.args.startswith("ARTIFACT_DIR") for i in model.all("ARG"))
-    assert re.search(r"attnserve train --data stdlib --preset \"\$PRESET\" --out /ckpt", text)
-    export = re.search(r"attnserve export --ckpt /ckpt --out /artifact([^;]*);", text)
-    assert export, text
-    if kind == "gpu":
-        assert "--dtype float16" in export.group(1)
-    else:
-        assert "--dtype" not in export.group(1)
-    assert 'torch==2.13.0" --index-url "$TORCH_INDEX_URL"' in text
-    assert any(i.args == "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
-               for i in model.all("ARG"))
-    assert 'cp -r "/ctx/$ARTIFACT_DIR" /artifact' in text
-    assert 'test -f "/ctx/$ARTIFACT_DIR/manifest.json"' in text
+    text = (REPO / "deploy" / ("Dockerfile" if kind == "cpu" else "Dockerfile.gpu")).read_text()
+    for stage in stages:
+        assert not re.search(r"attnserve (train|export|import)", run_text(stage))
+        assert not any(i.args.startswith("ARTIFACT_DIR") for i in stage.all("ARG"))
+    assert "/models/default:ro" in text  # the usage comment shows the mount
 
 
-def test_model_stage_commands_parse_with_the_real_cli(flavour) -> None:
-    # The build runs for minutes inside Docker; at least its flags must exist here.
-    import shlex
-
-    from service.cli import build_parser
-
-    kind, stages = flavour
-    model = stage_named(stages, "model")
-    preset = next(i.args.split("=", 1)[1] for i in model.all("ARG") if i.args.startswith("PRESET="))
-    text = run_text(model).replace('"$PRESET"', preset)
-    parser = build_parser()
-    for sub in ("train", "export"):
-        found = re.search(rf"/opt/build-venv/bin/attnserve ({sub} [^;&]*)", text)
-        assert found, sub
-        args = parser.parse_args(shlex.split(found.group(1)))
-        assert args.command == sub
-        if sub == "train":
-            assert (args.data, args.preset, str(args.out)) == ("stdlib", "small", "/ckpt")
-        else:
-            assert (str(args.ckpt), str(args.out)) == ("/ckpt", "/artifact")
-            assert args.dtype == ("float16" if kind == "gpu" else "float32")
+def test_images_build_with_the_classic_builder(flavour) -> None:
+    # dockerd 20.10 + compose v1 build without BuildKit: no `# syntax=` (BuildKit would pull
+    # a frontend image from a registry) and no RUN --mount.
+    kind, _ = flavour
+    text = (REPO / "deploy" / ("Dockerfile" if kind == "cpu" else "Dockerfile.gpu")).read_text()
+    assert not re.search(r"^# *syntax=", text, re.M)
+    assert "--mount" not in text
 
 
-def test_artifact_is_readable_by_the_runtime_user(flavour) -> None:
-    # The exporter builds in a mkdtemp directory (mode 0700, owner root in the build), so
-    # the model stage must open it up after training/copying, or user 10001 cannot load it.
-    _, stages = flavour
-    model = stage_named(stages, "model")
-    runs = [i.args for i in model.all("RUN")]
-    assert runs[-1] == "chmod -R a+rX /artifact"
+def test_cpu_base_image_is_a_build_argument(cpu_stages) -> None:
+    text = (REPO / "deploy" / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim-bookworm$", text, re.M)
+    assert [s.base for s in cpu_stages] == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
+
+
+def test_cpu_build_installs_host_prepared_wheels_offline(cpu_stages) -> None:
+    venv = stage_named(cpu_stages, "serve-venv")
+    copies = [i.args for i in venv.all("COPY")]
+    assert copies[0] == "deploy/images/wheels/ /wheels/"
+    text = run_text(venv)
+    # the dependency layer comes before the sources, so source edits keep it cached
+    assert text.index("--no-index --no-deps /wheels/*.whl") < text.index('install ".[serve]"')
+    assert "export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels" in text
+    ignore = (REPO / "deploy" / "images" / "wheels" / ".gitignore").read_text().split()
+    assert ignore[-2:] == ["*", "!.gitignore"]  # the wheels are never committed
+
+
+def test_deploy_model_makes_the_artifact_readable_by_the_runtime_user() -> None:
+    # The container runs as uid 10001 and reads the bind-mounted artifact.
+    makefile = (REPO / "Makefile").read_text()
+    recipe = makefile.split("\ndeploy-model: artifact\n", 1)[1].split("\n\n", 1)[0]
+    assert "chmod -R a+rX $(ARTIFACT)" in recipe
 
 
 def test_runtime_user_is_not_root(flavour) -> None:

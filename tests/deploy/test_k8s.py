@@ -70,7 +70,8 @@ def test_kustomization_lists_every_manifest() -> None:
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(proc.stdout))
-    assert kinds == ["Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Service"]
+    assert kinds == ["Deployment", "HorizontalPodAutoscaler", "PersistentVolumeClaim",
+                     "PodDisruptionBudget", "Service"]
 
 
 def test_probes_hit_ready_and_health_on_the_served_port(container, cpu_stages, smoke) -> None:
@@ -139,3 +140,16 @@ def test_service_hpa_and_pdb_select_the_deployment(deployment) -> None:
     assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
     assert "cpu" in deployment["spec"]["template"]["spec"]["containers"][0]["resources"][
         "requests"]
+
+
+def test_pods_mount_the_model_read_only_from_the_claim(deployment, container, cpu_stages,
+                                                       smoke) -> None:
+    # The image carries no model (deploy/Dockerfile): the claim holds the exported artifact.
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    model_dir = smoke.stage_env(cpu_stages[-1])["ATTNSERVE_MODEL"]
+    assert mounts["model"] == {"name": "model", "mountPath": model_dir, "readOnly": True}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    claim = volumes["model"]["persistentVolumeClaim"]
+    assert claim == {"claimName": load("pvc.yaml")["metadata"]["name"], "readOnly": True}
+    assert "ReadOnlyMany" in load("pvc.yaml")["spec"]["accessModes"]
+

@@ -69,13 +69,15 @@ def test_alert_unit_tests_fail_when_a_threshold_moves(promtool, tmp_path) -> Non
     assert "AttnserveErrorRatioHigh" in proc.stdout + proc.stderr
 
 
-def test_scrape_config_targets_the_compose_service_every_5s() -> None:
+def test_scrape_config_targets_every_replica_of_the_compose_service_every_5s() -> None:
     config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
     assert config["global"]["scrape_interval"] == "5s"
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     main = jobs["attnserve"]
     assert main.get("metrics_path", "/metrics") == "/metrics"
-    assert main["static_configs"][0]["targets"] == ["attnserve:8000"]
+    # DNS discovery by the service's name: one target per replica under --scale
+    assert main["dns_sd_configs"] == [{"names": ["attnserve"], "type": "A", "port": 8000,
+                                       "refresh_interval": "5s"}]
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     assert "attnserve" in compose["services"]
     gpu = jobs["attnserve-gpu"]["dns_sd_configs"][0]

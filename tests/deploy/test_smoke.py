@@ -4,7 +4,8 @@ The service is started exactly as the runtime image starts it: the CMD and the A
 ENV of deploy/Dockerfile's last stage, parsed from the Dockerfile, with only the artifact path
 (the session's tiny artifact instead of /models/default) and host/port (127.0.0.1 and a free
 port instead of 0.0.0.0:8000) replaced. Then a real Prometheus (Debian package) runs
-deploy/prometheus/prometheus.yml with only the target address changed, traffic goes in, and
+deploy/prometheus/prometheus.yml with only the target changed (a static address for the DNS
+discovery of compose's service name), traffic goes in, and
 the Prometheus HTTP API must show the target up and a numeric p50 time to first token.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -106,9 +108,12 @@ def prometheus(service, system_tool, tmp_path_factory, smoke) -> Iterator[Proc]:
     config_dir = work / "config"
     shutil.copytree(DEPLOY / "prometheus", config_dir)  # alerts.yml sits next to the config
     config = config_dir / "prometheus.yml"
-    text = config.read_text()
-    assert text.count('"attnserve:8000"') == 1
-    config.write_text(text.replace('"attnserve:8000"', f'"127.0.0.1:{service.port}"'))
+    parsed = yaml.safe_load(config.read_text())
+    (job,) = [j for j in parsed["scrape_configs"] if j["job_name"] == "attnserve"]
+    # compose's DNS answers `attnserve` there; here the one target is the local service
+    assert job.pop("dns_sd_configs")[0]["names"] == ["attnserve"]
+    job["static_configs"] = [{"targets": [f"127.0.0.1:{service.port}"]}]
+    config.write_text(yaml.safe_dump(parsed, sort_keys=False))
     port = _free_port()
     proc = Proc(f"http://127.0.0.1:{port}", port,
                 start([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",

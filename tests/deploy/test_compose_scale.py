@@ -1,0 +1,213 @@
+"""`docker-compose --profile scale up --scale attnserve=3`: HAProxy spreads, and routes around.
+
+Three replicas of the serving image behind the HAProxy image (both built from Debian
+packages on the same base), Prometheus finding every replica by DNS. Requests through the
+proxy must reach every replica; with one replica killed (SIGKILL, nothing drained) under
+load, every client still gets an answer, 200 or 503 with Retry-After, and none waits beyond
+its timeout; `docker-compose stop` lets a stream through the proxy finish. Load stays on
+loopback and is bounded: 3 clients, 4 tokens a request, 20 s.
+Same daemon and skip conditions as test_compose_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from tests.deploy.docker_harness import (
+    Compose,
+    Stream,
+    chat_body,
+    free_port_range,
+    post_json,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+REPLICAS = 3
+START_S = 240.0  # three replicas load at once on a small machine
+CLIENT_TIMEOUT_S = 60.0  # a hang would show up as this
+
+
+@dataclass
+class Scaled:
+    compose: Compose
+    proxy: str
+    prometheus: str
+
+
+def chat_route_count(url: str) -> float:
+    """attnserve_requests_total for the chat route answered 200, from one replica's /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("attnserve_requests_total{")
+               and 'route="/v1/chat/completions"' in line and 'status="200"' in line)
+
+
+@pytest.fixture(scope="module")
+def scaled(docker_daemon, deploy_images, deploy_model) -> Iterator[Scaled]:
+    first = free_port_range(REPLICAS + 1)
+    proxy_port, prometheus_port = free_port_range(1), free_port_range(1)
+    compose = Compose(docker_daemon, "attnserve-scale", {
+        "ATTNSERVE_MODEL_DIR": str(deploy_model),
+        "ATTNSERVE_HOST_PORTS": f"{first}-{first + REPLICAS}",
+        "PROXY_HOST_PORT": str(proxy_port),
+        "PROMETHEUS_HOST_PORT": str(prometheus_port),
+        # three replicas share the machine's cores: one ONNX Runtime thread each
+        "ATTNSERVE_INTRA_OP_THREADS": "1",
+    }, profiles=("scale",))
+    compose.down()
+    try:
+        compose.run("up", "-d", "--no-build", "--scale", f"attnserve={REPLICAS}", timeout=420)
+        compose.wait_healthy("attnserve", REPLICAS, START_S)
+        proxy = f"http://127.0.0.1:{proxy_port}"
+
+        def routed() -> bool | None:
+            status, _, _ = post_json(f"{proxy}/v1/chat/completions", chat_body("Hi", 1), 30)
+            return True if status == 200 else None
+
+        wait_for(routed, 60, "the proxy to route a request")
+        yield Scaled(compose, proxy, f"http://127.0.0.1:{prometheus_port}")
+    finally:
+        print("\n".join(compose.transcript))
+        print(compose.logs(tail=30))
+        compose.down()
+
+
+def test_requests_spread_over_every_replica(scaled) -> None:
+    replicas = scaled.compose.containers("attnserve")
+    assert len(replicas) == REPLICAS
+    direct = {c: f"http://127.0.0.1:{scaled.compose.host_port(c)}" for c in replicas}
+    before = {c: chat_route_count(url) for c, url in direct.items()}
+    results: list[int] = []
+
+    def client(i: int) -> None:
+        for j in range(4):
+            status, _, _ = post_json(f"{scaled.proxy}/v1/chat/completions",
+                                     chat_body(f"Count to {i + j}.", 4), CLIENT_TIMEOUT_S)
+            results.append(status)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(CLIENT_TIMEOUT_S * 4)
+    assert results == [200] * 12
+    served = {c: chat_route_count(url) - before[c] for c, url in direct.items()}
+    assert all(n >= 1 for n in served.values()), served  # least-connections reaches all
+    assert sum(served.values()) == 12
+
+
+def test_prometheus_scrapes_every_replica(scaled, smoke) -> None:
+    replicas = scaled.compose.containers("attnserve")
+    addresses = {
+        next(iter(scaled.compose.inspect(c)["NetworkSettings"]["Networks"].values()))
+        ["IPAddress"] + ":8000" for c in replicas}
+
+    def all_up() -> set[str] | None:
+        targets = smoke.prometheus_api(scaled.prometheus, "targets",
+                                       state="active")["activeTargets"]
+        up = {t["labels"]["instance"] for t in targets
+              if t["labels"]["job"] == "attnserve" and t["health"] == "up"}
+        return up if up == addresses else None
+
+    wait_for(all_up, 60, f"Prometheus to scrape {sorted(addresses)}", interval=1.0)
+
+
+def test_a_replica_killed_under_load_is_routed_around(scaled) -> None:
+    victim = scaled.compose.containers("attnserve")[0]
+    outcomes: list[tuple[float, str]] = []  # (time, "200" | "503+retry-after" | failure)
+    stop = threading.Event()
+    started = time.monotonic()
+
+    def client(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                status, headers, raw = post_json(
+                    f"{scaled.proxy}/v1/chat/completions",
+                    chat_body(f"Say something about the number {i * 100 + n}.", 4),
+                    CLIENT_TIMEOUT_S)
+            except (OSError, urllib.error.URLError) as exc:  # reset, refused, or timed out
+                outcomes.append((time.monotonic() - started, f"failed: {exc!r}"))
+                continue
+            if status == 503 and "retry-after" in headers:
+                outcomes.append((time.monotonic() - started, "503+retry-after"))
+            else:
+                outcomes.append((time.monotonic() - started,
+                                 str(status) if status == 200 else f"{status}: {raw[:200]!r}"))
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for thread in clients:
+        thread.start()
+    try:
+        time.sleep(5)
+        killed_at = time.monotonic() - started
+        scaled.compose.daemon.docker("kill", victim)  # SIGKILL: nothing is drained
+        time.sleep(15)
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(CLIENT_TIMEOUT_S + 10)
+    assert not any(t.is_alive() for t in clients), "a client hung"
+    bad = [o for o in outcomes if o[1] not in ("200", "503+retry-after")]
+    assert not bad, bad
+    after = [o for o in outcomes if o[0] > killed_at]
+    assert sum(1 for o in after if o[1] == "200") >= 10, outcomes
+    # HAProxy saw the replica go, and what it retried on another one (its log's retries
+    # field, `+N` when redispatched) is what clients did not have to retry themselves.
+    proxy_log = scaled.compose.logs("proxy", tail=2000)
+    # (health check failed: "is DOWN"; or DNS dropped it first: "is going DOWN for maintenance")
+    assert re.search(r"Server attnserve/attnserve\d+ is (going )?DOWN", proxy_log), proxy_log
+    retried = len(re.findall(r" \d+/\d+/\d+/\d+/\+?[1-9]\d* \d+/\d+ \"POST", proxy_log))
+    print(f"{len(outcomes)} requests, {len(after)} after the kill at {killed_at:.1f} s: "
+          f"{sum(1 for o in after if o[1] == '200')} answered 200, "
+          f"{sum(1 for o in after if o[1] != '200')} 503 with Retry-After; "
+          f"{retried} retried by the proxy")
+
+
+def test_the_proxy_answers_503_with_retry_after_when_no_replica_is_ready(scaled) -> None:
+    scaled.compose.run("stop", "--timeout", "20", "attnserve", timeout=120)
+    started = time.monotonic()
+    status, headers, raw = post_json(f"{scaled.proxy}/v1/chat/completions",
+                                     chat_body("Anyone there?", 4), CLIENT_TIMEOUT_S)
+    assert status == 503, raw[:300]
+    assert headers.get("retry-after") == "2"
+    assert json.loads(raw)["error_type"] == "unhealthy"
+    assert time.monotonic() - started < 30  # HAProxy's `timeout queue` (15 s), not a hang
+
+
+def test_compose_stop_drains_a_stream_through_the_proxy(scaled) -> None:
+    # Everything back (the killed replica too), then a stream through HAProxy while the whole
+    # stack stops: compose stops the proxy first with SIGUSR1 (soft stop: it stops listening
+    # and lets the stream finish), then the replicas with SIGTERM (each drains).
+    scaled.compose.run("start", timeout=120)
+    scaled.compose.wait_healthy("attnserve", REPLICAS, START_S)
+
+    def routed() -> bool | None:
+        status, _, _ = post_json(f"{scaled.proxy}/v1/chat/completions", chat_body("Hi", 1), 30)
+        return True if status == 200 else None
+
+    wait_for(routed, 60, "the proxy to route again")
+    stream = Stream(f"{scaled.proxy}/v1/chat/completions",
+                    chat_body("Tell me about rivers.", 64, stream=True, ignore_eos=True)).start()
+    assert stream.first_chunk.wait(60), "no token within 60 s"
+    scaled.compose.run("stop", timeout=180)
+    events = stream.join(30)
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = [e for e in events[:-1] if "choices" in e]
+    assert not [e for e in events[:-1] if "error" in e], events[-3:]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    (proxy,) = scaled.compose.containers("proxy")
+    state = scaled.compose.inspect(proxy)["State"]
+    assert state["Status"] == "exited" and not state["OOMKilled"]
