@@ -198,8 +198,16 @@ def stop_daemon(daemon: Daemon) -> None:
             except subprocess.TimeoutExpired:
                 daemon.proc.kill()
                 daemon.proc.wait(10)
+        unmount_under(daemon.exec_root)
         shutil.rmtree(daemon.exec_root, ignore_errors=True)
         daemon.lock.close()  # releases the flock
+
+
+def unmount_under(root: Path) -> None:
+    """What dockerd leaves mounted in its exec root (netns/default), deepest first."""
+    mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+    for point in sorted((m for m in mounts if m.startswith(f"{root}/")), reverse=True):
+        subprocess.run(["umount", point], capture_output=True, timeout=30, check=False)
 
 
 # ---------------------------------------------------------------------------------- compose
