@@ -90,7 +90,8 @@ system-deps:
 
 ## deploy-check: offline checks of Dockerfiles, compose, Prometheus, Grafana and k8s files
 deploy-check: venv system-deps
-	$(BIN)/python -m pytest tests/deploy --deselect tests/deploy/test_smoke.py
+	$(BIN)/python -m pytest tests/deploy --deselect tests/deploy/test_smoke.py \
+		--deselect tests/deploy/test_compose_e2e.py --deselect tests/deploy/test_compose_scale.py
 
 ## deploy-smoke: the service run as the image runs it, scraped by a real Prometheus
 deploy-smoke: venv system-deps
