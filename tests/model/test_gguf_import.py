@@ -29,6 +29,7 @@ from model.gguf_import import _Reader, dequantize, import_gguf_checkpoint
 from model.hf_import import ImportRefused
 from model.sample import generate
 from service.cli import main as cli_main
+from tests.conftest import torch_threads
 from tests.gguf_files import Q, TokenizerSpec, llamacpp_permute, set_tensor_type_id, write_gguf
 from tests.hf_llama import CHATML, ENDOFTEXT, IM_END, IM_START
 
@@ -53,10 +54,8 @@ WHITESPACE_BEFORE_DIGIT = re.compile(r"\s{2,}\d")
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @dataclass(frozen=True)
