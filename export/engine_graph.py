@@ -26,7 +26,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from export.graphs import head_weight, qkv_bias, qkv_weight
-from export.onnx_build import Graph, f32
+from export.onnx_build import Graph, f32, make_model
 from export.verify import TorchReference, decode_prompts, logits_tolerance
 from model.gpt import GPT
 from service.contract import io_spec as io
@@ -159,15 +159,9 @@ def _model(g: Graph, gpt: GPT) -> onnx.ModelProto:
         *[helper.make_tensor_value_info(n, TensorProto.FLOAT, kv)
           for n in io.present_names(cfg.n_layers)],
     ]
-    graph = helper.make_graph(g.nodes, "attnserve_engine", inputs, outputs, g.inits)
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", ENGINE_OPSET),
-                              helper.make_opsetid("com.microsoft", 1)],
-        producer_name="attnserve")
-    model.ir_version = 8
-    model.doc_string = ("attnserve engine decoder: GroupQueryAttention over an in-place KV "
-                        "buffer; service-only, see export/engine_graph.py")
-    return model
+    return make_model(g, "attnserve_engine", inputs, outputs, ENGINE_OPSET,
+                      "attnserve engine decoder: GroupQueryAttention over an in-place KV "
+                      "buffer; service-only, see export/engine_graph.py", contrib=True)
 
 
 def _build_llama(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
