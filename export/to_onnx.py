@@ -30,7 +30,8 @@ from service.contract import io_spec as io
 from service.contract.manifest import Manifest, checkpoint_fingerprint, describe_files
 
 DTYPES = ("float32", "float16")
-QUANTIZATIONS = ("int8", "int8-dynamic")  # export/quantize.py METHODS
+QUANTIZATIONS = ("int8", "int4", "int8-dynamic")  # export/quantize.py METHODS
+ENGINE_QUANTIZATIONS = (None, "int8", "int4")  # MatMulNBits: what engine.onnx can take
 
 
 def _versions() -> dict[str, str]:
@@ -63,7 +64,7 @@ def check_options(opset: int, dtype: str, quantize: str | None) -> None:
                          f"{list(QUANTIZATIONS)}")
     if quantize is not None and dtype != "float32":
         raise ValueError(f"--quantize {quantize} needs --dtype float32 "
-                         "(weights int8, cache float32)")
+                         "(quantised weights, float32 cache)")
 
 
 def load_source(ckpt_dir: Path) -> tuple[Any, Any]:
@@ -141,7 +142,8 @@ def export_artifact(
 
     ``engine_graph`` also writes engine.onnx, the service-only decoder with an in-place
     KV cache (export/engine_graph.py); model.onnx is unchanged either way. With
-    ``quantize="int8"`` both graphs get MatMulNBits weights (export/quantize.py). All
+    ``quantize="int8"`` or ``"int4"`` both graphs get MatMulNBits weights
+    (export/quantize.py). All
     graphs point into one weights.bin, each distinct tensor stored once.
     """
     # Everything heavy is imported before the staging directory exists, so a SIGTERM
@@ -155,7 +157,7 @@ def export_artifact(
         grouped_kv,
     )
     from export.onnx_build import WEIGHTS_FILE, load_graph, save_graphs
-    from export.quantize import quantize_int8
+    from export.quantize import quantize_model
     from export.verify import TorchReference, verify_artifact
     from service.contract.engine_spec import ENGINE_FILE
 
@@ -163,8 +165,8 @@ def export_artifact(
     opset = DEFAULT_OPSET if opset is None else opset
     out = Path(out_dir)
     check_options(opset, dtype, quantize)
-    if engine_graph and (dtype != "float32" or quantize not in (None, "int8")):
-        raise ValueError("--engine-graph needs float32 weights or --quantize int8 "
+    if engine_graph and (dtype != "float32" or quantize not in ENGINE_QUANTIZATIONS):
+        raise ValueError("--engine-graph needs float32 weights or --quantize int8/int4 "
                          "(no --dtype float16, no --quantize int8-dynamic)")
     if engine_graph:
         from model.checkpoint import read_meta
@@ -213,18 +215,18 @@ def export_artifact(
         if quantize is not None:
             fp32_model = tmp / f".{io.MODEL_FILE}.fp32"
             os.replace(model_path, fp32_model)
-            quantization = quantize_int8(gpt, model_path, fp32_model, tok, ckpt.meta.training,
+            quantization = quantize_model(gpt, model_path, fp32_model, tok, ckpt.meta.training,
                                          measure=verify, method=quantize)
             say(f"{quantize}: token agreement {quantization.get('token_agreement')}, "
                 f"perplexity change {quantization.get('perplexity_relative_change')}")
-            verification["int8"] = quantization
+            verification["quantized"] = quantization
             if engine_graph:
                 fp32_engine = tmp / f".{ENGINE_FILE}.fp32"
                 os.replace(engine_path, fp32_engine)
-                verification["engine_int8"] = _quantize_engine(
+                verification["engine_quantized"] = _quantize_engine(
                     gpt, fp32_engine, engine_path, tok, ckpt.meta.training, quantize, verify)
                 say(f"{quantize} engine.onnx: token agreement "
-                    f"{verification['engine_int8'].get('token_agreement')}")
+                    f"{verification['engine_quantized'].get('token_agreement')}")
             final = {p.name: load_graph(p) for p in sorted(tmp.glob("*.onnx"))}
             storage = save_graphs(tmp, final, base=tmp)  # one weights.bin again
             for stale in tmp.glob(".*.fp32"):

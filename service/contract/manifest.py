@@ -64,7 +64,7 @@ class Manifest:
     exporter: dict[str, Any]  # name, method, library versions
     opset: int
     kv_dtype: io.KvDtype
-    quantization: str | None  # None, "int8" (MatMulNBits) or "int8-dynamic"
+    quantization: str | None  # None, "int8"/"int4" (MatMulNBits) or "int8-dynamic"
     io: dict[str, Any]  # {"model": {"inputs": {...}, "outputs": {...}}, "attention": {...}}
     verification: dict[str, Any]
     optimization: dict[str, Any] = field(default_factory=dict)

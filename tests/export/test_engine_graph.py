@@ -69,7 +69,7 @@ def test_int8_engine_graph_agrees_with_pytorch_teacher_forced(tiny_checkpoint: P
     out = export_artifact(tiny_checkpoint, tmp_path / "int8", quantize="int8",
                           engine_graph=True)
     manifest = json.loads((out / io.MANIFEST_FILE).read_text("utf-8"))
-    assert manifest["verification"]["engine_int8"]["token_agreement"] >= 0.97
+    assert manifest["verification"]["engine_quantized"]["token_agreement"] >= 0.97
     ops = [n.op_type for n in onnx.load(str(out / ENGINE_FILE)).graph.node]
     assert "GroupQueryAttention" in ops and "MatMulNBits" in ops and "MatMul" not in ops
     # Independent check: PyTorch fp32 greedy continuations of held-out text, then one

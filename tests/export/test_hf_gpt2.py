@@ -167,7 +167,7 @@ def test_int8_and_float16_artifacts_of_an_imported_gpt2(tmp_path: Path) -> None:
     assert cfg.kv_dtype == "float16"
     assert _decode_against_transformers(half / io.MODEL_FILE, hf, cfg)[0] <= 1e-2
     int8 = export_artifact(ckpt, tmp_path / "int8", quantize="int8")
-    figures = verify_manifest(int8).verification["int8"]
+    figures = verify_manifest(int8).verification["quantized"]
     assert figures["token_agreement"] >= 0.9, figures
     _, agreement = _decode_against_transformers(int8 / io.MODEL_FILE, hf,
                                                 io.ArtifactConfig.load(int8))

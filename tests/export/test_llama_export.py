@@ -160,22 +160,28 @@ def test_float16_and_int8_variants(llama_artifacts: Any, tmp_path: Path, dtype: 
         assert np.corrcoef(got, want)[0, 1] >= 0.95
         # Agreement with the fp32 graph is measured and recorded (random weights give
         # nearly flat logits, so it is no quality figure here).
-        assert 0.5 <= manifest["verification"]["int8"]["token_agreement"] <= 1.0
+        assert 0.5 <= manifest["verification"]["quantized"]["token_agreement"] <= 1.0
 
 
-def test_int8_llama_engine_graph_verifies(llama_artifacts: Any, tmp_path: Path) -> None:
-    """engine.onnx with 8-bit MatMulNBits weights, judged against its float32 self through
-    a cache of key/value heads (the KV pool's shape: 2 here, for 4 query heads)."""
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_llama_engine_graph_verifies(llama_artifacts: Any, tmp_path: Path,
+                                               method: str) -> None:
+    """engine.onnx with 8- or 4-bit MatMulNBits weights, judged against its float32 self
+    through a cache of key/value heads (the KV pool's shape: 2 here, for 4 query heads)."""
     import onnx
 
     from service.contract.engine_spec import ENGINE_FILE
 
     built = llama_artifacts("llama")
-    out = tmp_path / "int8-engine"
+    out = tmp_path / f"{method}-engine"
     torch.set_num_threads(1)
-    export_artifact(built.checkpoint, out, quantize="int8", engine_graph=True)
-    figures = json.loads((out / io.MANIFEST_FILE).read_text())["verification"]["engine_int8"]
-    assert figures["quantized_matmuls"] > 0 and figures["meets_target"], figures
+    export_artifact(built.checkpoint, out, quantize=method, engine_graph=True)
+    figures = json.loads((out / io.MANIFEST_FILE).read_text())["verification"]["engine_quantized"]
+    assert figures["quantized_matmuls"] > 0 and figures["bits"] == (4 if method == "int4" else 8)
+    # random weights give nearly flat logits: int8 meets its target, int4 is only sane here
+    # (the trained tiny model's int4 is held to its target in test_export_variants.py)
+    assert figures["meets_target"] if method == "int8" else figures["token_agreement"] >= 0.5, \
+        figures
     graph = onnx.load(str(out / ENGINE_FILE), load_external_data=False).graph
     assert any(n.op_type == "MatMulNBits" for n in graph.node)
     kv_heads = {d.dim_value for v in graph.input if v.name.startswith("past_key_values")
