@@ -5,9 +5,9 @@ so the I/O contract is unchanged:
 
 - ``int4``: the same ``MatMulNBits`` with 4-bit codes, asymmetric (a zero point per
   block of 32), int8 activations. Chosen by measurement on SmolLM2-135M-Instruct
-  (benchmarks/quant_blocks.py): of blocks 16/32/64/128, symmetric or not, accuracy level
-  0 or 4, block 32 asymmetric at level 4 had the lowest perplexity of those faster than
-  int8 at both batch 1 and batch 8.
+  (benchmarks/quant_blocks.py, docs/export.md): level 4 beat level 0 on speed at every
+  block size; block 32 with zero points had the lowest perplexity of the blocks that run
+  at int8's speed or better (block 16 is slower at batch 8; 64 and 128 lose 4-14% more).
 - ``int8``: ONNX Runtime's block-quantised ``MatMulNBits`` (what
   onnxruntime-genai uses on CPU): every MatMul weight becomes 8-bit, symmetric, one scale
   per block of 32 input rows, and ``accuracy_level=4`` lets the kernel quantise the
