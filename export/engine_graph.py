@@ -25,9 +25,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from export.graphs import head_weight, qkv_bias, qkv_weight
+from export.graphs import lm_head, qkv_bias, qkv_weight
 from export.onnx_build import Graph, f32, make_model
-from export.verify import TorchReference, decode_prompts, logits_tolerance
+from export.verify import (
+    TorchReference,
+    clear_mismatches,
+    decode_prompts,
+    logits_tolerance,
+    top2_margin,
+)
 from model.gpt import GPT
 from service.contract import io_spec as io
 from service.contract.engine_spec import MAX_SEQUENCE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
@@ -125,19 +131,9 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
                     [x, down, g.const(f"{q}.w", f32(ln.weight)), g.const(f"{q}.b", f32(ln.bias)),
                      g.const(f"{p}.down.b", f32(ffn.down.bias))],
                     q, outputs=[q, "", "", f"{p}.res2"], domain=ms, epsilon=eps)[0::3]
-    logits = _head(g, gpt, h, matmul_only)  # (N, V)
+    logits = lm_head(g, gpt, h, matmul_only)  # (N, V)
     g.op("Reshape", [logits, shape_btc], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
     return _model(g, gpt)
-
-
-def _head(g: Graph, gpt: GPT, h: str, matmul_only: bool) -> str:
-    """Logits (N, V): Gemm(transB=1) over the (V, d) head, which for a tied model is the
-    embedding matrix itself (stored once); a MatMul over its transpose where weight
-    quantisation must see one."""
-    if matmul_only:
-        return g.op("MatMul", [h, g.const("lm_head.w", head_weight(gpt).T)], "lm_head")[0]
-    name = "tok_emb" if gpt.config.tie_weights else "lm_head.weight"
-    return g.op("Gemm", [h, g.const(name, head_weight(gpt))], "lm_head", transB=1)[0]
 
 
 def _model(g: Graph, gpt: GPT) -> onnx.ModelProto:
@@ -244,7 +240,7 @@ def _build_llama(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
         h, x = g.op("SkipSimplifiedLayerNormalization",
                     [x, down, g.const(f"{q}.w", f32(ln.weight)), *down_bias],
                     q, outputs=[q, "", "", f"{p}.res2"], domain=ms, epsilon=eps)[0::3]
-    logits = _head(g, gpt, h, matmul_only)  # (N, V)
+    logits = lm_head(g, gpt, h, matmul_only)  # (N, V)
     g.op("Reshape", [logits, shape_btc], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
     return _model(g, gpt)
 
@@ -309,15 +305,14 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
         ref = np.stack([r[k - 1 + step] for r, k in zip(refs, lens, strict=True)])  # (B, V)
         worst = max(worst, float(np.abs(last - ref).max()))
         scale = max(scale, float(np.abs(ref).max()))
-        for differs in np.flatnonzero(last.argmax(-1) != ref.argmax(-1)):
-            top2 = np.partition(ref[differs], -2)[-2:]
-            margins.append(float(top2[1] - top2[0]))
+        margins += [top2_margin(ref[row]) for row in np.flatnonzero(
+            last.argmax(-1) != ref.argmax(-1))]
         nxt = np.array([s[k + step] for s, k in zip(seqs, lens, strict=True)], np.int64)
         ids, pos = nxt[:, None], total[:, None].copy()  # PyTorch's tokens: the same cache
         total = total + 1
     if tolerance is None:
         tolerance = logits_tolerance(cfg, scale)
-    decided = [m for m in margins if m > 2 * tolerance]  # not a near-tie: must agree
+    decided = clear_mismatches(margins, tolerance)
     result: dict[str, object] = {"steps": steps, "max_abs_diff": worst,
                                  "greedy_equal": not decided, "near_ties": len(margins)
                                  - len(decided), "in_place": in_place, "tolerance": tolerance,

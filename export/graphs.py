@@ -59,6 +59,16 @@ def head_weight(gpt: GPT) -> np.ndarray:
     return f32(gpt.lm_head.weight)
 
 
+def lm_head(g: Graph, gpt: GPT, h: str, matmul: bool) -> str:
+    """Logits (N, V) of flat hidden states (N, d): Gemm(transB=1) over the (V, d) head,
+    for a tied model the embedding matrix itself (stored once); a MatMul over its transpose
+    where weight quantisation must see one (it rewrites MatMul nodes only)."""
+    if matmul:
+        return g.one("MatMul", [h, g.const("lm_head.w", head_weight(gpt).T)], "lm_head")
+    name = "tok_emb" if gpt.config.tie_weights else "lm_head.weight"
+    return g.one("Gemm", [h, g.const(name, head_weight(gpt))], "lm_head", transB=1)
+
+
 class DecoderBuilder:
     """The nodes of one decoder graph; ``cached`` adds past/present, ``introspect`` adds
     every layer's attention intermediates as outputs."""
@@ -249,13 +259,8 @@ class DecoderBuilder:
     def _logits(self, x: str) -> None:
         g, cfg = self.g, self.cfg
         h = self._norm(x, self.gpt.ln_f, "ln_f")  # (B, T, d)
-        if self.matmul_head:  # weight quantisation rewrites MatMul nodes only
-            g.op("MatMul", [h, g.const("lm_head.w", head_weight(self.gpt).T)], "lm_head",
-                 outputs=[io.LOGITS])
-            return
         flat = g.one("Reshape", [h, g.ints("shape_flat", [-1, cfg.d_model])], "ln_f_flat")
-        logits = g.one("Gemm", [flat, g.const("tok_emb" if cfg.tie_weights else "lm_head.weight",
-                                              head_weight(self.gpt))], "lm_head", transB=1)
+        logits = lm_head(g, self.gpt, flat, self.matmul_head)  # (N, V)
         shape = g.one("Concat", ["ids_shape", g.ints("minus1", [-1])], "shape_btv", axis=0)
         g.op("Reshape", [logits, shape], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
 

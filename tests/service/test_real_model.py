@@ -42,12 +42,6 @@ def artifact(smollm2_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2_transformers: tuple[Any, Any]) -> tuple[Any, Any]:
-    """transformers' model and tokenizer from the same GGUF file (tests/conftest.py)."""
-    return smollm2_transformers
-
-
-@pytest.fixture(scope="module")
 def client(start_server: Callable[..., Any]) -> Iterator[httpx.Client]:
     server = start_server("--max-batch-size", "4", "--max-total-tokens", "1024")
     with httpx.Client(base_url=server.url, timeout=300) as c:
@@ -81,8 +75,8 @@ def test_export_verified_with_weights_stored_once(artifact: Path) -> None:
 
 
 def test_greedy_generate_equals_transformers_on_the_same_gguf(
-        client: httpx.Client, hf: tuple[Any, Any]) -> None:
-    model, tok = hf
+        client: httpx.Client, smollm2_transformers: tuple[Any, Any]) -> None:
+    model, tok = smollm2_transformers
     for prompt in PROMPTS:
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
         r = client.post("/generate", json={"inputs": prompt, "parameters": {
@@ -94,8 +88,8 @@ def test_greedy_generate_equals_transformers_on_the_same_gguf(
 
 
 def test_chat_answers_a_well_known_fact_as_transformers_does(
-        client: httpx.Client, hf: tuple[Any, Any]) -> None:
-    model, tok = hf
+        client: httpx.Client, smollm2_transformers: tuple[Any, Any]) -> None:
+    model, tok = smollm2_transformers
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     expected = _hf_greedy(model, list(ids), NEW_TOKENS)
@@ -112,8 +106,8 @@ def test_chat_answers_a_well_known_fact_as_transformers_does(
 
 
 def test_attention_equals_transformers_output_attentions(
-        client: httpx.Client, hf: tuple[Any, Any], artifact: Path) -> None:
-    model, _ = hf
+        client: httpx.Client, smollm2_transformers: tuple[Any, Any], artifact: Path) -> None:
+    model, _ = smollm2_transformers
     config = json.loads((artifact / io.CONFIG_FILE).read_text())
     r = client.post("/attention", json={"inputs": "The capital of France is Paris.",
                                         "layers": [0, 14, 29], "include": ["weights"]})
