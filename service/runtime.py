@@ -16,12 +16,13 @@ from service.artifact import Artifact
 from service.contract import io_spec as io
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.scheduler import Scheduler, SchedulerLimits
-from service.engine.session import AttentionModel, create_model, create_session
+from service.engine.session import create_model, create_session
 from service.engine.static_cache import PoolConfig
 from service.metrics import Metrics
 from service.offload import Offload, low_priority_threads
 from service.settings import Settings
 from service.validation import Validator
+from service.viz.attention_model import AttentionModel
 
 log = logging.getLogger("attnserve")
 

@@ -42,7 +42,7 @@ def main() -> int:
         runtime.create_model = controlled  # type: ignore[assignment]
     attention_gate = os.environ.get("ATTNSERVE_TEST_ATTENTION_GATE")
     if attention_gate:
-        from service.engine.session import AttentionModel
+        from service.viz.attention_model import AttentionModel
 
         run = AttentionModel.run
 
