@@ -1,0 +1,203 @@
+"""Speculative decoding: propose a few tokens cheaply, verify them in one pass, keep a prefix.
+
+At batch 1 a CPU decoder is bound by reading the weights once per token; a pass that
+feeds ``k + 1`` tokens reads them once too, so every accepted draft token is a token for
+free. Two proposers, as in vLLM and llama.cpp:
+
+- ``NgramProposer`` (prompt lookup; vLLM's ``ngram``, llama.cpp's lookup decoding): the
+  last n tokens of the sequence are searched for earlier in the prompt and output, and
+  the tokens that followed their latest occurrence are proposed. No second model; it pays
+  on repetitive work (code editing, extraction, quoting), and proposes nothing otherwise.
+- a draft model (service/engine/draft.py): a smaller model with the same tokenizer.
+
+Verification (``accept``) is the standard rule (Leviathan et al. 2023; Chen et al. 2023):
+draft token x with draft probability q(x) is kept with probability min(1, p(x) / q(x))
+under the target's processed distribution p; at the first rejection a token is drawn from
+the residual max(0, p − q), renormalised; when every draft is kept, one more token comes
+from the target's last position (the "bonus" token). The output distribution is exactly
+the target's. For greedy rows the rule reduces to "keep while the draft is the argmax",
+so greedy text is identical with speculation on and off. A prompt-lookup draft is a point
+mass (q(x) = 1), so its draft is kept with probability p(x) and the residual is p without x.
+
+Penalties, bias and min_tokens depend on the tokens before each position, so the
+sampler observes each kept token before the next position is judged. A grammar
+constraint cannot be rewound, so rows with one do not speculate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from service.engine.sampling import RowSampler, warp
+
+Method = Literal["ngram", "draft"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How to speculate; vLLM's ``--speculative-config`` fields where they exist."""
+
+    method: Method = "ngram"
+    num_speculative_tokens: int = 4  # k: drafted tokens per verification pass
+    prompt_lookup_max: int = 4  # longest n-gram searched for (ngram)
+    prompt_lookup_min: int = 2  # shortest n-gram accepted as a match (ngram)
+    max_batch_rows: int = 1  # speculate only while the batch has at most this many rows
+    backoff_after: int = 2  # proposals rejected outright in a row before a row backs off
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.max_batch_rows < 1:
+            raise ValueError("max_batch_rows must be at least 1")
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens after the latest earlier occurrence of the longest suffix."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.n_max = config.prompt_lookup_max
+        self.n_min = config.prompt_lookup_min
+
+    def propose(self, history: np.ndarray) -> np.ndarray:
+        """Up to k token ids to follow ``history`` (L,) int64; empty when nothing matches."""
+        length = history.shape[0]
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            suffix = history[length - n:]  # (n,)
+            # Windows that start early enough to have at least one token after them.
+            windows = np.lib.stride_tricks.sliding_window_view(history[:length - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))  # (matches,)
+            if hits.size:
+                start = int(hits[-1]) + n  # the latest occurrence: recent text is copied most
+                return history[start:start + self.k].copy()
+        return history[:0].copy()
+
+
+@dataclass
+class Verdict:
+    """What one verification pass produced for a row: tokens and where their logits are."""
+
+    tokens: list[int]  # kept drafts, then the corrected or bonus token (1..k+1 tokens)
+    positions: list[int]  # logits row of each token (its position in the verified pass)
+    drafted: int  # draft tokens that were judged
+
+    @property
+    def accepted(self) -> int:
+        """Draft tokens kept (the last token is the target's own)."""
+        return len(self.tokens) - 1
+
+
+def accept(drafts: Sequence[int], logits: np.ndarray, sampler: RowSampler,
+           draft_probs: np.ndarray | None = None, stop_ids: frozenset[int] = frozenset()
+           ) -> Verdict:
+    """Judge ``drafts`` (k,) against the target's ``logits`` (k + 1, V) for one row.
+
+    ``logits[i]`` is the target's prediction after the i-th fed token (the row's last
+    sampled token, then drafts[:i]). ``draft_probs`` (k, V) is the draft's distribution at
+    each position (None: a point mass on each draft, as prompt lookup proposes). The
+    sampler observes every token returned, so its penalties and generator advance exactly
+    as they would decoding one token at a time. Judging stops after a token in
+    ``stop_ids`` (end of sequence): nothing after it is kept.
+    """
+    k = len(drafts)
+    if logits.shape[0] != k + 1:
+        raise ValueError(f"{k} drafts need {k + 1} rows of logits, got {logits.shape[0]}")
+    tokens: list[int] = []
+    for i, draft in enumerate(drafts):
+        token, kept = _judge(int(draft), logits[i], sampler,
+                             None if draft_probs is None else draft_probs[i])
+        sampler.observe(token)
+        tokens.append(token)
+        if not kept or token in stop_ids:
+            return Verdict(tokens, list(range(len(tokens))), i + 1)
+    bonus = sampler.choose(logits[k])
+    sampler.observe(bonus)
+    tokens.append(bonus)
+    return Verdict(tokens, list(range(k + 1)), k)
+
+
+def _judge(draft: int, logits: np.ndarray, sampler: RowSampler,
+           q: np.ndarray | None) -> tuple[int, bool]:
+    """(token, whether it is the draft) at one position, by the speculative sampling rule."""
+    if sampler.rng is None:  # greedy: the draft survives only as the argmax
+        best = int(np.argmax(sampler.processed_logits(logits)))
+        return best, best == draft
+    p = warp(sampler.processed_logits(logits), sampler.params)  # (V,) target probabilities
+    q_draft = 1.0 if q is None else float(q[draft])
+    if q_draft > 0.0 and sampler.rng.random() * q_draft < p[draft]:  # u < p(x) / q(x)
+        return draft, True
+    if q is None:
+        residual = p.copy()
+        residual[draft] = 0.0
+    else:
+        residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    if total <= 0.0:  # p == q: the rejection had probability 0; draw from p
+        residual, total = p, p.sum()
+    cdf = np.cumsum(residual)
+    u = sampler.rng.random() * total
+    return int(min(np.searchsorted(cdf, u, side="right"), residual.shape[0] - 1)), False
+
+
+@dataclass
+class RowSpeculation:
+    """One sequence's speculation state: its history and its back-off after misses.
+
+    A proposal rejected outright still yields one token, at the price of a wider pass; a
+    row that keeps missing stops proposing for a while (doubling each time, up to 64
+    tokens) so free chat runs at plain decoding's speed.
+    """
+
+    history: list[int]
+    misses: int = 0
+    pause: int = 0  # tokens to decode plainly before proposing again
+    pause_next: int = 4
+    drafted: int = 0
+    accepted: int = 0
+
+    def wants_proposal(self) -> bool:
+        if self.pause > 0:
+            self.pause -= 1
+            return False
+        return True
+
+    def record(self, verdict: Verdict, backoff_after: int) -> None:
+        self.history.extend(verdict.tokens)
+        self.drafted += verdict.drafted
+        self.accepted += verdict.accepted
+        if verdict.accepted == 0:
+            self.misses += 1
+            if self.misses >= backoff_after:
+                self.pause, self.pause_next = self.pause_next, min(self.pause_next * 2, 64)
+                self.misses = 0
+        else:
+            self.misses = 0
+            self.pause_next = 4
+
+
+@dataclass
+class SpeculationCounters:
+    """Cumulative counts, as vLLM's spec-decode metrics name them."""
+
+    drafts: int = 0  # verification passes that carried at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, verdict: Verdict) -> None:
+        if not verdict.drafted:
+            return
+        self.drafts += 1
+        self.draft_tokens += verdict.drafted
+        self.accepted_tokens += verdict.accepted
+        if len(self.accepted_per_position) < verdict.drafted:
+            self.accepted_per_position.extend(
+                [0] * (verdict.drafted - len(self.accepted_per_position)))
+        for i in range(verdict.accepted):
+            self.accepted_per_position[i] += 1
