@@ -1,4 +1,4 @@
-"""A persistent KV pool: one buffer per layer for every slot, allocated once at start.
+"""A persistent KV pool: one buffer per layer for every slot, reserved once at start.
 
 engine.onnx's GroupQueryAttention reads and writes a (B, nh, M, hs) cache in place. The
 pool holds one (S, nh, M, hs) array per layer's keys and values for S slots; a request
@@ -12,10 +12,24 @@ row, and only its cached tokens. Rows that stay where they are are never touched
 
 The pool also keeps, per slot, the token ids whose keys and values it holds, so the
 prefix cache can hash them without asking the batch.
+
+Memory follows the tokens held, not the slots (vAttention, Prabhu et al. 2024: contiguous
+virtual memory per request, physical pages mapped on demand). Each array lives on its own
+anonymous mapping made with MAP_NORESERVE: reserving it costs address space only, and the
+kernel's overcommit heuristic does not refuse a pool larger than RAM. A page becomes
+resident when the kernel first writes a key or value into it, and the pool gives pages
+back (madvise MADV_DONTNEED: the next touch maps a fresh zero page) wherever a slot stops
+holding tokens: all of a slot when it is freed or moved away from, and every (layer, head)
+stretch past the kept length when it is truncated. Without that, np.empty pages stayed
+committed once written, and every slot ended up holding the memory of the longest
+sequence it ever served (RSS 1.65 → 7.3 GB in a 150-second soak of short chats).
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +98,43 @@ def ensure_memory(need: int, what: str, available: int | None = None) -> None:
             f"set --kv-cache-memory-mb")
 
 
+# Linux's MAP_NORESERVE (asm-generic and x86 alike); Python's mmap module does not name it.
+# Elsewhere the flag is left out: macOS has no overcommit heuristic to get past.
+LINUX = sys.platform.startswith("linux")
+MAP_NORESERVE = 0x4000 if LINUX else 0
+PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def reserve(nbytes: int) -> mmap.mmap:
+    """An anonymous, private, zero-filled mapping of ``nbytes`` with no pages committed."""
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                       | MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if LINUX:
+        # A transparent huge page would commit 2 MiB on a token's first write and keep it
+        # until every token in it is released: with THP set to "always" the pool would
+        # again grow by slots, not tokens.
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+        # A forked child (a worker process) has no use for the cache; sharing its pages
+        # copy-on-write would make the parent's next writes copy them.
+        region.madvise(mmap.MADV_DONTFORK)
+    return region
+
+
+def resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of the page-aligned mapping at ``address`` that are in RAM now (mincore(2)).
+
+    A page that was read but never written since its release maps the kernel's shared
+    zero page, which mincore counts and RSS does not; the engine reads only the tokens a
+    slot holds, so in practice the figure is the memory the written tokens commit."""
+    pages = (nbytes + PAGE - 1) // PAGE
+    vec = np.zeros(pages, np.uint8)  # (pages,) bit 0: resident
+    if _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
+                     ctypes.c_void_p(vec.ctypes.data)) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed on the KV pool")
+    return int(np.count_nonzero(vec & 1)) * PAGE
+
+
 class PoolExhausted(RuntimeError):
     """No run of free slots is long enough; admission should have prevented this."""
 
@@ -114,9 +165,14 @@ class KVPool:
             raise ValueError("the KV pool needs at least one slot")
         self.shape = shape
         self.slots = slots
-        # np.empty: pages are committed by the OS as rows are first written.
-        self.arrays = [np.empty((slots, shape.heads, shape.max_len, shape.head_dim),
-                                shape.dtype) for _ in range(shape.layers)]  # each (S, nh, M, hs)
+        # One reserved mapping per array: pages are committed as the kernel writes them
+        # and given back by _release. The arrays are views of the mappings (never copied).
+        nbytes = slots * self.row_bytes
+        self._regions = [reserve(nbytes) for _ in range(shape.layers)]
+        self.arrays = [np.frombuffer(r, shape.dtype, slots * shape.heads * shape.max_len
+                                     * shape.head_dim).reshape(
+            slots, shape.heads, shape.max_len, shape.head_dim)
+            for r in self._regions]  # each (S, nh, M, hs)
         self.lengths = np.zeros(slots, np.int64)  # (S,) tokens cached per slot
         self.tokens = np.zeros((slots, shape.max_len), np.int64)  # (S, M) their ids
         self._owner: list[Slot | None] = [None] * slots
@@ -126,7 +182,15 @@ class KVPool:
 
     @property
     def bytes_allocated(self) -> int:
+        """Virtual size of the pool: address space reserved, not memory committed."""
         return sum(a.nbytes for a in self.arrays)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the pool in RAM now (resident pages, by mincore): what the tokens held
+        cost. A system call per array, a page table walk each: read it per scrape, not
+        per step (about a millisecond per GiB reserved)."""
+        return sum(resident_bytes(a.ctypes.data, a.nbytes) for a in self.arrays)
 
     @property
     def capacity_tokens(self) -> int:
@@ -166,13 +230,46 @@ class KVPool:
                             f"({self.used} of {self.slots} in use)")
 
     def free(self, slots: Sequence[Slot]) -> None:
+        """Give ``slots`` back, and their memory with them."""
         for s in slots:
             if self._owner[s.index] is s:
                 self._owner[s.index] = None
                 self.lengths[s.index] = 0
+                self._release(s.index, 0)
+
+    def truncate(self, slot: Slot, length: int) -> None:
+        """Keep the first ``length`` tokens of ``slot`` (speculative decoding rolls back
+        rejected tokens; a prefill's right padding leaves keys past a row's length) and
+        give back every whole page past them. ``length`` may equal the current length:
+        that only releases what the kernel wrote beyond it."""
+        held = int(self.lengths[slot.index])
+        if self._owner[slot.index] is not slot:
+            raise ValueError(f"{slot} is not allocated")
+        if not 0 <= length <= held:
+            raise ValueError(f"cannot truncate {slot} of {held} tokens to {length}")
+        self.lengths[slot.index] = length
+        self._release(slot.index, length)
+
+    def _release(self, index: int, keep: int) -> None:
+        """Give back the pages of slot ``index`` past its first ``keep`` tokens in every
+        array: one madvise per (array, head) stretch, or one per array for the whole slot.
+        Pages shared with a kept token or a neighbouring slot stay."""
+        shape = self.shape
+        token = shape.head_dim * shape.dtype.itemsize  # bytes of one token of one head
+        stretch = shape.max_len * token  # one (slot, head): (M, hs)
+        start = index * self.row_bytes
+        spans = [(start, start + self.row_bytes)] if keep == 0 else [
+            (start + h * stretch + keep * token, start + (h + 1) * stretch)
+            for h in range(shape.heads)]
+        pages = [(-(-lo // PAGE) * PAGE, hi // PAGE * PAGE) for lo, hi in spans]
+        pages = [(lo, hi - lo) for lo, hi in pages if hi > lo]
+        for region in self._regions:
+            for offset, length in pages:
+                region.madvise(mmap.MADV_DONTNEED, offset, length)
 
     def move(self, slot: Slot, dst: int) -> None:
-        """Move one row's cached tokens to the free slot ``dst`` (only its ``length`` columns)."""
+        """Move one row's cached tokens to the free slot ``dst`` (only its ``length``
+        columns); the slot left behind keeps no memory."""
         src = slot.index
         if self._owner[dst] is not None:
             raise ValueError(f"slot {dst} is taken")
@@ -184,6 +281,7 @@ class KVPool:
         self.lengths[src] = 0
         self._owner[src], self._owner[dst] = None, slot
         slot.index = dst
+        self._release(src, 0)
         self.moves += 1
 
     def compact(self, slots: Sequence[Slot], start: int | None = None) -> int:
