@@ -26,15 +26,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from service.artifact import open_artifact
 from service.contract import io_spec as io
+from service.engine.engine import Engine, EngineConfig
 from service.engine.request import (
     ErrorEvent,
     GenerationRequest,
     SamplingParams,
     StoppingCriteria,
 )
-from service.engine.scheduler import Scheduler, SchedulerLimits
-from service.engine.static_cache import PoolConfig, StaticCacheModel
+from service.engine.scheduler import RequestHandle
+from service.settings import Settings
 
 BATCH = 32
 
@@ -51,36 +53,37 @@ def engine_artifact(preset: str, work: Path) -> Path:
     return export_artifact(prep.ckpt, out, engine_graph=True, verify=False, force=True)
 
 
-class Engine:
-    """A scheduler over engine.onnx on its own event loop."""
+class Bench:
+    """The service's Engine over engine.onnx, on its own event loop."""
 
     def __init__(self, artifact: Path, threads: int, prefix_blocks: int, chunk: int) -> None:
-        from service.engine.session import create_session
-        from service.engine.text import TextCodec
-
-        self.config = io.ArtifactConfig.load(artifact)
-        session = create_session(artifact / "engine.onnx", "cpu", threads)
-        self.model = StaticCacheModel(session, self.config,
-                                      PoolConfig(slots=BATCH, prefix_block_size=16,
-                                                 prefix_cache_blocks=prefix_blocks))
-        codec = TextCodec.from_file(artifact / io.TOKENIZER_FILE)
-        limits = SchedulerLimits(BATCH, 1 << 20, 4096, chunk)
-        self.scheduler = Scheduler(self.model, codec, limits, self.config.fill_token_id)
+        opened = open_artifact(Settings.model_validate({"model": artifact,
+                                                        "max_batch_tokens": 1 << 20}))
+        self.config = opened.config
+        block = 16
+        token_bytes = self.config.kv_bytes_per_token()
+        self.engine = Engine.from_artifact(opened, EngineConfig(
+            device="cpu", intra_op_threads=threads, max_batch_size=BATCH,
+            max_batch_tokens=1 << 20, max_queued_requests=4096,
+            prefix_caching=prefix_blocks > 0, prefix_block_size=block,
+            prefix_cache_memory_mb=prefix_blocks * block * token_bytes / 2**20,
+            prefill_chunk_tokens=chunk, adaptive_prefill_chunks=False), warmup=False)
         self.loop = asyncio.new_event_loop()
-        self.scheduler.start(self.loop)
+        self.engine.start(self.loop)
 
     def close(self) -> None:
-        self.scheduler.stop(10)
+        self.engine.stop(10)
         self.loop.close()
 
     @staticmethod
     def request(prompt: list[int], n: int) -> GenerationRequest:
         return GenerationRequest(list(prompt), SamplingParams(), StoppingCriteria(n))
 
-    async def run(self, request: GenerationRequest, handle: Any = None) -> tuple[int, float]:
+    async def run(self, request: GenerationRequest, handle: RequestHandle | None = None
+                  ) -> tuple[int, float]:
         """(tokens generated, time to first token) of one request."""
         if handle is None:
-            (handle,) = self.scheduler.submit([request])
+            (handle,) = self.engine.submit([request])
         count, first = 0, 0.0
         async for event in handle.events():
             if isinstance(event, ErrorEvent):
@@ -93,7 +96,7 @@ class Engine:
     def static(self, prompts: list[list[int]], n: int) -> float:
         async def go() -> int:
             requests = [self.request(p, n) for p in prompts]
-            handles = self.scheduler.submit(requests)  # one wave: one prefill, then decode
+            handles = self.engine.submit(requests)  # one wave: one prefill, then decode
             done = await asyncio.gather(*(self.run(r, h)
                                           for r, h in zip(requests, handles, strict=True)))
             return sum(c for c, _ in done)
@@ -152,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     # -- throughput: static batch vs join/leave traffic, prefix caching on (as served) and
     # off (random prompts: caching can only cost); the three interleaved in every repeat,
     # so a change in the machine's load moves all three alike.
-    engine = Engine(artifact, args.threads, prefix_blocks=4096, chunk=256)
-    plain = Engine(artifact, args.threads, prefix_blocks=0, chunk=256)
+    engine = Bench(artifact, args.threads, prefix_blocks=4096, chunk=256)
+    plain = Bench(artifact, args.threads, prefix_blocks=0, chunk=256)
     for warm in (engine, plain):
         warm.static([prompt(args.prompt_len) for _ in range(BATCH)], 8)
     static: list[float] = []
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             lengths = [rng.randint(n // 2, 3 * n // 2) for _ in range(count)]
             runs.append(eng.join_leave([prompt(args.prompt_len) for _ in range(count)],
                                        lengths))
-    moves = engine.model.pool.moves
+    moves = engine.engine.kv_stats().rows_moved
     engine.close()
     plain.close()
     s, j = statistics.median(static), statistics.median(joined)
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     suffixes = [prompt(total - len(prefix)) for _ in range(8 * args.repeats)]
     result: dict[str, Any] = {}
     for label, blocks in (("on", 4096), ("off", 0)):
-        engine = Engine(artifact, args.threads, prefix_blocks=blocks, chunk=0)
+        engine = Bench(artifact, args.threads, prefix_blocks=blocks, chunk=0)
         engine.ttft(prefix + prompt(8), 4)  # warm-up (fills the cache when on)
         result[label] = [engine.ttft(prefix + sfx, 4) for sfx in suffixes]
         engine.close()

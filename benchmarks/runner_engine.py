@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
 
 from benchmarks.measure import GenResult
 from service.contract import io_spec as io
+from service.engine.scheduler import RequestHandle
 
 
 class EngineRunner:
@@ -19,24 +19,22 @@ class EngineRunner:
                  max_len: int | None = None) -> None:
         """``max_len``: tokens per KV slot (the server's --max-total-tokens), default the
         model's context."""
-        from service.engine.scheduler import Scheduler, SchedulerLimits
-        from service.engine.session import create_model
-        from service.engine.text import TextCodec
+        from service.artifact import open_artifact
+        from service.engine.engine import Engine, EngineConfig
+        from service.settings import Settings
 
         self.name = name
         config = io.ArtifactConfig.load(artifact_dir)
-        from service.engine.static_cache import PoolConfig
-
-        limits = SchedulerLimits(max_batch_size=64, max_batch_tokens=1 << 20,
-                                 max_queued_requests=1024)
-        model = create_model(artifact_dir, config, "cpu", threads,  # engine.onnx if present
-                             pool=PoolConfig(slots=limits.max_batch_size, max_len=None
-                                             if max_len is None
-                                             else min(max_len, config.max_seq_len)))
-        codec = TextCodec.from_file(artifact_dir / io.TOKENIZER_FILE)
-        self.scheduler = Scheduler(model, codec, limits, config.fill_token_id)
+        max_total = None if max_len is None else min(max_len, config.max_seq_len)
+        artifact = open_artifact(Settings.model_validate({
+            "model": artifact_dir, "max_total_tokens": max_total, "max_batch_tokens": 1 << 20}))
+        # One static batch: no prefix cache, no chunking (end-of-sequence is not a stop).
+        self.engine = Engine.from_artifact(artifact, EngineConfig(
+            device="cpu", intra_op_threads=threads, max_batch_size=64,
+            max_batch_tokens=1 << 20, max_queued_requests=1024, max_total_tokens=max_total,
+            prefix_caching=False, prefill_chunk_tokens=0), warmup=False)
         self.loop = asyncio.new_event_loop()
-        self.scheduler.start(self.loop)
+        self.engine.start(self.loop)
 
     def generate(self, prompts: list[list[int]], n_new: int) -> GenResult:
         return self.loop.run_until_complete(self._generate(prompts, n_new))
@@ -53,9 +51,9 @@ class EngineRunner:
                                       stopping=StoppingCriteria(max_new_tokens=n_new))
                     for p in prompts]
         t0 = time.perf_counter()
-        handles = self.scheduler.submit(requests)
+        handles = self.engine.submit(requests)
 
-        async def collect(handle: Any) -> tuple[list[int], float, float]:
+        async def collect(handle: RequestHandle) -> tuple[list[int], float, float]:
             tokens: list[int] = []
             first = 0.0
             async for event in handle.events():
@@ -72,5 +70,5 @@ class EngineRunner:
                          total_s=total, latencies=[d[2] for d in done])
 
     def close(self) -> None:
-        self.scheduler.stop(timeout=10)
+        self.engine.stop(timeout=10)
         self.loop.close()

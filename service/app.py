@@ -52,8 +52,8 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
         finally:
             runtime.draining = True
             loader.cancel()
-            if runtime.scheduler is not None:
-                await asyncio.to_thread(runtime.scheduler.stop, 10.0)
+            if runtime.engine is not None:
+                await asyncio.to_thread(runtime.engine.stop, 10.0)
             await asyncio.to_thread(runtime.attention_encoder.shutdown)
             runtime.attention_threads.shutdown(wait=False, cancel_futures=True)
 
@@ -76,8 +76,8 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
 async def _load(runtime: Runtime, on_fatal: Callable[[], None] | None) -> None:
     try:
         await asyncio.to_thread(load_engine, runtime)
-        assert runtime.scheduler is not None
-        runtime.scheduler.start(asyncio.get_running_loop())
+        assert runtime.engine is not None
+        runtime.engine.start(asyncio.get_running_loop())
         runtime.ready = True
         log.info("ready: %s on %s", runtime.artifact.name, runtime.provider)
     except asyncio.CancelledError:

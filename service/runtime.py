@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from service.admission import AdmissionGate
 from service.artifact import Artifact
 from service.contract import io_spec as io
-from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
-from service.engine.scheduler import Scheduler, SchedulerLimits
-from service.engine.session import create_model, create_session
-from service.engine.static_cache import PoolConfig
+from service.engine.engine import Engine, EngineConfig
+from service.engine.scheduler import Scheduler
+from service.engine.session import create_session
 from service.metrics import Metrics
 from service.offload import Offload, low_priority_threads
 from service.settings import Settings
@@ -35,10 +34,8 @@ class Runtime:
     artifact: Artifact
     metrics: Metrics
     validator: Validator
-    scheduler: Scheduler | None = None
+    engine: Engine | None = None
     attention: AttentionModel | None = None
-    provider: str | None = None
-    decode_graph: str | None = None  # model.onnx, or engine.onnx with its in-place KV cache
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
@@ -58,67 +55,40 @@ class Runtime:
         self.attention_threads = low_priority_threads(self.settings.attention_max_concurrent,
                                                       "attnserve-attention")
 
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The engine's request loop: what the routes submit to."""
+        return self.engine.scheduler if self.engine is not None else None
 
-def pool_config(settings: Settings, config: io.ArtifactConfig, slot_tokens: int) -> PoolConfig:
-    """Slots and prefix-cache blocks for engine.onnx's KV pool, from the memory settings.
+    @property
+    def provider(self) -> str | None:
+        return self.engine.provider if self.engine is not None else None
 
-    A slot holds ``slot_tokens`` (max_total_tokens: vLLM's max_model_len), not the model's
-    whole context, so a long-context model (SmolLM2 8k, Qwen2.5 32k) is served in the
-    memory its requests can use.
-    """
-    token_bytes = 2 * config.n_layers * config.kv_heads * config.head_dim * 4  # float32 K and V
-    slot_bytes = token_bytes * slot_tokens
-    slots = settings.max_batch_size
-    if settings.kv_cache_memory_mb is not None:
-        fit = int(settings.kv_cache_memory_mb * 2**20 // slot_bytes)
-        if fit < 1:
-            raise ValueError(f"kv_cache_memory_mb {settings.kv_cache_memory_mb} holds no "
-                             f"slot of max_total_tokens {slot_tokens} "
-                             f"({slot_bytes / 2**20:.2f} MiB each)")
-        slots = min(slots, fit)
-    blocks = 0
-    if settings.prefix_caching:
-        block_bytes = token_bytes * settings.prefix_block_size
-        blocks = max(1, int(settings.prefix_cache_memory_mb * 2**20 // block_bytes))
-    return PoolConfig(slots=slots, prefix_block_size=settings.prefix_block_size,
-                      prefix_cache_blocks=blocks, max_len=slot_tokens)
+    @property
+    def decode_graph(self) -> str | None:
+        """model.onnx, or engine.onnx with its in-place KV cache."""
+        return self.engine.graph_file if self.engine is not None else None
 
 
 def load_engine(runtime: Runtime) -> None:
-    """Create the sessions and warm them up (blocking; runs in a worker thread)."""
+    """Build the engine and the attention session and warm them up (blocking; runs in a
+    worker thread)."""
     settings, artifact = runtime.settings, runtime.artifact
     config = artifact.config
-    model = create_model(artifact.path, config, settings.device, settings.intra_op_threads,
-                         settings.engine_graph,
-                         pool_config(settings, config, artifact.limits.max_total_tokens))
-    # The attention dump runs rarely: its weights stay in the page cache mapped from
-    # weights.bin (shared) rather than in a second packed copy beside the decoder's.
-    attention = AttentionModel(create_session(artifact.path / io.ATTENTION_FILE, "cpu"
-                                              if model.device == "cpu" else settings.device,
-                                              settings.attention_threads, prepack=False),
-                               config)
-    limits = artifact.limits
-    batch_size = limits.max_batch_size
-    pool = getattr(model, "pool", None)
-    if pool is not None and pool.slots < batch_size:
-        log.warning("the KV pool budget holds %d slots: batches are capped at %d rows, not "
-                    "max_batch_size %d", pool.slots, pool.slots, batch_size)
-        batch_size = pool.slots
-    scheduler = Scheduler(
-        model, artifact.codec,
-        SchedulerLimits(batch_size, limits.max_batch_tokens, limits.max_queued_requests,
-                        settings.prefill_chunk_tokens, settings.adaptive_prefill_chunks),
-        pad_token_id=config.fill_token_id, stats=runtime.metrics)
     started = time.perf_counter()
     if runtime.validator.grammars is not None:
         runtime.validator.grammars.tokenizer()  # structured output's table, off the event loop
-    scheduler.warmup(GenerationRequest([config.start_token_id], SamplingParams(),
-                                       StoppingCriteria(max_new_tokens=4)))
+    engine = Engine.from_artifact(artifact, EngineConfig.from_settings(settings, artifact.limits),
+                                  stats=runtime.metrics)
+    # The attention dump runs rarely: its weights stay in the page cache mapped from
+    # weights.bin (shared) rather than in a second packed copy beside the decoder's.
+    attention = AttentionModel(create_session(artifact.path / io.ATTENTION_FILE, "cpu"
+                                              if engine.runner.device == "cpu"
+                                              else settings.device,
+                                              settings.attention_threads, prepack=False),
+                               config, artifact.path / io.ATTENTION_FILE)
     attention.run([config.start_token_id], ["weights"])
-    log.info("model %s on %s (%s), warmed up in %.0f ms", artifact.name, model.provider,
-             model.graph_file, (time.perf_counter() - started) * 1000)
-    runtime.metrics.set_model_info(artifact.name, model.provider, artifact.sha256)
-    runtime.scheduler, runtime.attention, runtime.provider = scheduler, attention, model.provider
-    runtime.decode_graph = model.graph_file
-
-
+    log.info("model %s on %s (%s), loaded and warmed up in %.0f ms", artifact.name,
+             engine.provider, engine.graph_file, (time.perf_counter() - started) * 1000)
+    runtime.metrics.set_model_info(artifact.name, engine.provider, artifact.sha256)
+    runtime.engine, runtime.attention = engine, attention

@@ -42,7 +42,8 @@ OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--attention-threads", "attention_threads", int,
      "ONNX Runtime threads of the attention session, 0 = all cores (default 1)"),
     ("--kv-cache-memory-mb", "kv_cache_memory_mb", float,
-     "KV pool budget in MiB (engine.onnx); default max_batch_size full-context slots"),
+     "KV cache budget in MiB: tokens held at once, prompt + max_new_tokens reserved per "
+     "request (default: max_batch_tokens)"),
     ("--prefix-cache-memory-mb", "prefix_cache_memory_mb", float,
      "prefix cache block store in MiB (default 256)"),
     ("--prefix-block-size", "prefix_block_size", int, "tokens per prefix-cache block (16)"),

@@ -54,19 +54,21 @@ class Settings(BaseSettings):
                              "small, so /attention cannot take the decode loop's cores")
     engine_graph: bool = Field(
         True, description="decode with the artifact's engine.onnx (in-place KV cache) when it "
-                          "has one and runs on CPU; false: always model.onnx")
+                          "has one and runs on CPU; false: always model.onnx (through the "
+                          "same KV pool, copied in and out every step)")
     kv_cache_memory_mb: float | None = Field(
-        None, gt=0, description="engine.onnx KV pool budget in MiB; the pool holds as many "
-                                "full-context slots as fit, at most max_batch_size (default: "
-                                "max_batch_size slots)")
+        None, gt=0, description="KV cache budget in MiB: the tokens the pool may hold at "
+                                "once; admission counts each request's prompt + "
+                                "max_new_tokens against it (default: max_batch_tokens, at "
+                                "most max_batch_size x max_total_tokens)")
     prefix_caching: bool = Field(
-        True, description="reuse cached keys/values of shared prompt prefixes (engine.onnx)")
+        True, description="reuse cached keys/values of shared prompt prefixes")
     prefix_cache_memory_mb: float = Field(
         256.0, gt=0, description="memory for the prefix cache's block store, in MiB")
     prefix_block_size: int = Field(16, ge=1, description="tokens per prefix-cache block")
     prefill_chunk_tokens: int = Field(
         256, ge=0, description="prompts longer than this are prefilled in chunks of at most "
-                               "this size between decode steps (engine.onnx); 0: one pass")
+                               "this size between decode steps; 0: one pass")
     adaptive_prefill_chunks: bool = Field(
         True, description="size each chunk to cost about one decode step of the running "
                           "rows (at least 16 tokens), and prefill in one pass when no row "

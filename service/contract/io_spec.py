@@ -123,6 +123,12 @@ def model_io_shapes(n_layers: int, grouped: bool = False) -> dict[str, dict[str,
     return {"inputs": inputs, "outputs": outputs}
 
 
+def kv_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int,
+                       bytes_per_value: int = 4) -> int:
+    """Bytes one token adds to the KV cache: keys and values, every layer, kv heads only."""
+    return 2 * n_layers * kv_heads * head_dim * bytes_per_value
+
+
 @dataclass(frozen=True)
 class GenerationDefaults:
     max_new_tokens: int = 64
@@ -163,6 +169,9 @@ class ArtifactConfig:
     def kv_heads(self) -> int:
         """Heads of the KV cache: n_kv_heads under grouped-query attention, else n_heads."""
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
+        return kv_bytes_per_token(self.n_layers, self.kv_heads, self.head_dim, bytes_per_value)
 
     def kv_head_of(self, head: int) -> int:
         """The key/value head query head ``head`` shares (transformers' repeat_kv order)."""

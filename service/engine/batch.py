@@ -1,13 +1,12 @@
 """A batch of sequences decoding together: the unit the scheduler steps (TGI's CausalLMBatch).
 
-Rows are left-padded, so every row's newest token sits in the last column and one decode
-step feeds a (B, 1) column of tokens. ``attention_mask`` marks real tokens, and
-``position_ids`` count each row's own tokens, so padding changes nothing a row computes.
-The KV cache stays in whatever form the runner returns from step to step (OrtValues for
-model.onnx, pool slots for engine.onnx); the runner decides what a change of composition
-costs: ``filter`` drops finished rows and trims columns of padding no row needs any more,
-and ``concatenate`` merges a freshly prefilled batch into the running one. A one-row
-batch can also be prefilled in chunks (``prefill_chunk``) before its first ``step``.
+A row is a slot of the runner's KV pool and nothing more: the pool holds its keys,
+values and cached length, so the batch keeps no cache and no padding, and each runner
+lays out its own inputs. The first ``step`` prefills every row's prompt and samples its
+first token; each later one feeds every row's newest token. ``filter`` drops finished
+rows and ``concatenate`` merges a freshly prefilled batch into the running one (the
+runner arranges the slots). A one-row batch can also be prefilled in chunks
+(``prefill_chunk``) before its first ``step``.
 """
 
 from __future__ import annotations
@@ -15,10 +14,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import numpy as np
 
+from service.engine.kv_pool import Slot
 from service.engine.request import (
     FinishInfo,
     FinishReason,
@@ -26,36 +25,9 @@ from service.engine.request import (
     TokenEvent,
     TokenInfo,
 )
+from service.engine.runner import ModelRunner
 from service.engine.sampling import RowSampler, choose_tokens, log_softmax, top_logprobs
-from service.engine.stats import KVStats
 from service.engine.text import IncrementalDecoder, TextCodec
-
-
-class ModelRunner(Protocol):
-    """What a batch needs from a model: one forward pass by the ONNX I/O contract."""
-
-    vocab_size: int
-
-    def forward(
-        self,
-        input_ids: np.ndarray,  # (B, T) int64
-        attention_mask: np.ndarray,  # (B, T_past + T) int64
-        position_ids: np.ndarray,  # (B, T) int64
-        past: Any,  # the runner's cache from the last call, or None for new rows
-        all_logits: bool,
-    ) -> tuple[np.ndarray, Any]:
-        """Logits (B, T, V) if all_logits else (B, 1, V) for the last position, and the cache."""
-        ...
-
-    def kv_filter(self, kv: Any, rows: Sequence[int], trim: int) -> Any:
-        """The cache of rows ``rows`` only (None if none), minus ``trim`` padding columns."""
-        ...
-
-    def kv_concat(self, kvs: Sequence[Any], widths: Sequence[int], width: int) -> Any:
-        """One cache of all rows; batch j's mask is ``widths[j]`` wide, the result ``width``."""
-        ...
-
-    def kv_stats(self, kv: Any) -> KVStats: ...
 
 
 @dataclass
@@ -80,73 +52,64 @@ class SequenceState:
 
 
 class Batch:
-    def __init__(
-        self,
-        sequences: list[SequenceState],
-        codec: TextCodec,
-        input_ids: np.ndarray,  # (B, T) prompts before prefill; (B, 1) next tokens after
-        attention_mask: np.ndarray,  # (B, T) before prefill; (B, L) of the cache after
-        position_ids: np.ndarray,  # (B, T) before prefill; (B, 1) after
-        kv: list[Any] | None = None,
-    ) -> None:
+    def __init__(self, sequences: list[SequenceState], codec: TextCodec,
+                 slots: list[Slot] | None = None,
+                 next_tokens: np.ndarray | None = None) -> None:
         self.sequences = sequences
         self.codec = codec
-        self.input_ids = input_ids
-        self.attention_mask = attention_mask
-        self.position_ids = position_ids
-        self.kv = kv
-        self.prompt_done = 0  # prompt columns already fed by prefill_chunk
-        self._prefilled = kv is not None
+        self.slots: list[Slot] = slots or []  # row i's place in the runner's KV pool
+        # (B,) each row's newest token, fed at the next step; None before prefill
+        self.next_tokens = next_tokens
+        self.prompt_done = 0  # prompt tokens already fed by prefill_chunk (one row)
 
     @classmethod
-    def from_requests(
-        cls, requests: Sequence[GenerationRequest], codec: TextCodec, vocab_size: int,
-        pad_token_id: int,
-    ) -> Batch:
-        """A batch ready for prefill: prompts left-padded to the longest one."""
-        width = max(len(r.prompt_ids) for r in requests)
-        input_ids = np.full((len(requests), width), pad_token_id, dtype=np.int64)  # (B, T)
-        mask = np.zeros((len(requests), width), dtype=np.int64)  # (B, T)
-        for i, r in enumerate(requests):
-            input_ids[i, width - len(r.prompt_ids):] = r.prompt_ids
-            mask[i, width - len(r.prompt_ids):] = 1
-        position_ids = np.clip(mask.cumsum(axis=1) - 1, 0, None)  # (B, T)
+    def from_requests(cls, requests: Sequence[GenerationRequest], codec: TextCodec,
+                      vocab_size: int) -> Batch:
+        """A batch ready for prefill (it takes its slots then, or from ``reserve``)."""
         sequences = [SequenceState(r, RowSampler(r.sampling, vocab_size, r.prompt_ids),
                                    codec.decoder()) for r in requests]
-        return cls(sequences, codec, input_ids, mask, position_ids)
+        return cls(sequences, codec)
 
     def __len__(self) -> int:
         return len(self.sequences)
 
     @property
     def is_prefilled(self) -> bool:
-        return self._prefilled
+        return self.next_tokens is not None
 
     @property
     def prompt_left(self) -> int:
-        """Prompt columns not fed yet (before the first step)."""
-        return 0 if self._prefilled else self.input_ids.shape[1] - self.prompt_done
+        """Prompt tokens not fed yet (before the first step), over all rows."""
+        if self.is_prefilled:
+            return 0
+        return sum(len(s.request.prompt_ids) for s in self.sequences) - self.prompt_done
+
+    def reserve(self, runner: ModelRunner, top: bool = False) -> None:
+        """Take empty slots for the rows now (``top``: away from the running rows)."""
+        if not self.slots:
+            self.slots = runner.reserve(len(self), top)
 
     def prefill_chunk(self, runner: ModelRunner, size: int) -> None:
         """Feed the next ``size`` prompt tokens of a one-row batch, sampling nothing.
 
         The last part of the prompt is left to ``step``, which samples the first token.
         """
-        if len(self) != 1 or self._prefilled or size >= self.prompt_left:
+        if len(self) != 1 or self.is_prefilled or size >= self.prompt_left:
             raise ValueError("prefill_chunk needs a one-row batch with more than one chunk "
                              "of prompt left")
-        self.sequences[0].prefill_start = self.sequences[0].prefill_start or time.perf_counter()
+        seq = self.sequences[0]
+        seq.prefill_start = seq.prefill_start or time.perf_counter()
+        self.reserve(runner)
         end = self.prompt_done + size
-        _, self.kv = runner.forward(self.input_ids[:, self.prompt_done:end],
-                                    self.attention_mask[:, :end],
-                                    self.position_ids[:, self.prompt_done:end], self.kv, False)
+        runner.extend(self.slots[0], np.asarray(seq.request.prompt_ids[self.prompt_done:end],
+                                                np.int64))
         self.prompt_done = end
 
     def release(self, runner: ModelRunner) -> None:
-        """Give the batch's cache back to the runner (its pool slots, if it has any)."""
-        if self.kv is not None:
-            runner.kv_filter(self.kv, [], 0)
-            self.kv = None
+        """Give the rows' slots back to the runner."""
+        if self.slots:
+            runner.leave(self.slots, [])
+            self.slots = []
 
     @property
     def reserved_tokens(self) -> int:
@@ -159,39 +122,31 @@ class Batch:
     def step(self, runner: ModelRunner) -> list[TokenEvent]:
         """Run prefill (first call) or one decode step; one new token for every row."""
         start = time.perf_counter()
-        if not self._prefilled:
-            done = self.prompt_done
+        if self.next_tokens is None:
             for seq in self.sequences:
                 seq.prefill_start = seq.prefill_start or start
-            want_prompt = any(s.request.prompt_logprobs for s in self.sequences) and not done
-            logits, self.kv = runner.forward(self.input_ids[:, done:], self.attention_mask,
-                                             self.position_ids[:, done:], self.kv, want_prompt)
-            self._prefilled = True
+            want_prompt = any(s.request.prompt_logprobs for s in self.sequences)
+            self.reserve(runner)
+            prompts = [np.asarray(s.request.prompt_ids, np.int64) for s in self.sequences]
+            logits = runner.prefill(self.slots, prompts, want_prompt)  # (T_i or 1, V) each
             if want_prompt:
                 self._record_prompt_logprobs(logits)
-            self.position_ids = self.attention_mask.sum(axis=1, keepdims=True)  # (B, 1)
+            last = np.stack([rows[-1] for rows in logits])  # (B, V)
         else:
-            ones = np.ones((len(self), 1), dtype=np.int64)
-            mask = np.concatenate([self.attention_mask, ones], axis=1)  # (B, L + 1)
-            logits, self.kv = runner.forward(self.input_ids, mask, self.position_ids,
-                                             self.kv, False)
-            self.attention_mask = mask
-            self.position_ids = self.position_ids + 1  # (B, 1)
-        last = np.ascontiguousarray(logits[:, -1, :])  # (B, V)
+            last = runner.decode(self.slots, self.next_tokens)  # (B, V)
+        last = np.ascontiguousarray(last, np.float32)
         tokens, logprobs = choose_tokens(last, [s.sampler for s in self.sequences])
-        self.input_ids = tokens[:, None]  # (B, 1) fed at the next step
+        self.next_tokens = np.asarray(tokens, np.int64)  # (B,) fed at the next step
         now = time.perf_counter()
         return [self._advance(i, seq, int(tokens[i]), float(logprobs[i]), last, now)
                 for i, seq in enumerate(self.sequences)]
 
-    def _record_prompt_logprobs(self, logits: np.ndarray) -> None:
-        width = self.input_ids.shape[1]
-        for i, seq in enumerate(self.sequences):
+    def _record_prompt_logprobs(self, logits: list[np.ndarray]) -> None:
+        for seq, rows in zip(self.sequences, logits, strict=True):
             if not seq.request.prompt_logprobs:
                 continue
             ids = seq.request.prompt_ids
-            pad = width - len(ids)
-            lp = log_softmax(logits[i, pad:width - 1])  # (n - 1, V): predicts tokens 1..n-1
+            lp = log_softmax(rows[:-1])  # (n - 1, V): predicts tokens 1..n-1
             infos = [TokenInfo(ids[0], self.codec.token_text(ids[0]), None)]
             infos += [TokenInfo(t, self.codec.token_text(t), float(lp[j, t]))
                       for j, t in enumerate(ids[1:])]
@@ -252,38 +207,23 @@ class Batch:
         return None, None
 
     def filter(self, keep: Sequence[int], runner: ModelRunner) -> None:
-        """Keep only the rows ``keep``; drop the padding columns no kept row still needs."""
+        """Keep only the rows ``keep``; the others' slots go back to the runner."""
         if len(keep) == len(self):
             return
-        if self.kv is None or not keep:
+        if self.next_tokens is None or not keep:
             raise ValueError("filter needs a prefilled batch and at least one row to keep")
-        rows = np.asarray(keep, dtype=np.int64)
-        mask = self.attention_mask[rows]  # (B', L)
-        trim = int((mask.shape[1] - mask.sum(axis=1)).min())  # padding columns all rows share
-        self.kv = runner.kv_filter(self.kv, keep, trim)
-        self.attention_mask = np.ascontiguousarray(mask[:, trim:])  # (B', L - trim)
-        self.input_ids = self.input_ids[rows]
-        self.position_ids = self.position_ids[rows]
+        self.slots = runner.leave(self.slots, keep)
+        self.next_tokens = self.next_tokens[np.asarray(keep, dtype=np.int64)]
         self.sequences = [self.sequences[i] for i in keep]
 
     @classmethod
     def concatenate(cls, batches: Sequence[Batch], runner: ModelRunner) -> Batch:
-        """One batch of all rows, each left-padded to the longest cache (one copy)."""
+        """One batch of all rows (prefilled batches only); the runner arranges the slots."""
         if len(batches) == 1:
             return batches[0]
-        width = max(b.attention_mask.shape[1] for b in batches)
-        total = sum(len(b) for b in batches)
-        mask = np.zeros((total, width), dtype=np.int64)  # (B, L)
-        start = 0
-        for b in batches:
-            end, w = start + len(b), b.attention_mask.shape[1]
-            mask[start:end, width - w:] = b.attention_mask
-            start = end
-        kv = runner.kv_concat([b.kv for b in batches],
-                              [b.attention_mask.shape[1] for b in batches], width)
-        return cls(
-            sequences=[s for b in batches for s in b.sequences], codec=batches[0].codec,
-            input_ids=np.concatenate([b.input_ids for b in batches]),
-            attention_mask=mask,
-            position_ids=np.concatenate([b.position_ids for b in batches]),
-            kv=kv)
+        tokens = [b.next_tokens for b in batches]
+        if any(t is None for t in tokens):
+            raise ValueError("only prefilled batches can be concatenated")
+        return cls(sequences=[s for b in batches for s in b.sequences], codec=batches[0].codec,
+                   slots=runner.join([b.slots for b in batches]),
+                   next_tokens=np.concatenate([t for t in tokens if t is not None]))

@@ -4,15 +4,16 @@ Routes call ``submit`` on the event loop and read events from a per-request asyn
 queue. The loop thread admits waiting requests at every step (their prefill runs, then
 they decode with the rest), retires finished and cancelled rows at once, and hands each
 step's events back to the event loop with one ``call_soon_threadsafe``. A prompt longer
-than ``prefill_chunk_tokens`` (engine.onnx only) is prefilled one chunk per loop
-iteration, between decode steps of the running rows, so they keep their pace.
+than ``prefill_chunk_tokens`` is prefilled one chunk per loop iteration, between decode
+steps of the running rows, so they keep their pace.
 
 Faults stay local: a failed prefill is retried request by request, and only the requests
 that fail alone get an error (424 over HTTP); a failed decode step fails the rows of that
 step, frees their cache, and the loop goes on with the next requests. Admission is
 bounded: when ``max_queued_requests`` are already waiting, ``submit`` raises QueueFull.
-A batch never holds more than ``max_batch_size`` rows, nor more than ``max_batch_tokens``
-reserved (prompt plus max_new_tokens per row), so a running request is never evicted.
+A batch never holds more than ``max_batch_size`` rows (at most the runner's pool slots),
+nor more than ``max_batch_tokens`` reserved (prompt plus max_new_tokens per row; at most
+the KV pool's token budget), so a running request is never evicted.
 """
 
 from __future__ import annotations
@@ -25,14 +26,18 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
-from service.engine.batch import Batch, ModelRunner, SequenceState
+from service.engine.batch import Batch, SequenceState
 from service.engine.chunking import ChunkBudget
 from service.engine.request import ErrorEvent, Event, GenerationRequest
+from service.engine.runner import ModelRunner
 from service.engine.stats import LoadStats, NullStats, RequestStats, StatsSink, StepStats
 from service.engine.text import TextCodec
 
 log = logging.getLogger("attnserve.engine")
+
+Outcome = Literal["finished", "cancelled", "error"]
 
 
 class QueueFull(Exception):
@@ -107,14 +112,13 @@ class RequestHandle:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, codec: TextCodec, limits: SchedulerLimits,
-                 pad_token_id: int, stats: StatsSink | None = None) -> None:
+                 stats: StatsSink | None = None) -> None:
         self.runner = runner
         self.codec = codec
-        pool = getattr(runner, "pool", None)  # engine.onnx: a batch never outgrows its pool
-        if pool is not None and pool.slots < limits.max_batch_size:
-            limits = replace(limits, max_batch_size=pool.slots)
+        # A batch never outgrows the runner's pool, nor its KV budget in tokens.
+        limits = replace(limits, max_batch_size=min(limits.max_batch_size, runner.capacity),
+                         max_batch_tokens=min(limits.max_batch_tokens, runner.budget_tokens))
         self.limits = limits
-        self.pad_token_id = pad_token_id
         self.stats: StatsSink = stats or NullStats()
         self._cv = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
@@ -167,8 +171,7 @@ class Scheduler:
 
     def warmup(self, request: GenerationRequest) -> None:
         """Run one request to completion on the calling thread (before ``start``)."""
-        batch = Batch.from_requests([request], self.codec, self.runner.vocab_size,
-                                    self.pad_token_id)
+        batch = Batch.from_requests([request], self.codec, self.runner.vocab_size)
         try:
             while True:
                 events = batch.step(self.runner)
@@ -226,8 +229,7 @@ class Scheduler:
 
     def _chunked(self, request: GenerationRequest) -> bool:
         size = self.limits.prefill_chunk_tokens
-        return (size > 0 and len(request.prompt_ids) > size and not request.prompt_logprobs
-                and getattr(self.runner, "supports_chunked_prefill", False))
+        return size > 0 and len(request.prompt_ids) > size and not request.prompt_logprobs
 
     def _admit(self, batch: Batch | None) -> list[RequestHandle]:
         rows = (len(batch) if batch is not None else 0) + (self._partial is not None)
@@ -295,11 +297,11 @@ class Scheduler:
     def _start_partial(self, handle: RequestHandle) -> None:
         batch = self._new_batch([handle.request])
         try:
-            batch.kv = self.runner.reserve(1, top=True)  # type: ignore[attr-defined]
+            batch.reserve(self.runner, top=True)
             batch.sequences[0].prefill_start = time.perf_counter()
             # A cached prefix goes in first: chunks start after it.
-            batch.prompt_done = self.runner.reuse_prefix(  # type: ignore[attr-defined]
-                batch.kv, handle.request.prompt_ids)
+            batch.prompt_done = self.runner.reuse_prefix(batch.slots[0],
+                                                         handle.request.prompt_ids)
         except Exception as exc:
             batch.release(self.runner)
             self._fail_step(batch, exc)
@@ -351,14 +353,12 @@ class Scheduler:
             return None
 
     def _new_batch(self, requests: list[GenerationRequest]) -> Batch:
-        return Batch.from_requests(requests, self.codec, self.runner.vocab_size,
-                                   self.pad_token_id)
+        return Batch.from_requests(requests, self.codec, self.runner.vocab_size)
 
     def _step(self, batch: Batch, phase: str) -> Batch | None:
         start = time.perf_counter()
         # prompt tokens this pass feeds (after any chunks), or one token per row
-        tokens = len(batch) if batch.is_prefilled else int(
-            batch.attention_mask[:, batch.prompt_done:].sum())
+        tokens = len(batch) if batch.is_prefilled else batch.prompt_left
         events = batch.step(self.runner)
         duration = time.perf_counter() - start
         if phase == "decode":
@@ -401,12 +401,13 @@ class Scheduler:
         for h in doomed:
             self._leave(h, "error", seqs.get(h.request.id))
 
-    def _leave(self, handle: RequestHandle, outcome: str, seq: SequenceState | None) -> None:
+    def _leave(self, handle: RequestHandle, outcome: Outcome, seq: SequenceState | None
+               ) -> None:
         self._handles.pop(handle.request.id, None)
         req = handle.request
         started = seq is not None and seq.prefill_start > 0
         self.stats.record_request(RequestStats(
-            outcome=outcome,  # type: ignore[arg-type]
+            outcome=outcome,
             prompt_tokens=len(req.prompt_ids),
             generated_tokens=seq.generated if seq else 0,
             queue_time=(seq.prefill_start - req.arrival) if seq and started else None,
@@ -416,11 +417,9 @@ class Scheduler:
 
     def _report_load(self, batch: Batch | None) -> None:
         self.running = len(batch) if batch is not None else 0
-        prefix = getattr(self.runner, "prefix_stats", None)
         self.stats.record_load(LoadStats(
-            running=self.running, waiting=len(self._waiting),
-            kv=self.runner.kv_stats(batch.kv if batch is not None else None),
-            prefix_cache=prefix() if prefix is not None else None,
+            running=self.running, waiting=len(self._waiting), kv=self.runner.kv_stats(),
+            prefix_cache=self.runner.prefix_stats(),
             prefilling=int(self._partial is not None)))
 
     def _send(self, pairs: list[tuple[RequestHandle, Event]]) -> None:

@@ -26,8 +26,9 @@ from tokenizers import Tokenizer
 from service.contract import io_spec as io
 from service.contract.engine_spec import ENGINE_FILE
 from service.contract.reference import OrtDecoder, greedy_until
-from service.engine.batch import Batch, ModelRunner
+from service.engine.batch import Batch
 from service.engine.request import GenerationRequest
+from service.engine.runner import ModelRunner
 from service.engine.text import TextCodec
 
 HERE = Path(__file__).resolve().parent
@@ -187,14 +188,15 @@ def run_with_joins(model: ModelRunner, codec: TextCodec, waves: list[list[Genera
     """Decode, adding one wave of requests every `join_every` steps; tokens by request id.
 
     Finished rows leave at once, so the batch is filtered and concatenated as it would be
-    in the engine; any ModelRunner (model.onnx or engine.onnx) can be driven.
+    in the engine; any ModelRunner (model.onnx or engine.onnx, both over a KV pool) can be
+    driven.
     """
     tokens: dict[int, list[int]] = {}
     batch: Batch | None = None
     step = 0
     while waves or batch is not None:
         if waves and step % join_every == 0:
-            fresh = Batch.from_requests(waves.pop(0), codec, model.vocab_size, pad_token_id=0)
+            fresh = Batch.from_requests(waves.pop(0), codec, model.vocab_size)
             for seq, event in zip(fresh.sequences, fresh.step(model), strict=True):
                 tokens.setdefault(seq.request.id, []).append(event.token.id)
             batch = fresh if batch is None else Batch.concatenate([batch, fresh], model)

@@ -1,16 +1,16 @@
 """A ModelRunner wrapper the tests drive: forward passes wait at a gate and fail on command.
 
 Tests act while a request is provably mid-decode, or make exactly one forward pass fail,
-without sleeping: the engine thread blocks inside ``forward`` until the test lets the
-pass through. The gate reads one-character commands, in order:
+without sleeping: the engine thread blocks inside a forward pass (prefill, decode or
+extend) until the test lets it through. The gate reads one-character commands, in order:
 
     "."  let one forward pass run          "!"  make the next forward pass raise
     "+"  open: run freely                  "-"  closed: every pass waits for "." or "!"
 
 In process the commands go through a queue (``QueueGate``); for a server subprocess they
 go through a FIFO the test writes (``FifoGate``; end of file opens the gate for good).
-``poison`` makes every multi-token pass (a prefill) that contains that token id raise,
-so one request's prefill fails whatever else is prefilled with it.
+``poison`` makes every prompt pass (a prefill or a prompt chunk) that contains that token
+id raise, so one request's prefill fails whatever else is prefilled with it.
 """
 
 from __future__ import annotations
@@ -19,9 +19,13 @@ import os
 import queue
 import select
 from collections import deque
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
+
+from service.engine.kv_pool import Slot
+from service.engine.runner import ModelRunner
+from service.engine.stats import KVStats, PrefixCacheStats
 
 
 class InjectedFault(RuntimeError):
@@ -92,21 +96,69 @@ class FifoGate(Gate):
 
 
 class ControlledRunner:
-    """The real runner behind a gate and a poison token; everything else passes through."""
+    """The real runner behind a gate and a poison token; everything else passes through.
 
-    def __init__(self, runner: Any, gate: Gate | None = None, poison: int | None = None) -> None:
+    Every forward pass (``prefill``, ``decode``, ``extend``) waits at the gate.
+    """
+
+    def __init__(self, runner: ModelRunner, gate: Gate | None = None,
+                 poison: int | None = None) -> None:
         self.runner = runner
         self.gate = gate
         self.poison = poison
         self.forwards = 0
+        self.vocab_size = runner.vocab_size
+        self.graph_file = runner.graph_file
+        self.provider = runner.provider
+        self.device = runner.device
+        self.pool = runner.pool
 
-    def forward(self, input_ids: np.ndarray, *args: Any) -> Any:
+    def _pass(self, prompts: Sequence[np.ndarray] = ()) -> None:
         if self.gate is not None and not self.gate.next():
             raise InjectedFault("injected fault in a forward pass")
-        if self.poison is not None and input_ids.shape[1] > 1 and (input_ids == self.poison).any():
+        if self.poison is not None and any((np.asarray(p) == self.poison).any()
+                                           for p in prompts):
             raise InjectedFault(f"injected fault: prompt holds poison token {self.poison}")
         self.forwards += 1
-        return self.runner.forward(input_ids, *args)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.runner, name)
+    def prefill(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
+                all_logits: bool = False) -> list[np.ndarray]:
+        self._pass(prompts)
+        return self.runner.prefill(slots, prompts, all_logits)
+
+    def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+        self._pass()
+        return self.runner.decode(slots, tokens)
+
+    def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
+        self._pass([tokens] if len(tokens) > 1 else [])
+        return self.runner.extend(slot, tokens)
+
+    @property
+    def capacity(self) -> int:
+        return self.runner.capacity
+
+    @property
+    def budget_tokens(self) -> int:
+        return self.runner.budget_tokens
+
+    def reserve(self, rows: int, top: bool = False) -> list[Slot]:
+        return self.runner.reserve(rows, top)
+
+    def truncate(self, slot: Slot, length: int) -> None:
+        self.runner.truncate(slot, length)
+
+    def reuse_prefix(self, slot: Slot, prompt: Sequence[int]) -> int:
+        return self.runner.reuse_prefix(slot, prompt)
+
+    def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
+        return self.runner.leave(slots, keep)
+
+    def join(self, groups: Sequence[Sequence[Slot]]) -> list[Slot]:
+        return self.runner.join(groups)
+
+    def kv_stats(self) -> KVStats:
+        return self.runner.kv_stats()
+
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        return self.runner.prefix_stats()

@@ -30,29 +30,29 @@ def main() -> int:
     if gate_path or poison:
         from fault_runner import ControlledRunner, FifoGate  # beside this script
 
-        import service.runtime as runtime
+        import service.engine.engine as engine
 
-        create = runtime.create_model
+        create = engine.create_runner
 
         def controlled(*args: Any, **kwargs: Any) -> Any:
             return ControlledRunner(create(*args, **kwargs),
                                     FifoGate(gate_path) if gate_path else None,
                                     int(poison) if poison else None)
 
-        runtime.create_model = controlled  # type: ignore[assignment]
+        engine.create_runner = controlled
     attention_gate = os.environ.get("ATTNSERVE_TEST_ATTENTION_GATE")
     if attention_gate:
         from service.viz.attention_model import AttentionModel
 
         run = AttentionModel.run
 
-        def gated_run(self: Any, token_ids: Any, kinds: Any) -> Any:
+        def gated_run(self: Any, token_ids: Any, kinds: Any, layers: Any = None) -> Any:
             if len(token_ids) > 1:
                 with open(os.path.join(attention_gate, "entered"), "w") as entered:
                     entered.write("1")  # blocks until the test reads
                 with open(os.path.join(attention_gate, "release")) as release:
                     release.read(1)  # blocks until the test writes
-            return run(self, token_ids, kinds)
+            return run(self, token_ids, kinds, layers)
 
         AttentionModel.run = gated_run  # type: ignore[method-assign]
     from service.cli import main as cli_main

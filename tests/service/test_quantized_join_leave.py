@@ -3,7 +3,7 @@ greedy equals the plain loop.
 
 Each variant is compared with the plain ONNX Runtime loop (conftest.greedy_loop) over the
 same artifact's model.onnx, so the reference shares the variant's weights and cache dtype
-but none of the service's batching, padding or cache copying.
+but none of the service's batching, padding or KV pool.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from service.contract import io_spec as io
+from service.engine.engine import EngineConfig, create_runner
+from service.engine.portable import ModelGraphRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
-from service.engine.session import OnnxModel, create_model
 from service.engine.text import TextCodec
 from tests.service.conftest import greedy_loop, run_with_joins
 
@@ -46,7 +47,7 @@ def requests_for(encode: Callable[[str], list[int]]) -> list[GenerationRequest]:
 def test_variant_served_alone_equals_the_plain_loop(
         variant: Path, encode: Callable[[str], list[int]]) -> None:
     config = io.ArtifactConfig.load(variant)
-    model = create_model(variant, config, "cpu", 1)
+    model = create_runner(variant, config, EngineConfig(intra_op_threads=1))
     codec = TextCodec.from_file(variant / io.TOKENIZER_FILE)
     reference = greedy_loop(variant)
     for r in requests_for(encode):
@@ -60,8 +61,8 @@ def test_variant_greedy_with_joins_and_leaves_equals_the_plain_loop(
         pytest.skip("int8-dynamic rows depend on their neighbours (known defect, shown "
                     "deterministically by the logits test below)")
     config = io.ArtifactConfig.load(variant)
-    model = create_model(variant, config, "cpu", 1)
-    assert isinstance(model, OnnxModel)  # no engine.onnx for these: model.onnx decodes
+    model = create_runner(variant, config, EngineConfig(intra_op_threads=1))
+    assert isinstance(model, ModelGraphRunner)  # no engine.onnx: model.onnx through the pool
     codec = TextCodec.from_file(variant / io.TOKENIZER_FILE)
     requests = requests_for(encode)
     got = run_with_joins(model, codec, [requests[:2], requests[2:3], requests[3:]],

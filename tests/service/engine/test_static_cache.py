@@ -1,5 +1,5 @@
-"""StaticCacheModel (engine.onnx over a persistent KV pool) drives the same Batch to the same
-tokens, with joins, leaves, prefix caching and chunked prefill.
+"""Both runners over the KV pool (engine.onnx bound in place, model.onnx gathered) drive
+the same Batch to the same tokens, with joins, leaves, prefix caching and chunked prefill.
 
 The reference is the plain model.onnx loop of conftest (batch 1, session.run, argmax); the
 engine graph is built here from the tiny checkpoint (the test process may use torch; the
@@ -17,10 +17,16 @@ import pytest
 
 from service.contract import io_spec as io
 from service.contract.engine_spec import ENGINE_FILE
+from service.contract.reference import OrtDecoder
 from service.engine.batch import Batch
+from service.engine.engine import EngineConfig, create_runner
+from service.engine.pooled import PooledRunner
+from service.engine.portable import ModelGraphRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
-from service.engine.session import OnnxModel, create_model, create_session
-from service.engine.static_cache import PoolConfig, PoolKV, StaticCacheModel
+from service.engine.runner import PoolConfig
+from service.engine.sampling import log_softmax
+from service.engine.session import create_session
+from service.engine.static_cache import EngineGraphRunner
 from service.engine.text import TextCodec
 from tests.service.conftest import run_with_joins
 
@@ -39,15 +45,36 @@ def config(engine_artifact: Path) -> io.ArtifactConfig:
 
 
 @pytest.fixture
-def engine(session: ort.InferenceSession, config: io.ArtifactConfig) -> StaticCacheModel:
+def engine(session: ort.InferenceSession, config: io.ArtifactConfig) -> EngineGraphRunner:
     """A fresh pool (8 slots, no prefix cache) over the shared session."""
-    return StaticCacheModel(session, config, PoolConfig(slots=8))
+    return EngineGraphRunner(session, config, PoolConfig(slots=8))
 
 
 @pytest.fixture(scope="module")
-def plain(artifact: Path) -> OnnxModel:
-    return OnnxModel(create_session(artifact / io.MODEL_FILE, "cpu", 1),
-                     io.ArtifactConfig.load(artifact))
+def model_session(artifact: Path) -> ort.InferenceSession:
+    return create_session(artifact / io.MODEL_FILE, "cpu", 1)
+
+
+@pytest.fixture(params=["engine.onnx", "model.onnx"])
+def runner(request: pytest.FixtureRequest, session: ort.InferenceSession,
+           model_session: ort.InferenceSession, config: io.ArtifactConfig) -> PooledRunner:
+    """Either runner over a fresh pool of 8 slots."""
+    if request.param == "engine.onnx":
+        return EngineGraphRunner(session, config, PoolConfig(slots=8))
+    return ModelGraphRunner(model_session, config, PoolConfig(slots=8))
+
+
+@pytest.fixture(scope="module")
+def plain(artifact: Path) -> OrtDecoder:
+    """The plain loop's decoder: model.onnx by the contract's names, no engine code."""
+    return OrtDecoder.from_artifact(artifact)
+
+
+def full_forward(dec: OrtDecoder, ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Logits (T, V) and presents, each (nkv, T, hs), of one sequence from scratch."""
+    logits, present = dec(np.asarray([ids], np.int64), np.ones((1, len(ids)), np.int64),
+                          np.arange(len(ids), dtype=np.int64)[None, :], dec.empty_past(1))
+    return logits[0], [p[0] for p in present]
 
 
 @pytest.fixture(scope="module")
@@ -61,92 +88,106 @@ def request(ids: list[int], max_new: int, prompt_logprobs: bool = False) -> Gene
 
 
 def test_batched_greedy_equals_the_reference_loop_with_joins_and_leaves(
-        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        runner: PooledRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     lengths = [12, 70, 7, 21, 66]
     requests = [request(encode(p), n) for p, n in zip(PROMPTS, lengths, strict=True)]
     waves = [requests[:2], requests[2:3], requests[3:]]
-    got = run_with_joins(engine, codec, waves, join_every=4)
+    got = run_with_joins(runner, codec, waves, join_every=4)
+    assert runner.pool.used == 0 and runner.pool.tokens_held == 0
     for r in requests:
         assert got[r.id] == reference_greedy(r.prompt_ids, r.stopping.max_new_tokens), r.id
 
 
-def test_logits_equal_model_onnx_for_left_padded_prompts_and_decode(
-        engine: StaticCacheModel, plain: OnnxModel, encode: Callable[[str], list[int]]) -> None:
+def test_logits_equal_the_plain_loop_for_ragged_prompts_and_decode(
+        runner: PooledRunner, plain: OrtDecoder, encode: Callable[[str], list[int]]) -> None:
     prompts = [encode(PROMPTS[1]), encode(PROMPTS[2]), encode(PROMPTS[4])]
-    width = max(len(p) for p in prompts)
-    ids = np.zeros((3, width), np.int64)
-    mask = np.zeros((3, width), np.int64)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    pos = np.clip(mask.cumsum(1) - 1, 0, None)
-    got, kv_e = engine.forward(ids, mask, pos, None, True)
-    want, kv_p = plain.forward(ids, mask, pos, None, True)
-    for i, p in enumerate(prompts):  # padding positions carry no meaning in either
-        np.testing.assert_allclose(got[i, width - len(p):], want[i, width - len(p):], atol=1e-4)
-    arrays = [a.ctypes.data for a in engine.pool.arrays]
+    slots = runner.reserve(3)
+    got = runner.prefill(slots, [np.asarray(p) for p in prompts], all_logits=True)
+    seqs = [list(p) for p in prompts]
+    for rows, p in zip(got, prompts, strict=True):
+        np.testing.assert_allclose(rows, full_forward(plain, p)[0], atol=1e-4)  # (T, V)
+    arrays = [a.ctypes.data for a in runner.pool.arrays]
     for _ in range(5):
-        nxt = want[:, -1].argmax(-1)[:, None]  # (B, 1)
-        mask = np.concatenate([mask, np.ones((3, 1), np.int64)], axis=1)
-        pos = pos[:, -1:] + 1
-        got, kv_e = engine.forward(nxt, mask, pos, kv_e, False)
-        want, kv_p = plain.forward(nxt, mask, pos, kv_p, False)
-        np.testing.assert_allclose(got, want, atol=1e-4)
-    # Every step wrote into the pool allocated at start: no new cache, no copy.
-    assert [a.ctypes.data for a in engine.pool.arrays] == arrays
-    assert [engine.pool.lengths[s.index] for s in kv_e.slots] == [len(p) + 5 for p in prompts]
-    assert engine.pool.moves == 0
+        nxt = np.asarray([int(full_forward(plain, s)[0][-1].argmax()) for s in seqs])  # (B,)
+        for s, t in zip(seqs, nxt, strict=True):
+            s.append(int(t))
+        logits = runner.decode(slots, nxt)  # (B, V)
+        want = np.stack([full_forward(plain, s)[0][-1] for s in seqs])
+        np.testing.assert_allclose(logits, want, atol=1e-4)
+    # Every step wrote into the pool allocated at start: no new cache.
+    assert [a.ctypes.data for a in runner.pool.arrays] == arrays
+    assert [runner.pool.lengths[s.index] for s in slots] == [len(p) + 5 for p in prompts]
+    assert runner.pool.moves == 0
 
 
-def test_pool_holds_each_row_from_column_zero_as_model_onnx_does(
-        engine: StaticCacheModel, plain: OnnxModel, encode: Callable[[str], list[int]]) -> None:
-    """The pool slot of each row holds the same keys/values model.onnx returns, unpadded."""
+def test_pool_holds_each_rows_keys_and_values_from_column_zero(
+        runner: PooledRunner, plain: OrtDecoder, encode: Callable[[str], list[int]]) -> None:
+    """The pool slot of each row holds the keys/values the plain loop computes, unpadded,
+    after a batched prefill and after a multi-token extend."""
     prompts = [encode(PROMPTS[0]), encode(PROMPTS[3])]
-    width = max(len(p) for p in prompts)
-    ids = np.zeros((2, width), np.int64)
-    mask = np.zeros((2, width), np.int64)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    pos = np.clip(mask.cumsum(1) - 1, 0, None)
-    _, kv_e = engine.forward(ids, mask, pos, None, False)
-    _, kv_p = plain.forward(ids, mask, pos, None, False)
-    ref = plain.kv_to_numpy(kv_p)  # each (B, nh, width, hs), left-padded
-    for mine, theirs in zip(engine.pool.arrays, ref, strict=True):
-        for i, p in enumerate(prompts):
-            slot = kv_e.slots[i].index
-            np.testing.assert_allclose(mine[slot, :, :len(p)], theirs[i, :, width - len(p):],
-                                       atol=1e-5)
-    assert engine.kv_stats(kv_e).tokens == sum(len(p) for p in prompts)
+    slots = runner.reserve(2)
+    runner.prefill(slots, [np.asarray(p) for p in prompts])
+    more = encode(" my lord")
+    runner.extend(slots[0], np.asarray(more))
+    for slot, ids in zip(slots, [prompts[0] + more, prompts[1]], strict=True):
+        _, present = full_forward(plain, ids)
+        for mine, theirs in zip(runner.pool.arrays, present, strict=True):
+            np.testing.assert_allclose(mine[slot.index, :, :len(ids)], theirs, atol=1e-5)
+        assert runner.pool.tokens[slot.index, :len(ids)].tolist() == ids
+    assert runner.kv_stats().tokens == len(prompts[0]) + len(more) + len(prompts[1])
+
+
+def test_extend_gives_logits_of_every_fed_token_and_truncate_rolls_back(
+        runner: PooledRunner, plain: OrtDecoder, encode: Callable[[str], list[int]]) -> None:
+    """What speculative decoding needs: feed several drafted tokens in one pass, read the
+    logits after each, keep a prefix, and decode on as if the rest had never been fed."""
+    prompt = encode(PROMPTS[1])
+    (slot,) = runner.reserve(1)
+    runner.prefill([slot], [np.asarray(prompt)])
+    drafts = encode(" and the rest")  # tokens a draft model might propose
+    logits = runner.extend(slot, np.asarray(drafts))  # (k, V)
+    want, _ = full_forward(plain, prompt + drafts)
+    np.testing.assert_allclose(logits, want[len(prompt):], atol=1e-4)
+    runner.truncate(slot, len(prompt) + 2)  # two drafts accepted, the rest rejected
+    assert runner.pool.lengths[slot.index] == len(prompt) + 2
+    bonus = 7
+    got = runner.decode([slot], np.asarray([bonus]))  # (1, V)
+    kept = prompt + drafts[:2] + [bonus]
+    np.testing.assert_allclose(got[0], full_forward(plain, kept)[0][-1], atol=1e-4)
+    _, present = full_forward(plain, kept)
+    for mine, theirs in zip(runner.pool.arrays, present, strict=True):
+        np.testing.assert_allclose(mine[slot.index, :, :len(kept)], theirs, atol=1e-5)
+    with pytest.raises(ValueError, match="truncate"):
+        runner.truncate(slot, len(kept) + 1)
 
 
 def test_a_leave_moves_at_most_one_row_and_only_its_tokens(
-        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
+        engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
     reqs = [request(encode(p), 40) for p in PROMPTS[:4]]
-    batch = Batch.from_requests(reqs, codec, engine.vocab_size, 0)
+    batch = Batch.from_requests(reqs, codec, engine.vocab_size)
     batch.step(engine)
     pool = engine.pool
-    assert isinstance(batch.kv, PoolKV)
-    assert [s.index for s in batch.kv.slots] == [0, 1, 2, 3] and pool.used == 4
+    assert [s.index for s in batch.slots] == [0, 1, 2, 3] and pool.used == 4
     before = [a[3, :, :pool.lengths[3]].copy() for a in pool.arrays]  # row 3's cache
     untouched = [a[0, :, :pool.lengths[0]].copy() for a in pool.arrays]
     batch.filter([0, 2, 3], engine)  # row 1 leaves: the highest row (3) fills its slot
     assert pool.moves == 1 and pool.used == 3
-    assert [s.index for s in batch.kv.slots] == [0, 2, 1]
+    assert [s.index for s in batch.slots] == [0, 2, 1]
     for a, b, c in zip(pool.arrays, before, untouched, strict=True):
         np.testing.assert_array_equal(a[1, :, :b.shape[1]], b)
         np.testing.assert_array_equal(a[0, :, :c.shape[1]], c)
     batch.filter([0, 1], engine)  # the row in slot 1 leaves; slot 2 is the top: one move
-    assert pool.moves == 2 and [s.index for s in batch.kv.slots] == [0, 1]
+    assert pool.moves == 2 and [s.index for s in batch.slots] == [0, 1]
     batch.filter([0], engine)  # the top row leaves: nothing moves
     assert pool.moves == 2 and pool.used == 1
     batch.release(engine)
     assert pool.used == 0 and pool.tokens_held == 0
     # A leave at the bottom refills the bottom slot: the batch never drifts up the pool.
-    batch = Batch.from_requests(reqs[:3], codec, engine.vocab_size, 0)
+    batch = Batch.from_requests(reqs[:3], codec, engine.vocab_size)
     batch.step(engine)
-    assert isinstance(batch.kv, PoolKV)
     batch.filter([1, 2], engine)
-    assert sorted(s.index for s in batch.kv.slots) == [0, 1] and pool.moves == 3
+    assert sorted(s.index for s in batch.slots) == [0, 1] and pool.moves == 3
     batch.release(engine)
 
 
@@ -154,7 +195,7 @@ def test_prefix_cache_reuses_blocks_and_changes_no_token(
         session: ort.InferenceSession, config: io.ArtifactConfig, codec: TextCodec,
         encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    cached = StaticCacheModel(session, config, PoolConfig(slots=8, prefix_block_size=4,
+    cached = EngineGraphRunner(session, config, PoolConfig(slots=8, prefix_block_size=4,
                                                           prefix_cache_blocks=64))
     system = encode("You are a helpful assistant. Answer in the style of Shakespeare.\n")
     prompts = [system + encode(p) for p in PROMPTS]
@@ -180,7 +221,7 @@ def test_prefix_cache_memory_is_bounded_with_lru_eviction(
         session: ort.InferenceSession, config: io.ArtifactConfig, codec: TextCodec,
         encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    cached = StaticCacheModel(session, config, PoolConfig(slots=8, prefix_block_size=4,
+    cached = EngineGraphRunner(session, config, PoolConfig(slots=8, prefix_block_size=4,
                                                           prefix_cache_blocks=8))
     prefix = cached.prefix
     assert prefix is not None
@@ -200,13 +241,13 @@ def test_prefix_cache_memory_is_bounded_with_lru_eviction(
 
 
 def test_chunked_prefill_equals_the_reference_loop(
-        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     ids = encode(PROMPTS[1] + " " + PROMPTS[3])
-    running = Batch.from_requests([request(encode(PROMPTS[0]), 30)], codec, engine.vocab_size, 0)
+    running = Batch.from_requests([request(encode(PROMPTS[0]), 30)], codec, engine.vocab_size)
     tokens = [running.step(engine)[0].token.id]
-    long = Batch.from_requests([request(ids, 12)], codec, engine.vocab_size, 0)
-    long.kv = engine.reserve(1, top=True)
+    long = Batch.from_requests([request(ids, 12)], codec, engine.vocab_size)
+    long.reserve(engine, top=True)
     chunks = 0
     while long.prompt_left > 5:  # chunks of 5 tokens between decode steps of the other row
         long.prefill_chunk(engine, 5)
@@ -230,15 +271,15 @@ def test_slots_shorter_than_the_context_decode_the_reference_tokens(
     """A pool sized by max_total_tokens (48 here, the model's context is longer) gives the
     plain loop's tokens for requests that fit, and holds 48 tokens per slot."""
     assert config.max_seq_len > 48
-    short = StaticCacheModel(session, config, PoolConfig(slots=4, max_len=48))
-    assert short.kv_stats(None).bytes_allocated == 4 * 48 * 2 * config.n_layers * \
+    short = EngineGraphRunner(session, config, PoolConfig(slots=4, max_len=48))
+    assert short.kv_stats().bytes_allocated == 4 * 48 * 2 * config.n_layers * \
         config.d_model * 4
     requests = [request(encode(p), 48 - len(encode(p))) for p in PROMPTS[:3]]
     got = run_with_joins(short, codec, [requests[:2], requests[2:]], join_every=5)
     for r in requests:
         assert got[r.id] == reference_greedy(r.prompt_ids, r.stopping.max_new_tokens), r.id
     with pytest.raises(ValueError, match="must be 2"):
-        StaticCacheModel(session, config, PoolConfig(slots=1, max_len=config.max_seq_len + 1))
+        EngineGraphRunner(session, config, PoolConfig(slots=1, max_len=config.max_seq_len + 1))
 
 
 def test_a_pool_larger_than_the_memory_available_is_refused_before_allocating(
@@ -250,37 +291,40 @@ def test_a_pool_larger_than_the_memory_available_is_refused_before_allocating(
     slot = config.max_seq_len * 2 * config.n_layers * config.d_model * 4
     slots = available // slot + 1  # one slot more than fits
     with pytest.raises(MemoryError, match="--max-total-tokens or --max-batch-size"):
-        StaticCacheModel(session, config, PoolConfig(slots=int(slots)))
+        EngineGraphRunner(session, config, PoolConfig(slots=int(slots)))
     with pytest.raises(MemoryError, match=r"needs 2\.0 GiB .* 1\.0 GiB"):
         ensure_memory(2 << 30, "test", available=1 << 30)
     ensure_memory(1 << 30, "test", available=2 << 30)  # fits: no error
 
 
-def test_create_model_falls_back_to_model_onnx(engine_artifact: Path, artifact: Path) -> None:
+def test_create_runner_falls_back_to_model_onnx_through_the_pool(
+        engine_artifact: Path, artifact: Path) -> None:
     config = io.ArtifactConfig.load(artifact)
-    assert isinstance(create_model(artifact, config, "cpu", 1), OnnxModel)
-    assert isinstance(create_model(engine_artifact, config, "cpu", 1, engine_graph=False),
-                      OnnxModel)
-    assert isinstance(create_model(engine_artifact, config, "cpu", 1), StaticCacheModel)
-    sized = create_model(engine_artifact, config, "cpu", 1, pool=PoolConfig(slots=3))
-    assert sized.pool.slots == 3
-    assert sized.kv_stats(None).bytes_allocated == 3 * config.max_seq_len * (
+    one = EngineConfig(intra_op_threads=1, max_batch_size=3, prefix_caching=False)
+    assert isinstance(create_runner(artifact, config, one), ModelGraphRunner)
+    assert isinstance(create_runner(engine_artifact, config, EngineConfig(
+        intra_op_threads=1, engine_graph=False, max_batch_size=3)), ModelGraphRunner)
+    sized = create_runner(engine_artifact, config, one)
+    assert isinstance(sized, EngineGraphRunner)
+    assert sized.pool.slots == 3 and sized.prefix_stats() is None
+    assert sized.kv_stats().bytes_allocated == 3 * config.max_seq_len * (
         2 * config.n_layers * config.d_model * 4)
 
 
-def test_prompt_logprobs_through_the_batch_match_model_onnx(
-        engine: StaticCacheModel, plain: OnnxModel, codec: TextCodec,
+def test_prompt_logprobs_through_the_batch_match_the_plain_loop(
+        runner: PooledRunner, plain: OrtDecoder, codec: TextCodec,
         encode: Callable[[str], list[int]]) -> None:
     reqs = [request(encode(PROMPTS[2]), 1), request(encode(PROMPTS[1]), 1, prompt_logprobs=True)]
-    got, want = (Batch.from_requests([request(r.prompt_ids, 1, r.prompt_logprobs) for r in reqs],
-                                     codec, m.vocab_size, 0) for m in (engine, plain))
-    got.step(engine)
-    want.step(plain)
-    a, b = got.sequences[1].prefill, want.sequences[1].prefill
-    assert [t.id for t in a] == [t.id for t in b]
-    np.testing.assert_allclose([t.logprob or 0.0 for t in a], [t.logprob or 0.0 for t in b],
-                               atol=1e-4)
-    assert isinstance(got.kv, PoolKV)
+    batch = Batch.from_requests(reqs, codec, runner.vocab_size)
+    batch.step(runner)
+    got = batch.sequences[1].prefill
+    ids = reqs[1].prompt_ids
+    lp = log_softmax(full_forward(plain, ids)[0])  # (T, V)
+    assert [t.id for t in got] == ids and got[0].logprob is None
+    np.testing.assert_allclose([t.logprob for t in got[1:]],
+                               [lp[j, t] for j, t in enumerate(ids[1:])], atol=1e-4)
+    batch.release(runner)
+    assert runner.pool.used == 0
 
 
 @pytest.mark.parametrize("layout", ["v2", "v1"])

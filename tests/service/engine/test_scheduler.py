@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from service.contract import io_spec as io
+from service.engine.portable import ModelGraphRunner
 from service.engine.request import (
     ErrorEvent,
     GenerationRequest,
@@ -22,9 +23,10 @@ from service.engine.request import (
     StoppingCriteria,
     TokenEvent,
 )
+from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerLimits
-from service.engine.session import OnnxModel, create_session
-from service.engine.static_cache import PoolConfig, StaticCacheModel
+from service.engine.session import create_session
+from service.engine.static_cache import EngineGraphRunner
 from service.engine.stats import LoadStats, RequestStats, StepStats
 from service.engine.text import TextCodec
 from tests.service.fault_runner import ControlledRunner, QueueGate
@@ -51,15 +53,16 @@ class Recorder:
         self.requests.append(stats)
 
 
-def gated(runner: Any, poison: int | None = None) -> tuple[ControlledRunner, QueueGate]:
+def gated(runner: ModelRunner, poison: int | None = None) -> tuple[ControlledRunner, QueueGate]:
     gate = QueueGate()
     return ControlledRunner(runner, gate, poison), gate
 
 
-@pytest.fixture(scope="module")
-def model(artifact: Path) -> OnnxModel:
-    return OnnxModel(create_session(artifact / io.MODEL_FILE, "cpu", 1),
-                     io.ArtifactConfig.load(artifact))
+@pytest.fixture
+def model(artifact: Path) -> ModelGraphRunner:
+    """model.onnx through a fresh KV pool of 8 slots."""
+    return ModelGraphRunner(create_session(artifact / io.MODEL_FILE, "cpu", 1),
+                            io.ArtifactConfig.load(artifact), PoolConfig(slots=8))
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +71,16 @@ def codec(artifact: Path) -> TextCodec:
 
 
 @pytest.fixture
-def engine(engine_artifact: Path) -> StaticCacheModel:
-    return StaticCacheModel(create_session(engine_artifact / "engine.onnx", "cpu", 1),
+def engine(engine_artifact: Path) -> EngineGraphRunner:
+    return EngineGraphRunner(create_session(engine_artifact / "engine.onnx", "cpu", 1),
                             io.ArtifactConfig.load(engine_artifact), PoolConfig(slots=8))
 
 
-def make(runner: Any, codec: TextCodec, batch: int = 8, queued: int = 16,
+def make(runner: ModelRunner, codec: TextCodec, batch: int = 8, queued: int = 16,
          tokens: int = 4096, chunk: int = 0, adaptive: bool = False
          ) -> tuple[Scheduler, Recorder]:
     stats = Recorder()
-    return Scheduler(runner, codec, SchedulerLimits(batch, tokens, queued, chunk, adaptive), 0,
+    return Scheduler(runner, codec, SchedulerLimits(batch, tokens, queued, chunk, adaptive),
                      stats), stats
 
 
@@ -94,7 +97,7 @@ async def tokens_of(handle: RequestHandle) -> list[int]:
 
 
 def test_requests_join_a_running_batch_and_match_the_reference(
-        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     runner, gate = gated(model)
     scheduler, stats = make(runner, codec)
@@ -127,7 +130,7 @@ def test_requests_join_a_running_batch_and_match_the_reference(
 
 
 def test_queue_bound_rejects_and_batch_size_bound_holds(
-        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
     runner, gate = gated(model)
     scheduler, stats = make(runner, codec, batch=1, queued=1)
     ids = encode(PROMPTS[0])
@@ -153,7 +156,7 @@ def test_queue_bound_rejects_and_batch_size_bound_holds(
 
 
 def test_cancel_frees_the_slot_at_once(
-        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     runner, gate = gated(model)
     scheduler, stats = make(runner, codec, batch=1)
@@ -182,7 +185,7 @@ def test_cancel_frees_the_slot_at_once(
 
 
 def test_a_seeded_request_gives_the_same_text_alone_or_in_company(
-        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
     scheduler, _ = make(model, codec)
     seeded = {"do_sample": True, "seed": 1234, "temperature": 1.2, "top_k": 50}
 
@@ -204,7 +207,7 @@ def test_a_seeded_request_gives_the_same_text_alone_or_in_company(
 
 
 def test_stop_fails_waiting_requests_with_a_shutdown_error(
-        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
     runner, gate = gated(model)
     scheduler, _ = make(runner, codec, batch=1)
 
@@ -223,7 +226,7 @@ def test_stop_fails_waiting_requests_with_a_shutdown_error(
 
 
 def test_a_failed_decode_step_fails_its_rows_and_the_engine_recovers(
-        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     runner, gate = gated(engine)
     scheduler, stats = make(runner, codec)
@@ -252,7 +255,7 @@ def test_a_failed_decode_step_fails_its_rows_and_the_engine_recovers(
 
 
 def test_a_failed_prefill_fails_that_request_alone(
-        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     poison = encode("Z")[0]
     runner, gate = gated(engine, poison=poison)
@@ -286,7 +289,7 @@ def test_a_failed_prefill_fails_that_request_alone(
 
 
 def test_chunked_prefill_interleaves_with_decode_steps(
-        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     runner, gate = gated(engine)
     scheduler, stats = make(runner, codec, chunk=8)
@@ -322,7 +325,7 @@ def test_chunked_prefill_interleaves_with_decode_steps(
 
 
 def test_adaptive_chunks_prefill_alone_in_one_pass_and_beside_rows_in_step_sized_chunks(
-        engine: StaticCacheModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     """Idle engine: the long prompt goes in one pass. Beside a running row: chunks of at
     least 16 and at most prefill_chunk_tokens, sized from the measured step costs; the
@@ -362,7 +365,7 @@ def test_adaptive_chunks_prefill_alone_in_one_pass_and_beside_rows_in_step_sized
 
 
 def test_all_events_gathers_what_events_streams_before_or_after_the_finish(
-        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     scheduler, _ = make(model, codec)
     ids = encode(PROMPTS[1])

@@ -1,4 +1,8 @@
-"""The Batch on the tiny model: batched greedy equals the plain loop, whoever joins or leaves."""
+"""The Batch on the tiny model: batched greedy equals the plain loop, whoever joins or leaves.
+
+The runner is model.onnx through the KV pool (portable.py); engine.onnx drives the same
+Batch in test_static_cache.py.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from service.contract import io_spec as io
+from service.contract.reference import OrtDecoder
 from service.engine.batch import Batch
+from service.engine.portable import ModelGraphRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.engine.runner import PoolConfig
 from service.engine.sampling import log_softmax
-from service.engine.session import OnnxModel, create_session
+from service.engine.session import create_session
 from service.engine.text import TextCodec
 from tests.service.conftest import run_with_joins
 
@@ -21,9 +29,14 @@ PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
 
 
 @pytest.fixture(scope="module")
-def model(artifact: Path) -> OnnxModel:
-    config = io.ArtifactConfig.load(artifact)
-    return OnnxModel(create_session(artifact / io.MODEL_FILE, "cpu", 1), config)
+def session(artifact: Path) -> ort.InferenceSession:
+    return create_session(artifact / io.MODEL_FILE, "cpu", 1)
+
+
+@pytest.fixture
+def model(artifact: Path, session: ort.InferenceSession) -> ModelGraphRunner:
+    """A fresh pool of 8 slots over the shared session."""
+    return ModelGraphRunner(session, io.ArtifactConfig.load(artifact), PoolConfig(slots=8))
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +50,13 @@ def request(ids: list[int], max_new: int, eos: int | None = None, stop: tuple[st
                              prompt_logprobs=prompt_logprobs)
 
 
-def new_batch(requests: list[GenerationRequest], codec: TextCodec, model: OnnxModel) -> Batch:
-    return Batch.from_requests(requests, codec, model.vocab_size, pad_token_id=0)
+def new_batch(requests: list[GenerationRequest], codec: TextCodec,
+              model: ModelGraphRunner) -> Batch:
+    return Batch.from_requests(requests, codec, model.vocab_size)
 
 
 def test_batched_greedy_equals_the_reference_loop_with_joins_and_leaves(
-        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     lengths = [12, 30, 7, 21, 16]
     requests = [request(encode(p), n) for p, n in zip(PROMPTS, lengths, strict=True)]
@@ -52,23 +66,26 @@ def test_batched_greedy_equals_the_reference_loop_with_joins_and_leaves(
         assert got[r.id] == reference_greedy(r.prompt_ids, r.stopping.max_new_tokens), r.id
 
 
-def test_filter_drops_padding_columns_no_row_needs(
-        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
+def test_filter_frees_the_leaving_rows_and_keeps_the_others_cache(
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
     long_ids, short_ids = encode(PROMPTS[1]), encode(PROMPTS[2])
     batch = new_batch([request(long_ids, 3), request(short_ids, 10)], codec, model)
-    for _ in range(3):
-        batch.step(model)
-    assert batch.attention_mask.shape[1] == len(long_ids) + 2
+    generated = [[e.token.id for e in batch.step(model)] for _ in range(3)]
+    pool = model.pool
+    assert pool.used == 2 and pool.tokens_held == len(long_ids) + len(short_ids) + 4
+    short = batch.slots[1]
     batch.filter([1], model)
-    # Only the short row is left: its cache is its prompt plus two fed tokens.
-    assert batch.attention_mask.shape == (1, len(short_ids) + 2)
-    assert batch.attention_mask.all()
-    kv = model.kv_to_numpy(batch.kv or [])
-    assert kv[0].shape[2] == len(short_ids) + 2
+    # Only the short row is left: its slot holds its prompt plus the two tokens fed since.
+    assert batch.slots == [short] and pool.used == 1
+    assert pool.lengths[short.index] == len(short_ids) + 2
+    fed = [generated[0][1], generated[1][1]]
+    assert pool.tokens[short.index, :len(short_ids) + 2].tolist() == [*short_ids, *fed]
+    batch.release(model)
+    assert pool.used == 0 and pool.tokens_held == 0
 
 
 def test_stop_sequence_and_eos_end_generation(
-        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]],
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     ids = encode(PROMPTS[0])
     expected = reference_greedy(ids, 20)
@@ -93,14 +110,16 @@ def test_stop_sequence_and_eos_end_generation(
 
 
 def test_prompt_logprobs_match_a_full_forward(
-        model: OnnxModel, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+        artifact: Path) -> None:
     ids = encode(PROMPTS[1])
     short = encode(PROMPTS[2])  # shares the batch, so the long prompt's row is unpadded
     batch = new_batch([request(short, 1), request(ids, 1, prompt_logprobs=True)], codec, model)
     batch.step(model)
     prefill = batch.sequences[1].prefill
+    dec = OrtDecoder.from_artifact(artifact)  # the plain loop: model.onnx by its names
     ones = np.ones((1, len(ids)), np.int64)
-    logits, _ = model.forward(np.asarray([ids]), ones, np.arange(len(ids))[None, :], None, True)
+    logits, _ = dec(np.asarray([ids]), ones, np.arange(len(ids))[None, :], dec.empty_past(1))
     lp = log_softmax(logits[0])  # (T, V)
     assert [t.id for t in prefill] == ids
     assert prefill[0].logprob is None

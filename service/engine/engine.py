@@ -1,0 +1,169 @@
+"""The engine: one object that turns an artifact into a running decode loop.
+
+What vLLM's LLMEngine is to its server: ``Engine.from_artifact(artifact, EngineConfig)``
+picks the decoder graph, sizes its KV pool and prefix cache by the memory settings,
+builds the scheduler and warms it up; the server, the benchmarks and the tests all build
+it this way and then only ``start``, ``submit`` and ``stop`` it.
+
+KV memory is a budget of tokens, not slots x context: ``kv_cache_memory_mb`` bounds the
+tokens the pool may hold at once (``kv_bytes_per_token`` each), and admission counts each
+request's reserved tokens (prompt + max_new_tokens) against it, so a pool of
+``max_batch_size`` slots of ``max_total_tokens`` costs what its rows hold, not what they
+could hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from service.artifact import Artifact
+from service.contract import io_spec as io
+from service.contract.engine_spec import ENGINE_FILE
+from service.engine.portable import ModelGraphRunner
+from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.engine.runner import ModelRunner, PoolConfig
+from service.engine.scheduler import RequestHandle, Scheduler, SchedulerLimits
+from service.engine.session import CPU, create_session, select_providers
+from service.engine.static_cache import EngineGraphRunner
+from service.engine.stats import KVStats, PrefixCacheStats, StatsSink
+from service.settings import Device, Limits, Settings
+
+log = logging.getLogger("attnserve.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes the engine beyond the artifact (vLLM's EngineArgs)."""
+
+    device: Device = "cpu"
+    intra_op_threads: int = 0  # ONNX Runtime threads; 0 = all cores
+    engine_graph: bool = True  # engine.onnx when the artifact has it and it runs on CPU
+    max_batch_size: int = 32  # rows decoded together = the KV pool's slots
+    max_batch_tokens: int = 16384  # reserved tokens (prompt + max_new_tokens) in a batch
+    max_queued_requests: int = 128
+    max_total_tokens: int | None = None  # tokens per slot; None: the model's context
+    kv_cache_memory_mb: float | None = None  # token budget of the pool; None: no cap
+    prefix_caching: bool = True
+    prefix_cache_memory_mb: float = 256.0
+    prefix_block_size: int = 16
+    prefill_chunk_tokens: int = 256  # 0: prompts are prefilled in one pass
+    adaptive_prefill_chunks: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: Settings, limits: Limits) -> EngineConfig:
+        return cls(device=settings.device, intra_op_threads=settings.intra_op_threads,
+                   engine_graph=settings.engine_graph, max_batch_size=limits.max_batch_size,
+                   max_batch_tokens=limits.max_batch_tokens,
+                   max_queued_requests=limits.max_queued_requests,
+                   max_total_tokens=limits.max_total_tokens,
+                   kv_cache_memory_mb=settings.kv_cache_memory_mb,
+                   prefix_caching=settings.prefix_caching,
+                   prefix_cache_memory_mb=settings.prefix_cache_memory_mb,
+                   prefix_block_size=settings.prefix_block_size,
+                   prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                   adaptive_prefill_chunks=settings.adaptive_prefill_chunks)
+
+
+def pool_config(engine: EngineConfig, model: io.ArtifactConfig, token_bytes: int) -> PoolConfig:
+    """Slots, token budget and prefix-cache blocks of the KV pool, from the memory settings.
+
+    A slot holds ``max_total_tokens`` (vLLM's max_model_len), not the model's whole
+    context; the budget is what the pool may hold over all slots at once: the tokens
+    ``kv_cache_memory_mb`` holds, and never more than ``max_batch_tokens``, which admission
+    enforces anyway.
+    """
+    max_len = min(engine.max_total_tokens or model.max_seq_len, model.max_seq_len)
+    budget = engine.max_batch_tokens  # admission never lets more tokens in
+    if engine.kv_cache_memory_mb is not None:
+        fit = int(engine.kv_cache_memory_mb * 2**20 // token_bytes)
+        if fit < max_len:
+            raise ValueError(f"kv_cache_memory_mb {engine.kv_cache_memory_mb} holds {fit} "
+                             f"tokens of {token_bytes:,} bytes, fewer than max_total_tokens "
+                             f"{max_len}: a long request could never run")
+        budget = min(budget, fit)
+    blocks = 0
+    if engine.prefix_caching:
+        block_bytes = token_bytes * engine.prefix_block_size
+        blocks = max(1, int(engine.prefix_cache_memory_mb * 2**20 // block_bytes))
+    return PoolConfig(slots=engine.max_batch_size, prefix_block_size=engine.prefix_block_size,
+                      prefix_cache_blocks=blocks, max_len=max_len, budget_tokens=budget)
+
+
+def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineConfig
+                  ) -> ModelRunner:
+    """engine.onnx over the KV pool when the artifact has it and the session would run on
+    CPU anyway (its cache is float32 on the host); else model.onnx through the same pool."""
+    engine_path = artifact_dir / ENGINE_FILE
+    if engine.engine_graph and engine_path.is_file() and select_providers(
+            engine.device) == [CPU]:
+        pool = pool_config(engine, model, model.kv_bytes_per_token(4))
+        return EngineGraphRunner(create_session(engine_path, "cpu", engine.intra_op_threads),
+                                 model, pool)
+    itemsize = np.dtype(model.kv_dtype).itemsize
+    pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
+    return ModelGraphRunner(create_session(artifact_dir / io.MODEL_FILE, engine.device,
+                                           engine.intra_op_threads), model, pool)
+
+
+class Engine:
+    """A runner, its KV pool and prefix cache, and the scheduler loop over them."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+
+    @classmethod
+    def from_artifact(cls, artifact: Artifact, config: EngineConfig,
+                      stats: StatsSink | None = None, warmup: bool = True) -> Engine:
+        """Build the runner and the scheduler (blocking: sessions load, the pool is sized)
+        and run one short request through them, so the first real one pays no set-up."""
+        model = artifact.config
+        runner = create_runner(artifact.path, model, config)
+        kv = runner.kv_stats()
+        log.info("decoding with %s: KV pool of %d slots x up to %d tokens, budget %d tokens "
+                 "(%.1f MiB)%s", runner.graph_file, kv.slots,
+                 min(config.max_total_tokens or model.max_seq_len, model.max_seq_len),
+                 kv.capacity_tokens, kv.capacity_tokens * model.kv_bytes_per_token(
+                     runner.pool.shape.dtype.itemsize) / 2**20,
+                 f", prefix cache of {p.capacity_blocks} blocks x {p.block_size} tokens"
+                 if (p := runner.prefix_stats()) else "")
+        limits = SchedulerLimits(config.max_batch_size, config.max_batch_tokens,
+                                 config.max_queued_requests, config.prefill_chunk_tokens,
+                                 config.adaptive_prefill_chunks)
+        engine = cls(runner, Scheduler(runner, artifact.codec, limits, stats))
+        if warmup:
+            started = time.perf_counter()
+            engine.scheduler.warmup(GenerationRequest(
+                [model.start_token_id], SamplingParams(), StoppingCriteria(max_new_tokens=4)))
+            log.info("engine warmed up in %.0f ms", (time.perf_counter() - started) * 1000)
+        return engine
+
+    @property
+    def provider(self) -> str:
+        return self.runner.provider
+
+    @property
+    def graph_file(self) -> str:
+        return self.runner.graph_file
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.scheduler.start(loop)
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
+        return self.scheduler.submit(requests)
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.scheduler.stop(timeout)
+
+    def kv_stats(self) -> KVStats:
+        return self.runner.kv_stats()
+
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        return self.runner.prefix_stats()

@@ -1,0 +1,175 @@
+"""What both runners share: the KV pool, the prefix cache, and the rows' bookkeeping.
+
+A runner owns one ``KVPool`` (kv_pool.py): a row is a ``Slot`` and the pool's ``lengths``
+say how many of its tokens are cached, so a row's next position is its length and
+rolling a row back (``truncate``) is setting it lower. The pool's memory is checked
+against the token budget (``PoolConfig.budget_tokens``), not slots x max_len: the
+scheduler's admission never lets more tokens in than the budget.
+
+Subclasses supply the graph: ``_prefill_rows`` (empty slots, whole prompts, batched),
+``decode`` (one token per row) and ``extend`` (several tokens after one row's cache).
+``_arrange`` lays a batch's slots out as the graph needs them (engine.onnx binds one run
+of consecutive slots; model.onnx gathers, so anything goes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from service.contract import io_spec as io
+from service.engine.kv_pool import KVPool, PoolShape, Slot, ensure_memory
+from service.engine.prefix_cache import PrefixCache
+from service.engine.runner import PoolConfig
+from service.engine.stats import KVStats, PrefixCacheStats
+
+
+class PooledRunner:
+    """The pool-owning half of a ModelRunner; see runner.py for the contract."""
+
+    vocab_size: int
+    graph_file: str
+    provider: str
+    device: str
+
+    def __init__(self, config: io.ArtifactConfig, pool: PoolConfig, dtype: np.dtype) -> None:
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.max_len = pool.max_len or config.max_seq_len
+        if not 1 < self.max_len <= config.max_seq_len:
+            raise ValueError(f"KV pool slots of {self.max_len} tokens: must be 2.."
+                             f"{config.max_seq_len} (the model's context)")
+        self.shape = PoolShape(2 * config.n_layers, config.kv_heads, self.max_len,
+                               config.head_dim, dtype)
+        virtual = pool.slots * self.max_len
+        self._budget = min(pool.budget_tokens, virtual) if pool.budget_tokens else virtual
+        token_bytes = self.shape.token_bytes
+        ensure_memory(self._budget * token_bytes
+                      + pool.prefix_cache_blocks * pool.prefix_block_size * token_bytes,
+                      f"a budget of {self._budget:,} tokens x {token_bytes:,} bytes "
+                      f"({pool.slots} slots of up to {self.max_len} tokens), plus the "
+                      "prefix cache")
+        self.pool = KVPool(self.shape, pool.slots)
+        self.prefix: PrefixCache | None = None
+        if pool.prefix_cache_blocks > 0:
+            self.prefix = PrefixCache(self.pool, pool.prefix_block_size,
+                                      pool.prefix_cache_blocks)
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.slots
+
+    @property
+    def budget_tokens(self) -> int:
+        return self._budget
+
+    # -- rows ------------------------------------------------------------------------
+
+    def reserve(self, rows: int, top: bool = False) -> list[Slot]:
+        return self.pool.allocate(rows, top)
+
+    def reuse_prefix(self, slot: Slot, prompt: Sequence[int]) -> int:
+        if self.prefix is None:
+            return 0
+        ids = np.asarray(prompt, np.int64)
+        if not self.prefix.match(ids):
+            return 0
+        return self.prefix.load(ids, slot.index)
+
+    def truncate(self, slot: Slot, length: int) -> None:
+        self.pool.truncate(slot, length)  # pages past ``length`` go back to the OS
+
+    def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
+        if not slots:
+            return []
+        kept_rows = {int(r) for r in keep}
+        start = min(s.index for s in slots)  # the batch's run begins here, and stays
+        dropped = [s for i, s in enumerate(slots) if i not in kept_rows]
+        if self.prefix is not None:
+            for s in dropped:  # what the request generated may start the next turn's prompt
+                self.prefix.save(s.index)
+        self.pool.free(dropped)
+        kept = [slots[int(r)] for r in keep]
+        if kept:
+            self._arrange(kept, start)
+        return kept
+
+    def join(self, groups: Sequence[Sequence[Slot]]) -> list[Slot]:
+        slots = [s for group in groups for s in group]
+        self._arrange(slots, None)
+        return slots
+
+    def _arrange(self, slots: Sequence[Slot], start: int | None) -> None:
+        """Lay a batch's slots out for the graph (default: wherever they are)."""
+
+    # -- prompts ---------------------------------------------------------------------
+
+    def prefill(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
+                all_logits: bool = False) -> list[np.ndarray]:
+        """Rows with an empty slot and no cached prefix are prefilled together; a row
+        whose prompt starts with a cached prefix, or whose slot already holds part of its
+        prompt (chunked prefill), computes only the rest, alone (``extend``)."""
+        n = len(slots)
+        starts = [int(self.pool.lengths[s.index]) for s in slots]
+        if all_logits and any(starts):
+            raise ValueError("prompt logits need the whole prompt in one pass")
+        hits = [0] * n
+        if self.prefix is not None and not all_logits:
+            hits = [0 if starts[r] else self.prefix.match(prompts[r]) for r in range(n)]
+        plain = [r for r in range(n) if not starts[r] and not hits[r]]
+        rest = [r for r in range(n) if starts[r] or hits[r]]
+        # Empty slots, plain rows first in slot order: engine.onnx binds those as one run.
+        empty = [r for r in plain + rest if not starts[r]]
+        self.pool.assign([slots[r] for r in empty], sorted(slots[r].index for r in empty))
+        out: list[np.ndarray] = [np.empty(0)] * n
+        if plain:
+            logits = self._prefill_rows([slots[r] for r in plain], [prompts[r] for r in plain],
+                                        all_logits)
+            for r, rows in zip(plain, logits, strict=True):
+                out[r] = rows
+        for r in rest:
+            done = starts[r]
+            if hits[r]:
+                assert self.prefix is not None
+                done = self.prefix.load(prompts[r], slots[r].index)
+            out[r] = self.extend(slots[r], prompts[r][done:])[-1:]
+        if self.prefix is not None:
+            for s in slots:
+                self.prefix.save(s.index)
+        return out
+
+    def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
+                      all_logits: bool) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _check_room(self, total: int) -> None:
+        if total > self.max_len:
+            raise ValueError(f"sequence of {total} tokens exceeds max_seq_len {self.max_len}")
+
+    def _record(self, slot: int, start: int, tokens: np.ndarray) -> None:
+        """The ids of tokens just cached at [start, start + T) of ``slot``."""
+        end = start + len(tokens)
+        self.pool.tokens[slot, start:end] = tokens
+        self.pool.lengths[slot] = end
+
+    # -- stats -----------------------------------------------------------------------
+
+    def kv_stats(self) -> KVStats:
+        pool = self.pool
+        return KVStats(slots=pool.slots, slots_used=pool.used, tokens=pool.tokens_held,
+                       capacity_tokens=self._budget, bytes_allocated=pool.bytes_allocated,
+                       rows_moved=pool.moves)
+
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        if self.prefix is None:
+            return None
+        c = self.prefix.counters
+        return PrefixCacheStats(queries=c.queries, hits=c.hits, blocks=self.prefix.blocks_used,
+                                capacity_blocks=self.prefix.capacity,
+                                block_size=self.prefix.block_size,
+                                bytes_allocated=self.prefix.bytes_allocated,
+                                evictions=c.evicted)

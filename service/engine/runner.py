@@ -1,0 +1,97 @@
+"""The one interface between the scheduler and a decoder graph: ``ModelRunner``.
+
+Everything the batch and the scheduler ask of a model is stated here, typed, so nothing
+probes a runner for optional features. A row of a batch is a ``Slot`` of the runner's
+``KVPool`` (service/engine/kv_pool.py), which is the only owner of keys and values: the
+runner reads a row's cached length from the pool, feeds the new tokens after it and
+writes their keys and values back, so the batch holds no cache and no padding. Each
+runner lays out its own inputs (engine.onnx right-pads, model.onnx left-pads).
+
+Two runners implement it: ``EngineGraphRunner`` (engine.onnx, pool slots bound in place;
+static_cache.py) and ``ModelGraphRunner`` (model.onnx, the portable graph, past gathered
+from the pool every step; portable.py), both over ``PooledRunner`` (pooled.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from service.engine.kv_pool import KVPool, Slot
+from service.engine.stats import KVStats, PrefixCacheStats
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Size of a runner's KV pool and prefix cache."""
+
+    slots: int  # rows the pool holds: the largest batch the scheduler may form
+    prefix_block_size: int = 16
+    prefix_cache_blocks: int = 0  # 0: no prefix caching
+    max_len: int | None = None  # tokens per slot (max_total_tokens); None: the model context
+    budget_tokens: int | None = None  # tokens the pool may hold at once; None: slots x max_len
+
+
+class ModelRunner(Protocol):
+    """A decoder over a KV pool: what the batch and the scheduler call, and nothing else."""
+
+    vocab_size: int
+    graph_file: str  # model.onnx or engine.onnx
+    provider: str  # ONNX Runtime's active execution provider
+    device: str  # "cpu" or "cuda": where the session runs
+    pool: KVPool
+
+    @property
+    def capacity(self) -> int:
+        """Rows the runner can hold at once (the pool's slots)."""
+        ...
+
+    @property
+    def budget_tokens(self) -> int:
+        """Tokens the pool may hold at once, over all rows (the KV memory budget)."""
+        ...
+
+    def reserve(self, rows: int, top: bool = False) -> list[Slot]:
+        """Empty slots for new rows (``top``: away from the running rows)."""
+        ...
+
+    def prefill(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
+                all_logits: bool = False) -> list[np.ndarray]:
+        """Feed each empty slot its whole prompt (reusing cached prefixes unless
+        ``all_logits``); per row the logits (T_i, V) of every prompt token, or (1, V) of
+        the last one."""
+        ...
+
+    def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+        """One token per row (tokens (B,)) after each row's cache; logits (B, V)."""
+        ...
+
+    def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
+        """Feed ``tokens`` (T,) to one row after what its slot holds (a prompt chunk, the
+        rest of a prompt after a reused prefix, drafted tokens to verify); logits (T, V)
+        for every fed token."""
+        ...
+
+    def truncate(self, slot: Slot, length: int) -> None:
+        """Keep only the first ``length`` cached tokens of a row (drop rejected drafts)."""
+        ...
+
+    def reuse_prefix(self, slot: Slot, prompt: Sequence[int]) -> int:
+        """Load the cached prefix of ``prompt`` into the empty ``slot``; tokens reused."""
+        ...
+
+    def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
+        """Rows not in ``keep`` leave: their blocks go to the prefix cache and their slots
+        are freed. The kept slots, in ``keep`` order, laid out as the runner needs."""
+        ...
+
+    def join(self, groups: Sequence[Sequence[Slot]]) -> list[Slot]:
+        """One batch's slots from several batches' (in order), laid out as the runner needs."""
+        ...
+
+    def kv_stats(self) -> KVStats: ...
+
+    def prefix_stats(self) -> PrefixCacheStats | None: ...
