@@ -23,6 +23,7 @@ from typing import Any
 
 from benchmarks.prepare import REPO_ROOT, Prepared, export_copies, make_prompts
 from benchmarks.prepare import prepare_checkpoint as _prepare_checkpoint
+from service.contract import io_spec as io
 
 ENGINES = ("torch_nocache", "torch_kv", "hf_generate", "ort_plain", "optimum", "engine",
            "engine_int8", "http", "ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0")
@@ -304,10 +305,9 @@ def http_ttft_reps(opts: BenchOptions) -> int:
 
 
 def kv_bytes_per_token(model: dict[str, Any], bytes_per_value: int = 4) -> int:
-    """Bytes one token adds to the KV cache: keys and values, every layer, kv heads only."""
-    n_kv = model.get("n_kv_heads") or model["n_heads"]
-    head_dim = model["d_model"] // model["n_heads"]
-    return 2 * model["n_layers"] * n_kv * head_dim * bytes_per_value
+    """Bytes one token adds to the KV cache of a preset's shape (the service's formula)."""
+    return io.kv_bytes_per_token(model["n_layers"], model.get("n_kv_heads") or model["n_heads"],
+                                 model["d_model"] // model["n_heads"], bytes_per_value)
 
 
 def kv_cache_comparison(preset: str, model: dict[str, Any]) -> dict[str, int]:

@@ -108,6 +108,8 @@ class EngineGraphRunner(PooledRunner):
         logits = self._run(lo, ids, pos, lengths - 1, width)  # (P, W, V)
         for s, p in zip(slots, prompts, strict=True):
             self._record(s.index, 0, p)
+            if len(p) < width:  # the kernel wrote the padding's keys too: give those back
+                self.pool.truncate(s, len(p))
         return [logits[j, :n] if all_logits else logits[j, n - 1:n]
                 for j, n in enumerate(lengths.tolist())]
 
