@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service.artifact import Artifact, open_artifact
+from service.contract import io_spec as io
 from service.engine.grammar import GrammarCompiler
 from service.errors import install_error_handlers
 from service.metrics import Metrics
@@ -42,7 +43,8 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
         grammars = None if config.eos_token_id is None else GrammarCompiler(
             opened.codec.tokenizer.to_str(), config.vocab_size, config.eos_token_id)
         runtime = Runtime(settings, opened, metrics, Validator(
-            opened.codec, opened.limits, config.eos_token_id, gen.max_new_tokens,
+            opened.codec, opened.limits, config.eos_token_id,
+            gen.max_new_tokens or io.DEFAULT_MAX_NEW_TOKENS,
             vocab_size=config.vocab_size, extra_eos_ids=opened.extra_eos_ids,
             grammars=grammars))
         app.state.runtime = runtime

@@ -7,19 +7,18 @@ API's neutral default. A field the request sets always wins. ``max_new_tokens`` 
 the default completion length. As in vLLM (which reads the file through transformers'
 ``to_diff_dict``), a value equal to transformers' own default (temperature 1, top_p 1,
 top_k 50, repetition_penalty 1) counts as unset. TGI's routes do not read the file (TGI
-does not).
+does not). The defaults are the contract's one ``GenerationDefaults`` (the class an
+artifact's config.json carries too).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
-
-from pydantic import BaseModel
+from typing import Any
 
 from service.contract import io_spec as io
+from service.contract.io_spec import GenerationDefaults
 
 # field: (lowest, highest, lowest is allowed): the OpenAI schemas' own bounds.
 _FLOAT_BOUNDS = {"temperature": (0.0, 2.0, True), "top_p": (0.0, 1.0, False),
@@ -29,29 +28,7 @@ _FLOAT_BOUNDS = {"temperature": (0.0, 2.0, True), "top_p": (0.0, 1.0, False),
 _TRANSFORMERS_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50,
                           "repetition_penalty": 1.0}
 
-Body = TypeVar("Body", bound=BaseModel)
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """The fields generation_config.json sets; None where it is silent."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    max_new_tokens: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
-    def fill(self, body: Body) -> Body:
-        """``body`` with every sampling field it left unset taken from the defaults."""
-        unset = {name: value for name, value in self.to_dict().items()
-                 if name != "max_new_tokens" and name in type(body).model_fields
-                 and name not in body.model_fields_set}
-        return body.model_copy(update=unset) if unset else body
+__all__ = ["GenerationDefaults", "parse_generation_defaults"]
 
 
 def _refuse(field: str, value: object, why: str) -> ValueError:

@@ -24,7 +24,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+if TYPE_CHECKING:  # the service's request bodies; the contract itself needs no pydantic
+    from pydantic import BaseModel
+
+Body = TypeVar("Body", bound="BaseModel")
 
 # Files of an artifact directory; the manifest lists every one with its sha256.
 MODEL_FILE = "model.onnx"
@@ -129,13 +134,36 @@ def kv_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int,
     return 2 * n_layers * kv_heads * head_dim * bytes_per_value
 
 
+DEFAULT_MAX_NEW_TOKENS = 64  # an artifact that names no completion length gets this one
+
+
 @dataclass(frozen=True)
 class GenerationDefaults:
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
+    """A model's generation defaults; None where it is silent.
+
+    The one class for both sources: the ``generation`` block of an artifact's config.json
+    (written by the export: the completion length) and a model author's
+    generation_config.json (service/generation_defaults.py parses it: sampling fields the
+    OpenAI routes fill into a request that leaves them unset).
+    """
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def fill(self, body: Body) -> Body:
+        """``body`` (a pydantic request model) with every sampling field it left unset
+        taken from the defaults."""
+        unset = {name: value for name, value in self.to_dict().items()
+                 if name != "max_new_tokens" and name in type(body).model_fields
+                 and name not in body.model_fields_set}
+        return body.model_copy(update=unset) if unset else body
 
 
 @dataclass(frozen=True)
@@ -195,7 +223,9 @@ class ArtifactConfig:
         return self.bos_token_id if self.bos_token_id is not None else self.fill_token_id
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["generation"] = self.generation.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ArtifactConfig:

@@ -8,7 +8,9 @@ tests use it as the independent reference the engine must reproduce.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -56,26 +58,33 @@ class OrtDecoder:
         return outs[0], outs[1:]  # logits (B, T, V); presents (B, nkv, T_past + T, hs)
 
 
-def greedy(dec: OrtDecoder, prompts: np.ndarray, steps: int,
-           forced: np.ndarray | None = None) -> np.ndarray:
-    """Greedy decode of equal-length prompts (B, T) through the KV cache, (B, steps).
-
-    With ``forced`` (B, steps), those tokens are fed instead of the argmax (teacher
-    forcing), and the result is still the argmax chosen at every step.
-    """
+def greedy_steps(dec: OrtDecoder, prompts: np.ndarray,
+                 forced: np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """The one greedy loop: equal-length prompts (B, T) through the KV cache, the whole
+    past fed back every step; yields the argmax (B,) of each step, for as long as the
+    caller reads. With ``forced`` (B, steps), those tokens are fed instead of the argmax
+    (teacher forcing); what is yielded is still the argmax."""
     b, t = prompts.shape
     mask = np.ones((b, t), np.int64)
     pos = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
     logits, past = dec(prompts.astype(np.int64), mask, pos, dec.empty_past(b))
-    chosen = np.zeros((b, steps), np.int64)
-    for step in range(steps):
-        chosen[:, step] = logits[:, -1].argmax(-1)
-        if step == steps - 1:
-            break
-        nxt = (forced[:, step] if forced is not None else chosen[:, step])[:, None]  # (B, 1)
-        mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
+    step = 0
+    while True:
+        chosen = logits[:, -1].argmax(-1).astype(np.int64)  # (B,)
+        yield chosen
+        nxt = (forced[:, step] if forced is not None else chosen)[:, None]  # (B, 1)
+        mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)  # (B, T_past + 1)
         pos = pos[:, -1:] + 1
         logits, past = dec(nxt, mask, pos, past)
+        step += 1
+
+
+def greedy(dec: OrtDecoder, prompts: np.ndarray, steps: int,
+           forced: np.ndarray | None = None) -> np.ndarray:
+    """Greedy decode of equal-length prompts (B, T): the argmax of ``steps`` steps (B, steps)."""
+    chosen = np.zeros((prompts.shape[0], steps), np.int64)
+    for step, tokens in enumerate(islice(greedy_steps(dec, prompts, forced), steps)):
+        chosen[:, step] = tokens
     return chosen
 
 
@@ -83,20 +92,11 @@ def greedy_until(dec: OrtDecoder, prompt: list[int], max_new: int,
                  eos_token_id: int | None) -> list[int]:
     """One prompt, greedy, stopping after ``max_new`` tokens or right after end-of-sequence
     (the engine's stopping rule)."""
-    ids = np.asarray([prompt], np.int64)  # (1, T)
-    total = len(prompt)
-    past = dec.empty_past(1)
     out: list[int] = []
-    while len(out) < max_new:
-        mask = np.ones((1, total), np.int64)
-        pos = np.arange(total - ids.shape[1], total, dtype=np.int64)[None, :]  # (1, T)
-        logits, past = dec(ids, mask, pos, past)
-        token = int(np.argmax(logits[0, -1]))
-        out.append(token)
-        if token == eos_token_id:
+    for tokens in islice(greedy_steps(dec, np.asarray([prompt], np.int64)), max_new):
+        out.append(int(tokens[0]))
+        if out[-1] == eos_token_id:
             break
-        ids = np.asarray([[token]], np.int64)
-        total += 1
     return out
 
 
