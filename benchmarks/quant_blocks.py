@@ -5,6 +5,8 @@ level 4 was chosen; export/quantize.py).
 Usage:
     python -m benchmarks.quant_blocks --artifact artifacts/smollm2-135m-instruct \
         [--max-tokens 1024] [--threads 2] [--out /tmp/quant-blocks]
+    python -m benchmarks.quant_blocks --artifact artifacts/smollm2-135m-instruct \
+        --gguf-ckpt checkpoints/smollm2-135m-instruct [--rounds 5]
 
 For every variant (float32, int8 block 32, int4 at blocks 16/32/64/128, symmetric or with
 a zero point, accuracy level 0 = float activations or 4 = int8 activations) it writes a
@@ -13,6 +15,15 @@ quantised copy of model.onnx beside the artifact's config and tokenizer, scores
 times one decode step (a 64-token past) at batch 1 and 8: median of 15 runs after 3 warm-up
 runs. Prints one line per variant. The LM head of an fp32 artifact is a Gemm, which the
 quantiser leaves float32 here; an artifact exported with --quantize quantises it too.
+
+With ``--gguf-ckpt`` (a checkpoint imported from GGUF, the artifact's source) it compares
+the forms of --quantize gguf instead (export/gguf_blocks.py): Q4_1 kept exactly (zero point
+0 plus the block minimums) or through float zero points, int8 (level 4) or float (level 0)
+activations, the tied Q8_0 head as MatMulNBits or left a float32 Gemm; beside float32 and
+our int8/int4. Every variant is loaded first and the decode steps alternate between them
+(``--rounds`` rounds of 5 timed steps per variant and batch size, after 3 warm-up steps;
+the median of all), so a busy machine slows them alike. It also prints how far each
+variant's dequantised Q4_1 weights are from gguf's (0 for the exact form).
 """
 
 from __future__ import annotations
@@ -25,6 +36,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from service.contract import io_spec as io
 
 VARIANTS: list[tuple[str, int | None, int, int, bool]] = [  # name, bits, block, level, sym
     ("fp32", None, 0, 0, True), ("int8-b32-a4", 8, 32, 4, True),
@@ -76,6 +89,121 @@ def write_variant(artifact: Path, out: Path, bits: int | None, block: int, level
     onnx.save_model(model, str(out / "model.onnx"))
 
 
+GGUF_VARIANTS: list[tuple[str, str, int, bool]] = [  # name, Q4_1 mode, level, head kept
+    ("gguf-exact-a4", "exact", 4, True), ("gguf-exact-a0", "exact", 0, True),
+    ("gguf-floatzp-a4", "float-zp", 4, True), ("gguf-floatzp-a0", "float-zp", 0, True),
+    ("gguf-exact-a4-f32head", "exact", 4, False),
+]
+
+
+def write_gguf_variant(artifact: Path, ckpt: Path, out: Path, mode: str, level: int,
+                       head: bool) -> dict[str, object]:
+    """The artifact's model.onnx with the GGUF file's blocks (export/gguf_blocks.py)."""
+    import dataclasses
+
+    import onnx
+
+    from export.gguf_blocks import rewrite_file
+    from export.gguf_source import open_source
+    from model.checkpoint import read_meta
+
+    src = open_source(read_meta(ckpt).training)
+    if not head:
+        src = dataclasses.replace(src, weights={k: v for k, v in src.weights.items()
+                                                if k not in ("tok_emb", "lm_head.weight")})
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(artifact / name, out / name)
+    model, figures = rewrite_file(artifact / "model.onnx", src, mode, level)
+    onnx.save_model(model, str(out / "model.onnx"))
+    return figures
+
+
+def q4_1_weight_error(ckpt: Path, mode: str) -> float:
+    """Largest |ORT's dequantised weight − gguf's| over the file's first Q4_1 tensor, run
+    through a one-node MatMulNBits at level 0 on an identity input."""
+    import gguf
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from export.gguf_blocks import BlockWriter, read_blocks
+    from export.gguf_source import open_source
+    from model.checkpoint import read_meta
+
+    src = open_source(read_meta(ckpt).training)
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    tensor = next(t for t in src.tensors.values() if t.tensor_type == q4_1)
+    blocks = read_blocks(tensor)
+    n, k = blocks.scales.shape[0], blocks.scales.shape[1] * 32
+    writer = BlockWriter(mode, 0)
+    writer.matmul("x", "y", blocks, "w", "w")
+    graph = helper.make_graph(writer.nodes, "one",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [k, n])],
+                              list(writer.inits.values()))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ours = sess.run(None, {"x": np.eye(k, dtype=np.float32)})[0].T  # (N, K)
+    ref = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    return float(np.abs(ours - ref).max())
+
+
+def gguf_main(args: argparse.Namespace) -> None:
+    """The --quantize gguf forms side by side, decode steps alternating between them."""
+    from export.evaluate import artifact_backend, evaluate, load_text
+    from service.contract.sessions import create_session
+
+    text, source = load_text("stdlib")
+    dirs: dict[str, Path] = {}
+    for name, bits, block, level, symmetric in VARIANTS:
+        if name in ("fp32", "int8-b32-a4", "int4-b32-a4-asym"):
+            dirs[name] = args.out / name
+            write_variant(args.artifact, dirs[name], bits, block, level, symmetric)
+    for name, mode, level, head in GGUF_VARIANTS:
+        dirs[name] = args.out / name
+        write_gguf_variant(args.artifact, args.gguf_ckpt, dirs[name], mode, level, head)
+    for mode in ("exact", "float-zp"):
+        print(f"Q4_1 {mode}: max |ORT weight - gguf weight| = "
+              f"{q4_1_weight_error(args.gguf_ckpt, mode):.3g}", flush=True)
+    ppl = {name: evaluate(artifact_backend(str(d)), text, source, max_tokens=args.max_tokens,
+                          threads=args.threads)["perplexity"] for name, d in dirs.items()}
+    cfg = io.ArtifactConfig.load(args.artifact)
+    sessions = {name: create_session(d / "model.onnx", threads=args.threads)
+                for name, d in dirs.items()}
+    times: dict[tuple[str, int], list[float]] = {(n, b): [] for n in dirs for b in args.batches}
+    feeds = {b: _decode_feed(cfg, b) for b in args.batches}
+    for session in sessions.values():
+        for b in args.batches:
+            for _ in range(3):
+                session.run([io.LOGITS], feeds[b])
+    for _ in range(args.rounds):
+        for name, session in sessions.items():
+            for b in args.batches:
+                for _ in range(5):
+                    started = time.perf_counter()
+                    session.run([io.LOGITS], feeds[b])
+                    times[name, b].append(time.perf_counter() - started)
+    for name in dirs:
+        steps = "   ".join(f"b{b} {statistics.median(times[name, b]) * 1e3:6.2f} ms"
+                           for b in args.batches)
+        print(f"{name:22s} perplexity {ppl[name]:8.4f}   {steps}", flush=True)
+
+
+def _decode_feed(cfg: io.ArtifactConfig, batch: int, past: int = 64) -> dict[str, np.ndarray]:
+    """One decode step's inputs: a ``past``-token random cache per row."""
+    rng = np.random.default_rng(0)
+    feed: dict[str, np.ndarray] = {io.INPUT_IDS: np.full((batch, 1), 100, np.int64),
+            io.ATTENTION_MASK: np.ones((batch, past + 1), np.int64),
+            io.POSITION_IDS: np.full((batch, 1), past, np.int64)}
+    for name in io.past_names(cfg.n_layers):  # (B, nkv, past, hs)
+        feed[name] = rng.standard_normal((batch, cfg.kv_heads, past, cfg.head_dim),
+                                         dtype=np.float32)
+    return feed
+
+
 def main() -> None:
     from export.evaluate import artifact_backend, evaluate, load_text
 
@@ -84,9 +212,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("/tmp/quant-blocks"))
+    parser.add_argument("--gguf-ckpt", type=Path, default=None,
+                        help="compare the forms of --quantize gguf (the checkpoint imported "
+                             "from the GGUF file the artifact was exported from)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     args = parser.parse_args()
     for logger in ("", "onnxruntime.quantization.matmul_nbits_quantizer"):
         logging.getLogger(logger).setLevel(logging.ERROR)
+    if args.gguf_ckpt is not None:
+        gguf_main(args)
+        return
     text, source = load_text("stdlib")
     for name, bits, block, level, symmetric in VARIANTS:
         out = args.out / name

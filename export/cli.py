@@ -30,12 +30,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="artifact directory to create")
     p.add_argument("--opset", type=int, default=None,
                    help="ONNX opset (default 18; supported 18-21)")
-    p.add_argument("--quantize", choices=["int8", "int4", "int8-dynamic"], default=None,
+    p.add_argument("--quantize", choices=["int8", "int4", "int8-dynamic", "gguf"], default=None,
                    help="int8: block-quantised 8-bit MatMulNBits weights (block 32, int8 "
                         "activations; works with --engine-graph); int4: 4-bit MatMulNBits "
                         "(block 32, a zero point per block; works with --engine-graph); "
                         "int8-dynamic: ORT quantize_dynamic (per-channel weights, "
-                        "activations per call)")
+                        "activations per call); gguf: a checkpoint imported from GGUF keeps "
+                        "the file's own Q4_0/Q4_1/Q8_0 blocks (MatMulNBits, not requantised; "
+                        "works with --engine-graph)")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="KV cache dtype; logits and arithmetic stay float32")
     p.add_argument("--no-verify", action="store_true",

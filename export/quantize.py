@@ -15,6 +15,9 @@ so the I/O contract is unchanged:
   packed, at session start; nothing is re-quantised per call except one activation row.
 - ``int8-dynamic``: ``quantize_dynamic`` (per-output-channel int8 weights, activations
   quantised per tensor on the fly through DynamicQuantizeLinear + MatMulInteger).
+- ``gguf``: for a checkpoint imported from a GGUF file, that file's own Q4_0 / Q4_1 /
+  Q8_0 blocks as MatMulNBits, not requantised (export/gguf_blocks.py); weights of other
+  types fall back to ``int4`` / ``int8`` one by one.
 
 Quantisation runs on the graph as exported, before ORT's fusions, so every weight MatMul
 is still a plain MatMul with a constant right-hand side. Logits no longer match PyTorch
@@ -39,11 +42,12 @@ from export.verify import decoder_for
 from model.gpt import GPT
 from service.contract.reference import int8_agreement
 
-METHODS = ("int8", "int4", "int8-dynamic")
+METHODS = ("int8", "int4", "int8-dynamic", "gguf")
 # Block-wise 8-bit weights lose ~10x less than per-channel dynamic int8, so they are held
 # to a higher bar.
 # 4-bit codes keep 16 levels a block: held to a lower bar still.
-AGREEMENT_TARGETS = {"int8": 0.97, "int4": 0.85, "int8-dynamic": 0.95}
+# gguf keeps the file's weights: only its int8 activations differ from the float32 graph.
+AGREEMENT_TARGETS = {"int8": 0.97, "int4": 0.85, "int8-dynamic": 0.95, "gguf": 0.95}
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations, int8 dot products
 # MatMulNBits settings per method: (bits, symmetric).
@@ -149,8 +153,12 @@ def compare_decoders(gpt: GPT, ref_dec: Decoder, q_dec: Decoder, tokenizer: Any,
     }
 
 
-def quantize_weights(src: Path, dst: Path, method: str = "int8") -> dict[str, Any]:
-    """Write ``src`` with its MatMul weights quantised by ``method`` to ``dst``."""
+def quantize_weights(src: Path, dst: Path, method: str = "int8",
+                     training: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``src`` with its MatMul weights quantised by ``method`` to ``dst``.
+
+    ``training`` is the checkpoint's training record: ``gguf`` finds its source file there.
+    """
     if method not in METHODS:
         raise ValueError(f"unsupported quantization {method!r}; choose one of {list(METHODS)}")
     # quiet ORT's per-node INFO lines and its shape-inference pre-processing advice
@@ -160,7 +168,9 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8") -> dict[str, An
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        if method in NBITS:
+        if method == "gguf":
+            figures = _gguf_blocks(src, dst, training or {})
+        elif method in NBITS:
             figures = _matmul_nbits(src, dst, *NBITS[method])
         else:
             from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -178,23 +188,64 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8") -> dict[str, An
             "quantized_bytes": weight_bytes(dst)}
 
 
-def _matmul_nbits(src: Path, dst: Path, bits: int, symmetric: bool) -> dict[str, Any]:
-    import onnx
+def _nbits_quantizer(model: Any, bits: int, symmetric: bool,
+                    exclude: frozenset[str] = frozenset()) -> Any:
+    """``model`` (onnx.ModelProto) with every MatMul not in ``exclude`` quantised."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         MatMulNBitsQuantizer,
     )
 
-    model = onnx.load(str(src))
     config = DefaultWeightOnlyQuantConfig(block_size=BLOCK_SIZE, is_symmetric=symmetric,
                                           accuracy_level=ACCURACY_LEVEL, bits=bits)
-    quantizer = MatMulNBitsQuantizer(model, algo_config=config)
+    quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=list(exclude),
+                                     algo_config=config)
     quantizer.process()
-    out = quantizer.model.model
+    return quantizer.model.model
+
+
+def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any]) -> dict[str, Any]:
+    """The source GGUF file's blocks where they map onto MatMulNBits; our int4/int8 for
+    the weights of other types (``fallback``, by node)."""
+    from export.gguf_blocks import rewrite_file
+    from export.gguf_source import open_source
+
+    model, figures = rewrite_file(src, open_source(training))
+    fallback = figures["fallback"]
+    for bits, method in ((4, "int4"), (8, "int8")):
+        names = {n for n, f in fallback.items() if f["bits"] == bits}
+        if names:
+            others = frozenset(n.name for n in model.graph.node if n.op_type == "MatMul"
+                               and n.name not in names)
+            model = _nbits_quantizer(model, *NBITS[method], exclude=others)
+            for n in names:
+                fallback[n]["as"] = method
+    figures["quantized_matmuls"] = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
+    figures["float_matmuls_left"] = sum(n.op_type == "MatMul" and n.input[1] in {
+        t.name for t in model.graph.initializer} and not n.name.endswith(".gguf_mins")
+        and not n.output[0].endswith(".gguf_block_sums") for n in model.graph.node)
+    if figures["quantized_matmuls"] == 0:
+        raise ValueError(f"{src.name}: no weight of the GGUF file to keep or quantise")
+    _save(model, dst)
+    return figures
+
+
+def _save(model: Any, dst: Path) -> None:
+    """Topologically sorted, one self-contained file (export_artifact moves the weights
+    into weights.bin afterwards)."""
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    ONNXModel(model).save_model_to_file(str(dst), use_external_data_format=False)
+
+
+def _matmul_nbits(src: Path, dst: Path, bits: int, symmetric: bool) -> dict[str, Any]:
+    import onnx
+
+    out = _nbits_quantizer(onnx.load(str(src)), bits, symmetric)
     done = sum(n.op_type == "MatMulNBits" for n in out.graph.node)
     if done == 0:
         raise ValueError(f"{src.name}: no MatMul with a constant weight to quantise")
-    quantizer.model.save_model_to_file(str(dst), use_external_data_format=False)
+    _save(out, dst)
     return {"method": "onnxruntime MatMulNBitsQuantizer (MatMulNBits)", "bits": bits,
             "block_size": BLOCK_SIZE, "symmetric": symmetric, "accuracy_level": ACCURACY_LEVEL,
             "quantized_matmuls": done,
@@ -205,7 +256,7 @@ def quantize_model(gpt: GPT, model_path: Path, fp32_path: Path, tokenizer: Any,
                   training: dict[str, Any], measure: bool = True,
                   method: str = "int8") -> dict[str, Any]:
     """Write the ``method`` version of ``fp32_path`` to ``model_path``; return the figures."""
-    figures = quantize_weights(fp32_path, model_path, method)
+    figures = quantize_weights(fp32_path, model_path, method, training)
     if measure:
         figures.update(int8_figures(gpt, fp32_path, model_path, tokenizer, training, method))
     return figures

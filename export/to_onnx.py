@@ -30,8 +30,8 @@ from service.contract import io_spec as io
 from service.contract.manifest import Manifest, checkpoint_fingerprint, describe_files
 
 DTYPES = ("float32", "float16")
-QUANTIZATIONS = ("int8", "int4", "int8-dynamic")  # export/quantize.py METHODS
-ENGINE_QUANTIZATIONS = (None, "int8", "int4")  # MatMulNBits: what engine.onnx can take
+QUANTIZATIONS = ("int8", "int4", "int8-dynamic", "gguf")  # export/quantize.py METHODS
+ENGINE_QUANTIZATIONS = (None, "int8", "int4", "gguf")  # MatMulNBits: what engine.onnx can take
 
 
 def _versions() -> dict[str, str]:
@@ -118,7 +118,7 @@ def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
     from export.engine_graph import EngineDecoder
     from export.quantize import compare_decoders, quantize_weights
 
-    figures = quantize_weights(fp32_path, out, method)
+    figures = quantize_weights(fp32_path, out, method, training)
     if measure:
         figures.update(compare_decoders(gpt, EngineDecoder(fp32_path, gpt),
                                         EngineDecoder(out, gpt), tok, training, method))
@@ -177,8 +177,12 @@ def export_artifact(
                              f"(ONNX Runtime's GroupQueryAttention); this model's is {head_dim}")
     check_target(out, force)
     ckpt, tok = load_source(Path(ckpt_dir))
+    if quantize == "gguf":  # refuse before writing anything: no source file, or another one
+        from export.gguf_source import open_source
+
+        open_source(ckpt.meta.training)
     model_cfg = ckpt.meta.model
-    if engine_graph and model_cfg.arch == "llama" and model_cfg.head_dim % 16:
+    if engine_graph and model_cfg.position == "rope" and model_cfg.head_dim % 16:
         raise ValueError(f"--engine-graph needs a head_dim that is a multiple of 16 for "
                          f"GroupQueryAttention's rotary kernel; this model's is "
                          f"{model_cfg.head_dim}: export without it (the service then decodes "

@@ -1,0 +1,272 @@
+"""`attnserve export --quantize gguf`: a GGUF file's own blocks as MatMulNBits.
+
+Small random Llama models are built with transformers, written as GGUF files with the
+`gguf` package (tests/gguf_files.py; `gguf.quants.quantize` makes the blocks), imported,
+and exported with the GGUF file's blocks kept. The references are independent of the code
+under test: gguf's own dequantiser on the file's tensors (rows put back in transformers'
+order by inverting llama.cpp's permutation written here), ONNX Runtime running each
+rewritten weight product alone on an identity input (so its output is the weight it
+dequantises), and the PyTorch model of the imported, dequantised checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from export.engine_graph import EngineDecoder
+from export.to_onnx import export_artifact
+from model.checkpoint import load_checkpoint
+from model.gguf_import import import_gguf_checkpoint
+from service.cli import main as cli_main
+from service.contract.engine_spec import ENGINE_FILE
+from service.contract.reference import OrtDecoder
+from tests.conftest import torch_threads
+from tests.gguf_files import Q, TokenizerSpec, llamacpp_permute, write_gguf
+from tests.hf_llama import CHATML, IM_END, IM_START, build_hf_model
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+SMALL = {"hidden_size": 128, "intermediate_size": 96, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "tie_word_embeddings": True}  # heads of 32
+CASES = {"q4_0": (Q.Q4_0,), "q8_0": (Q.Q8_0,), "q4_1": (Q.Q4_1,),
+         # Q|K|V mixes types: Q4_0 beside Q4_1 rows, 8- beside 4-bit (our int8), Q5_0 (int8)
+         "mixed": (Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_0)}
+KEPT = {Q.Q4_0, Q.Q4_1, Q.Q8_0}
+# llama.cpp names of each graph weight (model.onnx | engine.onnx); the head is tied.
+LAYER_WEIGHTS = {"qkv.w": ("attn_q", "attn_k", "attn_v"), "w_qkv": ("attn_q", "attn_k", "attn_v"),
+                 "o.w": ("attn_output",), "w_o": ("attn_output",), "gate.w": ("ffn_gate",),
+                 "up.w": ("ffn_up",), "down.w": ("ffn_down",)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with torch_threads(1):
+        yield
+
+
+@dataclass(frozen=True)
+class Built:
+    gguf: Path
+    ckpt: Path
+    artifact: Path
+
+
+def write_file(root: Path, types: tuple[Any, ...], seed: int = 1) -> Path:
+    hf = root / "hf"
+    build_hf_model(hf, "llama", seed=seed, **SMALL)
+    (root / "gguf").mkdir(exist_ok=True)
+    spec = TokenizerSpec(pre="gpt-2", bos=IM_START, eos=IM_END, pad=IM_END,
+                         chat_template=CHATML)
+    return write_gguf(hf, root / "gguf" / "model.gguf", types, spec)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
+    cache: dict[str, Built] = {}
+
+    def get(name: str) -> Built:
+        if name not in cache:
+            root = tmp_path_factory.mktemp(name)
+            path = write_file(root, CASES[name])
+            ckpt = import_gguf_checkpoint(path, root / "ckpt")
+            art = export_artifact(ckpt, root / "art", quantize="gguf", engine_graph=True)
+            cache[name] = Built(path, ckpt, art)
+        return cache[name]
+
+    return get
+
+
+def gguf_reference(path: Path, weight: str, layer: int | None) -> tuple[np.ndarray, list[Any]]:
+    """The (N, K) float32 weight gguf dequantises for a graph weight, and the types."""
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    heads, kv = SMALL["num_attention_heads"], SMALL["num_key_value_heads"]
+    names = (["token_embd"] if layer is None else
+             [f"blk.{layer}.{n}" for n in LAYER_WEIGHTS[weight]])
+    rows, types = [], []
+    for name in names:
+        t = tensors[f"{name}.weight"]
+        w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)  # (N, K)
+        if name.endswith(("attn_q", "attn_k")):  # invert llama.cpp's permutation
+            n = heads if name.endswith("attn_q") else kv
+            order = llamacpp_permute(np.arange(w.shape[0]), n, None)
+            w = w[np.argsort(order)]
+        rows.append(w)
+        types.append(t.tensor_type)
+    return np.concatenate(rows), types
+
+
+def effective_weight(model: onnx.ModelProto, node: onnx.NodeProto, base: Path) -> np.ndarray:
+    """The (N, K) weight a rewritten product computes: the MatMulNBits node (and, for
+    minimums, the nodes adding them) alone in a graph at accuracy level 0 (float
+    activations) on an identity input."""
+    produced = {o: n for n in model.graph.node for o in n.output}
+    consumers = {i: n for n in model.graph.node for i in n.input}
+    nodes = [node]
+    out = node.output[0]
+    if out.endswith(".gguf_scaled"):  # exact Q4_1: + block sums · minimums
+        add = consumers[out]
+        mins = produced[next(i for i in add.input if i != out)]
+        nodes += [produced[mins.input[0]], mins, add]
+        out = add.output[0]
+    x = node.input[0]
+    copies = []
+    for n in nodes:
+        c = onnx.NodeProto()
+        c.CopyFrom(n)
+        c.input[:] = ["x" if i == x else i for i in c.input]
+        for a in c.attribute:
+            if a.name == "accuracy_level":
+                a.i = 0
+        copies.append(c)
+    wanted = {i for c in copies for i in c.input}
+    inits = [t for t in model.graph.initializer if t.name in wanted]
+    k = next(a.i for a in node.attribute if a.name == "K")
+    n_out = next(a.i for a in node.attribute if a.name == "N")
+    graph = helper.make_graph(copies, "one", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [k, k])], [helper.make_tensor_value_info(
+            out, TensorProto.FLOAT, [k, n_out])], inits)
+    one = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                  helper.make_opsetid("com.microsoft", 1)])
+    one.ir_version = 8
+    onnx.external_data_helper.load_external_data_for_model(one, str(base))
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(one.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": np.eye(k, dtype=np.float32)})[0].T  # (N, K)
+
+
+def weight_of(node: onnx.NodeProto) -> tuple[str, int | None]:
+    """(graph weight kind, layer) from the MatMulNBits B name: l3.qkv.w.gguf_q (kept
+    blocks), l3.qkv.w_Q8 / _Q4 (ORT's quantiser)."""
+    name = node.input[1].removesuffix(".gguf_q").removesuffix("_Q8").removesuffix("_Q4")
+    if name == "lm_head.w":
+        return name, None
+    layer, _, kind = name.partition(".")
+    return kind, int(layer[1:])
+
+
+@pytest.mark.parametrize("case", ["q4_0", "q8_0", "q4_1", "mixed"])
+@pytest.mark.parametrize("graph", ["model.onnx", ENGINE_FILE])
+def test_weights_are_the_files_dequantised_blocks(case: str, graph: str,
+                                                  built: Callable[[str], Built]) -> None:
+    b = built(case)
+    model = onnx.load(str(b.artifact / graph), load_external_data=False)
+    checked, fallback = 0, 0
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        kind, layer = weight_of(node)
+        ref, types = gguf_reference(b.gguf, kind, layer)
+        if not node.input[1].endswith(".gguf_q"):  # our quantiser's fallback
+            assert not set(types) <= KEPT or len({t == Q.Q8_0 for t in types}) > 1
+            fallback += 1
+            continue
+        assert set(types) <= KEPT
+        ours = effective_weight(model, node, b.artifact)
+        assert ours.shape == ref.shape
+        assert np.array_equal(ours, ref), f"{node.name}: {np.abs(ours - ref).max()}"
+        checked += 1
+    layers = 2
+    assert checked + fallback == 5 * layers + 1  # every projection and the tied head
+    assert (fallback > 0) == (case == "mixed")
+    weights = {t.name for t in model.graph.initializer} - {
+        t.name for t in model.graph.initializer if t.name.startswith("gguf.")
+        or t.name.endswith(".gguf_mins")}
+    assert not [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")
+                and n.input[1] in weights]  # no float weight product left
+
+
+@pytest.mark.parametrize("case", ["q4_0", "q8_0", "q4_1"])
+def test_logits_match_the_dequantised_checkpoint(case: str,
+                                                 built: Callable[[str], Built]) -> None:
+    """model.onnx and engine.onnx against PyTorch on the imported checkpoint: within 1e-4
+    relative (RMS) with float activations (accuracy level 0: the weights are exact),
+    within 3% with the artifact's int8 activations (level 4, what is served)."""
+    b = built(case)
+    gpt = load_checkpoint(b.ckpt).model.eval()
+    ids = np.random.default_rng(0).integers(3, gpt.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        ref = gpt(torch.from_numpy(ids)).logits.float().numpy()  # (B, T, V)
+    pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()
+    for level in (0, 4):
+        art = b.artifact if level == 4 else float_activations(b.artifact)
+        dec = OrtDecoder.from_artifact(art)
+        model_logits, _ = dec(ids, np.ones_like(ids), pos, dec.empty_past(2))
+        eng = EngineDecoder(art / ENGINE_FILE, gpt)
+        engine_logits, _ = eng(ids, np.ones_like(ids), pos, eng.empty_past(2))
+        bound = 1e-4 if level == 0 else 0.03
+        for name, got in (("model.onnx", model_logits), ("engine.onnx", engine_logits)):
+            rel = float(np.sqrt(((got - ref) ** 2).mean() / (ref ** 2).mean()))
+            print(f"{case} level {level} {name}: relative RMS error {rel:.2e}")
+            assert rel < bound, (name, level, rel)
+            assert (got.argmax(-1) == ref.argmax(-1)).mean() > (0.999 if level == 0 else 0.9)
+
+
+def float_activations(artifact: Path) -> Path:
+    """A copy of the artifact whose MatMulNBits nodes run at accuracy level 0."""
+    out = artifact.with_name(artifact.name + "-level0")
+    if not out.exists():
+        shutil.copytree(artifact, out)
+        for name in ("model.onnx", ENGINE_FILE):
+            model = onnx.load(str(out / name), load_external_data=False)
+            for node in model.graph.node:
+                for a in node.attribute:
+                    if node.op_type == "MatMulNBits" and a.name == "accuracy_level":
+                        a.i = 0
+            onnx.save_model(model, str(out / name))
+    return out
+
+
+def test_manifest_records_kept_and_fallback(built: Callable[[str], Built]) -> None:
+    manifest = json.loads((built("mixed").artifact / "manifest.json").read_text("utf-8"))
+    assert manifest["quantization"] == "gguf"
+    for key in ("quantized", "engine_quantized"):
+        figures = manifest["verification"][key]
+        assert figures["kept_tensors"] and figures["fallback"]
+        assert all(f["as"] in ("int4", "int8") for f in figures["fallback"].values())
+        assert "perplexity_relative_change" in figures
+
+
+def test_refusals_exit_2_and_write_nothing(built: Callable[[str], Built], tmp_path: Path,
+                                          tiny_checkpoint: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    b = built("q4_0")
+
+    def refused(ckpt: Path, needle: str) -> None:
+        out = tmp_path / "out"
+        assert cli_main(["export", "--ckpt", str(ckpt), "--out", str(out),
+                         "--quantize", "gguf"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()  # progress lines, then the error
+        assert err and needle in err[-1] and err[-1].startswith("attnserve export: error:"), err
+        assert not out.exists() and not any(p.name.startswith(".out") for p in
+                                            tmp_path.iterdir())
+
+    refused(tiny_checkpoint, "not")  # trained here, never imported from GGUF
+    moved = b.gguf.with_suffix(".moved")
+    b.gguf.rename(moved)
+    try:
+        refused(b.ckpt, "gone")
+    finally:
+        moved.rename(b.gguf)
+    # Another file at the same path with the same header: the blocks tell them apart.
+    original = b.gguf.read_bytes()
+    write_file(tmp_path / "other", CASES["q4_0"], seed=7)
+    shutil.copyfile(tmp_path / "other" / "gguf" / "model.gguf", b.gguf)
+    shutil.rmtree(tmp_path / "other")
+    try:
+        refused(b.ckpt, "changed since the import")
+    finally:
+        b.gguf.write_bytes(original)
