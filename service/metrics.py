@@ -98,6 +98,21 @@ class Metrics:
                                      "Prefix cache hits / queries (tokens) since start.",
                                      registry=r)
         self._prefix_seen = (0, 0, 0)  # queries, hits, evictions already counted
+        # Speculative decoding, by vLLM's names (vllm:spec_decode_num_*).
+        self.spec_drafts = Counter("attnserve_spec_decode_num_drafts",
+                                   "Verification passes that carried drafted tokens.",
+                                   registry=self.registry)
+        self.spec_draft_tokens = Counter("attnserve_spec_decode_num_draft_tokens",
+                                         "Tokens drafted (prompt lookup or draft model).",
+                                         registry=self.registry)
+        self.spec_accepted = Counter("attnserve_spec_decode_num_accepted_tokens",
+                                     "Drafted tokens the target model accepted.",
+                                     registry=self.registry)
+        self.spec_accepted_per_pos = Counter(
+            "attnserve_spec_decode_num_accepted_tokens_per_pos",
+            "Drafted tokens accepted, by their position in the draft.", ["position"],
+            registry=self.registry)
+        self._spec_seen: tuple[int, int, int, tuple[int, ...]] = (0, 0, 0, ())
         self.prefix_blocks = Gauge("attnserve_prefix_cache_blocks",
                                    "Blocks held by the prefix cache.", registry=r)
         self.prefix_capacity = Gauge("attnserve_prefix_cache_capacity_blocks",
@@ -170,6 +185,17 @@ class Metrics:
             self.prefix_blocks.set(prefix.blocks)
             self.prefix_capacity.set(prefix.capacity_blocks)
             self.prefix_bytes.set(prefix.bytes_allocated)
+        spec = stats.speculation
+        if spec is not None:
+            drafts, tokens, accepted, per_pos = self._spec_seen
+            self.spec_drafts.inc(spec.drafts - drafts)
+            self.spec_draft_tokens.inc(spec.draft_tokens - tokens)
+            self.spec_accepted.inc(spec.accepted_tokens - accepted)
+            for i, count in enumerate(spec.accepted_per_position):
+                seen = per_pos[i] if i < len(per_pos) else 0
+                self.spec_accepted_per_pos.labels(position=str(i)).inc(count - seen)
+            self._spec_seen = (spec.drafts, spec.draft_tokens, spec.accepted_tokens,
+                               spec.accepted_per_position)
 
     def record_queue(self, waiting: int) -> None:
         self.waiting.set(waiting)

@@ -50,6 +50,17 @@ OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--prefill-chunk-tokens", "prefill_chunk_tokens", int,
      "prefill longer prompts in chunks of this many tokens between decode steps; 0: off "
      "(default 256)"),
+    ("--speculative-model", "speculative_model", str,
+     "speculative decoding: 'ngram' (prompt lookup) or the artifact directory of a smaller "
+     "model with the same tokenizer (default off)"),
+    ("--num-speculative-tokens", "num_speculative_tokens", int,
+     "tokens drafted per verification pass (default 4)"),
+    ("--prompt-lookup-max", "prompt_lookup_max", int,
+     "longest n-gram matched by prompt lookup (default 4)"),
+    ("--prompt-lookup-min", "prompt_lookup_min", int,
+     "shortest n-gram matched by prompt lookup (default 2)"),
+    ("--speculative-max-batch-rows", "speculative_max_batch_rows", int,
+     "speculate only while at most this many sequences run (default 1)"),
 )
 
 

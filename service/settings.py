@@ -73,6 +73,17 @@ class Settings(BaseSettings):
         True, description="size each chunk to cost about one decode step of the running "
                           "rows (at least 16 tokens), and prefill in one pass when no row "
                           "is running; false: every chunk is prefill_chunk_tokens")
+    speculative_model: str | None = Field(
+        None, description="speculative decoding: 'ngram' (prompt lookup, no second model) "
+                          "or a smaller model's artifact directory with the same tokenizer; "
+                          "default off")
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=16, description="tokens drafted per verification pass")
+    prompt_lookup_max: int = Field(4, ge=1, description="longest n-gram prompt lookup matches")
+    prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram prompt lookup matches")
+    speculative_max_batch_rows: int = Field(
+        1, ge=1, description="speculate only while at most this many sequences are running "
+                             "(a batched decode step is the better pass beyond)")
     generation_config: Literal["auto", "off"] = Field(
         "auto", description="auto: the OpenAI routes take sampling fields a request leaves "
                             "unset from the artifact's generation_config.json (vLLM's "

@@ -27,6 +27,7 @@ from service.engine.request import (
 )
 from service.engine.runner import ModelRunner
 from service.engine.sampling import RowSampler, choose_tokens, log_softmax, top_logprobs
+from service.engine.speculative import Speculator, accept
 from service.engine.text import IncrementalDecoder, TextCodec
 
 
@@ -44,6 +45,7 @@ class SequenceState:
     inter_token_latencies: list[float] = field(default_factory=list)
     prefill: tuple[TokenInfo, ...] = ()
     finish: FinishInfo | None = None
+    output_ids: list[int] = field(default_factory=list)  # generated so far (speculation's history)
 
     @property
     def cached_tokens(self) -> int:
@@ -141,6 +143,65 @@ class Batch:
         return [self._advance(i, seq, int(tokens[i]), float(logprobs[i]), last, now)
                 for i, seq in enumerate(self.sequences)]
 
+    def speculate(self, runner: ModelRunner, speculator: Speculator) -> list[list[TokenEvent]]:
+        """One decode step with speculation: the events of each row (one or more tokens).
+
+        A row with a proposal feeds its newest token and the drafted ones in one pass
+        (``runner.extend``), keeps what verification accepts plus the target's own next
+        token, and rolls its cache back past the rest (``runner.truncate``). Rows without
+        a proposal decode one token together, as in ``step``.
+        """
+        if self.next_tokens is None:
+            raise ValueError("speculate needs a prefilled batch")
+        fed = self.next_tokens
+        proposals = [speculator.propose(seq.request.id,
+                                        [*seq.request.prompt_ids, *seq.output_ids],
+                                        seq.sampler, self._draft_room(runner, i))
+                     for i, seq in enumerate(self.sequences)]
+        events: list[list[TokenEvent]] = [[] for _ in self.sequences]
+        next_tokens = fed.copy()
+        plain = [i for i, p in enumerate(proposals) if p is None]
+        if plain:
+            last = np.ascontiguousarray(runner.decode([self.slots[i] for i in plain],
+                                                      fed[plain]), np.float32)  # (P, V)
+            tokens, logprobs = choose_tokens(last, [self.sequences[i].sampler for i in plain])
+            now = time.perf_counter()
+            for j, i in enumerate(plain):
+                events[i] = [self._advance(j, self.sequences[i], int(tokens[j]),
+                                           float(logprobs[j]), last, now)]
+                next_tokens[i] = tokens[j]
+        for i, proposal in enumerate(proposals):
+            if proposal is None:
+                continue
+            seq, slot = self.sequences[i], self.slots[i]
+            cached = int(runner.pool.lengths[slot.index])
+            row_tokens = np.concatenate([fed[i:i + 1], proposal.tokens])  # (k + 1,)
+            logits = np.ascontiguousarray(runner.extend(slot, row_tokens),
+                                          np.float32)  # (k + 1, V)
+            verdict = accept(proposal.tokens.tolist(), logits, seq.sampler, proposal.probs,
+                             _stop_ids(seq.request))
+            runner.truncate(slot, cached + 1 + verdict.accepted)  # fed token + kept drafts
+            speculator.record(seq.request.id, verdict)
+            logprobs_all = log_softmax(logits)  # (k + 1, V)
+            now = time.perf_counter()
+            for token, position in zip(verdict.tokens, verdict.positions, strict=True):
+                events[i].append(self._advance(position, seq, token,
+                                               float(logprobs_all[position, token]),
+                                               logits, now))
+                if seq.finish is not None:
+                    break
+            next_tokens[i] = verdict.tokens[-1]
+        self.next_tokens = next_tokens
+        return events
+
+    def _draft_room(self, runner: ModelRunner, row: int) -> int:
+        """Drafted tokens row ``row`` may verify: within its max_new_tokens (the last token
+        of a pass is the target's own) and its slot."""
+        seq = self.sequences[row]
+        left = seq.request.stopping.max_new_tokens - seq.generated - 1
+        room = runner.pool.shape.max_len - int(runner.pool.lengths[self.slots[row].index]) - 1
+        return max(0, min(left, room))
+
     def _record_prompt_logprobs(self, logits: list[np.ndarray]) -> None:
         for seq, rows in zip(self.sequences, logits, strict=True):
             if not seq.request.prompt_logprobs:
@@ -161,6 +222,7 @@ class Batch:
             seq.inter_token_latencies.append(now - seq.last_token_time)
         seq.last_token_time = now
         seq.generated += 1
+        seq.output_ids.append(token)
         special = token in self.codec.special_ids
         text = self.codec.token_text(token) if special else seq.decoder.push(token)
 
@@ -227,3 +289,12 @@ class Batch:
         return cls(sequences=[s for b in batches for s in b.sequences], codec=batches[0].codec,
                    slots=runner.join([b.slots for b in batches]),
                    next_tokens=np.concatenate([t for t in tokens if t is not None]))
+
+
+def _stop_ids(request: GenerationRequest) -> frozenset[int]:
+    """Tokens that end the sequence: verification keeps nothing after one."""
+    stop = request.stopping
+    ends = set(stop.stop_token_ids)
+    if stop.eos_token_id is not None:
+        ends |= {stop.eos_token_id, *stop.extra_eos_ids}
+    return frozenset(ends)

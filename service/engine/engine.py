@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,11 +26,14 @@ import numpy as np
 from service.artifact import Artifact
 from service.contract import io_spec as io
 from service.contract.engine_spec import ENGINE_FILE
+from service.contract.manifest import verify_manifest
+from service.engine.draft import DraftModel
 from service.engine.portable import ModelGraphRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import RequestHandle, Scheduler, SchedulerLimits
 from service.engine.session import CPU, create_session, select_providers
+from service.engine.speculative import SpeculativeConfig, Speculator
 from service.engine.static_cache import EngineGraphRunner
 from service.engine.stats import KVStats, PrefixCacheStats, StatsSink
 from service.settings import Device, Limits, Settings
@@ -55,6 +58,8 @@ class EngineConfig:
     prefix_block_size: int = 16
     prefill_chunk_tokens: int = 256  # 0: prompts are prefilled in one pass
     adaptive_prefill_chunks: bool = True
+    speculative: SpeculativeConfig | None = None  # None: one token per row per step
+    speculative_model: Path | None = None  # the draft's artifact (method "draft")
 
     @classmethod
     def from_settings(cls, settings: Settings, limits: Limits) -> EngineConfig:
@@ -68,7 +73,59 @@ class EngineConfig:
                    prefix_cache_memory_mb=settings.prefix_cache_memory_mb,
                    prefix_block_size=settings.prefix_block_size,
                    prefill_chunk_tokens=settings.prefill_chunk_tokens,
-                   adaptive_prefill_chunks=settings.adaptive_prefill_chunks)
+                   adaptive_prefill_chunks=settings.adaptive_prefill_chunks,
+                   speculative=speculative_config(settings),
+                   speculative_model=None if settings.speculative_model in (None, "ngram")
+                   else Path(str(settings.speculative_model)))
+
+
+def speculative_config(settings: Settings) -> SpeculativeConfig | None:
+    """``--speculative-model ngram|DIR`` and its companions (None: off)."""
+    if settings.speculative_model is None:
+        return None
+    return SpeculativeConfig(
+        method="ngram" if settings.speculative_model == "ngram" else "draft",
+        num_speculative_tokens=settings.num_speculative_tokens,
+        prompt_lookup_max=settings.prompt_lookup_max,
+        prompt_lookup_min=settings.prompt_lookup_min,
+        max_batch_rows=settings.speculative_max_batch_rows)
+
+
+def create_speculator(artifact: Artifact, config: EngineConfig) -> Speculator | None:
+    """The speculation policy, with the draft model's own runner and pool if it has one.
+
+    A draft must share the target's tokenizer (the same tokenizer.json, by the manifests'
+    hashes) and vocabulary size: it proposes ids, and verification compares distributions
+    over the same ids.
+    """
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return Speculator(spec)
+    if config.speculative_model is None:
+        raise ValueError("draft speculation needs --speculative-model DIR")
+    path = config.speculative_model
+    try:
+        manifest = verify_manifest(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--speculative-model {path}: {exc}") from None
+    draft_config = io.ArtifactConfig.load(path)
+    tokenizer = manifest.files.get(io.TOKENIZER_FILE)
+    if tokenizer is None or tokenizer.sha256 != artifact.files.get(io.TOKENIZER_FILE):
+        raise ValueError(f"--speculative-model {path}: its tokenizer.json differs from the "
+                         "served model's; a draft must use the same tokenizer")
+    if draft_config.vocab_size != artifact.config.vocab_size:
+        raise ValueError(f"--speculative-model {path}: vocabulary of "
+                         f"{draft_config.vocab_size} ids, the served model has "
+                         f"{artifact.config.vocab_size}")
+    rows = spec.max_batch_rows
+    max_len = min(config.max_total_tokens or artifact.config.max_seq_len,
+                  draft_config.max_seq_len)
+    draft_runner = create_runner(path, draft_config, replace(
+        config, max_batch_size=rows, max_batch_tokens=rows * max_len, max_total_tokens=max_len,
+        kv_cache_memory_mb=None, prefix_caching=False, speculative=None))
+    return Speculator(spec, DraftModel(draft_runner, spec.num_speculative_tokens, max_len))
 
 
 def pool_config(engine: EngineConfig, model: io.ArtifactConfig, token_bytes: int) -> PoolConfig:
@@ -137,7 +194,8 @@ class Engine:
         limits = SchedulerLimits(config.max_batch_size, config.max_batch_tokens,
                                  config.max_queued_requests, config.prefill_chunk_tokens,
                                  config.adaptive_prefill_chunks)
-        engine = cls(runner, Scheduler(runner, artifact.codec, limits, stats))
+        speculator = create_speculator(artifact, config)
+        engine = cls(runner, Scheduler(runner, artifact.codec, limits, stats, speculator))
         if warmup:
             started = time.perf_counter()
             engine.scheduler.warmup(GenerationRequest(

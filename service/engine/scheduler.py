@@ -32,6 +32,7 @@ from service.engine.batch import Batch, SequenceState
 from service.engine.chunking import ChunkBudget
 from service.engine.request import ErrorEvent, Event, GenerationRequest
 from service.engine.runner import ModelRunner
+from service.engine.speculative import Speculator
 from service.engine.stats import LoadStats, NullStats, RequestStats, StatsSink, StepStats
 from service.engine.text import TextCodec
 
@@ -112,9 +113,10 @@ class RequestHandle:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, codec: TextCodec, limits: SchedulerLimits,
-                 stats: StatsSink | None = None) -> None:
+                 stats: StatsSink | None = None, speculator: Speculator | None = None) -> None:
         self.runner = runner
         self.codec = codec
+        self.speculator = speculator  # None: one token per row per decode step
         # A batch never outgrows the runner's pool, nor its KV budget in tokens.
         limits = replace(limits, max_batch_size=min(limits.max_batch_size, runner.capacity),
                          max_batch_tokens=min(limits.max_batch_tokens, runner.budget_tokens))
@@ -359,14 +361,19 @@ class Scheduler:
         start = time.perf_counter()
         # prompt tokens this pass feeds (after any chunks), or one token per row
         tokens = len(batch) if batch.is_prefilled else batch.prompt_left
-        events = batch.step(self.runner)
+        if (phase == "decode" and self.speculator is not None
+                and self.speculator.applies(len(batch))):
+            events = batch.speculate(self.runner, self.speculator)
+            tokens = sum(len(e) for e in events)
+        else:
+            events = [[e] for e in batch.step(self.runner)]
         duration = time.perf_counter() - start
         if phase == "decode":
             self.chunks.observe_decode(duration)
         self.stats.record_step(StepStats("prefill" if phase == "prefill" else "decode",
                                          duration, len(batch), tokens))
         self._send([(self._handles[s.request.id], e)
-                    for s, e in zip(batch.sequences, events, strict=True)])
+                    for s, row in zip(batch.sequences, events, strict=True) for e in row])
         return self._retire(batch)
 
     def _retire(self, batch: Batch) -> Batch | None:
@@ -405,6 +412,8 @@ class Scheduler:
                ) -> None:
         self._handles.pop(handle.request.id, None)
         req = handle.request
+        if self.speculator is not None:
+            self.speculator.release(req.id)
         started = seq is not None and seq.prefill_start > 0
         self.stats.record_request(RequestStats(
             outcome=outcome,
@@ -420,7 +429,8 @@ class Scheduler:
         self.stats.record_load(LoadStats(
             running=self.running, waiting=len(self._waiting), kv=self.runner.kv_stats(),
             prefix_cache=self.runner.prefix_stats(),
-            prefilling=int(self._partial is not None)))
+            prefilling=int(self._partial is not None),
+            speculation=self.speculator.stats() if self.speculator is not None else None))
 
     def _send(self, pairs: list[tuple[RequestHandle, Event]]) -> None:
         if not pairs or self._loop is None:

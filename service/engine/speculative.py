@@ -28,11 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from service.engine.sampling import RowSampler, warp
+from service.engine.stats import SpeculationStats
+
+if TYPE_CHECKING:
+    from service.engine.draft import DraftModel
 
 Method = Literal["ngram", "draft"]
 
@@ -147,16 +151,15 @@ def _judge(draft: int, logits: np.ndarray, sampler: RowSampler,
 
 @dataclass
 class RowSpeculation:
-    """One sequence's speculation state: its history and its back-off after misses.
+    """One sequence's back-off after missed proposals.
 
     A proposal rejected outright still yields one token, at the price of a wider pass; a
     row that keeps missing stops proposing for a while (doubling each time, up to 64
     tokens) so free chat runs at plain decoding's speed.
     """
 
-    history: list[int]
     misses: int = 0
-    pause: int = 0  # tokens to decode plainly before proposing again
+    pause: int = 0  # steps to decode plainly before proposing again
     pause_next: int = 4
     drafted: int = 0
     accepted: int = 0
@@ -168,7 +171,6 @@ class RowSpeculation:
         return True
 
     def record(self, verdict: Verdict, backoff_after: int) -> None:
-        self.history.extend(verdict.tokens)
         self.drafted += verdict.drafted
         self.accepted += verdict.accepted
         if verdict.accepted == 0:
@@ -201,3 +203,65 @@ class SpeculationCounters:
                 [0] * (verdict.drafted - len(self.accepted_per_position)))
         for i in range(verdict.accepted):
             self.accepted_per_position[i] += 1
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: np.ndarray  # (k,) drafted ids
+    probs: np.ndarray | None  # (k, V) the draft's distributions (None: point masses)
+
+
+class Speculator:
+    """The engine's speculation policy: who proposes, for which rows, and the counts.
+
+    Speculation runs while the batch has at most ``max_batch_rows`` rows: a verification
+    pass feeds one row's tokens (engine.onnx takes several new tokens over a cache one row
+    at a time), so at larger batches one batched decode step is the better use of a pass
+    over the weights (vLLM disables speculation by batch size for the same reason).
+    """
+
+    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None) -> None:
+        if (config.method == "draft") != (draft is not None):
+            raise ValueError("draft speculation needs a draft model, and only it")
+        self.config = config
+        self.ngram = NgramProposer(config)
+        self.draft = draft
+        self.counters = SpeculationCounters()
+        self._rows: dict[int, RowSpeculation] = {}
+
+    def applies(self, rows: int) -> bool:
+        return rows <= self.config.max_batch_rows
+
+    def propose(self, key: int, history: Sequence[int], sampler: RowSampler,
+                room: int) -> Proposal | None:
+        """At most ``room`` drafted tokens to follow ``history`` (prompt + output so far),
+        or None: the row decodes one token as usual this step."""
+        if room < 1 or sampler.constraint is not None:
+            return None
+        row = self._rows.setdefault(key, RowSpeculation())
+        if not row.wants_proposal():
+            return None
+        if self.draft is not None:
+            drafted = self.draft.propose(key, history, sampler.params, sampler.seed)
+            tokens, probs = drafted.tokens[:room], drafted.probs
+            probs = None if probs is None else probs[:len(tokens)]
+        else:
+            tokens, probs = self.ngram.propose(np.asarray(history, np.int64))[:room], None
+        if not len(tokens):
+            return None
+        return Proposal(tokens, probs)
+
+    def record(self, key: int, verdict: Verdict) -> None:
+        self._rows.setdefault(key, RowSpeculation()).record(verdict, self.config.backoff_after)
+        self.counters.record(verdict)
+
+    def stats(self) -> SpeculationStats:
+        c = self.counters
+        return SpeculationStats(c.drafts, c.draft_tokens, c.accepted_tokens,
+                                tuple(c.accepted_per_position))
+
+    def release(self, key: int) -> None:
+        """The sequence left the engine."""
+        self._rows.pop(key, None)
+        if self.draft is not None:
+            self.draft.release(key)

@@ -46,6 +46,16 @@ class PrefixCacheStats:
 
 
 @dataclass(frozen=True)
+class SpeculationStats:
+    """Speculative decoding, cumulative since start (vLLM's spec_decode counters)."""
+
+    drafts: int  # verification passes that carried drafted tokens
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: tuple[int, ...]  # drafts kept at position 0, 1, ...
+
+
+@dataclass(frozen=True)
 class LoadStats:
     """The engine's occupancy after a loop iteration."""
 
@@ -54,6 +64,7 @@ class LoadStats:
     kv: KVStats
     prefix_cache: PrefixCacheStats | None = None
     prefilling: int = 0  # requests part-way through a chunked prefill
+    speculation: SpeculationStats | None = None
 
     @property
     def kv_cache_tokens(self) -> int:
