@@ -86,7 +86,7 @@ def load_engine(runtime: Runtime) -> None:
                                               if engine.runner.device == "cpu"
                                               else settings.device,
                                               settings.attention_threads, prepack=False),
-                               config, artifact.path / io.ATTENTION_FILE)
+                               config)
     attention.run([config.start_token_id], ["weights"])
     log.info("model %s on %s (%s), loaded and warmed up in %.0f ms", artifact.name,
              engine.provider, engine.graph_file, (time.perf_counter() - started) * 1000)
