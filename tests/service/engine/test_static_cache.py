@@ -284,7 +284,7 @@ def test_slots_shorter_than_the_context_decode_the_reference_tokens(
 
 def test_a_pool_larger_than_the_memory_available_is_refused_before_allocating(
         session: ort.InferenceSession, config: io.ArtifactConfig) -> None:
-    from service.engine.kv_pool import ensure_memory, memory_available
+    from service.engine.kv_pool import memory_available
 
     available = memory_available()
     assert available is not None and available > 0  # Linux: /proc/meminfo
@@ -292,9 +292,10 @@ def test_a_pool_larger_than_the_memory_available_is_refused_before_allocating(
     slots = available // slot + 1  # one slot more than fits
     with pytest.raises(MemoryError, match="--max-total-tokens or --max-batch-size"):
         EngineGraphRunner(session, config, PoolConfig(slots=int(slots)))
-    with pytest.raises(MemoryError, match=r"needs 2\.0 GiB .* 1\.0 GiB"):
-        ensure_memory(2 << 30, "test", available=1 << 30)
-    ensure_memory(1 << 30, "test", available=2 << 30)  # fits: no error
+    # The same slots under a token budget that fits: the check counts the budget, not
+    # slots x max_len (the pool's pages are committed only as tokens are written).
+    budget = EngineGraphRunner(session, config, PoolConfig(slots=int(slots), budget_tokens=64))
+    assert budget.kv_stats().capacity_tokens == 64
 
 
 def test_create_runner_falls_back_to_model_onnx_through_the_pool(
@@ -325,27 +326,3 @@ def test_prompt_logprobs_through_the_batch_match_the_plain_loop(
                                [lp[j, t] for j, t in enumerate(ids[1:])], atol=1e-4)
     batch.release(runner)
     assert runner.pool.used == 0
-
-
-@pytest.mark.parametrize("layout", ["v2", "v1"])
-def test_memory_available_is_lowered_to_the_containers_headroom(
-        tmp_path: Path, layout: str) -> None:
-    from service.engine.kv_pool import memory_available
-
-    proc = tmp_path / "proc"
-    proc.mkdir()
-    (proc / "meminfo").write_text("MemTotal: 24000000 kB\nMemAvailable: 20000000 kB\n")
-    cgroup = tmp_path / "cgroup"
-    files = ({"memory.max": "8589934592\n", "memory.current": "1073741824\n"} if layout == "v2"
-             else {"memory/memory.limit_in_bytes": "8589934592\n",
-                   "memory/memory.usage_in_bytes": "1073741824\n"})
-    for name, text in files.items():
-        (cgroup / name).parent.mkdir(parents=True, exist_ok=True)
-        (cgroup / name).write_text(text)
-    assert memory_available(proc, cgroup) == 8 * 2**30 - 2**30  # limit − usage < MemAvailable
-    unlimited = "max\n" if layout == "v2" else "9223372036854771712\n"
-    (cgroup / next(iter(files))).write_text(unlimited)
-    assert memory_available(proc, cgroup) == 20000000 * 1024  # no limit: MemAvailable
-    (cgroup / next(iter(files))).write_text("garbage\n")
-    assert memory_available(proc, cgroup) == 20000000 * 1024  # unreadable: MemAvailable
-    assert memory_available(tmp_path / "none", tmp_path / "none") is None
