@@ -55,12 +55,21 @@ class Tally:
     completion_tokens: int = 0
 
 
-def vm_rss(pid: int) -> int:
-    """Resident bytes of process ``pid`` (VmRSS from /proc/PID/status)."""
+def status(pid: int, field: str = "VmRSS") -> int:
+    """Bytes of ``field`` of process ``pid`` in /proc/PID/status (VmRSS: resident; RssAnon:
+    its private memory; RssFile: mapped file pages, e.g. memory-mapped weights)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    raise RuntimeError(f"no {field} for pid {pid}")
+
+
+def vm_rss(pid: int) -> int:
+    return status(pid)
+
+
+def breakdown(pid: int) -> dict[str, float]:
+    return {f"{k}_mb": round(status(pid, k) / 2**20, 1) for k in ("RssAnon", "RssFile")}
 
 
 def metric(text: str, name: str) -> float | None:
@@ -121,6 +130,7 @@ async def soak(url: str, pid: int, clients: int, duration: float) -> dict[str, o
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         metrics = (await client.get("/metrics")).text
         before = vm_rss(pid)
+        parts_before = breakdown(pid)
         tally = Tally()
         peaks: dict[str, float] = {"rss": float(before)}
         stop = asyncio.Event()
@@ -134,10 +144,12 @@ async def soak(url: str, pid: int, clients: int, duration: float) -> dict[str, o
         await sampler
         await asyncio.sleep(1.0)  # the engine's last step and frees
         after = vm_rss(pid)
+        parts_after = breakdown(pid)
         final = (await client.get("/metrics")).text
     return {"model": model, "clients": clients, "duration_s": round(elapsed, 1),
             "rss_before_mb": round(before / 2**20, 1), "rss_after_mb": round(after / 2**20, 1),
             "rss_peak_mb": round(peaks["rss"] / 2**20, 1),
+            "before": parts_before, "after": parts_after,
             "kv_tokens_peak": peaks.get("tokens"),
             "kv_resident_peak_mb": round(peaks["resident"] / 2**20, 1)
             if "resident" in peaks else None,

@@ -86,8 +86,8 @@ def load_engine(runtime: Runtime) -> None:
                                               if engine.runner.device == "cpu"
                                               else settings.device,
                                               settings.attention_threads, prepack=False),
-                               config)
-    attention.run([config.start_token_id], ["weights"])
+                               config, artifact.path / io.ATTENTION_FILE)
+    attention.run([config.start_token_id], ["weights"], [0])  # pages in layer 0 only
     log.info("model %s on %s (%s), loaded and warmed up in %.0f ms", artifact.name,
              engine.provider, engine.graph_file, (time.perf_counter() - started) * 1000)
     runtime.metrics.set_model_info(artifact.name, engine.provider, artifact.sha256)

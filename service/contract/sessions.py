@@ -27,7 +27,8 @@ _LEVELS = {
 def create_session(model: str | Path | bytes, *, threads: int = 1,
                    providers: Sequence[str] = (CPU,), optimization: Optimization = "all",
                    save_optimized_to: Path | None = None,
-                   prepack: bool = True) -> ort.InferenceSession:
+                   prepack: bool = True,
+                   external_data_dir: Path | None = None) -> ort.InferenceSession:
     """A session over a model file (or serialized bytes).
 
     ``threads`` is the intra-op pool (one thread by default: checks need exactness, and the
@@ -36,6 +37,8 @@ def create_session(model: str | Path | bytes, *, threads: int = 1,
     ``prepack=False`` leaves the weights where ONNX Runtime memory-mapped them from
     weights.bin instead of copying them into packed buffers: a graph run rarely (the
     attention dump) then costs page cache shared with the file, not a private copy.
+    ``external_data_dir``: where the weights.bin of a model given as bytes lies (ONNX
+    Runtime otherwise looks in the working directory).
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = _LEVELS[optimization]
@@ -44,6 +47,9 @@ def create_session(model: str | Path | bytes, *, threads: int = 1,
     options.log_severity_level = 3
     if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")
+    if external_data_dir is not None:
+        options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(external_data_dir))
     if save_optimized_to is not None:
         options.optimized_model_filepath = str(save_optimized_to)
     source = model if isinstance(model, bytes) else str(model)

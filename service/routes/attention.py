@@ -1,7 +1,9 @@
 """POST /attention: every layer's Q, K, V, scores, scaled scores and weights for one input.
 
 Matrices come back in bertviz's layout, (layers, heads, query, key) — or (layers, heads,
-tokens, head_dim) for q, k and v — restricted to the requested layers and heads.
+tokens, head_dim) for q, k and v — restricted to the requested layers and heads. Only the
+requested layers and kinds are computed (service/viz/attention_model.py), so asking for
+one layer costs that layer's share of time and memory: the viewer fetches layer by layer.
 ``scaled_scores`` hold -inf where the causal mask hides a key; JSON has no infinity,
 so those entries are ``null`` in the json format (npz keeps the real -inf).
 
@@ -80,17 +82,20 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
     # Bounded (settings attention_max_concurrent/_queued; 429 beyond): running and encoding
     # a request costs seconds of CPU, and unbounded floods of them starve decoding.
     async with runtime.attention_gate.admit():
-        full = await asyncio.get_running_loop().run_in_executor(
-            runtime.attention_threads, runtime.attention.run, ids, kinds)
+        computed = await asyncio.get_running_loop().run_in_executor(
+            runtime.attention_threads, runtime.attention.run, ids, kinds, layers)
         # Encoding can take seconds (all kinds at full length is ~55 MB of JSON): off the
         # event loop, so the token streams of other requests do not stall meanwhile.
-        return await asyncio.to_thread(render, body, runtime, ids, layers, heads, full)
+        return await asyncio.to_thread(render, body, runtime, ids, layers, heads, computed)
 
 
 def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: list[int],
-           heads: list[int], full: dict[str, np.ndarray]) -> Response:
+           heads: list[int], computed: dict[str, np.ndarray]) -> Response:
+    """``computed``: {kind: (len(layers), all heads, ...)}, the requested layers in order."""
     codec = runtime.artifact.codec
-    arrays = {k: np.ascontiguousarray(v[layers][:, heads]) for k, v in full.items()}
+    all_heads = heads == list(range(runtime.artifact.config.n_heads))
+    arrays = {k: v if all_heads else np.ascontiguousarray(v[:, heads])
+              for k, v in computed.items()}
     # Grouped-query attention: several query heads share one key/value head (their k and
     # v entries are then equal); this says which.
     kv_heads = [runtime.artifact.config.kv_head_of(h) for h in heads]

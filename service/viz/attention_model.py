@@ -1,24 +1,43 @@
-"""attention.onnx for the /attention dump and the /viz page: every layer's Q, K, V, scores,
-scaled scores and weights for one sequence.
+"""attention.onnx for the /attention dump and the /viz page: Q, K, V, scores, scaled scores
+and weights of the requested layers for one sequence.
 
 Kept apart from the decode runners (service/engine): it runs rarely, on its own session,
 below the decode loop's priority (service/offload.py).
+
+ONNX Runtime computes every node and holds every graph output of a session until a run
+ends, whatever is fetched (graph_cut.py has the figures). So a request for some of the
+outputs runs on a session over a copy of the graph cut down to them: one layer's maps cost
+that layer's share of the work and memory, not the whole model's. Cut sessions are built
+on first use (0.05 s for layer 0 of SmolLM2, about 1 s for all 30 layers' weights) and the
+few most recent are kept; the session given at construction serves requests for
+everything. After each run the session's arena gives its memory back, so a long input
+does not leave hundreds of MB held by an idle viewer session.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from service.contract import io_spec as io
+from service.contract import sessions
+from service.viz.graph_cut import cut
+
+CUT_SESSIONS = 4  # cut sessions kept (a viewer's layer, its step view's, all weights, one more)
 
 
 class AttentionModel:
-    """attention.onnx: every layer's Q, K, V, scores, scaled scores and weights."""
+    """attention.onnx: the requested layers' Q, K, V, scores, scaled scores and weights."""
 
-    def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig) -> None:
+    def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig,
+                 source: Path | None = None) -> None:
+        """``source``: the session's attention.onnx, to cut per request; without it every
+        request runs the whole graph."""
         self.session = session
         self.config = config
         self._outputs = io.attention_output_names(config.n_layers)
@@ -26,15 +45,52 @@ class AttentionModel:
         missing = sorted(set(self._outputs) - available)
         if missing:
             raise ValueError(f"attention.onnx lacks outputs {missing[:4]}...")
+        self._source = source
+        self._graph = source.read_bytes() if source is not None else None
+        self._cut: OrderedDict[frozenset[str], ort.InferenceSession] = OrderedDict()
+        self._lock = threading.Lock()
+        self._run_options = ort.RunOptions()
+        if session.get_providers()[0] == sessions.CPU:
+            self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage",
+                                                   "cpu:0")
+        self.sessions_built = 0  # cut sessions built since start (a stat for tests)
 
-    def run(self, token_ids: Sequence[int], kinds: Sequence[str]) -> dict[str, np.ndarray]:
-        """{kind: (layers, heads, T, T or hs)} for one sequence, in the layout bertviz uses."""
+    def run(self, token_ids: Sequence[int], kinds: Sequence[str],
+            layers: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+        """{kind: (len(layers), heads, T, T or hs)} for one sequence, in the layout bertviz
+        uses; ``layers`` in the order given (default: every layer)."""
+        layers = list(range(self.config.n_layers)) if layers is None else list(layers)
         ids = np.asarray([token_ids], dtype=np.int64)  # (1, T)
         feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: np.ones_like(ids),
                  io.POSITION_IDS: np.arange(ids.shape[1], dtype=np.int64)[None, :]}
-        names = [io.attention_output_name(i, k) for k in kinds
-                 for i in range(self.config.n_layers)]
-        values = self.session.run(names, feeds)  # each (1, nh, T, T or hs)
-        n = self.config.n_layers
-        return {k: np.concatenate(values[j * n:(j + 1) * n], axis=0)  # (layers, nh, T, ...)
+        names = [io.attention_output_name(i, k) for k in kinds for i in layers]
+        values = self._session(names).run(names, feeds, self._run_options)
+        n = len(layers)  # each value (1, nh, T, T or hs)
+        return {k: np.concatenate(values[j * n:(j + 1) * n], axis=0)  # (n, nh, T, ...)
                 for j, k in enumerate(kinds)}
+
+    def _session(self, names: Sequence[str]) -> ort.InferenceSession:
+        """A session whose graph computes ``names`` and nothing past them."""
+        key = frozenset(names)
+        if self._graph is None or len(key) == len(self._outputs):
+            return self.session
+        with self._lock:  # several attention threads may ask at once
+            session = self._cut.get(key)
+            if session is None:
+                assert self._source is not None
+                try:
+                    graph = cut(self._graph, sorted(key))
+                except ValueError:  # control flow: not cut, the whole graph runs
+                    self._graph = None
+                    return self.session
+                options = self.session.get_session_options()
+                session = sessions.create_session(
+                    graph, threads=options.intra_op_num_threads,
+                    providers=self.session.get_providers(), prepack=False,
+                    external_data_dir=self._source.parent)
+                self.sessions_built += 1
+                self._cut[key] = session
+                while len(self._cut) > CUT_SESSIONS:
+                    self._cut.popitem(last=False)
+            self._cut.move_to_end(key)
+            return session

@@ -351,6 +351,7 @@ def test_three_views_over_prompt_and_continuation(chromium: Any, server: Any,
     # Head view: lines drawn; hovering a query focuses it; clicking picks it as the query.
     assert canvas_ink(page, "#head-canvas") > 0
     page.select_option("#layer", "1")
+    page.wait_for_selector("#head-canvas[data-layer='1']")  # layer 1 fetched and drawn
     page.click("#heads-none")
     assert page.evaluate("() => window.attnviz.state.heads.size") == 0
     for h in (0, 2):
@@ -365,6 +366,7 @@ def test_three_views_over_prompt_and_continuation(chromium: Any, server: Any,
     page.click("[data-view=model]")
     thumbs = page.locator("canvas.thumb")
     assert thumbs.count() == config.n_layers * config.n_heads
+    page.wait_for_selector("canvas.thumb[data-layer='1'][data-head='2'][data-ready]")
     page.click("canvas.thumb[data-layer='1'][data-head='2']")
     assert page.inner_text("#detail-title") == "layer 1 · head 2"
     assert (page.input_value("#layer"), page.input_value("#head")) == ("1", "2")
@@ -389,6 +391,117 @@ def test_three_views_over_prompt_and_continuation(chromium: Any, server: Any,
     page.wait_for_selector("#step[data-query='3'] #step-table")
     check_step(step_numbers(page, 0, 3, 3), reference(client, text, 0, 3), 3)
     assert "/generate" in watch.paths()
+    watch.assert_clean()
+    page.context.close()
+
+
+# ---------------------------------------------------------------------------- layer by layer
+
+
+DEEP_LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def deep_server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[ServerProcess]:
+    """Random weights, 6 layers x 4 heads: enough layers for the viewer to fetch in groups
+    (numbers are checked against /attention, not PyTorch)."""
+    import torch
+
+    from export.to_onnx import export_artifact
+    from model.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+    from model.config import GPTConfig
+    from model.gpt import GPT
+
+    tiny = load_checkpoint(tiny_checkpoint)
+    config = GPTConfig(vocab_size=tiny.model.config.vocab_size, d_model=32, n_heads=4,
+                       n_layers=DEEP_LAYERS, d_ff=64, max_seq_len=64)
+    out = tmp_path_factory.mktemp("viz-deep")
+    with torch_threads(1):
+        torch.manual_seed(1)
+        meta = CheckpointMeta(model=config, tokenizer=dict(tiny.meta.tokenizer))
+        ckpt = save_checkpoint(out / "ckpt", GPT(config).eval(), meta,
+                               (tiny_checkpoint / io.TOKENIZER_FILE).read_text("utf-8"))
+        artifact = export_artifact(ckpt, out / "artifact", verify=False)
+    proc = ServerProcess(artifact, out / "server.log")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def thumbnails(page: Any) -> list[list[int]]:
+    return list(page.evaluate("""() => [...document.querySelectorAll('canvas.thumb')].map(
+        (c) => [...c.getContext('2d').getImageData(0, 0, c.width, c.height).data])"""))
+
+
+def attention_bodies(watch: Watch) -> list[Any]:
+    return [r.post_data_json for r in watch.requests if urlsplit(r.url).path == "/attention"]
+
+
+def test_layers_are_fetched_on_demand_within_the_budget(chromium: Any,
+                                                        deep_server: ServerProcess) -> None:
+    server = deep_server
+
+    def fetched(layer: int | None = None) -> np.ndarray:
+        """/attention JSON weights, (L or 1, H, T, T), as the test asks for them."""
+        body = {"inputs": PROMPT} if layer is None else {"inputs": PROMPT, "layers": [layer]}
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            r = client.post("/attention", json=body)
+        return np.asarray(r.json()["attention"]["weights"], np.float32)
+
+    # A graph cut down to some layers may fuse operations the whole graph cannot (a score
+    # that is no longer an output): the same numbers to float32 rounding, not bit for bit.
+    weights = fetched()  # (L, H, T, T)
+    layers, heads, t = weights.shape[:3]
+    assert layers == DEEP_LAYERS
+    for layer in (0, 2):
+        np.testing.assert_allclose(fetched(layer)[0], weights[layer], rtol=1e-5, atol=1e-7)
+
+    # Reference: one page with the default budget (every missing layer in one request).
+    page, watch = open_page(chromium, server.url, key=None)
+    run_prompt(page, PROMPT, continuation=False)
+    page.click("[data-view=model]")
+    page.wait_for_selector(f"#model-grid[data-loaded='{layers}']")
+    assert [b["layers"] for b in attention_bodies(watch)] == [[0], list(range(1, layers))]
+    reference = thumbnails(page)
+    page.context.close()
+
+    # A budget of two layers' maps: requests of two layers at most, two layers kept.
+    page, watch = open_page(chromium, server.url, key=None)
+    page.wait_for_function(RUN_ENABLED)
+    page.evaluate("(b) => { window.attnviz.state.budget = b; }", 2 * heads * t * t * 4)
+    run_prompt(page, PROMPT, continuation=False)
+    # The page opened on layer 0's weights alone, and shows the server's numbers.
+    assert attention_bodies(watch) == [{"inputs": PROMPT, "include": ["weights"],
+                                        "format": "npz", "layers": [0]}]
+    held = page.evaluate("() => [...window.attnviz.state.model.store.maps.keys()]")
+    assert held == [0]
+    shown = page.evaluate("() => Array.from(window.attnviz.state.model.store.maps.get(0))")
+    np.testing.assert_array_equal(np.asarray(shown, np.float32), fetched(0).ravel())
+    assert canvas_ink(page, "#head-canvas") > 0
+
+    page.click("[data-view=model]")
+    page.wait_for_selector(f"#model-grid[data-loaded='{layers}']")
+    asked = [b["layers"] for b in attention_bodies(watch)]
+    assert asked == [[0], [1, 2], [3, 4], [5]]
+    assert all(b["include"] == ["weights"] for b in attention_bodies(watch))
+    assert page.evaluate("() => window.attnviz.state.model.store.maps.size") <= 2
+    # The same pictures, painted layer by layer (a colour may round to the next entry).
+    diff = np.abs(np.asarray(thumbnails(page), np.int64) - np.asarray(reference, np.int64))
+    assert diff.max() <= 4, diff.max()
+
+    # Opening an evicted layer fetches it again; its map and read-out use its numbers.
+    page.click("canvas.thumb[data-layer='0'][data-head='3']")
+    page.wait_for_selector("#detail-canvas[data-layer='0'][data-head='3'][data-ready]")
+    assert [b["layers"] for b in attention_bodies(watch)][-1] == [0]
+    page.click("[data-view=head]")
+    page.select_option("#layer", "2")
+    page.wait_for_selector("#head-canvas[data-layer='2']")
+    shown = page.evaluate("() => Array.from(window.attnviz.state.model.store.maps.get(2))")
+    np.testing.assert_array_equal(np.asarray(shown, np.float32), fetched(2).ravel())
+    assert page.evaluate("() => window.attnviz.state.model.store.maps.size") <= 2
     watch.assert_clean()
     page.context.close()
 
@@ -459,7 +572,9 @@ def test_full_context_input_stays_responsive(chromium: Any, long_server: ServerP
     page.click("[data-view=model]")
     assert page.locator("canvas.thumb").count() == 2 * 12
     page.select_option("#scale", "sqrt")  # random weights: near-uniform, faint α
+    page.wait_for_selector("#model-grid[data-loaded='2']")
     page.click("canvas.thumb[data-layer='1'][data-head='11']")
+    page.wait_for_selector("#detail-canvas[data-layer='1'][data-ready]")
     save_shot(page.locator("#views"), shots / "model-view-long.png")
     page.click("#detail-step")
     with httpx.Client(base_url=server.url, timeout=120) as client:

@@ -28,9 +28,10 @@ export class HeadView {
     });
   }
 
-  /** model: {weights: Float32Array (L, H, T, T), L, H, T, tokens: [{text, generated}]} */
+  /** model: {L, H, T, tokens: [{text, generated}]}; the maps come with ``show``. */
   setData(model) {
     this.model = model;
+    this.maps = null;
     this.cache = null;
     this.focus = null;
     const ctx = this.canvas.getContext("2d");
@@ -39,8 +40,11 @@ export class HeadView {
     this.labelW = Math.ceil(Math.min(170, widest + 16));
   }
 
-  show(layer, heads, query) {
+  /** maps: the layer's weights, Float32Array (H, T, T). */
+  show(layer, maps, heads, query) {
+    if (maps !== this.maps) this.cache = null;
     this.layer = layer;
+    this.maps = maps;
     this.heads = heads;
     this.query = query;
     const { T } = this.model;
@@ -48,6 +52,7 @@ export class HeadView {
     this.width = Math.max(2 * this.labelW + GAP_MIN + 48, Math.min(parent - 4, 2 * this.labelW + 560));
     this.height = TOP + T * ROW + 8;
     this.draw();
+    this.canvas.dataset.layer = layer;
   }
 
   hit(e) {
@@ -66,6 +71,7 @@ export class HeadView {
   }
 
   setFocus(focus) {
+    if (!this.maps) return;
     const same = (focus === null && this.focus === null) || (focus && this.focus
       && focus.side === this.focus.side && focus.index === this.focus.index);
     if (same) return;
@@ -79,8 +85,8 @@ export class HeadView {
   y(i) { return TOP + i * ROW + ROW / 2; }
 
   alpha(h, i, j) {
-    const { weights, H, T } = this.model;
-    return weights[((this.layer * H + h) * T + i) * T + j];
+    const { T } = this.model;
+    return this.maps[(h * T + i) * T + j];
   }
 
   draw() {

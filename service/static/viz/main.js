@@ -1,18 +1,24 @@
 // The viewer's state and wiring: prompt → (optional /generate) → /attention → three views.
+// Attention comes layer by layer (layers.js): the page opens on one layer's maps, the model
+// view fills in as its layers arrive, and the step view fetches one layer's q, k, v.
 
 import * as api from "./api.js";
 import { headColour, tokenLabel } from "./colors.js";
 import { HeadView } from "./headview.js";
+import { DEFAULT_BUDGET, LayerStore } from "./layers.js";
 import { ModelView, legend } from "./modelview.js";
 import { StepView } from "./stepview.js";
+
+const STEP_LAYERS_KEPT = 4;  // step view: layers of every kind kept (each is q, k, v and 3 maps)
 
 const $ = (id) => document.getElementById(id);
 
 const state = {
   info: null,
   text: "",
-  model: null,        // {weights, L, H, T, tokens}
-  layers: new Map(),  // layer → npz of every kind for that layer (step view)
+  model: null,        // {L, H, T, tokens, store: LayerStore of the weights}
+  layers: new Map(),  // layer → npz of every kind for that layer (step view), a few kept
+  budget: DEFAULT_BUDGET,  // bytes of maps per /attention request and kept (layers.js)
   layer: 0,
   heads: new Set(),
   head: 0,
@@ -110,12 +116,14 @@ async function submit() {
     }
     setStatus("busy", "Computing attention…");
     const started = performance.now();
-    const npz = await api.attention(text);
+    const layer = Math.min(state.layer, state.info.model_config.n_layers - 1);
+    const npz = await api.attention(text, { layers: [layer] });
     if (run !== state.run) return;
-    load(text, prompt.length, npz);
+    load(text, prompt.length, npz, layer);
+    await render();
     const ms = Math.round(performance.now() - started);
     const { L, H, T } = state.model;
-    setStatus("ready", `${T} tokens · ${L} × ${H} maps · ${ms} ms`);
+    setStatus("ready", `${T} tokens · ${L} × ${H} maps · layer ${layer} in ${ms} ms`);
   } catch (error) {
     if (run === state.run) showError(error);
   } finally {
@@ -123,8 +131,9 @@ async function submit() {
   }
 }
 
-function load(text, promptChars, npz) {
-  const [L, H, T] = npz.weights.shape;
+function load(text, promptChars, npz, layer) {
+  const [, H, T] = npz.weights.shape;
+  const L = state.info.model_config.n_layers;
   let offset = 0;
   const tokens = npz.tokens.data.map((t) => {
     const token = { text: t, generated: offset >= promptChars };
@@ -132,9 +141,12 @@ function load(text, promptChars, npz) {
     return token;
   });
   state.text = text;
-  state.model = { weights: npz.weights.data, L, H, T, tokens };
+  const store = new LayerStore((layers) => api.attention(text, { layers }), { L, H, T },
+    state.budget);
+  store.add(npz);
+  state.model = { L, H, T, tokens, store };
   state.layers = new Map();
-  state.layer = Math.min(state.layer, L - 1);
+  state.layer = layer;
   state.head = Math.min(state.head, H - 1);
   state.heads = new Set([...state.heads].filter((h) => h < H));
   if (state.heads.size === 0) state.heads = new Set(Array.from({ length: H }, (_, h) => h));
@@ -143,7 +155,6 @@ function load(text, promptChars, npz) {
   modelView.setData(state.model);
   buildControls();
   $("views").hidden = false;
-  render();
 }
 
 // --- controls ---
@@ -222,10 +233,67 @@ function setQuery(i) {
 
 async function render() {
   if (!state.model) return;
-  const { view } = state;
-  if (view === "head") headView.show(state.layer, state.heads, state.query);
-  else if (view === "model") modelView.open(state.layer, state.head, state.query);
+  const { view, model } = state;
+  if (view === "head") await renderHead();
+  else if (view === "model") await renderModel();
   else await renderStep();
+  if (model === state.model && view === state.view) $("views").dataset.rendered = view;
+}
+
+/** The current layer's weights, fetched when not held; undefined if the input changed. */
+async function layerMaps(layer) {
+  const { model } = state;
+  let maps = model.store.get(layer);
+  if (maps === undefined) {
+    setStatus("busy", `Fetching the maps of layer ${layer}…`);
+    try {
+      maps = await model.store.need(layer);
+    } catch (error) {
+      if (model === state.model) showError(error);
+      return undefined;
+    }
+    if (model !== state.model) return undefined;
+    setStatus("ready", `${model.T} tokens · ${model.L} × ${model.H} maps · layer ${layer} loaded`);
+  }
+  return maps;
+}
+
+async function renderHead() {
+  const { layer } = state;
+  const maps = await layerMaps(layer);
+  if (maps === undefined || state.view !== "head" || state.layer !== layer) return;
+  headView.show(layer, maps, state.heads, state.query);
+}
+
+async function renderModel() {
+  const { layer, head, query, model } = state;
+  modelView.open(layer, head, query, model.store.get(layer));
+  fillModelView(model);
+  if (!model.store.has(layer)) {
+    const maps = await layerMaps(layer);
+    if (maps === undefined || state.view !== "model" || state.layer !== layer) return;
+    modelView.open(state.layer, state.head, state.query, maps);
+  }
+}
+
+/** Every layer's thumbnails, one request of a few layers at a time (once per input). */
+async function fillModelView(model) {
+  if (model.filling) return;
+  model.filling = true;
+  const alive = () => model === state.model;
+  try {
+    await model.store.each((l, maps) => {
+      modelView.addLayer(l, maps);
+      if (modelView.pools.size < model.L) {
+        setStatus("busy", `Model view: ${modelView.pools.size} of ${model.L} layers…`);
+      }
+    }, alive);
+  } catch (error) {
+    model.filling = false;
+    if (alive()) showError(error);
+    return;
+  }
+  if (alive()) setStatus("ready", `${model.T} tokens · ${model.L} × ${model.H} maps · all layers`);
 }
 
 async function renderStep() {
@@ -247,6 +315,7 @@ async function renderStep() {
     }
     if (run !== state.run) return;
     state.layers.set(layer, data);
+    while (state.layers.size > STEP_LAYERS_KEPT) state.layers.delete(state.layers.keys().next().value);
     const { L, H, T } = state.model;
     setStatus("ready", `${T} tokens · ${L} × ${H} maps · layer ${layer} loaded`);
   }

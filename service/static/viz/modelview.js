@@ -1,6 +1,7 @@
 // Model view: one small attention map per layer × head (a canvas each, max-pooled down to
 // the thumbnail so a sharp diagonal stays visible at any length), and one opened map with
-// hover read-out and row picking.
+// hover read-out and row picking. Layers arrive one request at a time (layers.js): each
+// row of thumbnails is painted when its layer comes, and only the pooled cells are kept.
 
 import { VIRIDIS, cssVar, fmt, sizeCanvas, tokenLabel, viridisCss } from "./colors.js";
 
@@ -9,21 +10,25 @@ const LABELLED = 48;  // token labels on the opened map up to this many tokens
 /** Colour scales: α itself, or √α, which lifts the faint weights of long inputs. */
 export const SCALES = { linear: (a) => a, sqrt: (a) => Math.sqrt(a) };
 
-/** (T × T) slice of weights at (l, h) → ImageData of side s, each pixel the max of its block. */
-function pooled(model, l, h, s, scale) {
-  const { weights, H, T } = model;
-  const image = new ImageData(s, s);
-  const base = (l * H + h) * T * T;
+/** Head h of one layer's maps (H, T, T), max-pooled to s × s cells. */
+function poolCells(maps, h, T, s) {
   const cell = new Float32Array(s * s);
+  const base = h * T * T;
   for (let i = 0; i < T; i++) {
     const pi = Math.floor((i * s) / T) * s;
     const row = base + i * T;
     for (let j = 0; j < T; j++) {
       const p = pi + Math.floor((j * s) / T);
-      const a = weights[row + j];
+      const a = maps[row + j];
       if (a > cell[p]) cell[p] = a;
     }
   }
+  return cell;
+}
+
+/** Pooled cells (s × s) → ImageData in viridis under ``scale`` (monotone: max commutes). */
+function paint(cell, s, scale) {
+  const image = new ImageData(s, s);
   for (let p = 0; p < s * s; p++) {
     const c = Math.max(0, Math.min(255, Math.round(scale(cell[p]) * 255))) * 3;
     image.data[p * 4] = VIRIDIS[c];
@@ -48,8 +53,12 @@ export class ModelView {
     });
   }
 
+  /** model: {L, H, T, tokens}; the layers' maps come through ``addLayer``. */
   setData(model) {
     this.model = model;
+    this.pools = new Map();  // layer → [pooled cells per head]
+    this.side = undefined;
+    this.maps = undefined;
     this.drawn = false;
   }
 
@@ -58,7 +67,7 @@ export class ModelView {
     this.drawn = false;
   }
 
-  /** Build and paint the grid (once per data set, when the view is first shown). */
+  /** Build the grid (once per data set, when the view is first shown); paint what is held. */
   drawGrid() {
     if (this.drawn) return;
     const { L, H, T } = this.model;
@@ -76,7 +85,8 @@ export class ModelView {
       label.textContent = `h${h}`;
       this.grid.append(label);
     }
-    const side = Math.min(T, Math.round(thumb * (window.devicePixelRatio || 1)));
+    // Fixed per data set: the pooled cells kept for each layer are of this side.
+    if (this.side === undefined) this.side = Math.min(T, Math.round(thumb * (window.devicePixelRatio || 1)));
     this.cells = [];
     for (let l = 0; l < L; l++) {
       const label = document.createElement("span");
@@ -85,31 +95,60 @@ export class ModelView {
       this.grid.append(label);
       for (let h = 0; h < H; h++) {
         const canvas = document.createElement("canvas");
-        canvas.width = side;
-        canvas.height = side;
+        canvas.width = this.side;
+        canvas.height = this.side;
         canvas.className = "thumb";
         canvas.dataset.layer = l;
         canvas.dataset.head = h;
         canvas.title = `layer ${l}, head ${h}`;
-        canvas.getContext("2d").putImageData(pooled(this.model, l, h, side, this.scale), 0, 0);
         canvas.addEventListener("click", () => this.onOpen(l, h));
         this.grid.append(canvas);
         this.cells.push(canvas);
       }
     }
     this.drawn = true;
+    for (const l of this.pools.keys()) this.paintLayer(l);
+    this.grid.dataset.loaded = this.pools.size;
   }
 
-  /** Outline the current (layer, head) and paint it large with the query row marked. */
-  open(layer, head, query) {
+  /** A layer's maps (H, T, T) arrived: pool and paint its row of thumbnails. */
+  addLayer(layer, maps) {
+    if (!this.drawn) this.drawGrid();
+    if (!this.pools.has(layer)) {
+      const { H, T } = this.model;
+      this.pools.set(layer, Array.from({ length: H }, (_, h) => poolCells(maps, h, T, this.side)));
+    }
+    this.paintLayer(layer);
+    this.grid.dataset.loaded = this.pools.size;
+  }
+
+  paintLayer(layer) {
+    const { H } = this.model;
+    const pools = this.pools.get(layer);
+    for (let h = 0; h < H; h++) {
+      const canvas = this.cells[layer * H + h];
+      canvas.getContext("2d").putImageData(paint(pools[h], this.side, this.scale), 0, 0);
+      canvas.dataset.ready = "true";
+    }
+  }
+
+  /** Outline the current (layer, head) and paint it large with the query row marked;
+   *  ``maps``: that layer's (H, T, T), or undefined while it is being fetched. */
+  open(layer, head, query, maps) {
     this.drawGrid();
     for (const c of this.cells) {
       c.classList.toggle("selected", Number(c.dataset.layer) === layer && Number(c.dataset.head) === head);
     }
-    Object.assign(this, { layer, head, query });
+    Object.assign(this, { layer, head, query, maps });
     const { T, tokens } = this.model;
     this.detail.panel.hidden = false;
     this.detail.title.textContent = `layer ${layer} · head ${head}`;
+    this.detail.canvas.dataset.layer = layer;
+    this.detail.canvas.dataset.head = head;
+    if (maps === undefined) {
+      delete this.detail.canvas.dataset.ready;
+      return;
+    }
     const labelled = T <= LABELLED;
     this.margin = labelled ? 96 : 8;
     const avail = Math.max(240, Math.min(560, (this.detail.panel.clientWidth || 560) - this.margin - 8));
@@ -120,7 +159,7 @@ export class ModelView {
     const off = document.createElement("canvas");
     off.width = T;
     off.height = T;
-    off.getContext("2d").putImageData(pooled(this.model, layer, head, T, this.scale), 0, 0);
+    off.getContext("2d").putImageData(paint(poolCells(maps, head, T, T), T, this.scale), 0, 0);
     ctx.imageSmoothingEnabled = false;
     ctx.drawImage(off, this.margin, this.margin, side, side);
     if (query !== null && query < T) {
@@ -144,10 +183,11 @@ export class ModelView {
         ctx.restore();
       }
     }
+    this.detail.canvas.dataset.ready = "true";
   }
 
   cellAt(e) {
-    if (!this.model || this.layer === undefined) return null;
+    if (!this.model || this.layer === undefined || this.maps === undefined) return null;
     const rect = this.detail.canvas.getBoundingClientRect();
     const i = Math.floor((e.clientY - rect.top - this.margin) / this.cell);
     const j = Math.floor((e.clientX - rect.left - this.margin) / this.cell);
@@ -158,8 +198,8 @@ export class ModelView {
   hover(e) {
     const cell = this.cellAt(e);
     if (!cell) return;
-    const { weights, H, T, tokens } = this.model;
-    const a = weights[((this.layer * H + this.head) * T + cell.i) * T + cell.j];
+    const { T, tokens } = this.model;
+    const a = this.maps[(this.head * T + cell.i) * T + cell.j];
     this.detail.tip.textContent = `query ${cell.i} “${tokenLabel(tokens[cell.i].text)}” → key ${cell.j} “${tokenLabel(tokens[cell.j].text)}”: α = ${fmt(a, 4)}`;
   }
 }
