@@ -10,6 +10,9 @@ Usage (from the repository root, in the dev venv):
     python -m benchmarks.serve --model artifacts/default --workload shared-prefix \\
         --num-prefixes 4 --prefix-len 192 --suffix-len 32 --output-len 32 \\
         --server-env ATTNSERVE_MAX_BATCH_SIZE=32
+    # two-turn chats on the model's own template, one shared system prompt
+    python -m benchmarks.serve --model artifacts/default --workload chat --num-prefixes 1 \\
+        --prefix-len 256 --suffix-len 24 --output-len 32 --max-concurrency 4
     # decode latency while /attention is flooded (20 at once, every second)
     python -m benchmarks.serve --model artifacts/default --attention-flood 20
     # running streams' inter-token gaps while a maximum-length prompt joins, every 4 s
@@ -32,6 +35,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import date, datetime
 from pathlib import Path
 from typing import Any
@@ -42,9 +46,14 @@ import numpy as np
 from benchmarks.serve import client as load
 from benchmarks.serve import report
 from benchmarks.serve.stats import calculate_metrics, itl_during_windows, parse_goodput
-from benchmarks.serve.workloads import SampleRequest, random_requests, shared_prefix_requests
+from benchmarks.serve.workloads import (
+    SampleRequest,
+    chat_requests,
+    random_requests,
+    shared_prefix_requests,
+)
 
-WORKLOADS = ("random", "shared-prefix")
+WORKLOADS = ("random", "shared-prefix", "chat")
 
 
 def _rates(text: str) -> list[float]:
@@ -95,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=_positive, default=64, help="max_new_tokens")
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="random: lengths uniform in len·[1−r, 1+r] (default 0)")
-    p.add_argument("--num-prefixes", type=_positive, default=4, help="shared-prefix")
+    p.add_argument("--num-prefixes", type=_positive, default=4,
+                   help="shared-prefix: prefixes; chat: system prompts")
     p.add_argument("--prefix-len", type=_positive, default=192, help="shared-prefix: tokens")
     p.add_argument("--suffix-len", type=_positive, default=32, help="shared-prefix: tokens")
     p.add_argument("--request-rate", type=_rates, default=[math.inf],
@@ -167,8 +177,27 @@ def build_requests(args: argparse.Namespace, tokenizer: Path) -> list[SampleRequ
     if args.workload == "random":
         return random_requests(codec, args.num_prompts, args.input_len, args.output_len,
                                args.range_ratio, args.seed)
+    if args.workload == "chat":
+        return chat_requests(codec, _chat_renderer(args, tokenizer, codec), args.num_prompts,
+                             args.num_prefixes, args.prefix_len, args.suffix_len,
+                             args.output_len, args.seed)
     return shared_prefix_requests(codec, args.num_prompts, args.num_prefixes,
                                   args.prefix_len, args.suffix_len, args.output_len, args.seed)
+
+
+def _chat_renderer(args: argparse.Namespace, tokenizer: Path, codec: Any
+                   ) -> Callable[[list[dict[str, str]]], str]:
+    """The served artifact's chat template, as the chat route renders it."""
+    from service.chat_template import ChatTemplate
+    from service.contract import io_spec as io
+
+    directory = args.model or tokenizer.parent
+    config = io.ArtifactConfig.load(directory)
+    specials = {name: codec.token_text(token_id) for name, token_id in (
+        ("bos_token", config.bos_token_id), ("eos_token", config.eos_token_id),
+        ("pad_token", config.pad_token_id)) if token_id is not None}
+    template = ChatTemplate.load(directory, specials)
+    return lambda messages: template.render(messages)
 
 
 def _attention_text(tokenizer: Path, n_tokens: int, seed: int) -> str:

@@ -15,6 +15,7 @@ special tokens (end-of-sequence among them) never appear in a prompt.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,3 +119,37 @@ def shared_prefix_requests(codec: TextCodec, num_prompts: int, num_prefixes: int
         out.append(SampleRequest(text, len(codec.encode(text)), output_len, prefix_id=k))
     order = rng.permutation(len(out))
     return [out[j] for j in order]
+
+
+def chat_requests(codec: TextCodec, render: Callable[[list[dict[str, str]]], str],
+                  num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int,
+                  output_len: int, seed: int = 0) -> list[SampleRequest]:
+    """Two-turn conversations on the served model's own chat template (``render``): a
+    system prompt of ``prefix_len`` tokens (``num_prefixes`` of them, round-robin), a
+    user turn of ``suffix_len`` tokens, and for half of the requests the second turn:
+    the first exchange, a canned assistant answer and another user turn. Each request's
+    text is what the chat route would build, so the shared part is the system prompt (and
+    for second turns the whole first exchange): the common case a prefix cache serves.
+    Requests come in conversation order, first turns before second turns.
+    """
+    if num_prefixes < 1 or prefix_len < 1 or suffix_len < 1 or output_len < 1:
+        raise ValueError("--num-prefixes, --prefix-len, --suffix-len and --output-len "
+                         "must be at least 1")
+    rng = np.random.default_rng(seed)
+    maker = PromptMaker(codec, rng)
+    systems = [maker.text(prefix_len)[0] for _ in range(num_prefixes)]
+    conversations = (num_prompts + 1) // 2
+    first: list[SampleRequest] = []
+    second: list[SampleRequest] = []
+    for c in range(conversations):
+        k = c % num_prefixes
+        turn = [{"role": "system", "content": systems[k]},
+                {"role": "user", "content": maker.text(suffix_len)[0]}]
+        text = render(turn)
+        first.append(SampleRequest(text, len(codec.encode(text, False)), output_len, k))
+        if len(first) + len(second) < num_prompts:
+            turn += [{"role": "assistant", "content": maker.text(output_len)[0]},
+                     {"role": "user", "content": maker.text(suffix_len)[0]}]
+            text = render(turn)
+            second.append(SampleRequest(text, len(codec.encode(text, False)), output_len, k))
+    return first + second

@@ -110,6 +110,49 @@ def test_shared_prefix_over_openai_with_a_cap_and_an_attention_flood(
     assert "/attention flood of 3" in (tmp_path / "report.md").read_text()
 
 
+def metric_total(url: str, name: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    raise AssertionError(f"no {name}")
+
+
+def test_chat_workload_renders_the_models_template_and_shares_its_prefix(
+        server: Server, tiny_artifact: Path, tmp_path: Path) -> None:
+    """Two-turn chats: one system prompt for all, second turns extend their first turns,
+    and over HTTP the server's prefix cache reuses the shared part."""
+    from benchmarks.serve.workloads import chat_requests
+    from service.engine.text import TextCodec
+
+    codec = TextCodec.from_file(tiny_artifact / "tokenizer.json")
+    rendered: list[list[dict[str, str]]] = []
+
+    def render(messages: list[dict[str, str]]) -> str:
+        rendered.append([dict(m) for m in messages])
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+
+    requests = chat_requests(codec, render, 5, 1, 40, 8, 6)
+    assert len(requests) == 5 and [len(m) for m in rendered] == [2, 4, 2, 4, 2]
+    first, second = requests[:3], requests[3:]
+    for a, b in zip(first, second, strict=False):  # a second turn extends its first turn
+        assert b.prompt.startswith(a.prompt.removesuffix("<assistant>"))
+    assert len({m[0]["content"] for m in rendered}) == 1  # one system prompt for all
+
+    hits = metric_total(server.url, "attnserve_prefix_cache_hits_total")
+    code = main(["--url", server.url, "--model", str(tiny_artifact), "--workload", "chat",
+                 "--num-prefixes", "1", "--prefix-len", "8", "--suffix-len", "2",
+                 "--output-len", "2", "--num-prompts", "6", "--request-rate", "inf",
+                 "--max-concurrency", "1", "--num-warmups", "0",
+                 "--result-dir", str(tmp_path)])
+    (run,) = runs(tmp_path)
+    assert (run["completed"], run["failed"]) == (6, 0), run["errors"]
+    assert code == 0
+    # Every prompt holds the 8-token system prompt, the user turn and the markup.
+    assert all(n > 8 + 2 for n in run["input_lens"]), run["input_lens"]
+    assert metric_total(server.url, "attnserve_prefix_cache_hits_total") > hits
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--model", "x", "--goodput", "itl:5"], "--goodput"),
     (["--workload", "random"], "--url"),
