@@ -11,8 +11,10 @@ as model/rotary.py forms them, grouped-query attention by folding each group's q
 heads into the query axis (the cache is multiplied as it is, never repeated). Only
 standard ONNX operators are used, so any runtime can read the contract graph; ONNX
 Runtime fuses them (LayerNorm, Gelu, MatMul(Q, Transpose(K)) → FusedMatMul) when a
-session loads. Weight names and layouts are shared with engine.onnx (export/onnx_build.py
-stores each tensor once for all three).
+session loads. The norm and MLP nodes are the architecture's (model/architectures/);
+attention, masks, positions and the LM head are written here for every family. Weight
+names and layouts are shared with engine.onnx (export/onnx_build.py stores each tensor
+once for all three).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from export.onnx_build import Graph, f32, make_model
+from model.architectures import architecture
+from model.architectures.base import qkv_bias, qkv_weight
 from model.config import GPTConfig
 from model.gpt import GPT
 from service.contract import io_spec as io
@@ -39,18 +43,6 @@ _DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 def grouped_kv(cfg: GPTConfig) -> bool:
     """Whether the cache has fewer heads than the queries (grouped-query attention)."""
     return cfg.kv_heads != cfg.n_heads
-
-
-def qkv_weight(attn: Any) -> np.ndarray:
-    """Q | K | V projections side by side, (d, d + 2·kv): one MatMul for all three."""
-    return np.concatenate([f32(attn.w_q.weight).T, f32(attn.w_k.weight).T,
-                           f32(attn.w_v.weight).T], axis=1)
-
-
-def qkv_bias(attn: Any) -> np.ndarray | None:
-    if attn.w_q.bias is None:
-        return None
-    return np.concatenate([f32(attn.w_q.bias), f32(attn.w_k.bias), f32(attn.w_v.bias)])
 
 
 def head_weight(gpt: GPT) -> np.ndarray:
@@ -76,6 +68,7 @@ class DecoderBuilder:
     def __init__(self, gpt: GPT, cached: bool, introspect: bool,
                  kv_dtype: io.KvDtype = "float32", matmul_head: bool = False) -> None:
         self.gpt, self.cfg = gpt, gpt.config
+        self.arch = architecture(gpt.config.arch)
         self.cached, self.introspect, self.kv_dtype = cached, introspect, kv_dtype
         self.matmul_head = matmul_head
         self.g = Graph()
@@ -90,39 +83,7 @@ class DecoderBuilder:
         return y
 
     def _norm(self, x: str, module: Any, name: str) -> str:
-        g, eps = self.g, float(self.cfg.layer_norm_eps)
-        w = g.const(f"{name}.w", f32(module.weight))
-        if self.cfg.arch != "llama":
-            return g.one("LayerNormalization", [x, w, g.const(f"{name}.b", f32(module.bias))],
-                         name, axis=-1, epsilon=eps)
-        # RMSNorm: w · x / sqrt(mean(x²) + ε), the pattern ORT fuses into one kernel.
-        var = g.one("ReduceMean", [g.one("Pow", [x, g.const("two", np.array(2.0, np.float32))],
-                                         f"{name}.sq"), g.ints("axis_last", [-1])],
-                    f"{name}.var", keepdims=1)  # (B, T, 1)
-        std = g.one("Sqrt", [g.one("Add", [var, g.const("rms_eps", np.array(eps, np.float32))],
-                                   f"{name}.var_eps")], f"{name}.std")
-        return g.one("Mul", [w, g.one("Div", [x, std], f"{name}.unit")], name)  # (B, T, d)
-
-    def _activation(self, x: str, name: str) -> str:
-        g, kind = self.g, self.cfg.activation
-        if kind == "relu":
-            return g.one("Relu", [x], name)
-        half, one = g.const("half", np.array(0.5, np.float32)), g.const("one", np.array(
-            1.0, np.float32))
-        if kind == "gelu":  # x · ½(1 + erf(x/√2)), exact
-            erf = g.one("Erf", [g.one("Div", [x, g.const("sqrt2", np.array(
-                math.sqrt(2.0), np.float32))], f"{name}.scaled")], f"{name}.erf")
-        else:  # gelu_tanh: x · ½(1 + tanh(√(2/π)(x + 0.044715x³)))
-            cube = g.one("Mul", [g.one("Pow", [x, g.const("three", np.array(3.0, np.float32))],
-                                       f"{name}.cube_raw"),
-                                 g.const("gelu_c", np.array(0.044715, np.float32))],
-                         f"{name}.cube")
-            inner = g.one("Mul", [g.one("Add", [x, cube], f"{name}.poly"),
-                                  g.const("gelu_k", np.array(math.sqrt(2 / math.pi),
-                                                             np.float32))], f"{name}.inner")
-            erf = g.one("Tanh", [inner], f"{name}.tanh")
-        gate = g.one("Add", [erf, one], f"{name}.gate")
-        return g.one("Mul", [g.one("Mul", [x, gate], f"{name}.xg"), half], name)
+        return self.arch.graph_norm(self.g, x, module, float(self.cfg.layer_norm_eps), name)
 
     def _heads(self, x: str, heads: int, name: str) -> str:
         """(B, T, heads·hs) → (B, heads, T, hs)."""
@@ -240,21 +201,7 @@ class DecoderBuilder:
 
     def _ffn(self, i: int, h: str) -> str:
         block: Any = self.gpt.blocks[i]
-        ffn, p = block.ffn, f"l{i}"
-
-        def bias(layer: Any) -> np.ndarray | None:
-            return f32(layer.bias) if layer.bias is not None else None
-
-        if self.cfg.arch == "llama":  # SwiGLU: down(silu(gate(h)) ⊙ up(h))
-            gate = self._linear(h, f32(ffn.gate.weight).T, bias(ffn.gate), f"{p}.gate")
-            silu = self.g.one("Mul", [gate, self.g.one("Sigmoid", [gate], f"{p}.sig")],
-                              f"{p}.silu")
-            up = self._linear(h, f32(ffn.up.weight).T, bias(ffn.up), f"{p}.up")
-            act = self.g.one("Mul", [silu, up], f"{p}.glu")
-        else:
-            act = self._activation(self._linear(h, f32(ffn.up.weight).T, bias(ffn.up),
-                                                f"{p}.up"), f"{p}.act")
-        return self._linear(act, f32(ffn.down.weight).T, bias(ffn.down), f"{p}.down")
+        return self.arch.graph_mlp(self.g, h, block.ffn, self.cfg, f"l{i}", self._linear)
 
     def _logits(self, x: str) -> None:
         g, cfg = self.g, self.cfg

@@ -1,21 +1,16 @@
 """Write a checkpoint as a Hugging Face transformers model (config.json + safetensors).
 
-A Llama-architecture checkpoint becomes a LlamaForCausalLM (Qwen2ForCausalLM when it has
-Q/K/V biases alone): a renaming, see model/hf_llama.py. The rest of this docstring is
-about GPT checkpoints, written as GPT-2.
-
 Usage (through the export CLI):
     attnserve export --format hf --ckpt checkpoints/default --out hf/default
 
-Our GPT and GPT-2 are the same network once a few choices are spelled out: pre-norm
-blocks, a final LayerNorm, learned positions (a sinusoidal table is written into ``wpe``
-and reproduces ours exactly), Q/K/V/O with biases (``attn_bias``, as imported GPT-2
-models have) or without (GPT-2's attention biases become zeros), a biased feed-forward
-layer with ReLU, exact-erf GELU or GPT-2's tanh GELU, and a bias-free head that is tied
-or not. A model imported from GPT-2 comes back bit-identical. GPT-2 stores its linear
-layers as ``Conv1D`` with (in, out) weights, so every matrix is transposed. The copy
-exists so that a benchmark against transformers runs on the very same weights;
-transformers itself is not needed to write it.
+The config.json and the tensor names and layouts are the architecture's
+(model/architectures/): a GPT checkpoint becomes a GPT2LMHeadModel (pre-norm blocks, a
+final LayerNorm, learned positions — a sinusoidal table is written into ``wpe`` and
+reproduces ours exactly — attention biases or zeros, Conv1D (in, out) matrices), a Llama
+one a LlamaForCausalLM (Qwen2ForCausalLM when it has Q/K/V biases alone), a renaming. A
+model imported from transformers comes back bit-identical. The copy exists so that a
+benchmark against transformers runs on the very same weights; transformers itself is
+not needed to write it.
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from model.architectures import architecture
 from model.checkpoint import TOKENIZER_FILE, load_checkpoint
 from model.config import GPTConfig
 from model.staging import staged_directory
@@ -34,85 +30,6 @@ HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
 HF_TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 HF_GENERATION_CONFIG_FILE = "generation_config.json"
-HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new"}
-
-
-def hf_config(config: GPTConfig, special: dict[str, Any]) -> dict[str, Any]:
-    """GPT2Config fields that make transformers compute exactly what model.gpt.GPT computes."""
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": config.vocab_size,
-        "n_positions": config.max_seq_len,
-        "n_ctx": config.max_seq_len,
-        "n_embd": config.d_model,
-        "n_layer": config.n_layers,
-        "n_head": config.n_heads,
-        "n_inner": config.d_ff,
-        # transformers' "gelu" is the exact-erf GELU, like torch.nn.GELU(); GPT-2's own
-        # "gelu_new" is the tanh approximation, our gelu_tanh.
-        "activation_function": HF_ACTIVATIONS[config.activation],
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "summary_first_dropout": 0.0,
-        "layer_norm_epsilon": config.layer_norm_eps,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,  # divide by √d_k, as ours does
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": config.tie_weights,
-        "use_cache": True,
-        "bos_token_id": special.get("bos_token_id"),
-        "eos_token_id": special.get("eos_token_id"),
-        "pad_token_id": special.get("pad_token_id"),
-        "torch_dtype": "float32",
-    }
-
-
-def hf_state_dict(model: Any) -> dict[str, Any]:
-    """Our parameter names and layouts → GPT-2's (Conv1D weights are (in, out))."""
-    import torch
-
-    config: GPTConfig = model.config
-    d = config.d_model
-    out: dict[str, torch.Tensor] = {}
-
-    def put(name: str, tensor: torch.Tensor) -> None:
-        out[name] = tensor.detach().to(torch.float32).contiguous().clone()
-
-    put("transformer.wte.weight", model.tok_emb.weight)  # (V, d)
-    if model.pos_emb is not None:
-        put("transformer.wpe.weight", model.pos_emb.weight)  # (L, d)
-    else:
-        put("transformer.wpe.weight", model.pos_table)  # (L, d): the fixed sinusoid table
-    zeros_3d = torch.zeros(3 * d)
-    zeros_d = torch.zeros(d)
-    biased = config.attn_bias
-    for i, block in enumerate(model.blocks):
-        p = f"transformer.h.{i}"
-        attn = block.attn
-        put(f"{p}.ln_1.weight", block.ln_1.weight)
-        put(f"{p}.ln_1.bias", block.ln_1.bias)
-        qkv = torch.cat([attn.w_q.weight, attn.w_k.weight, attn.w_v.weight], dim=0)  # (3d, d)
-        put(f"{p}.attn.c_attn.weight", qkv.t())  # (d, 3d)
-        put(f"{p}.attn.c_attn.bias", torch.cat([attn.w_q.bias, attn.w_k.bias, attn.w_v.bias])
-            if biased else zeros_3d)  # (3d,)
-        put(f"{p}.attn.c_proj.weight", attn.w_o.weight.t())  # (d, d)
-        put(f"{p}.attn.c_proj.bias", attn.w_o.bias if biased else zeros_d)
-        put(f"{p}.ln_2.weight", block.ln_2.weight)
-        put(f"{p}.ln_2.bias", block.ln_2.bias)
-        put(f"{p}.mlp.c_fc.weight", block.ffn.up.weight.t())  # (d, d_ff)
-        put(f"{p}.mlp.c_fc.bias", block.ffn.up.bias)
-        put(f"{p}.mlp.c_proj.weight", block.ffn.down.weight.t())  # (d_ff, d)
-        put(f"{p}.mlp.c_proj.bias", block.ffn.down.bias)
-    put("transformer.ln_f.weight", model.ln_f.weight)
-    put("transformer.ln_f.bias", model.ln_f.bias)
-    if not config.tie_weights:
-        put("lm_head.weight", model.lm_head.weight)  # (V, d)
-    return out
-
-
 def _tokenizer_config(config: GPTConfig, special: dict[str, Any],
                       tokenizer_path: Path) -> dict[str, Any]:
     """Lets transformers' AutoTokenizer wrap our tokenizer.json as a fast tokenizer.
@@ -139,12 +56,11 @@ def _tokenizer_config(config: GPTConfig, special: dict[str, Any],
 def export_hf(
     ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], force: bool = False
 ) -> Path:
-    """Write ``ckpt_dir`` as a GPT2LMHeadModel directory at ``out_dir`` and return its path.
+    """Write ``ckpt_dir`` as a transformers model directory at ``out_dir``; return its path.
 
     Built in a temporary sibling directory and renamed into place; an existing non-empty
     ``out_dir`` is refused unless ``force``.
     """
-    import torch
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -156,15 +72,8 @@ def export_hf(
     config: GPTConfig = ckpt.meta.model
     special = {k: ckpt.meta.tokenizer.get(k) for k in
                ("pad_token_id", "bos_token_id", "eos_token_id")}
-    if config.arch == "llama":
-        from model.hf_llama import hf_llama_config, hf_llama_state_dict
-
-        hf_cfg = hf_llama_config(config, special)
-        state = {k: v.detach().to(torch.float32).contiguous().clone()
-                 for k, v in ckpt.model.state_dict().items()}
-        tensors = hf_llama_state_dict(state, config)
-    else:
-        hf_cfg, tensors = hf_config(config, special), hf_state_dict(ckpt.model)
+    arch = architecture(config.arch)
+    hf_cfg, tensors = arch.hf_config(config, special), arch.state_dict_to_hf(ckpt.model)
 
     with staged_directory(out) as tmp:
         save_file(tensors, str(tmp / HF_WEIGHTS_FILE), metadata={"format": "pt"})

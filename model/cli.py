@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from model.config import ACTIVATIONS, ARCHS, PRESETS
+from model.architectures import architecture_names
+from model.config import PRESETS
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -104,14 +105,14 @@ def _register_train(subparsers: argparse._SubParsersAction) -> None:
                    help="byte-level BPE trained on the corpus, or one token per character")
     p.add_argument("--vocab-size", type=int, default=None, metavar="N",
                    help="BPE vocabulary size; default: the preset's (4096 for small/base)")
-    p.add_argument("--arch", choices=ARCHS, default=None,
+    p.add_argument("--arch", choices=architecture_names(), default=None,
                    help="gpt (LayerNorm, learned/sinusoidal positions, MLP) or llama "
                         "(RMSNorm, rotary positions, SwiGLU, grouped-query attention; "
                         "presets llama-tiny / llama-small, the default); default: the preset's")
     p.add_argument("--position", choices=("learned", "sinusoidal"), default=None,
                    help="gpt only: learned position embeddings (default) or the fixed "
                         "sinusoidal encoding")
-    p.add_argument("--activation", choices=ACTIVATIONS, default=None,
+    p.add_argument("--activation", default=None, metavar="relu|gelu|gelu_tanh",
                    help="gpt only: feed-forward activation, relu (default); gelu is the "
                         "exact (erf) GELU, gelu_tanh the tanh approximation GPT-2 uses "
                         "(transformers' gelu_new)")

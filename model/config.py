@@ -1,7 +1,10 @@
 """Typed model configuration that travels with every checkpoint as config.json.
 
 Following nanoGPT, the checkpoint stores the model arguments and the loader rebuilds
-``GPTConfig(**args)``; nothing is ever exec'd or unpickled.
+``GPTConfig(**args)``; nothing is ever exec'd or unpickled. The fields are shared by
+every architecture; which values a family computes (positions, activations, grouped
+key/value heads, extra biases) is its own module's call (model/architectures/), asked
+when a config is built: the registry is torch-free, the family's module imports torch.
 """
 
 from __future__ import annotations
@@ -9,11 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+from model.architectures import architecture
+
 PositionKind = Literal["learned", "sinusoidal", "rope"]
-ActivationKind = Literal["relu", "gelu", "gelu_tanh", "silu"]
-ArchKind = Literal["gpt", "llama"]
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # of the GPT feed-forward; llama's SwiGLU is silu
-ARCHS = ("gpt", "llama")
 # Rotary scalings computed exactly (model/rotary.py); anything else is refused.
 ROPE_SCALINGS = ("linear", "llama3")
 
@@ -29,16 +30,18 @@ class GPTConfig:
     d_ff: int = 2048
     max_seq_len: int = 256
     dropout: float = 0.0
-    position: PositionKind = "learned"
-    activation: ActivationKind = "relu"  # gelu: exact erf; gelu_tanh: GPT-2's gelu_new
+    position: PositionKind = "learned"  # rope: rotary angles instead of embeddings
+    # gpt: relu, gelu (exact erf), gelu_tanh (GPT-2's gelu_new); llama: silu (SwiGLU)
+    activation: str = "relu"
     tie_weights: bool = False
     layer_norm_eps: float = 1e-5
     # GPT-2 has a bias on every Q/K/V/output projection; the seeds' model has none. False
     # keeps checkpoints written before the field existed loading unchanged.
     attn_bias: bool = False
-    # Llama family (model/llama.py): RMSNorm, SwiGLU, rotary positions, grouped-query
-    # attention. Every default is the GPT behaviour, so older checkpoints load unchanged.
-    arch: ArchKind = "gpt"
+    # The family (model/architectures/): "gpt" (GPT-2's blocks) or "llama" (RMSNorm,
+    # SwiGLU, rotary, grouped-query attention). Every default is the GPT behaviour, so
+    # older checkpoints load unchanged.
+    arch: str = "gpt"
     n_kv_heads: int | None = None  # key/value heads (GQA); None: one per query head
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # transformers' rope_scaling, checked
@@ -46,6 +49,7 @@ class GPTConfig:
     mlp_bias: bool = False  # biases on the SwiGLU projections (Llama's mlp_bias)
 
     def __post_init__(self) -> None:
+        arch = architecture(self.arch)  # UnknownArchitecture lists the registered ones
         checks = {
             "vocab_size": self.vocab_size > 0,
             "d_model": self.d_model > 0,
@@ -54,24 +58,18 @@ class GPTConfig:
             "d_ff": self.d_ff > 0,
             "max_seq_len": self.max_seq_len > 0,
             "dropout": 0.0 <= self.dropout < 1.0,
-            "position": self.position in (("rope",) if self.arch == "llama"
-                                          else ("learned", "sinusoidal")),
-            "activation": self.activation in (("silu",) if self.arch == "llama"
-                                              else ACTIVATIONS),
             "layer_norm_eps": self.layer_norm_eps > 0,
-            "arch": self.arch in ARCHS,
             "n_kv_heads": self.n_kv_heads is None or (
-                self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0
-                and (self.arch == "llama" or self.n_kv_heads == self.n_heads)),
+                self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0),
             "rope_theta": self.rope_theta > 0,
-            "qkv_bias/mlp_bias": self.arch == "llama" or not (self.qkv_bias or self.mlp_bias),
         }
-        bad = [name for name, ok in checks.items() if not ok]
+        bad = list(dict.fromkeys([name for name, ok in checks.items() if not ok]
+                                 + arch.check_config(self)))
         if bad:
             raise ValueError(f"invalid GPTConfig field(s) {bad}: {self}")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError("sinusoidal positions need an even d_model")
-        if self.arch == "llama" and self.head_dim % 2:
+        if self.position == "rope" and self.head_dim % 2:
             raise ValueError("rotary positions need an even head_dim")
         if self.rope_scaling is not None:
             from model.rotary import check_rope_scaling
@@ -104,26 +102,9 @@ class GPTConfig:
         return cls(**data)
 
     def num_params_closed_form(self) -> int:
-        """Parameter count from the formula, adapted from seed 002's 2VD + L(4D² + 2DF + 4D).
-
-        Exact for this architecture: Q/K/V/O projections (biased with ``attn_bias``),
-        biased feed-forward layers, two LayerNorms per block, a final LayerNorm, a
-        bias-free LM head that may share the token embedding, and learned positions
-        (sinusoidal ones are a buffer).
-        """
-        v, d, f, n_layers = self.vocab_size, self.d_model, self.d_ff, self.n_layers
-        head = 0 if self.tie_weights else v * d
-        if self.arch == "llama":
-            kv = self.kv_heads * self.head_dim
-            attention = 2 * d * d + 2 * d * kv
-            attention += (d + 2 * kv if self.qkv_bias or self.attn_bias else 0)  # Q/K/V biases
-            attention += d if self.attn_bias else 0  # output projection bias
-            mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
-            return v * d + n_layers * (attention + mlp + 2 * d) + d + head
-        embeddings = v * d + (self.max_seq_len * d if self.position == "learned" else 0)
-        attention = 4 * d * d + (4 * d if self.attn_bias else 0)
-        per_block = attention + (d * f + f) + (f * d + d) + 2 * (2 * d)
-        return embeddings + n_layers * per_block + 2 * d + head
+        """Parameter count from the architecture's formula (seed 002's 2VD + L(4D² + 2DF +
+        4D), adapted per family); exact, a tied head counted once."""
+        return architecture(self.arch).num_params(self)
 
 
 @dataclass(frozen=True)
@@ -139,7 +120,7 @@ class Preset:
     batch_size: int
     learning_rate: float
     steps: int
-    arch: ArchKind = "gpt"
+    arch: str = "gpt"
     n_kv_heads: int | None = None
 
 
@@ -169,12 +150,9 @@ def config_from_preset(name: str, vocab_size: int | None = None, **overrides: An
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[name]
-    if p.arch == "llama":
-        # The GPT-only switches (position, activation) do not apply.
-        overrides = {k: v for k, v in overrides.items()
-                     if k not in ("position", "activation")}
-        overrides.update(arch="llama", position="rope", activation="silu",
-                         n_kv_heads=p.n_kv_heads)
+    fixed = architecture(p.arch).fixed  # e.g. llama's rotary positions and SwiGLU
+    overrides = {k: v for k, v in overrides.items() if k not in fixed}
+    overrides.update(fixed, arch=p.arch, n_kv_heads=p.n_kv_heads)
     return GPTConfig(
         vocab_size=vocab_size if vocab_size is not None else p.vocab_size,
         d_model=p.d_model, n_heads=p.n_heads, n_layers=p.n_layers, d_ff=p.d_ff,

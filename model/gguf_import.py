@@ -4,13 +4,14 @@ Usage (through the CLI):
     attnserve import --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --out checkpoints/smollm2
 
 The file is read with the maintained ``gguf`` package (memory-mapped) for the
-architectures we serve: ``llama`` (SmolLM2, TinyLlama, Llama 3), ``qwen2`` and ``gpt2``.
-The metadata becomes the same Hugging Face-style config that model/hf_import.py reads
-from config.json, so both importers build a GPTConfig through one set of checks; the
-tensors are dequantised one by one with ``gguf.quants.dequantize`` (llama.cpp's own
-definitions) to float32 under our names. Two layout facts of llama.cpp's converter are
-undone: GGUF lists dimensions innermost first, and for ``llama`` the rows of ``attn_q`` /
-``attn_k`` are permuted for llama.cpp's interleaved rotary (``qwen2`` files are not).
+architectures we serve (``general.architecture`` ``llama`` — SmolLM2, TinyLlama, Llama 3 —
+``qwen2`` and ``gpt2``: whatever model/architectures/ registers). The metadata becomes the
+same Hugging Face-style config that model/hf_import.py reads from config.json, so both
+importers build a GPTConfig through one set of checks; the tensors are dequantised one
+by one with ``gguf.quants.dequantize`` (llama.cpp's own definitions) to float32 and
+renamed by the architecture's table of llama.cpp names. GGUF lists dimensions innermost
+first; what else llama.cpp's converter changed (llama's Q/K row permutation for its
+interleaved rotary) the architecture undoes.
 The tokenizer comes from the metadata (model/gguf_tokenizer.py), with the chat template,
 tokenizer_config.json and generation_config.json written beside it for the chat route.
 
@@ -21,7 +22,6 @@ we do not compute, a SentencePiece tokenizer, a truncated file) leaves nothing b
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +32,8 @@ import gguf
 import numpy as np
 import torch
 
+from model.architectures import for_gguf, gguf_names
+from model.architectures.base import Architecture
 from model.checkpoint import CheckpointMeta, save_checkpoint
 from model.config import GPTConfig
 from model.gguf_tokenizer import (
@@ -42,25 +44,10 @@ from model.gguf_tokenizer import (
     side_files,
 )
 from model.hf_import import ImportRefused, check_target, gpt_config_from_hf, with_sampling
-from model.hf_llama import ARCHITECTURES as HF_ARCHITECTURES
-from model.rotary import inverse_frequencies
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                              Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-ARCHITECTURES = ("llama", "qwen2", "gpt2")
-# llama.cpp's tensor names → model.gpt.GPT's (gpt2's attn_qkv is split, see _targets).
-GLOBAL_NAMES = {"token_embd": "tok_emb", "position_embd": "pos_emb", "output_norm": "ln_f",
-                "output": "lm_head"}
-LAYER_NAMES = {"attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_q": "attn.w_q",
-               "attn_k": "attn.w_k", "attn_v": "attn.w_v", "attn_output": "attn.w_o",
-               "ffn_gate": "ffn.gate", "ffn_up": "ffn.up", "ffn_down": "ffn.down"}
-ROPE_FREQS = "rope_freqs.weight"
-# Llama 3's rope_scaling as llama.cpp's converter assumes it when writing rope_freqs.
-LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192}
-
-
 class _Reader(gguf.GGUFReader):
     """GGUFReader that names the tensor of an unknown type id, and reads string arrays (the
     vocabulary and merges: 98k strings for SmolLM2, 2.6 s of the stock reader's
@@ -101,6 +88,8 @@ class GGUFSource:
     reader: gguf.GGUFReader
     meta: dict[str, Any]
     config: GPTConfig
+    arch: Architecture
+    family: str  # general.architecture
     vocab: GGUFVocab
     tokenizer_json: str
     plan: list[tuple[gguf.ReaderTensor, list[str]]]  # each tensor and the names it fills
@@ -146,110 +135,20 @@ def read_metadata(reader: gguf.GGUFReader, where: Path) -> dict[str, Any]:
         raise ImportRefused(f"{where}: corrupt metadata: {exc}") from exc
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str, tensors: dict[str, gguf.ReaderTensor],
-                  head_dim: int, theta: float, refuse: Callable[[str], ImportRefused]
-                  ) -> dict[str, Any] | None:
-    """transformers' rope_scaling for the file's scaling keys or Llama 3's rope_freqs."""
-    kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    factor = float(meta.get(f"{arch}.rope.scaling.factor",
-                            meta.get(f"{arch}.rope.scale_linear", 1.0)))
-    scaling: dict[str, Any] | None = None
-    if kind == "linear" or (kind == "none" and factor != 1.0):
-        scaling = {"rope_type": "linear", "factor": factor}
-    elif kind != "none":
-        raise refuse(f"{arch}.rope.scaling.type {kind!r} is not supported (only linear, and "
-                     "Llama 3's rope_freqs)")
-    if ROPE_FREQS not in tensors:
-        return scaling
-    if scaling is not None:
-        raise refuse(f"{ROPE_FREQS} together with {kind} scaling is not supported")
-    # llama.cpp divides each frequency by its factor: 1 (short wavelengths) .. `factor`.
-    factors = dequantize(tensors[ROPE_FREQS])  # (hs/2,)
-    base = inverse_frequencies(head_dim, theta)  # (hs/2,)
-    if factors.shape != base.shape:
-        raise refuse(f"{ROPE_FREQS} has {factors.numel()} factors, head_dim {head_dim} needs "
-                     f"{base.numel()}")
-    if torch.all(factors == 1):
-        return None
-    llama3 = {"rope_type": "llama3", "factor": float(factors.max()), **LLAMA3_SCALING}
-    if not torch.allclose(inverse_frequencies(head_dim, theta, llama3), base / factors,
-                          rtol=1e-5, atol=0):
-        raise refuse(f"{ROPE_FREQS} holds rotary factors that are not Llama 3's scaling "
-                     f"({llama3}); not supported")
-    return llama3
-
-
-def _need(meta: dict[str, Any], key: str, refuse: Callable[[str], ImportRefused]) -> Any:
-    if meta.get(key) is None:
-        raise refuse(f"metadata key {key} is missing")
-    return meta[key]
-
-
-def hf_config_from_gguf(meta: dict[str, Any], arch: str,
+def hf_config_from_gguf(meta: dict[str, Any], arch: Architecture, family: str,
                         tensors: dict[str, gguf.ReaderTensor],
                         refuse: Callable[[str], ImportRefused]) -> dict[str, Any]:
-    """The config.json transformers would compute for this file (gpt2, llama or qwen2)."""
-    def key(name: str) -> Any:
-        return _need(meta, f"{arch}.{name}", refuse)
-
+    """The config.json transformers would compute for this file: the keys every family
+    shares here, the rest from its architecture."""
     if "token_embd.weight" not in tensors:
         raise refuse("tensor token_embd.weight is missing")
     vocab_size = int(tensors["token_embd.weight"].shape[1])  # ne[1]: rows
     tied = "output.weight" not in tensors
-    if meta.get(f"{arch}.expert_count"):
-        raise refuse(f"{arch}.expert_count {meta[f'{arch}.expert_count']}: mixture-of-experts "
-                     "models are not supported")
-    if arch == "gpt2":
-        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                "vocab_size": vocab_size, "n_embd": key("embedding_length"),
-                "n_head": key("attention.head_count"), "n_layer": key("block_count"),
-                "n_inner": key("feed_forward_length"), "n_positions": key("context_length"),
-                "layer_norm_epsilon": key("attention.layer_norm_epsilon"),
-                "activation_function": "gelu_new", "tie_word_embeddings": tied}
-    d, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per-layer counts: all equal or refused
-        if len(set(kv_heads)) != 1:
-            raise refuse(f"per-layer key/value head counts {sorted(set(kv_heads))} are not "
-                         "supported")
-        kv_heads = kv_heads[0]
-    head_dim = d // heads
-    for name in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
-        value = meta.get(f"{arch}.{name}")
-        if value is not None and int(value) != head_dim:
-            raise refuse(f"{arch}.{name} {value} ≠ head_dim {head_dim} (embedding_length / "
-                         "head_count) is not supported (partial rotary or a separate head "
-                         "width)")
-    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    return {
-        "model_type": arch, "architectures": [HF_ARCHITECTURES[arch]],
-        "vocab_size": vocab_size, "hidden_size": d, "num_attention_heads": heads,
-        "num_key_value_heads": int(kv_heads), "num_hidden_layers": key("block_count"),
-        "intermediate_size": key("feed_forward_length"),
-        "max_position_embeddings": key("context_length"),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "rope_theta": theta,
-        "rope_scaling": _rope_scaling(meta, arch, tensors, head_dim, theta, refuse),
-        "hidden_act": "silu", "tie_word_embeddings": tied,
-        # llama may carry biases (llama.cpp loads them when present); qwen2 always has Q/K/V's.
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensors,
-        "mlp_bias": arch == "llama" and "blk.0.ffn_gate.bias" in tensors,
-    }
-
-
-def _targets(name: str, arch: str) -> list[str] | None:
-    """Our parameter name(s) for a GGUF tensor, or None when it has none."""
-    base, _, suffix = name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        return None
-    if base in GLOBAL_NAMES:
-        return [f"{GLOBAL_NAMES[base]}.{suffix}"]
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if match is None:
-        return None
-    block, part = match.groups()
-    if arch == "gpt2" and part == "attn_qkv":
-        return [f"blocks.{block}.attn.{w}.{suffix}" for w in ("w_q", "w_k", "w_v")]
-    return [f"blocks.{block}.{LAYER_NAMES[part]}.{suffix}"] if part in LAYER_NAMES else None
+    if meta.get(f"{family}.expert_count"):
+        raise refuse(f"{family}.expert_count {meta[f'{family}.expert_count']}: "
+                     "mixture-of-experts models are not supported")
+    return {**arch.hf_config_from_gguf(meta, family, tensors, refuse, dequantize),
+            "vocab_size": vocab_size, "tie_word_embeddings": tied}
 
 
 def _numpy_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
@@ -257,18 +156,20 @@ def _numpy_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
 
 
 def plan_tensors(tensors: list[gguf.ReaderTensor], expected: dict[str, tuple[int, ...]],
-                 tied: bool, arch: str, refuse: Callable[[str], ImportRefused]
+                 tied: bool, arch: Architecture, family: str,
+                 refuse: Callable[[str], ImportRefused]
                  ) -> list[tuple[gguf.ReaderTensor, list[str]]]:
     """Match every tensor to our parameters (``expected`` shapes) by name, type and shape,
     reading headers only."""
     plan, unexpected, filled = [], [], set()
+    in_config = arch.gguf_config_tensors(family)  # e.g. Llama 3's rope_freqs
     for tensor in tensors:
-        if tensor.name == ROPE_FREQS and arch == "llama":
-            continue  # read into the config's rope_scaling
+        if tensor.name in in_config:
+            continue
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise refuse(f"tensor {tensor.name} has type {tensor.tensor_type.name}, which is not "
                          f"supported (one of {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})")
-        targets = _targets(tensor.name, arch)
+        targets = arch.gguf_targets(tensor.name)
         if targets is None or any(t not in expected for t in targets):
             unexpected.append(tensor.name)
             continue
@@ -281,7 +182,7 @@ def plan_tensors(tensors: list[gguf.ReaderTensor], expected: dict[str, tuple[int
         filled.update(targets)
     missing = sorted(set(expected) - filled - ({"lm_head.weight"} if tied else set()))
     if missing or unexpected:
-        raise refuse(f"tensors do not match a {arch} model of this metadata: missing "
+        raise refuse(f"tensors do not match a {family} model of this metadata: missing "
                      f"{missing[:4]}{' ...' if len(missing) > 4 else ''}, unexpected "
                      f"{unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
     return plan
@@ -299,13 +200,15 @@ def read_gguf_source(path: Path) -> GGUFSource:
     if reader.byte_order != "I":  # its block scales would be read in the wrong byte order
         raise refuse("big-endian GGUF files are not supported")
     meta = read_metadata(reader, path)
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise refuse(f"general.architecture {arch!r} is not supported; attnserve imports "
-                     "llama (SmolLM2, TinyLlama, Llama 3), qwen2 and gpt2")
+    family = str(meta.get("general.architecture"))
+    arch = for_gguf(family)
+    if arch is None:
+        raise refuse(f"general.architecture {meta.get('general.architecture')!r} is not "
+                     f"supported; attnserve imports {', '.join(gguf_names())}")
     tensors = {t.name: t for t in reader.tensors}
     try:
-        config = gpt_config_from_hf(hf_config_from_gguf(meta, arch, tensors, refuse), path)
+        config = gpt_config_from_hf(hf_config_from_gguf(meta, arch, family, tensors, refuse),
+                                    path)
     except ImportRefused:
         raise
     except (TypeError, ValueError) as exc:  # a metadata value of the wrong kind
@@ -322,16 +225,9 @@ def read_gguf_source(path: Path) -> GGUFSource:
     with torch.device("meta"):  # shapes without storage (GPT's init is wasted here, once)
         skeleton = GPT(config)
     expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-    plan = plan_tensors(reader.tensors, expected, config.tie_weights, arch, refuse)
-    return GGUFSource(path, reader, meta, config, vocab, tokenizer.to_str(), plan, skeleton)
-
-
-def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's LlamaModel.permute: within each head its rows were reordered from
-    transformers' halves layout (x_i, x_{i+hs/2}) to interleaved pairs (x_2i, x_2i+1)."""
-    rows = w.shape[0]
-    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])  # (h, hs/2, 2, ...)
-            .transpose(1, 2).reshape(w.shape))  # (h·hs, ...)
+    plan = plan_tensors(reader.tensors, expected, config.tie_weights, arch, family, refuse)
+    return GGUFSource(path, reader, meta, config, arch, family, vocab, tokenizer.to_str(), plan,
+                      skeleton)
 
 
 def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
@@ -347,15 +243,13 @@ def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
 
 
 def state_dict_from_gguf(source: GGUFSource) -> dict[str, torch.Tensor]:
-    """Every tensor dequantised once, renamed, Q/K rows unpermuted for llama."""
-    cfg, arch = source.config, source.meta["general.architecture"]
+    """Every tensor dequantised once, renamed, in our layout (e.g. llama's Q/K rows
+    unpermuted)."""
+    cfg = source.config
     out: dict[str, torch.Tensor] = {}
     for tensor, targets in source.plan:
         w = dequantize(tensor)  # (out, in) or (n,)
-        if arch == "llama" and targets[0].endswith(("attn.w_q.weight", "attn.w_q.bias")):
-            w = unpermute_rope_rows(w, cfg.n_heads)
-        elif arch == "llama" and targets[0].endswith(("attn.w_k.weight", "attn.w_k.bias")):
-            w = unpermute_rope_rows(w, cfg.kv_heads)
+        w = source.arch.from_gguf_layout(w, targets[0], source.family, cfg)  # (out, in)
         if len(targets) == 1:
             out[targets[0]] = w.contiguous()
             continue

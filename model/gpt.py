@@ -1,8 +1,9 @@
-"""Decoder-only GPT with a KV cache and full attention introspection.
+"""Decoder-only transformer with a KV cache and full attention introspection.
 
-Attention is written out as the seeds define it — softmax(QKᵀ/√d_k + mask)·V, heads
-merged, output projection — and takes F.scaled_dot_product_attention as a fast path when
-no intermediates are requested. The same forward serves training (whole sequences),
+The skeleton every architecture shares: token embeddings, positions (learned, sinusoidal
+or rotary), N blocks and a final norm from the config's architecture
+(model/architectures/), the LM head. Attention is model/attention.py's, written out as
+the seeds define it. The same forward serves training (whole sequences),
 prefill and cached decode, with left padding expressed through ``attention_mask`` and
 ``position_ids`` exactly as the ONNX I/O contract expects, so this module is the
 reference every exported graph is checked against.
@@ -18,23 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.architectures import architecture
+from model.attention import AttentionIntermediates, attention_allowed
 from model.config import GPTConfig
-from model.llama import LlamaBlock, RMSNorm
-from model.rotary import Rotary, apply_rotary
+from model.rotary import Rotary
 
 KVCache = list[tuple[Tensor, Tensor]]  # per layer: key, value each (B, nkv, T_total, hs)
-
-
-@dataclass
-class AttentionIntermediates:
-    """Everything seed 000 prints for one layer, for every head at once."""
-
-    q: Tensor  # (B, nh, T, hs)
-    k: Tensor  # (B, nh, T_past + T, hs)  per query head (GQA: its group's key head)
-    v: Tensor  # (B, nh, T_past + T, hs)
-    scores: Tensor  # (B, nh, T, T_past + T)  raw QKᵀ
-    scaled_scores: Tensor  # (B, nh, T, T_past + T)  QKᵀ/√d_k with -inf where masked
-    weights: Tensor  # (B, nh, T, T_past + T)  α = softmax(scaled_scores)
 
 
 @dataclass
@@ -56,150 +46,12 @@ def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
     return table  # (L, d)
 
 
-def attention_allowed(
-    attention_mask: Tensor, past_len: int, query_len: int
-) -> Tensor:
-    """Boolean (B, 1, T, T_past + T) mask: True where a query may attend to a key.
-
-    A query at absolute position p sees keys at positions ≤ p that are not padding. A
-    padding query (left padding) would then see nothing and softmax would give NaN, so
-    every query may always see itself; those rows are discarded by the caller anyway.
-    """
-    total = past_len + query_len
-    device = attention_mask.device
-    query_pos = torch.arange(past_len, total, device=device).unsqueeze(1)  # (T, 1)
-    key_pos = torch.arange(total, device=device).unsqueeze(0)  # (1, T_total)
-    causal = key_pos <= query_pos  # (T, T_total)
-    not_padding = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T_total)
-    diagonal = key_pos == query_pos  # (T, T_total)
-    return (causal & not_padding) | diagonal  # (B, 1, T, T_total)
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention; Q, K, V and output projections are bias-free (seed 000)
-    unless ``attn_bias`` (GPT-2; Q/K/V only with ``qkv_bias``, Qwen2).
-
-    With ``n_kv_heads`` < ``n_heads`` (grouped-query attention, Llama family) the keys and
-    values have fewer heads: query head h reads key/value head h // (n_heads / n_kv_heads),
-    and only those heads are cached. Rotary angles, when given, rotate Q and K before the
-    keys enter the cache.
-    """
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.n_heads = config.n_heads
-        self.n_kv_heads = config.kv_heads
-        self.head_dim = config.head_dim
-        d, kv = config.d_model, config.kv_heads * config.head_dim
-        bias = config.attn_bias
-        self.w_q = nn.Linear(d, d, bias=bias or config.qkv_bias)
-        self.w_k = nn.Linear(d, kv, bias=bias or config.qkv_bias)
-        self.w_v = nn.Linear(d, kv, bias=bias or config.qkv_bias)
-        self.w_o = nn.Linear(d, d, bias=bias)
-        self.dropout = config.dropout
-        self.use_sdpa = True  # see GPT.set_attention_impl
-
-    def _split_heads(self, x: Tensor, heads: int) -> Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, heads, self.head_dim).transpose(1, 2)  # (B, heads, T, hs)
-
-    def forward(
-        self,
-        x: Tensor,  # (B, T, d)
-        allowed: Tensor | None,  # (B, 1, T, T_past + T) or None for plain causal, no past
-        past: tuple[Tensor, Tensor] | None,
-        explicit: bool,
-        rotary: tuple[Tensor, Tensor] | None = None,  # cos, sin (B, T, hs)
-    ) -> tuple[Tensor, tuple[Tensor, Tensor], AttentionIntermediates | None]:
-        b, t, d = x.shape
-        nh, nkv = self.n_heads, self.n_kv_heads
-        q = self._split_heads(self.w_q(x), nh)  # (B, nh, T, hs)
-        k = self._split_heads(self.w_k(x), nkv)  # (B, nkv, T, hs)
-        v = self._split_heads(self.w_v(x), nkv)  # (B, nkv, T, hs)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if past is not None:
-            k = torch.cat([past[0], k], dim=2)  # (B, nkv, T_past + T, hs)
-            v = torch.cat([past[1], v], dim=2)  # (B, nkv, T_past + T, hs)
-        present = (k, v)
-        total = k.shape[2]
-
-        inter: AttentionIntermediates | None = None
-        dropout_p = self.dropout if self.training else 0.0
-        if explicit or not self.use_sdpa:
-            # Grouped: the n_rep query heads of a group share one key/value head, so fold
-            # them into the query axis and multiply against the cache as it is (no copy).
-            rep = nh // nkv
-            qg = q.reshape(b, nkv, rep * t, self.head_dim)  # (B, nkv, rep·T, hs)
-            scores = (qg @ k.transpose(-2, -1)).view(b, nh, t, total)  # (B, nh, T, T_total)
-            scaled = scores / math.sqrt(self.head_dim)
-            if allowed is None:
-                allowed = torch.ones(t, total, dtype=torch.bool, device=x.device).tril(
-                    diagonal=total - t)  # (T, T_total)
-            scaled = scaled.masked_fill(~allowed, float("-inf"))
-            weights = F.softmax(scaled, dim=-1)  # (B, nh, T, T_past + T)
-            dropped = F.dropout(weights, dropout_p, self.training)
-            out = (dropped.view(b, nkv, rep * t, total) @ v).view(b, nh, t, self.head_dim)
-            if explicit:
-                # Recorded per query head: each sees its group's keys and values.
-                k_q, v_q = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-                inter = AttentionIntermediates(q, k_q, v_q, scores, scaled, weights)
-        elif allowed is None and past is None:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                 enable_gqa=nkv != nh)
-        else:
-            if allowed is None:
-                allowed = torch.ones(t, total, dtype=torch.bool, device=x.device).tril(
-                    diagonal=total - t)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
-                                                 enable_gqa=nkv != nh)
-        out = out.transpose(1, 2).contiguous().view(b, t, d)  # (B, T, d): heads merged
-        return self.w_o(out), present, inter
-
-
-class FeedForward(nn.Module):
-    """Position-wise d → d_ff → d with ReLU (the seeds' choice), exact GELU, or GPT-2's
-    tanh-approximated GELU (``gelu_new`` in transformers)."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.up = nn.Linear(config.d_model, config.d_ff)
-        self.down = nn.Linear(config.d_ff, config.d_model)
-        self.act: nn.Module = (nn.ReLU() if config.activation == "relu"
-                               else nn.GELU(approximate="tanh" if config.activation == "gelu_tanh"
-                                            else "none"))
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.down(self.act(self.up(x))))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: x + Attn(LN(x)), then x + FFN(LN(x))."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.ffn = FeedForward(config)
-        self.resid_dropout = nn.Dropout(config.dropout)
-
-    def forward(
-        self, x: Tensor, allowed: Tensor | None, past: tuple[Tensor, Tensor] | None,
-        explicit: bool,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor], AttentionIntermediates | None]:
-        attn_out, present, inter = self.attn(self.ln_1(x), allowed, past, explicit)
-        x = x + self.resid_dropout(attn_out)
-        x = x + self.ffn(self.ln_2(x))
-        return x, present, inter
-
-
 class GPT(nn.Module):
-    """Token + position embeddings, N pre-norm blocks, final LayerNorm, LM head.
+    """Token + position embeddings, N pre-norm blocks, final norm, LM head.
 
-    ``arch="llama"``: no position embeddings (rotary angles rotate Q and K in every
-    layer), RMSNorm, SwiGLU and grouped-query attention (model/llama.py).
+    The blocks and the final norm are the architecture's (``config.arch``: GPT-2's
+    LayerNorm and MLP, Llama's RMSNorm and SwiGLU ...); with rotary positions there are
+    no position embeddings, the angles rotate Q and K in every layer instead.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -217,12 +69,9 @@ class GPT(nn.Module):
                 "pos_table", sinusoidal_table(config.max_seq_len, config.d_model),
                 persistent=False)
         self.drop = nn.Dropout(config.dropout)
-        llama = config.arch == "llama"
-        self.blocks = nn.ModuleList([
-            LlamaBlock(config, CausalSelfAttention(config)) if llama else Block(config)
-            for _ in range(config.n_layers)])
-        self.ln_f: nn.Module = (RMSNorm(config.d_model, config.layer_norm_eps) if llama
-                                else nn.LayerNorm(config.d_model, eps=config.layer_norm_eps))
+        arch = architecture(config.arch)
+        self.blocks = nn.ModuleList([arch.block(config) for _ in range(config.n_layers)])
+        self.ln_f = arch.final_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
         if config.tie_weights:
@@ -301,10 +150,7 @@ class GPT(nn.Module):
         intermediates: list[AttentionIntermediates] = []
         for i, block in enumerate(self.blocks):
             past = past_key_values[i] if past_key_values else None
-            if rotary is not None:
-                x, layer_present, inter = block(x, allowed, past, return_intermediates, rotary)
-            else:
-                x, layer_present, inter = block(x, allowed, past, return_intermediates)
+            x, layer_present, inter = block(x, allowed, past, return_intermediates, rotary)
             present.append(layer_present)
             if inter is not None:
                 intermediates.append(inter)

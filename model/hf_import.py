@@ -4,8 +4,8 @@ Usage (through the CLI):
     attnserve import --hf models/distilgpt2 --out checkpoints/distilgpt2
     attnserve import --hf models/SmolLM2-135M-Instruct --out checkpoints/smollm2
 
-Reads ``config.json`` (model_type gpt2, GPT2LMHeadModel; or llama / qwen2, whose
-conversion lives in model/hf_llama.py), ``model.safetensors`` (or the
+Reads ``config.json`` (a ``model_type`` some architecture in model/architectures/
+imports: gpt2, llama, qwen2), ``model.safetensors`` (or the
 shards a ``model.safetensors.index.json`` lists), the tokenizer as ``tokenizer.json`` or
 ``vocab.json`` + ``merges.txt``, and ``generation_config.json`` when present, and writes
 our checkpoint directory (config.json, model.safetensors, tokenizer.json) atomically,
@@ -16,9 +16,8 @@ Everything is checked before anything is written, so a refused import leaves not
 behind: pickled weights (``pytorch_model.bin``) are never opened, and configuration
 options our model does not compute (layer-scaled attention, cross-attention, pruned
 heads, other activations ...) are refused rather than converted into a different
-network. GPT-2 stores its linear layers as ``Conv1D`` with (in, out) weights and fuses
-Q, K and V into one ``c_attn``; the conversion transposes and splits them, which is
-exact, so ``attnserve export --format hf`` gives back bit-identical tensors.
+network. The names, layouts and config mapping are each architecture's own; this
+module reads, checks and writes, the same for every family.
 
 transformers is not needed; nothing is downloaded.
 """
@@ -30,11 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from model.architectures import architecture, for_hf_model_type, hf_model_types
+from model.architectures.base import Architecture
 from model.checkpoint import CheckpointMeta, save_checkpoint
-from model.config import ActivationKind, GPTConfig
-from model.hf_llama import ARCHITECTURES as LLAMA_ARCHITECTURES
-from model.hf_llama import IGNORED_SUFFIXES as LLAMA_IGNORED
-from model.hf_llama import llama_config_from_hf, llama_expected_shapes, llama_state_dict
+from model.config import GPTConfig
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -50,14 +48,6 @@ PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.c
 ENDOFTEXT = "<|endoftext|>"
 # Copied as they are: what the service reads from an artifact besides our own files.
 CARRIED_FILES = ("generation_config.json", "tokenizer_config.json", "chat_template.jinja")
-
-# transformers' ACT2FN names → ours. gelu_new and gelu_pytorch_tanh are the same tanh
-# approximation; "gelu" is the exact erf form.
-ACTIVATIONS: dict[str, ActivationKind] = {
-    "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
-}
-# Buffers older transformers versions saved with the weights (the causal mask); not weights.
-IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", *LLAMA_IGNORED)
 
 SAFETENSORS_HINT = (
     "convert it once with transformers: GPT2LMHeadModel.from_pretrained(DIR)"
@@ -131,55 +121,18 @@ def _optional_json(path: Path) -> dict[str, Any]:
 
 
 def gpt_config_from_hf(hf: dict[str, Any], where: Path) -> GPTConfig:
-    """GPTConfig computing exactly what GPT2LMHeadModel computes for ``hf``, or a refusal."""
+    """GPTConfig computing exactly what transformers computes for ``hf``, or a refusal."""
 
     def refuse(reason: str) -> ImportRefused:
         return ImportRefused(f"{where}: {reason}")
 
     model_type = hf.get("model_type")
-    if model_type in LLAMA_ARCHITECTURES:
-        return llama_config_from_hf(hf, refuse)
-    if model_type != "gpt2":
-        raise refuse(f"model_type {model_type!r} is not supported; attnserve imports the "
-                     "GPT-2 (model_type 'gpt2') and Llama (llama, qwen2) architectures")
-    architectures = hf.get("architectures") or ["GPT2LMHeadModel"]
-    if architectures != ["GPT2LMHeadModel"]:
-        raise refuse(f"architectures {architectures} are not supported; only "
-                     "GPT2LMHeadModel (a causal language model) is")
-    # Options that change what the network computes and that our model does not have.
-    # (reorder_and_upcast_attn is refused too: its scale-then-upcast path is not ours.)
-    for key, harmless in (("scale_attn_by_inverse_layer_idx", False),
-                          ("reorder_and_upcast_attn", False), ("add_cross_attention", False),
-                          ("scale_attn_weights", True)):
-        if hf.get(key, harmless) != harmless:
-            raise refuse(f"{key}={hf[key]!r} is not supported (only {harmless})")
-    if hf.get("pruned_heads"):
-        raise refuse("pruned_heads are not supported (every layer must keep all its heads)")
-    if hf.get("quantization_config"):
-        raise refuse("quantized checkpoints (quantization_config) are not supported; "
-                     "import the float weights")
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ACTIVATIONS:
-        raise refuse(f"activation_function {act!r} is not supported; one of "
-                     f"{sorted(ACTIVATIONS)}")
-    try:
-        d_model = int(hf.get("n_embd", 768))
-        n_inner = hf.get("n_inner")
-        return GPTConfig(
-            vocab_size=int(hf.get("vocab_size", 50257)),
-            d_model=d_model,
-            n_heads=int(hf.get("n_head", 12)),
-            n_layers=int(hf.get("n_layer", 12)),
-            d_ff=int(n_inner) if n_inner is not None else 4 * d_model,
-            max_seq_len=int(hf.get("n_positions", 1024)),
-            position="learned",
-            activation=ACTIVATIONS[act],
-            tie_weights=bool(hf.get("tie_word_embeddings", True)),
-            layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-            attn_bias=True,
-        )
-    except (TypeError, ValueError) as exc:
-        raise refuse(f"unsupported dimensions: {exc}") from exc
+    arch = for_hf_model_type(str(model_type))
+    if arch is None:
+        raise refuse(f"model_type {model_type!r} is not supported; attnserve imports "
+                     f"model_type {', '.join(hf_model_types())}")
+    config: GPTConfig = arch.config_from_hf(hf, refuse)
+    return config
 
 
 def _weight_files(src: Path) -> dict[str, Path]:
@@ -213,35 +166,14 @@ def _weight_files(src: Path) -> dict[str, Path]:
         raise ImportRefused(f"{single} is not a readable safetensors file: {exc}") from exc
 
 
-def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """GPT2LMHeadModel's tensors (without the ``transformer.`` prefix) and their shapes."""
-    d, f, v = config.d_model, config.d_ff, config.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (v, d),
-                                          "wpe.weight": (config.max_seq_len, d)}
-    for i in range(config.n_layers):
-        p = f"h.{i}"
-        shapes.update({
-            f"{p}.ln_1.weight": (d,), f"{p}.ln_1.bias": (d,),
-            f"{p}.attn.c_attn.weight": (d, 3 * d), f"{p}.attn.c_attn.bias": (3 * d,),
-            f"{p}.attn.c_proj.weight": (d, d), f"{p}.attn.c_proj.bias": (d,),
-            f"{p}.ln_2.weight": (d,), f"{p}.ln_2.bias": (d,),
-            f"{p}.mlp.c_fc.weight": (d, f), f"{p}.mlp.c_fc.bias": (f,),
-            f"{p}.mlp.c_proj.weight": (f, d), f"{p}.mlp.c_proj.bias": (d,),
-        })
-    shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
-    return shapes
-
-
 def _check_weights(files: dict[str, Path], config: GPTConfig, where: Path) -> str:
     """Check names and shapes against the config (headers only); return the name prefix."""
     from safetensors import safe_open
 
-    names = [n for n in files if not n.endswith(IGNORED_SUFFIXES)]
-    if config.arch == "llama":
-        prefix, expected = "", llama_expected_shapes(config)
-    else:
-        prefix = "transformer." if any(n.startswith("transformer.") for n in names) else ""
-        expected = {prefix + k: s for k, s in expected_shapes(config).items()}
+    arch = architecture(config.arch)
+    names = [n for n in files if not n.endswith(arch.hf_ignored_suffixes)]
+    prefix = arch.hf_prefix(names)
+    expected = arch.hf_expected_shapes(config, prefix)
     head = "lm_head.weight"
     if not config.tie_weights:
         expected[head] = (config.vocab_size, config.d_model)
@@ -250,9 +182,7 @@ def _check_weights(files: dict[str, Path], config: GPTConfig, where: Path) -> st
     extra = sorted(present - set(expected) - {head})
     if missing or extra:
         raise ImportRefused(
-            f"{where}: weights do not match a "
-            f"{'causal Llama model' if config.arch == 'llama' else 'GPT2LMHeadModel'} of "
-            "this config.json: "
+            f"{where}: weights do not match a {arch.hf_class} of this config.json: "
             f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}, unexpected "
             f"{extra[:4]}{' ...' if len(extra) > 4 else ''}")
     by_file: dict[Path, list[str]] = {}
@@ -306,14 +236,14 @@ def build_gpt2_tokenizer(vocab_file: Path, merges_file: Path, add_prefix_space: 
     return tokenizer
 
 
-def _load_tokenizer(src: Path, names: dict[str, str], arch: str = "gpt") -> Any:
+def _load_tokenizer(src: Path, names: dict[str, str], arch: Architecture) -> Any:
     from tokenizers import Tokenizer
 
-    if arch == "llama" and not (src / HF_TOKENIZER).is_file():
+    if arch.hf_tokenizer_json_only and not (src / HF_TOKENIZER).is_file():
         # Their vocab.json/merges.txt or tokenizer.model need the model's own pre-tokenizer
         # and normaliser, which only tokenizer.json spells out.
-        raise ImportRefused(f"{src} has no {HF_TOKENIZER}; Llama-family models are imported "
-                            "with their tokenizer.json (the fast tokenizer)")
+        raise ImportRefused(f"{src} has no {HF_TOKENIZER}; {arch.name}-family models are "
+                            "imported with their tokenizer.json (the fast tokenizer)")
     if (src / HF_TOKENIZER).is_file():
         try:
             return Tokenizer.from_file(str(src / HF_TOKENIZER))
@@ -365,7 +295,7 @@ def read_hf_source(src: Path) -> HFSource:
     files = _weight_files(src)
     prefix = _check_weights(files, config, src)
     names = _special_token_names(src)
-    tokenizer = _load_tokenizer(src, names, config.arch)
+    tokenizer = _load_tokenizer(src, names, architecture(config.arch))
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise ImportRefused(f"{src}: the tokenizer has {tokenizer.get_vocab_size()} tokens but "
                             f"the model's vocab_size is {config.vocab_size}")
@@ -378,44 +308,21 @@ def read_hf_source(src: Path) -> HFSource:
 
 
 def state_dict_from_hf(source: HFSource) -> dict[str, Any]:
-    """GPT-2's tensors → model.gpt.GPT's names and (out, in) layouts, as float32."""
+    """transformers' tensors → model.gpt.GPT's names and (out, in) layouts, as float32."""
     import torch
     from safetensors import safe_open
 
+    arch = architecture(source.config.arch)
     raw: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name, path in source.weight_files.items():
-        if not name.endswith(IGNORED_SUFFIXES):
+        if not name.endswith(arch.hf_ignored_suffixes):
             by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for name in names:
                 raw[name.removeprefix(source.prefix)] = f.get_tensor(name).to(torch.float32)
-    cfg, d = source.config, source.config.d_model
-    if cfg.arch == "llama":
-        return {k: v.contiguous() for k, v in llama_state_dict(raw, cfg).items()}
-    out: dict[str, torch.Tensor] = {"tok_emb.weight": raw["wte.weight"],  # (V, d)
-                                    "pos_emb.weight": raw["wpe.weight"]}  # (L, d)
-    for i in range(cfg.n_layers):
-        h, b = f"h.{i}", f"blocks.{i}"
-        w_qkv = raw[f"{h}.attn.c_attn.weight"].t()  # (3d, d): Conv1D stores (in, out)
-        b_qkv = raw[f"{h}.attn.c_attn.bias"]  # (3d,)
-        for j, name in enumerate(("w_q", "w_k", "w_v")):
-            # clone: each projection gets its own storage, not a view into c_attn
-            out[f"{b}.attn.{name}.weight"] = w_qkv[j * d:(j + 1) * d].clone()  # (d, d)
-            out[f"{b}.attn.{name}.bias"] = b_qkv[j * d:(j + 1) * d].clone()  # (d,)
-        out[f"{b}.attn.w_o.weight"] = raw[f"{h}.attn.c_proj.weight"].t()  # (d, d)
-        out[f"{b}.attn.w_o.bias"] = raw[f"{h}.attn.c_proj.bias"]
-        out[f"{b}.ffn.up.weight"] = raw[f"{h}.mlp.c_fc.weight"].t()  # (d_ff, d)
-        out[f"{b}.ffn.up.bias"] = raw[f"{h}.mlp.c_fc.bias"]
-        out[f"{b}.ffn.down.weight"] = raw[f"{h}.mlp.c_proj.weight"].t()  # (d, d_ff)
-        out[f"{b}.ffn.down.bias"] = raw[f"{h}.mlp.c_proj.bias"]
-        for ln in ("ln_1", "ln_2"):
-            out[f"{b}.{ln}.weight"] = raw[f"{h}.{ln}.weight"]
-            out[f"{b}.{ln}.bias"] = raw[f"{h}.{ln}.bias"]
-    out["ln_f.weight"], out["ln_f.bias"] = raw["ln_f.weight"], raw["ln_f.bias"]
-    # Tied: GPT2LMHeadModel ties the head to wte whatever lm_head.weight a file holds.
-    out["lm_head.weight"] = raw["wte.weight"] if cfg.tie_weights else raw["lm_head.weight"]
+    out = arch.state_dict_from_hf(raw, source.config)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -428,7 +335,7 @@ def check_target(out: Path, force: bool) -> None:
 
 def import_hf_checkpoint(src: Path, out: Path, *, force: bool = False,
                          sampling: dict[str, float | int] | None = None) -> Path:
-    """Convert the Hugging Face GPT-2 directory ``src`` into our checkpoint at ``out``.
+    """Convert the Hugging Face model directory ``src`` into our checkpoint at ``out``.
 
     Everything is read and checked before ``out`` is touched, and the checkpoint is built
     beside it and renamed into place, so a refused or failed import leaves nothing behind.
@@ -452,7 +359,8 @@ def import_hf_checkpoint(src: Path, out: Path, *, force: bool = False,
         tokenizer={"kind": "bpe", **source.special},
         training={"imported_from": {
             "format": "huggingface", "path": str(src.resolve()),
-            "architecture": (source.hf_config.get("architectures") or ["GPT2LMHeadModel"])[0],
+            "architecture": (source.hf_config.get("architectures")
+                             or [source.hf_config.get("model_type")])[0],
             "name_or_path": source.hf_config.get("_name_or_path"),
             "transformers_version": source.hf_config.get("transformers_version"),
         }},

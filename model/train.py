@@ -26,8 +26,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from model.architectures import architecture, architecture_names
 from model.checkpoint import CheckpointMeta, read_meta
-from model.config import ARCHS, PRESETS, GPTConfig
+from model.config import PRESETS, GPTConfig
 from model.data import DOC_SEPARATOR, read_documents, resolve_data_path
 
 if TYPE_CHECKING:
@@ -59,8 +60,8 @@ class TrainOptions:
     vocab_size: int | None = None
     # None: the architecture's own (GPT: learned positions, ReLU; llama: rotary, SwiGLU).
     position: Literal["learned", "sinusoidal"] | None = None
-    activation: Literal["relu", "gelu", "gelu_tanh"] | None = None
-    arch: Literal["gpt", "llama"] | None = None  # None: the preset's
+    activation: str | None = None  # one of the architecture's (gpt: relu, gelu, gelu_tanh)
+    arch: str | None = None  # None: the preset's
     tie_weights: bool = False
     attn_bias: bool = False  # biases on the Q/K/V/output projections, as GPT-2 has
     batch_size: int | None = None
@@ -100,18 +101,22 @@ def check_options(opts: TrainOptions) -> None:
         value = getattr(opts, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if opts.arch is not None and opts.arch not in ARCHS:
-        raise ValueError(f"unknown architecture {opts.arch!r}; choose one of {list(ARCHS)}")
+    if opts.arch is not None and opts.arch not in architecture_names():
+        raise ValueError(f"unknown architecture {opts.arch!r}; choose one of "
+                         f"{list(architecture_names())}")
     if opts.preset is not None and opts.arch is not None \
             and PRESETS[opts.preset].arch != opts.arch:
         fitting = sorted(n for n, p in PRESETS.items() if p.arch == opts.arch)
         raise ValueError(f"preset {opts.preset!r} is a {PRESETS[opts.preset].arch} preset; "
                          f"with --arch {opts.arch} choose one of {fitting}")
-    llama = opts.arch == "llama" or (opts.preset is not None
-                                     and PRESETS[opts.preset].arch == "llama")
-    if llama and (opts.position is not None or opts.activation is not None):
-        raise ValueError("--position and --activation apply to the gpt architecture; llama "
-                         "uses rotary positions and a SwiGLU feed-forward")
+    arch = architecture(opts.arch or (PRESETS[opts.preset].arch if opts.preset else "gpt"))
+    if arch.fixed and (opts.position is not None or opts.activation is not None):
+        fixed = ", ".join(f"{k} {v}" for k, v in arch.fixed.items())
+        raise ValueError(f"--position and --activation apply to the gpt architecture; "
+                         f"{arch.name} fixes {fixed}")
+    if opts.activation is not None and opts.activation not in arch.activations:
+        raise ValueError(f"--activation {opts.activation!r} is not one of {arch.name}'s: "
+                         f"{list(arch.activations)}")
     if opts.eval_tokens <= 0:
         raise ValueError(f"eval_tokens must be positive, got {opts.eval_tokens}")
     if opts.tokenizer not in ("char", "bpe"):
@@ -133,7 +138,7 @@ def with_defaults(opts: TrainOptions) -> TrainOptions:
     """Fill preset, seed, batch size and learning rate: from the checkpoint when resuming
     (so a bare ``--resume`` continues the same run), else from the preset."""
     saved = read_meta(opts.out).training if opts.resume else {}
-    default = "llama-small" if opts.arch == "llama" else "small"
+    default = architecture(opts.arch).default_preset if opts.arch else "small"
     preset = opts.preset or str(saved.get("preset", default))
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")

@@ -15,13 +15,15 @@ from typing import Any
 import pytest
 import torch
 
+from model.architectures import architecture
 from model.checkpoint import load_checkpoint
 from model.config import GPTConfig, config_from_preset
 from model.gpt import GPT
 from model.hf_import import ImportRefused, import_hf_checkpoint
-from model.hf_llama import llama_config_from_hf, llama_state_dict
 from tests.conftest import torch_threads
 from tests.hf_llama import IM_END, build_hf_model, hf_config, randomise
+
+LLAMA = architecture("llama")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,8 +112,8 @@ def test_llama3_rope_scaling_equals_transformers() -> None:
     cfg._attn_implementation = "eager"
     hf = LlamaForCausalLM(cfg).eval()
     randomise(hf, 5)
-    ours = GPT(llama_config_from_hf(cfg.to_dict(), ValueError)).eval()
-    ours.load_state_dict(llama_state_dict(hf.state_dict(), ours.config))
+    ours = GPT(LLAMA.config_from_hf(cfg.to_dict(), ValueError)).eval()
+    ours.load_state_dict(LLAMA.state_dict_from_hf(hf.state_dict(), ours.config))
     x = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(2))
     assert (ours(x).logits - hf(x).logits).abs().max() <= 1e-4
 
@@ -128,8 +130,8 @@ def test_smollm2_135m_shape_logits_equal_transformers() -> None:
                       tie_word_embeddings=True, attn_implementation="eager")
     torch.manual_seed(0)
     hf = LlamaForCausalLM(cfg).eval()
-    ours = GPT(llama_config_from_hf(cfg.to_dict(), ValueError)).eval()
-    ours.load_state_dict(llama_state_dict(hf.state_dict(), ours.config))
+    ours = GPT(LLAMA.config_from_hf(cfg.to_dict(), ValueError)).eval()
+    ours.load_state_dict(LLAMA.state_dict_from_hf(hf.state_dict(), ours.config))
     assert ours.num_params() == ours.config.num_params_closed_form() == sum(
         p.numel() for p in hf.parameters())
     x = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(3))
@@ -149,8 +151,8 @@ def test_qwen25_05b_layer_shape_logits_equal_transformers() -> None:
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(cfg).eval()
     randomise(hf, 7, std=0.05)
-    ours = GPT(llama_config_from_hf(cfg.to_dict(), ValueError)).eval()
-    ours.load_state_dict(llama_state_dict(hf.state_dict(), ours.config))
+    ours = GPT(LLAMA.config_from_hf(cfg.to_dict(), ValueError)).eval()
+    ours.load_state_dict(LLAMA.state_dict_from_hf(hf.state_dict(), ours.config))
     x = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(4))
     assert (ours(x).logits - hf(x).logits).abs().max() <= 1e-4
 

@@ -1,0 +1,263 @@
+"""What an architecture module provides: the interface every family implements once.
+
+One subclass per family (model/architectures/gpt2.py, llama.py) holds everything that
+differs between families, in the three vocabularies a model passes through:
+
+- configuration: which GPTConfig values it computes, Hugging Face config.json ↔ GPTConfig,
+  GGUF metadata → config.json;
+- weights: Hugging Face names ↔ ours, llama.cpp's GGUF names → ours, and the layout
+  transforms between them (GPT-2's Conv1D transposes, llama.cpp's Q/K row permutation);
+- computation: the PyTorch block and final norm, and the per-family nodes of the ONNX
+  graphs (norm op, MLP form, embeddings) that export/graphs.py and export/engine_graph.py
+  wrap with the parts every family shares (attention, masks, positions, LM head, I/O).
+
+This module imports neither torch nor a project module, so model/config.py can consult
+the registry while staying torch-free; the architectures read a config through the
+read-only :class:`ModelConfig` view that model.config.GPTConfig satisfies.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import gguf
+    from torch import Tensor, nn
+
+
+class ModelConfig(Protocol):
+    """The fields of model.config.GPTConfig an architecture reads (read-only)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def d_ff(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def dropout(self) -> float: ...
+    @property
+    def position(self) -> str: ...
+    @property
+    def activation(self) -> str: ...
+    @property
+    def tie_weights(self) -> bool: ...
+    @property
+    def layer_norm_eps(self) -> float: ...
+    @property
+    def attn_bias(self) -> bool: ...
+    @property
+    def arch(self) -> str: ...
+    @property
+    def n_kv_heads(self) -> int | None: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None: ...
+    @property
+    def qkv_bias(self) -> bool: ...
+    @property
+    def mlp_bias(self) -> bool: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+
+
+class GraphWriter(Protocol):
+    """The node writer the graph builders hand an architecture (export/onnx_build.Graph)."""
+
+    def const(self, name: str, array: np.ndarray) -> str: ...
+    def ints(self, name: str, values: list[int]) -> str: ...
+    def op(self, op_type: str, inputs: list[str], name: str, n_out: int = 1,
+           outputs: list[str] | None = None, domain: str = "", **attrs: Any) -> list[str]: ...
+    def one(self, op_type: str, inputs: list[str], name: str, domain: str = "",
+            **attrs: Any) -> str: ...
+
+
+Refuse = Callable[[str], Exception]  # reason → the exception an importer raises
+# The hooks below receive the family's own torch modules (model.gpt.GPT, its blocks and
+# their layers) and read their parameters by attribute name, hence ``Any``.
+Linear = Callable[[str, np.ndarray, "np.ndarray | None", str], str]  # x, (in, out) w, b, name
+CONTRIB = "com.microsoft"  # ONNX Runtime's fused operators, for engine.onnx only
+
+
+def f32(tensor: Any) -> np.ndarray:
+    """A torch tensor as contiguous float32 numpy (what every graph initializer is)."""
+    return np.ascontiguousarray(tensor.detach().float().cpu().numpy(), dtype=np.float32)
+
+
+def bias_of(layer: Any) -> np.ndarray | None:
+    """An nn.Linear's bias as float32 numpy, or None."""
+    return None if layer.bias is None else f32(layer.bias)
+
+
+def qkv_weight(attn: Any) -> np.ndarray:
+    """Q | K | V projections side by side, (d, d + 2·kv): one MatMul for all three."""
+    return np.concatenate([f32(attn.w_q.weight).T, f32(attn.w_k.weight).T,
+                           f32(attn.w_v.weight).T], axis=1)
+
+
+def qkv_bias(attn: Any) -> np.ndarray | None:
+    if attn.w_q.bias is None:
+        return None
+    return np.concatenate([f32(attn.w_q.bias), f32(attn.w_k.bias), f32(attn.w_v.bias)])
+
+
+class Architecture:
+    """One model family. Subclasses set the class attributes and override the methods;
+    the defaults here are the parts families share or the table lookups they fill in."""
+
+    name: str  # GPTConfig.arch, written into every checkpoint and artifact config
+    hf_model_types: tuple[str, ...] = ()  # config.json model_type values it imports
+    gguf_names: tuple[str, ...] = ()  # GGUF general.architecture values it imports
+    positions: tuple[str, ...] = ()  # GPTConfig.position values it computes
+    activations: tuple[str, ...] = ()  # GPTConfig.activation values it computes
+    # Fields the family fixes whatever a preset or the train CLI asks for.
+    fixed: ClassVar[Mapping[str, Any]] = {}
+    grouped_kv: bool = False  # may have fewer key/value heads than query heads (GQA)
+    split_biases: bool = False  # may set qkv_bias / mlp_bias apart from attn_bias
+    default_preset: str = "small"  # `attnserve train --arch NAME` without --preset
+    # llama.cpp's tensor names → ours: whole-model tensors, and per block (a tuple of
+    # several names splits a fused tensor by rows, e.g. GPT-2's attn_qkv).
+    gguf_globals: ClassVar[Mapping[str, str]] = {}
+    gguf_layers: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    hf_ignored_suffixes: tuple[str, ...] = ()  # buffers some files save beside weights
+
+    # -- configuration -------------------------------------------------------------------
+    def check_config(self, config: ModelConfig) -> list[str]:
+        """Names of the fields whose values this family does not compute."""
+        grouped_ok = config.n_kv_heads is None or config.n_kv_heads == config.n_heads
+        return [name for name, ok in (
+            ("position", config.position in self.positions),
+            ("activation", config.activation in self.activations),
+            ("n_kv_heads", grouped_ok or self.grouped_kv),
+            ("qkv_bias/mlp_bias", self.split_biases or not (config.qkv_bias or config.mlp_bias)),
+        ) if not ok]
+
+    def num_params(self, config: ModelConfig) -> int:
+        """Parameter count from the closed-form formula (a tied head counted once)."""
+        raise NotImplementedError
+
+    def config_from_hf(self, hf: dict[str, Any], refuse: Refuse) -> Any:
+        """The GPTConfig computing exactly what transformers computes for ``hf``, or
+        ``raise refuse(reason)``."""
+        raise NotImplementedError
+
+    def hf_config(self, config: ModelConfig, special: dict[str, Any]) -> dict[str, Any]:
+        """The config.json making transformers compute what ``config`` computes."""
+        raise NotImplementedError
+
+    def hf_config_from_gguf(self, meta: dict[str, Any], family: str,
+                            tensors: Mapping[str, gguf.ReaderTensor], refuse: Refuse,
+                            dequantize: Callable[[gguf.ReaderTensor], Tensor]
+                            ) -> dict[str, Any]:
+        """The config.json transformers would compute for a GGUF file of ``family`` (keys
+        ``{family}.*``); vocab_size and tie_word_embeddings come from the caller."""
+        raise NotImplementedError
+
+    # -- weights -------------------------------------------------------------------------
+    hf_tokenizer_json_only: bool = False  # refuse vocab.json + merges.txt
+    hf_class: str = ""  # what a weight mismatch is reported against
+
+    def hf_prefix(self, names: list[str]) -> str:
+        """The prefix of transformers' tensor names in this file ('' when none)."""
+        return ""
+
+    def hf_expected_shapes(self, config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+        """transformers' tensors (without lm_head) and their shapes."""
+        raise NotImplementedError
+
+    def state_dict_from_hf(self, raw: dict[str, Tensor], config: ModelConfig
+                           ) -> dict[str, Tensor]:
+        """transformers' tensors (prefix removed, float32) → model.gpt.GPT's."""
+        raise NotImplementedError
+
+    def state_dict_to_hf(self, model: Any) -> dict[str, Tensor]:
+        """model.gpt.GPT's tensors → transformers' names and layouts (float32 copies)."""
+        raise NotImplementedError
+
+    def gguf_targets(self, name: str) -> list[str] | None:
+        """Our parameter name(s) for a GGUF tensor, or None when it has none."""
+        base, _, suffix = name.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            return None
+        if base in self.gguf_globals:
+            return [f"{self.gguf_globals[base]}.{suffix}"]
+        match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+        if match is None:
+            return None
+        block, part = match.groups()
+        ours = self.gguf_layers.get(part)
+        return None if ours is None else [f"blocks.{block}.{o}.{suffix}" for o in ours]
+
+    def gguf_config_tensors(self, family: str) -> tuple[str, ...]:
+        """GGUF tensors read into the config rather than the weights."""
+        return ()
+
+    def from_gguf_layout(self, w: Tensor, target: str, family: str,
+                         config: ModelConfig) -> Tensor:
+        """Undo llama.cpp's layout of one dequantised tensor (rows, columns)."""
+        return w
+
+    # -- PyTorch -------------------------------------------------------------------------
+    def block(self, config: ModelConfig) -> nn.Module:
+        """One transformer block: forward(x, allowed, past, explicit, rotary) →
+        (x, present, intermediates)."""
+        raise NotImplementedError
+
+    def final_norm(self, config: ModelConfig) -> nn.Module:
+        raise NotImplementedError
+
+    # -- model.onnx and attention.onnx (standard ONNX operators) -------------------------
+    def graph_norm(self, g: GraphWriter, x: str, norm: Any, eps: float,
+                   name: str) -> str:
+        raise NotImplementedError
+
+    def graph_mlp(self, g: GraphWriter, h: str, mlp: Any, config: ModelConfig, prefix: str,
+                  linear: Linear) -> str:
+        """The feed-forward layer of hidden states (B, T, d) → (B, T, d)."""
+        raise NotImplementedError
+
+    # -- engine.onnx (ONNX Runtime's fused operators; hidden states flat, (N, d)) ---------
+    def engine_tables(self, g: GraphWriter, gpt: Any) -> tuple[str, str] | None:
+        """Declare the per-position tables first; rotary families return the (cos, sin)
+        tables GroupQueryAttention rotates Q and K with, the others None."""
+        raise NotImplementedError
+
+    def engine_embed(self, g: GraphWriter, gpt: Any, input_ids: str,
+                     position_ids: str) -> str:
+        """Token (and position) embeddings, (B, T, d)."""
+        raise NotImplementedError
+
+    def engine_norm(self, g: GraphWriter, x: str, norm: Any, eps: float,
+                    name: str) -> str:
+        raise NotImplementedError
+
+    def engine_skip_norm(self, g: GraphWriter, x: str, y: str, norm: Any,
+                         bias: list[str], eps: float, name: str, residual: str
+                         ) -> tuple[str, str]:
+        """(norm(x + y + bias), x + y + bias), named ``name`` and ``residual``."""
+        raise NotImplementedError
+
+    def engine_qkv(self, g: GraphWriter, h: str, attn: Any, prefix: str,
+                   matmul_only: bool) -> str:
+        """q | k | v of flat hidden states, (N, d + 2·kv)."""
+        raise NotImplementedError
+
+    def engine_mlp(self, g: GraphWriter, config: ModelConfig, x: str, h: str, mlp: Any,
+                   next_norm: Any, prefix: str, next_name: str, matmul_only: bool
+                   ) -> tuple[str, str]:
+        """The feed-forward layer of ``h`` added to the residual ``x``, then the next norm
+        (the next block's first, or the final one): (normed, residual)."""
+        raise NotImplementedError

@@ -1,0 +1,477 @@
+"""The Llama family (arch ``llama``): SmolLM2, TinyLlama, Llama 3, and Qwen2 / Qwen2.5.
+
+RMSNorm, a SwiGLU feed-forward layer, rotary positions and grouped-query attention
+(model/attention.py with fewer key/value heads). Qwen2 is Llama with biases on Q/K/V alone
+(``qkv_bias``); Llama itself may bias all four attention projections (``attn_bias``) and
+the SwiGLU ones (``mlp_bias``). Each piece computes exactly what transformers'
+LlamaRMSNorm / LlamaMLP / LlamaDecoderLayer compute in float32.
+
+Conversions: transformers' Linear weights are already (out, in) and its rotary layout is
+ours, so HF ↔ ours is a renaming. llama.cpp's converter permutes the rows of ``attn_q`` /
+``attn_k`` of its ``llama`` files (not ``qwen2``) for its interleaved rotary, undone on
+import, and stores Llama 3's rotary scaling as a ``rope_freqs`` tensor, read into the
+config. Options that change what the network computes and that our model does not have
+(sliding-window attention, other activations, partial rotary, a head_dim that is not
+hidden/heads, rope scalings other than linear and llama3) are refused with one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.architectures.base import (
+    CONTRIB,
+    Architecture,
+    GraphWriter,
+    Linear,
+    ModelConfig,
+    Refuse,
+    bias_of,
+    f32,
+    qkv_bias,
+    qkv_weight,
+)
+from model.attention import AttentionIntermediates, CausalSelfAttention
+from model.config import GPTConfig
+from model.rotary import inverse_frequencies
+
+if TYPE_CHECKING:
+    import gguf
+
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# transformers' names inside a layer → ours (same layouts).
+RENAMES = (("self_attn.q_proj", "attn.w_q"), ("self_attn.k_proj", "attn.w_k"),
+           ("self_attn.v_proj", "attn.w_v"), ("self_attn.o_proj", "attn.w_o"),
+           ("mlp.gate_proj", "ffn.gate"), ("mlp.up_proj", "ffn.up"),
+           ("mlp.down_proj", "ffn.down"), ("input_layernorm", "ln_1"),
+           ("post_attention_layernorm", "ln_2"))
+ROPE_FREQS = "rope_freqs.weight"
+# llama.cpp permutes Q/K rows for these GGUF architectures only (qwen2 files are not).
+GGUF_PERMUTED = ("llama",)
+# Llama 3's rope_scaling as llama.cpp's converter assumes it when writing rope_freqs.
+LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · w: no centring, no bias (cheaper than LayerNorm)."""
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, d)
+        variance = x.pow(2).mean(-1, keepdim=True)  # (B, T, 1)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) ⊙ up(x)): a gated feed-forward layer, d → d_ff → d."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, f, bias = config.d_model, config.d_ff, config.mlp_bias
+        self.gate = nn.Linear(d, f, bias=bias)
+        self.up = nn.Linear(d, f, bias=bias)
+        self.down = nn.Linear(f, d, bias=bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.down(F.silu(self.gate(x)) * self.up(x)))  # (B, T, d)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block with RMSNorm: x + Attn(norm(x)), then x + SwiGLU(norm(x))."""
+
+    def __init__(self, config: ModelConfig, attn: CausalSelfAttention) -> None:
+        super().__init__()
+        self.ln_1 = RMSNorm(config.d_model, config.layer_norm_eps)
+        self.attn = attn  # grouped and rotary
+        self.ln_2 = RMSNorm(config.d_model, config.layer_norm_eps)
+        self.ffn = SwiGLU(config)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self, x: Tensor, allowed: Tensor | None, past: tuple[Tensor, Tensor] | None,
+        explicit: bool, rotary: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor], AttentionIntermediates | None]:
+        attn_out, present, inter = self.attn(self.ln_1(x), allowed, past, explicit, rotary)
+        x = x + self.resid_dropout(attn_out)
+        x = x + self.ffn(self.ln_2(x))
+        return x, present, inter
+
+
+def unpermute_rope_rows(w: Tensor, n_heads: int) -> Tensor:
+    """Undo llama.cpp's LlamaModel.permute: within each head its rows were reordered from
+    transformers' halves layout (x_i, x_{i+hs/2}) to interleaved pairs (x_2i, x_2i+1)."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])  # (h, hs/2, 2, ...)
+            .transpose(1, 2).reshape(w.shape))  # (h·hs, ...)
+
+
+class Llama(Architecture):
+    """LlamaForCausalLM / Qwen2ForCausalLM (GGUF ``llama`` / ``qwen2``)."""
+
+    name = "llama"
+    hf_model_types = ("llama", "qwen2")
+    gguf_names = ("llama", "qwen2")
+    positions = ("rope",)
+    activations = ("silu",)
+    fixed: ClassVar[Mapping[str, Any]] = {"position": "rope", "activation": "silu"}
+    grouped_kv = True
+    split_biases = True
+    default_preset = "llama-small"
+    hf_class = "LlamaForCausalLM / Qwen2ForCausalLM"
+    hf_tokenizer_json_only = True
+    hf_ignored_suffixes = (".rotary_emb.inv_freq",)
+    # llama.cpp's llama / qwen2 tensors (rope_freqs goes into the config).
+    gguf_globals: ClassVar[Mapping[str, str]] = {
+        "token_embd": "tok_emb", "output_norm": "ln_f", "output": "lm_head"}
+    gguf_layers: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "attn_norm": ("ln_1",), "ffn_norm": ("ln_2",), "attn_q": ("attn.w_q",),
+        "attn_k": ("attn.w_k",), "attn_v": ("attn.w_v",), "attn_output": ("attn.w_o",),
+        "ffn_gate": ("ffn.gate",), "ffn_up": ("ffn.up",), "ffn_down": ("ffn.down",)}
+
+    # -- configuration -------------------------------------------------------------------
+    def num_params(self, config: ModelConfig) -> int:
+        """Embedding, Q/K/V/O with kv-head-sized K and V (and their optional biases),
+        SwiGLU's three matrices, two RMSNorms per block, final RMSNorm, head."""
+        v, d, f, n_layers = config.vocab_size, config.d_model, config.d_ff, config.n_layers
+        head = 0 if config.tie_weights else v * d
+        kv = config.kv_heads * config.head_dim
+        attention = 2 * d * d + 2 * d * kv
+        attention += (d + 2 * kv if config.qkv_bias or config.attn_bias else 0)  # Q/K/V biases
+        attention += d if config.attn_bias else 0  # output projection bias
+        mlp = 3 * d * f + (2 * f + d if config.mlp_bias else 0)
+        return v * d + n_layers * (attention + mlp + 2 * d) + d + head
+
+    def config_from_hf(self, hf: dict[str, Any], refuse: Refuse) -> GPTConfig:
+        model_type = str(hf.get("model_type"))
+        architecture = HF_ARCHITECTURES[model_type]
+        architectures = hf.get("architectures") or [architecture]
+        if architectures != [architecture]:
+            raise refuse(f"architectures {architectures} are not supported for model_type "
+                         f"{model_type!r}; only {architecture} (a causal language model) is")
+        if hf.get("quantization_config"):
+            raise refuse("quantized checkpoints (quantization_config) are not supported; "
+                         "import the float weights")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise refuse(f"hidden_act {act!r} is not supported (only silu: SwiGLU)")
+        if model_type == "qwen2" and hf.get("use_sliding_window", False):
+            raise refuse("use_sliding_window=true is not supported (full attention only)")
+        if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise refuse(f"partial_rotary_factor {hf['partial_rotary_factor']} is not "
+                         "supported (rotary over the whole head only)")
+        try:
+            d_model = int(hf.get("hidden_size", 4096))
+            n_heads = int(hf.get("num_attention_heads", 32))
+            head_dim = hf.get("head_dim")
+            if head_dim is not None and int(head_dim) * n_heads != d_model:
+                raise refuse(f"head_dim {head_dim} × {n_heads} heads ≠ hidden_size {d_model} "
+                             "is not supported")
+            n_kv = hf.get("num_key_value_heads")
+            llama = model_type == "llama"  # Qwen2: Q/K/V biases always, no others
+            return GPTConfig(
+                vocab_size=int(hf.get("vocab_size", 32000 if llama else 151936)),
+                d_model=d_model,
+                n_heads=n_heads,
+                n_layers=int(hf.get("num_hidden_layers", 32)),
+                d_ff=int(hf.get("intermediate_size", 11008)),
+                max_seq_len=int(hf.get("max_position_embeddings", 2048 if llama else 32768)),
+                position="rope",
+                activation="silu",
+                tie_weights=bool(hf.get("tie_word_embeddings", False)),
+                layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                attn_bias=bool(hf.get("attention_bias", False)) if llama else False,
+                arch="llama",
+                n_kv_heads=int(n_kv) if n_kv is not None else None,
+                rope_theta=float(hf.get("rope_theta", 10000.0)),
+                rope_scaling=dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None,
+                qkv_bias=not llama,
+                mlp_bias=bool(hf.get("mlp_bias", False)) if llama else False,
+            )
+        except (TypeError, ValueError) as exc:
+            raise refuse(f"unsupported configuration: {exc}") from exc
+
+    def hf_config(self, config: ModelConfig, special: dict[str, Any]) -> dict[str, Any]:
+        """LlamaConfig, or Qwen2Config for Q/K/V biases alone: the inverse of
+        :meth:`config_from_hf`."""
+        qwen2 = config.qkv_bias and not config.attn_bias
+        if qwen2 and config.mlp_bias:
+            raise ValueError("Q/K/V biases with SwiGLU biases have no transformers equivalent "
+                             "(Qwen2 has no mlp_bias, Llama biases all four attention "
+                             "projections)")
+        values: dict[str, Any] = {
+            "architectures": [HF_ARCHITECTURES["qwen2" if qwen2 else "llama"]],
+            "model_type": "qwen2" if qwen2 else "llama",
+            "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+            "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layers,
+            "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
+            "max_position_embeddings": config.max_seq_len,
+            "rms_norm_eps": config.layer_norm_eps,
+            "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
+            "hidden_act": "silu", "tie_word_embeddings": config.tie_weights,
+            "attention_dropout": 0.0, "use_cache": True, "torch_dtype": "float32",
+            "bos_token_id": special.get("bos_token_id"),
+            "eos_token_id": special.get("eos_token_id"),
+            "pad_token_id": special.get("pad_token_id"),
+        }
+        if qwen2:
+            values.update(use_sliding_window=False, sliding_window=None,
+                          max_window_layers=config.n_layers)
+        else:
+            values.update(head_dim=config.head_dim, attention_bias=config.attn_bias,
+                          mlp_bias=config.mlp_bias, pretraining_tp=1)
+        return values
+
+    def hf_config_from_gguf(self, meta: dict[str, Any], family: str,
+                            tensors: Mapping[str, gguf.ReaderTensor], refuse: Refuse,
+                            dequantize: Callable[[gguf.ReaderTensor], Tensor]
+                            ) -> dict[str, Any]:
+        def key(name: str) -> Any:
+            if meta.get(f"{family}.{name}") is None:
+                raise refuse(f"metadata key {family}.{name} is missing")
+            return meta[f"{family}.{name}"]
+
+        d, heads = int(key("embedding_length")), int(key("attention.head_count"))
+        kv_heads = meta.get(f"{family}.attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):  # per-layer counts: all equal or refused
+            if len(set(kv_heads)) != 1:
+                raise refuse(f"per-layer key/value head counts {sorted(set(kv_heads))} are "
+                             "not supported")
+            kv_heads = kv_heads[0]
+        head_dim = d // heads
+        for name in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+            value = meta.get(f"{family}.{name}")
+            if value is not None and int(value) != head_dim:
+                raise refuse(f"{family}.{name} {value} ≠ head_dim {head_dim} "
+                             "(embedding_length / head_count) is not supported (partial "
+                             "rotary or a separate head width)")
+        theta = float(meta.get(f"{family}.rope.freq_base", 10000.0))
+        biased = family == "llama"  # llama.cpp loads llama's biases when present
+        return {
+            "model_type": family, "architectures": [HF_ARCHITECTURES[family]],
+            "hidden_size": d, "num_attention_heads": heads,
+            "num_key_value_heads": int(kv_heads), "num_hidden_layers": key("block_count"),
+            "intermediate_size": key("feed_forward_length"),
+            "max_position_embeddings": key("context_length"),
+            "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "rope_theta": theta,
+            "rope_scaling": _rope_scaling(meta, family, tensors, head_dim, theta, refuse,
+                                          dequantize),
+            "hidden_act": "silu",
+            "attention_bias": biased and "blk.0.attn_q.bias" in tensors,
+            "mlp_bias": biased and "blk.0.ffn_gate.bias" in tensors,
+        }
+
+    # -- weights -------------------------------------------------------------------------
+    def hf_expected_shapes(self, config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+        """The tensors with transformers' ``model.`` prefix, without lm_head."""
+        d, f, v = config.d_model, config.d_ff, config.vocab_size
+        kv = config.kv_heads * config.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d),
+                                              "model.norm.weight": (d,)}
+        qkv_biased = config.qkv_bias or config.attn_bias
+        for i in range(config.n_layers):
+            p = f"model.layers.{i}"
+            shapes.update({
+                f"{p}.input_layernorm.weight": (d,),
+                f"{p}.post_attention_layernorm.weight": (d,),
+                f"{p}.self_attn.q_proj.weight": (d, d), f"{p}.self_attn.k_proj.weight": (kv, d),
+                f"{p}.self_attn.v_proj.weight": (kv, d), f"{p}.self_attn.o_proj.weight": (d, d),
+                f"{p}.mlp.gate_proj.weight": (f, d), f"{p}.mlp.up_proj.weight": (f, d),
+                f"{p}.mlp.down_proj.weight": (d, f),
+            })
+            if qkv_biased:
+                shapes.update({f"{p}.self_attn.q_proj.bias": (d,),
+                               f"{p}.self_attn.k_proj.bias": (kv,),
+                               f"{p}.self_attn.v_proj.bias": (kv,)})
+            if config.attn_bias:
+                shapes[f"{p}.self_attn.o_proj.bias"] = (d,)
+            if config.mlp_bias:
+                shapes.update({f"{p}.mlp.gate_proj.bias": (f,), f"{p}.mlp.up_proj.bias": (f,),
+                               f"{p}.mlp.down_proj.bias": (d,)})
+        return shapes
+
+    def state_dict_from_hf(self, raw: dict[str, Tensor], config: ModelConfig
+                           ) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {"tok_emb.weight": raw["model.embed_tokens.weight"],  # (V, d)
+                                  "ln_f.weight": raw["model.norm.weight"]}  # (d,)
+        for name, tensor in raw.items():
+            if not name.startswith("model.layers."):
+                continue
+            index, _, tail = name.removeprefix("model.layers.").partition(".")
+            for theirs, ours in RENAMES:
+                if tail.startswith(theirs + "."):
+                    out[f"blocks.{index}.{ours}{tail.removeprefix(theirs)}"] = tensor
+                    break
+        # Tied: the head is the embedding whatever lm_head.weight a file may also hold.
+        out["lm_head.weight"] = (raw["model.embed_tokens.weight"] if config.tie_weights
+                                 else raw["lm_head.weight"])
+        return out
+
+    def state_dict_to_hf(self, model: Any) -> dict[str, Tensor]:
+        config: ModelConfig = model.config
+        state = {k: v.detach().to(torch.float32).contiguous().clone()
+                 for k, v in model.state_dict().items()}
+        out: dict[str, Tensor] = {"model.embed_tokens.weight": state["tok_emb.weight"],
+                                  "model.norm.weight": state["ln_f.weight"]}
+        for name, tensor in state.items():
+            if not name.startswith("blocks."):
+                continue
+            index, _, tail = name.removeprefix("blocks.").partition(".")
+            for theirs, ours in RENAMES:
+                if tail.startswith(ours + "."):
+                    out[f"model.layers.{index}.{theirs}{tail.removeprefix(ours)}"] = tensor
+                    break
+            else:
+                raise ValueError(f"no transformers name for {name}")
+        if not config.tie_weights:
+            out["lm_head.weight"] = state["lm_head.weight"]
+        return out
+
+    def gguf_config_tensors(self, family: str) -> tuple[str, ...]:
+        return (ROPE_FREQS,) if family == "llama" else ()
+
+    def from_gguf_layout(self, w: Tensor, target: str, family: str,
+                         config: ModelConfig) -> Tensor:
+        if family not in GGUF_PERMUTED:
+            return w
+        if target.endswith(("attn.w_q.weight", "attn.w_q.bias")):
+            return unpermute_rope_rows(w, config.n_heads)
+        if target.endswith(("attn.w_k.weight", "attn.w_k.bias")):
+            return unpermute_rope_rows(w, config.kv_heads)
+        return w
+
+    # -- PyTorch -------------------------------------------------------------------------
+    def block(self, config: ModelConfig) -> nn.Module:
+        return LlamaBlock(config, CausalSelfAttention(config))
+
+    def final_norm(self, config: ModelConfig) -> nn.Module:
+        return RMSNorm(config.d_model, config.layer_norm_eps)
+
+    # -- model.onnx and attention.onnx ---------------------------------------------------
+    def graph_norm(self, g: GraphWriter, x: str, norm: Any, eps: float, name: str) -> str:
+        """RMSNorm: w · x / sqrt(mean(x²) + ε), the pattern ORT fuses into one kernel."""
+        w = g.const(f"{name}.w", f32(norm.weight))
+        var = g.one("ReduceMean", [g.one("Pow", [x, g.const("two", np.array(2.0, np.float32))],
+                                         f"{name}.sq"), g.ints("axis_last", [-1])],
+                    f"{name}.var", keepdims=1)  # (B, T, 1)
+        std = g.one("Sqrt", [g.one("Add", [var, g.const("rms_eps", np.array(eps, np.float32))],
+                                   f"{name}.var_eps")], f"{name}.std")
+        return g.one("Mul", [w, g.one("Div", [x, std], f"{name}.unit")], name)  # (B, T, d)
+
+    def graph_mlp(self, g: GraphWriter, h: str, mlp: Any, config: ModelConfig, prefix: str,
+                  linear: Linear) -> str:
+        """SwiGLU: down(silu(gate(h)) ⊙ up(h))."""
+        p = prefix
+        gate = linear(h, f32(mlp.gate.weight).T, bias_of(mlp.gate), f"{p}.gate")
+        silu = g.one("Mul", [gate, g.one("Sigmoid", [gate], f"{p}.sig")], f"{p}.silu")
+        up = linear(h, f32(mlp.up.weight).T, bias_of(mlp.up), f"{p}.up")
+        act = g.one("Mul", [silu, up], f"{p}.glu")
+        return linear(act, f32(mlp.down.weight).T, bias_of(mlp.down), f"{p}.down")
+
+    # -- engine.onnx ---------------------------------------------------------------------
+    def engine_tables(self, g: GraphWriter, gpt: Any) -> tuple[str, str] | None:
+        """cos/sin of max_seq_len rows as model/rotary.py computes them, (L, hs/2) each:
+        GroupQueryAttention rotates Q and K itself (``do_rotary``)."""
+        inv_freq: Tensor = gpt.rotary.inv_freq
+        with torch.no_grad():
+            angles = torch.arange(gpt.config.max_seq_len)[:, None].float() * inv_freq  # (L, hs/2)
+        return (g.const("rope.cos", f32(angles.cos())),  # (L, hs/2)
+                g.const("rope.sin", f32(angles.sin())))  # (L, hs/2)
+
+    def engine_embed(self, g: GraphWriter, gpt: Any, input_ids: str, position_ids: str) -> str:
+        return g.op("Gather", [g.const("tok_emb", f32(gpt.tok_emb.weight)), input_ids],
+                    "tok_gather")[0]  # (B, T, d)
+
+    def engine_norm(self, g: GraphWriter, x: str, norm: Any, eps: float, name: str) -> str:
+        return g.op("SimplifiedLayerNormalization", [x, g.const(f"{name}.w", f32(norm.weight))],
+                    name, axis=-1, epsilon=eps)[0]  # (N, d)
+
+    def engine_skip_norm(self, g: GraphWriter, x: str, y: str, norm: Any, bias: list[str],
+                         eps: float, name: str, residual: str) -> tuple[str, str]:
+        h, x = g.op("SkipSimplifiedLayerNormalization",
+                    [x, y, g.const(f"{name}.w", f32(norm.weight)), *bias],
+                    name, outputs=[name, "", "", residual], domain=CONTRIB,
+                    epsilon=eps)[0::3]
+        return h, x
+
+    def _affine(self, g: GraphWriter, inp: str, w: str, b: str | None, name: str,
+                matmul_only: bool) -> str:
+        """inp·w (+ b): one Gemm, or MatMul + Add where weight quantisation must see it."""
+        if b is None:
+            return g.op("MatMul", [inp, w], name)[0]
+        if matmul_only:
+            return g.op("Add", [g.op("MatMul", [inp, w], f"{name}.mm")[0], b], name)[0]
+        return g.op("Gemm", [inp, w, b], name)[0]
+
+    def _linear(self, g: GraphWriter, inp: str, layer: Any, name: str, bias: bool,
+                matmul_only: bool) -> str:
+        w = g.const(f"{name}.w", f32(layer.weight).T)  # (in, out)
+        b = g.const(f"{name}.b", f32(layer.bias)) if bias else None
+        return self._affine(g, inp, w, b, name, matmul_only)
+
+    def engine_qkv(self, g: GraphWriter, h: str, attn: Any, prefix: str,
+                   matmul_only: bool) -> str:
+        raw_b_qkv = qkv_bias(attn)  # Qwen2 biases q | k | v
+        b_qkv = None if raw_b_qkv is None else g.const(f"{prefix}.b_qkv", raw_b_qkv)
+        return self._affine(g, h, g.const(f"{prefix}.w_qkv", qkv_weight(attn)), b_qkv,
+                            f"{prefix}.qkv", matmul_only)  # (N, d + 2·kv)
+
+    def engine_mlp(self, g: GraphWriter, config: ModelConfig, x: str, h: str, mlp: Any,
+                   next_norm: Any, prefix: str, next_name: str, matmul_only: bool
+                   ) -> tuple[str, str]:
+        p, bias = prefix, config.mlp_bias
+        gate = self._linear(g, h, mlp.gate, f"{p}.gate", bias, matmul_only)  # (N, d_ff)
+        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sig")[0]], f"{p}.silu")[0]
+        act = g.op("Mul", [silu, self._linear(g, h, mlp.up, f"{p}.up", bias, matmul_only)],
+                   f"{p}.glu")[0]
+        down = g.op("MatMul", [act, g.const(f"{p}.down.w", f32(mlp.down.weight).T)],
+                    f"{p}.down")[0]  # (N, d)
+        down_bias = [g.const(f"{p}.down.b", f32(mlp.down.bias))] if bias else []
+        return self.engine_skip_norm(g, x, down, next_norm, down_bias,
+                                     float(config.layer_norm_eps), next_name, f"{p}.res2")
+
+
+def _rope_scaling(meta: dict[str, Any], family: str, tensors: Mapping[str, gguf.ReaderTensor],
+                  head_dim: int, theta: float, refuse: Refuse,
+                  dequantize: Callable[[gguf.ReaderTensor], Tensor]) -> dict[str, Any] | None:
+    """transformers' rope_scaling for the file's scaling keys or Llama 3's rope_freqs."""
+    kind = meta.get(f"{family}.rope.scaling.type", "none")
+    factor = float(meta.get(f"{family}.rope.scaling.factor",
+                            meta.get(f"{family}.rope.scale_linear", 1.0)))
+    scaling: dict[str, Any] | None = None
+    if kind == "linear" or (kind == "none" and factor != 1.0):
+        scaling = {"rope_type": "linear", "factor": factor}
+    elif kind != "none":
+        raise refuse(f"{family}.rope.scaling.type {kind!r} is not supported (only linear, "
+                     "and Llama 3's rope_freqs)")
+    if ROPE_FREQS not in tensors:
+        return scaling
+    if scaling is not None:
+        raise refuse(f"{ROPE_FREQS} together with {kind} scaling is not supported")
+    # llama.cpp divides each frequency by its factor: 1 (short wavelengths) .. `factor`.
+    factors = dequantize(tensors[ROPE_FREQS])  # (hs/2,)
+    base = inverse_frequencies(head_dim, theta)  # (hs/2,)
+    if factors.shape != base.shape:
+        raise refuse(f"{ROPE_FREQS} has {factors.numel()} factors, head_dim {head_dim} needs "
+                     f"{base.numel()}")
+    if torch.all(factors == 1):
+        return None
+    llama3 = {"rope_type": "llama3", "factor": float(factors.max()), **LLAMA3_SCALING}
+    if not torch.allclose(inverse_frequencies(head_dim, theta, llama3), base / factors,
+                          rtol=1e-5, atol=0):
+        raise refuse(f"{ROPE_FREQS} holds rotary factors that are not Llama 3's scaling "
+                     f"({llama3}); not supported")
+    return llama3
+
+
+ARCHITECTURE = Llama()
