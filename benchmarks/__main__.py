@@ -7,6 +7,8 @@ Usage (from the repository root, in the dev venv):
     python -m benchmarks --presets gpt2 --setup-llamacpp  # GPT-2 124M vs CTranslate2, llama.cpp
     python -m benchmarks --presets gpt2 --engines engine,llamacpp_f32 --batch-sizes 1
     python -m benchmarks --presets smollm2-135m           # SmolLM2-135M shape vs CTranslate2
+    python -m benchmarks --presets smollm2-135m-instruct --work .cache/bench-work
+                                 # the real SmolLM2 GGUF: llama.cpp on the same file, ours
     python -m benchmarks --ckpt small=checkpoints/default --out results/bench/mine
 
 Writes results.json, results.md and results.png under --out (default
@@ -56,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--presets", type=_names, default=["small", "base"],
                    help="comma-separated presets (default small,base); gpt2 is GPT-2 small "
                         "(124M, random weights) against CTranslate2 and llama.cpp; "
-                        "smollm2-135m is SmolLM2-135M's Llama shape against CTranslate2")
+                        "smollm2-135m is SmolLM2-135M's Llama shape against CTranslate2; "
+                        "smollm2-135m-instruct is the real SmolLM2-135M-Instruct GGUF against "
+                        "llama.cpp on that very file (Q4_1, q8_0, f32), CTranslate2 and "
+                        "transformers")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 16 new tokens, 1 repetition, small ceiling arrays")
     p.add_argument("--out", type=Path, default=None,
@@ -77,16 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed repetitions per row (default 3/2/2 for batch 1/8/32; 1 quick)")
     p.add_argument("--engines", type=_names, default=None,
                    help="subset of torch_nocache,torch_kv,hf_generate,ort_plain,optimum,"
-                        "engine,engine_int8,http,ct2,ct2_int8,llamacpp_f32,llamacpp_q8_0 "
+                        "engine,engine_int8,engine_int4,engine_gguf,http,ct2,ct2_int8,"
+                        "llamacpp_f32,llamacpp_q8_0,llamacpp_q4_1 "
                         "(default: all but the peers for small/base; hf_generate, ct2, "
                         "ct2_int8, llamacpp_f32, llamacpp_q8_0, engine, engine_int8 for gpt2; "
-                        "the same less llama.cpp for smollm2-135m)")
+                        "the same less llama.cpp for smollm2-135m; every peer and every "
+                        "precision of ours for smollm2-135m-instruct)")
     p.add_argument("--ckpt", action="append", metavar="PRESET=DIR",
                    help="use this checkpoint for a preset instead of random init")
     p.add_argument("--artifact", action="append", metavar="PRESET=DIR",
                    help="use this fp32 artifact instead of exporting one")
     p.add_argument("--artifact-int8", action="append", metavar="PRESET=DIR",
                    help="use this int8 artifact instead of exporting one")
+    p.add_argument("--artifact-int4", action="append", metavar="PRESET=DIR",
+                   help="use this int4 artifact instead of exporting one")
+    p.add_argument("--artifact-gguf", action="append", metavar="PRESET=DIR",
+                   help="use this --quantize gguf artifact (the GGUF's own blocks)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="work directory, kept and reused: conversions and exports already "
+                        "in it are not made again (default: a temporary one)")
     p.add_argument("--optimum-venv", type=Path, default=DEFAULT_OPTIMUM_VENV,
                    help="overlay venv with optimum (default .cache/optimum-venv)")
     p.add_argument("--setup-optimum", action="store_true",
@@ -176,6 +190,8 @@ def handle(args: argparse.Namespace) -> int:
         reps=reps, http_waves=1 if quick else 2, engines=engines,
         ckpts=_mapping(args.ckpt, "--ckpt"), artifacts=_mapping(args.artifact, "--artifact"),
         artifacts_int8=_mapping(args.artifact_int8, "--artifact-int8"),
+        artifacts_int4=_mapping(args.artifact_int4, "--artifact-int4"),
+        artifacts_gguf=_mapping(args.artifact_gguf, "--artifact-gguf"), work_dir=args.work,
         optimum_python=optimum_python, optimum_note=optimum_note,
         llamacpp_python=llamacpp_python, llamacpp_note=llamacpp_note, keep_work=args.keep_work,
         command="python -m benchmarks " + shlex.join(sys.argv[1:]),

@@ -21,22 +21,29 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from benchmarks.engines import ENGINE_ARTIFACTS, LLAMACPP_FILES
 from benchmarks.prepare import REPO_ROOT, Prepared, export_copies, make_prompts
 from benchmarks.prepare import prepare_checkpoint as _prepare_checkpoint
 from service.contract import io_spec as io
 
 ENGINES = ("torch_nocache", "torch_kv", "hf_generate", "ort_plain", "optimum", "engine",
-           "engine_int8", "http", "ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0")
-# Peers that convert the transformers copy of an imported model (gpt2, smollm2-135m).
-PEER_ENGINES = ("ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0")
-# Which presets each peer runs on: our GGUF writer knows GPT-2's tensor layout only.
-PEER_PRESETS = {"ct2": ("gpt2", "smollm2-135m"), "ct2_int8": ("gpt2", "smollm2-135m"),
-                "llamacpp_f32": ("gpt2",), "llamacpp_q8_0": ("gpt2",)}
+           "engine_int8", "engine_int4", "engine_gguf", "http", "ct2", "ct2_int8",
+           "llamacpp_f32", "llamacpp_q8_0", "llamacpp_q4_1")
+REAL = "smollm2-135m-instruct"  # the real model: llama.cpp runs its shipped GGUF file
+# Peers that convert the transformers copy of an imported model (or, llama.cpp, its GGUF).
+PEER_ENGINES = ("ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0", "llamacpp_q4_1")
+# Which presets each peer runs on: our GGUF writer knows GPT-2's tensor layout only, and
+# the real model's f32 / q8_0 files are made from its own GGUF.
+PEER_PRESETS = {"ct2": ("gpt2", "smollm2-135m", REAL), "ct2_int8": ("gpt2", "smollm2-135m", REAL),
+                "llamacpp_f32": ("gpt2", REAL), "llamacpp_q8_0": ("gpt2", REAL),
+                "llamacpp_q4_1": (REAL,)}
 # What each preset runs when --engines is not given.
 DEFAULT_ENGINES = {
     "gpt2": ("hf_generate", "ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0", "engine",
              "engine_int8"),
     "smollm2-135m": ("hf_generate", "ct2", "ct2_int8", "engine", "engine_int8"),
+    REAL: ("hf_generate", "ct2", "ct2_int8", "llamacpp_f32", "llamacpp_q8_0", "llamacpp_q4_1",
+           "engine", "engine_int8", "engine_int4", "engine_gguf"),
 }
 GPT2_SMALL_SHAPE = {"n_layers": 12, "n_heads": 12, "n_kv_heads": 12, "d_model": 768}
 SMALL_ENGINES = tuple(e for e in ENGINES if e not in PEER_ENGINES)
@@ -61,6 +68,9 @@ class BenchOptions:
     ckpts: dict[str, Path] = field(default_factory=dict)
     artifacts: dict[str, Path] = field(default_factory=dict)
     artifacts_int8: dict[str, Path] = field(default_factory=dict)
+    artifacts_int4: dict[str, Path] = field(default_factory=dict)
+    artifacts_gguf: dict[str, Path] = field(default_factory=dict)
+    work_dir: Path | None = None  # kept and reused (conversions, exports) when given
     optimum_python: Path | None = None
     optimum_note: str = ""
     llamacpp_python: Path | None = None
@@ -137,12 +147,11 @@ def machine_info() -> dict[str, Any]:
 
 
 def _engine_missing(engine: str, prep: Prepared, opts: BenchOptions) -> str | None:
-    needs = {"ort_plain": "artifact", "engine": "artifact", "engine_int8": "artifact_int8",
-             "http": "artifact"}
+    needs = {"ort_plain": "artifact", "http": "artifact", **ENGINE_ARTIFACTS}
     key = needs.get(engine)
     if key and key not in prep.paths:
         return f"no {key} (see notes)"
-    if engine in ("engine", "engine_int8", "http"):
+    if engine in (*ENGINE_ARTIFACTS, "http"):
         import importlib.util
 
         module = "service.engine.scheduler" if engine != "http" else "service.serve_cli"
@@ -178,6 +187,9 @@ def _prepare_peer(engine: str, prep: Prepared, opts: BenchOptions, work: Path,
     if engine.startswith("ct2"):
         from benchmarks.runners_ct2 import COMPUTE_TYPES
 
+        if (work / engine / "model.bin").is_file():  # converted in a reused --work directory
+            prep.paths[engine] = str(work / engine)
+            return None
         payload = run_worker({"job": "ct2_convert", "threads": opts.threads,
                               "hf": prep.paths["hf"], "out": str(work / engine),
                               "compute_type": COMPUTE_TYPES[engine]}, jobs, opts)
@@ -186,22 +198,28 @@ def _prepare_peer(engine: str, prep: Prepared, opts: BenchOptions, work: Path,
         prep.paths[engine] = str(work / engine)
         result.setdefault("conversions", {})[engine] = payload["result"]
         return None
-    if "gguf_f32" not in prep.paths:
-        payload = run_worker({"job": "gguf_export", "threads": opts.threads,
-                              "hf": prep.paths["hf"], "out": str(work / "gpt2-f32.gguf")},
-                             jobs, opts)
+    if engine == "llamacpp_q4_1":  # the shipped file itself
+        return None if "gguf_q4_1" in prep.paths else "no Q4_1 GGUF for this preset"
+    f32 = work / f"{prep.preset}-f32.gguf"
+    if "gguf_f32" not in prep.paths and not f32.is_file():
+        # The real model: its own GGUF dequantised; GPT-2: the transformers copy written.
+        spec = ({"job": "gguf_dequantize", "src": prep.paths["gguf_q4_1"]}
+                if "gguf_q4_1" in prep.paths else {"job": "gguf_export", "hf": prep.paths["hf"]})
+        payload = run_worker({**spec, "threads": opts.threads, "out": str(f32)}, jobs, opts)
         if "error" in payload:
-            return f"GGUF export: {payload['error']}"
-        prep.paths["gguf_f32"] = str(work / "gpt2-f32.gguf")
+            return f"GGUF f32: {payload['error']}"
         result.setdefault("conversions", {})["gguf_f32"] = payload["result"]
-    if engine == "llamacpp_q8_0" and "gguf_q8_0" not in prep.paths:
+    prep.paths["gguf_f32"] = str(f32)
+    q8 = work / f"{prep.preset}-q8_0.gguf"
+    if engine == "llamacpp_q8_0" and "gguf_q8_0" not in prep.paths and not q8.is_file():
         payload = run_worker({"job": "llamacpp_quantize", "threads": opts.threads,
-                              "src": prep.paths["gguf_f32"], "out": str(work / "gpt2-q8_0.gguf"),
+                              "src": prep.paths["gguf_f32"], "out": str(q8),
                               "kind": "q8_0"}, jobs, opts, opts.llamacpp_python)
         if "error" in payload:
             return f"llama.cpp quantize: {payload['error']}"
-        prep.paths["gguf_q8_0"] = str(work / "gpt2-q8_0.gguf")
         result.setdefault("conversions", {})["gguf_q8_0"] = payload["result"]
+    if engine == "llamacpp_q8_0":
+        prep.paths["gguf_q8_0"] = str(q8)
     return None
 
 
@@ -209,8 +227,9 @@ def _artifacts_needed(engines: list[str]) -> set[str]:
     needed = set()
     if {"ort_plain", "engine", "engine_int8", "http"} & set(engines):
         needed.add("artifact")
-    if "engine_int8" in engines:
-        needed.add("artifact_int8")
+    for engine, key in ENGINE_ARTIFACTS.items():
+        if engine in engines:
+            needed.add(key)
     return needed
 
 
@@ -221,7 +240,9 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
     prep = _prepare_checkpoint(preset, work, opts.ckpts.get(preset))
     t_export = time.perf_counter()
     export_copies(prep, work, {"artifact": opts.artifacts.get(preset),
-                               "artifact_int8": opts.artifacts_int8.get(preset)},
+                               "artifact_int8": opts.artifacts_int8.get(preset),
+                               "artifact_int4": opts.artifacts_int4.get(preset),
+                               "artifact_gguf": opts.artifacts_gguf.get(preset)},
                   needed=_artifacts_needed(engines), log=lambda m: log(f"  export: {m}"))
     export_s = time.perf_counter() - t_export
     count = max(opts.batch_sizes)
@@ -267,14 +288,14 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
             if engine.startswith("llamacpp"):
                 python = opts.llamacpp_python
         batches = opts.nocache_batch_sizes if engine == "torch_nocache" else opts.batch_sizes
-        if engine.startswith("llamacpp"):
-            batches = [b for b in batches if b == 1] or [1]  # one sequence at a time
         spec = {**common, "engine": engine, "batch_sizes": batches, "paths": prep.paths}
         payload = run_worker(spec, work / "jobs", opts, python)
         result["engines"][engine] = ({"error": payload["error"]} if "error" in payload else
                                      {**payload["result"], "memory": payload.get("memory", {})})
         result["timings_s"][engine] = time.perf_counter() - t1
     _greedy_consistency(result)
+    if any(e in result["engines"] for e in LLAMACPP_FILES):
+        _llamacpp_agreement(result, prep, prompts, opts, work)
     _long_and_agreement(result, prep, prompts, opts, work,
                         kv_compare=bool({"torch_kv", "torch_nocache"} & set(engines)))
     if "http" in engines:
@@ -340,6 +361,9 @@ def _greedy_consistency(result: dict[str, Any]) -> None:
                 prefixes = [next((i for i, (a, b) in enumerate(zip(m, e, strict=True))
                                   if a != b), len(m)) for m, e in zip(mine, base, strict=True)]
                 row["greedy_prefix_equal_engine"] = sum(prefixes) / len(prefixes)
+                row["greedy_first_equal_engine"] = sum(p > 0 for p in prefixes) / len(prefixes)
+                row["greedy_rows_equal_engine"] = sum(
+                    p == len(m) for p, m in zip(prefixes, mine, strict=True)) / len(prefixes)
 
 
 def _long_and_agreement(result: dict[str, Any], prep: Prepared, prompts: dict[str, Any],
@@ -361,14 +385,47 @@ def _long_and_agreement(result: dict[str, Any], prep: Prepared, prompts: dict[st
 
 def _int8_agreement(result: dict[str, Any], prep: Prepared, prompts: dict[str, Any],
                     opts: BenchOptions, work: Path) -> None:
-    if "artifact" not in prep.paths or "artifact_int8" not in prep.paths:
-        result["int8_agreement"] = {"error": "needs both the fp32 and the int8 artifact"}
+    """Teacher-forced greedy agreement of each quantised artifact with the fp32 one
+    (``quant_agreement``; ``int8_agreement`` is the int8 entry, what the targets read)."""
+    missing = {"error": "needs both the fp32 and the int8 artifact"}
+    if "artifact" not in prep.paths:
+        result["int8_agreement"] = missing
         return
-    payload = run_worker({"job": "agreement", "threads": opts.threads,
-                          "fp32": prep.paths["artifact"], "int8": prep.paths["artifact_int8"],
-                          "prompts": prompts["ids"][:8], "new_tokens": opts.new_tokens},
-                         work / "jobs", opts)
-    result["int8_agreement"] = payload.get("result", {"error": payload.get("error")})
+    for key in ("artifact_int8", "artifact_int4", "artifact_gguf"):
+        if key not in prep.paths:
+            continue
+        payload = run_worker({"job": "agreement", "threads": opts.threads,
+                              "fp32": prep.paths["artifact"], "int8": prep.paths[key],
+                              "prompts": prompts["ids"][:8], "new_tokens": opts.new_tokens},
+                             work / "jobs", opts)
+        result.setdefault("quant_agreement", {})[key.removeprefix("artifact_")] = payload.get(
+            "result", {"error": payload.get("error")})
+    result["int8_agreement"] = result.get("quant_agreement", {}).get("int8", missing)
+
+
+def _llamacpp_agreement(result: dict[str, Any], prep: Prepared, prompts: dict[str, Any],
+                        opts: BenchOptions, work: Path) -> None:
+    """Each llama.cpp file scored like our quantised artifacts: fed our fp32 engine's greedy
+    tokens (teacher-forced), how often its own argmax picks the same next token."""
+    rows = result["engines"].get("engine", {}).get("rows", [])
+    ref = min((r for r in rows if r.get("greedy_tokens")), key=lambda r: abs(r["batch"] - 8),
+              default=None)
+    for engine, key in LLAMACPP_FILES.items():
+        res = result["engines"].get(engine, {})
+        if "rows" not in res or key not in prep.paths:
+            continue
+        if ref is None:
+            result.setdefault("llamacpp_agreement", {})[engine] = {
+                "error": "needs our fp32 engine's greedy tokens"}
+            continue
+        n = len(ref["greedy_tokens"])
+        payload = run_worker({"job": "llamacpp_agreement", "threads": opts.threads,
+                              "gguf": prep.paths[key], "prompts": prompts["ids"][:n],
+                              "expected": ref["greedy_tokens"],
+                              "n_ctx": opts.prompt_tokens + opts.new_tokens + 8},
+                             work / "jobs", opts, opts.llamacpp_python)
+        result.setdefault("llamacpp_agreement", {})[engine] = payload.get(
+            "result", {"error": payload.get("error")})
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -382,7 +439,9 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     from benchmarks.report import chart, evaluate_targets, markdown
 
     started = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="attnserve-bench-"))
+    keep = opts.keep_work or opts.work_dir is not None
+    work = opts.work_dir or Path(tempfile.mkdtemp(prefix="attnserve-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     run: dict[str, Any] = {
         "date": datetime.now().strftime("%Y-%m-%d %H:%M"), "command": opts.command,
         "machine": machine_info(), "presets": {},
@@ -405,7 +464,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             run["presets"][preset]["targets"] = evaluate_targets(run["presets"][preset],
                                                                  run["ceiling"], preset)
     finally:
-        if opts.keep_work:
+        if keep:
             log(f"work directory kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)

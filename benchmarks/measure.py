@@ -2,8 +2,11 @@
 
 A row is one engine at one batch size: a short warm-up generation on the same shapes,
 then ``reps`` timed generations of exactly ``n_new`` tokens per row. Tokens/s counts
-generated tokens only; the decode rate leaves the prefill out; every request of a static
-batch finishes with the batch, so its latency is the batch's wall time.
+generated tokens only and is the median over the repetitions (one slow repetition on a
+shared machine does not move it); the decode rate leaves the prefill out; every request of
+a static batch finishes with the batch, so its latency is the batch's wall time. An engine
+that keeps its own timings (llama.cpp's ``llama_perf_context``) reports them per
+repetition in ``GenResult.own``; the row carries their medians beside the wall clock.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class GenResult:
     ttft_s: float  # call start → first generated token of every row known
     total_s: float  # call start → last token
     latencies: list[float] | None = None  # per request, when requests can finish apart
+    own: dict[str, float] | None = None  # the engine's own timings of this call, if it keeps any
 
 
 class Runner(Protocol):
@@ -50,21 +54,26 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(batch: int, n_new: int, results: list[GenResult]) -> dict[str, Any]:
-    """Figures of one row from its timed repetitions."""
-    total = sum(r.total_s for r in results)
-    decode = sum(r.total_s - r.ttft_s for r in results)
+    """Figures of one row from its timed repetitions (rates: medians over repetitions)."""
+    rates = [batch * n_new / r.total_s for r in results]
+    decode = [batch * (n_new - 1) / (r.total_s - r.ttft_s) for r in results
+              if r.total_s > r.ttft_s and n_new > 1]
     lat = [x for r in results for x in (r.latencies or [r.total_s] * batch)]
-    return {
+    row: dict[str, Any] = {
         "batch": batch,
         "reps": len(results),
         "new_tokens": n_new,
-        "tokens_per_s": batch * n_new * len(results) / total,
-        "decode_tokens_per_s": (batch * (n_new - 1) * len(results) / decode
-                                if decode > 0 and n_new > 1 else None),
+        "tokens_per_s": statistics.median(rates),
+        "tokens_per_s_reps": rates,
+        "decode_tokens_per_s": statistics.median(decode) if decode else None,
         "ttft_ms": statistics.median(r.ttft_s for r in results) * 1e3,
         "latency_p50_ms": percentile(lat, 50) * 1e3,
         "latency_p99_ms": percentile(lat, 99) * 1e3,
     }
+    own = [r.own for r in results if r.own]
+    if own:
+        row["own"] = {key: statistics.median(o[key] for o in own) for key in own[0]}
+    return row
 
 
 def measure_runner(runner: Runner, prompts: list[list[int]], batch_sizes: list[int],

@@ -85,6 +85,7 @@ def random_checkpoint(preset: str, out: Path, tokenizer_json: str) -> Path:
 
 def prepare_checkpoint(preset: str, work: Path, given: Path | None) -> Prepared:
     hf: Path | None = None
+    gguf: Path | None = None
     if given is not None:
         ckpt, weights = given, f"trained ({given})"
     elif preset == "gpt2":
@@ -95,6 +96,10 @@ def prepare_checkpoint(preset: str, work: Path, given: Path | None) -> Prepared:
         from benchmarks.smollm2_preset import prepare_smollm2
 
         ckpt, hf, weights = prepare_smollm2(work)
+    elif preset == "smollm2-135m-instruct":
+        from benchmarks.smollm2_instruct_preset import prepare_smollm2_instruct
+
+        ckpt, gguf, weights = prepare_smollm2_instruct(work)
     elif preset == "small" and _matches_preset(DEFAULT_CKPT, preset):
         ckpt, weights = DEFAULT_CKPT, f"trained ({DEFAULT_CKPT.relative_to(REPO_ROOT)})"
     else:
@@ -105,6 +110,8 @@ def prepare_checkpoint(preset: str, work: Path, given: Path | None) -> Prepared:
                     params=_count_params(ckpt), model_config=meta.model.to_dict())
     if hf is not None:  # the peers convert the very directory our checkpoint came from
         prep.paths["hf"] = str(hf)
+    if gguf is not None:  # llama.cpp runs the very file our checkpoint was imported from
+        prep.paths["gguf_q4_1"] = str(gguf)
     return prep
 
 
@@ -140,20 +147,31 @@ def make_prompts(tokenizer_path: Path, count: int, length: int) -> dict[str, Any
     return {"ids": ids_out, "texts": texts}
 
 
+# Artifact key → the export's --quantize method (None: fp32).
+ARTIFACT_KINDS: dict[str, str | None] = {"artifact": None, "artifact_int8": "int8",
+                                         "artifact_int4": "int4", "artifact_gguf": "gguf"}
+
+
 def export_copies(prep: Prepared, work: Path, artifacts: dict[str, Path | None],
                   needed: set[str], log: Any) -> None:
-    """The transformers copy, and the fp32 / int8 artifacts in ``needed`` unless given."""
+    """The transformers copy, and the artifacts in ``needed`` (``ARTIFACT_KINDS``) unless
+    given; a complete one already in ``work`` (a reused ``--work`` directory) is kept."""
     from export.hf import export_hf
 
     prep.paths["ckpt"] = str(prep.ckpt)
     if "hf" not in prep.paths:
-        prep.paths["hf"] = str(export_hf(prep.ckpt, work / "hf", force=True))
+        hf = work / "hf"
+        done = (hf / "model.safetensors").is_file() and (hf / "config.json").is_file()
+        prep.paths["hf"] = str(hf if done else export_hf(prep.ckpt, hf, force=True))
     trained = not prep.weights.startswith("random")
-    for key, quantize in (("artifact", None), ("artifact_int8", "int8")):
+    for key, quantize in ARTIFACT_KINDS.items():
         if artifacts.get(key) is not None:
             prep.paths[key] = str(artifacts[key])
             continue
         if key not in needed:
+            continue
+        if (work / key / "manifest.json").is_file():
+            prep.paths[key] = str(work / key)
             continue
         try:
             from export.to_onnx import export_artifact

@@ -17,16 +17,20 @@ LABELS = {
     "optimum": "3b Optimum ORTModelForCausalLM",
     "engine": "4 our engine (fp32)",
     "engine_int8": "5 our engine (int8)",
+    "engine_int4": "5 our engine (int4)",
+    "engine_gguf": "5 our engine (GGUF blocks)",
     "http": "6 HTTP service",
     "ct2": "7 CTranslate2 (fp32)",
     "ct2_int8": "7 CTranslate2 (int8)",
     "llamacpp_f32": "8 llama.cpp (f32 GGUF)",
     "llamacpp_q8_0": "8 llama.cpp (q8_0 GGUF)",
+    "llamacpp_q4_1": "8 llama.cpp (shipped Q4_1 GGUF)",
 }
 # Bytes of weights one decode step reads, per parameter, for the bandwidth bound.
 WEIGHT_BYTES = {"engine": 4.0, "llamacpp_f32": 4.0, "ct2": 4.0, "hf_generate": 4.0,
                 "engine_int8": 1.0 + 4.0 / 32, "llamacpp_q8_0": 1.0 + 2.0 / 32,
-                "ct2_int8": 1.0}
+                "ct2_int8": 1.0, "engine_int4": 0.5 + 4.5 / 32,
+                "llamacpp_q4_1": 0.5 + 4.0 / 32}
 BASELINE = "hf_generate"
 
 
@@ -102,6 +106,13 @@ PEER_CHECKS: dict[str, list[tuple[str, str, int | None, float]]] = {
     "smollm2-135m": [("engine", "ct2", 1, 1.2), ("engine", BASELINE, 1, 3.0),
                      ("engine", "ct2", None, 1.5), ("engine", BASELINE, None, 2.0),
                      ("engine_int8", "engine", 1, 1.5)],
+    # Issue 20: the real model, llama.cpp on the very same file.
+    "smollm2-135m-instruct": [
+        ("engine_int4", "llamacpp_q4_1", 1, 1.2), ("engine_int4", "llamacpp_q4_1", 32, 2.0),
+        ("engine_gguf", "llamacpp_q4_1", 1, 1.2), ("engine_gguf", "llamacpp_q4_1", 32, 2.0),
+        ("engine_int8", "llamacpp_q8_0", 1, 1.2), ("engine", "llamacpp_f32", 1, 1.1),
+        *((q, "engine", b, 1.0) for q in ("engine_int4", "engine_int8", "engine_gguf")
+          for b in (1, 8, 32))],
 }
 
 
@@ -125,8 +136,9 @@ def peer_targets(preset: dict[str, Any], ceiling: dict[str, Any],
                       frac * 100 if frac is not None else None, 50.0, True, "%",
                       "needs the engine row and the ceiling"))
     agree = preset.get("int8_agreement", {}).get("token_agreement")
-    out.append(_check("int8 greedy agreement (random weights: see the export figure on "
-                      "trained weights in the README)",
+    weights = ("real weights" if name == "smollm2-135m-instruct" else
+               "random weights: see the export figure on trained weights in the README")
+    out.append(_check(f"int8 greedy agreement ({weights})",
                       agree * 100 if agree is not None else None, 97.0, True, "%",
                       preset.get("int8_agreement", {}).get("error", "not run")))
     return out
@@ -214,9 +226,10 @@ def markdown(run: dict[str, Any]) -> str:
               "tokens equal to our fp32 engine's (same-weights check for the peers).", ""]
     for name, p in run["presets"].items():
         lines += [f"## {name} — {p['params'] / 1e6:.2f} M parameters, weights: {p['weights']}", ""]
-        lines += ["| engine | batch | tok/s | ×(3) | decode tok/s | TTFT ms | ×(3) | p50 ms "
-                  "| p99 ms | peak RSS MiB | ×(3) | greedy = (2) | prefix = (4) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["| engine | batch | tok/s | ×(3) | decode tok/s | own decode tok/s | TTFT ms "
+                  "| ×(3) | p50 ms | p99 ms | peak RSS MiB | ×(3) | greedy = (2) "
+                  "| prefix = (4) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in flat_rows(p):
             label = LABELS.get(r["engine"], r["engine"])
             if r["engine"] == "http":
@@ -224,6 +237,7 @@ def markdown(run: dict[str, Any]) -> str:
             lines.append(
                 f"| {label} | {r['batch']} | {_fmt(r.get('tokens_per_s'))} | "
                 f"{_fmt(r.get('x_tokens_per_s'), 2)} | {_fmt(r.get('decode_tokens_per_s'))} | "
+                f"{_fmt((r.get('own') or {}).get('decode_tokens_per_s'))} | "
                 f"{_fmt(r.get('ttft_ms'))} | {_fmt(r.get('x_ttft'), 2)} | "
                 f"{_fmt(r.get('latency_p50_ms'), 0)} | {_fmt(r.get('latency_p99_ms'), 0)} | "
                 f"{_fmt(r.get('peak_rss_mb'), 0)} | {_fmt(r.get('x_peak_rss'), 2)} | "
@@ -234,10 +248,7 @@ def markdown(run: dict[str, Any]) -> str:
             lines += ["", f"KV cache vs none, batch 1, {kv['prompt_tokens']}+{kv['new_tokens']} "
                       f"tokens (random init, context widened): {kv['torch_kv_s']:.2f} s vs "
                       f"{kv['torch_nocache_s']:.2f} s → {kv['speedup']:.1f}×."]
-        ag = p.get("int8_agreement", {})
-        if "token_agreement" in ag:
-            lines += ["", f"int8 greedy agreement (teacher-forced over {ag['positions']} "
-                      f"positions): {ag['token_agreement'] * 100:.1f}%."]
+        lines += agreement_lines(p)
         bwf = p.get("bandwidth_fraction_batch1") or {}
         if bwf:
             lines += ["", "Batch-1 decode as a share of the memory-bandwidth bound (weight "
@@ -262,6 +273,32 @@ def markdown(run: dict[str, Any]) -> str:
             lines.append(f"- note: {note}")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def agreement_lines(p: dict[str, Any]) -> list[str]:
+    """Teacher-forced greedy agreement with our fp32 engine: our quantised artifacts and
+    each llama.cpp file, and llama.cpp's settings."""
+    figures = {f"5 our engine ({k})": v for k, v in (p.get("quant_agreement") or {}).items()}
+    if not figures and "token_agreement" in p.get("int8_agreement", {}):
+        figures = {"5 our engine (int8)": p["int8_agreement"]}
+    figures.update({LABELS.get(k, k): v for k, v in (p.get("llamacpp_agreement") or {}).items()})
+    parts = [f"{name} {v['token_agreement'] * 100:.1f}% of {v['positions']}"
+             if "token_agreement" in v else f"{name}: {v.get('error')}"
+             for name, v in figures.items()]
+    if not parts:
+        return []
+    lines = ["", "Greedy agreement with our fp32 (teacher-forced: fed fp32's greedy tokens, "
+             "the share of positions where the same next token is chosen): "
+             + "; ".join(parts) + "."]
+    for name in ("llamacpp_f32", "llamacpp_q8_0", "llamacpp_q4_1"):
+        info = p.get("engines", {}).get(name, {}).get("llamacpp")
+        if info:
+            lines += ["", f"llama.cpp settings ({name}, last context): n_ctx {info['n_ctx']}, "
+                      f"n_seq_max {info['n_seq_max']}, KV type {info['type_k']} (1 = f16), "
+                      f"flash_attn_type {info['flash_attn_type']} (-1 = auto), "
+                      f"kv_unified {info['kv_unified']}; {info['system_info'].strip()}"]
+            break
+    return lines
 
 
 def chart(run: dict[str, Any], path: Path) -> None:

@@ -82,16 +82,17 @@ class _FirstTokenTimer:
 
 
 class HFGenerate:
-    """transformers ``GPT2LMHeadModel.generate``: greedy, use_cache=True, EOS suppressed."""
+    """transformers ``generate`` on the converted copy (``AutoModelForCausalLM``: GPT-2 or
+    Llama, whichever its config names): greedy, use_cache=True, EOS suppressed."""
 
     name = "hf_generate"
 
     def __init__(self, hf_dir: Path) -> None:
         import torch
-        from transformers import GPT2LMHeadModel
+        from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = self._load(GPT2LMHeadModel, hf_dir)
+        self.model = self._load(AutoModelForCausalLM, hf_dir)
 
     def _load(self, cls: Any, path: Path) -> Any:
         return cls.from_pretrained(str(path), local_files_only=True).eval()

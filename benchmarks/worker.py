@@ -4,9 +4,9 @@ Usage (started by the harness, not by hand):
     python -m benchmarks.worker SPEC.json RESULT.json
 
 SPEC names a job (ceiling, measure, kv_vs_nocache, agreement, optimum_export, ct2_convert,
-gguf_export, llamacpp_quantize) and its
-inputs; RESULT receives {"result": ..., "memory": {...}} or {"error": "..."}. Thread
-pools are limited through the environment by the harness before this process starts
+gguf_export, gguf_dequantize, llamacpp_quantize, llamacpp_agreement) and its inputs;
+RESULT receives {"result": ..., "memory": {...}} or {"error": "..."}. Thread pools are
+limited through the environment by the harness before this process starts
 (OMP/MKL/OpenBLAS), and again here through each library's own switch.
 """
 
@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks.engines import ENGINE_ARTIFACTS, LLAMACPP_FILES
 from benchmarks.measure import measure_runner, proc_memory_mb
 
 TORCH_ENGINES = ("torch_nocache", "torch_kv", "hf_generate", "optimum")
@@ -57,20 +58,20 @@ def _make_runner(spec: dict[str, Any]) -> Any:
         from benchmarks.runners_ort import PlainORT
 
         return PlainORT(Path(paths["artifact"]), threads)
-    if engine in ("engine", "engine_int8"):
+    if engine in ENGINE_ARTIFACTS:
         from benchmarks.runner_engine import EngineRunner
 
-        key = "artifact" if engine == "engine" else "artifact_int8"
-        return EngineRunner(Path(paths[key]), threads, name=engine, max_len=spec.get("n_ctx"))
+        return EngineRunner(Path(paths[ENGINE_ARTIFACTS[engine]]), threads, name=engine,
+                            max_len=spec.get("n_ctx"))
     if engine in ("ct2", "ct2_int8"):
         from benchmarks.runners_ct2 import COMPUTE_TYPES, CT2Generator
 
         return CT2Generator(Path(paths[engine]), threads, COMPUTE_TYPES[engine], name=engine)
-    if engine in ("llamacpp_f32", "llamacpp_q8_0"):
-        from benchmarks.runner_llamacpp import LlamaCpp
+    if engine in LLAMACPP_FILES:
+        from benchmarks.runner_llamacpp import LlamaCppBatched
 
-        gguf = paths["gguf_f32" if engine == "llamacpp_f32" else "gguf_q8_0"]
-        return LlamaCpp(Path(gguf), threads, spec["n_ctx"], name=engine)
+        return LlamaCppBatched(Path(paths[LLAMACPP_FILES[engine]]), threads, spec["n_ctx"],
+                               name=engine)
     raise ValueError(f"unknown engine {engine!r}")
 
 
@@ -81,7 +82,7 @@ def _import_libraries(spec: dict[str, Any]) -> None:
         import torch  # noqa: F401
     if engine in ("hf_generate", "optimum"):
         import transformers  # noqa: F401
-    if engine in ("optimum", "ort_plain", "engine", "engine_int8"):
+    if engine in ("optimum", "ort_plain", *ENGINE_ARTIFACTS):
         import onnxruntime  # noqa: F401
     if engine in ("ct2", "ct2_int8"):
         import ctranslate2  # noqa: F401
@@ -107,7 +108,13 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
                               {int(k): v for k, v in spec["reps"].items()},
                               spec["warmup_tokens"], log=_log)
         memory["peak_mb"] = proc_memory_mb().get("VmHWM")
-        return {"result": {"rows": rows, "load_s": load_s}, "memory": memory}
+        result: dict[str, Any] = {"rows": rows, "load_s": load_s}
+        if spec["engine"] in LLAMACPP_FILES:
+            from benchmarks.runner_llamacpp import LlamaCppBatched
+
+            if isinstance(runner, LlamaCppBatched):  # its settings and last perf print
+                result["llamacpp"] = {**runner.info, "perf_print_last": runner.perf_print}
+        return {"result": result, "memory": memory}
     if job == "kv_vs_nocache":
         _limit_torch_threads(spec["threads"])
         from benchmarks.runners_torch import kv_vs_nocache
@@ -133,6 +140,16 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
         from benchmarks.gguf_export import write_gguf
 
         return {"result": write_gguf(Path(spec["hf"]), Path(spec["out"]))}
+    if job == "gguf_dequantize":
+        from benchmarks.gguf_f32 import dequantize_gguf
+
+        return {"result": dequantize_gguf(Path(spec["src"]), Path(spec["out"]))}
+    if job == "llamacpp_agreement":
+        from benchmarks.runner_llamacpp import LlamaCppBatched
+
+        runner = LlamaCppBatched(Path(spec["gguf"]), spec["threads"], spec["n_ctx"],
+                                 name="agreement")
+        return {"result": runner.teacher_forced(spec["prompts"], spec["expected"])}
     if job == "llamacpp_quantize":
         from benchmarks.runner_llamacpp import quantize
 

@@ -43,3 +43,26 @@ def test_smollm2_targets_are_ratios_to_ctranslate2_transformers_and_fp32() -> No
     # 1e8 parameters × 4 bytes × 40 decode tok/s ÷ 20 GB/s = 80 %
     status, value = checks["batch-1 fp32 decode share of the memory-bandwidth bound"]
     assert status == "PASS" and value == pytest.approx(80.0)
+
+
+def test_real_smollm2_targets_set_ours_beside_llamacpp_on_the_same_file() -> None:
+    preset = {"params": 100_000_000, "engines": {
+        "llamacpp_q4_1": {"rows": [row(1, 50.0), row(8, 100.0), row(32, 120.0)]},
+        "llamacpp_q8_0": {"rows": [row(1, 40.0)]},
+        "llamacpp_f32": {"rows": [row(1, 20.0)]},
+        "engine": {"rows": [row(1, 30.0), row(8, 150.0), row(32, 200.0)]},
+        "engine_int8": {"rows": [row(1, 50.0), row(8, 140.0), row(32, 260.0)]},
+        "engine_int4": {"rows": [row(1, 65.0), row(8, 160.0), row(32, 250.0)]},
+    }, "int8_agreement": {"token_agreement": 0.98}}
+    got = {t["target"]: (t["status"], t["value"])
+           for t in evaluate_targets(preset, {}, "smollm2-135m-instruct")}
+    q41 = "8 llama.cpp (shipped Q4_1 GGUF)"
+    assert got[f"5 our engine (int4) vs {q41}, batch 1"] == ("PASS", 1.3)  # 65 / 50
+    assert got[f"5 our engine (int4) vs {q41}, batch 32"] == ("PASS", 250 / 120)
+    assert got["5 our engine (int8) vs 8 llama.cpp (q8_0 GGUF), batch 1"] == ("PASS", 1.25)
+    assert got["4 our engine (fp32) vs 8 llama.cpp (f32 GGUF), batch 1"] == ("PASS", 1.5)
+    # int8 at batch 8 is slower than fp32 (140 < 150): the "never slower" target misses.
+    assert got["5 our engine (int8) vs 4 our engine (fp32), batch 8"] == ("MISS", 140 / 150)
+    assert got["5 our engine (int4) vs 4 our engine (fp32), batch 32"] == ("PASS", 1.25)
+    assert got[f"5 our engine (GGUF blocks) vs {q41}, batch 1"][0] == "NOT MEASURED"
+    assert got["int8 greedy agreement (real weights)"] == ("PASS", 98.0)
