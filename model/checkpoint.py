@@ -54,7 +54,8 @@ def _check_not_pickle(path: Path) -> None:
 
 
 def read_meta(ckpt_dir: str | os.PathLike[str]) -> CheckpointMeta:
-    """Read and validate config.json without touching torch."""
+    """Read and validate config.json without loading weights (checking the model config
+    imports its architecture's module, and so torch, on first use)."""
     path = Path(ckpt_dir)
     _check_not_pickle(path)
     if not path.is_dir():

@@ -133,6 +133,8 @@ class Architecture:
     gguf_globals: ClassVar[Mapping[str, str]] = {}
     gguf_layers: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     hf_ignored_suffixes: tuple[str, ...] = ()  # buffers some files save beside weights
+    hf_class: str = ""  # the transformers class(es) a weight mismatch is reported against
+    hf_tokenizer_json_only: bool = False  # refuse vocab.json + merges.txt tokenizers
 
     # -- configuration -------------------------------------------------------------------
     def check_config(self, config: ModelConfig) -> list[str]:
@@ -167,15 +169,12 @@ class Architecture:
         raise NotImplementedError
 
     # -- weights -------------------------------------------------------------------------
-    hf_tokenizer_json_only: bool = False  # refuse vocab.json + merges.txt
-    hf_class: str = ""  # what a weight mismatch is reported against
-
     def hf_prefix(self, names: list[str]) -> str:
         """The prefix of transformers' tensor names in this file ('' when none)."""
         return ""
 
     def hf_expected_shapes(self, config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-        """transformers' tensors (without lm_head) and their shapes."""
+        """transformers' tensors (``prefix`` included, lm_head left out) and their shapes."""
         raise NotImplementedError
 
     def state_dict_from_hf(self, raw: dict[str, Tensor], config: ModelConfig
