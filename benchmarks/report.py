@@ -248,6 +248,7 @@ def markdown(run: dict[str, Any]) -> str:
             lines += ["", f"KV cache vs none, batch 1, {kv['prompt_tokens']}+{kv['new_tokens']} "
                       f"tokens (random init, context widened): {kv['torch_kv_s']:.2f} s vs "
                       f"{kv['torch_nocache_s']:.2f} s → {kv['speedup']:.1f}×."]
+        lines += same_file_lines(p)
         lines += agreement_lines(p)
         bwf = p.get("bandwidth_fraction_batch1") or {}
         if bwf:
@@ -273,6 +274,50 @@ def markdown(run: dict[str, Any]) -> str:
             lines.append(f"- note: {note}")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+# Our precision and llama.cpp's file that reads the same kind of weights.
+PAIRS = (("engine", "llamacpp_f32", "fp32 / f32"), ("engine_int8", "llamacpp_q8_0", "int8 / q8_0"),
+         ("engine_int4", "llamacpp_q4_1", "int4 / Q4_1"),
+         ("engine_gguf", "llamacpp_q4_1", "GGUF blocks / Q4_1"))
+
+
+def same_file_lines(p: dict[str, Any]) -> list[str]:
+    """One line per precision: ours beside llama.cpp's, tokens/s at every batch size and
+    the ratio, with llama.cpp's own decode rate and each side's greedy agreement."""
+    rows = flat_rows(p)
+    batches = sorted({r["batch"] for r in rows if r["engine"].startswith("llamacpp")})
+    if not batches:
+        return []
+    agree = {**{f"engine_{k}": v for k, v in (p.get("quant_agreement") or {}).items()},
+             **(p.get("llamacpp_agreement") or {})}
+
+    def cells(engine: str) -> list[str]:
+        return [_fmt(_get(rows, engine, b, "tokens_per_s")) for b in batches]
+
+    def agreed(engine: str) -> str:
+        value = agree.get(engine, {}).get("token_agreement")
+        return "fp32 itself" if engine == "engine" else _fmt(
+            value * 100 if value is not None else None) + ("%" if value is not None else "")
+
+    head = " / ".join(str(b) for b in batches)
+    lines = ["", f"Ours beside llama.cpp (tokens/s at batch {head}; ratio = ours ÷ llama.cpp; "
+             "llama.cpp's own decode tok/s from llama_perf_context; agreement: teacher-forced "
+             "with our fp32):", "",
+             "| ours / llama.cpp | ours tok/s | llama.cpp tok/s | ratio | llama.cpp own decode "
+             "| ours agree | llama.cpp agree |", "|---|---|---|---|---|---:|---:|"]
+    for ours, theirs, label in PAIRS:
+        if not any(r["engine"] in (ours, theirs) for r in rows):
+            continue
+        ratio = [_fmt(_ratio(_get(rows, ours, b, "tokens_per_s"),
+                             _get(rows, theirs, b, "tokens_per_s")), 2) for b in batches]
+        own = [_fmt((next((r.get("own") or {} for r in rows
+                           if r["engine"] == theirs and r["batch"] == b), {})).get(
+                               "decode_tokens_per_s")) for b in batches]
+        lines.append(f"| {label} | {' / '.join(cells(ours))} | {' / '.join(cells(theirs))} | "
+                     f"{' / '.join(ratio)} | {' / '.join(own)} | {agreed(ours)} | "
+                     f"{agreed(theirs)} |")
+    return lines
 
 
 def agreement_lines(p: dict[str, Any]) -> list[str]:

@@ -66,3 +66,18 @@ def test_real_smollm2_targets_set_ours_beside_llamacpp_on_the_same_file() -> Non
     assert got["5 our engine (int4) vs 4 our engine (fp32), batch 32"] == ("PASS", 1.25)
     assert got[f"5 our engine (GGUF blocks) vs {q41}, batch 1"][0] == "NOT MEASURED"
     assert got["int8 greedy agreement (real weights)"] == ("PASS", 98.0)
+
+
+def test_same_file_table_sets_each_precision_beside_llamacpp() -> None:
+    from benchmarks.report import same_file_lines
+
+    preset = {"params": 1, "engines": {
+        "llamacpp_q4_1": {"rows": [{**row(1, 50.0), "own": {"decode_tokens_per_s": 60.0}},
+                                   {**row(32, 120.0), "own": {"decode_tokens_per_s": 130.0}}]},
+        "engine_int4": {"rows": [row(1, 65.0), row(32, 250.0)]},
+    }, "llamacpp_agreement": {"llamacpp_q4_1": {"token_agreement": 0.95, "positions": 1024}},
+        "quant_agreement": {"int4": {"token_agreement": 0.9, "positions": 1024}}}
+    lines = same_file_lines(preset)
+    assert "| int4 / Q4_1 | 65.0 / 250.0 | 50.0 / 120.0 | 1.30 / 2.08 | 60.0 / 130.0 | 90.0% | " \
+           "95.0% |" in lines
+    assert not any(line.startswith("| int8 / q8_0") for line in lines)  # neither side ran
