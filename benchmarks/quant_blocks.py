@@ -6,7 +6,7 @@ Usage:
     python -m benchmarks.quant_blocks --artifact artifacts/smollm2-135m-instruct \
         [--max-tokens 1024] [--threads 2] [--out /tmp/quant-blocks]
     python -m benchmarks.quant_blocks --artifact artifacts/smollm2-135m-instruct \
-        --gguf-ckpt checkpoints/smollm2-135m-instruct [--rounds 5]
+        --gguf-ckpt checkpoints/smollm2-135m-instruct [--rounds 5] [--embedding-head]
 
 For every variant (float32, int8 block 32, int4 at blocks 16/32/64/128, symmetric or with
 a zero point, accuracy level 0 = float activations or 4 = int8 activations) it writes a
@@ -24,6 +24,8 @@ our int8/int4. Every variant is loaded first and the decode steps alternate betw
 (``--rounds`` rounds of 5 timed steps per variant and batch size, after 3 warm-up steps;
 the median of all), so a busy machine slows them alike. It also prints how far each
 variant's dequantised Q4_1 weights are from gguf's (0 for the exact form).
+``--embedding-head`` times the tied Q8_0 embedding's forms alone instead
+(:func:`embedding_and_head`).
 """
 
 from __future__ import annotations
@@ -192,6 +194,85 @@ def gguf_main(args: argparse.Namespace) -> None:
         print(f"{name:22s} perplexity {ppl[name]:8.4f}   {steps}", flush=True)
 
 
+def embedding_and_head(ckpt: Path, threads: int, rounds: int) -> None:
+    """The tied Q8_0 embedding's forms alone: the LM head as a float32 Gemm(transB) or an
+    8-bit MatMulNBits over the file's blocks (level 4 or 0); the embedding as a float32
+    Gather or GatherBlockQuantized over the same blocks. Exactness against gguf, then the
+    median time per call at batch 1, 8 and 32 (``rounds`` × 5 calls, alternating)."""
+    import gguf
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.gguf_blocks import pack, read_blocks
+    from export.gguf_source import open_source
+    from model.checkpoint import read_meta
+
+    tensor = open_source(read_meta(ckpt).training).tensors["token_embd.weight"]
+    blocks = read_blocks(tensor)
+    if blocks.bits != 8:
+        raise SystemExit("--embedding-head measures a Q8_0 token_embd.weight")
+    v, nb = blocks.scales.shape
+    k = nb * 32
+    ref = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)  # (V, K)
+
+    def session(node: onnx.NodeProto, inits: list[onnx.TensorProto], x: onnx.ValueInfoProto,
+                y: list[int | None]) -> ort.InferenceSession:
+        graph = helper.make_graph([node], "one", [x],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, y)],
+                                  inits)
+        model = helper.make_model(graph, opset_imports=[
+            helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = 8
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        return ort.InferenceSession(model.SerializeToString(), options,
+                                    providers=["CPUExecutionProvider"])
+
+    f32 = numpy_helper.from_array(ref, "w")
+    q, s = (numpy_helper.from_array(pack(blocks.codes, 8), "q"),
+            numpy_helper.from_array(blocks.scales.reshape(-1), "s"))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [None])
+    heads = {"head gemm f32": session(helper.make_node("Gemm", ["x", "w"], ["y"], transB=1),
+                                      [f32], x, [None, v])}
+    for level in (4, 0):
+        heads[f"head nbits8 a{level}"] = session(helper.make_node(
+            "MatMulNBits", ["x", "q", "s"], ["y"], domain="com.microsoft", K=k, N=v, bits=8,
+            block_size=32, accuracy_level=level), [q, s], x, [None, v])
+    embeds = {
+        "embed gather f32": session(helper.make_node("Gather", ["w", "ids"], ["y"]), [f32],
+                                    ids, [None, k]),
+        "embed gatherblockq8": session(helper.make_node(
+            "GatherBlockQuantized", ["d", "ids", "s2", "z"], ["y"], domain="com.microsoft",
+            gather_axis=0, quantize_axis=1, block_size=32, bits=8),
+            [numpy_helper.from_array(blocks.codes.reshape(v, k), "d"),
+             numpy_helper.from_array(blocks.scales, "s2"),
+             numpy_helper.from_array(np.full((v, nb), 128, np.uint8), "z")], ids, [None, k]),
+    }
+    rng = np.random.default_rng(0)
+    probe = rng.integers(0, v, 64)
+    for name, sess in embeds.items():
+        print(f"{name}: exact {np.array_equal(sess.run(None, {'ids': probe})[0], ref[probe])}")
+    eye = np.eye(k, dtype=np.float32)
+    for name in ("head nbits8 a0",):  # float activations: the weights themselves
+        print(f"{name}: exact {np.array_equal(heads[name].run(None, {'x': eye})[0], ref.T)}")
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for b in (1, 8, 32):
+            feeds = {**{n: {"x": rng.standard_normal((b, k), dtype=np.float32)} for n in heads},
+                     **{n: {"ids": rng.integers(0, v, b)} for n in embeds}}
+            for name, sess in {**heads, **embeds}.items():
+                for _ in range(5):
+                    started = time.perf_counter()
+                    sess.run(None, feeds[name])
+                    times.setdefault((name, b), []).append(time.perf_counter() - started)
+    for name in {**heads, **embeds}:
+        row = "   ".join(f"b{b} {statistics.median(times[name, b]) * 1e3:8.3f} ms"
+                         for b in (1, 8, 32))
+        print(f"{name:22s} {row}", flush=True)
+
+
 def _decode_feed(cfg: io.ArtifactConfig, batch: int, past: int = 64) -> dict[str, np.ndarray]:
     """One decode step's inputs: a ``past``-token random cache per row."""
     rng = np.random.default_rng(0)
@@ -217,9 +298,15 @@ def main() -> None:
                              "from the GGUF file the artifact was exported from)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--embedding-head", action="store_true",
+                        help="with --gguf-ckpt: only compare the Q8_0 embedding's and tied "
+                             "head's forms, one operator at a time")
     args = parser.parse_args()
     for logger in ("", "onnxruntime.quantization.matmul_nbits_quantizer"):
         logging.getLogger(logger).setLevel(logging.ERROR)
+    if args.gguf_ckpt is not None and args.embedding_head:
+        embedding_and_head(args.gguf_ckpt, args.threads, args.rounds)
+        return
     if args.gguf_ckpt is not None:
         gguf_main(args)
         return
