@@ -17,8 +17,7 @@ import pytest
 from benchmarks.perplexity import DEFAULT_LLAMACPP_PYTHON, main
 from export.to_onnx import export_artifact
 from model.gguf_import import import_gguf_checkpoint
-from tests.export.test_gguf_blocks import write_file
-from tests.gguf_files import Q
+from tests.export.test_gguf_blocks import CASES, write_file
 from tests.hf_gpt2 import sample_texts
 
 pytest.importorskip("transformers")
@@ -26,7 +25,7 @@ pytest.importorskip("transformers")
 
 def test_fp32_equals_transformers_and_kept_blocks_stay_close(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write_file(tmp_path, (Q.Q4_1,))
+    path = write_file(tmp_path, CASES["q4_1"])
     ckpt = import_gguf_checkpoint(path, tmp_path / "ckpt")
     fp32 = export_artifact(ckpt, tmp_path / "art-fp32", verify=False)
     kept = export_artifact(ckpt, tmp_path / "art-gguf", quantize="gguf", verify=False)

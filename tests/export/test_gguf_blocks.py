@@ -26,27 +26,43 @@ from onnx import TensorProto, helper
 
 from export.engine_graph import EngineDecoder
 from export.to_onnx import export_artifact
-from model.checkpoint import load_checkpoint
+from model.checkpoint import load_checkpoint, read_meta
 from model.gguf_import import import_gguf_checkpoint
 from service.cli import main as cli_main
 from service.contract.engine_spec import ENGINE_FILE
 from service.contract.reference import OrtDecoder
 from tests.conftest import torch_threads
 from tests.gguf_files import Q, TokenizerSpec, llamacpp_permute, write_gguf
-from tests.hf_llama import CHATML, IM_END, IM_START, build_hf_model
+from tests.hf_llama import CHATML, ENDOFTEXT, IM_END, IM_START, build_hf_model
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 SMALL = {"hidden_size": 128, "intermediate_size": 96, "num_attention_heads": 4,
          "num_key_value_heads": 2, "tie_word_embeddings": True}  # heads of 32
-CASES = {"q4_0": (Q.Q4_0,), "q8_0": (Q.Q8_0,), "q4_1": (Q.Q4_1,),
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str  # llama | qwen2 | gpt2
+    types: tuple[Any, ...]  # the file's matrices take these in turn
+    overrides: dict[str, Any]
+
+
+CASES = {"q4_0": Case("llama", (Q.Q4_0,), SMALL), "q8_0": Case("llama", (Q.Q8_0,), SMALL),
+         "q4_1": Case("llama", (Q.Q4_1,), SMALL),
          # Q|K|V mixes types: Q4_0 beside Q4_1 rows, 8- beside 4-bit (our int8), Q5_0 (int8)
-         "mixed": (Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_0)}
+         "mixed": Case("llama", (Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_0), SMALL),
+         # Qwen2: Q/K/V biases, rows not permuted, an output.weight of its own
+         "qwen2-untied": Case("qwen2", (Q.Q4_1, Q.Q4_0),
+                              {**SMALL, "tie_word_embeddings": False}),
+         # GPT-2: one attn_qkv tensor, biases, learned positions
+         "gpt2": Case("gpt2", (Q.Q4_0, Q.Q8_0), {"n_embd": 64})}
 KEPT = {Q.Q4_0, Q.Q4_1, Q.Q8_0}
-# llama.cpp names of each graph weight (model.onnx | engine.onnx); the head is tied.
-LAYER_WEIGHTS = {"qkv.w": ("attn_q", "attn_k", "attn_v"), "w_qkv": ("attn_q", "attn_k", "attn_v"),
-                 "o.w": ("attn_output",), "w_o": ("attn_output",), "gate.w": ("ffn_gate",),
+# llama.cpp names of each graph weight (model.onnx | engine.onnx).
+QKV = {"llama": ("attn_q", "attn_k", "attn_v"), "qwen2": ("attn_q", "attn_k", "attn_v"),
+       "gpt2": ("attn_qkv",)}
+LAYER_WEIGHTS = {"o.w": ("attn_output",), "w_o": ("attn_output",), "gate.w": ("ffn_gate",),
                  "up.w": ("ffn_up",), "down.w": ("ffn_down",)}
 
 
@@ -63,13 +79,20 @@ class Built:
     artifact: Path
 
 
-def write_file(root: Path, types: tuple[Any, ...], seed: int = 1) -> Path:
+def write_file(root: Path, case: Case, seed: int = 1) -> Path:
+    """A transformers model of ``case`` written as a GGUF file of its types."""
     hf = root / "hf"
-    build_hf_model(hf, "llama", seed=seed, **SMALL)
+    if case.family == "gpt2":
+        from tests.hf_gpt2 import build_hf_model as build_gpt2
+
+        build_gpt2(hf, "tokenizer.json", seed=seed, n_positions=128, **case.overrides)
+        spec = TokenizerSpec(pre="gpt-2", bos=ENDOFTEXT, eos=ENDOFTEXT)
+    else:
+        build_hf_model(hf, case.family, seed=seed, **case.overrides)  # type: ignore[arg-type]
+        spec = TokenizerSpec(pre="gpt-2", bos=IM_START, eos=IM_END, pad=IM_END,
+                             chat_template=CHATML)
     (root / "gguf").mkdir(exist_ok=True)
-    spec = TokenizerSpec(pre="gpt-2", bos=IM_START, eos=IM_END, pad=IM_END,
-                         chat_template=CHATML)
-    return write_gguf(hf, root / "gguf" / "model.gguf", types, spec)
+    return write_gguf(hf, root / "gguf" / "model.gguf", case.types, spec)
 
 
 @pytest.fixture(scope="module")
@@ -88,18 +111,22 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
     return get
 
 
-def gguf_reference(path: Path, weight: str, layer: int | None) -> tuple[np.ndarray, list[Any]]:
+def gguf_reference(path: Path, family: str, weight: str,
+                   layer: int | None) -> tuple[np.ndarray, list[Any]]:
     """The (N, K) float32 weight gguf dequantises for a graph weight, and the types."""
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
     heads, kv = SMALL["num_attention_heads"], SMALL["num_key_value_heads"]
-    names = (["token_embd"] if layer is None else
-             [f"blk.{layer}.{n}" for n in LAYER_WEIGHTS[weight]])
+    if layer is None:
+        names = ["output" if "output.weight" in tensors else "token_embd"]
+    else:
+        parts = QKV[family] if weight in ("qkv.w", "w_qkv") else LAYER_WEIGHTS[weight]
+        names = [f"blk.{layer}.{n}" for n in parts]
     rows, types = [], []
     for name in names:
         t = tensors[f"{name}.weight"]
         w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)  # (N, K)
-        if name.endswith(("attn_q", "attn_k")):  # invert llama.cpp's permutation
+        if family == "llama" and name.endswith(("attn_q", "attn_k")):  # invert llama.cpp's
             n = heads if name.endswith("attn_q") else kv
             order = llamacpp_permute(np.arange(w.shape[0]), n, None)
             w = w[np.argsort(order)]
@@ -158,7 +185,7 @@ def weight_of(node: onnx.NodeProto) -> tuple[str, int | None]:
     return kind, int(layer[1:])
 
 
-@pytest.mark.parametrize("case", ["q4_0", "q8_0", "q4_1", "mixed"])
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("graph", ["model.onnx", ENGINE_FILE])
 def test_weights_are_the_files_dequantised_blocks(case: str, graph: str,
                                                   built: Callable[[str], Built]) -> None:
@@ -169,7 +196,7 @@ def test_weights_are_the_files_dequantised_blocks(case: str, graph: str,
         if node.op_type != "MatMulNBits":
             continue
         kind, layer = weight_of(node)
-        ref, types = gguf_reference(b.gguf, kind, layer)
+        ref, types = gguf_reference(b.gguf, CASES[case].family, kind, layer)
         if not node.input[1].endswith(".gguf_q"):  # our quantiser's fallback
             assert not set(types) <= KEPT or len({t == Q.Q8_0 for t in types}) > 1
             fallback += 1
@@ -179,8 +206,9 @@ def test_weights_are_the_files_dequantised_blocks(case: str, graph: str,
         assert ours.shape == ref.shape
         assert np.array_equal(ours, ref), f"{node.name}: {np.abs(ours - ref).max()}"
         checked += 1
-    layers = 2
-    assert checked + fallback == 5 * layers + 1  # every projection and the tied head
+    cfg = read_meta(b.ckpt).model
+    per_layer = 5 if cfg.arch == "llama" else 4  # GPT-2: no gate
+    assert checked + fallback == per_layer * cfg.n_layers + 1  # every projection, the head
     assert (fallback > 0) == (case == "mixed")
     weights = {t.name for t in model.graph.initializer} - {
         t.name for t in model.graph.initializer if t.name.startswith("gguf.")
@@ -189,7 +217,7 @@ def test_weights_are_the_files_dequantised_blocks(case: str, graph: str,
                 and n.input[1] in weights]  # no float weight product left
 
 
-@pytest.mark.parametrize("case", ["q4_0", "q8_0", "q4_1"])
+@pytest.mark.parametrize("case", ["q4_0", "q8_0", "q4_1", "qwen2-untied", "gpt2"])
 def test_logits_match_the_dequantised_checkpoint(case: str,
                                                  built: Callable[[str], Built]) -> None:
     """model.onnx and engine.onnx against PyTorch on the imported checkpoint: within 1e-4
