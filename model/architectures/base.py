@@ -114,6 +114,16 @@ def qkv_bias(attn: Any) -> np.ndarray | None:
     return np.concatenate([f32(attn.w_q.bias), f32(attn.w_k.bias), f32(attn.w_v.bias)])
 
 
+def gguf_key(meta: dict[str, Any], family: str, refuse: Refuse) -> Callable[[str], Any]:
+    """A reader of ``{family}.NAME`` metadata keys that refuses a missing one."""
+    def key(name: str) -> Any:
+        if meta.get(f"{family}.{name}") is None:
+            raise refuse(f"metadata key {family}.{name} is missing")
+        return meta[f"{family}.{name}"]
+
+    return key
+
+
 class Architecture:
     """One model family. Subclasses set the class attributes and override the methods;
     the defaults here are the parts families share or the table lookups they fill in."""

@@ -29,10 +29,12 @@ from model.architectures.base import (
     Refuse,
     bias_of,
     f32,
+    gguf_key,
     qkv_bias,
     qkv_weight,
 )
-from model.attention import AttentionIntermediates, CausalSelfAttention
+from model.attention import CausalSelfAttention
+from model.block import PreNormBlock
 from model.config import GPTConfig
 
 if TYPE_CHECKING:
@@ -58,27 +60,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.down(self.act(self.up(x))))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: x + Attn(LN(x)), then x + FFN(LN(x))."""
-
-    def __init__(self, config: ModelConfig, act: nn.Module) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.ffn = FeedForward(config, act)
-        self.resid_dropout = nn.Dropout(config.dropout)
-
-    def forward(
-        self, x: Tensor, allowed: Tensor | None, past: tuple[Tensor, Tensor] | None,
-        explicit: bool, rotary: tuple[Tensor, Tensor] | None = None,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor], AttentionIntermediates | None]:
-        attn_out, present, inter = self.attn(self.ln_1(x), allowed, past, explicit, rotary)
-        x = x + self.resid_dropout(attn_out)
-        x = x + self.ffn(self.ln_2(x))
-        return x, present, inter
 
 
 class Gpt2(Architecture):
@@ -191,11 +172,7 @@ class Gpt2(Architecture):
                             tensors: Mapping[str, gguf.ReaderTensor], refuse: Refuse,
                             dequantize: Callable[[gguf.ReaderTensor], Tensor]
                             ) -> dict[str, Any]:
-        def key(name: str) -> Any:
-            if meta.get(f"{family}.{name}") is None:
-                raise refuse(f"metadata key {family}.{name} is missing")
-            return meta[f"{family}.{name}"]
-
+        key = gguf_key(meta, family, refuse)
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
                 "n_embd": key("embedding_length"), "n_head": key("attention.head_count"),
                 "n_layer": key("block_count"), "n_inner": key("feed_forward_length"),
@@ -301,7 +278,11 @@ class Gpt2(Architecture):
         return nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
 
     def block(self, config: ModelConfig) -> nn.Module:
-        return Block(config, self.activation(config))
+        """LayerNorm before attention and before the MLP."""
+        eps = config.layer_norm_eps
+        return PreNormBlock(nn.LayerNorm(config.d_model, eps=eps), CausalSelfAttention(config),
+                            nn.LayerNorm(config.d_model, eps=eps),
+                            FeedForward(config, self.activation(config)), config.dropout)
 
     def final_norm(self, config: ModelConfig) -> nn.Module:
         return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)

@@ -34,10 +34,12 @@ from model.architectures.base import (
     Refuse,
     bias_of,
     f32,
+    gguf_key,
     qkv_bias,
     qkv_weight,
 )
-from model.attention import AttentionIntermediates, CausalSelfAttention
+from model.attention import CausalSelfAttention
+from model.block import PreNormBlock
 from model.config import GPTConfig
 from model.rotary import inverse_frequencies
 
@@ -85,27 +87,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.down(F.silu(self.gate(x)) * self.up(x)))  # (B, T, d)
-
-
-class LlamaBlock(nn.Module):
-    """Pre-norm block with RMSNorm: x + Attn(norm(x)), then x + SwiGLU(norm(x))."""
-
-    def __init__(self, config: ModelConfig, attn: CausalSelfAttention) -> None:
-        super().__init__()
-        self.ln_1 = RMSNorm(config.d_model, config.layer_norm_eps)
-        self.attn = attn  # grouped and rotary
-        self.ln_2 = RMSNorm(config.d_model, config.layer_norm_eps)
-        self.ffn = SwiGLU(config)
-        self.resid_dropout = nn.Dropout(config.dropout)
-
-    def forward(
-        self, x: Tensor, allowed: Tensor | None, past: tuple[Tensor, Tensor] | None,
-        explicit: bool, rotary: tuple[Tensor, Tensor] | None = None,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor], AttentionIntermediates | None]:
-        attn_out, present, inter = self.attn(self.ln_1(x), allowed, past, explicit, rotary)
-        x = x + self.resid_dropout(attn_out)
-        x = x + self.ffn(self.ln_2(x))
-        return x, present, inter
 
 
 def unpermute_rope_rows(w: Tensor, n_heads: int) -> Tensor:
@@ -236,11 +217,7 @@ class Llama(Architecture):
                             tensors: Mapping[str, gguf.ReaderTensor], refuse: Refuse,
                             dequantize: Callable[[gguf.ReaderTensor], Tensor]
                             ) -> dict[str, Any]:
-        def key(name: str) -> Any:
-            if meta.get(f"{family}.{name}") is None:
-                raise refuse(f"metadata key {family}.{name} is missing")
-            return meta[f"{family}.{name}"]
-
+        key = gguf_key(meta, family, refuse)
         d, heads = int(key("embedding_length")), int(key("attention.head_count"))
         kv_heads = meta.get(f"{family}.attention.head_count_kv", heads)
         if isinstance(kv_heads, list):  # per-layer counts: all equal or refused
@@ -352,7 +329,10 @@ class Llama(Architecture):
 
     # -- PyTorch -------------------------------------------------------------------------
     def block(self, config: ModelConfig) -> nn.Module:
-        return LlamaBlock(config, CausalSelfAttention(config))
+        """RMSNorm before attention (grouped, rotary) and before SwiGLU."""
+        d, eps = config.d_model, config.layer_norm_eps
+        return PreNormBlock(RMSNorm(d, eps), CausalSelfAttention(config), RMSNorm(d, eps),
+                            SwiGLU(config), config.dropout)
 
     def final_norm(self, config: ModelConfig) -> nn.Module:
         return RMSNorm(config.d_model, config.layer_norm_eps)
