@@ -7,7 +7,7 @@ is the service's business (service/engine/session.py); this only applies it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -28,7 +28,9 @@ def create_session(model: str | Path | bytes, *, threads: int = 1,
                    providers: Sequence[str] = (CPU,), optimization: Optimization = "all",
                    save_optimized_to: Path | None = None,
                    prepack: bool = True,
-                   external_data_dir: Path | None = None) -> ort.InferenceSession:
+                   external_data_dir: Path | None = None,
+                   initializers: Mapping[str, ort.OrtValue] | None = None
+                   ) -> ort.InferenceSession:
     """A session over a model file (or serialized bytes).
 
     ``threads`` is the intra-op pool (one thread by default: checks need exactness, and the
@@ -38,7 +40,9 @@ def create_session(model: str | Path | bytes, *, threads: int = 1,
     weights.bin instead of copying them into packed buffers: a graph run rarely (the
     attention dump) then costs page cache shared with the file, not a private copy.
     ``external_data_dir``: where the weights.bin of a model given as bytes lies (ONNX
-    Runtime otherwise looks in the working directory).
+    Runtime otherwise looks in the working directory). ``initializers``: tensors that
+    replace the model's own of those names (several sessions can then share one mapping of
+    the weights; the values must outlive the session).
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = _LEVELS[optimization]
@@ -50,6 +54,8 @@ def create_session(model: str | Path | bytes, *, threads: int = 1,
     if external_data_dir is not None:
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", str(external_data_dir))
+    for name, value in (initializers or {}).items():
+        options.add_initializer(name, value)
     if save_optimized_to is not None:
         options.optimized_model_filepath = str(save_optimized_to)
     source = model if isinstance(model, bytes) else str(model)

@@ -9,9 +9,11 @@ ends, whatever is fetched (graph_cut.py has the figures). So a request for some 
 outputs runs on a session over a copy of the graph cut down to them: one layer's maps cost
 that layer's share of the work and memory, not the whole model's. Cut sessions are built
 on first use (0.05 s for layer 0 of SmolLM2, about 1 s for all 30 layers' weights) and the
-few most recent are kept; the session given at construction serves requests for
-everything. After each run the session's arena gives its memory back, so a long input
-does not leave hundreds of MB held by an idle viewer session.
+few most recent are kept. They all read their weights from one read-only mapping of
+weights.bin made here (given to ONNX Runtime as the graph's initializers): each session
+mapping the file itself would count its pages in RSS once per session. After each run the
+session's arena gives its memory back, so a long input does not leave hundreds of MB held
+by an idle viewer session.
 """
 
 from __future__ import annotations
@@ -26,9 +28,33 @@ import onnxruntime as ort
 
 from service.contract import io_spec as io
 from service.contract import sessions
-from service.viz.graph_cut import cut
+from service.viz.graph_cut import ExternalTensor, cut, external_tensors
 
 CUT_SESSIONS = 4  # cut sessions kept (a viewer's layer, its step view's, all weights, one more)
+# onnx.TensorProto data types that numpy can view in place.
+NUMPY_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16,
+               6: np.int32, 7: np.int64, 9: np.bool_, 10: np.float16, 11: np.float64,
+               12: np.uint32, 13: np.uint64}
+
+
+def shared_weights(source: Path) -> tuple[list[np.memmap], dict[str, ort.OrtValue]]:
+    """The external initializers of ``source`` as OrtValues over one read-only mapping per
+    data file (the mappings are returned too: they must outlive the values)."""
+    files: dict[str, np.memmap] = {}
+    values: dict[str, ort.OrtValue] = {}
+    for t in external_tensors(source.read_bytes()):
+        if t.data_type not in NUMPY_TYPES or _escapes(t):
+            continue  # left to ONNX Runtime's own loading
+        data = files.get(t.location)
+        if data is None:
+            data = files[t.location] = np.memmap(source.parent / t.location, mode="r")
+        array: np.ndarray = data[t.offset:t.offset + t.length].view(NUMPY_TYPES[t.data_type])
+        values[t.name] = ort.OrtValue.ortvalue_from_numpy(array.reshape(t.dims))
+    return list(files.values()), values
+
+
+def _escapes(t: ExternalTensor) -> bool:
+    return Path(t.location).is_absolute() or ".." in Path(t.location).parts
 
 
 class AttentionModel:
@@ -47,6 +73,7 @@ class AttentionModel:
             raise ValueError(f"attention.onnx lacks outputs {missing[:4]}...")
         self._source = source
         self._graph = source.read_bytes() if source is not None else None
+        self._files, self._weights = shared_weights(source) if source is not None else ([], {})
         self._cut: OrderedDict[frozenset[str], ort.InferenceSession] = OrderedDict()
         self._lock = threading.Lock()
         self._run_options = ort.RunOptions()
@@ -72,7 +99,7 @@ class AttentionModel:
     def _session(self, names: Sequence[str]) -> ort.InferenceSession:
         """A session whose graph computes ``names`` and nothing past them."""
         key = frozenset(names)
-        if self._graph is None or len(key) == len(self._outputs):
+        if self._graph is None:
             return self.session
         with self._lock:  # several attention threads may ask at once
             session = self._cut.get(key)
@@ -87,7 +114,7 @@ class AttentionModel:
                 session = sessions.create_session(
                     graph, threads=options.intra_op_num_threads,
                     providers=self.session.get_providers(), prepack=False,
-                    external_data_dir=self._source.parent)
+                    external_data_dir=self._source.parent, initializers=self._weights)
                 self.sessions_built += 1
                 self._cut[key] = session
                 while len(self._cut) > CUT_SESSIONS:

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 
 # Field numbers from onnx.proto.
 MODEL_GRAPH = 7
-GRAPH_NODE, GRAPH_OUTPUT = 1, 12
+GRAPH_NODE, GRAPH_INITIALIZER, GRAPH_OUTPUT = 1, 5, 12
 NODE_INPUT, NODE_OUTPUT, NODE_OP_TYPE = 1, 2, 4
 VALUE_INFO_NAME = 1
+TENSOR_DIMS, TENSOR_DATA_TYPE, TENSOR_NAME, TENSOR_EXTERNAL_DATA = 1, 2, 8, 13
+ENTRY_KEY, ENTRY_VALUE = 1, 2
 LEN = 2  # wire type of strings, bytes and embedded messages
 # Nodes whose subgraphs may read values that their inputs do not list.
 CONTROL_FLOW = {"If", "Loop", "Scan", "SequenceMap"}
@@ -80,6 +82,48 @@ def fields(data: bytes) -> Iterator[Field]:
         if pos > len(data):
             raise ValueError("truncated protobuf field")
         yield Field(number, wire, data[start:pos], payload)
+
+
+@dataclass(frozen=True)
+class ExternalTensor:
+    """An initializer whose bytes lie in a file beside the model (ONNX external data)."""
+
+    name: str
+    data_type: int  # onnx.TensorProto.DataType
+    dims: tuple[int, ...]
+    location: str
+    offset: int
+    length: int
+
+
+def external_tensors(model: bytes) -> list[ExternalTensor]:
+    """The initializers of ``model``'s graph stored as external data."""
+    graph = next((f for f in fields(model) if f.number == MODEL_GRAPH), None)
+    out = []
+    for f in fields(graph.payload if graph is not None else b""):
+        if f.number != GRAPH_INITIALIZER:
+            continue
+        dims: list[int] = []
+        data_type, name, entries = 0, "", {}
+        for g in fields(f.payload):
+            if g.number == TENSOR_DIMS and g.wire == LEN:  # packed
+                pos = 0
+                while pos < len(g.payload):
+                    value, pos = _varint(g.payload, pos)
+                    dims.append(value)
+            elif g.number == TENSOR_DIMS:
+                dims.append(_varint(g.raw, 1)[0])
+            elif g.number == TENSOR_DATA_TYPE:
+                data_type = _varint(g.raw, 1)[0]
+            elif g.number == TENSOR_NAME:
+                name = g.payload.decode()
+            elif g.number == TENSOR_EXTERNAL_DATA:
+                entry = {e.number: e.payload.decode() for e in fields(g.payload)}
+                entries[entry[ENTRY_KEY]] = entry.get(ENTRY_VALUE, "")
+        if "location" in entries and "length" in entries:
+            out.append(ExternalTensor(name, data_type, tuple(dims), entries["location"],
+                                      int(entries.get("offset", 0)), int(entries["length"])))
+    return out
 
 
 def _len_field(number: int, payload: bytes) -> bytes:

@@ -56,11 +56,30 @@ def test_requested_layers_equal_the_whole_graph_in_the_order_asked(
     np.testing.assert_array_equal(got["q"][1], want[3][0])
     assert model.sessions_built == 1
 
-    # All layers by default; every output of the graph runs on the session it was given.
+    # All layers by default: the whole graph, as a session over the shared weights.
     everything = model.run(ids, list(io.ATTENTION_KINDS))
-    assert model.sessions_built == 1
+    assert model.sessions_built == 2
     assert everything["weights"].shape[0] == config.n_layers
     np.testing.assert_array_equal(everything["weights"][last], want[0][0])
+
+
+def test_cut_sessions_share_one_mapping_of_the_weights(artifact: Path, config: io.ArtifactConfig,
+                                                       full: ort.InferenceSession) -> None:
+    """ONNX Runtime maps weights.bin itself for every session it loads (one mapping per
+    initializer); the cut sessions take the initializers from one mapping made here."""
+    weights = str((artifact / "weights.bin").resolve())
+
+    def mappings() -> int:
+        return sum(line.rstrip().endswith(weights)
+                   for line in Path("/proc/self/maps").read_text().splitlines())
+
+    before = mappings()
+    model = AttentionModel(full, config, artifact / io.ATTENTION_FILE)
+    for layers in ([0], [1], None, [1, 0]):
+        model.run([5, 6, 7], ["weights", "v"], layers)
+    assert config.n_layers == 2  # so [1, 0] asks for what None did: the same session
+    assert model.sessions_built == 3
+    assert mappings() == before + 1
 
 
 def test_cut_sessions_are_kept_a_few_at_a_time(artifact: Path, config: io.ArtifactConfig,
