@@ -3,11 +3,17 @@
 model.onnx is the portable graph of the ONNX I/O contract (service/contract/io_spec.py):
 it takes the past as (B, nkv, T_past, hs) tensors and returns a present one step longer,
 so it cannot write into the pool in place as engine.onnx does. This runner gathers each
-row's cached keys and values from its pool slot into a left-padded past every pass and
-writes only the new columns back: a copy of the batch's cache per step, the price of the
-portable graph (it runs where engine.onnx does not: under CUDA, or for an artifact
-exported without engine.onnx). Under CUDA the past goes to the device and the presents
-come back on every pass.
+row's cached keys and values from its pool slot into a left-padded past and writes only
+the new columns back: a copy of the batch's cache per gather, the price of the portable
+graph (it runs where engine.onnx does not: under CUDA, or for an artifact exported
+without engine.onnx). Under CUDA the past goes to the device and the presents come back
+on every pass.
+
+The pool stays the only owner: the present of a decode step is kept only as the past of
+the very next one, and only while nothing else touched the rows (same slots in the same
+order, no prefill, extend, truncate, join or leave in between); otherwise the past is
+gathered from the pool again. So a steady batch pays the graph's own Concat per step,
+and a change of composition one gather.
 
 Left padding is what the contract specifies: ``attention_mask`` marks the real columns
 and ``position_ids`` count each row's own tokens, so padding changes nothing a row
@@ -26,6 +32,8 @@ from service.engine.kv_pool import Slot
 from service.engine.pooled import PooledRunner
 from service.engine.runner import PoolConfig
 from service.engine.session import CUDA
+
+Shape = tuple[int, int, int, int]
 
 
 class ModelGraphRunner(PooledRunner):
@@ -46,32 +54,67 @@ class ModelGraphRunner(PooledRunner):
         self.provider = session.get_providers()[0]
         self.device = "cuda" if self.provider == CUDA else "cpu"
         self._past = io.past_names(n)
-        self._outputs = io.model_output_names(n)
+        self._present = io.present_names(n)
+        self._buffers: dict[int, list[np.ndarray]] = {}  # two reused scratch sets, 0 and 1
+        # The last decode's present, valid as the next decode's past for these slot
+        # indices: (indices, scratch set, presents), or None.
+        self._carry: tuple[tuple[int, ...], int, list[np.ndarray]] | None = None
+
+    # -- scratch ---------------------------------------------------------------------
+
+    def _scratch(self, use: int, shape: Shape) -> list[np.ndarray]:
+        """One reused buffer per pool array, viewed as ``shape``: fresh arrays every step
+        would cost a page fault per 4 KiB touched, more than the copy itself. Grown on
+        demand; dropped when the last row leaves."""
+        need = int(np.prod(shape))
+        buffers = self._buffers.get(use)
+        if buffers is None or buffers[0].size < need:
+            size = max(need, 2 * buffers[0].size if buffers else 0)
+            buffers = [np.empty(size, self.shape.dtype) for _ in self.pool.arrays]
+            self._buffers[use] = buffers
+        return [buffer[:need].reshape(shape) for buffer in buffers]
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
-             past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """logits (B, T, V) and presents (B, nkv, T_past + T, hs)."""
-        feed = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, io.POSITION_IDS: pos}
-        feed.update(zip(self._past, past, strict=True))
-        outs = self.session.run(self._outputs, feed)
-        return outs[0], outs[1:]
+             past: list[np.ndarray], out: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+        """logits (B, T, V) and presents (B, nkv, T_past + T, hs). On CPU the presents are
+        written straight into scratch set ``out`` (no copy out of ONNX Runtime)."""
+        b, t = ids.shape
+        binding = self.session.io_binding()
+        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(ids, np.int64))  # (B, T)
+        binding.bind_cpu_input(io.ATTENTION_MASK, np.ascontiguousarray(mask, np.int64))
+        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(pos, np.int64))
+        for name, value in zip(self._past, past, strict=True):
+            binding.bind_cpu_input(name, value)  # (B, nkv, T_past, hs)
+        binding.bind_output(io.LOGITS, "cpu")
+        shape = (b, self.shape.heads, past[0].shape[2] + t, self.shape.head_dim)
+        presents: list[np.ndarray] = []
+        if self.device == "cpu":
+            presents = self._scratch(out, shape)  # each (B, nkv, T_past + T, hs)
+            for name, buffer in zip(self._present, presents, strict=True):
+                binding.bind_output(name, "cpu", 0, self.shape.dtype, list(shape),
+                                    buffer.ctypes.data)
+        else:
+            for name in self._present:
+                binding.bind_output(name, self.device)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        if self.device != "cpu":
+            presents = [v.numpy() for v in outputs[1:]]  # device → host
+        return outputs[0].numpy(), presents
 
-    def _gather(self, index: np.ndarray, lengths: np.ndarray
-                ) -> tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Each row's cached columns, left-padded to the longest: one (B, nkv, P, hs) past per
-        array, and the (row, pool column, past column) index of every cached token."""
-        b, width = len(index), int(lengths.max()) if len(lengths) else 0
-        rows = np.repeat(np.arange(b), lengths)  # (N,) over all cached tokens
-        src = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # (N,)
-        dst = src + np.repeat(width - lengths, lengths)  # (N,) right-aligned at the end
-        shape = (b, self.shape.heads, width, self.shape.head_dim)
-        past = []
-        for array in self.pool.arrays:  # each (S, nkv, M, hs)
-            p = np.zeros(shape, self.shape.dtype)  # (B, nkv, P, hs)
-            if len(rows):
-                p[rows, :, dst] = array[index[rows], :, src]  # (N, nkv, hs)
-            past.append(p)
-        return past, (rows, src, dst)
+    def _gather(self, index: np.ndarray, lengths: np.ndarray, use: int) -> list[np.ndarray]:
+        """Each row's cached columns, left-padded to the longest, into scratch set ``use``:
+        one (B, nkv, P, hs) past per pool array."""
+        b, width = len(index), int(lengths.max())
+        past = self._scratch(use, (b, self.shape.heads, width, self.shape.head_dim))
+        rows = list(zip(index.tolist(), lengths.tolist(), strict=True))
+        for array, p in zip(self.pool.arrays, past, strict=True):  # each (S, nkv, M, hs)
+            for i, (slot, n) in enumerate(rows):
+                p[i, :, :width - n] = 0  # padding: masked out, but never garbage
+                p[i, :, width - n:] = array[slot, :, :n]  # (nkv, n, hs)
+        return past
+
+    # -- the protocol ----------------------------------------------------------------
 
     def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         b = len(slots)
@@ -79,18 +122,27 @@ class ModelGraphRunner(PooledRunner):
         lengths = self.pool.lengths[index]  # (B,) a copy
         width = int(lengths.max())
         self._check_room(width + 1)
-        past, _ = self._gather(index, lengths)
+        key = tuple(index.tolist())
+        carry, self._carry = self._carry, None
+        if carry is not None and carry[0] == key and carry[2][0].shape[2] == width:
+            src, past = carry[1], carry[2]  # last step's present: the pool's rows, padded
+        else:
+            src, past = 0, self._gather(index, lengths, 0)
         mask = (np.arange(width + 1)[None, :] >= (width - lengths)[:, None]).astype(np.int64)
         ids = np.asarray(tokens, np.int64)[:, None]  # (B, 1)
-        logits, present = self._run(ids, mask, lengths[:, None].astype(np.int64), past)
+        logits, present = self._run(ids, mask, lengths[:, None].astype(np.int64), past,
+                                    out=1 - src)
         for array, new in zip(self.pool.arrays, present, strict=True):
             array[index, :, lengths] = new[:, :, width]  # (B, nkv, hs): the new column
         self.pool.tokens[index, lengths] = ids[:, 0]
         self.pool.lengths[index] = lengths + 1
+        if self.device == "cpu":
+            self._carry = (key, 1 - src, present)
         return np.asarray(logits[:, -1])  # (B, V)
 
     def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
                       all_logits: bool) -> list[np.ndarray]:
+        self._carry = None
         b = len(slots)
         index = np.fromiter((s.index for s in slots), np.int64, b)  # (B,)
         lengths = np.fromiter((len(p) for p in prompts), np.int64, b)  # (B,)
@@ -104,17 +156,16 @@ class ModelGraphRunner(PooledRunner):
         pos = np.clip(mask.cumsum(axis=1) - 1, 0, None)  # (B, W)
         empty = np.zeros((b, self.shape.heads, 0, self.shape.head_dim), self.shape.dtype)
         logits, present = self._run(ids, mask, pos, [empty] * len(self._past))
-        rows = np.repeat(np.arange(b), lengths)  # (N,)
-        src = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        dst = src + np.repeat(width - lengths, lengths)
         for array, new in zip(self.pool.arrays, present, strict=True):
-            array[index[rows], :, src] = new[rows, :, dst]  # (N, nkv, hs)
+            for i, (slot, n) in enumerate(zip(index.tolist(), lengths.tolist(), strict=True)):
+                array[slot, :, :n] = new[i, :, width - n:]  # (nkv, n, hs): the real columns
         for s, p in zip(slots, prompts, strict=True):
             self._record(s.index, 0, p)
         return [logits[i, width - n:] if all_logits else logits[i, width - 1:]
                 for i, n in enumerate(lengths.tolist())]
 
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
+        self._carry = None
         start = int(self.pool.lengths[slot.index])
         total = start + len(tokens)
         self._check_room(total)
@@ -128,3 +179,22 @@ class ModelGraphRunner(PooledRunner):
             array[slot.index, :, start:total] = new[0, :, start:]  # (nkv, T, hs)
         self._record(slot.index, start, tokens)
         return np.asarray(logits[0])  # (T, V)
+
+    def truncate(self, slot: Slot, length: int) -> None:
+        self._carry = None
+        super().truncate(slot, length)
+
+    def reuse_prefix(self, slot: Slot, prompt: Sequence[int]) -> int:
+        self._carry = None
+        return super().reuse_prefix(slot, prompt)
+
+    def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
+        self._carry = None
+        kept = super().leave(slots, keep)
+        if not self.pool.used:
+            self._buffers.clear()  # idle: the scratch's memory goes back
+        return kept
+
+    def join(self, groups: Sequence[Sequence[Slot]]) -> list[Slot]:
+        self._carry = None
+        return super().join(groups)
