@@ -263,9 +263,9 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
         weight = numpy_helper.to_array(inits[name])
         if not np.array_equal(blocks.dequantize(), weight.T if transposed else weight):
             raise SourceRefused(
-                f"--quantize gguf: {src.path} changed since the import: the blocks of "
-                f"{', '.join(p.tensor for p in parts)} do not dequantise to the checkpoint's "
-                f"weight {name}")
+                f"--quantize gguf: {src.path} changed since the import (or the checkpoint "
+                f"was trained further): the blocks of {', '.join(p.tensor for p in parts)} "
+                f"do not dequantise to the checkpoint's weight {name}")
         writer.matmul(node.input[0], node.output[0], blocks, name, node.name)
         kept.update(types)
     del graph.node[:]
