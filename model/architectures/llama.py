@@ -17,7 +17,7 @@ hidden/heads, rope scalings other than linear and llama3) are refused with one l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -53,6 +53,7 @@ RENAMES = (("self_attn.q_proj", "attn.w_q"), ("self_attn.k_proj", "attn.w_k"),
            ("mlp.gate_proj", "ffn.gate"), ("mlp.up_proj", "ffn.up"),
            ("mlp.down_proj", "ffn.down"), ("input_layernorm", "ln_1"),
            ("post_attention_layernorm", "ln_2"))
+HF_LAYER, OUR_LAYER = "model.layers.", "blocks."
 ROPE_FREQS = "rope_freqs.weight"
 # llama.cpp permutes Q/K rows for these GGUF architectures only (qwen2 files are not).
 GGUF_PERMUTED = ("llama",)
@@ -87,6 +88,19 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.down(F.silu(self.gate(x)) * self.up(x)))  # (B, T, d)
+
+
+def _rename_layer(name: str, src: str, dst: str, pairs: Sequence[tuple[str, str]]
+                  ) -> str | None:
+    """``{src}{i}.{a}{rest}`` → ``{dst}{i}.{b}{rest}`` for the first (a, b) that matches;
+    None for a name outside the layers or with no counterpart."""
+    if not name.startswith(src):
+        return None
+    index, _, tail = name.removeprefix(src).partition(".")
+    for a, b in pairs:
+        if tail.startswith(a + "."):
+            return f"{dst}{index}.{b}{tail.removeprefix(a)}"
+    return None
 
 
 def unpermute_rope_rows(w: Tensor, n_heads: int) -> Tensor:
@@ -282,13 +296,8 @@ class Llama(Architecture):
         out: dict[str, Tensor] = {"tok_emb.weight": raw["model.embed_tokens.weight"],  # (V, d)
                                   "ln_f.weight": raw["model.norm.weight"]}  # (d,)
         for name, tensor in raw.items():
-            if not name.startswith("model.layers."):
-                continue
-            index, _, tail = name.removeprefix("model.layers.").partition(".")
-            for theirs, ours in RENAMES:
-                if tail.startswith(theirs + "."):
-                    out[f"blocks.{index}.{ours}{tail.removeprefix(theirs)}"] = tensor
-                    break
+            if (ours := _rename_layer(name, HF_LAYER, OUR_LAYER, RENAMES)) is not None:
+                out[ours] = tensor
         # Tied: the head is the embedding whatever lm_head.weight a file may also hold.
         out["lm_head.weight"] = (raw["model.embed_tokens.weight"] if config.tie_weights
                                  else raw["lm_head.weight"])
@@ -300,16 +309,14 @@ class Llama(Architecture):
                  for k, v in model.state_dict().items()}
         out: dict[str, Tensor] = {"model.embed_tokens.weight": state["tok_emb.weight"],
                                   "model.norm.weight": state["ln_f.weight"]}
+        back = [(ours, theirs) for theirs, ours in RENAMES]
         for name, tensor in state.items():
-            if not name.startswith("blocks."):
+            if not name.startswith(OUR_LAYER):
                 continue
-            index, _, tail = name.removeprefix("blocks.").partition(".")
-            for theirs, ours in RENAMES:
-                if tail.startswith(ours + "."):
-                    out[f"model.layers.{index}.{theirs}{tail.removeprefix(ours)}"] = tensor
-                    break
-            else:
+            theirs = _rename_layer(name, OUR_LAYER, HF_LAYER, back)
+            if theirs is None:
                 raise ValueError(f"no transformers name for {name}")
+            out[theirs] = tensor
         if not config.tie_weights:
             out["lm_head.weight"] = state["lm_head.weight"]
         return out
