@@ -7,6 +7,8 @@ Usage:
         [--max-tokens 1024] [--threads 2] [--out /tmp/quant-blocks]
     python -m benchmarks.quant_blocks --artifact artifacts/smollm2-135m-instruct \
         --gguf-ckpt checkpoints/smollm2-135m-instruct [--rounds 5] [--embedding-head]
+    python -m benchmarks.quant_blocks --artifact artifacts/smollm2-135m-instruct \
+        --engine fp32=artifacts/smollm2-135m-instruct --engine gguf=/tmp/smollm2-gguf
 
 For every variant (float32, int8 block 32, int4 at blocks 16/32/64/128, symmetric or with
 a zero point, accuracy level 0 = float activations or 4 = int8 activations) it writes a
@@ -25,7 +27,8 @@ our int8/int4. Every variant is loaded first and the decode steps alternate betw
 the median of all), so a busy machine slows them alike. It also prints how far each
 variant's dequantised Q4_1 weights are from gguf's (0 for the exact form).
 ``--embedding-head`` times the tied Q8_0 embedding's forms alone instead
-(:func:`embedding_and_head`).
+(:func:`embedding_and_head`), and ``--engine`` the engine.onnx decode steps of whole
+artifacts (:func:`engine_steps`).
 """
 
 from __future__ import annotations
@@ -273,6 +276,54 @@ def embedding_and_head(ckpt: Path, threads: int, rounds: int) -> None:
         print(f"{name:22s} {row}", flush=True)
 
 
+def engine_steps(artifacts: list[tuple[str, Path]], batches: list[int], threads: int,
+                 rounds: int, past: int = 64, capacity: int = 256) -> None:
+    """engine.onnx decode steps (the served graph: GroupQueryAttention over an in-place
+    cache of ``capacity`` positions, ``past`` of them filled) of several artifacts,
+    alternating between them; median ms per step at each batch size."""
+    import onnxruntime as ort
+
+    from service.contract.engine_spec import ENGINE_FILE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+    from service.contract.sessions import create_session
+
+    cfg = io.ArtifactConfig.load(artifacts[0][1])
+    sessions = {name: create_session(d / ENGINE_FILE, threads=threads) for name, d in artifacts}
+    rng = np.random.default_rng(0)
+
+    def run(session: ort.InferenceSession, b: int, caches: list[ort.OrtValue]) -> float:
+        binding = session.io_binding()
+        binding.bind_cpu_input(io.INPUT_IDS, np.full((b, 1), 100, np.int64))
+        binding.bind_cpu_input(io.POSITION_IDS, np.full((b, 1), past, np.int64))
+        binding.bind_cpu_input(SEQLENS_K, np.full(b, past, np.int32))
+        binding.bind_cpu_input(TOTAL_SEQUENCE_LENGTH, np.array([past + 1], np.int32))
+        for name, value in zip(io.past_names(cfg.n_layers), caches, strict=True):
+            binding.bind_ortvalue_input(name, value)
+        for name, value in zip(io.present_names(cfg.n_layers), caches, strict=True):
+            binding.bind_ortvalue_output(name, value)
+        binding.bind_output(io.LOGITS, "cpu")
+        started = time.perf_counter()
+        session.run_with_iobinding(binding)
+        return time.perf_counter() - started
+
+    shape = (0, cfg.kv_heads, capacity, cfg.head_dim)  # (B, nkv, capacity, hs)
+    caches = {b: [ort.OrtValue.ortvalue_from_numpy(rng.standard_normal(
+        (b, *shape[1:]), dtype=np.float32)) for _ in range(2 * cfg.n_layers)] for b in batches}
+    times: dict[tuple[str, int], list[float]] = {}
+    for session in sessions.values():  # warm-up
+        for b in batches:
+            for _ in range(3):
+                run(session, b, caches[b])
+    for _ in range(rounds):
+        for b in batches:
+            for name, session in sessions.items():
+                times.setdefault((name, b), []).extend(run(session, b, caches[b])
+                                                       for _ in range(5))
+    for name in sessions:
+        row = "   ".join(f"b{b} {statistics.median(times[name, b]) * 1e3:7.2f} ms"
+                         for b in batches)
+        print(f"engine {name:14s} {row}", flush=True)
+
+
 def _decode_feed(cfg: io.ArtifactConfig, batch: int, past: int = 64) -> dict[str, np.ndarray]:
     """One decode step's inputs: a ``past``-token random cache per row."""
     rng = np.random.default_rng(0)
@@ -298,12 +349,19 @@ def main() -> None:
                              "from the GGUF file the artifact was exported from)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--engine", action="append", default=[], metavar="NAME=DIR",
+                        help="only time engine.onnx decode steps of these artifacts "
+                             "(repeatable), alternating between them")
     parser.add_argument("--embedding-head", action="store_true",
                         help="with --gguf-ckpt: only compare the Q8_0 embedding's and tied "
                              "head's forms, one operator at a time")
     args = parser.parse_args()
     for logger in ("", "onnxruntime.quantization.matmul_nbits_quantizer"):
         logging.getLogger(logger).setLevel(logging.ERROR)
+    if args.engine:
+        named = [(n, Path(d)) for n, d in (e.split("=", 1) for e in args.engine)]
+        engine_steps(named, args.batches, args.threads, args.rounds)
+        return
     if args.gguf_ckpt is not None and args.embedding_head:
         embedding_and_head(args.gguf_ckpt, args.threads, args.rounds)
         return
