@@ -148,14 +148,20 @@ def effective_weight(model: onnx.ModelProto, node: onnx.NodeProto, base: Path) -
     activations) on an identity input."""
     produced = {o: n for n in model.graph.node for o in n.output}
     consumers = {i: n for n in model.graph.node for i in n.input}
-    nodes = [node]
-    out = node.output[0]
-    if out.endswith(".gguf_scaled"):  # exact Q4_1: + block sums · minimums
-        add = consumers[out]
-        mins = produced[next(i for i in add.input if i != out)]
-        nodes += [produced[mins.input[0]], mins, add]
-        out = add.output[0]
-    x = node.input[0]
+    x, out = node.input[0], node.output[0]
+    if out.endswith(".gguf_scaled"):  # exact Q4_1: + block sums · remainders (Add or Gemm)
+        out = consumers[out].output[0]
+    nodes: list[onnx.NodeProto] = []
+
+    def needs(value: str) -> None:  # the nodes between x and ``value``, in order
+        n = produced.get(value)
+        if value == x or n is None or n in nodes:
+            return
+        for i in n.input:
+            needs(i)
+        nodes.append(n)
+
+    needs(out)
     copies = []
     for n in nodes:
         c = onnx.NodeProto()
