@@ -28,15 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
+from service.engine.request import SamplingParams
 from service.engine.sampling import RowSampler, warp
 from service.engine.stats import SpeculationStats
-
-if TYPE_CHECKING:
-    from service.engine.draft import DraftModel
 
 Method = Literal["ngram", "draft"]
 
@@ -211,6 +209,15 @@ class Proposal:
     probs: np.ndarray | None  # (k, V) the draft's distributions (None: point masses)
 
 
+class Drafter(Protocol):
+    """A draft model (service/engine/draft.py): proposals per sequence, keyed by request."""
+
+    def propose(self, key: int, history: Sequence[int], params: SamplingParams,
+                seed: int | None) -> Proposal: ...
+
+    def release(self, key: int) -> None: ...
+
+
 class Speculator:
     """The engine's speculation policy: who proposes, for which rows, and the counts.
 
@@ -220,7 +227,7 @@ class Speculator:
     over the weights (vLLM disables speculation by batch size for the same reason).
     """
 
-    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, draft: Drafter | None = None) -> None:
         if (config.method == "draft") != (draft is not None):
             raise ValueError("draft speculation needs a draft model, and only it")
         self.config = config
