@@ -195,6 +195,9 @@ def gguf_main(args: argparse.Namespace) -> None:
         steps = "   ".join(f"b{b} {statistics.median(times[name, b]) * 1e3:6.2f} ms"
                            for b in args.batches)
         print(f"{name:22s} perplexity {ppl[name]:8.4f}   {steps}", flush=True)
+    del sessions
+    for d in dirs.values():
+        shutil.rmtree(d)
 
 
 def embedding_and_head(ckpt: Path, threads: int, rounds: int) -> None:
