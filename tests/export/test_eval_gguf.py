@@ -10,6 +10,7 @@ benchmark's llama.cpp side environment is built, llama.cpp itself.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,26 +24,44 @@ from tests.hf_gpt2 import sample_texts
 pytest.importorskip("transformers")
 
 
-def test_fp32_equals_transformers_and_kept_blocks_stay_close(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write_file(tmp_path, CASES["q4_1"])
-    ckpt = import_gguf_checkpoint(path, tmp_path / "ckpt")
-    fp32 = export_artifact(ckpt, tmp_path / "art-fp32", verify=False)
-    kept = export_artifact(ckpt, tmp_path / "art-gguf", quantize="gguf", verify=False)
-    text = tmp_path / "text.txt"
+@dataclass(frozen=True)
+class Scored:
+    gguf: Path
+    args: list[str]  # the benchmark's arguments for both artifacts and the text
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory: pytest.TempPathFactory) -> Scored:
+    root = tmp_path_factory.mktemp("ppl")
+    path = write_file(root, CASES["q4_1"])
+    ckpt = import_gguf_checkpoint(path, root / "ckpt")
+    fp32 = export_artifact(ckpt, root / "art-fp32", verify=False)
+    kept = export_artifact(ckpt, root / "art-gguf", quantize="gguf", verify=False)
+    text = root / "text.txt"
     text.write_text("\n\n".join(sample_texts()), "utf-8")
-    llamacpp = DEFAULT_LLAMACPP_PYTHON.is_file()
-    out = tmp_path / "ppl.json"
-    assert main(["--gguf", str(path), "--artifact", f"fp32={fp32}", "--artifact",
-                 f"gguf={kept}", "--data", str(text), "--max-tokens", "600", "--window",
-                 "128", "--stride", "48", "--threads", "1", "--json", str(out),
-                 *([] if llamacpp else ["--no-llamacpp"])]) == 0
-    print(capsys.readouterr().out)
-    rows = {r["name"]: r for r in json.loads(out.read_text("utf-8"))["rows"]}
-    ref = rows["fp32"]["perplexity"]
-    assert rows["transformers"]["perplexity"] == pytest.approx(ref, rel=1e-4)
-    assert rows["gguf"]["perplexity"] == pytest.approx(ref, rel=0.02)
-    if not llamacpp:
+    return Scored(path, ["--gguf", str(path), "--artifact", f"fp32={fp32}", "--artifact",
+                         f"gguf={kept}", "--data", str(text), "--max-tokens", "600",
+                         "--window", "128", "--stride", "48", "--threads", "1"])
+
+
+def rows(scored: Scored, out: Path, *extra: str) -> dict[str, dict[str, float]]:
+    assert main([*scored.args, "--json", str(out), *extra]) == 0
+    return {r["name"]: r for r in json.loads(out.read_text("utf-8"))["rows"]}
+
+
+def test_fp32_equals_transformers_and_kept_blocks_stay_close(scored: Scored,
+                                                             tmp_path: Path) -> None:
+    r = rows(scored, tmp_path / "ppl.json", "--no-llamacpp")
+    ref = r["fp32"]["perplexity"]
+    print({name: row["perplexity"] for name, row in r.items()})
+    assert r["transformers"]["perplexity"] == pytest.approx(ref, rel=1e-4)
+    assert r["gguf"]["perplexity"] == pytest.approx(ref, rel=0.02)
+
+
+def test_llamacpp_on_the_same_file_stays_close(scored: Scored, tmp_path: Path) -> None:
+    if not DEFAULT_LLAMACPP_PYTHON.is_file():
         pytest.skip(f"llama.cpp side environment not built ({DEFAULT_LLAMACPP_PYTHON}): "
                     "python -m benchmarks.llamacpp_env")
-    assert rows["llama.cpp"]["perplexity"] == pytest.approx(ref, rel=0.02)
+    r = rows(scored, tmp_path / "ppl.json", "--no-transformers")
+    print({name: row["perplexity"] for name, row in r.items()})
+    assert r["llama.cpp"]["perplexity"] == pytest.approx(r["fp32"]["perplexity"], rel=0.02)
