@@ -9,6 +9,8 @@ registry, so several apps in one process (tests) never collide.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -82,8 +84,11 @@ class Metrics:
         self.kv_capacity = Gauge("attnserve_kv_cache_capacity_tokens",
                                  "Tokens the KV pool can hold (0 without a pool).", registry=r)
         self.kv_bytes = Gauge("attnserve_kv_cache_bytes",
-                              "Bytes allocated for the KV cache (pool, or the batch's tensors).",
+                              "Bytes reserved for the KV pool (address space, not memory).",
                               registry=r)
+        self.kv_resident = Gauge("attnserve_kv_cache_resident_bytes",
+                                 "Bytes of the KV pool in RAM now (its pages follow the tokens "
+                                 "held); read at scrape time.", registry=r)
         self.kv_moves = Gauge("attnserve_kv_cache_rows_moved",
                               "Rows copied inside the KV pool to close holes, since start.",
                               registry=r)
@@ -132,6 +137,11 @@ class Metrics:
                               ["route", "state"], registry=r)
         self.info = Gauge("attnserve_model_info", "The served model (value is always 1).",
                           ["model", "provider", "artifact_sha256"], registry=r)
+
+    def watch_kv_resident(self, read: Callable[[], int]) -> None:
+        """Read the pool's resident bytes when /metrics is scraped (it takes a mincore walk
+        over the pool's pages, too slow for every engine step)."""
+        self.kv_resident.set_function(read)
 
     def set_model_info(self, model: str, provider: str, artifact_sha256: str) -> None:
         """Called once the sessions exist, when the active provider is known."""

@@ -7,6 +7,7 @@ that share decode steps, exactly the greedy tokens of the plain model.onnx refer
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -248,3 +249,15 @@ def test_kv_metrics_report_what_the_pool_holds(
     assert metric_value(held, "attnserve_kv_cache_tokens") == len(encode(prompt))
     assert metric_value(held, "attnserve_kv_cache_usage_perc") == pytest.approx(
         len(encode(prompt)) / (32 * config.max_seq_len))
+    # Resident pool memory follows the tokens held: each (layer, K or V, head) stretch of the
+    # row's slot has the pages its cached tokens touched, and nothing else is in RAM.
+    stretch = config.max_seq_len * config.head_dim * 4  # bytes of one head's slot stretch
+    assert stretch % 4096 == 0
+    pages = math.ceil(len(encode(prompt)) * config.head_dim * 4 / 4096)
+    assert metric_value(held, "attnserve_kv_cache_resident_bytes") == \
+        2 * config.n_layers * config.kv_heads * pages * 4096
+    deadline = time.monotonic() + 20
+    while metric_value(idle := httpx.get(f"{tuned.url}/metrics").text,
+                       "attnserve_kv_cache_slots_used") != 0:
+        assert time.monotonic() < deadline, idle
+    assert metric_value(idle, "attnserve_kv_cache_resident_bytes") == 0  # given back on leave
