@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from export.gguf_source import GGUFFile, Part, SourceRefused, row_order
+from export.gguf_source import GGUFFile, Part, SourceRefused
 
 Q = gguf.GGMLQuantizationType
 BLOCK = 32
@@ -113,9 +113,9 @@ def weight_blocks(src: GGUFFile, parts: list[Part]) -> Blocks | None:
     out = []
     for part, tensor in zip(parts, tensors, strict=True):
         b = read_blocks(tensor)
-        order = row_order(b.codes.shape[0], part.unpermute_heads)
-        out.append(Blocks(b.bits, b.codes[order], b.scales[order],
-                          None if b.mins is None else b.mins[order]))
+        rows = part.rows  # the import's row order (e.g. llama's Q/K unpermuted)
+        out.append(Blocks(b.bits, b.codes[rows], b.scales[rows],
+                          None if b.mins is None else b.mins[rows]))
     return join(out)
 
 

@@ -8,13 +8,18 @@ recorded architecture and the recorded count of tensors of each type); and later
 by export/gguf_blocks.py, which refuses unless every block it keeps dequantises bit for bit
 to the checkpoint's own weight.
 
-This module also knows which GGUF tensors make up each weight of our graphs: the graph
-builders name their initializers (export/graphs.py, export/engine_graph.py) and llama.cpp
-names its tensors (``blk.N.attn_q.weight``...); Q | K | V are one matrix in our graphs.
+Which GGUF tensors make up each weight of our graphs comes from the architecture registry
+(``Architecture.gguf_sources``: llama.cpp's names and the import's own row reordering,
+e.g. llama's Q/K permutation), so a new family needs nothing here. What this module adds
+is our graphs' side: the graph builders name their initializers (export/graphs.py,
+export/engine_graph.py: ``l0.qkv.w`` / ``l0.w_qkv`` hold Q | K | V, a feed-forward
+weight is ``l0.{module}.w`` after its ``ffn`` attribute) and this maps those names to
+our parameters.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +28,20 @@ from typing import Any
 import gguf
 import numpy as np
 
+from model.architectures.base import GGUFRows
+
 
 class SourceRefused(ValueError):
     """--quantize gguf cannot use this checkpoint's source file (a one-line reason)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Part:
-    """One GGUF tensor's rows inside a graph weight, and how its rows are reordered."""
+    """One GGUF tensor's rows inside a graph weight: ``rows[i]`` is the file's row that is
+    the weight's i-th row (output feature) of this part."""
 
     tensor: str
-    unpermute_heads: int | None  # llama Q/K: undo llama.cpp's rotary row permutation
+    rows: np.ndarray  # (rows,) int64
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
 
 def open_source(training: dict[str, Any]) -> GGUFFile:
     """The GGUF file of a checkpoint's ``training`` record, or SourceRefused (one line)."""
-    from model.gguf_import import open_gguf
+    from model.gguf_import import open_gguf, read_config
 
     record = training.get("imported_from")
     if not isinstance(record, dict) or record.get("format") != "gguf":
@@ -67,54 +75,53 @@ def open_source(training: dict[str, Any]) -> GGUFFile:
         reader = open_gguf(path)
     except ValueError as exc:
         raise SourceRefused(f"--quantize gguf: {exc}") from exc
-    arch = _field(reader, "general.architecture")
+    family = _field(reader, "general.architecture")
     types = dict(Counter(t.tensor_type.name for t in reader.tensors))
-    if arch != record.get("architecture") or types != record.get("tensor_types"):
+    if family != record.get("architecture") or types != record.get("tensor_types"):
         raise SourceRefused(
-            f"--quantize gguf: {path} changed since the import (architecture {arch!r}, tensor "
+            f"--quantize gguf: {path} changed since the import (architecture {family!r}, tensor "
             f"types {types}; the checkpoint recorded {record.get('architecture')!r}, "
             f"{record.get('tensor_types')})")
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    kv = _field(reader, f"{arch}.attention.head_count_kv")
-    kv_heads = heads if kv is None else int(kv[0] if isinstance(kv, list) else kv)
+    try:
+        _, _, architecture, config = read_config(reader, path)
+    except ValueError as exc:
+        raise SourceRefused(f"--quantize gguf: {exc}") from exc
     tensors = {t.name: t for t in reader.tensors}
-    weights = weight_map(str(arch), int(_field(reader, f"{arch}.block_count")), heads,
-                         kv_heads, tensors)
-    return GGUFFile(path, str(arch), tensors, weights)
+    rows = {name: int(t.shape[-1]) for name, t in tensors.items()}  # ne[-1]: numpy's rows
+    sources = architecture.gguf_sources(str(family), config, rows)
+    return GGUFFile(path, str(family), tensors, weight_map(config.n_layers, sources))
 
 
-def weight_map(arch: str, n_layers: int, heads: int, kv_heads: int,
-               tensors: dict[str, gguf.ReaderTensor]) -> dict[str, list[Part]]:
-    """Graph initializer name → its GGUF parts, for model.onnx's and engine.onnx's names."""
-    out: dict[str, list[Part]] = {}
+def weight_map(n_layers: int, sources: dict[str, GGUFRows]) -> dict[str, list[Part]]:
+    """Graph initializer name → its GGUF parts, for model.onnx's and engine.onnx's names,
+    given our parameters' GGUF rows (``Architecture.gguf_sources``)."""
+    params: dict[str, list[str]] = {}
     for i in range(n_layers):
-        blk = f"blk.{i}"
-        if arch == "gpt2":
-            qkv = [Part(f"{blk}.attn_qkv.weight", None)]
-        else:
-            rope = arch == "llama"
-            qkv = [Part(f"{blk}.attn_q.weight", heads if rope else None),
-                   Part(f"{blk}.attn_k.weight", kv_heads if rope else None),
-                   Part(f"{blk}.attn_v.weight", None)]
+        b = f"blocks.{i}"
+        qkv = [f"{b}.attn.w_q.weight", f"{b}.attn.w_k.weight", f"{b}.attn.w_v.weight"]
         for name in (f"l{i}.qkv.w", f"l{i}.w_qkv"):  # model.onnx, engine.onnx
-            out[name] = qkv
+            params[name] = qkv
         for name in (f"l{i}.o.w", f"l{i}.w_o"):
-            out[name] = [Part(f"{blk}.attn_output.weight", None)]
-        for ours, theirs in (("gate", "ffn_gate"), ("up", "ffn_up"), ("down", "ffn_down")):
-            out[f"l{i}.{ours}.w"] = [Part(f"{blk}.{theirs}.weight", None)]
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    # MatMul over the transpose (quantised graphs), Gemm(transB) over the (V, d) matrix
-    for name in ("lm_head.w", "lm_head.weight", "tok_emb"):
-        out[name] = [Part(head, None)]
-    return {k: v for k, v in out.items() if all(p.tensor in tensors for p in v)}
+            params[name] = [f"{b}.attn.w_o.weight"]
+    for param in sources:  # feed-forward weights are named after their module
+        if (match := re.fullmatch(r"blocks\.(\d+)\.ffn\.(\w+)\.weight", param)) is not None:
+            params[f"l{match[1]}.{match[2]}.w"] = [param]
+    # MatMul over the transpose (quantised graphs), Gemm(transB) over the (V, d) matrix,
+    # which is the embedding itself when tied
+    for name in ("lm_head.w", "lm_head.weight"):
+        params[name] = ["lm_head.weight"]
+    params["tok_emb"] = ["tok_emb.weight"]
+    return {name: _parts([sources[p] for p in ours]) for name, ours in params.items()
+            if all(p in sources for p in ours)}
 
 
-def row_order(rows: int, heads: int | None) -> np.ndarray:
-    """The row index order that turns a GGUF Q/K matrix back into transformers' layout:
-    llama.cpp's converter moved each head's rows from halves (x_i, x_{i+hs/2}) to
-    interleaved pairs (x_2i, x_2i+1); this is its inverse, as the import applies it (the
-    rewrite then checks the result against the checkpoint's weights exactly)."""
-    index = np.arange(rows)
-    if heads is None:
-        return index
-    return index.reshape(heads, rows // heads // 2, 2).transpose(0, 2, 1).reshape(rows)
+def _parts(rows: list[GGUFRows]) -> list[Part]:
+    """One part per run of consecutive rows of the same tensor (GPT-2's attn_qkv is one
+    tensor holding Q | K | V: one part, as the graph's Q | K | V weight is one matrix)."""
+    parts: list[Part] = []
+    for r in rows:
+        if parts and parts[-1].tensor == r.tensor:
+            parts[-1] = Part(r.tensor, np.concatenate([parts[-1].rows, r.rows]))
+        else:
+            parts.append(Part(r.tensor, r.rows))
+    return parts

@@ -188,15 +188,14 @@ def plan_tensors(tensors: list[gguf.ReaderTensor], expected: dict[str, tuple[int
     return plan
 
 
-def read_gguf_source(path: Path) -> GGUFSource:
-    """Read and check everything an import needs; raise ImportRefused with one line."""
-    from model.gpt import GPT
-    from model.tokenizer import checkpoint_special_ids as check_ids
-
+def read_config(reader: gguf.GGUFReader, path: Path
+                ) -> tuple[dict[str, Any], str, Architecture, GPTConfig]:
+    """The file's metadata, ``general.architecture``, its registered architecture and the
+    GPTConfig it computes (export/gguf_source.py rebuilds it for --quantize gguf); raise
+    ImportRefused with one line."""
     def refuse(reason: str) -> ImportRefused:
         return ImportRefused(f"{path}: {reason}")
 
-    reader = open_gguf(path)
     if reader.byte_order != "I":  # its block scales would be read in the wrong byte order
         raise refuse("big-endian GGUF files are not supported")
     meta = read_metadata(reader, path)
@@ -213,6 +212,19 @@ def read_gguf_source(path: Path) -> GGUFSource:
         raise
     except (TypeError, ValueError) as exc:  # a metadata value of the wrong kind
         raise refuse(f"unsupported metadata: {exc}") from exc
+    return meta, family, arch, config
+
+
+def read_gguf_source(path: Path) -> GGUFSource:
+    """Read and check everything an import needs; raise ImportRefused with one line."""
+    from model.gpt import GPT
+    from model.tokenizer import checkpoint_special_ids as check_ids
+
+    def refuse(reason: str) -> ImportRefused:
+        return ImportRefused(f"{path}: {reason}")
+
+    reader = open_gguf(path)
+    meta, family, arch, config = read_config(reader, path)
     vocab = read_vocab(meta, str(path))
     if len(vocab.tokens) > config.vocab_size:
         raise refuse(f"the tokenizer has {len(vocab.tokens)} tokens but token_embd.weight only "

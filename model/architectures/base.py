@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
@@ -124,6 +125,15 @@ def gguf_key(meta: dict[str, Any], family: str, refuse: Refuse) -> Callable[[str
     return key
 
 
+@dataclass(frozen=True, eq=False)
+class GGUFRows:
+    """Rows of one GGUF tensor, in our order: ``rows[i]`` is the file's row that is our
+    parameter's row i."""
+
+    tensor: str  # llama.cpp's name, e.g. blk.0.attn_q.weight
+    rows: np.ndarray  # (our rows,) int64 indices into the file tensor's rows
+
+
 class Architecture:
     """One model family. Subclasses set the class attributes and override the methods;
     the defaults here are the parts families share or the table lookups they fill in."""
@@ -218,6 +228,30 @@ class Architecture:
                          config: ModelConfig) -> Tensor:
         """Undo llama.cpp's layout of one dequantised tensor (rows, columns)."""
         return w
+
+    def gguf_sources(self, family: str, config: ModelConfig, rows: Mapping[str, int]
+                     ) -> dict[str, GGUFRows]:
+        """Our parameter → the GGUF tensor holding it and which of its rows, in our order,
+        for a file whose tensors have ``rows[name]`` rows: the inverse of
+        :meth:`gguf_targets`, the rows reordered by :meth:`from_gguf_layout` applied to the
+        row numbers, so --quantize gguf reads exactly the rows the import read. A tied
+        head is the embedding's rows. A family whose layout transform is more than a row
+        permutation overrides this."""
+        import torch
+
+        skip = self.gguf_config_tensors(family)
+        out: dict[str, GGUFRows] = {}
+        for tensor, n in rows.items():
+            targets = self.gguf_targets(tensor)
+            if targets is None or tensor in skip:
+                continue
+            order = self.from_gguf_layout(torch.arange(n), targets[0], family, config)  # (n,)
+            for target, part in zip(targets, np.split(order.numpy(), len(targets)),
+                                    strict=True):  # a fused tensor: equal row blocks
+                out[target] = GGUFRows(tensor, part)
+        if config.tie_weights and "tok_emb.weight" in out:
+            out["lm_head.weight"] = out["tok_emb.weight"]
+        return out
 
     # -- PyTorch -------------------------------------------------------------------------
     def block(self, config: ModelConfig) -> nn.Module:
