@@ -1,12 +1,12 @@
 """The GGUF file a checkpoint was imported from, found again and checked, for --quantize gguf.
 
 model/gguf_import.py records where a checkpoint came from
-(``training.imported_from``: format, path, architecture, tensor-type counts). The import
-records no size or hash of the file, so "is it still the same file" is answered in two
-steps: here, cheaply, from the header (the file exists, reads as GGUF, and has the
-recorded architecture and the recorded count of tensors of each type); and later, exactly,
-by export/gguf_blocks.py, which refuses unless every block it keeps dequantises bit for bit
-to the checkpoint's own weight.
+(``training.imported_from``: format, path, size, sha256, architecture, tensor-type counts).
+"Is it still the same file" is answered here from the size and sha256 (checkpoints
+imported before those were recorded skip that check) and the header (the file reads as
+GGUF, with the recorded architecture and count of tensors of each type); and later,
+exactly, by export/gguf_blocks.py, which refuses unless every block it keeps dequantises
+bit for bit to the checkpoint's own weight (the only check an older checkpoint gets).
 
 Which GGUF tensors make up each weight of our graphs comes from the architecture registry
 (``Architecture.gguf_sources``: llama.cpp's names and the import's own row reordering,
@@ -61,7 +61,7 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
 
 def open_source(training: dict[str, Any]) -> GGUFFile:
     """The GGUF file of a checkpoint's ``training`` record, or SourceRefused (one line)."""
-    from model.gguf_import import open_gguf, read_config
+    from model.gguf_import import file_sha256, open_gguf, read_config
 
     record = training.get("imported_from")
     if not isinstance(record, dict) or record.get("format") != "gguf":
@@ -71,10 +71,13 @@ def open_source(training: dict[str, Any]) -> GGUFFile:
     if not path.is_file():
         raise SourceRefused(f"--quantize gguf: the checkpoint's source file {path} is gone "
                             "(re-import it, or export with --quantize int4/int8)")
+    _check_recorded(record, "size", path.stat().st_size, path)
     try:
         reader = open_gguf(path)
     except ValueError as exc:
         raise SourceRefused(f"--quantize gguf: {exc}") from exc
+    if "sha256" in record:
+        _check_recorded(record, "sha256", file_sha256(reader), path)
     family = _field(reader, "general.architecture")
     types = dict(Counter(t.tensor_type.name for t in reader.tensors))
     if family != record.get("architecture") or types != record.get("tensor_types"):
@@ -90,6 +93,15 @@ def open_source(training: dict[str, Any]) -> GGUFFile:
     rows = {name: int(t.shape[-1]) for name, t in tensors.items()}  # ne[-1]: numpy's rows
     sources = architecture.gguf_sources(str(family), config, rows)
     return GGUFFile(path, str(family), tensors, weight_map(config.n_layers, sources))
+
+
+def _check_recorded(record: dict[str, Any], field: str, found: int | str, path: Path) -> None:
+    """Refuse when the import recorded ``field`` and the file now has another value
+    (checkpoints imported before the field was recorded skip the check)."""
+    if field in record and record[field] != found:
+        raise SourceRefused(f"--quantize gguf: {path} changed since the import: its {field} "
+                            f"is {found}, training.imported_from.{field} recorded "
+                            f"{record[field]} (re-import it)")
 
 
 def weight_map(n_layers: int, sources: dict[str, GGUFRows]) -> dict[str, list[Part]]:

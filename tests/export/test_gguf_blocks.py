@@ -11,6 +11,7 @@ dequantises), and the PyTorch model of the imported, dequantised checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Callable, Iterator
@@ -334,12 +335,32 @@ def test_refusals_exit_2_and_write_nothing(built: Callable[[str], Built], tmp_pa
         refused(b.ckpt, "gone")
     finally:
         moved.rename(b.gguf)
-    # Another file at the same path with the same header: the blocks tell them apart.
     original = b.gguf.read_bytes()
+    # Another file at the same path, of the same size and header: the recorded sha256
+    # tells them apart; for a checkpoint imported before the import recorded size and
+    # sha256, the blocks do.
     write_file(tmp_path / "other", CASES["q4_0"], seed=7)
     shutil.copyfile(tmp_path / "other" / "gguf" / "model.gguf", b.gguf)
     shutil.rmtree(tmp_path / "other")
+    assert b.gguf.stat().st_size == len(original)
+    old = tmp_path / "old-ckpt"
+    shutil.copytree(b.ckpt, old)
+    config = json.loads((old / "config.json").read_text())
+    del config["training"]["imported_from"]["size"], config["training"]["imported_from"]["sha256"]
+    (old / "config.json").write_text(json.dumps(config))
     try:
-        refused(b.ckpt, "changed since the import")
+        refused(b.ckpt, "changed since the import: its sha256 is ")
+        refused(old, "do not dequantise to the checkpoint's weight")
+        b.gguf.write_bytes(original + b"\0")  # one byte appended: refused before hashing
+        refused(b.ckpt, "changed since the import: its size is ")
     finally:
         b.gguf.write_bytes(original)
+    shutil.rmtree(old)
+
+
+def test_import_records_size_and_sha256(built: Callable[[str], Built]) -> None:
+    b = built("q4_0")
+    record = read_meta(b.ckpt).training["imported_from"]
+    data = b.gguf.read_bytes()
+    assert record["size"] == len(data)
+    assert record["sha256"] == hashlib.sha256(data).hexdigest()
