@@ -286,7 +286,12 @@ def engine_steps(artifacts: list[tuple[str, Path]], batches: list[int], threads:
     alternating between them; median ms per step at each batch size."""
     import onnxruntime as ort
 
-    from service.contract.engine_spec import ENGINE_FILE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+    from service.contract.engine_spec import (
+        ENGINE_FILE,
+        LOGITS_INDEX,
+        SEQLENS_K,
+        TOTAL_SEQUENCE_LENGTH,
+    )
     from service.contract.sessions import create_session
 
     cfg = io.ArtifactConfig.load(artifacts[0][1])
@@ -299,6 +304,8 @@ def engine_steps(artifacts: list[tuple[str, Path]], batches: list[int], threads:
         binding.bind_cpu_input(io.POSITION_IDS, np.full((b, 1), past, np.int64))
         binding.bind_cpu_input(SEQLENS_K, np.full(b, past, np.int32))
         binding.bind_cpu_input(TOTAL_SEQUENCE_LENGTH, np.array([past + 1], np.int32))
+        if LOGITS_INDEX in {i.name for i in session.get_inputs()}:  # older files lack it
+            binding.bind_cpu_input(LOGITS_INDEX, np.zeros((b, 1), np.int64))
         for name, value in zip(io.past_names(cfg.n_layers), caches, strict=True):
             binding.bind_ortvalue_input(name, value)
         for name, value in zip(io.present_names(cfg.n_layers), caches, strict=True):

@@ -15,6 +15,13 @@ same for every family; the embeddings, norms, Q/K/V projection and MLP nodes are
 architecture's (model/architectures/). Only the service uses this graph; model.onnx
 remains the contract graph for every other tool.
 
+Only the positions named by ``logits_index`` reach the LM head: a prefill wants each row's
+last token (or every token, for prompt logprobs), a decode step its one, so the (B·T, V)
+head product — a fifth of a prefill's work on a 49k vocabulary, and a (B, T, V) float32
+buffer the allocator would keep — is computed for B·K rows only. The gather takes the
+final norm's output (the norm is per position and fused with the last residual add, so
+norming all T positions costs N·d, nothing beside the head's N·d·V).
+
 The I/O names and shapes are in service/contract/engine_spec.py.
 """
 
@@ -40,13 +47,23 @@ from model.architectures import architecture
 from model.architectures.base import CONTRIB
 from model.gpt import GPT
 from service.contract import io_spec as io
-from service.contract.engine_spec import MAX_SEQUENCE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+from service.contract.engine_spec import (
+    LOGITS_INDEX,
+    LOGITS_POSITIONS,
+    MAX_SEQUENCE,
+    SEQLENS_K,
+    TOTAL_SEQUENCE_LENGTH,
+)
 
 ENGINE_OPSET = 18
 
 
-def build_engine_graph(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
+def build_engine_graph(gpt: GPT, matmul_only: bool = False,
+                       logits_index: bool = True) -> onnx.ModelProto:
     """The decoder as fused ONNX Runtime nodes, weights from ``gpt``, for every family.
+
+    ``logits_index=False`` writes the graph as exported before that input existed (logits
+    of every fed position), which the service still serves; only tests build it now.
 
     ``matmul_only`` writes every weight product as a MatMul (a bias as a separate Add)
     instead of Gemm/FusedGemm, because weight quantisation (MatMulNBits) rewrites only
@@ -96,12 +113,22 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False) -> onnx.ModelProto:
         last = i + 1 == len(blocks)
         h, x = arch.engine_mlp(g, cfg, x, h, block.ffn, gpt.ln_f if last else blocks[i + 1].ln_1,
                                p, "ln_f" if last else f"l{i + 1}.ln1", matmul_only)
-    logits = lm_head(g, gpt, h, matmul_only)  # (N, V)
-    g.op("Reshape", [logits, shape_btc], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
-    return _model(g, gpt)
+    shape_out = shape_btc  # [B, T, -1]
+    if logits_index:
+        h = g.op("Reshape", [h, shape_btc], "h_btd")[0]  # (B, T, d)
+        where = g.op("Unsqueeze", [LOGITS_INDEX, g.const("axis_last", np.array([-1], np.int64))],
+                     "logits_index_bk1")[0]  # (B, K, 1)
+        h = g.op("GatherND", [h, where], "h_bkd", batch_dims=1)[0]  # (B, K, d)
+        h = g.op("Reshape", [h, flat], "h_flat")[0]  # (B·K, d)
+        index_shape = g.op("Shape", [LOGITS_INDEX], "index_shape")[0]  # [B, K]
+        shape_out = g.op("Concat", [index_shape, g.const("minus1", np.array([-1], np.int64))],
+                         "shape_bkc", axis=0)[0]  # [B, K, -1]
+    logits = lm_head(g, gpt, h, matmul_only)  # (B·K, V)
+    g.op("Reshape", [logits, shape_out], "logits_bkv", outputs=[io.LOGITS])  # (B, K, V)
+    return _model(g, gpt, logits_index)
 
 
-def _model(g: Graph, gpt: GPT) -> onnx.ModelProto:
+def _model(g: Graph, gpt: GPT, logits_index: bool) -> onnx.ModelProto:
     """Wrap the nodes with the engine's I/O (engine_spec.py): a cache of kv heads."""
     cfg = gpt.config
     kv: list[str | int] = [io.BATCH, cfg.kv_heads, MAX_SEQUENCE, cfg.head_dim]
@@ -114,9 +141,13 @@ def _model(g: Graph, gpt: GPT) -> onnx.ModelProto:
         *[helper.make_tensor_value_info(n, TensorProto.FLOAT, kv)
           for n in io.past_names(cfg.n_layers)],
     ]
+    if logits_index:
+        inputs.append(helper.make_tensor_value_info(LOGITS_INDEX, TensorProto.INT64,
+                                                    [io.BATCH, LOGITS_POSITIONS]))
+    positions = LOGITS_POSITIONS if logits_index else io.SEQUENCE
     outputs = [
         helper.make_tensor_value_info(io.LOGITS, TensorProto.FLOAT,
-                                      [io.BATCH, io.SEQUENCE, cfg.vocab_size]),
+                                      [io.BATCH, positions, cfg.vocab_size]),
         *[helper.make_tensor_value_info(n, TensorProto.FLOAT, kv)
           for n in io.present_names(cfg.n_layers)],
     ]
@@ -125,9 +156,10 @@ def _model(g: Graph, gpt: GPT) -> onnx.ModelProto:
                       "buffer; service-only, see export/engine_graph.py", contrib=True)
 
 
-def export_engine(gpt: GPT, path: Path, matmul_only: bool = False) -> Path:
+def export_engine(gpt: GPT, path: Path, matmul_only: bool = False,
+                  logits_index: bool = True) -> Path:
     """Write engine.onnx for ``gpt`` (float32 weights and cache)."""
-    onnx.save_model(build_engine_graph(gpt, matmul_only), str(path))
+    onnx.save_model(build_engine_graph(gpt, matmul_only, logits_index), str(path))
     return path
 
 
@@ -172,6 +204,8 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
         binding.bind_cpu_input(SEQLENS_K, (total - 1).astype(np.int32))
         binding.bind_cpu_input(TOTAL_SEQUENCE_LENGTH,
                                np.array([t if step == 0 else int(total.max())], np.int32))
+        last_fed = total - 1 if step == 0 else np.zeros_like(total)  # (B,) prompt end, then 0
+        binding.bind_cpu_input(LOGITS_INDEX, last_fed[:, None])  # (B, 1)
         for name, value in zip(io.past_names(n), buffers, strict=True):
             binding.bind_ortvalue_input(name, value)
         for name, value in zip(io.present_names(n), buffers, strict=True):
@@ -180,8 +214,7 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
         outs = binding.get_outputs()
         in_place &= all(o.data_ptr() == b.data_ptr() for o, b in zip(outs[1:], buffers,
                                                                       strict=True))
-        logits = outs[0].numpy()  # (B, T, V)
-        last = logits[np.arange(len(lens)), total - 1 if step == 0 else 0]  # (B, V)
+        last = outs[0].numpy()[:, 0]  # (B, V)
         ref = np.stack([r[k - 1 + step] for r, k in zip(refs, lens, strict=True)])  # (B, V)
         worst = max(worst, float(np.abs(last - ref).max()))
         scale = max(scale, float(np.abs(ref).max()))
@@ -208,7 +241,7 @@ class EngineDecoder:
 
     The past is opaque here: the static (B, nkv, max_seq_len, hs) buffers (key/value heads,
     as the service's KV pool holds them) and each row's length. Rows must be unpadded and
-    of equal length (the quantisation checks are).
+    of equal length (the quantisation checks are); every fed position gets its logits.
     """
 
     def __init__(self, path: Path, gpt: GPT, threads: int = 1) -> None:
@@ -216,6 +249,7 @@ class EngineDecoder:
 
         self.session = create_session(path, threads=threads)
         self.config = gpt.config
+        self._gathers = LOGITS_INDEX in {i.name for i in self.session.get_inputs()}
 
     def empty_past(self, batch: int) -> tuple[list[np.ndarray], np.ndarray]:
         cfg = self.config
@@ -235,5 +269,7 @@ class EngineDecoder:
                 SEQLENS_K: (total - 1).astype(np.int32),
                 TOTAL_SEQUENCE_LENGTH: np.array([int(total.max())], np.int32),
                 **dict(zip(io.past_names(n), buffers, strict=True))}
+        if self._gathers:  # every position's logits, as model.onnx gives them
+            feed[LOGITS_INDEX] = np.tile(np.arange(ids.shape[1], dtype=np.int64), (len(ids), 1))
         logits, *present = self.session.run([io.LOGITS, *io.present_names(n)], feed)
         return logits, (present, total)  # logits (B, T, V)

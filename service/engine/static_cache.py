@@ -14,6 +14,15 @@ most one row (``KVPool.compact``). Rows with empty slots are prefilled together
 (GroupQueryAttention's first-prompt mode); a multi-token step over a non-empty cache
 (a reused prefix, a prompt chunk, drafted tokens) runs one row at a time, as ONNX
 Runtime supports it.
+
+Each pass names the positions whose logits it needs (``logits_index``: a decode step's
+one token, a prompt's last, every token only for prompt logprobs or drafted tokens), so
+the LM head runs on those rows alone, and the logits land in a numpy array of exactly
+that size, bound as the output: ONNX Runtime's arena never holds them. A multi-token
+pass also asks the arena to give its activations back to the OS once done
+(``memory.enable_memory_arena_shrinkage``), so one long prompt does not raise the
+process's memory for good. An engine.onnx exported before ``logits_index`` computes every
+position's logits; its wanted rows are picked out here.
 """
 
 from __future__ import annotations
@@ -40,8 +49,12 @@ class EngineGraphRunner(PooledRunner):
         outputs = {o.name for o in session.get_outputs()}
         missing = sorted(({*es.engine_input_names(n)} - inputs)
                          | ({*es.engine_output_names(n)} - outputs))
+        missing = [name for name in missing if name not in es.GATHERED_INPUTS]
         if missing:
             raise ValueError(f"{es.ENGINE_FILE} lacks {missing}")
+        self._gathers = es.LOGITS_INDEX in inputs  # False: an engine.onnx of before it
+        self._shrink = ort.RunOptions()  # for multi-token passes: the arena gives back
+        self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         super().__init__(config, pool, np.dtype(np.float32))
         self.session = session
         self.graph_file = es.ENGINE_FILE
@@ -53,11 +66,20 @@ class EngineGraphRunner(PooledRunner):
         self.pool.compact(slots, start)
 
     def _run(self, lo: int, ids: np.ndarray, pos: np.ndarray, seqlens: np.ndarray,
-             total: int) -> np.ndarray:
-        """One pass over slots [lo, lo + n): ids/pos (n, T) right-padded; logits (n, T, V)."""
-        n = ids.shape[0]
+             total: int, index: np.ndarray) -> np.ndarray:
+        """One pass over slots [lo, lo + n): ids/pos (n, T) right-padded; logits (n, K, V)
+        of the positions ``index`` (n, K) of each row."""
+        n, t = ids.shape
         binding = self.session.io_binding()
-        binding.bind_output(io.LOGITS, "cpu")
+        index = np.ascontiguousarray(index, np.int64)  # (n, K)
+        # Our own array as the output: freed with the caller's last reference, never
+        # cached by ONNX Runtime's arena.
+        logits = np.empty((n, index.shape[1] if self._gathers else t, self.vocab_size),
+                          np.float32)  # (n, K or T, V)
+        binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(logits.shape),
+                            logits.ctypes.data)
+        if self._gathers:
+            binding.bind_cpu_input(es.LOGITS_INDEX, index)
         binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(ids, np.int64))
         binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(pos, np.int64))
         binding.bind_cpu_input(es.SEQLENS_K, seqlens.astype(np.int32))  # (n,) total − 1
@@ -68,8 +90,10 @@ class EngineGraphRunner(PooledRunner):
             # The same memory as past and present: the kernel writes in place.
             binding.bind_input(past, "cpu", 0, np.float32, shape, ptr)
             binding.bind_output(present, "cpu", 0, np.float32, shape, ptr)
-        self.session.run_with_iobinding(binding)
-        return np.asarray(binding.get_outputs()[0].numpy())  # (n, T, V)
+        self.session.run_with_iobinding(binding, self._shrink if t > 1 else None)
+        if self._gathers:
+            return logits  # (n, K, V)
+        return logits[np.arange(n)[:, None], index]  # (n, K, V) of the old graph's (n, T, V)
 
     def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         lo, consecutive = self.pool.span(slots)
@@ -83,7 +107,8 @@ class EngineGraphRunner(PooledRunner):
         longest = int(lengths.max()) + 1
         self._check_room(longest)
         bound = np.asarray(tokens if ordered else tokens[perm], np.int64)[:, None]  # (n, 1)
-        logits = self._run(lo, bound, lengths[:, None], lengths, longest)  # (n, 1, V)
+        logits = self._run(lo, bound, lengths[:, None], lengths, longest,
+                           np.zeros((n, 1), np.int64))  # (n, 1, V)
         self.pool.tokens[np.arange(lo, lo + n), lengths] = bound[:, 0]
         self.pool.lengths[lo:lo + n] += 1
         if ordered:
@@ -105,20 +130,31 @@ class EngineGraphRunner(PooledRunner):
         for j, p in enumerate(prompts):
             ids[j, :len(p)] = p
             pos[j, :len(p)] = np.arange(len(p))
-        logits = self._run(lo, ids, pos, lengths - 1, width)  # (P, W, V)
+        if all_logits:  # every position: (P, W), the padding's rows dropped below
+            index = np.tile(np.arange(width, dtype=np.int64), (len(prompts), 1))
+        else:  # each row's last real token: (P, 1)
+            index = (lengths - 1)[:, None]
+        logits = self._run(lo, ids, pos, lengths - 1, width, index)  # (P, W or 1, V)
         for s, p in zip(slots, prompts, strict=True):
             self._record(s.index, 0, p)
             if len(p) < width:  # the kernel wrote the padding's keys too: give those back
                 self.pool.truncate(s, len(p))
-        return [logits[j, :n] if all_logits else logits[j, n - 1:n]
+        return [logits[j, :n] if all_logits else logits[j]
                 for j, n in enumerate(lengths.tolist())]
 
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
+        return self._extend(slot, tokens, np.arange(len(tokens), dtype=np.int64))  # (T, V)
+
+    def _extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
+        return self._extend(slot, tokens, np.array([len(tokens) - 1], np.int64))  # (1, V)
+
+    def _extend(self, slot: Slot, tokens: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """Feed ``tokens`` (T,) after the row's cache; logits (K, V) of positions ``index``."""
         start = int(self.pool.lengths[slot.index])
         total = start + len(tokens)
         self._check_room(total)
         pos = np.arange(start, total, dtype=np.int64)[None, :]  # (1, T)
         logits = self._run(slot.index, np.asarray(tokens, np.int64)[None, :], pos,
-                           np.array([total - 1]), total)  # (1, T, V)
+                           np.array([total - 1]), total, index[None, :])  # (1, K, V)
         self._record(slot.index, start, tokens)
         return logits[0]

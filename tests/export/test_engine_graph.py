@@ -20,7 +20,12 @@ from model.checkpoint import load_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
 from service.contract import io_spec as io
-from service.contract.engine_spec import ENGINE_FILE, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+from service.contract.engine_spec import (
+    ENGINE_FILE,
+    LOGITS_INDEX,
+    SEQLENS_K,
+    TOTAL_SEQUENCE_LENGTH,
+)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +100,7 @@ def test_int8_engine_graph_agrees_with_pytorch_teacher_forced(tiny_checkpoint: P
     (logits,) = sess.run([io.LOGITS], {
         io.INPUT_IDS: seqs.numpy(), io.POSITION_IDS: np.tile(np.arange(t), (b, 1)),
         SEQLENS_K: np.full(b, t - 1, np.int32), TOTAL_SEQUENCE_LENGTH: np.array([t], np.int32),
+        LOGITS_INDEX: np.tile(np.arange(t), (b, 1)),
         **{n: zeros for n in io.past_names(cfg.n_layers)}})
     got = logits.argmax(-1)[:, 15:-1]  # (4, 48)
     assert (got == expected).mean() >= 0.97
@@ -149,9 +155,84 @@ def test_prefill_of_ragged_rows_matches_each_row_alone(tiny_checkpoint: Path) ->
           for n in io.past_names(cfg.n_layers)}
     logits, *_ = session.run(None, {
         io.INPUT_IDS: ids, io.POSITION_IDS: np.tile(np.arange(9), (3, 1)),
-        SEQLENS_K: np.asarray(lens, np.int32) - 1,
+        SEQLENS_K: np.asarray(lens, np.int32) - 1, LOGITS_INDEX: np.tile(np.arange(9), (3, 1)),
         TOTAL_SEQUENCE_LENGTH: np.array([9], np.int32), **kv})
     with torch.no_grad():
         for i, r in enumerate(rows):
             ref = gpt(r[None, :]).logits[0].numpy()  # (n, V)
             np.testing.assert_allclose(logits[i, :lens[i]], ref, atol=1e-4)
+
+
+def _engine_pass(session: ort.InferenceSession, cfg: GPTConfig, ids: np.ndarray,
+                 past: int, cache: list[np.ndarray],
+                 index: np.ndarray | None) -> np.ndarray:
+    """One engine.onnx pass of ids (B, T) after ``past`` cached tokens per row, writing
+    ``cache`` in place; logits (B, K or T, V) (``index`` None: a graph without it)."""
+    b, t = ids.shape
+    feed = {io.INPUT_IDS: ids, io.POSITION_IDS: np.tile(np.arange(past, past + t), (b, 1)),
+            SEQLENS_K: np.full(b, past + t - 1, np.int32),
+            TOTAL_SEQUENCE_LENGTH: np.array([past + t], np.int32)}
+    if index is not None:
+        feed[LOGITS_INDEX] = index
+    binding = session.io_binding()
+    binding.bind_output(io.LOGITS, "cpu")  # outputs come back in binding order: logits first
+    for name, value in feed.items():
+        binding.bind_cpu_input(name, value)
+    for past_name, present, buffer in zip(io.past_names(cfg.n_layers),
+                                          io.present_names(cfg.n_layers), cache, strict=True):
+        binding.bind_cpu_input(past_name, buffer)
+        binding.bind_output(present, "cpu", 0, np.float32, list(buffer.shape),
+                            buffer.ctypes.data)
+    session.run_with_iobinding(binding)
+    return np.asarray(binding.get_outputs()[0].numpy())
+
+
+@torch.no_grad()
+def test_logits_index_gives_the_all_positions_logits_at_those_positions(
+        tiny_checkpoint: Path) -> None:
+    """engine.onnx with ``logits_index`` against the graph built without it (every fed
+    position's logits, as exported before) and against PyTorch, for a prefill (the last
+    position, several positions, all of them), a decode step and a multi-token extend."""
+    gpt = load_checkpoint(tiny_checkpoint).model.eval()
+    cfg = gpt.config
+    new, old = (ort.InferenceSession(build_engine_graph(gpt, logits_index=flag)
+                                     .SerializeToString(), providers=["CPUExecutionProvider"])
+                for flag in (True, False))
+    assert LOGITS_INDEX in {i.name for i in new.get_inputs()}
+    assert LOGITS_INDEX not in {i.name for i in old.get_inputs()}
+    gen = torch.Generator().manual_seed(5)
+    seqs = torch.randint(3, cfg.vocab_size, (2, 16), generator=gen)  # (B, 16)
+    ref = gpt(seqs).logits.numpy()  # (B, 16, V) PyTorch, every position
+    shape = (2, cfg.kv_heads, cfg.max_seq_len, cfg.head_dim)
+    caches = {flag: [np.zeros(shape, np.float32) for _ in range(2 * cfg.n_layers)]
+              for flag in (True, False)}
+    ids = seqs.numpy()
+    # prefill of 10 tokens: the old graph's every position vs the new one's chosen ones
+    everything = _engine_pass(old, cfg, ids[:, :10], 0, caches[False], None)  # (B, 10, V)
+    np.testing.assert_allclose(everything, ref[:, :10], atol=1e-4)
+    for index in ([[9], [9]], [[3, 9, 0], [7, 7, 1]], [list(range(10))] * 2):
+        chosen = np.asarray(index, np.int64)  # (B, K)
+        fresh = [np.zeros(shape, np.float32) for _ in range(2 * cfg.n_layers)]
+        got = _engine_pass(new, cfg, ids[:, :10], 0, fresh, chosen)  # (B, K, V)
+        assert got.shape == (2, chosen.shape[1], cfg.vocab_size)
+        want = np.take_along_axis(everything, chosen[:, :, None], axis=1)  # (B, K, V)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        np.testing.assert_allclose(got, np.take_along_axis(ref, chosen[:, :, None], 1),
+                                   atol=1e-4)
+    _engine_pass(new, cfg, ids[:, :10], 0, caches[True], np.array([[9], [9]]))
+    # decode step: position 10, index 0
+    step_old = _engine_pass(old, cfg, ids[:, 10:11], 10, caches[False], None)  # (B, 1, V)
+    step_new = _engine_pass(new, cfg, ids[:, 10:11], 10, caches[True],
+                            np.zeros((2, 1), np.int64))
+    np.testing.assert_allclose(step_new, step_old, atol=1e-5)
+    np.testing.assert_allclose(step_new[:, 0], ref[:, 10], atol=1e-4)
+    # extend (one row, as GroupQueryAttention takes T > 1 after a cache): 5 tokens after
+    # 11 cached, the last one's logits and all of them
+    row = {flag: [c[:1] for c in caches[flag]] for flag in (True, False)}  # views of row 0
+    more_old = _engine_pass(old, cfg, ids[:1, 11:16], 11, row[False], None)  # (1, 5, V)
+    np.testing.assert_allclose(more_old, ref[:1, 11:16], atol=1e-4)
+    snapshot = [c.copy() for c in row[True]]
+    last = _engine_pass(new, cfg, ids[:1, 11:16], 11, row[True], np.array([[4]]))  # (1, 1, V)
+    np.testing.assert_allclose(last[:, 0], more_old[:, 4], atol=1e-5)
+    every = _engine_pass(new, cfg, ids[:1, 11:16], 11, snapshot, np.arange(5)[None, :])
+    np.testing.assert_allclose(every, more_old, atol=1e-5)

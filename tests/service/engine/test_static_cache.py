@@ -3,7 +3,8 @@ the same Batch to the same tokens, with joins, leaves, prefix caching and chunke
 
 The reference is the plain model.onnx loop of conftest (batch 1, session.run, argmax); the
 engine graph is built here from the tiny checkpoint (the test process may use torch; the
-served process never does).
+served process never does), also as exported before ``logits_index`` existed (every fed
+position's logits), which the runner still serves.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import onnxruntime as ort
 import pytest
 
 from service.contract import io_spec as io
-from service.contract.engine_spec import ENGINE_FILE
+from service.contract.engine_spec import ENGINE_FILE, LOGITS_INDEX
 from service.contract.reference import OrtDecoder
 from service.engine.batch import Batch
 from service.engine.engine import EngineConfig, create_runner
@@ -40,6 +41,20 @@ def session(engine_artifact: Path) -> ort.InferenceSession:
 
 
 @pytest.fixture(scope="module")
+def legacy_session(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> ort.InferenceSession:
+    """engine.onnx without the ``logits_index`` input, as older artifacts hold it."""
+    from export.engine_graph import export_engine
+    from model.checkpoint import load_checkpoint
+
+    path = tmp_path_factory.mktemp("legacy-engine") / ENGINE_FILE
+    export_engine(load_checkpoint(tiny_checkpoint).model.eval(), path, logits_index=False)
+    session = create_session(path, "cpu", 1)
+    assert LOGITS_INDEX not in {i.name for i in session.get_inputs()}
+    return session
+
+
+@pytest.fixture(scope="module")
 def config(engine_artifact: Path) -> io.ArtifactConfig:
     return io.ArtifactConfig.load(engine_artifact)
 
@@ -55,12 +70,16 @@ def model_session(artifact: Path) -> ort.InferenceSession:
     return create_session(artifact / io.MODEL_FILE, "cpu", 1)
 
 
-@pytest.fixture(params=["engine.onnx", "model.onnx"])
+@pytest.fixture(params=["engine.onnx", "legacy engine.onnx", "model.onnx"])
 def runner(request: pytest.FixtureRequest, session: ort.InferenceSession,
-           model_session: ort.InferenceSession, config: io.ArtifactConfig) -> PooledRunner:
-    """Either runner over a fresh pool of 8 slots."""
+           legacy_session: ort.InferenceSession, model_session: ort.InferenceSession,
+           config: io.ArtifactConfig) -> PooledRunner:
+    """Either runner over a fresh pool of 8 slots (engine.onnx with or without
+    ``logits_index``)."""
     if request.param == "engine.onnx":
         return EngineGraphRunner(session, config, PoolConfig(slots=8))
+    if request.param == "legacy engine.onnx":
+        return EngineGraphRunner(legacy_session, config, PoolConfig(slots=8))
     return ModelGraphRunner(model_session, config, PoolConfig(slots=8))
 
 
@@ -326,3 +345,54 @@ def test_prompt_logprobs_through_the_batch_match_the_plain_loop(
                                [lp[j, t] for j, t in enumerate(ids[1:])], atol=1e-4)
     batch.release(runner)
     assert runner.pool.used == 0
+
+
+def test_the_gathered_graph_gives_the_legacy_graphs_logits_for_each_pass(
+        session: ort.InferenceSession, legacy_session: ort.InferenceSession,
+        config: io.ArtifactConfig, plain: OrtDecoder,
+        encode: Callable[[str], list[int]]) -> None:
+    """engine.onnx computing only the wanted positions' logits gives what the graph of
+    every position gives at those positions, and the plain loop's, for a batched prefill
+    (last token only, and all for prompt logprobs), decode steps, an extend (all fed
+    tokens) and the rest of a prompt after a reused prefix (its last token only)."""
+    new, old = (EngineGraphRunner(s, config, PoolConfig(slots=4, prefix_block_size=4,
+                                                        prefix_cache_blocks=32))
+                for s in (session, legacy_session))
+    prompts = [encode(PROMPTS[1]), encode(PROMPTS[2]), encode(PROMPTS[3])]
+    for all_logits in (False, True):
+        slots = {r: r.reserve(3) for r in (new, old)}
+        got = {r: r.prefill(slots[r], [np.asarray(p) for p in prompts], all_logits)
+               for r in (new, old)}
+        for a, b, p in zip(got[new], got[old], prompts, strict=True):
+            assert a.shape == b.shape == ((len(p) if all_logits else 1), new.vocab_size)
+            np.testing.assert_allclose(a, b, atol=1e-5)
+            np.testing.assert_allclose(a, full_forward(plain, p)[0][-len(a):], atol=1e-4)
+        for r in (new, old):
+            r.leave(slots[r], [])
+    slots = {r: r.reserve(2) for r in (new, old)}
+    seqs = [list(p) for p in prompts[:2]]
+    for r in (new, old):
+        r.prefill(slots[r], [np.asarray(p) for p in seqs])
+    for step in range(3):
+        nxt = np.asarray([11 + step, 40 + step], np.int64)  # (B,)
+        for s, t in zip(seqs, nxt.tolist(), strict=True):
+            s.append(t)
+        a, b = (r.decode(slots[r], nxt) for r in (new, old))  # (B, V)
+        np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(a, np.stack([full_forward(plain, s)[0][-1] for s in seqs]),
+                                   atol=1e-4)
+    more = encode(" my good lord")
+    a, b = (r.extend(slots[r][0], np.asarray(more)) for r in (new, old))  # (k, V)
+    assert a.shape == (len(more), new.vocab_size)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(a, full_forward(plain, seqs[0] + more)[0][-len(more):],
+                               atol=1e-4)
+    for r in (new, old):
+        r.leave(slots[r], [])
+    # The prompt again, its prefix cached: only the rest is fed (extend's last token).
+    again = seqs[0] + more + encode(" and")
+    a, b = (r.prefill(r.reserve(1), [np.asarray(again)])[0] for r in (new, old))  # (1, V)
+    assert new.prefix is not None and new.prefix.counters.hits > 0
+    assert a.shape == (1, new.vocab_size)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(a[0], full_forward(plain, again)[0][-1], atol=1e-4)
