@@ -103,8 +103,8 @@ class Batch:
         seq.prefill_start = seq.prefill_start or time.perf_counter()
         self.reserve(runner)
         end = self.prompt_done + size
-        runner.extend(self.slots[0], np.asarray(seq.request.prompt_ids[self.prompt_done:end],
-                                                np.int64))
+        runner.extend_last(self.slots[0],
+                           np.asarray(seq.request.prompt_ids[self.prompt_done:end], np.int64))
         self.prompt_done = end
 
     def release(self, runner: ModelRunner) -> None:

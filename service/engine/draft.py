@@ -59,7 +59,7 @@ class DraftModel:
             self.runner.truncate(row.slot, keep)
             del row.cached[keep:]
         feed = np.asarray(history[keep:], np.int64)  # (T,) what the draft has not seen
-        logits = self.runner.extend(row.slot, feed)[-1]  # (V,)
+        logits = self.runner.extend_last(row.slot, feed)[0]  # (V,)
         row.cached.extend(int(t) for t in feed)
         tokens, probs = [], []
         for i in range(self.k):

@@ -8,7 +8,7 @@ scheduler's admission never lets more tokens in than the budget.
 
 Subclasses supply the graph: ``_prefill_rows`` (empty slots, whole prompts, batched),
 ``decode`` (one token per row) and ``extend`` (several tokens after one row's cache;
-``_extend_last`` when only the last token's logits are needed).
+``extend_last`` when only the last token's logits are needed).
 ``_arrange`` lays a batch's slots out as the graph needs them (engine.onnx binds one run
 of consecutive slots; model.onnx gathers, so anything goes).
 """
@@ -134,7 +134,7 @@ class PooledRunner:
             if hits[r]:
                 assert self.prefix is not None
                 done = self.prefix.load(prompts[r], slots[r].index)
-            out[r] = self._extend_last(slots[r], prompts[r][done:])  # (1, V)
+            out[r] = self.extend_last(slots[r], prompts[r][done:])  # (1, V)
         if self.prefix is not None:
             for s in slots:
                 self.prefix.save(s.index)
@@ -147,9 +147,10 @@ class PooledRunner:
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def _extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
-        """``extend`` when only the last token's logits (1, V) are wanted (the rest of a
-        prompt): a graph that can compute just those overrides this."""
+    def extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
+        """``extend`` when only the last token's logits (1, V) are wanted (a prompt chunk,
+        the rest of a prompt, a draft catching up): a graph that can compute just those
+        overrides this."""
         return self.extend(slot, tokens)[-1:]
 
     def _check_room(self, total: int) -> None:

@@ -75,6 +75,11 @@ class ModelRunner(Protocol):
         for every fed token."""
         ...
 
+    def extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
+        """``extend`` when only the last fed token's logits (1, V) are needed: a graph that
+        gathers positions before the LM head computes just that one."""
+        ...
+
     def truncate(self, slot: Slot, length: int) -> None:
         """Keep only the first ``length`` cached tokens of a row (drop rejected drafts)."""
         ...

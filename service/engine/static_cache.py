@@ -145,7 +145,7 @@ class EngineGraphRunner(PooledRunner):
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         return self._extend(slot, tokens, np.arange(len(tokens), dtype=np.int64))  # (T, V)
 
-    def _extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
+    def extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         return self._extend(slot, tokens, np.array([len(tokens) - 1], np.int64))  # (1, V)
 
     def _extend(self, slot: Slot, tokens: np.ndarray, index: np.ndarray) -> np.ndarray:

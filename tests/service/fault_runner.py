@@ -134,6 +134,10 @@ class ControlledRunner:
         self._pass([tokens] if len(tokens) > 1 else [])
         return self.runner.extend(slot, tokens)
 
+    def extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
+        self._pass([tokens] if len(tokens) > 1 else [])
+        return self.runner.extend_last(slot, tokens)
+
     @property
     def capacity(self) -> int:
         return self.runner.capacity
