@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.artifact import open_artifact
+from service.artifact.loader import open_artifact
 from service.contract import io_spec as io
 from service.engine.engine import Engine, EngineConfig
 from service.engine.request import (

@@ -19,7 +19,7 @@ class EngineRunner:
                  max_len: int | None = None) -> None:
         """``max_len``: tokens per KV slot (the server's --max-total-tokens), default the
         model's context."""
-        from service.artifact import open_artifact
+        from service.artifact.loader import open_artifact
         from service.engine.engine import Engine, EngineConfig
         from service.settings import Settings
 

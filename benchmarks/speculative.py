@@ -68,7 +68,7 @@ CHAT = [
 
 def build_engine(artifact_dir: Path, threads: int, speculative: Any, draft: Path | None
                  ) -> Any:
-    from service.artifact import open_artifact
+    from service.artifact.loader import open_artifact
     from service.engine.engine import Engine, EngineConfig
     from service.settings import Settings
 

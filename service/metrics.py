@@ -22,8 +22,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from service.admission import AdmissionStats
 from service.engine.stats import LoadStats, RequestStats, StepStats
+from service.http.admission import AdmissionStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
                    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -11,16 +11,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from service.admission import AdmissionGate
-from service.artifact import Artifact
+from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.engine.engine import Engine, EngineConfig
 from service.engine.scheduler import Scheduler
 from service.engine.session import create_session
+from service.http.admission import AdmissionGate
+from service.http.validation import Validator
 from service.metrics import Metrics
 from service.offload import Offload, low_priority_threads
 from service.settings import Settings
-from service.validation import Validator
 from service.viz.attention_model import AttentionModel
 
 log = logging.getLogger("attnserve")

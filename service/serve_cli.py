@@ -96,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from service.artifact import open_artifact
+    from service.artifact.loader import open_artifact
     from service.settings import Settings
 
     fields = [dest for _, dest, _, _ in OPTIONS] + ["device", "log_level", "engine_graph",

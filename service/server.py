@@ -21,9 +21,9 @@ from types import FrameType
 
 import uvicorn
 
-from service import request_id
-from service.app import create_app
-from service.artifact import Artifact
+from service.artifact.loader import Artifact
+from service.http import request_id
+from service.http.app import create_app
 from service.settings import Settings
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)

@@ -188,7 +188,7 @@ def build_requests(args: argparse.Namespace, tokenizer: Path) -> list[SampleRequ
 def _chat_renderer(args: argparse.Namespace, tokenizer: Path, codec: Any
                    ) -> Callable[[list[dict[str, str]]], str]:
     """The served artifact's chat template, as the chat route renders it."""
-    from service.chat_template import ChatTemplate
+    from service.artifact.chat_template import ChatTemplate
     from service.contract import io_spec as io
 
     directory = args.model or tokenizer.parent

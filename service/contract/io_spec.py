@@ -143,7 +143,7 @@ class GenerationDefaults:
 
     The one class for both sources: the ``generation`` block of an artifact's config.json
     (written by the export: the completion length) and a model author's
-    generation_config.json (service/generation_defaults.py parses it: sampling fields the
+    generation_config.json (service/artifact/generation_defaults.py parses it: sampling fields the
     OpenAI routes fill into a request that leaves them unset).
     """
 

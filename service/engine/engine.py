@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.artifact import Artifact
+from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.contract.engine_spec import ENGINE_FILE
 from service.contract.manifest import verify_manifest

@@ -74,7 +74,7 @@ def test_serving_image_is_torch_free_non_root_and_carries_no_host_config(
     size_mb = image["Size"] / 1e6
     print(f"attnserve:cpu is {size_mb:.0f} MB; images ready in {deploy_images['seconds']:.0f} s")
     assert size_mb < 700, "torch alone would add ~750 MB"
-    probe = ("import importlib.util as u, os, sys; import onnxruntime, service.app; "
+    probe = ("import importlib.util as u, os, sys; import onnxruntime, service.http.app; "
              "assert u.find_spec('torch') is None, 'torch is installed'; "
              "assert not any(os.path.exists(p) for p in ('/wheels', '/etc/pip.conf', "
              "'/etc/xdg/pip/pip.conf')), 'build inputs left in the image'; print(os.getuid())")

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from export.to_onnx import export_artifact
-from service.artifact import open_artifact
+from service.artifact.loader import open_artifact
 from service.contract import io_spec as io
 from service.contract.manifest import sha256_file, verify_manifest
 from service.settings import Settings

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
-from service.artifact import open_artifact
+from service.artifact.loader import open_artifact
+from service.http.routes.attention import encode_json
+from service.http.validation import Validator
 from service.metrics import Metrics
 from service.offload import Offload
-from service.routes.attention import encode_json
 from service.runtime import Runtime, load_engine
 from service.settings import Settings
-from service.validation import Validator
 
 
 def test_work_runs_in_a_lower_priority_process_and_returns_its_result() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import service.engine.engine as engine_module
-from service.artifact import Artifact, open_artifact
+from service.artifact.loader import Artifact, open_artifact
 from service.engine.engine import Engine, EngineConfig, pool_config
 from service.engine.request import (
     ErrorEvent,
@@ -128,9 +128,9 @@ def test_engine_equals_the_plain_loop_with_joins_and_leaves_mid_flight(
 
 
 def test_load_engine_builds_the_engine_from_the_settings(engine_artifact: Path) -> None:
+    from service.http.validation import Validator
     from service.metrics import Metrics
     from service.runtime import Runtime, load_engine
-    from service.validation import Validator
 
     settings = Settings.model_validate({"model": engine_artifact, "intra_op_threads": 1,
                                         "max_batch_size": 4, "max_total_tokens": 64,

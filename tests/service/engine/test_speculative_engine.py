@@ -176,7 +176,7 @@ def test_the_scheduler_speculates_only_at_small_batches(
 
 def test_a_draft_with_another_tokenizer_is_refused(engine_artifact: Path,
                                                    tmp_path: Path) -> None:
-    from service.artifact import open_artifact
+    from service.artifact.loader import open_artifact
     from service.contract.manifest import describe_files, load_manifest
     from service.engine.engine import create_speculator
     from service.settings import Settings

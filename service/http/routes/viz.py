@@ -16,7 +16,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from service.deps import RuntimeDep
+from service.http.deps import RuntimeDep
 
 router = APIRouter(tags=["viz"])
 

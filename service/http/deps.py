@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from service.errors import ApiError
+from service.http.errors import ApiError
 from service.runtime import Runtime
 
 

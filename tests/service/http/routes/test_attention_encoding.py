@@ -7,7 +7,7 @@ import json
 import numpy as np
 from fastapi.responses import JSONResponse
 
-from service.routes.attention import _json_safe, encode_bertviz, encode_json
+from service.http.routes.attention import _json_safe, encode_bertviz, encode_json
 
 
 def test_piecewise_encoding_equals_one_json_response() -> None:

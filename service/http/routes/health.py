@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from service.deps import RuntimeDep, require_api_key
-from service.responses import Status, tgi_errors
+from service.http.deps import RuntimeDep, require_api_key
+from service.http.responses import Status, tgi_errors
 
 router = APIRouter(tags=["health"])
 

@@ -13,9 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.admission import Overloaded
 from service.engine.scheduler import EngineStopped, QueueFull
-from service.validation import InputError
+from service.http.admission import Overloaded
+from service.http.validation import InputError
 
 log = logging.getLogger("attnserve.http")
 

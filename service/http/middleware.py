@@ -17,8 +17,8 @@ from collections.abc import Callable
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import request_id
-from service.errors import ClientDisconnected, error_body
+from service.http import request_id
+from service.http.errors import ClientDisconnected, error_body
 from service.metrics import Metrics
 
 ROUTES = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",

@@ -9,12 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.deps import ReadyRuntime, require_api_key
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenInfo
-from service.errors import ApiError
-from service.responses import SSE_NOTE, GenerateResponse, sse_content, tgi_errors
-from service.routes.relay import Completed, collect, merge, sse
-from service.schemas import (
+from service.http.deps import ReadyRuntime, require_api_key
+from service.http.errors import ApiError
+from service.http.responses import SSE_NOTE, GenerateResponse, sse_content, tgi_errors
+from service.http.routes.relay import Completed, collect, merge, sse
+from service.http.schemas import (
     CompatRequest,
     GenerateParameters,
     GenerateRequest,

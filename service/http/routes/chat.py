@@ -1,6 +1,6 @@
 """OpenAI chat completions: POST /v1/chat/completions, plain or streamed.
 
-The conversation is rendered with the model's chat template (service/chat_template.py)
+The conversation is rendered with the model's chat template (service/artifact/chat_template.py)
 and tokenized without adding special tokens (the template places them), as vLLM does;
 from there a chat request is a completion request with chat-shaped output.
 """
@@ -15,13 +15,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.chat_template import ChatTemplateError
-from service.deps import ReadyRuntime, require_api_key
+from service.artifact.chat_template import ChatTemplateError
 from service.engine.request import GenerationRequest, TokenEvent, TokenInfo
-from service.errors import ApiError
-from service.openai_schemas import ChatCompletionRequest, ChatMessage
-from service.responses import ChatCompletion, json_or_sse
-from service.routes.openai import (
+from service.http.deps import ReadyRuntime, require_api_key
+from service.http.errors import ApiError
+from service.http.openai_schemas import ChatCompletionRequest, ChatMessage
+from service.http.responses import ChatCompletion, json_or_sse
+from service.http.routes.openai import (
     OPENAI_ERRORS,
     build_requests,
     check_model,
@@ -29,9 +29,9 @@ from service.routes.openai import (
     finish_reason,
     usage,
 )
-from service.routes.relay import collect, merge, sse
+from service.http.routes.relay import collect, merge, sse
+from service.http.validation import InputError
 from service.runtime import Runtime
-from service.validation import InputError
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
 

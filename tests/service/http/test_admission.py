@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from service.admission import AdmissionGate, AdmissionStats, Overloaded
+from service.http.admission import AdmissionGate, AdmissionStats, Overloaded
 
 
 async def _enter(gate: AdmissionGate, order: list[str], name: str,

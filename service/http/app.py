@@ -15,16 +15,16 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from service.artifact import Artifact, open_artifact
+from service.artifact.loader import Artifact, open_artifact
 from service.contract import io_spec as io
 from service.engine.grammar import GrammarCompiler
-from service.errors import install_error_handlers
+from service.http.errors import install_error_handlers
+from service.http.middleware import ObservabilityMiddleware
+from service.http.openapi import install as install_openapi
+from service.http.validation import Validator
 from service.metrics import Metrics
-from service.middleware import ObservabilityMiddleware
-from service.openapi import install as install_openapi
 from service.runtime import Runtime, load_engine
 from service.settings import Settings
-from service.validation import Validator
 
 log = logging.getLogger("attnserve")
 
@@ -66,7 +66,7 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
     app.add_middleware(ObservabilityMiddleware,
                        metrics=lambda: app.state.runtime.metrics if app.state.runtime else None,
                        max_body_bytes=settings.max_body_bytes)
-    from service.routes import attention, chat, generate, health, openai, tokenize, viz
+    from service.http.routes import attention, chat, generate, health, openai, tokenize, viz
 
     for module in (health, generate, openai, chat, tokenize, attention):
         app.include_router(module.router)

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from service.schemas import Integral, NonEmptyText, Seed, Strict
+from service.http.schemas import Integral, NonEmptyText, Seed, Strict
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31), Integral]
 Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]

@@ -24,12 +24,12 @@ import numpy as np
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
-from service.deps import ReadyRuntime, require_api_key
-from service.render import heatmap_grid
-from service.responses import TgiError, tgi_errors
+from service.http.deps import ReadyRuntime, require_api_key
+from service.http.responses import TgiError, tgi_errors
+from service.http.schemas import AttentionRequest
+from service.http.validation import InputError
 from service.runtime import Runtime
-from service.schemas import AttentionRequest
-from service.validation import InputError
+from service.viz.render import heatmap_grid
 
 router = APIRouter(tags=["attention"], dependencies=[Depends(require_api_key)])
 

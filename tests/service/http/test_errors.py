@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service.errors import install_error_handlers
+from service.http.errors import install_error_handlers
 
 
 def test_an_unhandled_exception_is_a_json_500_in_the_route_shape() -> None:

@@ -16,16 +16,16 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.deps import ReadyRuntime, RuntimeDep, require_api_key
 from service.engine.grammar import Grammar
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenEvent
-from service.errors import ApiError
-from service.openai_schemas import CompletionRequest, JsonSchemaFormat, OpenAISampling
-from service.responses import Completion, ModelCard, ModelList, json_or_sse, openai_errors
-from service.routes.relay import collect, merge, sse
+from service.http.deps import ReadyRuntime, RuntimeDep, require_api_key
+from service.http.errors import ApiError
+from service.http.openai_schemas import CompletionRequest, JsonSchemaFormat, OpenAISampling
+from service.http.responses import Completion, ModelCard, ModelList, json_or_sse, openai_errors
+from service.http.routes.relay import collect, merge, sse
+from service.http.schemas import SEED_BOUND
+from service.http.validation import Validator
 from service.runtime import Runtime
-from service.schemas import SEED_BOUND
-from service.validation import Validator
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
 OPENAI_ERRORS = openai_errors(401, 404, 413, 422, 424, 429, 503)

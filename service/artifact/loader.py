@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.chat_template import ChatTemplate
+from service.artifact.chat_template import ChatTemplate
+from service.artifact.generation_defaults import GenerationDefaults, parse_generation_defaults
 from service.contract import io_spec as io
 from service.contract.manifest import verify_manifest
 from service.engine.session import select_providers
 from service.engine.text import TextCodec
-from service.generation_defaults import GenerationDefaults, parse_generation_defaults
 from service.settings import Limits, Settings
 
 

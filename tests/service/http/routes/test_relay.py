@@ -23,8 +23,8 @@ from service.engine.request import (
     TokenInfo,
 )
 from service.engine.scheduler import RequestHandle
-from service.errors import ApiError, ClientDisconnected
-from service.routes.relay import collect, merge, sse
+from service.http.errors import ApiError, ClientDisconnected
+from service.http.routes.relay import collect, merge, sse
 
 
 class Wakes:

@@ -21,7 +21,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from service.responses import (
+from service.http.responses import (
     ChatCompletionChunk,
     CompletionChunk,
     OpenAIError,

@@ -17,7 +17,7 @@ from fastapi import Request
 
 from service.engine.request import ErrorEvent, FinishInfo, TokenEvent
 from service.engine.scheduler import RequestHandle
-from service.errors import ApiError, ClientDisconnected
+from service.http.errors import ApiError, ClientDisconnected
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from service.artifact.generation_defaults import GenerationDefaults, parse_generation_defaults
 from service.contract import io_spec as io
 from service.contract.manifest import describe_files, load_manifest
-from service.generation_defaults import GenerationDefaults, parse_generation_defaults
 from tests.hf_llama import load_hf_model
 
 PROMPT = "Open the file and read"

@@ -1,0 +1,1 @@
+"""Reading an artifact directory: its checked files, chat template and generation defaults."""

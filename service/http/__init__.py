@@ -1,0 +1,1 @@
+"""The FastAPI layer: the app factory, its routes, schemas, errors, middleware and admission."""
