@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.prepare import REPO_ROOT
+REPO_ROOT = Path(__file__).resolve().parents[1]  # not from prepare.py, which imports this
 
 PRESET = "smollm2-135m-instruct"
 CHECKPOINT = REPO_ROOT / "checkpoints" / "smollm2-135m-instruct"
