@@ -45,7 +45,7 @@ OPTIONS: tuple[tuple[str, str, type, str], ...] = (
      "KV cache budget in MiB: tokens held at once, prompt + max_new_tokens reserved per "
      "request (default: max_batch_tokens)"),
     ("--prefix-cache-memory-mb", "prefix_cache_memory_mb", float,
-     "prefix cache block store in MiB (default 256)"),
+     "prefix cache block store in MiB (default 64)"),
     ("--prefix-block-size", "prefix_block_size", int, "tokens per prefix-cache block (16)"),
     ("--prefill-chunk-tokens", "prefill_chunk_tokens", int,
      "prefill longer prompts in chunks of this many tokens between decode steps; 0: off "

@@ -64,7 +64,8 @@ class Settings(BaseSettings):
     prefix_caching: bool = Field(
         True, description="reuse cached keys/values of shared prompt prefixes")
     prefix_cache_memory_mb: float = Field(
-        256.0, gt=0, description="memory for the prefix cache's block store, in MiB")
+        64.0, gt=0, description="memory for the prefix cache's block store, in MiB (it "
+                                "fills to this as prompts are cached)")
     prefix_block_size: int = Field(16, ge=1, description="tokens per prefix-cache block")
     prefill_chunk_tokens: int = Field(
         256, ge=0, description="prompts longer than this are prefilled in chunks of at most "

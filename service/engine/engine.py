@@ -54,7 +54,7 @@ class EngineConfig:
     max_total_tokens: int | None = None  # tokens per slot; None: the model's context
     kv_cache_memory_mb: float | None = None  # token budget of the pool; None: no cap
     prefix_caching: bool = True
-    prefix_cache_memory_mb: float = 256.0
+    prefix_cache_memory_mb: float = 64.0
     prefix_block_size: int = 16
     prefill_chunk_tokens: int = 256  # 0: prompts are prefilled in one pass
     adaptive_prefill_chunks: bool = True
