@@ -25,7 +25,13 @@ import numpy as np
 
 from service.engine.kv_pool import Slot
 from service.engine.runner import ModelRunner
-from service.engine.stats import KVStats, PrefixCacheStats
+from service.engine.stats import (
+    KVStats,
+    LoadStats,
+    PrefixCacheStats,
+    RequestStats,
+    StepStats,
+)
 
 
 class InjectedFault(RuntimeError):
@@ -166,3 +172,24 @@ class ControlledRunner:
 
     def prefix_stats(self) -> PrefixCacheStats | None:
         return self.runner.prefix_stats()
+
+
+class Recorder:
+    """A StatsSink that keeps every stat the engine emits, for assertions."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepStats] = []
+        self.loads: list[LoadStats] = []
+        self.requests: list[RequestStats] = []
+
+    def record_step(self, stats: StepStats) -> None:
+        self.steps.append(stats)
+
+    def record_load(self, stats: LoadStats) -> None:
+        self.loads.append(stats)
+
+    def record_queue(self, waiting: int) -> None:
+        pass
+
+    def record_request(self, stats: RequestStats) -> None:
+        self.requests.append(stats)

@@ -28,31 +28,11 @@ from service.engine.request import (
 )
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import RequestHandle
-from service.engine.stats import LoadStats, RequestStats, StepStats
 from service.settings import Settings
-from tests.service.fault_runner import ControlledRunner, QueueGate
+from tests.service.fault_runner import ControlledRunner, QueueGate, Recorder
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O", "Now is the winter"]
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.steps: list[StepStats] = []
-        self.loads: list[LoadStats] = []
-        self.requests: list[RequestStats] = []
-
-    def record_step(self, stats: StepStats) -> None:
-        self.steps.append(stats)
-
-    def record_load(self, stats: LoadStats) -> None:
-        self.loads.append(stats)
-
-    def record_queue(self, waiting: int) -> None:
-        pass
-
-    def record_request(self, stats: RequestStats) -> None:
-        self.requests.append(stats)
 
 
 def opened(path: Path, **settings: Any) -> Artifact:

@@ -27,30 +27,10 @@ from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerLimits
 from service.engine.session import create_session
 from service.engine.static_cache import EngineGraphRunner
-from service.engine.stats import LoadStats, RequestStats, StepStats
 from service.engine.text import TextCodec
-from tests.service.fault_runner import ControlledRunner, QueueGate
+from tests.service.fault_runner import ControlledRunner, QueueGate, Recorder
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "To be", "What say you, my lord?"]
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.steps: list[StepStats] = []
-        self.loads: list[LoadStats] = []
-        self.requests: list[RequestStats] = []
-
-    def record_step(self, stats: StepStats) -> None:
-        self.steps.append(stats)
-
-    def record_load(self, stats: LoadStats) -> None:
-        self.loads.append(stats)
-
-    def record_queue(self, waiting: int) -> None:
-        pass
-
-    def record_request(self, stats: RequestStats) -> None:
-        self.requests.append(stats)
 
 
 def gated(runner: ModelRunner, poison: int | None = None) -> tuple[ControlledRunner, QueueGate]:
