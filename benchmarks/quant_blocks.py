@@ -291,6 +291,8 @@ def engine_steps(artifacts: list[tuple[str, Path]], batches: list[int], threads:
         LOGITS_INDEX,
         SEQLENS_K,
         TOTAL_SEQUENCE_LENGTH,
+        chunk_name,
+        idle_chunk_inputs,
     )
     from service.contract.sessions import create_session
 
@@ -311,6 +313,12 @@ def engine_steps(artifacts: list[tuple[str, Path]], batches: list[int], threads:
         for name, value in zip(io.present_names(cfg.n_layers), caches, strict=True):
             binding.bind_ortvalue_output(name, value)
         binding.bind_output(io.LOGITS, "cpu")
+        idle = idle_chunk_inputs({i.name for i in session.get_inputs()}, cfg.n_layers,
+                                 cfg.kv_heads, cfg.head_dim)  # a mixed graph's second group
+        for name, value in idle.items():
+            binding.bind_cpu_input(name, value)
+        for name in (io.LOGITS, *io.present_names(cfg.n_layers)) if idle else ():
+            binding.bind_output(chunk_name(name), "cpu")
         started = time.perf_counter()
         session.run_with_iobinding(binding)
         return time.perf_counter() - started

@@ -27,6 +27,7 @@ The I/O names and shapes are in service/contract/engine_spec.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from export.verify import (
 from model.architectures import architecture
 from model.architectures.base import CONTRIB
 from model.gpt import GPT
+from service.contract import engine_spec as es
 from service.contract import io_spec as io
 from service.contract.engine_spec import (
     LOGITS_INDEX,
@@ -58,8 +60,40 @@ from service.contract.engine_spec import (
 ENGINE_OPSET = 18
 
 
-def build_engine_graph(gpt: GPT, matmul_only: bool = False,
-                       logits_index: bool = True) -> onnx.ModelProto:
+@dataclass(frozen=True)
+class _Rows:
+    """One GroupQueryAttention call's rows: the names of its inputs and outputs.
+
+    The plain graph has one group; the mixed graph a second (``chunk.*``), so the decode
+    rows and a prompt chunk share every weight product and differ only in attention.
+    """
+
+    ids: str
+    positions: str
+    seqlens: str
+    total: str
+    index: str
+    logits: str
+    past: list[str]
+    present: list[str]
+    tag: str  # node-name suffix: "" for the first group
+
+
+def _groups(n_layers: int, mixed: bool) -> list[_Rows]:
+    first = _Rows(io.INPUT_IDS, io.POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH,
+                  LOGITS_INDEX, io.LOGITS, io.past_names(n_layers),
+                  io.present_names(n_layers), "")
+    if not mixed:
+        return [first]
+    c = es.chunk_name
+    return [first, _Rows(c(io.INPUT_IDS), c(io.POSITION_IDS), c(SEQLENS_K),
+                         c(TOTAL_SEQUENCE_LENGTH), c(LOGITS_INDEX), c(io.LOGITS),
+                         [c(n) for n in io.past_names(n_layers)],
+                         [c(n) for n in io.present_names(n_layers)], ".chunk")]
+
+
+def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool = True,
+                       mixed: bool = False) -> onnx.ModelProto:
     """The decoder as fused ONNX Runtime nodes, weights from ``gpt``, for every family.
 
     ``logits_index=False`` writes the graph as exported before that input existed (logits
@@ -69,6 +103,12 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False,
     instead of Gemm/FusedGemm, because weight quantisation (MatMulNBits) rewrites only
     MatMul nodes; the Adds are cheap elementwise ops over (N, ·).
 
+    ``mixed`` adds a second group of rows (``chunk.*`` inputs and outputs, its own KV
+    buffers): both groups' tokens go through every projection and MLP as one (N, d)
+    matrix, so the weights are read once, and only attention runs per group (ONNX
+    Runtime's GroupQueryAttention takes a multi-token step over a cache for one row at a
+    time, so decode rows and a prompt chunk cannot share one call).
+
     Hidden states stay flat, (N = B·T, d), so projections with a bias become one Gemm
     (FusedGemm with the ReLU folded in; BiasGelu or FastGelu take GELU's bias), and every
     residual add joins its LayerNorm in one SkipLayerNormalization, the output
@@ -77,15 +117,32 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False,
     """
     cfg = gpt.config
     arch = architecture(cfg.arch)
+    groups = _groups(cfg.n_layers, mixed)
+    if mixed and not logits_index:
+        raise ValueError("the mixed engine graph always takes logits_index")
     nh, hs, d = cfg.n_heads, cfg.head_dim, cfg.d_model
     eps = float(cfg.layer_norm_eps)
     g = Graph()
     rotary = arch.engine_tables(g, gpt)  # (cos, sin) for GroupQueryAttention, or None
-    ids_shape = g.op("Shape", [io.INPUT_IDS], "ids_shape")[0]  # [B, T]
-    shape_btc = g.op("Concat", [ids_shape, g.const("minus1", np.array([-1], np.int64))],
-                     "shape_btc", axis=0)[0]  # [B, T, -1]
+    minus1 = g.const("minus1", np.array([-1], np.int64))
     flat = g.const("shape_flat", np.array([-1, d], np.int64))  # [N, d]
-    embed = arch.engine_embed(g, gpt, io.INPUT_IDS, io.POSITION_IDS)  # (B, T, d)
+    shapes_btc = []  # per group: [B, T, -1]
+    for r in groups:
+        ids_shape = g.op("Shape", [r.ids], f"ids_shape{r.tag}")[0]  # [B, T]
+        shapes_btc.append(g.op("Concat", [ids_shape, minus1], f"shape_btc{r.tag}",
+                               axis=0)[0])
+    width = d + 2 * cfg.kv_heads * hs  # q | k | v
+    if mixed:  # both groups' tokens as one row, (1, N): the embedding sees one sequence
+        row = g.const("shape_row", np.array([1, -1], np.int64))
+        ids, pos = (g.op("Concat", [g.op("Reshape", [getattr(r, name), row],
+                                         f"{name}_flat{r.tag}")[0] for r in groups],
+                         f"{name}_row", axis=1)[0] for name in ("ids", "positions"))
+        sizes = _sizes(g, [r.ids for r in groups], "tokens")  # [N1, N2]
+        chunk = _ChunkShapes(g, groups[1], width, d, cfg.vocab_size)
+        shapes_btc[1] = chunk.btc
+    else:
+        ids, pos = io.INPUT_IDS, io.POSITION_IDS
+    embed = arch.engine_embed(g, gpt, ids, pos)  # (B, T, d)
     x = g.op("Reshape", [embed, flat], "embed_flat")[0]  # (N, d)
     blocks: list[Any] = list(gpt.blocks)
     h = arch.engine_norm(g, x, blocks[0].ln_1, eps, "l0.ln1")  # (N, d)
@@ -95,15 +152,26 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False,
     for i, block in enumerate(blocks):
         a, p = block.attn, f"l{i}"
         qkv = arch.engine_qkv(g, h, a, p, matmul_only)  # (N, d + 2·kv): q | k | v
-        qkv = g.op("Reshape", [qkv, shape_btc], f"{p}.qkv_btc")[0]  # (B, T, d + 2·kv)
-        attn = g.op(
-            "GroupQueryAttention",
-            [qkv, "", "", io.past_key_name(i), io.past_value_name(i), SEQLENS_K,
-             TOTAL_SEQUENCE_LENGTH, *(rotary or ())],
-            f"{p}.gqa", outputs=[f"{p}.attn", io.present_key_name(i), io.present_value_name(i)],
-            domain=CONTRIB, num_heads=nh, kv_num_heads=cfg.kv_heads,
-            scale=float(1.0 / np.sqrt(hs)), **rope)[0]  # (B, T, d)
-        attn = g.op("Reshape", [attn, flat], f"{p}.attn_flat")[0]  # (N, d)
+        parts = (g.op("Split", [qkv, sizes], f"{p}.qkv_split", n_out=len(groups), axis=0)
+                 if mixed else [qkv])  # per group (N_g, d + 2·kv)
+        attns = []
+        for part, r, shape_btc in zip(parts, groups, shapes_btc, strict=True):
+            part = g.op("Reshape", [part, shape_btc], f"{p}.qkv_btc{r.tag}",
+                        **_exact(r))[0]  # (B, T, ·)
+            if r.tag:  # the chunk group: T' = max(T, 1) rows, a zero row when T = 0
+                part = chunk.pad(part, f"{p}.qkv_padded{r.tag}")  # (B, T', ·)
+            attn = g.op(
+                "GroupQueryAttention",
+                [part, "", "", r.past[2 * i], r.past[2 * i + 1], r.seqlens, r.total,
+                 *(rotary or ())],
+                f"{p}.gqa{r.tag}", outputs=[f"{p}.attn{r.tag}", r.present[2 * i],
+                                            r.present[2 * i + 1]],
+                domain=CONTRIB, num_heads=nh, kv_num_heads=cfg.kv_heads,
+                scale=float(1.0 / np.sqrt(hs)), **rope)[0]  # (B, T, d)
+            if r.tag:
+                attn = chunk.unpad(attn, f"{p}.attn_unpadded{r.tag}")  # (B, T, d)
+            attns.append(g.op("Reshape", [attn, flat], f"{p}.attn_flat{r.tag}")[0])  # (N_g, d)
+        attn = g.op("Concat", attns, f"{p}.attn_all", axis=0)[0] if mixed else attns[0]
         o = g.op("MatMul", [attn, g.const(f"{p}.w_o", f32(a.w_o.weight).T)], f"{p}.o")[0]
         o_bias = [g.const(f"{p}.b_o", f32(a.w_o.bias))] if a.w_o.bias is not None else []
         # x + o (+ b_o) → x;  norm_2(x) → h
@@ -113,53 +181,123 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False,
         last = i + 1 == len(blocks)
         h, x = arch.engine_mlp(g, cfg, x, h, block.ffn, gpt.ln_f if last else blocks[i + 1].ln_1,
                                p, "ln_f" if last else f"l{i + 1}.ln1", matmul_only)
-    shape_out = shape_btc  # [B, T, -1]
-    if logits_index:
-        h = g.op("Reshape", [h, shape_btc], "h_btd")[0]  # (B, T, d)
-        where = g.op("Unsqueeze", [LOGITS_INDEX, g.const("axis_last", np.array([-1], np.int64))],
-                     "logits_index_bk1")[0]  # (B, K, 1)
-        h = g.op("GatherND", [h, where], "h_bkd", batch_dims=1)[0]  # (B, K, d)
-        h = g.op("Reshape", [h, flat], "h_flat")[0]  # (B·K, d)
-        index_shape = g.op("Shape", [LOGITS_INDEX], "index_shape")[0]  # [B, K]
-        shape_out = g.op("Concat", [index_shape, g.const("minus1", np.array([-1], np.int64))],
-                         "shape_bkc", axis=0)[0]  # [B, K, -1]
-    logits = lm_head(g, gpt, h, matmul_only)  # (B·K, V)
-    g.op("Reshape", [logits, shape_out], "logits_bkv", outputs=[io.LOGITS])  # (B, K, V)
-    return _model(g, gpt, logits_index)
+    if not logits_index:
+        logits = lm_head(g, gpt, h, matmul_only)  # (B·T, V)
+        g.op("Reshape", [logits, shapes_btc[0]], "logits_bkv", outputs=[io.LOGITS])
+        return _model(g, gpt, groups, logits_index)
+    hs_ = g.op("Split", [h, sizes], "h_split", n_out=len(groups), axis=0) if mixed else [h]
+    picked, shapes_out = [], []
+    for part, r, shape_btc in zip(hs_, groups, shapes_btc, strict=True):
+        if r.tag:
+            shape_btc = chunk.btd
+        part = g.op("Reshape", [part, shape_btc], f"h_btd{r.tag}", **_exact(r))[0]  # (B, T, d)
+        where = g.op("Unsqueeze", [r.index, g.const("axis_last", np.array([-1], np.int64))],
+                     f"logits_index_bk1{r.tag}")[0]  # (B, K, 1)
+        part = g.op("GatherND", [part, where], f"h_bkd{r.tag}", batch_dims=1)[0]  # (B, K, d)
+        picked.append(g.op("Reshape", [part, flat], f"h_flat{r.tag}")[0])  # (B·K, d)
+        index_shape = g.op("Shape", [r.index], f"index_shape{r.tag}")[0]  # [B, K]
+        shapes_out.append(g.op("Concat", [index_shape, chunk.vocab if r.tag else minus1],
+                               f"shape_bkc{r.tag}", axis=0)[0])  # [B, K, V or -1]
+    h = g.op("Concat", picked, "h_picked", axis=0)[0] if mixed else picked[0]
+    logits = lm_head(g, gpt, h, matmul_only)  # (ΣB·K, V): the head read once
+    if mixed:
+        counts = _sizes(g, [r.index for r in groups], "picked")  # [B1·K1, B2·K2]
+        parts = g.op("Split", [logits, counts], "logits_split", n_out=len(groups), axis=0)
+    else:
+        parts = [logits]
+    for part, r, shape_out in zip(parts, groups, shapes_out, strict=True):
+        g.op("Reshape", [part, shape_out], f"logits_bkv{r.tag}", outputs=[r.logits],
+             **_exact(r))  # (B, K, V)
+    return _model(g, gpt, groups, logits_index)
 
 
-def _model(g: Graph, gpt: GPT, logits_index: bool) -> onnx.ModelProto:
+class _ChunkShapes:
+    """The mixed graph's second group may feed no token at all (a step with no chunk), so
+    that a plain decode step runs the weight products on its own rows only (quantised
+    MatMulNBits has a faster one-row kernel, and one more row costs it a quarter). Its
+    GroupQueryAttention still needs a token: the group's rows get one zero row appended
+    and are cut to T' = max(T, 1); the attention output is cut back to T. The reshapes
+    name every dimension (a -1 cannot be inferred from zero elements)."""
+
+    def __init__(self, g: Graph, rows: _Rows, width: int, d: int, vocab: int) -> None:
+        self.g = g
+        bt = g.op("Shape", [rows.ids], "chunk.bt")[0]  # [B, T]
+        axis0 = g.const("chunk.zero", np.array([0], np.int64))
+        self.btc = g.op("Concat", [bt, g.const("chunk.width", np.array([width], np.int64))],
+                        "chunk.shape_btc", axis=0)[0]  # [B, T, width]
+        self.btd = g.op("Concat", [bt, g.const("chunk.d", np.array([d], np.int64))],
+                        "chunk.shape_btd", axis=0)[0]  # [B, T, d]
+        self.vocab = g.const("chunk.vocab", np.array([vocab], np.int64))
+        one = g.const("chunk.one", np.array([1], np.int64))
+        batch = g.op("Slice", [bt, axis0, one], "chunk.b")[0]  # [B]
+        self.t = g.op("Slice", [bt, one, g.const("chunk.two", np.array([2], np.int64))],
+                      "chunk.t")[0]  # [T]
+        self.t_pad = g.op("Max", [self.t, one], "chunk.t_padded")[0]  # [T']
+        zero_row = g.const("chunk.zero_row", np.zeros((1, 1, width), np.float32))
+        shape = g.op("Concat", [batch, one, g.const("chunk.width", np.array([width], np.int64))],
+                     "chunk.shape_b1c", axis=0)[0]  # [B, 1, width]
+        self.zeros = g.op("Expand", [zero_row, shape], "chunk.zeros")[0]  # (B, 1, width)
+        self.axis1, self.start = one, g.const("chunk.zero", np.array([0], np.int64))
+
+    def pad(self, qkv: str, name: str) -> str:
+        g = self.g
+        both = g.op("Concat", [qkv, self.zeros], f"{name}.with_zero", axis=1)[0]  # (B, T+1, ·)
+        return g.op("Slice", [both, self.start, self.t_pad, self.axis1], name)[0]  # (B, T', ·)
+
+    def unpad(self, attn: str, name: str) -> str:
+        return self.g.op("Slice", [attn, self.start, self.t, self.axis1], name)[0]  # (B, T, d)
+
+
+def _exact(rows: _Rows) -> dict[str, Any]:
+    """Reshape's attributes for the chunk group's shapes, which may hold a real 0 (no
+    token): ``allowzero`` keeps it, where 0 would otherwise copy the input's dimension."""
+    return {"allowzero": 1} if rows.tag else {}
+
+
+def _sizes(g: Graph, tensors: list[str], name: str) -> str:
+    """The element counts of ``tensors`` as one int64 vector: Split's sizes."""
+    axis0 = g.const("axis0", np.array([0], np.int64))
+    return g.op("Concat", [g.op("Unsqueeze", [g.op("Size", [t], f"{name}{j}")[0], axis0],
+                                f"{name}{j}_1d")[0] for j, t in enumerate(tensors)],
+                f"split_{name}", axis=0)[0]
+
+
+def _model(g: Graph, gpt: GPT, groups: list[_Rows], logits_index: bool) -> onnx.ModelProto:
     """Wrap the nodes with the engine's I/O (engine_spec.py): a cache of kv heads."""
     cfg = gpt.config
-    kv: list[str | int] = [io.BATCH, cfg.kv_heads, MAX_SEQUENCE, cfg.head_dim]
-    inputs = [
-        helper.make_tensor_value_info(io.INPUT_IDS, TensorProto.INT64, [io.BATCH, io.SEQUENCE]),
-        helper.make_tensor_value_info(io.POSITION_IDS, TensorProto.INT64,
-                                      [io.BATCH, io.SEQUENCE]),
-        helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, [io.BATCH]),
-        helper.make_tensor_value_info(TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, [1]),
-        *[helper.make_tensor_value_info(n, TensorProto.FLOAT, kv)
-          for n in io.past_names(cfg.n_layers)],
-    ]
-    if logits_index:
-        inputs.append(helper.make_tensor_value_info(LOGITS_INDEX, TensorProto.INT64,
-                                                    [io.BATCH, LOGITS_POSITIONS]))
-    positions = LOGITS_POSITIONS if logits_index else io.SEQUENCE
-    outputs = [
-        helper.make_tensor_value_info(io.LOGITS, TensorProto.FLOAT,
-                                      [io.BATCH, positions, cfg.vocab_size]),
-        *[helper.make_tensor_value_info(n, TensorProto.FLOAT, kv)
-          for n in io.present_names(cfg.n_layers)],
-    ]
+    inputs, outputs = [], []
+    for j, r in enumerate(groups):
+        b, t = (io.BATCH, io.SEQUENCE) if j == 0 else (es.chunk_name(io.BATCH),
+                                                       es.chunk_name(io.SEQUENCE))
+        cached = MAX_SEQUENCE if j == 0 else es.chunk_name(MAX_SEQUENCE)
+        kv: list[str | int] = [b, cfg.kv_heads, cached, cfg.head_dim]
+        inputs += [
+            helper.make_tensor_value_info(r.ids, TensorProto.INT64, [b, t]),
+            helper.make_tensor_value_info(r.positions, TensorProto.INT64, [b, t]),
+            helper.make_tensor_value_info(r.seqlens, TensorProto.INT32, [b]),
+            helper.make_tensor_value_info(r.total, TensorProto.INT32, [1]),
+            *[helper.make_tensor_value_info(n, TensorProto.FLOAT, kv) for n in r.past],
+        ]
+        positions = LOGITS_POSITIONS if logits_index else t
+        if logits_index:
+            if j:
+                positions = es.chunk_name(LOGITS_POSITIONS)
+            inputs.append(helper.make_tensor_value_info(r.index, TensorProto.INT64,
+                                                        [b, positions]))
+        outputs += [
+            helper.make_tensor_value_info(r.logits, TensorProto.FLOAT,
+                                          [b, positions, cfg.vocab_size]),
+            *[helper.make_tensor_value_info(n, TensorProto.FLOAT, kv) for n in r.present],
+        ]
     return make_model(g, "attnserve_engine", inputs, outputs, ENGINE_OPSET,
                       "attnserve engine decoder: GroupQueryAttention over an in-place KV "
                       "buffer; service-only, see export/engine_graph.py", contrib=True)
 
 
 def export_engine(gpt: GPT, path: Path, matmul_only: bool = False,
-                  logits_index: bool = True) -> Path:
+                  logits_index: bool = True, mixed: bool = False) -> Path:
     """Write engine.onnx for ``gpt`` (float32 weights and cache)."""
-    onnx.save_model(build_engine_graph(gpt, matmul_only, logits_index), str(path))
+    onnx.save_model(build_engine_graph(gpt, matmul_only, logits_index, mixed), str(path))
     return path
 
 
@@ -185,6 +323,7 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
     reference = reference or TorchReference(gpt)
     seqs, refs = zip(*(reference.greedy(p, steps) for p in prompts), strict=True)
     session = create_session(path)
+    idle = es.idle_chunk_inputs(_input_names(session), n, cfg.kv_heads, cfg.head_dim)
     lens = [len(p) for p in prompts]
     shape = (len(lens), cfg.kv_heads, cfg.max_seq_len, cfg.head_dim)
     buffers = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for _ in range(2 * n)]
@@ -210,9 +349,13 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
             binding.bind_ortvalue_input(name, value)
         for name, value in zip(io.present_names(n), buffers, strict=True):
             binding.bind_ortvalue_output(name, value)
+        for name, value in idle.items():  # a mixed graph's second group: no token
+            binding.bind_cpu_input(name, value)
+        for name in [es.chunk_name(o) for o in (io.LOGITS, *io.present_names(n))] if idle else []:
+            binding.bind_output(name, "cpu")
         session.run_with_iobinding(binding)
         outs = binding.get_outputs()
-        in_place &= all(o.data_ptr() == b.data_ptr() for o, b in zip(outs[1:], buffers,
+        in_place &= all(o.data_ptr() == b.data_ptr() for o, b in zip(outs[1:1 + 2 * n], buffers,
                                                                       strict=True))
         last = outs[0].numpy()[:, 0]  # (B, V)
         ref = np.stack([r[k - 1 + step] for r, k in zip(refs, lens, strict=True)])  # (B, V)
@@ -250,6 +393,8 @@ class EngineDecoder:
         self.session = create_session(path, threads=threads)
         self.config = gpt.config
         self._gathers = LOGITS_INDEX in {i.name for i in self.session.get_inputs()}
+        self._idle = es.idle_chunk_inputs(_input_names(self.session), gpt.config.n_layers,
+                                          gpt.config.kv_heads, gpt.config.head_dim)
 
     def empty_past(self, batch: int) -> tuple[list[np.ndarray], np.ndarray]:
         cfg = self.config
@@ -271,5 +416,10 @@ class EngineDecoder:
                 **dict(zip(io.past_names(n), buffers, strict=True))}
         if self._gathers:  # every position's logits, as model.onnx gives them
             feed[LOGITS_INDEX] = np.tile(np.arange(ids.shape[1], dtype=np.int64), (len(ids), 1))
-        logits, *present = self.session.run([io.LOGITS, *io.present_names(n)], feed)
+        logits, *present = self.session.run([io.LOGITS, *io.present_names(n)],
+                                            {**feed, **self._idle})
         return logits, (present, total)  # logits (B, T, V)
+
+
+def _input_names(session: Any) -> set[str]:
+    return {i.name for i in session.get_inputs()}

@@ -195,7 +195,8 @@ def export_artifact(
         graphs = {io.MODEL_FILE: build_decoder(gpt, opset, dtype, matmul_head=bool(quantize)),
                   io.ATTENTION_FILE: build_attention(gpt, opset)}
         if engine_graph:
-            graphs[ENGINE_FILE] = build_engine_graph(gpt, matmul_only=bool(quantize))
+            graphs[ENGINE_FILE] = build_engine_graph(gpt, matmul_only=bool(quantize),
+                                                     mixed=True)
         storage = save_graphs(tmp, graphs)
         del graphs
         build_seconds = time.perf_counter() - started

@@ -24,6 +24,10 @@ logits [B, T, vocab_size] for every fed position; the service reads both
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+import numpy as np
+
 from service.contract import io_spec as io
 
 ENGINE_FILE = "engine.onnx"
@@ -35,6 +39,14 @@ LOGITS_POSITIONS = "logits_positions"
 GATHERED_INPUTS = frozenset({LOGITS_INDEX})  # absent from engine.onnx files of before it
 
 
+CHUNK_PREFIX = "chunk."  # the mixed graph's second group of rows (see below)
+
+
+def chunk_name(name: str) -> str:
+    """The mixed graph's name for ``name`` in its second group of rows."""
+    return CHUNK_PREFIX + name
+
+
 def engine_input_names(n_layers: int) -> list[str]:
     return [io.INPUT_IDS, io.POSITION_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH,
             *io.past_names(n_layers), LOGITS_INDEX]
@@ -42,3 +54,20 @@ def engine_input_names(n_layers: int) -> list[str]:
 
 def engine_output_names(n_layers: int) -> list[str]:
     return [io.LOGITS, *io.present_names(n_layers)]
+
+
+def idle_chunk_inputs(input_names: Collection[str], n_layers: int, kv_heads: int,
+                      head_dim: int) -> dict[str, np.ndarray]:
+    """The inputs of a mixed graph's second group when it feeds no token: one row of none,
+    whose attention the graph runs on a zero row at position 0 of a one-position scratch
+    cache; empty for a graph with one group. Its outputs (``chunk.logits`` (1, 0, V), the
+    scratch presents) are for the caller to ignore."""
+    if chunk_name(io.INPUT_IDS) not in input_names:
+        return {}
+    none = np.zeros((1, 0), np.int64)  # (1, 0): no token, no logits
+    scratch = (1, kv_heads, 1, head_dim)  # (1, nkv, 1, hs)
+    return {chunk_name(io.INPUT_IDS): none, chunk_name(io.POSITION_IDS): none,
+            chunk_name(LOGITS_INDEX): none, chunk_name(SEQLENS_K): np.zeros(1, np.int32),
+            chunk_name(TOTAL_SEQUENCE_LENGTH): np.ones(1, np.int32),
+            **{chunk_name(name): np.zeros(scratch, np.float32)
+               for name in io.past_names(n_layers)}}

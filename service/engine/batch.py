@@ -5,8 +5,9 @@ values and cached length, so the batch keeps no cache and no padding, and each r
 lays out its own inputs. The first ``step`` prefills every row's prompt and samples its
 first token; each later one feeds every row's newest token. ``filter`` drops finished
 rows and ``concatenate`` merges a freshly prefilled batch into the running one (the
-runner arranges the slots). A one-row batch can also be prefilled in chunks
-(``prefill_chunk``) before its first ``step``.
+runner arranges the slots). A one-row batch can also be prefilled in chunks before its
+first ``step``: each a pass of its own (``prefill_chunk``), or riding along with the
+running batch's decode step (``step_with_chunk``).
 """
 
 from __future__ import annotations
@@ -96,16 +97,36 @@ class Batch:
 
         The last part of the prompt is left to ``step``, which samples the first token.
         """
-        if len(self) != 1 or self.is_prefilled or size >= self.prompt_left:
-            raise ValueError("prefill_chunk needs a one-row batch with more than one chunk "
-                             "of prompt left")
+        if size >= self.prompt_left:
+            raise ValueError("prefill_chunk needs more than one chunk of prompt left")
+        chunk = self._next_chunk(runner, size)
+        runner.extend_last(self.slots[0], chunk)
+        self.prompt_done += len(chunk)
+
+    def _next_chunk(self, runner: ModelRunner, size: int) -> np.ndarray:
+        """The next ``size`` (at most) prompt tokens of a one-row batch, its slot taken."""
+        if len(self) != 1 or self.is_prefilled:
+            raise ValueError("prompt chunks are fed to a one-row batch before its first step")
         seq = self.sequences[0]
         seq.prefill_start = seq.prefill_start or time.perf_counter()
         self.reserve(runner)
-        end = self.prompt_done + size
-        runner.extend_last(self.slots[0],
-                           np.asarray(seq.request.prompt_ids[self.prompt_done:end], np.int64))
-        self.prompt_done = end
+        return np.asarray(seq.request.prompt_ids[self.prompt_done:self.prompt_done + size],
+                          np.int64)  # (size,)
+
+    def step_with_chunk(self, runner: ModelRunner, partial: Batch, size: int
+                        ) -> tuple[list[TokenEvent], list[TokenEvent]]:
+        """One decode step of this batch with the next ``size`` prompt tokens of the
+        one-row ``partial`` in the same pass (``runner.decode_with_chunk``): this batch's
+        events, and the partial's first token once its whole prompt is in (else none)."""
+        if self.next_tokens is None:
+            raise ValueError("step_with_chunk needs a prefilled batch")
+        chunk = partial._next_chunk(runner, size)
+        completes = len(chunk) == partial.prompt_left
+        last, chunk_last = runner.decode_with_chunk(self.slots, self.next_tokens,
+                                                    partial.slots[0], chunk, completes)
+        partial.prompt_done += len(chunk)
+        events = self._sample(last)  # (B, V)
+        return events, partial._sample(chunk_last) if completes else []  # (1, V)
 
     def release(self, runner: ModelRunner) -> None:
         """Give the rows' slots back to the runner."""
@@ -136,6 +157,10 @@ class Batch:
             last = np.stack([rows[-1] for rows in logits])  # (B, V)
         else:
             last = runner.decode(self.slots, self.next_tokens)  # (B, V)
+        return self._sample(last)
+
+    def _sample(self, last: np.ndarray) -> list[TokenEvent]:
+        """Each row's next token from its logits ``last`` (B, V)."""
         last = np.ascontiguousarray(last, np.float32)
         tokens, logprobs = choose_tokens(last, [s.sampler for s in self.sequences])
         self.next_tokens = np.asarray(tokens, np.int64)  # (B,) fed at the next step

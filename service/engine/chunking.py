@@ -1,28 +1,32 @@
 """How many prompt tokens the next chunk of a long prefill takes.
 
-Each chunk is a forward pass of its own (ONNX Runtime's GroupQueryAttention cannot take a
-prompt chunk and the decoding rows in one call), so the running rows wait for it: their
-gap between two tokens while a long prompt joins is one decode step plus one chunk. On a
-CPU a chunk of 256 tokens of a GPT-2-size model costs about fifteen decode steps. The
-adaptive budget sizes every chunk so that it costs about one decode step of the running
-batch, measured as the engine runs (smoothed), which keeps that gap near twice the steady
-one whatever the model and machine; a prompt joining an idle engine is prefilled in one
-pass, since nobody waits for it. The fixed budget (``adaptive=False``) always takes
-``max_tokens``.
+The running rows wait for every chunk. Where the runner mixes them (a mixed engine.onnx:
+the chunk rides in the decode step's pass, export/engine_graph.py), a chunk costs its
+tokens' arithmetic on top of the step; otherwise it is a pass of its own, which reads all
+the weights again (on a CPU a chunk of 256 tokens of a GPT-2-size model costs about
+fifteen decode steps). The adaptive budget sizes every chunk from what the engine
+measures as it runs (smoothed): a pass of its own costs about one decode step, so the
+running rows' gap while a long prompt joins stays near twice the steady one; a mixed
+chunk adds about half a step, so the gap stays near 1.5 times. A prompt joining an idle
+engine is prefilled in one pass, since nobody waits for it. The fixed budget
+(``adaptive=False``) always takes ``max_tokens``.
 """
 
 from __future__ import annotations
 
 MIN_CHUNK_TOKENS = 16  # below this a pass is mostly fixed cost (weights read once per pass)
+MIXED_SHARE = 0.5  # a mixed chunk's own cost, as a share of the decode step it rides in
 
 
 class ChunkBudget:
-    def __init__(self, max_tokens: int, adaptive: bool = True, smoothing: float = 0.3) -> None:
+    def __init__(self, max_tokens: int, adaptive: bool = True, smoothing: float = 0.3,
+                 mixed: bool = False) -> None:
         self.max_tokens = max_tokens
         self.adaptive = adaptive
         self.smoothing = smoothing
+        self.mixed = mixed  # chunks ride in the decode step's pass
         self.decode_s: float | None = None  # a decode step of the running batch
-        self.token_s: float | None = None  # one prompt token of a chunk pass
+        self.token_s: float | None = None  # one prompt token of a chunk
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -31,8 +35,16 @@ class ChunkBudget:
         self.decode_s = self._smooth(self.decode_s, seconds)
 
     def observe_chunk(self, tokens: int, seconds: float) -> None:
+        """A chunk that was a pass of its own."""
         if tokens > 0:
             self.token_s = self._smooth(self.token_s, seconds / tokens)
+
+    def observe_mixed(self, tokens: int, seconds: float) -> None:
+        """A decode step that carried a chunk of ``tokens``: the chunk's share is what the
+        step took beyond a plain decode step."""
+        if tokens > 0 and self.decode_s is not None:
+            extra = max(seconds - self.decode_s, 0.0)
+            self.token_s = self._smooth(self.token_s, extra / tokens)
 
     def next_chunk(self, running: bool, left: int) -> int:
         """Tokens of the next pass for a prompt with ``left`` tokens still to prefill."""
@@ -42,5 +54,5 @@ class ChunkBudget:
             return left
         if self.decode_s is None or self.token_s is None or self.token_s <= 0:
             return min(self.max_tokens, MIN_CHUNK_TOKENS)  # measure with a small one first
-        fit = int(self.decode_s / self.token_s)
+        fit = int(self.decode_s * (MIXED_SHARE if self.mixed else 1.0) / self.token_s)
         return max(MIN_CHUNK_TOKENS, min(self.max_tokens, fit))

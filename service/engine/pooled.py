@@ -8,7 +8,8 @@ scheduler's admission never lets more tokens in than the budget.
 
 Subclasses supply the graph: ``_prefill_rows`` (empty slots, whole prompts, batched),
 ``decode`` (one token per row) and ``extend`` (several tokens after one row's cache;
-``extend_last`` when only the last token's logits are needed).
+``extend_last`` when only the last token's logits are needed); ``decode_with_chunk`` is
+those two in turn unless the graph runs them in one pass.
 ``_arrange`` lays a batch's slots out as the graph needs them (engine.onnx binds one run
 of consecutive slots; model.onnx gathers, so anything goes).
 """
@@ -33,6 +34,7 @@ class PooledRunner:
     graph_file: str
     provider: str
     device: str
+    mixes_chunks: bool = False  # decode_with_chunk is one pass over the weights
 
     def __init__(self, config: io.ArtifactConfig, pool: PoolConfig, dtype: np.dtype) -> None:
         self.config = config
@@ -144,8 +146,26 @@ class PooledRunner:
                       all_logits: bool) -> list[np.ndarray]:
         raise NotImplementedError
 
+    def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         raise NotImplementedError
+
+    def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
+                          chunk: np.ndarray, completes: bool = False
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """Two passes here (a graph with one group of rows); a mixed engine.onnx makes it
+        one (static_cache.py)."""
+        logits = self.decode(slots, tokens), self.extend_last(slot, chunk)
+        if completes:
+            self._prompt_done(slot)
+        return logits
+
+    def _prompt_done(self, slot: Slot) -> None:
+        """A chunked prompt is all in: its blocks go to the prefix cache."""
+        if self.prefix is not None:
+            self.prefix.save(slot.index)
 
     def extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         """``extend`` when only the last token's logits (1, V) are wanted (a prompt chunk,

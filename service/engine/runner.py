@@ -43,6 +43,7 @@ class ModelRunner(Protocol):
     provider: str  # ONNX Runtime's active execution provider
     device: str  # "cpu" or "cuda": where the session runs
     pool: KVPool
+    mixes_chunks: bool  # decode_with_chunk runs as one pass over the weights
 
     @property
     def capacity(self) -> int:
@@ -67,6 +68,16 @@ class ModelRunner(Protocol):
 
     def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         """One token per row (tokens (B,)) after each row's cache; logits (B, V)."""
+        ...
+
+    def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
+                          chunk: np.ndarray, completes: bool = False
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """``decode(slots, tokens)`` and ``extend_last(slot, chunk)`` (a prompt chunk of a
+        row that is not decoding): logits (B, V) and (1, V). A mixed engine.onnx computes
+        both in one pass, so the chunk costs its tokens' arithmetic, not another read of
+        the weights (``mixes_chunks``). ``completes``: the chunk ends the prompt, whose
+        blocks then go to the prefix cache, as after ``prefill``."""
         ...
 
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:

@@ -125,7 +125,8 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
         self._partial: Batch | None = None  # a long prompt part-way through its prefill
-        self.chunks = ChunkBudget(limits.prefill_chunk_tokens, limits.adaptive_chunks)
+        self.chunks = ChunkBudget(limits.prefill_chunk_tokens, limits.adaptive_chunks,
+                                  mixed=runner.mixes_chunks)
         self._handles: dict[int, RequestHandle] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -216,18 +217,70 @@ class Scheduler:
         self._report_load(None)
 
     def _iterate(self, batch: Batch | None, admitted: list[RequestHandle]) -> Batch | None:
-        """One loop iteration: newcomers join, a chunk of a long prompt, one decode step."""
+        """One loop iteration: newcomers join, a chunk of a long prompt, one decode step
+        (the chunk rides in the decode step's pass where the runner mixes them)."""
         if admitted:
             batch = self._join(batch, self._prefill(admitted))
             self._report_load(batch)
+        if batch is not None:
+            batch = self._retire(batch)  # rows cancelled while the step ran
+        if self._partial is not None and self._drop_cancelled_partial():
+            self._report_load(batch)
         if self._partial is not None:
+            if batch is not None and self._mixes(batch):
+                return self._decode_with_chunk(batch)
             batch = self._join(batch, self._advance_partial(running=batch is not None))
             self._report_load(batch)
         if batch is not None:
-            batch = self._retire(batch)  # rows cancelled while the step ran
-        if batch is not None:
             batch = self._decode(batch)
         return batch
+
+    def _mixes(self, batch: Batch) -> bool:
+        """Whether the next chunk can share the batch's decode pass: the runner's graph
+        takes both, and the step is not speculative (whose passes are per row)."""
+        speculating = self.speculator is not None and self.speculator.applies(len(batch))
+        return self.runner.mixes_chunks and not speculating
+
+    def _decode_with_chunk(self, batch: Batch) -> Batch | None:
+        """One decode step with the next chunk of the partly prefilled prompt in the same
+        pass; that row joins the batch once its prompt is in and its first token sampled.
+        If the pass fails, the rows of both fail, as any failed step's do."""
+        partial = self._partial
+        assert partial is not None
+        size = min(self.chunks.next_chunk(True, partial.prompt_left), partial.prompt_left)
+        start = time.perf_counter()
+        try:
+            events, first = batch.step_with_chunk(self.runner, partial, size)
+        except Exception as exc:
+            self._partial = None
+            for failed in (batch, partial):
+                failed.release(self.runner)
+                self._fail_step(failed, exc)
+            return None
+        took = time.perf_counter() - start
+        self.chunks.observe_mixed(size, took)
+        self.stats.record_step(StepStats("decode", took, len(batch), len(batch)))
+        self.stats.record_step(StepStats("prefill", took, len(first), size))
+        pairs: list[tuple[RequestHandle, Event]] = [(self._handles[s.request.id], e)
+                 for s, e in zip(batch.sequences, events, strict=True)]
+        self._send(pairs + [(self._handles[partial.sequences[0].request.id], e) for e in first])
+        batch_left = self._retire(batch)
+        if not first:
+            return batch_left
+        self._partial = None
+        return self._join(batch_left, self._retire(partial))
+
+    def _drop_cancelled_partial(self) -> bool:
+        """Drop the partly prefilled request if it was cancelled; whether it was."""
+        partial = self._partial
+        assert partial is not None
+        seq = partial.sequences[0]
+        if not seq.request.cancelled.is_set():
+            return False
+        self._partial = None
+        partial.release(self.runner)
+        self._leave(self._handles[seq.request.id], "cancelled", seq)
+        return True
 
     def _chunked(self, request: GenerationRequest) -> bool:
         size = self.limits.prefill_chunk_tokens
@@ -315,12 +368,6 @@ class Scheduler:
         ``running``: rows are decoding, and wait for this chunk."""
         partial = self._partial
         assert partial is not None
-        seq = partial.sequences[0]
-        if seq.request.cancelled.is_set():
-            self._partial = None
-            partial.release(self.runner)
-            self._leave(self._handles[seq.request.id], "cancelled", seq)
-            return None
         size = self.chunks.next_chunk(running, partial.prompt_left)
         try:
             if partial.prompt_left > size:
@@ -328,7 +375,7 @@ class Scheduler:
                 partial.prefill_chunk(self.runner, size)
                 took = time.perf_counter() - started
                 self.chunks.observe_chunk(size, took)
-                self.stats.record_step(StepStats("prefill", took, 1, size))
+                self.stats.record_step(StepStats("prefill", took, 0, size))  # no token
                 return None
             self._partial = None
             return self._step(partial, "prefill")

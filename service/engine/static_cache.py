@@ -28,6 +28,7 @@ position's logits; its wanted rows are picked out here.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
@@ -61,41 +62,94 @@ class EngineGraphRunner(PooledRunner):
         self.provider = session.get_providers()[0]
         self.device = "cpu"
         self._past, self._present = io.past_names(n), io.present_names(n)
+        # A mixed engine.onnx (export/engine_graph.py) has a second group of rows, so a
+        # prompt chunk rides along with a decode step: one read of the weights for both.
+        self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in inputs
+        scratch = (1, self.shape.heads, 1, self.shape.head_dim)  # (1, nkv, 1, hs)
+        self._scratch = [np.zeros(scratch, np.float32) for _ in self._past]
+        self._scratch_pointers = [a.ctypes.data for a in self._scratch]
 
     def _arrange(self, slots: Sequence[Slot], start: int | None) -> None:
         self.pool.compact(slots, start)
 
-    def _run(self, lo: int, ids: np.ndarray, pos: np.ndarray, seqlens: np.ndarray,
-             total: int, index: np.ndarray) -> np.ndarray:
-        """One pass over slots [lo, lo + n): ids/pos (n, T) right-padded; logits (n, K, V)
-        of the positions ``index`` (n, K) of each row."""
-        n, t = ids.shape
+    def _run(self, rows: _Rows, chunk: _Rows | None = None
+             ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One forward pass: logits (n, K, V) of ``rows`` and, in the mixed graph, of the
+        one-row ``chunk`` (a prompt chunk fed in the same pass; an idle row of no tokens
+        when there is none)."""
+        if chunk is not None and not self.mixes_chunks:
+            raise ValueError(f"this {es.ENGINE_FILE} has no second group of rows: "
+                             "feed the chunk in a pass of its own")
         binding = self.session.io_binding()
-        index = np.ascontiguousarray(index, np.int64)  # (n, K)
-        # Our own array as the output: freed with the caller's last reference, never
-        # cached by ONNX Runtime's arena.
+        logits = self._bind(binding, rows, self.pool.pointers(rows.lo), self.max_len, "")
+        chunk_logits = None  # bound as an output: must outlive the run
+        if self.mixes_chunks:
+            if chunk is None:
+                chunk_logits = self._bind(binding, _idle_row(), self._scratch_pointers, 1,
+                                          es.CHUNK_PREFIX)
+            else:
+                chunk_logits = self._bind(binding, chunk, self.pool.pointers(chunk.lo),
+                                          self.max_len, es.CHUNK_PREFIX)
+        tokens = rows.ids.size + (chunk.ids.size if chunk is not None else 0)
+        self.session.run_with_iobinding(binding, self._shrink if tokens > len(rows.ids)
+                                        else None)
+        if not self._gathers:  # (n, K, V) of the old graph's (n, T, V)
+            logits = logits[np.arange(len(rows.ids))[:, None], rows.index]
+        return logits, chunk_logits if chunk is not None else None
+
+    def _bind(self, binding: ort.IOBinding, rows: _Rows, pointers: list[int], length: int,
+              prefix: str) -> np.ndarray:
+        """Bind one group's inputs, its KV run (past and present: the same memory, written
+        in place) and its logits, an array of ours (freed with the caller's last reference,
+        never cached by ONNX Runtime's arena)."""
+        n, t = rows.ids.shape
+        index = np.ascontiguousarray(rows.index, np.int64)  # (n, K)
         logits = np.empty((n, index.shape[1] if self._gathers else t, self.vocab_size),
                           np.float32)  # (n, K or T, V)
-        binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(logits.shape),
-                            logits.ctypes.data)
+        if logits.size:
+            binding.bind_output(prefix + io.LOGITS, "cpu", 0, np.float32,
+                                list(logits.shape), logits.ctypes.data)
+        else:  # no position wanted (the mixed graph's idle group): nothing to write
+            binding.bind_output(prefix + io.LOGITS, "cpu")
         if self._gathers:
-            binding.bind_cpu_input(es.LOGITS_INDEX, index)
-        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(ids, np.int64))
-        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(pos, np.int64))
-        binding.bind_cpu_input(es.SEQLENS_K, seqlens.astype(np.int32))  # (n,) total − 1
-        binding.bind_cpu_input(es.TOTAL_SEQUENCE_LENGTH, np.array([total], np.int32))
-        shape = [n, self.shape.heads, self.max_len, self.shape.head_dim]
-        for past, present, ptr in zip(self._past, self._present, self.pool.pointers(lo),
-                                      strict=True):
-            # The same memory as past and present: the kernel writes in place.
-            binding.bind_input(past, "cpu", 0, np.float32, shape, ptr)
-            binding.bind_output(present, "cpu", 0, np.float32, shape, ptr)
-        self.session.run_with_iobinding(binding, self._shrink if t > 1 else None)
-        if self._gathers:
-            return logits  # (n, K, V)
-        return logits[np.arange(n)[:, None], index]  # (n, K, V) of the old graph's (n, T, V)
+            binding.bind_cpu_input(prefix + es.LOGITS_INDEX, index)
+        binding.bind_cpu_input(prefix + io.INPUT_IDS, np.ascontiguousarray(rows.ids, np.int64))
+        binding.bind_cpu_input(prefix + io.POSITION_IDS,
+                               np.ascontiguousarray(rows.pos, np.int64))
+        binding.bind_cpu_input(prefix + es.SEQLENS_K, rows.seqlens.astype(np.int32))
+        binding.bind_cpu_input(prefix + es.TOTAL_SEQUENCE_LENGTH,
+                               np.array([rows.total], np.int32))
+        shape = [n, self.shape.heads, length, self.shape.head_dim]
+        for past, present, ptr in zip(self._past, self._present, pointers, strict=True):
+            binding.bind_input(prefix + past, "cpu", 0, np.float32, shape, ptr)
+            binding.bind_output(prefix + present, "cpu", 0, np.float32, shape, ptr)
+        return logits
 
     def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+        rows, order = self._decode_rows(slots, tokens)
+        logits, _ = self._run(rows)  # (n, 1, V)
+        return self._decoded(rows, order, logits)
+
+    def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
+                          chunk: np.ndarray, completes: bool = False
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        if not self.mixes_chunks:
+            return super().decode_with_chunk(slots, tokens, slot, chunk, completes)
+        if slot in slots:
+            raise ValueError("the chunk's row cannot also decode in the same pass")
+        rows, order = self._decode_rows(slots, tokens)
+        fed = self._extend_rows(slot, chunk, np.array([len(chunk) - 1], np.int64))
+        logits, chunk_logits = self._run(rows, fed)  # (n, 1, V), (1, 1, V)
+        assert chunk_logits is not None
+        self._record(slot.index, fed.total - len(chunk), chunk)
+        if completes:
+            self._prompt_done(slot)
+        return self._decoded(rows, order, logits), chunk_logits[0]
+
+    def _decode_rows(self, slots: Sequence[Slot], tokens: np.ndarray
+                     ) -> tuple[_Rows, np.ndarray | None]:
+        """One token per row, bound in slot order; the permutation back to batch order
+        (None when the batch is already in slot order)."""
         lo, consecutive = self.pool.span(slots)
         if not consecutive:
             lo = self.pool.compact(slots)
@@ -107,14 +161,19 @@ class EngineGraphRunner(PooledRunner):
         longest = int(lengths.max()) + 1
         self._check_room(longest)
         bound = np.asarray(tokens if ordered else tokens[perm], np.int64)[:, None]  # (n, 1)
-        logits = self._run(lo, bound, lengths[:, None], lengths, longest,
-                           np.zeros((n, 1), np.int64))  # (n, 1, V)
-        self.pool.tokens[np.arange(lo, lo + n), lengths] = bound[:, 0]
+        return (_Rows(lo, bound, lengths[:, None], lengths, longest,
+                      np.zeros((n, 1), np.int64)), None if ordered else perm)
+
+    def _decoded(self, rows: _Rows, order: np.ndarray | None, logits: np.ndarray
+                 ) -> np.ndarray:
+        """Record the decoded tokens in the pool; logits (B, V) in batch order."""
+        lo, n = rows.lo, len(rows.ids)
+        self.pool.tokens[np.arange(lo, lo + n), rows.pos[:, 0]] = rows.ids[:, 0]
         self.pool.lengths[lo:lo + n] += 1
-        if ordered:
+        if order is None:
             return logits[:, 0]
         out = np.empty((n, logits.shape[2]), logits.dtype)  # (B, V) back in batch order
-        out[perm] = logits[:, 0]
+        out[order] = logits[:, 0]
         return out
 
     def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
@@ -134,7 +193,7 @@ class EngineGraphRunner(PooledRunner):
             index = np.tile(np.arange(width, dtype=np.int64), (len(prompts), 1))
         else:  # each row's last real token: (P, 1)
             index = (lengths - 1)[:, None]
-        logits = self._run(lo, ids, pos, lengths - 1, width, index)  # (P, W or 1, V)
+        logits, _ = self._run(_Rows(lo, ids, pos, lengths - 1, width, index))  # (P, W|1, V)
         for s, p in zip(slots, prompts, strict=True):
             self._record(s.index, 0, p)
             if len(p) < width:  # the kernel wrote the padding's keys too: give those back
@@ -150,11 +209,35 @@ class EngineGraphRunner(PooledRunner):
 
     def _extend(self, slot: Slot, tokens: np.ndarray, index: np.ndarray) -> np.ndarray:
         """Feed ``tokens`` (T,) after the row's cache; logits (K, V) of positions ``index``."""
+        rows = self._extend_rows(slot, tokens, index)
+        logits, _ = self._run(rows)  # (1, K, V)
+        self._record(slot.index, rows.total - len(tokens), tokens)
+        return logits[0]
+
+    def _extend_rows(self, slot: Slot, tokens: np.ndarray, index: np.ndarray) -> _Rows:
         start = int(self.pool.lengths[slot.index])
         total = start + len(tokens)
         self._check_room(total)
         pos = np.arange(start, total, dtype=np.int64)[None, :]  # (1, T)
-        logits = self._run(slot.index, np.asarray(tokens, np.int64)[None, :], pos,
-                           np.array([total - 1]), total, index[None, :])  # (1, K, V)
-        self._record(slot.index, start, tokens)
-        return logits[0]
+        return _Rows(slot.index, np.asarray(tokens, np.int64)[None, :], pos,
+                     np.array([total - 1]), total, index[None, :])
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """One group of rows of a pass, bound at slots [lo, lo + n)."""
+
+    lo: int
+    ids: np.ndarray  # (n, T) right-padded
+    pos: np.ndarray  # (n, T)
+    seqlens: np.ndarray  # (n,) each row's total length − 1 after the pass
+    total: int  # the longest row's total length
+    index: np.ndarray  # (n, K) positions whose logits are wanted
+
+
+def _idle_row() -> _Rows:
+    """The mixed graph's second group when a pass has nothing for it: one row of no
+    tokens, whose attention the graph runs on a zero row over a one-position scratch
+    cache (export/engine_graph.py)."""
+    none = np.zeros((1, 0), np.int64)  # (1, 0)
+    return _Rows(0, none, none, np.zeros(1, np.int64), 1, none)

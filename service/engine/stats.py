@@ -12,7 +12,7 @@ class StepStats:
 
     phase: Literal["prefill", "decode"]
     duration: float  # seconds, including sampling and detokenization
-    batch_size: int  # sequences in the pass
+    batch_size: int  # sequences that got a token from the pass (0: a prompt chunk)
     tokens: int  # prompt tokens prefilled, or tokens generated
 
 

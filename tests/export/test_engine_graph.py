@@ -21,10 +21,13 @@ from model.config import GPTConfig
 from model.gpt import GPT
 from service.contract import io_spec as io
 from service.contract.engine_spec import (
+    CHUNK_PREFIX,
     ENGINE_FILE,
     LOGITS_INDEX,
     SEQLENS_K,
     TOTAL_SEQUENCE_LENGTH,
+    chunk_name,
+    idle_chunk_inputs,
 )
 
 
@@ -101,7 +104,9 @@ def test_int8_engine_graph_agrees_with_pytorch_teacher_forced(tiny_checkpoint: P
         io.INPUT_IDS: seqs.numpy(), io.POSITION_IDS: np.tile(np.arange(t), (b, 1)),
         SEQLENS_K: np.full(b, t - 1, np.int32), TOTAL_SEQUENCE_LENGTH: np.array([t], np.int32),
         LOGITS_INDEX: np.tile(np.arange(t), (b, 1)),
-        **{n: zeros for n in io.past_names(cfg.n_layers)}})
+        **{n: zeros for n in io.past_names(cfg.n_layers)},
+        **idle_chunk_inputs({i.name for i in sess.get_inputs()}, cfg.n_layers, cfg.kv_heads,
+                            cfg.head_dim)})  # the mixed graph's second group: no token
     got = logits.argmax(-1)[:, 15:-1]  # (4, 48)
     assert (got == expected).mean() >= 0.97
 
@@ -236,3 +241,91 @@ def test_logits_index_gives_the_all_positions_logits_at_those_positions(
     np.testing.assert_allclose(last[:, 0], more_old[:, 4], atol=1e-5)
     every = _engine_pass(new, cfg, ids[:1, 11:16], 11, snapshot, np.arange(5)[None, :])
     np.testing.assert_allclose(every, more_old, atol=1e-5)
+
+
+def _group_feed(prefix: str, cfg: GPTConfig, ids: np.ndarray, past: int,
+                index: np.ndarray) -> dict[str, np.ndarray]:
+    """One group's inputs of the mixed graph: ids (B, T) after ``past`` cached tokens."""
+    b, t = ids.shape
+    return {prefix + io.INPUT_IDS: ids,
+            prefix + io.POSITION_IDS: np.tile(np.arange(past, past + t), (b, 1)),
+            prefix + SEQLENS_K: np.full(b, past + t - 1, np.int32),
+            prefix + TOTAL_SEQUENCE_LENGTH: np.array([past + t], np.int32),
+            prefix + LOGITS_INDEX: index}
+
+
+def _mixed_pass(session: ort.InferenceSession, cfg: GPTConfig, feed: dict[str, np.ndarray],
+                caches: dict[str, list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """One pass of the mixed graph, each group's cache written in place; both logits."""
+    binding = session.io_binding()
+    binding.bind_output(io.LOGITS, "cpu")
+    binding.bind_output(chunk_name(io.LOGITS), "cpu")
+    for name, value in feed.items():
+        binding.bind_cpu_input(name, value)
+    for prefix, cache in caches.items():
+        for past, present, buffer in zip(io.past_names(cfg.n_layers),
+                                         io.present_names(cfg.n_layers), cache, strict=True):
+            binding.bind_cpu_input(prefix + past, buffer)
+            binding.bind_output(prefix + present, "cpu", 0, np.float32, list(buffer.shape),
+                                buffer.ctypes.data)
+    session.run_with_iobinding(binding)
+    logits, chunk_logits = binding.get_outputs()[:2]
+    return logits.numpy(), chunk_logits.numpy()
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@torch.no_grad()
+def test_mixed_graph_decodes_rows_and_feeds_a_chunk_in_one_pass_as_pytorch(arch: str) -> None:
+    """The mixed engine.onnx: two rows decoding (group one) and a third row's prompt
+    chunks after its cache (group two) in the same passes give PyTorch's logits at every
+    position asked for; a pass whose second group feeds no token decodes the same, and
+    every cache holds what the next pass needs (rotary positions included for Llama)."""
+    torch.manual_seed(11)
+    if arch == "llama":
+        cfg = GPTConfig(vocab_size=101, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2,
+                        d_ff=96, max_seq_len=64, position="rope", arch="llama",
+                        activation="silu", layer_norm_eps=1e-6)
+    else:
+        cfg = GPTConfig(vocab_size=101, d_model=32, n_heads=4, n_layers=2, d_ff=64,
+                        max_seq_len=64)
+    gpt = GPT(cfg).eval()
+    session = ort.InferenceSession(build_engine_graph(gpt, mixed=True).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    gen = torch.Generator().manual_seed(2)
+    seqs = torch.randint(3, cfg.vocab_size, (3, 30), generator=gen)  # (3, 30)
+    ref = gpt(seqs).logits.numpy()  # (3, 30, V): PyTorch, every position
+    ids = seqs.numpy()
+    shape = (1, cfg.kv_heads, cfg.max_seq_len, cfg.head_dim)
+    rows = {prefix: [np.zeros((n, *shape[1:]), np.float32) for _ in range(2 * cfg.n_layers)]
+            for prefix, n in (("", 2), (CHUNK_PREFIX, 1))}
+    idle = {**_group_feed(CHUNK_PREFIX, cfg, np.zeros((1, 0), np.int64), 0,
+                          np.zeros((1, 0), np.int64)),  # no token, no logits
+            # its attention runs on one zero row at position 0, as the service feeds it
+            chunk_name(SEQLENS_K): np.zeros(1, np.int32),
+            chunk_name(TOTAL_SEQUENCE_LENGTH): np.ones(1, np.int32)}
+    # rows 0-1: a 6-token prompt with an idle second group, then one token per pass
+    first, none = _mixed_pass(session, cfg, {**_group_feed("", cfg, ids[:2, :6], 0,
+                                                           np.array([[5], [5]])), **idle}, rows)
+    assert none.shape == (1, 0, cfg.vocab_size)
+    np.testing.assert_allclose(first[:, 0], ref[:2, 5], atol=1e-4)
+    fed = 0  # row 2's prompt: chunks of 4, 7, 1 and 5 tokens, riding along
+    for step, size in enumerate((4, 7, 1, 5)):
+        pos = 6 + step
+        decode = _group_feed("", cfg, ids[:2, pos:pos + 1], pos, np.zeros((2, 1), np.int64))
+        chunk = _group_feed(CHUNK_PREFIX, cfg, ids[2:, fed:fed + size], fed,
+                            np.arange(size)[None, :])  # every position of the chunk
+        got, chunk_logits = _mixed_pass(session, cfg, {**decode, **chunk}, rows)
+        np.testing.assert_allclose(got[:, 0], ref[:2, pos], atol=1e-4)
+        np.testing.assert_allclose(chunk_logits[0], ref[2, fed:fed + size], atol=1e-4)
+        fed += size
+    # the idle group again: the decode rows go on from their caches
+    got, _ = _mixed_pass(session, cfg, {**_group_feed("", cfg, ids[:2, 10:11], 10,
+                                                      np.zeros((2, 1), np.int64)), **idle},
+                         {"": rows[""], CHUNK_PREFIX: [c.copy() for c in rows[CHUNK_PREFIX]]})
+    np.testing.assert_allclose(got[:, 0], ref[:2, 10], atol=1e-4)
+    # the chunk row's cache goes on too: its next token as a decode row of its own
+    single = ort.InferenceSession(build_engine_graph(gpt).SerializeToString(),
+                                  providers=["CPUExecutionProvider"])
+    nxt = _engine_pass(single, cfg, ids[2:, fed:fed + 1], fed, rows[CHUNK_PREFIX],
+                       np.zeros((1, 1), np.int64))
+    np.testing.assert_allclose(nxt[0, 0], ref[2, fed], atol=1e-4)

@@ -65,6 +65,17 @@ def engine_artifact(artifact: Path, tiny_checkpoint: Path,
 
 
 @pytest.fixture(scope="session")
+def mixed_engine_path(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """engine.onnx of the tiny model with a second group of rows (``chunk.*``): a prompt
+    chunk and the decode rows in one pass."""
+    from export.engine_graph import export_engine
+    from model.checkpoint import load_checkpoint
+
+    path = tmp_path_factory.mktemp("mixed-engine") / ENGINE_FILE
+    return export_engine(load_checkpoint(tiny_checkpoint).model.eval(), path, mixed=True)
+
+
+@pytest.fixture(scope="session")
 def reference_greedy(artifact: Path) -> Callable[[list[int], int], list[int]]:
     """The greedy reference over the tiny artifact (see ``greedy_loop``)."""
     return greedy_loop(artifact)

@@ -104,7 +104,8 @@ class FifoGate(Gate):
 class ControlledRunner:
     """The real runner behind a gate and a poison token; everything else passes through.
 
-    Every forward pass (``prefill``, ``decode``, ``extend``) waits at the gate.
+    Every forward pass (``prefill``, ``decode``, ``decode_with_chunk``, ``extend``)
+    waits at the gate.
     """
 
     def __init__(self, runner: ModelRunner, gate: Gate | None = None,
@@ -118,6 +119,7 @@ class ControlledRunner:
         self.provider = runner.provider
         self.device = runner.device
         self.pool = runner.pool
+        self.mixes_chunks = runner.mixes_chunks
 
     def _pass(self, prompts: Sequence[np.ndarray] = ()) -> None:
         if self.gate is not None and not self.gate.next():
@@ -135,6 +137,12 @@ class ControlledRunner:
     def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         self._pass()
         return self.runner.decode(slots, tokens)
+
+    def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
+                          chunk: np.ndarray, completes: bool = False
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        self._pass([chunk] if len(chunk) > 1 else [])
+        return self.runner.decode_with_chunk(slots, tokens, slot, chunk, completes)
 
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         self._pass([tokens] if len(tokens) > 1 else [])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.engine.chunking import MIN_CHUNK_TOKENS, ChunkBudget
+from service.engine.chunking import MIN_CHUNK_TOKENS, MIXED_SHARE, ChunkBudget
 
 
 def test_fixed_budget_always_takes_the_maximum() -> None:
@@ -40,3 +40,18 @@ def test_estimates_are_smoothed() -> None:
     assert budget.decode_s == pytest.approx(0.030)
     assert budget.token_s == pytest.approx(0.002)
     assert budget.next_chunk(running=True, left=1000) == MIN_CHUNK_TOKENS  # 15 → floor 16
+
+
+def test_a_chunk_riding_in_a_decode_step_costs_about_half_a_step_beyond_it() -> None:
+    """Mixed passes: a chunk's cost is what the step took beyond a plain decode step, and
+    the chunk is sized for MIXED_SHARE of a step."""
+    budget = ChunkBudget(256, smoothing=1.0, mixed=True)
+    budget.observe_mixed(16, 0.050)  # no plain step measured yet: nothing to subtract from
+    assert budget.token_s is None
+    budget.observe_decode(0.030)
+    budget.observe_mixed(16, 0.038)  # 8 ms beyond the step: 0.5 ms a token
+    assert budget.token_s == pytest.approx(0.0005)
+    assert budget.next_chunk(running=True, left=1000) == int(0.030 * MIXED_SHARE / 0.0005)
+    budget.observe_mixed(40, 0.025)  # faster than a plain step (noise): free, not negative
+    assert budget.token_s == 0.0
+    assert budget.next_chunk(running=True, left=1000) == MIN_CHUNK_TOKENS  # measure again

@@ -56,6 +56,13 @@ def engine(engine_artifact: Path) -> EngineGraphRunner:
                             io.ArtifactConfig.load(engine_artifact), PoolConfig(slots=8))
 
 
+@pytest.fixture
+def mixed(engine_artifact: Path, mixed_engine_path: Path) -> EngineGraphRunner:
+    """A mixed engine.onnx: a prompt chunk rides in the decode step's pass."""
+    return EngineGraphRunner(create_session(mixed_engine_path, "cpu", 1),
+                             io.ArtifactConfig.load(engine_artifact), PoolConfig(slots=8))
+
+
 def make(runner: ModelRunner, codec: TextCodec, batch: int = 8, queued: int = 16,
          tokens: int = 4096, chunk: int = 0, adaptive: bool = False
          ) -> tuple[Scheduler, Recorder]:
@@ -297,11 +304,49 @@ def test_chunked_prefill_interleaves_with_decode_steps(
     # by a decode step of the running row; its last part came with its first token.
     chunks = (len(long) - 1) // 8
     phases = [(s.phase, s.batch_size, s.tokens) for s in stats.steps]
-    first = phases.index(("prefill", 1, 8), 1)
-    expected = [("prefill", 1, 8), ("decode", 1, 1)] * chunks
+    first = phases.index(("prefill", 0, 8), 1)
+    expected = [("prefill", 0, 8), ("decode", 1, 1)] * chunks
     assert phases[first:first + 2 * chunks] == expected
     assert phases[first + 2 * chunks] == ("prefill", 1, len(long) - 8 * chunks)
     assert phases[first + 2 * chunks + 1] == ("decode", 2, 2)
+
+
+def test_chunks_ride_in_the_decode_steps_of_a_mixed_engine(
+        mixed: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    """With a mixed engine.onnx every chunk, the last one too, shares the running rows'
+    decode pass: no pass of its own, and both requests get the plain loop's tokens."""
+    runner, gate = gated(mixed)
+    scheduler, stats = make(runner, codec, chunk=8)
+    long = encode(" ".join(PROMPTS))
+    assert len(long) > 3 * 8
+
+    async def main() -> tuple[list[int], list[int]]:
+        scheduler.start(asyncio.get_running_loop())
+        (running,) = scheduler.submit([greedy(encode(PROMPTS[0]), 40)])
+        gate.send(".")
+        events = running.events()
+        head = [(await anext(events)).token.id]  # type: ignore[union-attr]
+        (joiner,) = scheduler.submit([greedy(long, 10)])
+        gate.send("+")
+        rest = [e.token.id async for e in events]  # type: ignore[union-attr]
+        return head + rest, await tokens_of(joiner)
+
+    try:
+        running, joined = asyncio.run(main())
+    finally:
+        scheduler.stop(5)
+    assert running == reference_greedy(encode(PROMPTS[0]), 40)
+    assert joined == reference_greedy(long, 10)
+    chunks = -(-len(long) // 8)  # the last, shorter one brings the first token
+    phases = [(s.phase, s.batch_size, s.tokens) for s in stats.steps]
+    start = phases.index(("prefill", 0, 8)) - 1  # each mixed step: decode, then its chunk
+    riding = [("decode", 1, 1), ("prefill", 0, 8)] * (chunks - 1)
+    last = [("decode", 1, 1), ("prefill", 1, len(long) - 8 * (chunks - 1))]  # + 1st token
+    assert phases[start:start + 2 * chunks] == riding + last
+    assert phases[start + 2 * chunks] == ("decode", 2, 2)
+    # one pass per decode step (the chunks rode along) plus the running row's prefill
+    assert runner.forwards == sum(p == "decode" for p, _, _ in phases) + 1
 
 
 def test_adaptive_chunks_prefill_alone_in_one_pass_and_beside_rows_in_step_sized_chunks(
@@ -339,7 +384,7 @@ def test_adaptive_chunks_prefill_alone_in_one_pass_and_beside_rows_in_step_sized
     phases = [(s.phase, s.batch_size, s.tokens) for s in stats.steps]
     assert phases[0] == ("prefill", 1, len(long))  # alone: one pass, no chunks
     later = phases[phases.index(("prefill", 1, len(encode(PROMPTS[0])))):]
-    chunks = [t for p, b, t in later if p == "prefill" and b == 1][1:-1]  # between first/last
+    chunks = [t for p, b, t in later if p == "prefill"][1:-1]  # between first and last
     assert len(chunks) >= 1 and sum(chunks) < len(long)
     assert all(16 <= t <= 32 for t in chunks), chunks
 

@@ -55,6 +55,11 @@ def legacy_session(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="module")
+def mixed_session(mixed_engine_path: Path) -> ort.InferenceSession:
+    return create_session(mixed_engine_path, "cpu", 1)
+
+
+@pytest.fixture(scope="module")
 def config(engine_artifact: Path) -> io.ArtifactConfig:
     return io.ArtifactConfig.load(engine_artifact)
 
@@ -70,14 +75,19 @@ def model_session(artifact: Path) -> ort.InferenceSession:
     return create_session(artifact / io.MODEL_FILE, "cpu", 1)
 
 
-@pytest.fixture(params=["engine.onnx", "legacy engine.onnx", "model.onnx"])
+@pytest.fixture(params=["engine.onnx", "mixed engine.onnx", "legacy engine.onnx",
+                        "model.onnx"])
 def runner(request: pytest.FixtureRequest, session: ort.InferenceSession,
-           legacy_session: ort.InferenceSession, model_session: ort.InferenceSession,
-           config: io.ArtifactConfig) -> PooledRunner:
+           mixed_session: ort.InferenceSession, legacy_session: ort.InferenceSession,
+           model_session: ort.InferenceSession, config: io.ArtifactConfig) -> PooledRunner:
     """Either runner over a fresh pool of 8 slots (engine.onnx with or without
-    ``logits_index``)."""
+    ``logits_index``, with one group of rows or two)."""
     if request.param == "engine.onnx":
         return EngineGraphRunner(session, config, PoolConfig(slots=8))
+    if request.param == "mixed engine.onnx":
+        runner = EngineGraphRunner(mixed_session, config, PoolConfig(slots=8))
+        assert runner.mixes_chunks
+        return runner
     if request.param == "legacy engine.onnx":
         return EngineGraphRunner(legacy_session, config, PoolConfig(slots=8))
     return ModelGraphRunner(model_session, config, PoolConfig(slots=8))
@@ -396,3 +406,62 @@ def test_the_gathered_graph_gives_the_legacy_graphs_logits_for_each_pass(
     assert a.shape == (1, new.vocab_size)
     np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(a[0], full_forward(plain, again)[0][-1], atol=1e-4)
+
+
+def test_a_chunk_riding_in_a_decode_step_equals_the_plain_loop(
+        runner: PooledRunner, plain: OrtDecoder, encode: Callable[[str], list[int]]) -> None:
+    """decode_with_chunk: the decode rows' logits, the chunk's last logits and the chunk
+    row's keys and values are those of the plain loop, whether the graph runs them in one
+    pass (mixed engine.onnx) or two."""
+    prompts = [encode(PROMPTS[0]), encode(PROMPTS[2])]
+    slots = runner.reserve(2)
+    runner.prefill(slots, [np.asarray(p) for p in prompts])
+    long = encode(PROMPTS[1] + " " + PROMPTS[3])
+    (slot,) = runner.reserve(1, top=True)
+    runner.extend_last(slot, np.asarray(long[:4]))  # a first chunk of its own
+    seqs = [list(p) for p in prompts]
+    fed = 4
+    for size in (5, 3, len(long) - 12):  # the last chunk ends the prompt
+        nxt = np.asarray([int(full_forward(plain, s)[0][-1].argmax()) for s in seqs])  # (B,)
+        for s, t in zip(seqs, nxt, strict=True):
+            s.append(int(t))
+        logits, chunk = runner.decode_with_chunk(slots, nxt, slot,
+                                                 np.asarray(long[fed:fed + size]),
+                                                 completes=fed + size == len(long))
+        fed += size
+        want = np.stack([full_forward(plain, s)[0][-1] for s in seqs])  # (B, V)
+        np.testing.assert_allclose(logits, want, atol=1e-4)
+        np.testing.assert_allclose(chunk[0], full_forward(plain, long[:fed])[0][-1], atol=1e-4)
+    assert fed == len(long)
+    _, present = full_forward(plain, long)
+    for mine, theirs in zip(runner.pool.arrays, present, strict=True):
+        np.testing.assert_allclose(mine[slot.index, :, :len(long)], theirs, atol=1e-5)
+    assert runner.pool.tokens[slot.index, :len(long)].tolist() == long
+    assert [int(runner.pool.lengths[s.index]) for s in slots] == [len(s) for s in seqs]
+
+
+def test_a_prompt_fed_in_riding_chunks_decodes_the_reference_tokens(
+        runner: PooledRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    """Batch.step_with_chunk, chunk after chunk, then the joined batch: both requests get
+    the reference loop's greedy tokens."""
+    ids = encode(PROMPTS[1] + " " + PROMPTS[3])
+    running = Batch.from_requests([request(encode(PROMPTS[0]), 30)], codec, runner.vocab_size)
+    tokens = [running.step(runner)[0].token.id]
+    long = Batch.from_requests([request(ids, 12)], codec, runner.vocab_size)
+    long.reserve(runner, top=True)
+    first: list = []
+    steps = 0
+    while not first:
+        events, first = running.step_with_chunk(runner, long, 5)
+        tokens.append(events[0].token.id)
+        steps += 1
+    assert steps == -(-len(ids) // 5) and long.prompt_left == 0
+    out = [first[0].token.id]
+    merged = Batch.concatenate([running, long], runner)
+    while len(out) < 12:
+        events = merged.step(runner)
+        tokens.append(events[0].token.id)
+        out.append(events[1].token.id)
+    assert out == reference_greedy(ids, 12)
+    assert tokens == reference_greedy(encode(PROMPTS[0]), len(tokens))
