@@ -123,7 +123,7 @@ class Batch:
         chunk = partial._next_chunk(runner, size)
         completes = len(chunk) == partial.prompt_left
         last, chunk_last = runner.decode_with_chunk(self.slots, self.next_tokens,
-                                                    partial.slots[0], chunk, completes)
+                                                    partial.slots[0], chunk)
         partial.prompt_done += len(chunk)
         events = self._sample(last)  # (B, V)
         return events, partial._sample(chunk_last) if completes else []  # (1, V)

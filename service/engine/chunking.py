@@ -15,6 +15,7 @@ engine is prefilled in one pass, since nobody waits for it. The fixed budget
 from __future__ import annotations
 
 MIN_CHUNK_TOKENS = 16  # below this a pass is mostly fixed cost (weights read once per pass)
+MIN_MIXED_CHUNK_TOKENS = 8  # a riding chunk has no such cost; fewer tokens, more steps
 MIXED_SHARE = 0.5  # a mixed chunk's own cost, as a share of the decode step it rides in
 
 
@@ -52,7 +53,8 @@ class ChunkBudget:
             return self.max_tokens
         if not running:
             return left
+        least = MIN_MIXED_CHUNK_TOKENS if self.mixed else MIN_CHUNK_TOKENS
         if self.decode_s is None or self.token_s is None or self.token_s <= 0:
-            return min(self.max_tokens, MIN_CHUNK_TOKENS)  # measure with a small one first
+            return min(self.max_tokens, least)  # measure with a small one first
         fit = int(self.decode_s * (MIXED_SHARE if self.mixed else 1.0) / self.token_s)
-        return max(MIN_CHUNK_TOKENS, min(self.max_tokens, fit))
+        return max(least, min(self.max_tokens, fit))

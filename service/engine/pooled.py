@@ -153,17 +153,16 @@ class PooledRunner:
         raise NotImplementedError
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
-                          chunk: np.ndarray, completes: bool = False
-                          ) -> tuple[np.ndarray, np.ndarray]:
+                          chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Two passes here (a graph with one group of rows); a mixed engine.onnx makes it
         one (static_cache.py)."""
         logits = self.decode(slots, tokens), self.extend_last(slot, chunk)
-        if completes:
-            self._prompt_done(slot)
+        self._save_prefix(slot)
         return logits
 
-    def _prompt_done(self, slot: Slot) -> None:
-        """A chunked prompt is all in: its blocks go to the prefix cache."""
+    def _save_prefix(self, slot: Slot) -> None:
+        """The prompt's blocks completed so far go to the prefix cache: a chunk's worth at
+        a time, not a whole long prompt's copy in the step that ends it."""
         if self.prefix is not None:
             self.prefix.save(slot.index)
 

@@ -71,13 +71,12 @@ class ModelRunner(Protocol):
         ...
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
-                          chunk: np.ndarray, completes: bool = False
-                          ) -> tuple[np.ndarray, np.ndarray]:
+                          chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``decode(slots, tokens)`` and ``extend_last(slot, chunk)`` (a prompt chunk of a
         row that is not decoding): logits (B, V) and (1, V). A mixed engine.onnx computes
         both in one pass, so the chunk costs its tokens' arithmetic, not another read of
-        the weights (``mixes_chunks``). ``completes``: the chunk ends the prompt, whose
-        blocks then go to the prefix cache, as after ``prefill``."""
+        the weights (``mixes_chunks``). The prompt's full blocks go to the prefix cache
+        chunk by chunk, as after ``prefill``."""
         ...
 
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:

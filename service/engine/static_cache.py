@@ -131,10 +131,9 @@ class EngineGraphRunner(PooledRunner):
         return self._decoded(rows, order, logits)
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
-                          chunk: np.ndarray, completes: bool = False
-                          ) -> tuple[np.ndarray, np.ndarray]:
+                          chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if not self.mixes_chunks:
-            return super().decode_with_chunk(slots, tokens, slot, chunk, completes)
+            return super().decode_with_chunk(slots, tokens, slot, chunk)
         if slot in slots:
             raise ValueError("the chunk's row cannot also decode in the same pass")
         rows, order = self._decode_rows(slots, tokens)
@@ -142,8 +141,7 @@ class EngineGraphRunner(PooledRunner):
         logits, chunk_logits = self._run(rows, fed)  # (n, 1, V), (1, 1, V)
         assert chunk_logits is not None
         self._record(slot.index, fed.total - len(chunk), chunk)
-        if completes:
-            self._prompt_done(slot)
+        self._save_prefix(slot)
         return self._decoded(rows, order, logits), chunk_logits[0]
 
     def _decode_rows(self, slots: Sequence[Slot], tokens: np.ndarray

@@ -139,10 +139,9 @@ class ControlledRunner:
         return self.runner.decode(slots, tokens)
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
-                          chunk: np.ndarray, completes: bool = False
-                          ) -> tuple[np.ndarray, np.ndarray]:
+                          chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self._pass([chunk] if len(chunk) > 1 else [])
-        return self.runner.decode_with_chunk(slots, tokens, slot, chunk, completes)
+        return self.runner.decode_with_chunk(slots, tokens, slot, chunk)
 
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         self._pass([tokens] if len(tokens) > 1 else [])

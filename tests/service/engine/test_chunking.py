@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from service.engine.chunking import MIN_CHUNK_TOKENS, MIXED_SHARE, ChunkBudget
+from service.engine.chunking import (
+    MIN_CHUNK_TOKENS,
+    MIN_MIXED_CHUNK_TOKENS,
+    MIXED_SHARE,
+    ChunkBudget,
+)
 
 
 def test_fixed_budget_always_takes_the_maximum() -> None:
@@ -54,4 +59,4 @@ def test_a_chunk_riding_in_a_decode_step_costs_about_half_a_step_beyond_it() -> 
     assert budget.next_chunk(running=True, left=1000) == int(0.030 * MIXED_SHARE / 0.0005)
     budget.observe_mixed(40, 0.025)  # faster than a plain step (noise): free, not negative
     assert budget.token_s == 0.0
-    assert budget.next_chunk(running=True, left=1000) == MIN_CHUNK_TOKENS  # measure again
+    assert budget.next_chunk(running=True, left=1000) == MIN_MIXED_CHUNK_TOKENS  # again

@@ -426,8 +426,7 @@ def test_a_chunk_riding_in_a_decode_step_equals_the_plain_loop(
         for s, t in zip(seqs, nxt, strict=True):
             s.append(int(t))
         logits, chunk = runner.decode_with_chunk(slots, nxt, slot,
-                                                 np.asarray(long[fed:fed + size]),
-                                                 completes=fed + size == len(long))
+                                                 np.asarray(long[fed:fed + size]))
         fed += size
         want = np.stack([full_forward(plain, s)[0][-1] for s in seqs])  # (B, V)
         np.testing.assert_allclose(logits, want, atol=1e-4)
