@@ -49,6 +49,10 @@ def register(subparsers: Any) -> None:
                    help="also write engine.onnx: the service's own decoder graph "
                         "(GroupQueryAttention, KV cache updated in place); float32 or "
                         "--quantize int8/int4")
+    p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
+                   help="write engine.onnx with one group of rows: a prompt chunk is then "
+                        "a pass of its own instead of riding in the decode step (plain "
+                        "decode steps are a few percent faster; see docs/engine.md)")
     p.set_defaults(handler=run)
 
     from export.eval_cli import register as register_eval
@@ -69,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     out = export_artifact(
         args.ckpt, args.out, opset=args.opset, dtype=args.dtype, quantize=args.quantize,
         verify=not args.no_verify, force=args.force,
-        engine_graph=args.engine_graph,
+        engine_graph=args.engine_graph, mixed_steps=args.mixed_steps,
         log=lambda msg: print(f"  {msg}", file=sys.stderr))
     print(f"exported {args.ckpt} → {out} in {time.perf_counter() - started:.1f}s")
     return 0

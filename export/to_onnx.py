@@ -137,11 +137,13 @@ def export_artifact(
     model_name: str | None = None,
     log: Any = None,
     engine_graph: bool = False,
+    mixed_steps: bool = True,
 ) -> Path:
     """Build, verify and (optionally) quantise; return the artifact directory.
 
     ``engine_graph`` also writes engine.onnx, the service-only decoder with an in-place
-    KV cache (export/engine_graph.py); model.onnx is unchanged either way. With
+    KV cache (export/engine_graph.py), with a second group of rows for prompt chunks
+    unless ``mixed_steps`` is off; model.onnx is unchanged either way. With
     ``quantize="int8"`` or ``"int4"`` both graphs get MatMulNBits weights
     (export/quantize.py). All
     graphs point into one weights.bin, each distinct tensor stored once.
@@ -196,7 +198,7 @@ def export_artifact(
                   io.ATTENTION_FILE: build_attention(gpt, opset)}
         if engine_graph:
             graphs[ENGINE_FILE] = build_engine_graph(gpt, matmul_only=bool(quantize),
-                                                     mixed=True)
+                                                     mixed=mixed_steps)
         storage = save_graphs(tmp, graphs)
         del graphs
         build_seconds = time.perf_counter() - started
@@ -254,6 +256,7 @@ def export_artifact(
             source_checkpoint=checkpoint_fingerprint(ckpt_dir),
             exporter={"name": "attnserve graph builder", "method": "direct (export/graphs.py, "
                       "export/engine_graph.py)", "build_seconds": round(build_seconds, 3),
+                      **({"engine_mixed_steps": mixed_steps} if engine_graph else {}),
                       "storage": storage, "versions": _versions()},
             opset=opset, kv_dtype=dtype, quantization=quantize,
             io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,

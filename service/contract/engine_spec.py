@@ -17,6 +17,15 @@ engine.onnx  (B = batch_size, T = sequence_length, M = max_sequence_length ≤ m
 
 Rows are right-padded: a row's cache and its new tokens start at column 0.
 
+The mixed engine.onnx (what ``--engine-graph`` exports) has a second group of rows, every
+name above prefixed ``chunk.`` (its own batch, sequence, cache-length and logits-position
+dimensions): both groups' tokens share every weight product, and each group gets its own
+GroupQueryAttention, so a prompt chunk of one row (T > 1 after its cache) rides in a
+decode step of many. The second group may feed no token (``chunk.input_ids`` (1, 0),
+``chunk.seqlens_k`` [0], ``chunk.total_sequence_length`` [1], a (1, kv, 1, hs) scratch
+cache, ``chunk.logits_index`` (1, 0): ``idle_chunk_inputs``); the graph then runs that
+attention on one zero row and its logits are (1, 0, V).
+
 engine.onnx files exported before ``logits_index`` existed lack that input and return
 logits [B, T, vocab_size] for every fed position; the service reads both
 (``GATHERED_INPUTS`` names what such a file may lack).

@@ -329,3 +329,17 @@ def test_mixed_graph_decodes_rows_and_feeds_a_chunk_in_one_pass_as_pytorch(arch:
     nxt = _engine_pass(single, cfg, ids[2:, fed:fed + 1], fed, rows[CHUNK_PREFIX],
                        np.zeros((1, 1), np.int64))
     np.testing.assert_allclose(nxt[0, 0], ref[2, fed], atol=1e-4)
+
+
+def test_no_mixed_steps_exports_engine_onnx_with_one_group(tiny_checkpoint: Path,
+                                                           tmp_path: Path) -> None:
+    """`--no-mixed-steps`: engine.onnx without the ``chunk.*`` group (a chunk is then a
+    pass of its own), recorded in the manifest; the default has it."""
+    one = export_artifact(tiny_checkpoint, tmp_path / "one", engine_graph=True,
+                          mixed_steps=False, verify=False)
+    two = export_artifact(tiny_checkpoint, tmp_path / "two", engine_graph=True, verify=False)
+    for out, mixed in ((one, False), (two, True)):
+        names = {i.name for i in onnx.load(str(out / ENGINE_FILE)).graph.input}
+        assert (chunk_name(io.INPUT_IDS) in names) is mixed
+        manifest = json.loads((out / io.MANIFEST_FILE).read_text("utf-8"))
+        assert manifest["exporter"]["engine_mixed_steps"] is mixed
