@@ -128,6 +128,23 @@ class Batch:
         events = self._sample(last)  # (B, V)
         return events, partial._sample(chunk_last) if completes else []  # (1, V)
 
+    def step_with_prompts(self, runner: ModelRunner, fresh: Batch
+                          ) -> tuple[list[TokenEvent], list[TokenEvent]]:
+        """One decode step of this batch with the newcomers of ``fresh`` prefilled in the
+        same pass where the runner can (``runner.decode_with_prompts``): this batch's
+        events, and each newcomer's first token."""
+        if self.next_tokens is None or fresh.is_prefilled:
+            raise ValueError("step_with_prompts needs a prefilled batch and a fresh one")
+        start = time.perf_counter()
+        for seq in fresh.sequences:
+            seq.prefill_start = seq.prefill_start or start
+        fresh.reserve(runner)
+        prompts = [np.asarray(s.request.prompt_ids, np.int64) for s in fresh.sequences]
+        last, firsts = runner.decode_with_prompts(self.slots, self.next_tokens, fresh.slots,
+                                                  prompts)
+        events = self._sample(last)  # (B, V)
+        return events, fresh._sample(np.stack([rows[-1] for rows in firsts]))  # (P, V)
+
     def release(self, runner: ModelRunner) -> None:
         """Give the rows' slots back to the runner."""
         if self.slots:

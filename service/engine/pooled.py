@@ -113,6 +113,27 @@ class PooledRunner:
         """Rows with an empty slot and no cached prefix are prefilled together; a row
         whose prompt starts with a cached prefix, or whose slot already holds part of its
         prompt (chunked prefill), computes only the rest, alone (``extend``)."""
+        plain, out = self._split_prompts(slots, prompts, all_logits)
+        if plain:
+            logits = self._prefill_rows([slots[r] for r in plain], [prompts[r] for r in plain],
+                                        all_logits)
+            for r, rows in zip(plain, logits, strict=True):
+                out[r] = rows
+        self._prompts_done(slots)
+        return out
+
+    def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
+                            new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
+                            ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Two passes here (a graph with one group of rows); a mixed engine.onnx prefills
+        the plain prompts in the decode step's pass (static_cache.py)."""
+        return self.decode(slots, tokens), self.prefill(new_slots, prompts)
+
+    def _split_prompts(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
+                       all_logits: bool) -> tuple[list[int], list[np.ndarray]]:
+        """Give the plain rows (empty slot, no cached prefix) consecutive slots in order
+        and feed every other row the rest of its prompt, alone; (the plain rows, each
+        row's logits so far: (1, V) for the others, empty for the plain ones)."""
         n = len(slots)
         starts = [int(self.pool.lengths[s.index]) for s in slots]
         if all_logits and any(starts):
@@ -126,21 +147,19 @@ class PooledRunner:
         empty = [r for r in plain + rest if not starts[r]]
         self.pool.assign([slots[r] for r in empty], sorted(slots[r].index for r in empty))
         out: list[np.ndarray] = [np.empty(0)] * n
-        if plain:
-            logits = self._prefill_rows([slots[r] for r in plain], [prompts[r] for r in plain],
-                                        all_logits)
-            for r, rows in zip(plain, logits, strict=True):
-                out[r] = rows
         for r in rest:
             done = starts[r]
             if hits[r]:
                 assert self.prefix is not None
                 done = self.prefix.load(prompts[r], slots[r].index)
             out[r] = self.extend_last(slots[r], prompts[r][done:])  # (1, V)
+        return plain, out
+
+    def _prompts_done(self, slots: Sequence[Slot]) -> None:
+        """The prompts are in: their blocks go to the prefix cache."""
         if self.prefix is not None:
             for s in slots:
                 self.prefix.save(s.index)
-        return out
 
     def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
                       all_logits: bool) -> list[np.ndarray]:

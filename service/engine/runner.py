@@ -79,6 +79,14 @@ class ModelRunner(Protocol):
         chunk by chunk, as after ``prefill``."""
         ...
 
+    def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
+                            new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
+                            ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """``decode(slots, tokens)`` and ``prefill(new_slots, prompts)`` (newcomers joining
+        the batch): logits (B, V) and each newcomer's last (1, V). A mixed engine.onnx
+        feeds the prompts without a cached prefix in the decode step's pass."""
+        ...
+
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         """Feed ``tokens`` (T,) to one row after what its slot holds (a prompt chunk, the
         rest of a prompt after a reused prefix, drafted tokens to verify); logits (T, V)

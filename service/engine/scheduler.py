@@ -219,11 +219,14 @@ class Scheduler:
     def _iterate(self, batch: Batch | None, admitted: list[RequestHandle]) -> Batch | None:
         """One loop iteration: newcomers join, a chunk of a long prompt, one decode step
         (the chunk rides in the decode step's pass where the runner mixes them)."""
+        if batch is not None:
+            batch = self._retire(batch)  # rows cancelled while the step ran
+        if admitted and batch is not None and self._partial is None and self._mixes(batch) \
+                and not any(h.request.prompt_logprobs for h in admitted):
+            return self._decode_with_prompts(batch, admitted)
         if admitted:
             batch = self._join(batch, self._prefill(admitted))
             self._report_load(batch)
-        if batch is not None:
-            batch = self._retire(batch)  # rows cancelled while the step ran
         if self._partial is not None and self._drop_cancelled_partial():
             self._report_load(batch)
         if self._partial is not None:
@@ -269,6 +272,33 @@ class Scheduler:
             return batch_left
         self._partial = None
         return self._join(batch_left, self._retire(partial))
+
+    def _decode_with_prompts(self, batch: Batch, admitted: list[RequestHandle]
+                             ) -> Batch | None:
+        """One decode step with the newcomers' prompts in the same pass; they join the
+        batch with their first tokens. If that pass fails, the newcomers go the separate
+        way (a prefill of their own, each alone if need be, so a bad prompt fails alone)
+        and the batch decodes on its own."""
+        fresh = self._new_batch([h.request for h in admitted])
+        prompt_tokens = fresh.prompt_left
+        start = time.perf_counter()
+        try:
+            events, firsts = batch.step_with_prompts(self.runner, fresh)
+        except Exception as exc:
+            log.warning("decode step with %d newcomers' prompts failed (%s); prefilling them "
+                        "on their own", len(admitted), exc)
+            fresh.release(self.runner)
+            joined = self._join(batch, self._prefill(admitted))
+            self._report_load(joined)
+            return self._decode(joined) if joined is not None else None
+        took = time.perf_counter() - start
+        self.stats.record_step(StepStats("decode", took, len(batch), len(batch)))
+        self.stats.record_step(StepStats("prefill", took, len(fresh), prompt_tokens))
+        pairs: list[tuple[RequestHandle, Event]] = [
+            (self._handles[s.request.id], e) for b, evs in ((batch, events), (fresh, firsts))
+            for s, e in zip(b.sequences, evs, strict=True)]
+        self._send(pairs)
+        return self._join(self._retire(batch), self._retire(fresh))
 
     def _drop_cancelled_partial(self) -> bool:
         """Drop the partly prefilled request if it was cancelled; whether it was."""

@@ -74,15 +74,18 @@ class EngineGraphRunner(PooledRunner):
 
     def _run(self, rows: _Rows, chunk: _Rows | None = None
              ) -> tuple[np.ndarray, np.ndarray | None]:
-        """One forward pass: logits (n, K, V) of ``rows`` and, in the mixed graph, of the
-        one-row ``chunk`` (a prompt chunk fed in the same pass; an idle row of no tokens
-        when there is none)."""
+        """One forward pass: logits (n, K, V) of ``rows`` and, in the mixed graph, of
+        ``chunk``: one row's prompt chunk after its cache, or newcomers' whole prompts
+        into empty slots, fed in the same pass (an idle row of no tokens when there is
+        none). GroupQueryAttention takes several rows of T > 1 only as first prompts."""
         if chunk is not None and not self.mixes_chunks:
             raise ValueError(f"this {es.ENGINE_FILE} has no second group of rows: "
                              "feed the chunk in a pass of its own")
         binding = self.session.io_binding()
         logits = self._bind(binding, rows, self.pool.pointers(rows.lo), self.max_len, "")
         chunk_logits = None  # bound as an output: must outlive the run
+        if chunk is not None and len(chunk.ids) > 1 and chunk.total > chunk.ids.shape[1]:
+            raise ValueError("several rows of the second group must all be first prompts")
         if self.mixes_chunks:
             if chunk is None:
                 chunk_logits = self._bind(binding, _idle_row(), self._scratch_pointers, 1,
@@ -176,6 +179,35 @@ class EngineGraphRunner(PooledRunner):
 
     def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
                       all_logits: bool) -> list[np.ndarray]:
+        rows = self._prompt_rows(slots, prompts, all_logits)
+        logits, _ = self._run(rows)  # (P, W or 1, V)
+        return self._prompted(slots, prompts, logits, all_logits)
+
+    def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
+                            new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
+                            ) -> tuple[np.ndarray, list[np.ndarray]]:
+        if not self.mixes_chunks:
+            return super().decode_with_prompts(slots, tokens, new_slots, prompts)
+        if {s.index for s in slots} & {s.index for s in new_slots}:
+            raise ValueError("a row cannot decode and be prefilled in the same pass")
+        plain, out = self._split_prompts(new_slots, prompts, False)
+        rows, order = self._decode_rows(slots, tokens)
+        if plain:  # the newcomers' whole prompts ride in the decode step's pass
+            fresh = [new_slots[r] for r in plain]
+            texts = [prompts[r] for r in plain]
+            logits, prompt_logits = self._run(rows, self._prompt_rows(fresh, texts, False))
+            assert prompt_logits is not None
+            for r, last in zip(plain, self._prompted(fresh, texts, prompt_logits, False),
+                               strict=True):
+                out[r] = last
+        else:
+            logits, _ = self._run(rows)
+        self._prompts_done(new_slots)
+        return self._decoded(rows, order, logits), out
+
+    def _prompt_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
+                     all_logits: bool) -> _Rows:
+        """Whole prompts into a run of consecutive empty slots, right-padded."""
         lo, consecutive = self.pool.span(slots)
         if not consecutive or [s.index for s in slots] != list(range(lo, lo + len(slots))):
             raise ValueError("engine.onnx prefills a run of consecutive empty slots in order")
@@ -191,13 +223,18 @@ class EngineGraphRunner(PooledRunner):
             index = np.tile(np.arange(width, dtype=np.int64), (len(prompts), 1))
         else:  # each row's last real token: (P, 1)
             index = (lengths - 1)[:, None]
-        logits, _ = self._run(_Rows(lo, ids, pos, lengths - 1, width, index))  # (P, W|1, V)
+        return _Rows(lo, ids, pos, lengths - 1, width, index)
+
+    def _prompted(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
+                  logits: np.ndarray, all_logits: bool) -> list[np.ndarray]:
+        """Record prefilled prompts in the pool; each row's logits (T_i or 1, V)."""
+        width = max(len(p) for p in prompts)
         for s, p in zip(slots, prompts, strict=True):
             self._record(s.index, 0, p)
             if len(p) < width:  # the kernel wrote the padding's keys too: give those back
                 self.pool.truncate(s, len(p))
-        return [logits[j, :n] if all_logits else logits[j]
-                for j, n in enumerate(lengths.tolist())]
+        return [logits[j, :len(p)] if all_logits else logits[j]
+                for j, p in enumerate(prompts)]
 
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         return self._extend(slot, tokens, np.arange(len(tokens), dtype=np.int64))  # (T, V)

@@ -143,6 +143,12 @@ class ControlledRunner:
         self._pass([chunk] if len(chunk) > 1 else [])
         return self.runner.decode_with_chunk(slots, tokens, slot, chunk)
 
+    def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
+                            new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
+                            ) -> tuple[np.ndarray, list[np.ndarray]]:
+        self._pass(prompts)
+        return self.runner.decode_with_prompts(slots, tokens, new_slots, prompts)
+
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         self._pass([tokens] if len(tokens) > 1 else [])
         return self.runner.extend(slot, tokens)

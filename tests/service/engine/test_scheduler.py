@@ -116,6 +116,75 @@ def test_requests_join_a_running_batch_and_match_the_reference(
     assert stats.loads[-1].kv_cache_tokens == 0
 
 
+def test_newcomers_ride_in_the_decode_step_of_a_mixed_engine(
+        mixed: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    """With a mixed engine.onnx, requests joining a running batch are prefilled in its
+    decode step's pass (no pass of their own) and every request gets the plain loop's
+    tokens."""
+    runner, gate = gated(mixed)
+    scheduler, stats = make(runner, codec)
+
+    async def main() -> list[list[int]]:
+        scheduler.start(asyncio.get_running_loop())
+        (first,) = scheduler.submit([greedy(encode(PROMPTS[0]), 40)])
+        gate.send("...")  # prefill and two decode steps; the third waits at the gate
+        events = first.events()
+        head = [(await anext(events)).token.id for _ in range(3)]  # type: ignore[union-attr]
+        late = scheduler.submit([greedy(encode(p), 12) for p in PROMPTS[1:]])
+        gate.send("+")
+        rest = [e.token.id async for e in events]  # type: ignore[union-attr]
+        others = await asyncio.gather(*(tokens_of(h) for h in late))
+        return [head + rest, *others]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop(5)
+    assert results[0] == reference_greedy(encode(PROMPTS[0]), 40)
+    for prompt, got in zip(PROMPTS[1:], results[1:], strict=True):
+        assert got == reference_greedy(encode(prompt), 12)
+    phases = [(s.phase, s.batch_size) for s in stats.steps]
+    joined = phases.index(("prefill", 3))
+    assert phases[joined - 1] == ("decode", 1) and phases[joined + 1] == ("decode", 4)
+    # one pass for the first prompt, then one per decode step: the newcomers rode along
+    assert runner.forwards == 1 + sum(p == "decode" for p, _ in phases)
+    assert mixed.pool.used == 0
+
+
+def test_a_poisoned_newcomer_of_a_mixed_step_fails_alone(
+        mixed: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    """A decode step carrying newcomers' prompts fails: the newcomers are prefilled on
+    their own (each alone after the wave fails), the bad one gets the error, and the
+    running row and the healthy newcomer decode the plain loop's tokens."""
+    poison = encode("Z")[0]
+    runner, gate = gated(mixed, poison=poison)
+    scheduler, _ = make(runner, codec)
+    bad = encode("Zounds, " + PROMPTS[0])
+
+    async def main() -> tuple[list[int], Any, list[int]]:
+        scheduler.start(asyncio.get_running_loop())
+        (running,) = scheduler.submit([greedy(encode(PROMPTS[1]), 30)])
+        gate.send(".")
+        events = running.events()
+        head = [(await anext(events)).token.id]  # type: ignore[union-attr]
+        poisoned, fine = scheduler.submit([greedy(bad, 10), greedy(encode(PROMPTS[3]), 10)])
+        gate.send("+")
+        rest = [e.token.id async for e in events]  # type: ignore[union-attr]
+        failed = [e async for e in poisoned.events()]
+        return head + rest, failed[-1], await tokens_of(fine)
+
+    try:
+        running, failed, fine = asyncio.run(main())
+    finally:
+        scheduler.stop(5)
+    assert isinstance(failed, ErrorEvent) and "poison" in failed.message
+    assert running == reference_greedy(encode(PROMPTS[1]), 30)
+    assert fine == reference_greedy(encode(PROMPTS[3]), 10)
+    assert mixed.pool.used == 0
+
+
 def test_queue_bound_rejects_and_batch_size_bound_holds(
         model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
     runner, gate = gated(model)

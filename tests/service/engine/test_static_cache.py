@@ -464,3 +464,54 @@ def test_a_prompt_fed_in_riding_chunks_decodes_the_reference_tokens(
         out.append(events[1].token.id)
     assert out == reference_greedy(ids, 12)
     assert tokens == reference_greedy(encode(PROMPTS[0]), len(tokens))
+
+
+def test_newcomers_prompts_riding_in_a_decode_step_equal_the_plain_loop(
+        runner: PooledRunner, plain: OrtDecoder, encode: Callable[[str], list[int]]) -> None:
+    """decode_with_prompts: two rows decode while two newcomers' whole prompts (ragged)
+    are prefilled, in one pass where the graph mixes them; logits and the newcomers' keys
+    and values are the plain loop's."""
+    prompts = [encode(PROMPTS[0]), encode(PROMPTS[2])]
+    slots = runner.reserve(2)
+    runner.prefill(slots, [np.asarray(p) for p in prompts])
+    seqs = [list(p) for p in prompts]
+    nxt = np.asarray([int(full_forward(plain, s)[0][-1].argmax()) for s in seqs])  # (B,)
+    for s, t in zip(seqs, nxt, strict=True):
+        s.append(int(t))
+    newcomers = [encode(PROMPTS[3]), encode(PROMPTS[1])]
+    fresh = runner.reserve(2)
+    logits, firsts = runner.decode_with_prompts(slots, nxt, fresh,
+                                                [np.asarray(p) for p in newcomers])
+    want = np.stack([full_forward(plain, s)[0][-1] for s in seqs])  # (B, V)
+    np.testing.assert_allclose(logits, want, atol=1e-4)
+    for got, p, slot in zip(firsts, newcomers, fresh, strict=True):
+        ref, present = full_forward(plain, p)
+        np.testing.assert_allclose(got[-1], ref[-1], atol=1e-4)
+        assert runner.pool.lengths[slot.index] == len(p)
+        for mine, theirs in zip(runner.pool.arrays, present, strict=True):
+            np.testing.assert_allclose(mine[slot.index, :, :len(p)], theirs, atol=1e-5)
+    assert [int(runner.pool.lengths[s.index]) for s in slots] == [len(s) for s in seqs]
+
+
+def test_a_newcomer_with_a_cached_prefix_rides_apart_and_changes_no_logit(
+        mixed_session: ort.InferenceSession, config: io.ArtifactConfig, plain: OrtDecoder,
+        encode: Callable[[str], list[int]]) -> None:
+    """With prefix caching on, a newcomer whose prompt starts with cached blocks computes
+    only its rest (a pass of its own), one without rides in the decode step; both get
+    the plain loop's logits."""
+    runner = EngineGraphRunner(mixed_session, config, PoolConfig(
+        slots=8, prefix_block_size=4, prefix_cache_blocks=32))
+    shared = encode(PROMPTS[1] + " " + PROMPTS[3])
+    (first,) = runner.reserve(1)
+    runner.prefill([first], [np.asarray(shared)])  # its blocks go to the prefix cache
+    token = int(full_forward(plain, shared)[0][-1].argmax())
+    newcomers = [shared[:-2] + encode(" lord"), encode(PROMPTS[0])]
+    fresh = runner.reserve(2)
+    hits = runner.prefix.counters.hits if runner.prefix else 0
+    logits, firsts = runner.decode_with_prompts([first], np.asarray([token]), fresh,
+                                                [np.asarray(p) for p in newcomers])
+    assert runner.prefix is not None and runner.prefix.counters.hits > hits
+    np.testing.assert_allclose(logits[0], full_forward(plain, [*shared, token])[0][-1],
+                               atol=1e-4)
+    for got, p in zip(firsts, newcomers, strict=True):
+        np.testing.assert_allclose(got[-1], full_forward(plain, p)[0][-1], atol=1e-4)
