@@ -1,7 +1,8 @@
 """The engine's KV pool under traffic: join/leave throughput vs a static batch, and the
 warm shared-prefix TTFT with prefix caching on vs off. Prints figures; asserts nothing.
 
-    python -m benchmarks.engine_pool [--preset small] [--threads 2] [--repeats 3]
+    python -m benchmarks.engine_pool [--preset small | --artifact DIR] [--threads 2]
+        [--repeats 3]
 
 Runs the scheduler in process (no HTTP) on engine.onnx exported from a checkpoint of the
 preset initialised at random (benchmarks/prepare.py); end-of-sequence is not a stop.
@@ -131,6 +132,9 @@ class Bench:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
+    parser.add_argument("--artifact", type=Path,
+                        help="an exported artifact with engine.onnx (a real model) instead "
+                             "of the preset at random init")
     parser.add_argument("--work", type=Path, default=Path(".cache/engine_pool"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waves", type=int, default=3, help="join/leave requests = waves x 32")
     args = parser.parse_args(argv)
 
-    artifact = engine_artifact(args.preset, args.work)
+    artifact = args.artifact or engine_artifact(args.preset, args.work)
     config = io.ArtifactConfig.load(artifact)
     rng = random.Random(0)
     vocab = config.vocab_size
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         return [rng.randrange(4, vocab) for _ in range(length)]
 
     n = args.new_tokens
-    print(f"preset {args.preset} (random init): d_model {config.d_model}, layers "
+    source = f"artifact {artifact}" if args.artifact else f"preset {args.preset} (random init)"
+    print(f"{source}: d_model {config.d_model}, layers "
           f"{config.n_layers}, context {config.max_seq_len}; {args.threads} threads; "
           f"pool {BATCH} slots")
 
