@@ -83,11 +83,13 @@ async def tokens_of(handle: RequestHandle) -> list[int]:
     return out
 
 
-def test_requests_join_a_running_batch_and_match_the_reference(
-        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
-        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    runner, gate = gated(model)
+def join_three(runner: ModelRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+               reference_greedy: Callable[[list[int], int], list[int]]) -> Recorder:
+    """Three requests join one that has decoded two steps; every request must get the
+    plain loop's greedy tokens. The engine's step stats, for the caller to check."""
     scheduler, stats = make(runner, codec)
+    assert isinstance(runner, ControlledRunner) and isinstance(runner.gate, QueueGate)
+    gate = runner.gate
 
     async def main() -> list[list[int]]:
         scheduler.start(asyncio.get_running_loop())
@@ -108,6 +110,14 @@ def test_requests_join_a_running_batch_and_match_the_reference(
     assert results[0] == reference_greedy(encode(PROMPTS[0]), 40)
     for prompt, got in zip(PROMPTS[1:], results[1:], strict=True):
         assert got == reference_greedy(encode(prompt), 12)
+    return stats
+
+
+def test_requests_join_a_running_batch_and_match_the_reference(
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    runner, _ = gated(model)
+    stats = join_three(runner, codec, encode, reference_greedy)
     prefill_steps = [s for s in stats.steps if s.phase == "prefill"]
     assert len(prefill_steps) == 2 and prefill_steps[1].batch_size == 3  # joined as one wave
     assert max(s.batch_size for s in stats.steps if s.phase == "decode") == 4
@@ -122,66 +132,13 @@ def test_newcomers_ride_in_the_decode_step_of_a_mixed_engine(
     """With a mixed engine.onnx, requests joining a running batch are prefilled in its
     decode step's pass (no pass of their own) and every request gets the plain loop's
     tokens."""
-    runner, gate = gated(mixed)
-    scheduler, stats = make(runner, codec)
-
-    async def main() -> list[list[int]]:
-        scheduler.start(asyncio.get_running_loop())
-        (first,) = scheduler.submit([greedy(encode(PROMPTS[0]), 40)])
-        gate.send("...")  # prefill and two decode steps; the third waits at the gate
-        events = first.events()
-        head = [(await anext(events)).token.id for _ in range(3)]  # type: ignore[union-attr]
-        late = scheduler.submit([greedy(encode(p), 12) for p in PROMPTS[1:]])
-        gate.send("+")
-        rest = [e.token.id async for e in events]  # type: ignore[union-attr]
-        others = await asyncio.gather(*(tokens_of(h) for h in late))
-        return [head + rest, *others]
-
-    try:
-        results = asyncio.run(main())
-    finally:
-        scheduler.stop(5)
-    assert results[0] == reference_greedy(encode(PROMPTS[0]), 40)
-    for prompt, got in zip(PROMPTS[1:], results[1:], strict=True):
-        assert got == reference_greedy(encode(prompt), 12)
+    runner, _ = gated(mixed)
+    stats = join_three(runner, codec, encode, reference_greedy)
     phases = [(s.phase, s.batch_size) for s in stats.steps]
     joined = phases.index(("prefill", 3))
     assert phases[joined - 1] == ("decode", 1) and phases[joined + 1] == ("decode", 4)
     # one pass for the first prompt, then one per decode step: the newcomers rode along
     assert runner.forwards == 1 + sum(p == "decode" for p, _ in phases)
-    assert mixed.pool.used == 0
-
-
-def test_a_poisoned_newcomer_of_a_mixed_step_fails_alone(
-        mixed: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
-        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    """A decode step carrying newcomers' prompts fails: the newcomers are prefilled on
-    their own (each alone after the wave fails), the bad one gets the error, and the
-    running row and the healthy newcomer decode the plain loop's tokens."""
-    poison = encode("Z")[0]
-    runner, gate = gated(mixed, poison=poison)
-    scheduler, _ = make(runner, codec)
-    bad = encode("Zounds, " + PROMPTS[0])
-
-    async def main() -> tuple[list[int], Any, list[int]]:
-        scheduler.start(asyncio.get_running_loop())
-        (running,) = scheduler.submit([greedy(encode(PROMPTS[1]), 30)])
-        gate.send(".")
-        events = running.events()
-        head = [(await anext(events)).token.id]  # type: ignore[union-attr]
-        poisoned, fine = scheduler.submit([greedy(bad, 10), greedy(encode(PROMPTS[3]), 10)])
-        gate.send("+")
-        rest = [e.token.id async for e in events]  # type: ignore[union-attr]
-        failed = [e async for e in poisoned.events()]
-        return head + rest, failed[-1], await tokens_of(fine)
-
-    try:
-        running, failed, fine = asyncio.run(main())
-    finally:
-        scheduler.stop(5)
-    assert isinstance(failed, ErrorEvent) and "poison" in failed.message
-    assert running == reference_greedy(encode(PROMPTS[1]), 30)
-    assert fine == reference_greedy(encode(PROMPTS[3]), 10)
     assert mixed.pool.used == 0
 
 
@@ -310,9 +267,15 @@ def test_a_failed_decode_step_fails_its_rows_and_the_engine_recovers(
     assert engine.pool.used == 0 and stats.loads[-1].kv.slots_used == 0  # slots came back
 
 
+@pytest.mark.parametrize("kind", ["engine", "mixed"])
 def test_a_failed_prefill_fails_that_request_alone(
-        engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+        kind: str, request: pytest.FixtureRequest, codec: TextCodec,
+        encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    """A poisoned newcomer joining with a healthy one: its wave's prefill fails (with a
+    mixed engine.onnx, the decode step carrying both prompts fails first and they are
+    prefilled apart), each is retried alone, and only the bad one gets the error."""
+    engine: EngineGraphRunner = request.getfixturevalue(kind)
     poison = encode("Z")[0]
     runner, gate = gated(engine, poison=poison)
     scheduler, stats = make(runner, codec)
@@ -344,10 +307,15 @@ def test_a_failed_prefill_fails_that_request_alone(
     assert engine.pool.used == 0
 
 
+@pytest.mark.parametrize("kind", ["engine", "mixed"])
 def test_chunked_prefill_interleaves_with_decode_steps(
-        engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+        kind: str, request: pytest.FixtureRequest, codec: TextCodec,
+        encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    runner, gate = gated(engine)
+    """A long prompt joins a decoding row in chunks of 8: each chunk a pass of its own
+    (one-group engine.onnx) or, with a mixed engine.onnx, riding in the row's decode step,
+    the last one too; both requests get the plain loop's tokens."""
+    runner, gate = gated(request.getfixturevalue(kind))
     scheduler, stats = make(runner, codec, chunk=8)
     long = encode(" ".join(PROMPTS))
     assert len(long) > 3 * 8
@@ -369,8 +337,15 @@ def test_chunked_prefill_interleaves_with_decode_steps(
         scheduler.stop(5)
     assert running == reference_greedy(encode(PROMPTS[0]), 40)
     assert joined == reference_greedy(long, 10)
-    # The long prompt went in as chunks of 8 tokens, one per loop iteration, each followed
-    # by a decode step of the running row; its last part came with its first token.
+    if kind == "mixed":
+        _assert_chunks_rode(long, stats, runner)
+    else:
+        _assert_chunks_were_passes(long, stats)
+
+
+def _assert_chunks_were_passes(long: list[int], stats: Recorder) -> None:
+    """Chunks of 8 tokens, one per loop iteration, each followed by a decode step of the
+    running row; the last part of the prompt came with its first token."""
     chunks = (len(long) - 1) // 8
     phases = [(s.phase, s.batch_size, s.tokens) for s in stats.steps]
     first = phases.index(("prefill", 0, 8), 1)
@@ -380,33 +355,8 @@ def test_chunked_prefill_interleaves_with_decode_steps(
     assert phases[first + 2 * chunks + 1] == ("decode", 2, 2)
 
 
-def test_chunks_ride_in_the_decode_steps_of_a_mixed_engine(
-        mixed: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
-        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    """With a mixed engine.onnx every chunk, the last one too, shares the running rows'
-    decode pass: no pass of its own, and both requests get the plain loop's tokens."""
-    runner, gate = gated(mixed)
-    scheduler, stats = make(runner, codec, chunk=8)
-    long = encode(" ".join(PROMPTS))
-    assert len(long) > 3 * 8
-
-    async def main() -> tuple[list[int], list[int]]:
-        scheduler.start(asyncio.get_running_loop())
-        (running,) = scheduler.submit([greedy(encode(PROMPTS[0]), 40)])
-        gate.send(".")
-        events = running.events()
-        head = [(await anext(events)).token.id]  # type: ignore[union-attr]
-        (joiner,) = scheduler.submit([greedy(long, 10)])
-        gate.send("+")
-        rest = [e.token.id async for e in events]  # type: ignore[union-attr]
-        return head + rest, await tokens_of(joiner)
-
-    try:
-        running, joined = asyncio.run(main())
-    finally:
-        scheduler.stop(5)
-    assert running == reference_greedy(encode(PROMPTS[0]), 40)
-    assert joined == reference_greedy(long, 10)
+def _assert_chunks_rode(long: list[int], stats: Recorder, runner: ControlledRunner) -> None:
+    """Every chunk, the last one too, in a decode step's pass: no pass of its own."""
     chunks = -(-len(long) // 8)  # the last, shorter one brings the first token
     phases = [(s.phase, s.batch_size, s.tokens) for s in stats.steps]
     start = phases.index(("prefill", 0, 8)) - 1  # each mixed step: decode, then its chunk

@@ -269,24 +269,35 @@ def test_prefix_cache_memory_is_bounded_with_lru_eviction(
     assert prefix.match(np.asarray(a.prompt_ids)) < full_a
 
 
+@pytest.mark.parametrize("riding", [False, True], ids=["chunk passes", "riding chunks"])
 def test_chunked_prefill_equals_the_reference_loop(
-        engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+        runner: PooledRunner, riding: bool, codec: TextCodec,
+        encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    """A long prompt fed in chunks of 5 while another row decodes: each chunk a pass of
+    its own between decode steps, or riding in them (``step_with_chunk``, the last chunk
+    bringing the first token); both requests get the reference loop's tokens."""
     ids = encode(PROMPTS[1] + " " + PROMPTS[3])
-    running = Batch.from_requests([request(encode(PROMPTS[0]), 30)], codec, engine.vocab_size)
-    tokens = [running.step(engine)[0].token.id]
-    long = Batch.from_requests([request(ids, 12)], codec, engine.vocab_size)
-    long.reserve(engine, top=True)
-    chunks = 0
-    while long.prompt_left > 5:  # chunks of 5 tokens between decode steps of the other row
-        long.prefill_chunk(engine, 5)
+    running = Batch.from_requests([request(encode(PROMPTS[0]), 30)], codec, runner.vocab_size)
+    tokens = [running.step(runner)[0].token.id]
+    long = Batch.from_requests([request(ids, 12)], codec, runner.vocab_size)
+    long.reserve(runner, top=True)
+    chunks, out = 0, []
+    while long.prompt_left > (0 if riding else 5):
+        if riding:
+            events, first = running.step_with_chunk(runner, long, 5)
+            out = [e.token.id for e in first]
+        else:
+            long.prefill_chunk(runner, 5)
+            events = running.step(runner)
         chunks += 1
-        tokens.append(running.step(engine)[0].token.id)
-    assert chunks == (len(ids) - 1) // 5
-    out = [long.step(engine)[0].token.id]
-    merged = Batch.concatenate([running, long], engine)
+        tokens.append(events[0].token.id)
+    assert chunks == (-(-len(ids) // 5) if riding else (len(ids) - 1) // 5)
+    if not riding:
+        out = [long.step(runner)[0].token.id]
+    merged = Batch.concatenate([running, long], runner)
     while len(out) < 12:
-        events = merged.step(engine)
+        events = merged.step(runner)
         tokens.append(events[0].token.id)
         out.append(events[1].token.id)
     assert out == reference_greedy(ids, 12)
@@ -437,33 +448,6 @@ def test_a_chunk_riding_in_a_decode_step_equals_the_plain_loop(
         np.testing.assert_allclose(mine[slot.index, :, :len(long)], theirs, atol=1e-5)
     assert runner.pool.tokens[slot.index, :len(long)].tolist() == long
     assert [int(runner.pool.lengths[s.index]) for s in slots] == [len(s) for s in seqs]
-
-
-def test_a_prompt_fed_in_riding_chunks_decodes_the_reference_tokens(
-        runner: PooledRunner, codec: TextCodec, encode: Callable[[str], list[int]],
-        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    """Batch.step_with_chunk, chunk after chunk, then the joined batch: both requests get
-    the reference loop's greedy tokens."""
-    ids = encode(PROMPTS[1] + " " + PROMPTS[3])
-    running = Batch.from_requests([request(encode(PROMPTS[0]), 30)], codec, runner.vocab_size)
-    tokens = [running.step(runner)[0].token.id]
-    long = Batch.from_requests([request(ids, 12)], codec, runner.vocab_size)
-    long.reserve(runner, top=True)
-    first: list = []
-    steps = 0
-    while not first:
-        events, first = running.step_with_chunk(runner, long, 5)
-        tokens.append(events[0].token.id)
-        steps += 1
-    assert steps == -(-len(ids) // 5) and long.prompt_left == 0
-    out = [first[0].token.id]
-    merged = Batch.concatenate([running, long], runner)
-    while len(out) < 12:
-        events = merged.step(runner)
-        tokens.append(events[0].token.id)
-        out.append(events[1].token.id)
-    assert out == reference_greedy(ids, 12)
-    assert tokens == reference_greedy(encode(PROMPTS[0]), len(tokens))
 
 
 def test_newcomers_prompts_riding_in_a_decode_step_equal_the_plain_loop(
