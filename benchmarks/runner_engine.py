@@ -28,11 +28,12 @@ class EngineRunner:
         max_total = None if max_len is None else min(max_len, config.max_seq_len)
         artifact = open_artifact(Settings.model_validate({
             "model": artifact_dir, "max_total_tokens": max_total, "max_batch_tokens": 1 << 20}))
-        # One static batch: no prefix cache, no chunking (end-of-sequence is not a stop).
+        # One static batch: no prefix cache, no chunking, no mixed steps (nobody joins:
+        # engine.onnx, not engine_mixed.onnx); end-of-sequence is not a stop.
         self.engine = Engine.from_artifact(artifact, EngineConfig(
             device="cpu", intra_op_threads=threads, max_batch_size=64,
             max_batch_tokens=1 << 20, max_queued_requests=1024, max_total_tokens=max_total,
-            prefix_caching=False, prefill_chunk_tokens=0), warmup=False)
+            prefix_caching=False, prefill_chunk_tokens=0, mixed_steps=False), warmup=False)
         self.loop = asyncio.new_event_loop()
         self.engine.start(self.loop)
 

@@ -50,9 +50,9 @@ def register(subparsers: Any) -> None:
                         "(GroupQueryAttention, KV cache updated in place); float32 or "
                         "--quantize int8/int4")
     p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
-                   help="write engine.onnx with one group of rows: a prompt chunk is then "
-                        "a pass of its own instead of riding in the decode step (plain "
-                        "decode steps are a few percent faster; see docs/engine.md)")
+                   help="with --engine-graph, leave out engine_mixed.onnx (the decoder "
+                        "with a second group of rows, in which newcomers' prompts and prompt "
+                        "chunks ride in the decode step; see docs/engine.md)")
     p.set_defaults(handler=run)
 
     from export.eval_cli import register as register_eval

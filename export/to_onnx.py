@@ -3,6 +3,8 @@
     model.onnx       decoder with KV cache, the I/O contract graph (export/graphs.py)
     attention.onnx   attention introspection graph
     engine.onnx      with --engine-graph: the service's decoder (export/engine_graph.py)
+    engine_mixed.onnx  the same with a second group of rows (mixed steps), unless
+                     --no-mixed-steps
     weights.bin      every graph's weights, each distinct tensor once (export/onnx_build.py)
     tokenizer.json   copied from the checkpoint
     chat_template.jinja, tokenizer_config.json, generation_config.json
@@ -142,8 +144,9 @@ def export_artifact(
     """Build, verify and (optionally) quantise; return the artifact directory.
 
     ``engine_graph`` also writes engine.onnx, the service-only decoder with an in-place
-    KV cache (export/engine_graph.py), with a second group of rows for prompt chunks
-    unless ``mixed_steps`` is off; model.onnx is unchanged either way. With
+    KV cache (export/engine_graph.py), and unless ``mixed_steps`` is off engine_mixed.onnx,
+    the same decoder with a second group of rows for newcomers' prompts and prompt chunks
+    (the server runs one or the other); model.onnx is unchanged either way. With
     ``quantize="int8"`` or ``"int4"`` both graphs get MatMulNBits weights
     (export/quantize.py). All
     graphs point into one weights.bin, each distinct tensor stored once.
@@ -161,7 +164,7 @@ def export_artifact(
     from export.onnx_build import WEIGHTS_FILE, load_graph, save_graphs
     from export.quantize import quantize_model
     from export.verify import TorchReference, verify_artifact
-    from service.contract.engine_spec import ENGINE_FILE
+    from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 
     say = log or (lambda _msg: None)
     opset = DEFAULT_OPSET if opset is None else opset
@@ -193,12 +196,14 @@ def export_artifact(
     with staged_directory(out) as tmp:
         started = time.perf_counter()
         model_path, attention_path = tmp / io.MODEL_FILE, tmp / io.ATTENTION_FILE
-        engine_path = tmp / ENGINE_FILE
+        engine_path, mixed_path = tmp / ENGINE_FILE, tmp / ENGINE_MIXED_FILE
         graphs = {io.MODEL_FILE: build_decoder(gpt, opset, dtype, matmul_head=bool(quantize)),
                   io.ATTENTION_FILE: build_attention(gpt, opset)}
         if engine_graph:
-            graphs[ENGINE_FILE] = build_engine_graph(gpt, matmul_only=bool(quantize),
-                                                     mixed=mixed_steps)
+            graphs[ENGINE_FILE] = build_engine_graph(gpt, matmul_only=bool(quantize))
+            if mixed_steps:
+                graphs[ENGINE_MIXED_FILE] = build_engine_graph(gpt, matmul_only=bool(quantize),
+                                                               mixed=True)
         storage = save_graphs(tmp, graphs)
         del graphs
         build_seconds = time.perf_counter() - started
@@ -219,6 +224,12 @@ def export_artifact(
                     reference=reference)
                 say(f"verified engine.onnx: {verification['engine']['max_abs_diff']:.2e} "
                     f"over {verification['engine']['steps']} steps, cache updated in place")
+            if engine_graph and mixed_steps:
+                verification["engine_mixed"] = verify_engine(
+                    gpt, mixed_path, prompts=verification["decode"]["prompts"],
+                    reference=reference)
+                say(f"verified {ENGINE_MIXED_FILE}: "
+                    f"{verification['engine_mixed']['max_abs_diff']:.2e}")
         if quantize is not None:
             fp32_model = tmp / f".{io.MODEL_FILE}.fp32"
             os.replace(model_path, fp32_model)
@@ -234,6 +245,11 @@ def export_artifact(
                     gpt, fp32_engine, engine_path, tok, ckpt.meta.training, quantize, verify)
                 say(f"{quantize} engine.onnx: token agreement "
                     f"{verification['engine_quantized'].get('token_agreement')}")
+            if engine_graph and mixed_steps:  # the same rewrite; judged above on engine.onnx
+                fp32_mixed = tmp / f".{ENGINE_MIXED_FILE}.fp32"
+                os.replace(mixed_path, fp32_mixed)
+                verification["engine_mixed_quantized"] = _quantize_engine(
+                    gpt, fp32_mixed, mixed_path, tok, ckpt.meta.training, quantize, False)
             final = {p.name: load_graph(p) for p in sorted(tmp.glob("*.onnx"))}
             storage = save_graphs(tmp, final, base=tmp)  # one weights.bin again
             for stale in tmp.glob(".*.fp32"):

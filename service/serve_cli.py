@@ -82,6 +82,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="decode with the artifact's engine.onnx (in-place KV cache) when "
                              "it has one and runs on CPU (default); --no-engine-graph: "
                              "always model.onnx")
+    parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=None,
+                        help="newcomers' prompts and prompt chunks ride in the running rows' "
+                             "decode pass (engine_mixed.onnx; default on); --no-mixed-steps: "
+                             "engine.onnx, faster plain steps, joins cost a pass each")
     parser.add_argument("--adaptive-prefill-chunks", action=argparse.BooleanOptionalAction,
                         default=None, help="size each prefill chunk to cost about one decode "
                                            "step of the running rows (default on); "
@@ -101,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
     fields = [dest for _, dest, _, _ in OPTIONS] + ["device", "log_level", "engine_graph",
                                                 "prefix_caching", "generation_config",
-                                                "adaptive_prefill_chunks"]
+                                                "adaptive_prefill_chunks", "mixed_steps"]
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     try:
         settings = Settings(**overrides)

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
         True, description="decode with the artifact's engine.onnx (in-place KV cache) when it "
                           "has one and runs on CPU; false: always model.onnx (through the "
                           "same KV pool, copied in and out every step)")
+    mixed_steps: bool = Field(
+        True, description="decode with the artifact's engine_mixed.onnx when it has one: "
+                          "newcomers' prompts and prompt chunks ride in the running rows' "
+                          "decode pass (the weights read once); false: engine.onnx, whose "
+                          "plain steps are a few percent faster and whose joins cost a "
+                          "pass of their own")
     kv_cache_memory_mb: float | None = Field(
         None, gt=0, description="KV cache budget in MiB: the tokens the pool may hold at "
                                 "once; admission counts each request's prompt + "

@@ -17,7 +17,8 @@ engine.onnx  (B = batch_size, T = sequence_length, M = max_sequence_length ≤ m
 
 Rows are right-padded: a row's cache and its new tokens start at column 0.
 
-The mixed engine.onnx (what ``--engine-graph`` exports) has a second group of rows, every
+engine_mixed.onnx (``--engine-graph`` writes it beside engine.onnx, over the same
+weights.bin) is the same decoder with a second group of rows, every
 name above prefixed ``chunk.`` (its own batch, sequence, cache-length and logits-position
 dimensions): both groups' tokens share every weight product, and each group gets its own
 GroupQueryAttention, so a prompt chunk of one row (T > 1 after its cache) rides in a
@@ -40,6 +41,7 @@ import numpy as np
 from service.contract import io_spec as io
 
 ENGINE_FILE = "engine.onnx"
+ENGINE_MIXED_FILE = "engine_mixed.onnx"  # the same decoder with a second group of rows
 SEQLENS_K = "seqlens_k"
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
 LOGITS_INDEX = "logits_index"

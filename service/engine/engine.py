@@ -25,7 +25,7 @@ import numpy as np
 
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
-from service.contract.engine_spec import ENGINE_FILE
+from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 from service.contract.manifest import verify_manifest
 from service.engine.draft import DraftModel
 from service.engine.portable import ModelGraphRunner
@@ -48,6 +48,7 @@ class EngineConfig:
     device: Device = "cpu"
     intra_op_threads: int = 0  # ONNX Runtime threads; 0 = all cores
     engine_graph: bool = True  # engine.onnx when the artifact has it and it runs on CPU
+    mixed_steps: bool = True  # engine_mixed.onnx when the artifact has it
     max_batch_size: int = 32  # rows decoded together = the KV pool's slots
     max_batch_tokens: int = 16384  # reserved tokens (prompt + max_new_tokens) in a batch
     max_queued_requests: int = 128
@@ -64,7 +65,8 @@ class EngineConfig:
     @classmethod
     def from_settings(cls, settings: Settings, limits: Limits) -> EngineConfig:
         return cls(device=settings.device, intra_op_threads=settings.intra_op_threads,
-                   engine_graph=settings.engine_graph, max_batch_size=limits.max_batch_size,
+                   engine_graph=settings.engine_graph, mixed_steps=settings.mixed_steps,
+                   max_batch_size=limits.max_batch_size,
                    max_batch_tokens=limits.max_batch_tokens,
                    max_queued_requests=limits.max_queued_requests,
                    max_total_tokens=limits.max_total_tokens,
@@ -156,8 +158,12 @@ def pool_config(engine: EngineConfig, model: io.ArtifactConfig, token_bytes: int
 def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineConfig
                   ) -> ModelRunner:
     """engine.onnx over the KV pool when the artifact has it and the session would run on
-    CPU anyway (its cache is float32 on the host); else model.onnx through the same pool."""
+    CPU anyway (its cache is float32 on the host), engine_mixed.onnx instead with
+    ``mixed_steps`` where the artifact has that; else model.onnx through the same pool.
+    One session either way: two would each keep a prepacked copy of the weights."""
     engine_path = artifact_dir / ENGINE_FILE
+    if engine.mixed_steps and (artifact_dir / ENGINE_MIXED_FILE).is_file():
+        engine_path = artifact_dir / ENGINE_MIXED_FILE
     if engine.engine_graph and engine_path.is_file() and select_providers(
             engine.device) == [CPU]:
         pool = pool_config(engine, model, model.kv_bytes_per_token(4))

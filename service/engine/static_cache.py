@@ -65,6 +65,8 @@ class EngineGraphRunner(PooledRunner):
         # A mixed engine.onnx (export/engine_graph.py) has a second group of rows, so a
         # prompt chunk rides along with a decode step: one read of the weights for both.
         self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in inputs
+        if self.mixes_chunks:
+            self.graph_file = es.ENGINE_MIXED_FILE
         scratch = (1, self.shape.heads, 1, self.shape.head_dim)  # (1, nkv, 1, hs)
         self._scratch = [np.zeros(scratch, np.float32) for _ in self._past]
         self._scratch_pointers = [a.ctypes.data for a in self._scratch]

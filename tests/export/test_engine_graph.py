@@ -23,6 +23,7 @@ from service.contract import io_spec as io
 from service.contract.engine_spec import (
     CHUNK_PREFIX,
     ENGINE_FILE,
+    ENGINE_MIXED_FILE,
     LOGITS_INDEX,
     SEQLENS_K,
     TOTAL_SEQUENCE_LENGTH,
@@ -331,15 +332,23 @@ def test_mixed_graph_decodes_rows_and_feeds_a_chunk_in_one_pass_as_pytorch(arch:
     np.testing.assert_allclose(nxt[0, 0], ref[2, fed], atol=1e-4)
 
 
-def test_no_mixed_steps_exports_engine_onnx_with_one_group(tiny_checkpoint: Path,
+def test_engine_graph_writes_a_mixed_twin_unless_told_not_to(tiny_checkpoint: Path,
                                                            tmp_path: Path) -> None:
-    """`--no-mixed-steps`: engine.onnx without the ``chunk.*`` group (a chunk is then a
-    pass of its own), recorded in the manifest; the default has it."""
+    """`--engine-graph` writes engine.onnx (one group of rows) and engine_mixed.onnx (two,
+    over the same weights.bin), both verified and in the manifest; `--no-mixed-steps`
+    only the first."""
+    both = export_artifact(tiny_checkpoint, tmp_path / "both", engine_graph=True)
     one = export_artifact(tiny_checkpoint, tmp_path / "one", engine_graph=True,
                           mixed_steps=False, verify=False)
-    two = export_artifact(tiny_checkpoint, tmp_path / "two", engine_graph=True, verify=False)
-    for out, mixed in ((one, False), (two, True)):
-        names = {i.name for i in onnx.load(str(out / ENGINE_FILE)).graph.input}
-        assert (chunk_name(io.INPUT_IDS) in names) is mixed
+    for out, mixed in ((both, True), (one, False)):
         manifest = json.loads((out / io.MANIFEST_FILE).read_text("utf-8"))
         assert manifest["exporter"]["engine_mixed_steps"] is mixed
+        assert (ENGINE_MIXED_FILE in manifest["files"]) is mixed
+        assert (out / ENGINE_MIXED_FILE).is_file() is mixed
+        names = {i.name for i in onnx.load(str(out / ENGINE_FILE)).graph.input}
+        assert chunk_name(io.INPUT_IDS) not in names
+    mixed_names = {i.name for i in onnx.load(str(both / ENGINE_MIXED_FILE)).graph.input}
+    assert chunk_name(io.INPUT_IDS) in mixed_names
+    manifest = json.loads((both / io.MANIFEST_FILE).read_text("utf-8"))
+    assert manifest["verification"]["engine_mixed"]["greedy_equal"]
+    assert manifest["verification"]["engine_mixed"]["in_place"]

@@ -102,14 +102,16 @@ def test_engine_graph_runs_grouped_rotary_attention(built: Any) -> None:
     assert engine["greedy_equal"] and engine["in_place"] and engine["max_abs_diff"] <= 1e-4
     import onnx
 
-    from service.contract.engine_spec import ENGINE_FILE
+    from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 
     graph = onnx.load(str(built.artifact / ENGINE_FILE)).graph
     gqa = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa[0].attribute}
-    # one per layer for the decode rows, one for a prompt chunk riding along (mixed graph)
-    assert len(gqa) == 2 * 2 and (attrs["num_heads"], attrs["kv_num_heads"],
-                                  attrs["do_rotary"]) == (4, 2, 1)
+    assert len(gqa) == 2 and (attrs["num_heads"], attrs["kv_num_heads"], attrs["do_rotary"]) \
+        == (4, 2, 1)
+    mixed = onnx.load(str(built.artifact / ENGINE_MIXED_FILE)).graph  # + a group per layer
+    assert sum(n.op_type == "GroupQueryAttention" for n in mixed.node) == 2 * 2
+    assert manifest["verification"]["engine_mixed"]["greedy_equal"]
 
 
 def test_engine_graph_refuses_a_head_dim_the_kernel_cannot_rotate(

@@ -45,7 +45,7 @@ def artifact(smollm2_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
 def client(start_server: Callable[..., Any]) -> Iterator[httpx.Client]:
     server = start_server("--max-batch-size", "4", "--max-total-tokens", "1024")
     with httpx.Client(base_url=server.url, timeout=300) as c:
-        assert c.get("/info").json()["decode_graph"] == "engine.onnx"
+        assert c.get("/info").json()["decode_graph"] == "engine_mixed.onnx"  # the default
         yield c
 
 

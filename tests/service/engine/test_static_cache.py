@@ -9,6 +9,7 @@ position's logits), which the runner still serves.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import onnxruntime as ort
 import pytest
 
 from service.contract import io_spec as io
-from service.contract.engine_spec import ENGINE_FILE, LOGITS_INDEX
+from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE, LOGITS_INDEX
 from service.contract.reference import OrtDecoder
 from service.engine.batch import Batch
 from service.engine.engine import EngineConfig, create_runner
@@ -350,6 +351,25 @@ def test_create_runner_falls_back_to_model_onnx_through_the_pool(
     assert sized.pool.slots == 3 and sized.prefix_stats() is None
     assert sized.kv_stats().bytes_allocated == 3 * config.max_seq_len * (
         2 * config.n_layers * config.d_model * 4)
+
+
+def test_create_runner_takes_the_mixed_graph_unless_mixed_steps_are_off(
+        engine_artifact: Path, mixed_engine_path: Path, tmp_path: Path) -> None:
+    """An artifact with engine_mixed.onnx beside engine.onnx: the runner opens the mixed
+    one by default (``decode_graph`` says so), engine.onnx with ``mixed_steps`` off, and
+    engine.onnx where there is no mixed one."""
+    both = tmp_path / "both"
+    shutil.copytree(engine_artifact, both)
+    shutil.copyfile(mixed_engine_path, both / ENGINE_MIXED_FILE)
+    config = io.ArtifactConfig.load(both)
+    on = create_runner(both, config, EngineConfig(intra_op_threads=1, max_batch_size=2))
+    off = create_runner(both, config, EngineConfig(intra_op_threads=1, max_batch_size=2,
+                                                   mixed_steps=False))
+    plain = create_runner(engine_artifact, config, EngineConfig(intra_op_threads=1,
+                                                                max_batch_size=2))
+    assert (on.graph_file, on.mixes_chunks) == (ENGINE_MIXED_FILE, True)
+    assert (off.graph_file, off.mixes_chunks) == (ENGINE_FILE, False)
+    assert (plain.graph_file, plain.mixes_chunks) == (ENGINE_FILE, False)
 
 
 def test_prompt_logprobs_through_the_batch_match_the_plain_loop(

@@ -1,8 +1,9 @@
 """The production CPU path over HTTP: an artifact exported with --engine-graph.
 
-`make run` and the CPU image export engine.onnx (GroupQueryAttention, KV cache updated in
-place); the server must pick it, say so in /info, and still give, for concurrent requests
-that share decode steps, exactly the greedy tokens of the plain model.onnx reference loop.
+`make run` and the CPU image export engine.onnx and engine_mixed.onnx (GroupQueryAttention,
+KV cache updated in place; the second with mixed steps); the server must pick the mixed
+one by default, say so in /info, and still give, for concurrent requests that join and
+share decode steps, exactly the greedy tokens of the plain model.onnx reference loop.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.contract.engine_spec import ENGINE_FILE
+from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 from service.contract.manifest import verify_manifest
 from tests.service.conftest import ServerProcess
 
@@ -43,13 +44,14 @@ def server(engine_artifact: Path, tmp_path_factory: pytest.TempPathFactory
         proc.stop()
 
 
-def test_manifest_lists_the_engine_graph(engine_artifact: Path) -> None:
-    assert ENGINE_FILE in verify_manifest(engine_artifact).files
+def test_manifest_lists_the_engine_graphs(engine_artifact: Path) -> None:
+    files = verify_manifest(engine_artifact).files
+    assert ENGINE_FILE in files and ENGINE_MIXED_FILE in files
 
 
 def test_server_decodes_with_the_engine_graph(server: ServerProcess) -> None:
     info = httpx.get(f"{server.url}/info", timeout=10).json()
-    assert info["decode_graph"] == ENGINE_FILE
+    assert info["decode_graph"] == ENGINE_MIXED_FILE
 
 
 def test_concurrent_greedy_requests_equal_the_reference_loop(

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.contract.engine_spec import ENGINE_FILE
+from service.contract.engine_spec import ENGINE_MIXED_FILE
 from tests.hf_gpt2 import ENDOFTEXT, load_hf_model
 from tests.service.conftest import ServerProcess
 
@@ -71,7 +71,7 @@ def _generate(server: ServerProcess, text: str, max_new: int) -> dict[str, Any]:
 
 def test_serves_gpt2_special_tokens_with_the_engine_graph(server: ServerProcess) -> None:
     info = httpx.get(f"{server.url}/info", timeout=10).json()
-    assert info["decode_graph"] == ENGINE_FILE
+    assert info["decode_graph"] == ENGINE_MIXED_FILE
 
 
 def test_concurrent_greedy_generate_equals_transformers(

@@ -1,8 +1,9 @@
 """Llama and Qwen2 artifacts served over HTTP, against transformers.
 
 Random-weight models built locally with transformers (tests/hf_llama.py) are imported,
-exported and served by `attnserve serve` (torch hidden), decoding with engine.onnx
-(GroupQueryAttention, in-place cache) and with model.onnx; greedy text must equal
+exported and served by `attnserve serve` (torch hidden), decoding with engine_mixed.onnx
+(the default: GroupQueryAttention, in-place cache, mixed steps), engine.onnx
+(`--no-mixed-steps`) and model.onnx; greedy text must equal
 transformers' ``generate(do_sample=False)`` and /attention must equal its
 ``output_attentions`` in eager attention, per query head.
 """
@@ -27,7 +28,7 @@ PROMPTS = ["Return the", "The attention weights of a query", "x", "Open the file
 NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module", params=[("llama", "engine.onnx"), ("llama", "model.onnx"),
+@pytest.fixture(scope="module", params=[("llama", "engine_mixed.onnx"), ("llama", "model.onnx"),
                                         ("qwen2", "engine.onnx"), ("qwen2", "model.onnx")],
                 ids=lambda p: "-".join(p))
 def served(request: pytest.FixtureRequest, llama_artifacts: Any) -> tuple[Any, str]:
@@ -57,8 +58,10 @@ def hf(built: Any) -> Any:
 def client(start_server: Callable[..., Any], served: tuple[Any, str]
            ) -> Iterator[httpx.Client]:
     graph = served[1]
-    flag = "--engine-graph" if graph == "engine.onnx" else "--no-engine-graph"
-    server = start_server("--max-batch-size", "4", flag)
+    flags = {"engine_mixed.onnx": ["--engine-graph"],
+             "engine.onnx": ["--engine-graph", "--no-mixed-steps"]}.get(graph,
+                                                                      ["--no-engine-graph"])
+    server = start_server("--max-batch-size", "4", *flags)
     with httpx.Client(base_url=server.url, timeout=120) as c:
         assert c.get("/info").json()["decode_graph"] == graph
         yield c
