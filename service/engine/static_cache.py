@@ -62,8 +62,9 @@ class EngineGraphRunner(PooledRunner):
         self.provider = session.get_providers()[0]
         self.device = "cpu"
         self._past, self._present = io.past_names(n), io.present_names(n)
-        # A mixed engine.onnx (export/engine_graph.py) has a second group of rows, so a
-        # prompt chunk rides along with a decode step: one read of the weights for both.
+        # engine_mixed.onnx (export/engine_graph.py) has a second group of rows, so a
+        # prompt chunk or newcomers' prompts ride along with a decode step: one read of
+        # the weights for both.
         self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in inputs
         if self.mixes_chunks:
             self.graph_file = es.ENGINE_MIXED_FILE
@@ -83,11 +84,11 @@ class EngineGraphRunner(PooledRunner):
         if chunk is not None and not self.mixes_chunks:
             raise ValueError(f"this {es.ENGINE_FILE} has no second group of rows: "
                              "feed the chunk in a pass of its own")
+        if chunk is not None and len(chunk.ids) > 1 and chunk.total > chunk.ids.shape[1]:
+            raise ValueError("several rows of the second group must all be first prompts")
         binding = self.session.io_binding()
         logits = self._bind(binding, rows, self.pool.pointers(rows.lo), self.max_len, "")
         chunk_logits = None  # bound as an output: must outlive the run
-        if chunk is not None and len(chunk.ids) > 1 and chunk.total > chunk.ids.shape[1]:
-            raise ValueError("several rows of the second group must all be first prompts")
         if self.mixes_chunks:
             if chunk is None:
                 chunk_logits = self._bind(binding, _idle_row(), self._scratch_pointers, 1,
