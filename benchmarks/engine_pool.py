@@ -57,7 +57,8 @@ def engine_artifact(preset: str, work: Path) -> Path:
 class Bench:
     """The service's Engine over engine.onnx, on its own event loop."""
 
-    def __init__(self, artifact: Path, threads: int, prefix_blocks: int, chunk: int) -> None:
+    def __init__(self, artifact: Path, threads: int, prefix_blocks: int, chunk: int,
+                 mixed_steps: bool = True) -> None:
         opened = open_artifact(Settings.model_validate({"model": artifact,
                                                         "max_batch_tokens": 1 << 20}))
         self.config = opened.config
@@ -68,7 +69,8 @@ class Bench:
             max_batch_tokens=1 << 20, max_queued_requests=4096,
             prefix_caching=prefix_blocks > 0, prefix_block_size=block,
             prefix_cache_memory_mb=prefix_blocks * block * token_bytes / 2**20,
-            prefill_chunk_tokens=chunk, adaptive_prefill_chunks=False), warmup=False)
+            prefill_chunk_tokens=chunk, adaptive_prefill_chunks=False,
+            mixed_steps=mixed_steps), warmup=False)
         self.loop = asyncio.new_event_loop()
         self.engine.start(self.loop)
 
@@ -138,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path(".cache/engine_pool"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
+                        help="engine.onnx instead of the artifact's engine_mixed.onnx")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--waves", type=int, default=3, help="join/leave requests = waves x 32")
@@ -155,13 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     source = f"artifact {artifact}" if args.artifact else f"preset {args.preset} (random init)"
     print(f"{source}: d_model {config.d_model}, layers "
           f"{config.n_layers}, context {config.max_seq_len}; {args.threads} threads; "
-          f"pool {BATCH} slots")
+          f"pool {BATCH} slots; {'engine_mixed.onnx' if args.mixed_steps else 'engine.onnx'}")
 
     # -- throughput: static batch vs join/leave traffic, prefix caching on (as served) and
     # off (random prompts: caching can only cost); the three interleaved in every repeat,
     # so a change in the machine's load moves all three alike.
-    engine = Bench(artifact, args.threads, prefix_blocks=4096, chunk=256)
-    plain = Bench(artifact, args.threads, prefix_blocks=0, chunk=256)
+    engine = Bench(artifact, args.threads, prefix_blocks=4096, chunk=256,
+                   mixed_steps=args.mixed_steps)
+    plain = Bench(artifact, args.threads, prefix_blocks=0, chunk=256,
+                  mixed_steps=args.mixed_steps)
     for warm in (engine, plain):
         warm.static([prompt(args.prompt_len) for _ in range(BATCH)], 8)
     static: list[float] = []
