@@ -135,15 +135,19 @@ class Batch:
         events, and each newcomer's first token."""
         if self.next_tokens is None or fresh.is_prefilled:
             raise ValueError("step_with_prompts needs a prefilled batch and a fresh one")
-        start = time.perf_counter()
-        for seq in fresh.sequences:
-            seq.prefill_start = seq.prefill_start or start
-        fresh.reserve(runner)
-        prompts = [np.asarray(s.request.prompt_ids, np.int64) for s in fresh.sequences]
+        prompts = fresh._start_prefill(runner)  # takes fresh's slots
         last, firsts = runner.decode_with_prompts(self.slots, self.next_tokens, fresh.slots,
                                                   prompts)
         events = self._sample(last)  # (B, V)
         return events, fresh._sample(np.stack([rows[-1] for rows in firsts]))  # (P, V)
+
+    def _start_prefill(self, runner: ModelRunner) -> list[np.ndarray]:
+        """Stamp the rows' prefill start, take their slots; their prompts (T_i,)."""
+        start = time.perf_counter()
+        for seq in self.sequences:
+            seq.prefill_start = seq.prefill_start or start
+        self.reserve(runner)
+        return [np.asarray(s.request.prompt_ids, np.int64) for s in self.sequences]
 
     def release(self, runner: ModelRunner) -> None:
         """Give the rows' slots back to the runner."""
@@ -161,13 +165,9 @@ class Batch:
 
     def step(self, runner: ModelRunner) -> list[TokenEvent]:
         """Run prefill (first call) or one decode step; one new token for every row."""
-        start = time.perf_counter()
         if self.next_tokens is None:
-            for seq in self.sequences:
-                seq.prefill_start = seq.prefill_start or start
             want_prompt = any(s.request.prompt_logprobs for s in self.sequences)
-            self.reserve(runner)
-            prompts = [np.asarray(s.request.prompt_ids, np.int64) for s in self.sequences]
+            prompts = self._start_prefill(runner)
             logits = runner.prefill(self.slots, prompts, want_prompt)  # (T_i or 1, V) each
             if want_prompt:
                 self._record_prompt_logprobs(logits)

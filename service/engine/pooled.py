@@ -119,13 +119,13 @@ class PooledRunner:
                                         all_logits)
             for r, rows in zip(plain, logits, strict=True):
                 out[r] = rows
-        self._prompts_done(slots)
+        self._save_prefix(slots)
         return out
 
     def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
                             new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
                             ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Two passes here (a graph with one group of rows); a mixed engine.onnx prefills
+        """Two passes here (a graph with one group of rows); engine_mixed.onnx prefills
         the plain prompts in the decode step's pass (static_cache.py)."""
         return self.decode(slots, tokens), self.prefill(new_slots, prompts)
 
@@ -135,6 +135,8 @@ class PooledRunner:
         and feed every other row the rest of its prompt, alone; (the plain rows, each
         row's logits so far: (1, V) for the others, empty for the plain ones)."""
         n = len(slots)
+        if len(prompts) != n:
+            raise ValueError(f"{len(prompts)} prompts for {n} slots")
         starts = [int(self.pool.lengths[s.index]) for s in slots]
         if all_logits and any(starts):
             raise ValueError("prompt logits need the whole prompt in one pass")
@@ -155,8 +157,10 @@ class PooledRunner:
             out[r] = self.extend_last(slots[r], prompts[r][done:])  # (1, V)
         return plain, out
 
-    def _prompts_done(self, slots: Sequence[Slot]) -> None:
-        """The prompts are in: their blocks go to the prefix cache."""
+    def _save_prefix(self, slots: Sequence[Slot]) -> None:
+        """The rows' full blocks not cached yet go to the prefix cache: after a prefill,
+        and after each chunk of a chunked prompt (a chunk's worth at a time, not a long
+        prompt's whole copy in the step that ends it)."""
         if self.prefix is not None:
             for s in slots:
                 self.prefix.save(s.index)
@@ -173,17 +177,11 @@ class PooledRunner:
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
                           chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Two passes here (a graph with one group of rows); a mixed engine.onnx makes it
+        """Two passes here (a graph with one group of rows); engine_mixed.onnx makes it
         one (static_cache.py)."""
         logits = self.decode(slots, tokens), self.extend_last(slot, chunk)
-        self._save_prefix(slot)
+        self._save_prefix([slot])
         return logits
-
-    def _save_prefix(self, slot: Slot) -> None:
-        """The prompt's blocks completed so far go to the prefix cache: a chunk's worth at
-        a time, not a whole long prompt's copy in the step that ends it."""
-        if self.prefix is not None:
-            self.prefix.save(slot.index)
 
     def extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         """``extend`` when only the last token's logits (1, V) are wanted (a prompt chunk,

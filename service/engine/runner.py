@@ -73,7 +73,7 @@ class ModelRunner(Protocol):
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
                           chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``decode(slots, tokens)`` and ``extend_last(slot, chunk)`` (a prompt chunk of a
-        row that is not decoding): logits (B, V) and (1, V). A mixed engine.onnx computes
+        row that is not decoding): logits (B, V) and (1, V). engine_mixed.onnx computes
         both in one pass, so the chunk costs its tokens' arithmetic, not another read of
         the weights (``mixes_chunks``). The prompt's full blocks go to the prefix cache
         chunk by chunk, as after ``prefill``."""
@@ -83,7 +83,7 @@ class ModelRunner(Protocol):
                             new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
                             ) -> tuple[np.ndarray, list[np.ndarray]]:
         """``decode(slots, tokens)`` and ``prefill(new_slots, prompts)`` (newcomers joining
-        the batch): logits (B, V) and each newcomer's last (1, V). A mixed engine.onnx
+        the batch): logits (B, V) and each newcomer's last (1, V). engine_mixed.onnx
         feeds the prompts without a cached prefix in the decode step's pass."""
         ...
 

@@ -30,7 +30,7 @@ from typing import Literal
 
 from service.engine.batch import Batch, SequenceState
 from service.engine.chunking import ChunkBudget
-from service.engine.request import ErrorEvent, Event, GenerationRequest
+from service.engine.request import ErrorEvent, Event, GenerationRequest, TokenEvent
 from service.engine.runner import ModelRunner
 from service.engine.speculative import Speculator
 from service.engine.stats import LoadStats, NullStats, RequestStats, StatsSink, StepStats
@@ -264,9 +264,7 @@ class Scheduler:
         self.chunks.observe_mixed(size, took)
         self.stats.record_step(StepStats("decode", took, len(batch), len(batch)))
         self.stats.record_step(StepStats("prefill", took, len(first), size))
-        pairs: list[tuple[RequestHandle, Event]] = [(self._handles[s.request.id], e)
-                 for s, e in zip(batch.sequences, events, strict=True)]
-        self._send(pairs + [(self._handles[partial.sequences[0].request.id], e) for e in first])
+        self._deliver((batch, events), (partial, first))
         batch_left = self._retire(batch)
         if not first:
             return batch_left
@@ -294,11 +292,14 @@ class Scheduler:
         took = time.perf_counter() - start
         self.stats.record_step(StepStats("decode", took, len(batch), len(batch)))
         self.stats.record_step(StepStats("prefill", took, len(fresh), prompt_tokens))
-        pairs: list[tuple[RequestHandle, Event]] = [
-            (self._handles[s.request.id], e) for b, evs in ((batch, events), (fresh, firsts))
-            for s, e in zip(b.sequences, evs, strict=True)]
-        self._send(pairs)
+        self._deliver((batch, events), (fresh, firsts))
         return self._join(self._retire(batch), self._retire(fresh))
+
+    def _deliver(self, *batches: tuple[Batch, list[TokenEvent]]) -> None:
+        """Send each batch's events, one per row in row order (a row may have none: a
+        partial prefill's before its last chunk)."""
+        self._send([(self._handles[s.request.id], e) for batch, events in batches
+                    for s, e in zip(batch.sequences, events, strict=False)])
 
     def _drop_cancelled_partial(self) -> bool:
         """Drop the partly prefilled request if it was cancelled; whether it was."""

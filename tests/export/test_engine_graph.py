@@ -277,7 +277,7 @@ def _mixed_pass(session: ort.InferenceSession, cfg: GPTConfig, feed: dict[str, n
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @torch.no_grad()
 def test_mixed_graph_decodes_rows_and_feeds_a_chunk_in_one_pass_as_pytorch(arch: str) -> None:
-    """The mixed engine.onnx: two rows decoding (group one) and a third row's prompt
+    """engine_mixed.onnx: two rows decoding (group one) and a third row's prompt
     chunks after its cache (group two) in the same passes give PyTorch's logits at every
     position asked for; a pass whose second group feeds no token decodes the same, and
     every cache holds what the next pass needs (rotary positions included for Llama)."""

@@ -58,7 +58,7 @@ def engine(engine_artifact: Path) -> EngineGraphRunner:
 
 @pytest.fixture
 def mixed(engine_artifact: Path, mixed_engine_path: Path) -> EngineGraphRunner:
-    """A mixed engine.onnx: a prompt chunk rides in the decode step's pass."""
+    """engine_mixed.onnx: a prompt chunk rides in the decode step's pass."""
     return EngineGraphRunner(create_session(mixed_engine_path, "cpu", 1),
                              io.ArtifactConfig.load(engine_artifact), PoolConfig(slots=8))
 
@@ -129,7 +129,7 @@ def test_requests_join_a_running_batch_and_match_the_reference(
 def test_newcomers_ride_in_the_decode_step_of_a_mixed_engine(
         mixed: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    """With a mixed engine.onnx, requests joining a running batch are prefilled in its
+    """With engine_mixed.onnx, requests joining a running batch are prefilled in its
     decode step's pass (no pass of their own) and every request gets the plain loop's
     tokens."""
     runner, _ = gated(mixed)
@@ -272,8 +272,8 @@ def test_a_failed_prefill_fails_that_request_alone(
         kind: str, request: pytest.FixtureRequest, codec: TextCodec,
         encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    """A poisoned newcomer joining with a healthy one: its wave's prefill fails (with a
-    mixed engine.onnx, the decode step carrying both prompts fails first and they are
+    """A poisoned newcomer joining with a healthy one: its wave's prefill fails (with
+    engine_mixed.onnx, the decode step carrying both prompts fails first and they are
     prefilled apart), each is retried alone, and only the bad one gets the error."""
     engine: EngineGraphRunner = request.getfixturevalue(kind)
     poison = encode("Z")[0]
@@ -313,7 +313,7 @@ def test_chunked_prefill_interleaves_with_decode_steps(
         encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     """A long prompt joins a decoding row in chunks of 8: each chunk a pass of its own
-    (one-group engine.onnx) or, with a mixed engine.onnx, riding in the row's decode step,
+    (one-group engine.onnx) or, with engine_mixed.onnx, riding in the row's decode step,
     the last one too; both requests get the plain loop's tokens."""
     runner, gate = gated(request.getfixturevalue(kind))
     scheduler, stats = make(runner, codec, chunk=8)

@@ -76,7 +76,7 @@ def model_session(artifact: Path) -> ort.InferenceSession:
     return create_session(artifact / io.MODEL_FILE, "cpu", 1)
 
 
-@pytest.fixture(params=["engine.onnx", "mixed engine.onnx", "legacy engine.onnx",
+@pytest.fixture(params=["engine.onnx", "engine_mixed.onnx", "legacy engine.onnx",
                         "model.onnx"])
 def runner(request: pytest.FixtureRequest, session: ort.InferenceSession,
            mixed_session: ort.InferenceSession, legacy_session: ort.InferenceSession,
@@ -85,7 +85,7 @@ def runner(request: pytest.FixtureRequest, session: ort.InferenceSession,
     ``logits_index``, with one group of rows or two)."""
     if request.param == "engine.onnx":
         return EngineGraphRunner(session, config, PoolConfig(slots=8))
-    if request.param == "mixed engine.onnx":
+    if request.param == "engine_mixed.onnx":
         runner = EngineGraphRunner(mixed_session, config, PoolConfig(slots=8))
         assert runner.mixes_chunks
         return runner
@@ -443,7 +443,7 @@ def test_a_chunk_riding_in_a_decode_step_equals_the_plain_loop(
         runner: PooledRunner, plain: OrtDecoder, encode: Callable[[str], list[int]]) -> None:
     """decode_with_chunk: the decode rows' logits, the chunk's last logits and the chunk
     row's keys and values are those of the plain loop, whether the graph runs them in one
-    pass (mixed engine.onnx) or two."""
+    pass (engine_mixed.onnx) or two."""
     prompts = [encode(PROMPTS[0]), encode(PROMPTS[2])]
     slots = runner.reserve(2)
     runner.prefill(slots, [np.asarray(p) for p in prompts])
