@@ -28,6 +28,8 @@ class EngineRunner:
         max_total = None if max_len is None else min(max_len, config.max_seq_len)
         artifact = open_artifact(Settings.model_validate({
             "model": artifact_dir, "max_total_tokens": max_total, "max_batch_tokens": 1 << 20}))
+        self.eos_token_id = config.eos_token_id
+        self.extra_eos_ids = artifact.extra_eos_ids
         # One static batch: no prefix cache, no chunking, no mixed steps (nobody joins:
         # engine.onnx, not engine_mixed.onnx); end-of-sequence is not a stop.
         self.engine = Engine.from_artifact(artifact, EngineConfig(
@@ -38,9 +40,17 @@ class EngineRunner:
         self.engine.start(self.loop)
 
     def generate(self, prompts: list[list[int]], n_new: int) -> GenResult:
-        return self.loop.run_until_complete(self._generate(prompts, n_new))
+        """Exactly ``n_new`` greedy tokens per row (end-of-sequence is not a stop)."""
+        return self.generate_until(prompts, [n_new] * len(prompts), stop_at_eos=False)
 
-    async def _generate(self, prompts: list[list[int]], n_new: int) -> GenResult:
+    def generate_until(self, prompts: list[list[int]], max_new: list[int],
+                       stop_at_eos: bool) -> GenResult:
+        """Greedy, up to ``max_new[i]`` tokens for row i; with ``stop_at_eos`` a row also ends
+        at the model's end tokens, as the server ends it (the batch runs on without it)."""
+        return self.loop.run_until_complete(self._generate(prompts, max_new, stop_at_eos))
+
+    async def _generate(self, prompts: list[list[int]], max_new: list[int],
+                        stop_at_eos: bool) -> GenResult:
         from service.engine.request import (
             ErrorEvent,
             GenerationRequest,
@@ -48,9 +58,13 @@ class EngineRunner:
             StoppingCriteria,
         )
 
+        eos = self.eos_token_id if stop_at_eos else None
+        extra = self.extra_eos_ids if stop_at_eos else ()
         requests = [GenerationRequest(prompt_ids=list(p), sampling=SamplingParams(),
-                                      stopping=StoppingCriteria(max_new_tokens=n_new))
-                    for p in prompts]
+                                      stopping=StoppingCriteria(
+                                          max_new_tokens=n, eos_token_id=eos,
+                                          extra_eos_ids=extra))
+                    for p, n in zip(prompts, max_new, strict=True)]
         t0 = time.perf_counter()
         handles = self.engine.submit(requests)
 

@@ -17,6 +17,9 @@ Usage (from the repository root, in the dev venv):
     python -m benchmarks.serve --model artifacts/default --attention-flood 20
     # running streams' inter-token gaps while a maximum-length prompt joins, every 4 s
     python -m benchmarks.serve --model artifacts/default --long-join-interval 4
+    # continuous batching against the same requests as static batches of 32 (in process)
+    python -m benchmarks.serve --model artifacts/default --backend openai --ignore-eos \\
+        --input-len 64 --output-len 128 --num-prompts 96 --max-concurrency 32 --static-baseline
 
 Writes, under --result-dir (default results/serve/<date>-<workload>), one JSON per request
 rate with vLLM's field names (completed, duration, request_throughput, output_throughput,
@@ -102,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=_positive, default=100)
     p.add_argument("--input-len", type=_positive, default=128, help="random: prompt tokens")
     p.add_argument("--output-len", type=_positive, default=64, help="max_new_tokens")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly --output-len tokens (vLLM's ignore_eos; --backend "
+                        "openai): every request does the same work")
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="random: lengths uniform in len·[1−r, 1+r] (default 0)")
     p.add_argument("--num-prefixes", type=_positive, default=4,
@@ -139,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most this many joins, each a new prompt (default 8)")
     p.add_argument("--long-join-len", type=_positive, default=None,
                    help="tokens of that prompt (default: the server's max_input_tokens)")
+    p.add_argument("--static-baseline", action="store_true",
+                   help="run the same requests in process as static batches of "
+                        "--max-concurrency (engine.onnx, same threads) before and after the "
+                        "HTTP runs and report continuous ÷ static output throughput; needs "
+                        "--model")
     p.add_argument("--result-dir", type=Path, default=None,
                    help="where the JSON, report.md and report.png go "
                         "(default results/serve/<date>-<workload>)")
@@ -240,7 +251,7 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
     timeout = httpx.Timeout(args.request_timeout)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         model, info = await _served_model(client)
-        send = load.request_func(args.backend, model)
+        send = load.request_func(args.backend, model, ignore_eos=args.ignore_eos)
         for req in requests[:args.num_warmups]:
             warm = await send(client, req, load.RequestOutput())
             if not warm.success:
@@ -282,6 +293,7 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
         "date": started, "backend": args.backend, "base_url": url, "model_id": model,
         "tokenizer_id": str(_tokenizer_path(args)), "workload": args.workload,
         "num_prompts": len(requests), "request_rate": rate, "burstiness": args.burstiness,
+        "ignore_eos": args.ignore_eos,
         "max_concurrency": args.max_concurrency, "goodput": goodput or None,
         "workload_params": _workload_params(args), "server_info": info,
         # Timings mean little on a busy machine: say how busy it was.
@@ -325,25 +337,31 @@ def _rate_name(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def handle(args: argparse.Namespace) -> int:
-    goodput = parse_goodput(args.goodput)  # refuse a bad SLO before any work
-    if args.burstiness <= 0 or not 0 <= args.range_ratio < 1 or args.num_warmups < 0:
-        raise ValueError("--burstiness must be > 0, --range-ratio in [0, 1), "
-                         "--num-warmups ≥ 0")
-    if args.url is None and args.model is None:
-        raise ValueError("give --url of a running server or --model ARTIFACT to serve")
-    if args.long_join_interval < 0:
-        raise ValueError("--long-join-interval must be ≥ 0")
-    if args.attention_flood < 0 or args.attention_interval <= 0:
-        raise ValueError("--attention-flood must be ≥ 0 and --attention-interval > 0")
-    tokenizer = _tokenizer_path(args)
-    requests = build_requests(args, tokenizer)
-    attention_text = (_attention_text(tokenizer, args.attention_input_len, args.seed)
-                      if args.attention_flood else None)
-    out = args.result_dir or Path("results/serve") / f"{date.today()}-{args.workload}"
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks.serve " + shlex.join(sys.argv[1:])
+def _json_name(args: argparse.Namespace, rate: float) -> str:
+    label = f"{args.label}-" if args.label else ""
+    return f"{label}{args.backend}-{args.workload}-rate{_rate_name(rate)}.json"
 
+
+def _static_baseline(args: argparse.Namespace, requests: list[SampleRequest]) -> Any:
+    """The same requests as static batches of --max-concurrency, measured once now (before
+    the server starts) and once after the HTTP runs."""
+    from benchmarks.serve.static import StaticBaseline
+
+    batch = args.max_concurrency or len(requests)
+    print(f"static baseline: {len(requests)} requests in batches of {batch}, in process, "
+          "before and after the HTTP runs", file=sys.stderr)
+    static = StaticBaseline(args.model, requests, batch, args.server_threads, args.ignore_eos)
+    try:
+        static.measure()
+    except BaseException:
+        static.close()
+        raise
+    return static
+
+
+def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
+                attention_text: str | None, out: Path, command: str) -> list[dict[str, Any]]:
+    """One run per request rate against the server (started here without --url)."""
     server = None
     if args.url is None:
         from benchmarks.http_load import Server
@@ -364,14 +382,51 @@ def handle(args: argparse.Namespace) -> int:
             if server is not None:
                 run["server_env"] = _server_env(args.server_env)
                 run["server_threads"] = args.server_threads
-            name = f"{args.label + '-' if args.label else ''}{args.backend}-{args.workload}-" \
-                   f"rate{_rate_name(rate)}.json"
-            _write_json(out / name, run)
+            _write_json(out / _json_name(args, rate), run)
             print(report.summary(run))
             runs.append(run)
     finally:
         if server is not None:
             server.stop()
+    return runs
+
+
+def handle(args: argparse.Namespace) -> int:
+    goodput = parse_goodput(args.goodput)  # refuse a bad SLO before any work
+    if args.burstiness <= 0 or not 0 <= args.range_ratio < 1 or args.num_warmups < 0:
+        raise ValueError("--burstiness must be > 0, --range-ratio in [0, 1), "
+                         "--num-warmups ≥ 0")
+    if args.url is None and args.model is None:
+        raise ValueError("give --url of a running server or --model ARTIFACT to serve")
+    if args.long_join_interval < 0:
+        raise ValueError("--long-join-interval must be ≥ 0")
+    if args.attention_flood < 0 or args.attention_interval <= 0:
+        raise ValueError("--attention-flood must be ≥ 0 and --attention-interval > 0")
+    if args.ignore_eos and args.backend != "openai":
+        raise ValueError("--ignore-eos needs --backend openai (TGI's API has no such "
+                         "parameter)")
+    if args.static_baseline and args.model is None:
+        raise ValueError("--static-baseline runs the artifact in process: give --model")
+    tokenizer = _tokenizer_path(args)
+    requests = build_requests(args, tokenizer)
+    attention_text = (_attention_text(tokenizer, args.attention_input_len, args.seed)
+                      if args.attention_flood else None)
+    out = args.result_dir or Path("results/serve") / f"{date.today()}-{args.workload}"
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m benchmarks.serve " + shlex.join(sys.argv[1:])
+
+    static = _static_baseline(args, requests) if args.static_baseline else None
+    try:
+        runs = _serve_runs(args, requests, attention_text, out, command)
+        if static is not None:
+            static.measure()
+            for run in runs:
+                run["static_baseline"] = static.result(run["output_throughput"])
+                _write_json(out / _json_name(args, run["request_rate"]), run)
+                print(report.static_summary(run))
+    finally:
+        if static is not None:
+            static.close()
     (out / "report.md").write_text(report.markdown(runs, command), encoding="utf-8")
     report.figure(runs, out / "report.png")
     if goodput:

@@ -113,10 +113,15 @@ async def tgi_request(client: httpx.AsyncClient, req: SampleRequest,
 
 
 async def openai_request(client: httpx.AsyncClient, req: SampleRequest, out: RequestOutput,
-                         model: str) -> RequestOutput:
-    """POST /v1/completions with stream and usage: chunks timed, usage counts the tokens."""
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.expected_output_len,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+                         model: str, ignore_eos: bool = False) -> RequestOutput:
+    """POST /v1/completions with stream and usage: chunks timed, usage counts the tokens.
+    ``ignore_eos`` is vLLM's extension (exactly max_tokens tokens), as `vllm bench serve
+    --ignore-eos` sends it."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": req.prompt, "max_tokens": req.expected_output_len,
+        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
     timer = _Timer(out)
     texts: list[str] = []
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -145,8 +150,10 @@ RequestFunc = Callable[[httpx.AsyncClient, SampleRequest, RequestOutput],
                        Awaitable[RequestOutput]]
 
 
-def request_func(backend: str, model: str | None) -> RequestFunc:
+def request_func(backend: str, model: str | None, ignore_eos: bool = False) -> RequestFunc:
     if backend == "tgi":
+        if ignore_eos:
+            raise ValueError("ignore_eos needs the openai backend")
         return tgi_request
     if backend == "openai":
         if not model:
@@ -155,7 +162,7 @@ def request_func(backend: str, model: str | None) -> RequestFunc:
 
         async def call(client: httpx.AsyncClient, req: SampleRequest,
                        out: RequestOutput) -> RequestOutput:
-            return await openai_request(client, req, out, name)
+            return await openai_request(client, req, out, name, ignore_eos)
 
         return call
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")

@@ -65,6 +65,18 @@ def summary(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def static_summary(run: dict[str, Any]) -> str:
+    """The continuous run beside the same requests as static batches (--static-baseline)."""
+    static = run["static_baseline"]
+    eos = "ignored" if static["ignore_eos"] else "a stop"
+    each = " / ".join(f"{r['output_throughput']:.1f}" for r in static["runs"])
+    return (f"rate {_rate(run)}: continuous {run['output_throughput']:.1f} output tok/s "
+            f"({run['total_output_tokens']} tokens) vs static batches of {static['batch']} "
+            f"{static['output_throughput']:.1f} tok/s (before / after: {each}; "
+            f"{static['output_tokens']} tokens, end-of-sequence {eos}): "
+            f"{static['continuous_vs_static']:.3f}×")
+
+
 def _host(runs: list[dict[str, Any]]) -> str:
     hosts = [r["host"] for r in runs if r.get("host")]
     if not hosts:
@@ -99,6 +111,12 @@ def markdown(runs: list[dict[str, Any]], command: str) -> str:
     if runs[0].get("goodput"):
         slos = ", ".join(f"{k} ≤ {v:g} ms" for k, v in runs[0]["goodput"].items())
         lines += ["", f"Goodput SLOs: {slos}."]
+    statics = [r for r in runs if r.get("static_baseline")]
+    if statics:
+        lines += ["", "Continuous batching over HTTP beside the same requests run in process "
+                  "as static batches (`--static-baseline`: engine.onnx, no prefix cache, each "
+                  "batch prefilled together and decoded until its last row ends):", ""]
+        lines += [f"- {static_summary(run)}" for run in statics]
     floods = [r for r in runs if r.get("attention_flood")]
     for run in floods:
         f = run["attention_flood"]

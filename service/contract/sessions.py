@@ -29,8 +29,8 @@ def create_session(model: str | Path | bytes, *, threads: int = 1,
                    save_optimized_to: Path | None = None,
                    prepack: bool = True,
                    external_data_dir: Path | None = None,
-                   initializers: Mapping[str, ort.OrtValue] | None = None
-                   ) -> ort.InferenceSession:
+                   initializers: Mapping[str, ort.OrtValue] | None = None,
+                   spin_wait: bool = True) -> ort.InferenceSession:
     """A session over a model file (or serialized bytes).
 
     ``threads`` is the intra-op pool (one thread by default: checks need exactness, and the
@@ -42,7 +42,10 @@ def create_session(model: str | Path | bytes, *, threads: int = 1,
     ``external_data_dir``: where the weights.bin of a model given as bytes lies (ONNX
     Runtime otherwise looks in the working directory). ``initializers``: tensors that
     replace the model's own of those names (several sessions can then share one mapping of
-    the weights; the values must outlive the session).
+    the weights; the values must outlive the session). ``spin_wait=False``: the intra-op
+    workers sleep when a run ends instead of spinning for more work, for a session that
+    takes turns with another on the same cores (a draft model beside its target: a target
+    step right after four spinning draft steps took 44.9 ms instead of 22.2 ms on SmolLM2).
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = _LEVELS[optimization]
@@ -51,6 +54,8 @@ def create_session(model: str | Path | bytes, *, threads: int = 1,
     options.log_severity_level = 3
     if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")
+    if not spin_wait:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if external_data_dir is not None:
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", str(external_data_dir))

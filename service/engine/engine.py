@@ -124,9 +124,11 @@ def create_speculator(artifact: Artifact, config: EngineConfig) -> Speculator | 
     rows = spec.max_batch_rows
     max_len = min(config.max_total_tokens or artifact.config.max_seq_len,
                   draft_config.max_seq_len)
+    # The draft takes turns with the target on the same cores: its workers must not spin
+    # on after its steps, or the target's next pass runs at half speed.
     draft_runner = create_runner(path, draft_config, replace(
         config, max_batch_size=rows, max_batch_tokens=rows * max_len, max_total_tokens=max_len,
-        kv_cache_memory_mb=None, prefix_caching=False, speculative=None))
+        kv_cache_memory_mb=None, prefix_caching=False, speculative=None), spin_wait=False)
     return Speculator(spec, DraftModel(draft_runner, spec.num_speculative_tokens, max_len))
 
 
@@ -155,8 +157,8 @@ def pool_config(engine: EngineConfig, model: io.ArtifactConfig, token_bytes: int
                       prefix_cache_blocks=blocks, max_len=max_len, budget_tokens=budget)
 
 
-def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineConfig
-                  ) -> ModelRunner:
+def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineConfig,
+                  spin_wait: bool = True) -> ModelRunner:
     """engine.onnx over the KV pool when the artifact has it and the session would run on
     CPU anyway (its cache is float32 on the host), engine_mixed.onnx instead with
     ``mixed_steps`` where the artifact has that; else model.onnx through the same pool.
@@ -167,12 +169,13 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     if engine.engine_graph and engine_path.is_file() and select_providers(
             engine.device) == [CPU]:
         pool = pool_config(engine, model, model.kv_bytes_per_token(4))
-        return EngineGraphRunner(create_session(engine_path, "cpu", engine.intra_op_threads),
-                                 model, pool)
+        return EngineGraphRunner(create_session(engine_path, "cpu", engine.intra_op_threads,
+                                                spin_wait=spin_wait), model, pool)
     itemsize = np.dtype(model.kv_dtype).itemsize
     pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
     return ModelGraphRunner(create_session(artifact_dir / io.MODEL_FILE, engine.device,
-                                           engine.intra_op_threads), model, pool)
+                                           engine.intra_op_threads, spin_wait=spin_wait),
+                            model, pool)
 
 
 class Engine:

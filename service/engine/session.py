@@ -35,11 +35,12 @@ def select_providers(device: Device) -> list[str]:
 
 
 def create_session(path: Path, device: Device, intra_op_threads: int,
-                   prepack: bool = True) -> ort.InferenceSession:
+                   prepack: bool = True, spin_wait: bool = True) -> ort.InferenceSession:
     """A session on ``device``'s providers, refusing to start if CUDA was asked for and
     ONNX Runtime cannot use it."""
     session = sessions.create_session(path, threads=intra_op_threads,
-                                      providers=select_providers(device), prepack=prepack)
+                                      providers=select_providers(device), prepack=prepack,
+                                      spin_wait=spin_wait)
     active = session.get_providers()[0]
     if device == "cuda" and active != CUDA:
         raise DeviceError(f"--device cuda: ONNX Runtime could not use CUDA for {path.name} "

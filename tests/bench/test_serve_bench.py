@@ -157,6 +157,9 @@ def test_chat_workload_renders_the_models_template_and_shares_its_prefix(
     (["--model", "x", "--goodput", "itl:5"], "--goodput"),
     (["--workload", "random"], "--url"),
     (["--url", "http://127.0.0.1:9", "--model", "/nonexistent"], "no tokenizer"),
+    (["--url", "http://127.0.0.1:9", "--model", "x", "--ignore-eos"], "--backend openai"),
+    (["--url", "http://127.0.0.1:9", "--tokenizer", "t.json", "--static-baseline"],
+     "give --model"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -164,3 +167,24 @@ def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str,
     err = capsys.readouterr().err.strip()
     assert err.startswith("benchmarks.serve: error:") and message in err
     assert len(err.splitlines()) == 1
+
+
+def test_static_baseline_runs_the_same_requests_beside_the_continuous_run(
+        server: Server, tiny_artifact: Path, tmp_path: Path) -> None:
+    """--ignore-eos: every request yields exactly --output-len tokens over HTTP, and the
+    in-process static reference (batches of --max-concurrency, before and after) generates
+    the same total; the ratio is the two throughputs' quotient (its value is not asserted)."""
+    code = main(["--url", server.url, "--model", str(tiny_artifact), "--backend", "openai",
+                 "--ignore-eos", "--input-len", "16", "--output-len", "12", "--num-prompts", "6",
+                 "--max-concurrency", "4", "--num-warmups", "0", "--static-baseline",
+                 "--result-dir", str(tmp_path)])
+    assert code == 0
+    (run,) = runs(tmp_path)
+    assert run["ignore_eos"] is True and run["output_lens"] == [12] * 6
+    static = run["static_baseline"]
+    assert (static["batch"], static["batches"], static["ignore_eos"]) == (4, 2, True)
+    assert [r["output_tokens"] for r in static["runs"]] == [6 * 12, 6 * 12]
+    mean = sum(r["output_throughput"] for r in static["runs"]) / 2
+    assert static["output_throughput"] == pytest.approx(mean)
+    assert static["continuous_vs_static"] == pytest.approx(run["output_throughput"] / mean)
+    assert "static batches of 4" in (tmp_path / "report.md").read_text()

@@ -196,3 +196,26 @@ def test_a_draft_with_another_tokenizer_is_refused(engine_artifact: Path,
                           speculative_model=other)
     with pytest.raises(ValueError, match="tokenizer"):
         create_speculator(artifact, config)
+
+
+def test_the_draft_session_does_not_spin_after_its_steps(engine_artifact: Path) -> None:
+    """The draft and the target take turns on the same cores: the draft's ONNX Runtime
+    workers must sleep after each of its steps (spinning ones halved the target's speed),
+    while the target keeps ONNX Runtime's default spin."""
+    from service.artifact.loader import open_artifact
+    from service.engine.engine import Engine
+    from service.settings import Settings
+
+    artifact = open_artifact(Settings(model=engine_artifact))
+    engine = Engine.from_artifact(artifact, EngineConfig(
+        intra_op_threads=1, max_batch_size=2, prefix_caching=False,
+        speculative=SpeculativeConfig(method="draft"), speculative_model=engine_artifact),
+        warmup=False)
+    speculator = engine.scheduler.speculator
+    assert speculator is not None and isinstance(speculator.draft, DraftModel)
+    key = "session.intra_op.allow_spinning"
+    draft_options = speculator.draft.runner.session.get_session_options()  # type: ignore[attr-defined]
+    target_options = engine.runner.session.get_session_options()  # type: ignore[attr-defined]
+    assert draft_options.get_session_config_entry(key) == "0"
+    with pytest.raises(Exception, match="allow_spinning"):  # unset: ONNX Runtime's default
+        target_options.get_session_config_entry(key)
