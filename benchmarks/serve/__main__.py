@@ -48,6 +48,7 @@ import numpy as np
 
 from benchmarks.serve import client as load
 from benchmarks.serve import report
+from benchmarks.serve.static import StaticBaseline
 from benchmarks.serve.stats import calculate_metrics, itl_during_windows, parse_goodput
 from benchmarks.serve.workloads import (
     SampleRequest,
@@ -342,21 +343,13 @@ def _json_name(args: argparse.Namespace, rate: float) -> str:
     return f"{label}{args.backend}-{args.workload}-rate{_rate_name(rate)}.json"
 
 
-def _static_baseline(args: argparse.Namespace, requests: list[SampleRequest]) -> Any:
-    """The same requests as static batches of --max-concurrency, measured once now (before
-    the server starts) and once after the HTTP runs."""
-    from benchmarks.serve.static import StaticBaseline
-
+def _static_baseline(args: argparse.Namespace, requests: list[SampleRequest]
+                     ) -> StaticBaseline:
+    """The same requests as static batches of --max-concurrency, in this process."""
     batch = args.max_concurrency or len(requests)
     print(f"static baseline: {len(requests)} requests in batches of {batch}, in process, "
           "before and after the HTTP runs", file=sys.stderr)
-    static = StaticBaseline(args.model, requests, batch, args.server_threads, args.ignore_eos)
-    try:
-        static.measure()
-    except BaseException:
-        static.close()
-        raise
-    return static
+    return StaticBaseline(args.model, requests, batch, args.server_threads, args.ignore_eos)
 
 
 def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
@@ -417,6 +410,8 @@ def handle(args: argparse.Namespace) -> int:
 
     static = _static_baseline(args, requests) if args.static_baseline else None
     try:
+        if static is not None:
+            static.measure()  # before the server starts; again after it stops
         runs = _serve_runs(args, requests, attention_text, out, command)
         if static is not None:
             static.measure()

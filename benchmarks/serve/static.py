@@ -42,11 +42,12 @@ class StaticBaseline:
         # KV slots as long as the longest request needs (the server's --max-total-tokens).
         longest = max(len(p) + n for p, n in zip(prompts, limits, strict=True))
         self.runner = EngineRunner(artifact, threads, name="static", max_len=longest)
-        # Warm-up on the first batch's shapes, as every engine row of the harness is warmed.
-        self.runner.generate(self.groups[0][0], 4)
 
     def measure(self) -> None:
-        """One pass over every batch, timed."""
+        """One pass over every batch, timed (the first call warms up on the first batch's
+        shapes first, as every engine row of the harness is warmed)."""
+        if not self.runs:
+            self.runner.generate(self.groups[0][0], 4)
         generated = 0
         t0 = time.perf_counter()
         for prompts, limits in self.groups:
