@@ -2,14 +2,17 @@
 
 Usage:
     python -m benchmarks.speculative --artifact artifacts/smollm2-135m-instruct \
-        [--threads 2] [--max-new 128] [--reps 3] [--k 4] [--draft DIR] [--out FILE.json]
+        [--threads 2] [--max-new 128] [--reps 3] [--k 4] [--draft DIR] [--no-adaptive] \
+        [--prompts SETS.json] [--out FILE.json]
 
 Two prompt sets: ``repetitive`` (code editing, extraction and summarising with quotes:
 the answer copies long stretches of the prompt, where prompt lookup pays) and ``chat``
-(free questions, where it should cost next to nothing). Each prompt is decoded greedily
-with speculation off and on, alternating, ``--reps`` times; the report gives tokens/s
-(median over reps of each prompt, summed over the set), the ratio on/off, the acceptance
-rate (accepted / drafted) and whether every greedy text was identical on and off.
+(free questions, where it should cost next to nothing), or your own (``--prompts``).
+Each prompt is decoded greedily with speculation off and on, alternating, ``--reps``
+times; the report gives tokens/s (median over reps of each prompt, summed over the set),
+the ratio on/off, the acceptance rate (accepted / drafted) and whether every greedy text
+was identical on and off. ``--no-adaptive`` proposes at every step, to measure a draft's
+acceptance where the engine would have stopped proposing.
 The engine is built in-process exactly as the server builds it (Engine.from_artifact).
 """
 
@@ -69,13 +72,15 @@ CHAT = [
 def build_engine(artifact_dir: Path, threads: int, speculative: Any, draft: Path | None
                  ) -> Any:
     from service.artifact.loader import open_artifact
+    from service.contract.io_spec import ArtifactConfig
     from service.engine.engine import Engine, EngineConfig
     from service.settings import Settings
 
+    total = min(2048, ArtifactConfig.load(artifact_dir).max_seq_len)  # the prompts fit in 1k
     artifact = open_artifact(Settings.model_validate({"model": artifact_dir,
-                                                      "max_total_tokens": 2048}))
+                                                      "max_total_tokens": total}))
     return artifact, Engine.from_artifact(artifact, EngineConfig(
-        device="cpu", intra_op_threads=threads, max_batch_size=1, max_total_tokens=2048,
+        device="cpu", intra_op_threads=threads, max_batch_size=1, max_total_tokens=total,
         prefix_caching=False, prefill_chunk_tokens=0, speculative=speculative,
         speculative_model=draft))
 
@@ -106,11 +111,27 @@ async def decode(engine: Any, prompt: list[int], max_new: int, eos: tuple[int, .
     return tokens, (len(tokens) - 1) / elapsed if len(tokens) > 1 else 0.0
 
 
+def prompt_sets(path: Path | None) -> dict[str, list[str]]:
+    """The built-in sets, or a JSON file's: {"set name": ["prompt", ...], ...}."""
+    if path is None:
+        return {"repetitive": REPETITIVE, "chat": CHAT}
+    try:
+        sets = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--prompts {path}: {exc}") from None
+    if not (isinstance(sets, dict) and sets and all(
+            isinstance(v, list) and v and all(isinstance(t, str) for t in v)
+            for v in sets.values())):
+        raise SystemExit(f"--prompts {path}: expected {{\"set name\": [\"prompt\", ...]}}")
+    return sets
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from service.engine.speculative import SpeculativeConfig
 
+    sets = prompt_sets(args.prompts)
     spec = SpeculativeConfig(method="draft" if args.draft else "ngram",
-                             num_speculative_tokens=args.k)
+                             num_speculative_tokens=args.k, adaptive=args.adaptive)
     artifact, plain = build_engine(args.artifact, args.threads, None, None)
     _, fast = build_engine(args.artifact, args.threads, spec, args.draft)
     loop = asyncio.new_event_loop()
@@ -121,12 +142,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eos = (artifact.config.eos_token_id, *artifact.extra_eos_ids)
     report: dict[str, Any] = {"artifact": str(args.artifact), "threads": args.threads,
                               "max_new_tokens": args.max_new, "reps": args.reps,
-                              "num_speculative_tokens": args.k,
+                              "num_speculative_tokens": args.k, "adaptive": args.adaptive,
                               "method": spec.method, "sets": {}}
     try:
         loop.run_until_complete(decode(plain, codec.encode("Hello", False), 4))  # warm-up
         loop.run_until_complete(decode(fast, codec.encode("Hello", False), 4))
-        for name, prompts in (("repetitive", REPETITIVE), ("chat", CHAT)):
+        for name, prompts in sets.items():
             rows: list[dict[str, Any]] = []
             before = replace(fast.scheduler.speculator.counters)
             for text in prompts:
@@ -171,6 +192,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--k", type=int, default=4, help="tokens drafted per pass")
     p.add_argument("--draft", type=Path, default=None, help="draft model artifact (else ngram)")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help='JSON {"set name": ["prompt", ...]} instead of the built-in sets')
+    p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                   help="propose at every step even where it does not pay (the draft's "
+                        "acceptance rate over every position, not the engine's speed)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     report = run(args)

@@ -117,7 +117,11 @@ class Metrics:
             "attnserve_spec_decode_num_accepted_tokens_per_pos",
             "Drafted tokens accepted, by their position in the draft.", ["position"],
             registry=self.registry)
-        self._spec_seen: tuple[int, int, int, tuple[int, ...]] = (0, 0, 0, ())
+        self.spec_paused_steps = Counter(
+            "attnserve_spec_decode_num_paused_steps",
+            "Row steps decoded without drafts because speculation did not pay there.",
+            registry=self.registry)
+        self._spec_seen: tuple[int, int, int, tuple[int, ...], int] = (0, 0, 0, (), 0)
         self.prefix_blocks = Gauge("attnserve_prefix_cache_blocks",
                                    "Blocks held by the prefix cache.", registry=r)
         self.prefix_capacity = Gauge("attnserve_prefix_cache_capacity_blocks",
@@ -197,15 +201,16 @@ class Metrics:
             self.prefix_bytes.set(prefix.bytes_allocated)
         spec = stats.speculation
         if spec is not None:
-            drafts, tokens, accepted, per_pos = self._spec_seen
+            drafts, tokens, accepted, per_pos, paused = self._spec_seen
             self.spec_drafts.inc(spec.drafts - drafts)
             self.spec_draft_tokens.inc(spec.draft_tokens - tokens)
             self.spec_accepted.inc(spec.accepted_tokens - accepted)
+            self.spec_paused_steps.inc(spec.paused_steps - paused)
             for i, count in enumerate(spec.accepted_per_position):
                 seen = per_pos[i] if i < len(per_pos) else 0
                 self.spec_accepted_per_pos.labels(position=str(i)).inc(count - seen)
             self._spec_seen = (spec.drafts, spec.draft_tokens, spec.accepted_tokens,
-                               spec.accepted_per_position)
+                               spec.accepted_per_position, spec.paused_steps)
 
     def record_queue(self, waiting: int) -> None:
         self.waiting.set(waiting)

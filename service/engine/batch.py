@@ -204,8 +204,10 @@ class Batch:
         next_tokens = fed.copy()
         plain = [i for i, p in enumerate(proposals) if p is None]
         if plain:
+            started = time.perf_counter()
             last = np.ascontiguousarray(runner.decode([self.slots[i] for i in plain],
                                                       fed[plain]), np.float32)  # (P, V)
+            speculator.observe_plain(time.perf_counter() - started)
             tokens, logprobs = choose_tokens(last, [self.sequences[i].sampler for i in plain])
             now = time.perf_counter()
             for j, i in enumerate(plain):
@@ -218,12 +220,14 @@ class Batch:
             seq, slot = self.sequences[i], self.slots[i]
             cached = int(runner.pool.lengths[slot.index])
             row_tokens = np.concatenate([fed[i:i + 1], proposal.tokens])  # (k + 1,)
+            started = time.perf_counter()
             logits = np.ascontiguousarray(runner.extend(slot, row_tokens),
                                           np.float32)  # (k + 1, V)
+            verify_seconds = time.perf_counter() - started
             verdict = accept(proposal.tokens.tolist(), logits, seq.sampler, proposal.probs,
                              _stop_ids(seq.request))
             runner.truncate(slot, cached + 1 + verdict.accepted)  # fed token + kept drafts
-            speculator.record(seq.request.id, verdict)
+            speculator.record(seq.request.id, verdict, verify_seconds)
             logprobs_all = log_softmax(logits)  # (k + 1, V)
             now = time.perf_counter()
             for token, position in zip(verdict.tokens, verdict.positions, strict=True):

@@ -26,7 +26,9 @@ constraint cannot be rewound, so rows with one do not speculate.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -48,7 +50,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # longest n-gram searched for (ngram)
     prompt_lookup_min: int = 2  # shortest n-gram accepted as a match (ngram)
     max_batch_rows: int = 1  # speculate only while the batch has at most this many rows
-    backoff_after: int = 2  # proposals rejected outright in a row before a row backs off
+    adaptive: bool = True  # False: propose every step, paying or not (to measure acceptance)
+    probe_budget: float = 0.02  # share of plain speed spent re-testing speculation that lost
+    max_pause: int = 512  # longest run of plain steps between two such tests
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
@@ -57,6 +61,8 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.max_batch_rows < 1:
             raise ValueError("max_batch_rows must be at least 1")
+        if not 0.0 < self.probe_budget <= 1.0 or self.max_pause < 1:
+            raise ValueError("need 0 < probe_budget <= 1 and max_pause >= 1")
 
 
 class NgramProposer:
@@ -148,19 +154,48 @@ def _judge(draft: int, logits: np.ndarray, sampler: RowSampler,
 
 
 @dataclass
-class RowSpeculation:
-    """One sequence's back-off after missed proposals.
+class PassCosts:
+    """Measured seconds of the passes a speculating step is made of (moving averages).
 
-    A proposal rejected outright still yields one token, at the price of a wider pass; a
-    row that keeps missing stops proposing for a while (doubling each time, up to 64
-    tokens) so free chat runs at plain decoding's speed.
+    Whether speculation pays depends on the machine and the draft: a prompt-lookup
+    proposal costs a search, a draft model's costs k of its own steps, and a verification
+    pass costs a little more than a plain step. Measured, not assumed.
     """
 
-    misses: int = 0
+    plain: float | None = None  # one decode pass, one token per row
+    propose: float | None = None  # one proposal (prompt lookup's search; the draft's steps)
+    verify: float | None = None  # one row's verification pass of k + 1 tokens
+    weight: float = 0.2  # share of a new measurement in the average
+
+    def observe(self, kind: Literal["plain", "propose", "verify"], seconds: float) -> None:
+        setattr(self, kind, moving_average(getattr(self, kind), seconds, self.weight))
+
+    def round_in_plain_steps(self) -> float | None:
+        """What one propose + verify round costs, in plain decode steps (None: unmeasured)."""
+        if self.plain is None or self.propose is None or self.verify is None:
+            return None
+        return (self.propose + self.verify) / max(self.plain, 1e-9)
+
+
+@dataclass
+class RowSpeculation:
+    """One sequence's speculation policy: speculate while a round beats plain decoding.
+
+    ``tokens_per_round`` is a moving average of the tokens a verification pass yields
+    (kept drafts + the target's own). A round pays when it yields more tokens than the
+    plain steps it costs (``PassCosts.round_in_plain_steps``). When it does not, the row
+    decodes plainly for a pause sized so that the next probe round's expected loss is
+    ``probe_budget`` of the plain steps in between: a prompt-lookup miss (a tenth of a
+    step lost) pauses a few steps, a poor draft model's miss (three steps lost) pauses
+    about 150. This is what keeps speculation within a few percent of off when its
+    proposals are rejected (free chat, a weak draft).
+    """
+
+    tokens_per_round: float | None  # None: no round judged yet, here or in the engine
     pause: int = 0  # steps to decode plainly before proposing again
-    pause_next: int = 4
     drafted: int = 0
     accepted: int = 0
+    weight: float = 0.3  # share of a new round in the average
 
     def wants_proposal(self) -> bool:
         if self.pause > 0:
@@ -168,17 +203,31 @@ class RowSpeculation:
             return False
         return True
 
-    def record(self, verdict: Verdict, backoff_after: int) -> None:
+    def record(self, verdict: Verdict) -> None:
         self.drafted += verdict.drafted
         self.accepted += verdict.accepted
-        if verdict.accepted == 0:
-            self.misses += 1
-            if self.misses >= backoff_after:
-                self.pause, self.pause_next = self.pause_next, min(self.pause_next * 2, 64)
-                self.misses = 0
-        else:
-            self.misses = 0
-            self.pause_next = 4
+        if verdict.drafted:
+            self.tokens_per_round = moving_average(self.tokens_per_round,
+                                                   verdict.accepted + 1, self.weight)
+
+    def decide(self, round_cost: float | None, probe_budget: float, max_pause: int) -> None:
+        """Set the pause from the round's cost in plain steps (None: not yet measured)."""
+        self.pause = pause_for(self.tokens_per_round, round_cost, probe_budget, max_pause)
+
+
+def moving_average(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+def pause_for(tokens_per_round: float | None, round_cost: float | None, probe_budget: float,
+              max_pause: int) -> int:
+    """Plain steps before the next round: 0 while a round pays (or is not yet measured)."""
+    if tokens_per_round is None or round_cost is None:
+        return 0
+    loss = round_cost - tokens_per_round  # plain steps a round loses against decoding
+    if loss <= 0.0:
+        return 0
+    return min(max_pause, max(1, math.ceil(loss / probe_budget)))
 
 
 @dataclass
@@ -189,6 +238,7 @@ class SpeculationCounters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    paused_steps: int = 0  # row steps decoded plainly because speculation did not pay
 
     def record(self, verdict: Verdict) -> None:
         if not verdict.drafted:
@@ -225,15 +275,24 @@ class Speculator:
     pass feeds one row's tokens (engine.onnx takes several new tokens over a cache one row
     at a time), so at larger batches one batched decode step is the better use of a pass
     over the weights (vLLM disables speculation by batch size for the same reason).
+
+    Each row speculates only while its rounds pay for themselves (``RowSpeculation``),
+    judged by pass costs measured on this machine (``PassCosts``). A new row starts from
+    what earlier rows yielded, so once a draft is known not to pay here, later requests
+    start out decoding plainly rather than each paying to find out.
     """
 
-    def __init__(self, config: SpeculativeConfig, draft: Drafter | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, draft: Drafter | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if (config.method == "draft") != (draft is not None):
             raise ValueError("draft speculation needs a draft model, and only it")
         self.config = config
+        self.clock = clock  # times proposals
         self.ngram = NgramProposer(config)
         self.draft = draft
+        self.costs = PassCosts()
         self.counters = SpeculationCounters()
+        self.tokens_per_round: float | None = None  # over all rows' recent rounds
         self._rows: dict[int, RowSpeculation] = {}
 
     def applies(self, rows: int) -> bool:
@@ -245,9 +304,13 @@ class Speculator:
         or None: the row decodes one token as usual this step."""
         if room < 1 or sampler.constraint is not None:
             return None
-        row = self._rows.setdefault(key, RowSpeculation())
+        row = self._row(key)
+        if self.config.adaptive and self.costs.plain is None:
+            return None  # a plain step's cost is the yardstick: measure it first
         if not row.wants_proposal():
+            self.counters.paused_steps += 1
             return None
+        started = self.clock()
         if self.draft is not None:
             drafted = self.draft.propose(key, history, sampler.params, sampler.seed)
             tokens, probs = drafted.tokens[:room], drafted.probs
@@ -256,16 +319,40 @@ class Speculator:
             tokens, probs = self.ngram.propose(np.asarray(history, np.int64))[:room], None
         if not len(tokens):
             return None
+        self.costs.observe("propose", self.clock() - started)
         return Proposal(tokens, probs)
 
-    def record(self, key: int, verdict: Verdict) -> None:
-        self._rows.setdefault(key, RowSpeculation()).record(verdict, self.config.backoff_after)
+    def observe_plain(self, seconds: float) -> None:
+        """A decode pass without drafts took ``seconds``."""
+        self.costs.observe("plain", seconds)
+
+    def record(self, key: int, verdict: Verdict, verify_seconds: float) -> None:
+        """A row's verification pass took ``verify_seconds`` and gave ``verdict``."""
+        self.costs.observe("verify", verify_seconds)
+        row = self._row(key)
+        row.record(verdict)
+        if verdict.drafted:
+            self.tokens_per_round = moving_average(self.tokens_per_round,
+                                                   verdict.accepted + 1, row.weight)
+        self._decide(row)
         self.counters.record(verdict)
+
+    def _row(self, key: int) -> RowSpeculation:
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = RowSpeculation(self.tokens_per_round)
+            self._decide(row)
+        return row
+
+    def _decide(self, row: RowSpeculation) -> None:
+        if self.config.adaptive:
+            row.decide(self.costs.round_in_plain_steps(), self.config.probe_budget,
+                       self.config.max_pause)
 
     def stats(self) -> SpeculationStats:
         c = self.counters
         return SpeculationStats(c.drafts, c.draft_tokens, c.accepted_tokens,
-                                tuple(c.accepted_per_position))
+                                tuple(c.accepted_per_position), c.paused_steps)
 
     def release(self, key: int) -> None:
         """The sequence left the engine."""

@@ -53,6 +53,7 @@ class SpeculationStats:
     draft_tokens: int
     accepted_tokens: int
     accepted_per_position: tuple[int, ...]  # drafts kept at position 0, 1, ...
+    paused_steps: int = 0  # row steps decoded plainly because speculation did not pay
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,12 @@ from service.engine.request import SamplingParams
 from service.engine.sampling import RowSampler, warp
 from service.engine.speculative import (
     NgramProposer,
+    PassCosts,
+    Proposal,
     RowSpeculation,
     SpeculationCounters,
     SpeculativeConfig,
+    Speculator,
     Verdict,
     accept,
 )
@@ -139,18 +142,85 @@ def test_sampled_verification_preserves_the_target_distribution(draft_kind: str)
     assert abs(accepted / trials - expected) < 0.02
 
 
-def test_backoff_pauses_a_row_that_keeps_missing_and_resets_on_a_hit() -> None:
-    row = RowSpeculation()
+def test_counters_follow_vllms_definitions() -> None:
     miss = Verdict(tokens=[4], positions=[0], drafted=3)
     hit = Verdict(tokens=[4, 5, 6], positions=[0, 1, 2], drafted=3)
-    row.record(miss, backoff_after=2)
-    assert row.wants_proposal()
-    row.record(miss, backoff_after=2)
-    assert [row.wants_proposal() for _ in range(5)] == [False] * 4 + [True]
-    row.record(hit, backoff_after=2)
-    assert row.accepted == 2 and row.drafted == 9
     counters = SpeculationCounters()
     for verdict in (miss, hit, Verdict(tokens=[7], positions=[0], drafted=0)):
         counters.record(verdict)
     assert (counters.drafts, counters.draft_tokens, counters.accepted_tokens) == (2, 6, 2)
     assert counters.accepted_per_position == [1, 1, 0]
+
+
+def test_a_losing_round_pauses_in_proportion_to_what_it_lost() -> None:
+    costs = PassCosts(plain=0.020, propose=0.060, verify=0.022)  # a round: 4.1 plain steps
+    row = RowSpeculation(tokens_per_round=None)
+    row.record(Verdict(tokens=[4], positions=[0], drafted=4))  # every draft rejected
+    row.decide(costs.round_in_plain_steps(), probe_budget=0.02, max_pause=512)
+    # Lost 4.1 - 1 = 3.1 plain steps; at 2 % of the plain steps between probes: 155.
+    assert row.pause == 155
+    assert [row.wants_proposal() for _ in range(156)] == [False] * 155 + [True]
+    # Prompt lookup's miss costs a search and a slightly wider pass: a short pause.
+    cheap = PassCosts(plain=0.020, propose=0.0001, verify=0.022)
+    row.decide(cheap.round_in_plain_steps(), probe_budget=0.02, max_pause=512)
+    assert row.pause == 6  # ceil((1.105 - 1) / 0.02)
+    # A full round moves the average 30 % of the way: 1 + 0.3 * 4 = 2.2 tokens a round,
+    # which pays for prompt lookup's round and not for the draft's.
+    row.record(Verdict(tokens=[1, 2, 3, 4, 5], positions=[0, 1, 2, 3, 4], drafted=4))
+    assert row.tokens_per_round == pytest.approx(2.2)
+    row.decide(cheap.round_in_plain_steps(), probe_budget=0.02, max_pause=512)
+    assert row.pause == 0
+    row.decide(costs.round_in_plain_steps(), probe_budget=0.02, max_pause=512)
+    assert row.pause == 95  # ceil((4.1 - 2.2) / 0.02)
+    with pytest.raises(ValueError, match="probe_budget"):
+        SpeculativeConfig(probe_budget=0.0)
+
+
+class _FixedDraft:
+    """A draft that proposes k tokens in ``cost`` seconds of a simulated clock."""
+
+    def __init__(self, clock: list[float], cost: float, k: int) -> None:
+        self.clock, self.cost, self.k = clock, cost, k
+
+    def propose(self, key: int, history: object, params: SamplingParams,
+                seed: int | None) -> Proposal:
+        self.clock[0] += self.cost
+        return Proposal(np.arange(self.k, dtype=np.int64), None)
+
+    def release(self, key: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kept", [0, 4])
+def test_speculation_costs_at_most_its_probe_budget_when_it_does_not_pay(kept: int) -> None:
+    """Ten requests of 128 tokens on a simulated clock (a plain step 1 s, a draft 3 s, a
+    verification 1.1 s): a draft that is always rejected must cost no more than plain
+    decoding plus the probe budget; one that is always kept must keep speculating."""
+    clock = [0.0]
+    k = 4
+    spec = Speculator(SpeculativeConfig(method="draft", num_speculative_tokens=k),
+                      _FixedDraft(clock, 3.0, k), clock=lambda: clock[0])
+    sampler = RowSampler(SamplingParams(), vocab_size=V, prompt_ids=[1, 2, 3])
+    tokens = 0
+    for key in range(10):
+        made = 0
+        while made < 128:
+            proposal = spec.propose(key, [1, 2, 3], sampler, room=k)
+            if proposal is None:  # a plain decode step
+                clock[0] += 1.0
+                spec.observe_plain(1.0)
+                made += 1
+                continue
+            clock[0] += 1.1
+            spec.record(key, Verdict(list(range(kept + 1)), list(range(kept + 1)),
+                                     min(kept + 1, k)), 1.1)
+            made += kept + 1
+        tokens += made
+        spec.release(key)
+    seconds_per_token = clock[0] / tokens
+    if kept == 0:
+        assert seconds_per_token <= 1.0 * 1.03  # plain decoding: 1 s a token
+        assert spec.counters.paused_steps > 1000
+    else:
+        assert seconds_per_token == pytest.approx(4.1 / 5, rel=0.02)  # one round, 5 tokens
+        assert spec.counters.paused_steps == 0

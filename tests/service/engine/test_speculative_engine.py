@@ -68,7 +68,7 @@ def test_prompt_lookup_keeps_greedy_text_identical(
         engine_artifact: Path, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]], engine_graph: bool) -> None:
     runner = runner_for(engine_artifact, engine_graph)
-    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4, adaptive=False))
     for text in (REPETITIVE, FREE):
         prompt = encode(text)
         got = decode_alone(runner, codec, prompt, 40, speculator)
@@ -112,7 +112,7 @@ def test_draft_model_keeps_greedy_text_identical(
     runner = runner_for(engine_artifact, True)
     draft_dir = engine_artifact if same_model else draft_artifact
     draft_runner = runner_for(draft_dir, True, rows=1)
-    config = SpeculativeConfig(method="draft", num_speculative_tokens=3)
+    config = SpeculativeConfig(method="draft", num_speculative_tokens=3, adaptive=False)
     speculator = Speculator(config, DraftModel(draft_runner, 3, draft_runner.pool.shape.max_len))
     for text in (REPETITIVE, FREE):
         prompt = encode(text)
@@ -136,7 +136,7 @@ def test_sampled_rows_speculate_and_stay_in_the_vocabulary(
     params = SamplingParams(do_sample=True, temperature=0.7, top_p=0.95, seed=11)
     runs = []
     for _ in range(2):
-        speculator = Speculator(SpeculativeConfig())
+        speculator = Speculator(SpeculativeConfig(adaptive=False))
         runs.append(decode_alone(runner, codec, encode(REPETITIVE), 30, speculator, params))
         assert speculator.counters.draft_tokens > 0
     assert runs[0] == runs[1]
@@ -149,7 +149,7 @@ def test_the_scheduler_speculates_only_at_small_batches(
     """Two requests at once: batched decoding while both run, speculation once one is left;
     both answers equal the reference and the step stats count the extra tokens."""
     runner = runner_for(engine_artifact, True, rows=4)
-    speculator = Speculator(SpeculativeConfig(max_batch_rows=1))
+    speculator = Speculator(SpeculativeConfig(max_batch_rows=1, adaptive=False))
     scheduler = Scheduler(runner, codec, SchedulerLimits(4, 4096, 8), speculator=speculator)
     prompts = [encode(REPETITIVE), encode(FREE)]
     lengths = [40, 6]

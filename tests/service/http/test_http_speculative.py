@@ -1,0 +1,53 @@
+"""Prompt-lookup speculation over HTTP, as a user turns it on (`--speculative-model ngram`):
+greedy answers equal the plain model.onnx reference loop, and /metrics counts drafts the
+way vLLM names them (accepted ≤ drafted, the per-position counts summing to the accepted)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.service.conftest import ServerProcess, metric_value
+
+# Code repeats itself: prompt lookup finds what comes next in the prompt.
+REPETITIVE = ("def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\n"
+              "def add(a, b):\n    return")
+PROMPTS = [REPETITIVE, "The meaning of", REPETITIVE + " a + b\n\n\ndef add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def server(engine_artifact: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ServerProcess]:
+    proc = ServerProcess(engine_artifact, tmp_path_factory.mktemp("log") / "server.log",
+                         ("--speculative-model", "ngram", "--num-speculative-tokens", "3"))
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_prompt_lookup_over_http_gives_the_reference_tokens_and_counts_drafts(
+        server: ServerProcess, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    for prompt in PROMPTS:  # one at a time: speculation runs at batch 1
+        r = httpx.post(f"{server.url}/generate", timeout=60, json={
+            "inputs": prompt, "parameters": {"max_new_tokens": 40, "details": True}})
+        assert r.status_code == 200, r.text
+        got = [t["id"] for t in r.json()["details"]["tokens"]]
+        assert got == reference_greedy(encode(prompt), 40), prompt
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    drafts = metric_value(text, "attnserve_spec_decode_num_drafts_total")
+    drafted = metric_value(text, "attnserve_spec_decode_num_draft_tokens_total")
+    accepted = metric_value(text, "attnserve_spec_decode_num_accepted_tokens_total")
+    per_position = [metric_value(text, "attnserve_spec_decode_num_accepted_tokens_per_pos_total",
+                                 {"position": str(i)}) for i in range(3)]
+    assert drafts > 0, "prompt lookup never proposed on repetitive code"
+    assert drafts <= drafted <= 3 * drafts
+    assert 0 < accepted <= drafted
+    assert sum(per_position) == accepted
+    assert per_position == sorted(per_position, reverse=True)  # a kept draft follows a kept one
+    assert "attnserve_spec_decode_num_paused_steps_total" in text
