@@ -179,10 +179,11 @@ class Batch:
     def _sample(self, last: np.ndarray) -> list[TokenEvent]:
         """Each row's next token from its logits ``last`` (B, V)."""
         last = np.ascontiguousarray(last, np.float32)
-        tokens, logprobs = choose_tokens(last, [s.sampler for s in self.sequences])
+        tokens, logprobs = choose_tokens(last, [s.sampler for s in self.sequences],
+                                         [s.request.token_logprobs for s in self.sequences])
         self.next_tokens = np.asarray(tokens, np.int64)  # (B,) fed at the next step
         now = time.perf_counter()
-        return [self._advance(i, seq, int(tokens[i]), float(logprobs[i]), last, now)
+        return [self._advance(i, seq, int(tokens[i]), _reported(seq, logprobs[i]), last, now)
                 for i, seq in enumerate(self.sequences)]
 
     def speculate(self, runner: ModelRunner, speculator: Speculator) -> list[list[TokenEvent]]:
@@ -208,11 +209,14 @@ class Batch:
             last = np.ascontiguousarray(runner.decode([self.slots[i] for i in plain],
                                                       fed[plain]), np.float32)  # (P, V)
             speculator.observe_plain(time.perf_counter() - started)
-            tokens, logprobs = choose_tokens(last, [self.sequences[i].sampler for i in plain])
+            tokens, logprobs = choose_tokens(
+                last, [self.sequences[i].sampler for i in plain],
+                [self.sequences[i].request.token_logprobs for i in plain])
             now = time.perf_counter()
             for j, i in enumerate(plain):
-                events[i] = [self._advance(j, self.sequences[i], int(tokens[j]),
-                                           float(logprobs[j]), last, now)]
+                seq = self.sequences[i]
+                events[i] = [self._advance(j, seq, int(tokens[j]), _reported(seq, logprobs[j]),
+                                           last, now)]
                 next_tokens[i] = tokens[j]
         for i, proposal in enumerate(proposals):
             if proposal is None:
@@ -228,12 +232,13 @@ class Batch:
                              _stop_ids(seq.request))
             runner.truncate(slot, cached + 1 + verdict.accepted)  # fed token + kept drafts
             speculator.record(seq.request.id, verdict, verify_seconds)
-            logprobs_all = log_softmax(logits)  # (k + 1, V)
+            logprobs_all = log_softmax(logits) if seq.request.token_logprobs else None  # (k+1, V)
             now = time.perf_counter()
             for token, position in zip(verdict.tokens, verdict.positions, strict=True):
-                events[i].append(self._advance(position, seq, token,
-                                               float(logprobs_all[position, token]),
-                                               logits, now))
+                events[i].append(self._advance(
+                    position, seq, token,
+                    None if logprobs_all is None else float(logprobs_all[position, token]),
+                    logits, now))
                 if seq.finish is not None:
                     break
             next_tokens[i] = verdict.tokens[-1]
@@ -259,7 +264,7 @@ class Batch:
                       for j, t in enumerate(ids[1:])]
             seq.prefill = tuple(infos)
 
-    def _advance(self, row: int, seq: SequenceState, token: int, logprob: float,
+    def _advance(self, row: int, seq: SequenceState, token: int, logprob: float | None,
                  logits: np.ndarray, now: float) -> TokenEvent:
         req = seq.request
         if seq.first_token_time is None:
@@ -344,3 +349,8 @@ def _stop_ids(request: GenerationRequest) -> frozenset[int]:
     if stop.eos_token_id is not None:
         ends |= {stop.eos_token_id, *stop.extra_eos_ids}
     return frozenset(ends)
+
+
+def _reported(seq: SequenceState, logprob: float) -> float | None:
+    """The token's logprob where the request reports one (choose_tokens skips the rest)."""
+    return float(logprob) if seq.request.token_logprobs else None

@@ -82,6 +82,9 @@ class GenerationRequest:
     sampling: SamplingParams
     stopping: StoppingCriteria
     prompt_logprobs: bool = False  # TGI decoder_input_details
+    # Each generated token's log-probability is reported (TGI's stream and details, OpenAI
+    # logprobs). False skips a pass over the vocabulary per row and step.
+    token_logprobs: bool = True
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -144,24 +144,30 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def choose_tokens(
-    logits: np.ndarray, samplers: Sequence[RowSampler]
+    logits: np.ndarray, samplers: Sequence[RowSampler],
+    wanted: Sequence[bool] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Next token and its log-probability under the model for every row of (B, V) logits.
 
     The reported log-probability is the model's (before temperature, top-k, top-p), the
-    quantity TGI's ``logprob`` and OpenAI's ``logprobs`` describe.
+    quantity TGI's ``logprob`` and OpenAI's ``logprobs`` describe. It costs an exp over the
+    vocabulary per row (1.5 ms at 32 rows × 49,152 tokens), so only the rows ``wanted``
+    (default: all) get one; the others get NaN.
     """
-    rows = np.arange(logits.shape[0])
     tokens = logits.argmax(axis=-1)  # (B,) greedy for every row first
+    peak = logits[np.arange(logits.shape[0]), tokens]  # (B,) the row maxima
     for i, sampler in enumerate(samplers):
         if not sampler.params.is_plain_greedy:
             tokens[i] = sampler.choose(logits[i])
-    peak = logits.max(axis=-1)  # (B,)
-    log_z = peak + np.log(np.exp(logits - peak[:, None]).sum(axis=-1))  # (B,)
-    logprobs = logits[rows, tokens] - log_z  # (B,)
+    logprobs = np.full(logits.shape[0], np.nan)  # (B,)
+    rows = np.arange(logits.shape[0]) if wanted is None else np.flatnonzero(wanted)
+    if rows.size:
+        shifted = logits[rows] - peak[rows, None]  # (R, V) a copy: exp works in place
+        log_z = np.log(np.exp(shifted, out=shifted).sum(axis=-1))  # (R,) relative to the peak
+        logprobs[rows] = logits[rows, tokens[rows]] - peak[rows] - log_z
     for sampler, token in zip(samplers, tokens, strict=True):
         sampler.observe(int(token))
-    return tokens.astype(np.int64), logprobs.astype(np.float64)
+    return tokens.astype(np.int64), logprobs
 
 
 def top_logprobs(logits_row: np.ndarray, n: int) -> list[tuple[int, float]]:

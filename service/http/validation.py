@@ -80,7 +80,7 @@ class Validator:
         self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int | None,
         stop: list[str], max_new_field: str, prompt_logprobs: bool = False, *,
         stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, min_tokens: int = 0,
-        default_max_new_tokens: int | None = None,
+        default_max_new_tokens: int | None = None, token_logprobs: bool = True,
     ) -> GenerationRequest:
         """``default_max_new_tokens`` replaces the server's default for an unset length."""
         room = self.limits.max_total_tokens - len(prompt_ids)
@@ -107,4 +107,4 @@ class Validator:
             stopping=StoppingCriteria(
                 max_new_tokens, tuple(stop), eos_token_id=eos, extra_eos_ids=self.extra_eos_ids,
                 stop_token_ids=stop_token_ids, min_tokens=min_tokens),
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, token_logprobs=token_logprobs)

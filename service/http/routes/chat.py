@@ -59,7 +59,8 @@ def chat_requests(body: ChatCompletionRequest, runtime: Runtime) -> list[Generat
         raise InputError("max_tokens", f"{body.max_tokens} exceeds the server's bound "
                                        f"max_new_tokens {bound}")
     return build_requests(body, runtime, [("messages", ids)], body.max_new_tokens,
-                          body.top_n_logprobs, max_field=field)
+                          body.top_n_logprobs, max_field=field,
+                          token_logprobs=bool(body.logprobs))
 
 
 def token_logprob(info: TokenInfo, top: bool) -> dict[str, Any]:

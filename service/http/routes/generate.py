@@ -41,12 +41,16 @@ def sampling_params(runtime: ReadyRuntime, params: GenerateParameters) -> Sampli
 
 
 def build_request(runtime: ReadyRuntime, text: str, params: GenerateParameters,
-                  sampling: SamplingParams, field: str) -> GenerationRequest:
+                  sampling: SamplingParams, field: str, stream: bool) -> GenerationRequest:
+    """A stream reports every token's logprob (TGI's token object); /generate only in its
+    details."""
     validator = runtime.validator
     ids = validator.tokenize(text, field, params.truncate)
     return validator.build(ids, sampling, params.max_new_tokens,
                            params.stop, "parameters.max_new_tokens",
-                           prompt_logprobs=params.decoder_input_details)
+                           prompt_logprobs=params.decoder_input_details,
+                           token_logprobs=(stream or params.details
+                                           or params.decoder_input_details))
 
 
 def token_json(token: TokenInfo, with_special: bool = True) -> dict[str, Any]:
@@ -106,7 +110,7 @@ async def generate(body: GenerateRequest, request: Request, runtime: ReadyRuntim
                                                               range(len(texts))]
     runtime.validator.check_count(len(texts), "inputs")
     sampling = sampling_params(runtime, params)
-    requests = [build_request(runtime, t, params, sampling, f)
+    requests = [build_request(runtime, t, params, sampling, f, stream=False)
                 for t, f in zip(texts, fields, strict=True)]
     assert runtime.scheduler is not None
     results = await collect(runtime.scheduler.submit(requests), request)
@@ -128,7 +132,7 @@ async def generate(body: GenerateRequest, request: Request, runtime: ReadyRuntim
 async def generate_stream(body: StreamRequest, runtime: ReadyRuntime) -> StreamingResponse:
     params = body.parameters
     request = build_request(runtime, body.inputs, params, sampling_params(runtime, params),
-                            "inputs")
+                            "inputs", stream=True)
     special = runtime.artifact.codec.special_ids
     assert runtime.scheduler is not None
     (handle,) = runtime.scheduler.submit([request])

@@ -86,8 +86,10 @@ def sampling_params(body: OpenAISampling, validator: Validator, top_n: int) -> S
 
 def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[str, list[int]]],
                    max_new_tokens: int | None, top_n: int, prompt_logprobs: bool = False,
-                   max_field: str = "max_tokens") -> list[GenerationRequest]:
-    """n requests per prompt; ``prompts`` are (field, token ids)."""
+                   max_field: str = "max_tokens", token_logprobs: bool = True
+                   ) -> list[GenerationRequest]:
+    """n requests per prompt; ``prompts`` are (field, token ids); ``token_logprobs``: the
+    client asked for logprobs."""
     validator = runtime.validator
     validator.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
     defaults = runtime.artifact.generation_defaults
@@ -105,7 +107,8 @@ def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[s
                 ids, choice_sampling(sampling, j), max_new_tokens, body.stop_sequences,
                 max_field, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_ids,
                 default_max_new_tokens=defaults.max_new_tokens,
-                ignore_eos=body.ignore_eos, min_tokens=body.min_tokens))
+                ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                token_logprobs=token_logprobs))
     return requests
 
 
@@ -116,7 +119,8 @@ def completion_requests(body: CompletionRequest, runtime: Runtime) -> list[Gener
         field = "prompt" if isinstance(body.prompt, str) else f"prompt.{i}"
         prompts.append((field, runtime.validator.tokenize(prompt, field)))
     return build_requests(body, runtime, prompts, body.max_tokens, body.top_n_logprobs,
-                          prompt_logprobs=body.echo and body.logprobs is not None)
+                          prompt_logprobs=body.echo and body.logprobs is not None,
+                          token_logprobs=body.logprobs is not None)
 
 
 def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:

@@ -27,6 +27,20 @@ def test_greedy_rows_take_the_argmax_and_report_model_logprobs() -> None:
     np.testing.assert_allclose(logprobs, expected, rtol=1e-5)
 
 
+def test_only_the_rows_that_report_logprobs_pay_for_them() -> None:
+    """Sampled rows too: the logprob is the model's, of the token drawn, against numpy."""
+    logits = logits_batch(4, seed=3)
+    rows = [sampler(), sampler(do_sample=True, seed=5, temperature=0.8), sampler(), sampler()]
+    tokens, logprobs = choose_tokens(logits, rows, [True, True, False, True])
+    lp = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(
+        axis=1, keepdims=True))  # (4, V) log-softmax by hand
+    expected = [lp[i, t] for i, t in enumerate(tokens)]
+    np.testing.assert_allclose(logprobs[[0, 1, 3]], [expected[i] for i in (0, 1, 3)],
+                               rtol=1e-5)
+    assert np.isnan(logprobs[2])
+    assert tokens[[0, 2, 3]].tolist() == logits[[0, 2, 3]].argmax(axis=1).tolist()
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy_even_when_sampling() -> None:
     logits = logits_batch(4, seed=1)
     for params in ({"top_k": 1}, {"top_p": 1e-6}):
