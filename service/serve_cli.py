@@ -91,6 +91,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                            "step of the running rows (default on); "
                                            "--no-adaptive-prefill-chunks: fixed chunks of "
                                            "--prefill-chunk-tokens")
+    parser.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
+                        default=None, help="stop proposing for a while where speculation "
+                                           "does not pay, by measured cost (default on); "
+                                           "--no-speculative-adaptive: propose every step")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="reuse cached keys/values of shared prompt "
                                            "prefixes (engine.onnx; default on)")
@@ -105,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
 
     fields = [dest for _, dest, _, _ in OPTIONS] + ["device", "log_level", "engine_graph",
                                                 "prefix_caching", "generation_config",
-                                                "adaptive_prefill_chunks", "mixed_steps"]
+                                                "adaptive_prefill_chunks", "mixed_steps",
+                                                "speculative_adaptive"]
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     try:
         settings = Settings(**overrides)

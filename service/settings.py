@@ -91,6 +91,10 @@ class Settings(BaseSettings):
     speculative_max_batch_rows: int = Field(
         1, ge=1, description="speculate only while at most this many sequences are running "
                              "(a batched decode step is the better pass beyond)")
+    speculative_adaptive: bool = Field(
+        True, description="a sequence stops proposing for a while when its rounds cost "
+                          "more than the tokens they yield (measured); false: propose at "
+                          "every step (to measure a draft's acceptance)")
     generation_config: Literal["auto", "off"] = Field(
         "auto", description="auto: the OpenAI routes take sampling fields a request leaves "
                             "unset from the artifact's generation_config.json (vLLM's "

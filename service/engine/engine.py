@@ -90,7 +90,8 @@ def speculative_config(settings: Settings) -> SpeculativeConfig | None:
         num_speculative_tokens=settings.num_speculative_tokens,
         prompt_lookup_max=settings.prompt_lookup_max,
         prompt_lookup_min=settings.prompt_lookup_min,
-        max_batch_rows=settings.speculative_max_batch_rows)
+        max_batch_rows=settings.speculative_max_batch_rows,
+        adaptive=settings.speculative_adaptive)
 
 
 def create_speculator(artifact: Artifact, config: EngineConfig) -> Speculator | None:
