@@ -174,6 +174,17 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def serving(artifact: Path, log_path: Path, args: tuple[str, ...] = (),
+            env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """A ready server for a fixture to ``yield from``; stopped however the tests end."""
+    proc = ServerProcess(artifact, log_path, args, env)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
 @pytest.fixture(scope="module")
 def start_server(artifact: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[Callable[..., ServerProcess]]:

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, models
 from service.contract import io_spec as io
 from service.contract.manifest import describe_files, load_manifest
 from service.contract.reference import OrtDecoder
-from tests.service.conftest import ServerProcess
+from tests.service.conftest import ServerProcess, serving
 
 NAME = "tiny-chat"
 EOS = 2  # the tiny tokenizer's <end>
@@ -58,13 +58,8 @@ def chat_artifact(artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 @pytest.fixture(scope="module")
 def server(chat_artifact: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
-    proc = ServerProcess(chat_artifact, tmp_path_factory.mktemp("api") / "server.log",
-                         ("--served-model-name", NAME, "--max-batch-size", "8"))
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from serving(chat_artifact, tmp_path_factory.mktemp("api") / "server.log",
+                       ("--served-model-name", NAME, "--max-batch-size", "8"))
 
 
 @pytest.fixture(scope="module")

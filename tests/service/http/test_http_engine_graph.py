@@ -19,7 +19,7 @@ import pytest
 
 from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 from service.contract.manifest import verify_manifest
-from tests.service.conftest import ServerProcess
+from tests.service.conftest import ServerProcess, serving
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O", "KING HENRY:"]
@@ -36,12 +36,7 @@ def engine_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="module")
 def server(engine_artifact: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
-    proc = ServerProcess(engine_artifact, tmp_path_factory.mktemp("log") / "server.log")
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from serving(engine_artifact, tmp_path_factory.mktemp("log") / "server.log")
 
 
 def test_manifest_lists_the_engine_graphs(engine_artifact: Path) -> None:
@@ -110,13 +105,8 @@ def tuned(engine_artifact: Path, poison: int, tmp_path_factory: pytest.TempPathF
 @pytest.fixture(scope="module")
 def uncached(engine_artifact: Path, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[ServerProcess]:
-    proc = ServerProcess(engine_artifact, tmp_path_factory.mktemp("log") / "server.log",
-                         ("--no-prefix-caching", "--prefill-chunk-tokens", "0"))
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from serving(engine_artifact, tmp_path_factory.mktemp("log") / "server.log",
+                       ("--no-prefix-caching", "--prefill-chunk-tokens", "0"))
 
 
 def greedy_ids(url: str, prompt: str, n: int) -> list[int]:

@@ -22,7 +22,7 @@ import torch
 
 from service.contract.engine_spec import ENGINE_MIXED_FILE
 from tests.hf_gpt2 import ENDOFTEXT, load_hf_model
-from tests.service.conftest import ServerProcess
+from tests.service.conftest import ServerProcess, serving
 
 pytest.importorskip("transformers")
 
@@ -33,12 +33,7 @@ PROMPTS = ["Return the", "This module provides functions for", "If the",
 @pytest.fixture(scope="module")
 def server(gpt2_artifact: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
-    proc = ServerProcess(gpt2_artifact, tmp_path_factory.mktemp("gpt2-log") / "server.log")
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from serving(gpt2_artifact, tmp_path_factory.mktemp("gpt2-log") / "server.log")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.conftest import ServerProcess, metric_value
+from tests.service.conftest import ServerProcess, metric_value, serving
 
 # Code repeats itself: prompt lookup finds what comes next in the prompt.
 REPETITIVE = ("def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\n"
@@ -22,32 +22,23 @@ REPETITIVE = ("def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return 
 PROMPTS = [REPETITIVE, "The meaning of", REPETITIVE + " a + b\n\n\ndef add(a, b):"]
 
 
-def start(artifact: Path, log: Path, *flags: str) -> ServerProcess:
-    proc = ServerProcess(artifact, log, ("--speculative-model", "ngram",
-                                         "--num-speculative-tokens", "3", *flags))
-    proc.wait_ready()
-    return proc
+def serve(artifact: Path, factory: pytest.TempPathFactory, *flags: str
+          ) -> Iterator[ServerProcess]:
+    yield from serving(artifact, factory.mktemp("log") / "server.log",
+                       ("--speculative-model", "ngram", "--num-speculative-tokens", "3",
+                        *flags))
 
 
 @pytest.fixture(scope="module")
 def every_step(engine_artifact: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[ServerProcess]:
-    proc = start(engine_artifact, tmp_path_factory.mktemp("log") / "server.log",
-                 "--no-speculative-adaptive")
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from serve(engine_artifact, tmp_path_factory, "--no-speculative-adaptive")
 
 
 @pytest.fixture(scope="module")
 def adaptive(engine_artifact: Path, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[ServerProcess]:
-    proc = start(engine_artifact, tmp_path_factory.mktemp("log") / "server.log")
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from serve(engine_artifact, tmp_path_factory)
 
 
 def greedy_answers_equal_the_reference(

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.service.conftest import ServerProcess
+from tests.service.conftest import ServerProcess, serving
 
 KEY = "schema-key"
 NAME = "tiny"
@@ -30,13 +30,8 @@ expected-statuses = ["2xx", "404", "422", "429"]
 
 @pytest.fixture(scope="module")
 def server(artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(artifact, tmp_path_factory.mktemp("openapi") / "server.log",
-                         ("--served-model-name", NAME), env={"ATTNSERVE_API_KEY": KEY})
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from serving(artifact, tmp_path_factory.mktemp("openapi") / "server.log",
+                       ("--served-model-name", NAME), env={"ATTNSERVE_API_KEY": KEY})
 
 
 @pytest.fixture(scope="module")
