@@ -1,4 +1,4 @@
-"""Stats the engine emits; service/metrics.py records them (the engine knows no Prometheus)."""
+"""Stats the engine emits; service/http/metrics.py records them (the engine knows no Prometheus)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ class Overloaded(Exception):
 
 @dataclass(frozen=True)
 class AdmissionStats:
-    """What the gate holds after each change; service/metrics.py exports it."""
+    """What the gate holds after each change; service/http/metrics.py exports it."""
 
     route: str
     running: int

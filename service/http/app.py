@@ -19,11 +19,11 @@ from service.artifact.loader import Artifact, open_artifact
 from service.contract import io_spec as io
 from service.engine.grammar import GrammarCompiler
 from service.http.errors import install_error_handlers
+from service.http.metrics import Metrics
 from service.http.middleware import ObservabilityMiddleware
 from service.http.openapi import install as install_openapi
+from service.http.runtime import Runtime, load_engine
 from service.http.validation import Validator
-from service.metrics import Metrics
-from service.runtime import Runtime, load_engine
 from service.settings import Settings
 
 log = logging.getLogger("attnserve")

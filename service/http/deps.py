@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from service.http.errors import ApiError
-from service.runtime import Runtime
+from service.http.runtime import Runtime
 
 
 def get_runtime(request: Request) -> Runtime:

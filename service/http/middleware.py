@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.http import request_id
 from service.http.errors import ClientDisconnected, error_body
-from service.metrics import Metrics
+from service.http.metrics import Metrics
 
 ROUTES = frozenset({"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions",
                     "/v1/models", "/tokenize", "/detokenize", "/attention", "/health",

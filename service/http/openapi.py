@@ -28,7 +28,7 @@ from service.http.responses import (
     StreamResponse,
     TgiError,
 )
-from service.runtime import Runtime
+from service.http.runtime import Runtime
 
 # (component schema, property) → which resolved limit bounds it
 TOKEN_BOUNDS: dict[tuple[str, str], str] = {

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 
 from service.artifact.loader import open_artifact
+from service.http.metrics import Metrics
 from service.http.routes.attention import encode_json
+from service.http.runtime import Runtime, load_engine
 from service.http.validation import Validator
-from service.metrics import Metrics
 from service.offload import Offload
-from service.runtime import Runtime, load_engine
 from service.settings import Settings
 
 

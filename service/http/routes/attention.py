@@ -26,9 +26,9 @@ from fastapi.responses import Response
 
 from service.http.deps import ReadyRuntime, require_api_key
 from service.http.responses import TgiError, tgi_errors
+from service.http.runtime import Runtime
 from service.http.schemas import AttentionRequest
 from service.http.validation import InputError
-from service.runtime import Runtime
 from service.viz.render import heatmap_grid
 
 router = APIRouter(tags=["attention"], dependencies=[Depends(require_api_key)])

@@ -30,8 +30,8 @@ from service.http.routes.openai import (
     usage,
 )
 from service.http.routes.relay import collect, merge, sse
+from service.http.runtime import Runtime
 from service.http.validation import InputError
-from service.runtime import Runtime
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
 

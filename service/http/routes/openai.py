@@ -23,9 +23,9 @@ from service.http.errors import ApiError
 from service.http.openai_schemas import CompletionRequest, JsonSchemaFormat, OpenAISampling
 from service.http.responses import Completion, ModelCard, ModelList, json_or_sse, openai_errors
 from service.http.routes.relay import collect, merge, sse
+from service.http.runtime import Runtime
 from service.http.schemas import SEED_BOUND
 from service.http.validation import Validator
-from service.runtime import Runtime
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
 OPENAI_ERRORS = openai_errors(401, 404, 413, 422, 424, 429, 503)

@@ -108,9 +108,9 @@ def test_engine_equals_the_plain_loop_with_joins_and_leaves_mid_flight(
 
 
 def test_load_engine_builds_the_engine_from_the_settings(engine_artifact: Path) -> None:
+    from service.http.metrics import Metrics
+    from service.http.runtime import Runtime, load_engine
     from service.http.validation import Validator
-    from service.metrics import Metrics
-    from service.runtime import Runtime, load_engine
 
     settings = Settings.model_validate({"model": engine_artifact, "intra_op_threads": 1,
                                         "max_batch_size": 4, "max_total_tokens": 64,

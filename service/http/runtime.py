@@ -17,8 +17,8 @@ from service.engine.engine import Engine, EngineConfig
 from service.engine.scheduler import Scheduler
 from service.engine.session import create_session
 from service.http.admission import AdmissionGate
+from service.http.metrics import Metrics
 from service.http.validation import Validator
-from service.metrics import Metrics
 from service.offload import Offload, low_priority_threads
 from service.settings import Settings
 from service.viz.attention_model import AttentionModel
