@@ -185,8 +185,8 @@ def wait_refused(url: str) -> None:
     while time.monotonic() < deadline:
         try:
             httpx.get(f"{url}/health", timeout=2)
-        except (httpx.ConnectError, httpx.RemoteProtocolError):
-            return  # refused, or accepted from the backlog and closed unanswered
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+            return  # refused, or accepted from the backlog and closed or reset unanswered
         time.sleep(0.05)
     raise AssertionError("the server kept accepting connections after SIGTERM")
 
