@@ -6,8 +6,8 @@ this makes the one every model has: the early-exit draft of self-speculative dec
 (LayerSkip, Draft & Verify), with no training. It shares the tokenizer, vocabulary,
 embedding and head with the target, so the server accepts it as ``--speculative-model``.
 Untrained early exits agree with the full model less often than a trained small model
-would; the benchmark measures how often, and speculation's own back-off decides whether
-drafting pays.
+would; the benchmark measures how often, and speculation's cost-aware pauses decide
+whether drafting pays.
 
 Usage:
     python -m benchmarks.layer_draft --ckpt checkpoints/smollm2-135m-instruct --layers 8 \

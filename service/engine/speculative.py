@@ -177,6 +177,9 @@ class PassCosts:
         return (self.propose + self.verify) / max(self.plain, 1e-9)
 
 
+ROUND_WEIGHT = 0.3  # share of a new round in the tokens-per-round averages
+
+
 @dataclass
 class RowSpeculation:
     """One sequence's speculation policy: speculate while a round beats plain decoding.
@@ -193,9 +196,6 @@ class RowSpeculation:
 
     tokens_per_round: float | None  # None: no round judged yet, here or in the engine
     pause: int = 0  # steps to decode plainly before proposing again
-    drafted: int = 0
-    accepted: int = 0
-    weight: float = 0.3  # share of a new round in the average
 
     def wants_proposal(self) -> bool:
         if self.pause > 0:
@@ -204,11 +204,9 @@ class RowSpeculation:
         return True
 
     def record(self, verdict: Verdict) -> None:
-        self.drafted += verdict.drafted
-        self.accepted += verdict.accepted
         if verdict.drafted:
             self.tokens_per_round = moving_average(self.tokens_per_round,
-                                                   verdict.accepted + 1, self.weight)
+                                                   verdict.accepted + 1, ROUND_WEIGHT)
 
     def decide(self, round_cost: float | None, probe_budget: float, max_pause: int) -> None:
         """Set the pause from the round's cost in plain steps (None: not yet measured)."""
@@ -333,7 +331,7 @@ class Speculator:
         row.record(verdict)
         if verdict.drafted:
             self.tokens_per_round = moving_average(self.tokens_per_round,
-                                                   verdict.accepted + 1, row.weight)
+                                                   verdict.accepted + 1, ROUND_WEIGHT)
         self._decide(row)
         self.counters.record(verdict)
 
