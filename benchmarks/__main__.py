@@ -9,6 +9,8 @@ Usage (from the repository root, in the dev venv):
     python -m benchmarks --presets smollm2-135m           # SmolLM2-135M shape vs CTranslate2
     python -m benchmarks --presets smollm2-135m-instruct --work .cache/bench-work
                                  # the real SmolLM2 GGUF: llama.cpp on the same file, ours
+    python -m benchmarks --presets smollm2-135m-instruct --work .cache/bench-work --rounds 3
+                                 # the same, every engine measured in three turns
     python -m benchmarks --ckpt small=checkpoints/default --out results/bench/mine
 
 Writes results.json, results.md and results.png under --out (default
@@ -80,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="new tokens of the KV-vs-no-cache comparison: 512 (32 with --quick)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed repetitions per row (default 3/2/2 for batch 1/8/32; 1 quick)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every engine this many times, in turn (A B C, A B C, ...), "
+                        "and report each row's median over the rounds and each ratio as the "
+                        "median of its per-round ratios: drift of a shared machine then "
+                        "moves both sides of a ratio alike (default 1)")
     p.add_argument("--engines", type=_names, default=None,
                    help="subset of torch_nocache,torch_kv,hf_generate,ort_plain,optimum,"
                         "engine,engine_int8,engine_int4,engine_gguf,http,ct2,ct2_int8,"
@@ -166,8 +173,8 @@ def handle(args: argparse.Namespace) -> int:
     unknown = sorted(set(engines or []) - set(ENGINES))
     if unknown:
         raise ValueError(f"unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
-    if args.threads < 1 or args.prompt_tokens < 1:
-        raise ValueError("--threads and --prompt-tokens must be positive")
+    if args.threads < 1 or args.prompt_tokens < 1 or args.rounds < 1:
+        raise ValueError("--threads, --prompt-tokens and --rounds must be positive")
     quick = args.quick
     out = args.out or Path("results/bench") / date.today().isoformat()
     optimum_python, optimum_note = (None, "not requested")
@@ -187,7 +194,7 @@ def handle(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens or (16 if quick else 128),
         long_new_tokens=args.long_new_tokens or (32 if quick else 512),
-        reps=reps, http_waves=1 if quick else 2, engines=engines,
+        reps=reps, rounds=args.rounds, http_waves=1 if quick else 2, engines=engines,
         ckpts=_mapping(args.ckpt, "--ckpt"), artifacts=_mapping(args.artifact, "--artifact"),
         artifacts_int8=_mapping(args.artifact_int8, "--artifact-int8"),
         artifacts_int4=_mapping(args.artifact_int4, "--artifact-int4"),

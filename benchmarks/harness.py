@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,7 @@ class BenchOptions:
     new_tokens: int = 128
     long_new_tokens: int = 512
     reps: dict[int, int] = field(default_factory=lambda: {1: 3, 8: 2, 32: 2})
+    rounds: int = 1  # every engine measured this many times, in turn
     http_waves: int = 2
     engines: list[str] | None = None  # None: DEFAULT_ENGINES per preset
     ckpts: dict[str, Path] = field(default_factory=dict)
@@ -262,6 +264,7 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
               "prompts": prompts["ids"][:max(opts.batch_sizes)], "new_tokens": opts.new_tokens,
               "warmup_tokens": min(4, opts.new_tokens), "reps": opts.reps,
               "n_ctx": opts.prompt_tokens + opts.new_tokens + 8}
+    ready: dict[str, tuple[dict[str, Any], Path | None]] = {}  # engine → (spec, python)
     for engine in (e for e in engines if e != "http"):
         t1 = time.perf_counter()
         missing = _engine_missing(engine, prep, opts)
@@ -288,11 +291,20 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
             if engine.startswith("llamacpp"):
                 python = opts.llamacpp_python
         batches = opts.nocache_batch_sizes if engine == "torch_nocache" else opts.batch_sizes
-        spec = {**common, "engine": engine, "batch_sizes": batches, "paths": prep.paths}
-        payload = run_worker(spec, work / "jobs", opts, python)
-        result["engines"][engine] = ({"error": payload["error"]} if "error" in payload else
-                                     {**payload["result"], "memory": payload.get("memory", {})})
+        ready[engine] = ({**common, "engine": engine, "batch_sizes": batches,
+                          "paths": prep.paths}, python)
         result["timings_s"][engine] = time.perf_counter() - t1
+    rounds: dict[str, list[dict[str, Any]]] = {engine: [] for engine in ready}
+    for turn in range(opts.rounds):
+        if opts.rounds > 1:
+            log(f"  round {turn + 1} of {opts.rounds}")
+        for engine, (spec, python) in ready.items():
+            t1 = time.perf_counter()
+            rounds[engine].append(run_worker(spec, work / "jobs", opts, python))
+            result["timings_s"][engine] += time.perf_counter() - t1
+    skipped = result["engines"]  # the engines that could not run, with why
+    result["engines"] = {e: merge_rounds(rounds[e]) if e in rounds else skipped[e]
+                         for e in engines if e in rounds or e in skipped}
     _greedy_consistency(result)
     if any(e in result["engines"] for e in LLAMACPP_FILES):
         _llamacpp_agreement(result, prep, prompts, opts, work)
@@ -319,6 +331,40 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
             row.pop("greedy_tokens", None)
     result["timings_s"]["total"] = time.perf_counter() - t0
     return result
+
+
+ROUND_MEDIANS = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms", "latency_p50_ms",
+                 "latency_p99_ms")
+
+
+def merge_rounds(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's result over its rounds: the first round's, with every timed figure the
+    median over the rounds (``tokens_per_s_rounds`` keeps each round's, for ratios taken
+    round by round) and the peak memory the highest. An error in any round is the result."""
+    failed = next((p for p in payloads if "error" in p), None)
+    if failed is not None:
+        return {"error": failed["error"]}
+    results = [p["result"] for p in payloads]
+    merged = {**results[0], "memory": max((p.get("memory", {}) for p in payloads),
+                                          key=lambda m: m.get("peak_mb") or 0.0)}
+    if len(results) == 1:
+        return merged
+    rows = []
+    for i, first in enumerate(results[0].get("rows", [])):
+        same = [r["rows"][i] for r in results]
+        row = {**first, "rounds": len(same),
+               "tokens_per_s_rounds": [r.get("tokens_per_s") for r in same]}
+        for key in ROUND_MEDIANS:
+            values = [r[key] for r in same if r.get(key) is not None]
+            if values:
+                row[key] = statistics.median(values)
+        own = [r["own"]["decode_tokens_per_s"] for r in same
+               if (r.get("own") or {}).get("decode_tokens_per_s") is not None]
+        if own:
+            row["own"] = {**first["own"], "decode_tokens_per_s": statistics.median(own)}
+        rows.append(row)
+    merged["rows"] = rows
+    return merged
 
 
 def http_ttft_reps(opts: BenchOptions) -> int:
@@ -450,6 +496,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                      "prompt_tokens": opts.prompt_tokens, "new_tokens": opts.new_tokens,
                      "long_new_tokens": opts.long_new_tokens,
                      "reps": {str(k): v for k, v in opts.reps.items()},
+                     "rounds": opts.rounds,
                      "engines": opts.engines or {p: engines_for(p, opts) for p in opts.presets},
                      "optimum": opts.optimum_note or "available",
                      "llamacpp": opts.llamacpp_note or "available"},

@@ -6,6 +6,7 @@ HTTP rows at concurrency c are set beside batch c.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,18 @@ BASELINE = "hf_generate"
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def pair_ratio(rows: list[dict[str, Any]], a: str, b: str, batch: int) -> float | None:
+    """Engine a's tokens/s ÷ engine b's at one batch size. Rows measured in the same rounds
+    (``--rounds``) give the median of the per-round ratios, so a machine that drifts
+    between rounds moves both sides of each ratio alike."""
+    row_a, row_b = (next((r for r in rows if r["engine"] == e and r["batch"] == batch), {})
+                    for e in (a, b))
+    ra, rb = row_a.get("tokens_per_s_rounds"), row_b.get("tokens_per_s_rounds")
+    if ra and rb and len(ra) == len(rb) and None not in ra and None not in rb and all(rb):
+        return statistics.median(x / y for x, y in zip(ra, rb, strict=True))
+    return _ratio(row_a.get("tokens_per_s"), row_b.get("tokens_per_s"))
 
 
 def flat_rows(preset: dict[str, Any]) -> list[dict[str, Any]]:
@@ -121,13 +134,12 @@ def peer_targets(preset: dict[str, Any], ceiling: dict[str, Any],
     """The imported presets' targets: ratios to the peers within this one run, the batch-1
     share of the memory-bandwidth bound, and int8 agreement."""
     rows = flat_rows(preset)
-    tps = {(r["engine"], r["batch"]): r.get("tokens_per_s") for r in rows}
     big = max((r["batch"] for r in rows if r["engine"] == "engine"), default=32)
     out = []
     for a, b, batch, target in PEER_CHECKS[name]:
         n = batch or big
         out.append(_check(f"{LABELS[a]} vs {LABELS[b]}, batch {n}",
-                          _ratio(tps.get((a, n)), tps.get((b, n))), target, True, "×",
+                          pair_ratio(rows, a, b, n), target, True, "×",
                           f"needs the {a} and {b} rows"))
     fractions = bandwidth_fractions(preset, ceiling)
     preset["bandwidth_fraction_batch1"] = fractions
@@ -149,11 +161,10 @@ def evaluate_targets(preset: dict[str, Any], ceiling: dict[str, Any],
     if name in PEER_CHECKS:
         return peer_targets(preset, ceiling, name)
     rows = flat_rows(preset)
-    tps = {(r["engine"], r["batch"]): r.get("tokens_per_s") for r in rows}
     big = max((r["batch"] for r in rows if r["engine"] == "engine"), default=32)
 
     def ratio(a: str, b: str, batch: int) -> float | None:
-        return _ratio(tps.get((a, batch)), tps.get((b, batch)))
+        return pair_ratio(rows, a, b, batch)
 
     out = [
         _check("engine vs transformers, batch 1", ratio("engine", BASELINE, 1), 2.0, True, "×",
@@ -224,6 +235,11 @@ def markdown(run: dict[str, Any]) -> str:
               "KV cache: the engines run the same weights (near-ties on random weights "
               "may flip a token); 'prefix = (4)' is the mean number of leading generated "
               "tokens equal to our fp32 engine's (same-weights check for the peers).", ""]
+    if s.get("rounds", 1) > 1:
+        lines += [f"Every engine was measured in {s['rounds']} rounds, in turn: each figure "
+                  "is the median over the rounds of that round's median, and each ratio "
+                  "between two engines the median of their per-round ratios "
+                  "(`tokens_per_s_rounds` in the JSON).", ""]
     for name, p in run["presets"].items():
         lines += [f"## {name} — {p['params'] / 1e6:.2f} M parameters, weights: {p['weights']}", ""]
         lines += ["| engine | batch | tok/s | ×(3) | decode tok/s | own decode tok/s | TTFT ms "
@@ -309,8 +325,7 @@ def same_file_lines(p: dict[str, Any]) -> list[str]:
     for ours, theirs, label in PAIRS:
         if not any(r["engine"] in (ours, theirs) for r in rows):
             continue
-        ratio = [_fmt(_ratio(_get(rows, ours, b, "tokens_per_s"),
-                             _get(rows, theirs, b, "tokens_per_s")), 2) for b in batches]
+        ratio = [_fmt(pair_ratio(rows, ours, theirs, b), 2) for b in batches]
         own = [_fmt((next((r.get("own") or {} for r in rows
                            if r["engine"] == theirs and r["batch"] == b), {})).get(
                                "decode_tokens_per_s")) for b in batches]
