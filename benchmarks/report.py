@@ -43,8 +43,7 @@ def pair_ratio(rows: list[dict[str, Any]], a: str, b: str, batch: int) -> float 
     """Engine a's tokens/s ÷ engine b's at one batch size. Rows measured in the same rounds
     (``--rounds``) give the median of the per-round ratios, so a machine that drifts
     between rounds moves both sides of each ratio alike."""
-    row_a, row_b = (next((r for r in rows if r["engine"] == e and r["batch"] == batch), {})
-                    for e in (a, b))
+    row_a, row_b = _row(rows, a, batch), _row(rows, b, batch)
     ra, rb = row_a.get("tokens_per_s_rounds"), row_b.get("tokens_per_s_rounds")
     if ra and rb and len(ra) == len(rb) and None not in ra and None not in rb and all(rb):
         return statistics.median(x / y for x, y in zip(ra, rb, strict=True))
@@ -74,12 +73,14 @@ def flat_rows(preset: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _row(rows: list[dict[str, Any]], engine: str, batch: int) -> dict[str, Any]:
+    """The engine's row at that batch size ({} when it was not measured)."""
+    return next((r for r in rows if r["engine"] == engine and r["batch"] == batch), {})
+
+
 def _get(rows: list[dict[str, Any]], engine: str, batch: int, key: str) -> float | None:
-    for r in rows:
-        if r["engine"] == engine and r["batch"] == batch:
-            value = r.get(key)
-            return float(value) if value is not None else None
-    return None
+    value = _row(rows, engine, batch).get(key)
+    return float(value) if value is not None else None
 
 
 def _check(name: str, value: float | None, target: float, higher: bool, unit: str,
@@ -326,9 +327,8 @@ def same_file_lines(p: dict[str, Any]) -> list[str]:
         if not any(r["engine"] in (ours, theirs) for r in rows):
             continue
         ratio = [_fmt(pair_ratio(rows, ours, theirs, b), 2) for b in batches]
-        own = [_fmt((next((r.get("own") or {} for r in rows
-                           if r["engine"] == theirs and r["batch"] == b), {})).get(
-                               "decode_tokens_per_s")) for b in batches]
+        own = [_fmt((_row(rows, theirs, b).get("own") or {}).get("decode_tokens_per_s"))
+               for b in batches]
         lines.append(f"| {label} | {' / '.join(cells(ours))} | {' / '.join(cells(theirs))} | "
                      f"{' / '.join(ratio)} | {' / '.join(own)} | {agreed(ours)} | "
                      f"{agreed(theirs)} |")
