@@ -17,14 +17,17 @@ Usage (from the repository root, in the dev venv):
     python -m benchmarks.serve --model artifacts/default --attention-flood 20
     # running streams' inter-token gaps while a maximum-length prompt joins, every 4 s
     python -m benchmarks.serve --model artifacts/default --long-join-interval 4
-    # continuous batching against the same requests as static batches of 32 (in process)
+    # continuous batching against the same requests as static batches of 32 (in process),
+    # three rounds with the static reference measured around each: the median ratio counts
     python -m benchmarks.serve --model artifacts/default --backend openai --ignore-eos \\
-        --input-len 64 --output-len 128 --num-prompts 96 --max-concurrency 32 --static-baseline
+        --input-len 64 --output-len 128 --num-prompts 96 --max-concurrency 32 \\
+        --static-baseline --rounds 3
 
 Writes, under --result-dir (default results/serve/<date>-<workload>), one JSON per request
 rate with vLLM's field names (completed, duration, request_throughput, output_throughput,
 total_token_throughput, request_goodput, mean_/median_/std_/pNN_ttft_ms, ..._tpot_ms,
-..._itl_ms, ..._e2el_ms, the per-request arrays), plus report.md and report.png.
+..._itl_ms, ..._e2el_ms, the per-request arrays), plus report.md and report.png. With
+--rounds N every rate is run N times (JSON names end in -roundK).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from datetime import date, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 
 from benchmarks.serve import client as load
@@ -151,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--max-concurrency (engine.onnx, same threads) before and after the "
                         "HTTP runs and report continuous ÷ static output throughput; needs "
                         "--model")
+    p.add_argument("--rounds", type=_positive, default=1,
+                   help="run every request rate this many times in turn; with "
+                        "--static-baseline the reference is also measured between rounds "
+                        "and the ratio reported is the median of the rounds' (default 1)")
     p.add_argument("--result-dir", type=Path, default=None,
                    help="where the JSON, report.md and report.png go "
                         "(default results/serve/<date>-<workload>)")
@@ -219,17 +226,17 @@ def _attention_text(tokenizer: Path, n_tokens: int, seed: int) -> str:
     return random_requests(codec, 1, n_tokens, 1, 0.0, seed + 1)[0].prompt
 
 
-async def _served_model(client: httpx.AsyncClient) -> tuple[str, dict[str, Any]]:
+async def _served_model(client: aiohttp.ClientSession) -> tuple[str, dict[str, Any]]:
     info: dict[str, Any] = {}
     try:
-        r = await client.get("/info")
-        if r.status_code == 200:
-            info = r.json()
-    except httpx.HTTPError:
+        async with client.get("/info") as r:
+            if r.status == 200:
+                info = await r.json()
+    except load.CLIENT_ERRORS:
         pass
-    r = await client.get("/v1/models")
-    r.raise_for_status()
-    return str(r.json()["data"][0]["id"]), info
+    async with client.get("/v1/models", raise_for_status=True) as r:
+        models = await r.json()
+    return str(models["data"][0]["id"]), info
 
 
 def _long_prompts(args: argparse.Namespace, info: dict[str, Any]) -> list[str]:
@@ -248,9 +255,10 @@ def _long_prompts(args: argparse.Namespace, info: dict[str, Any]) -> list[str]:
 async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequest],
                    rate: float, attention_text: str | None) -> dict[str, Any]:
     limit = args.max_concurrency or len(requests)
-    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
-    timeout = httpx.Timeout(args.request_timeout)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    connections = aiohttp.TCPConnector(limit=limit + 4)
+    async with aiohttp.ClientSession(base_url=url, timeout=timeout,
+                                     connector=connections) as client:
         model, info = await _served_model(client)
         send = load.request_func(args.backend, model, ignore_eos=args.ignore_eos)
         for req in requests[:args.num_warmups]:
@@ -263,8 +271,9 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
         stop = asyncio.Event()
         flooding = None
         if attention_text is not None and args.attention_flood > 0:
-            flood_client = httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(
-                max_connections=args.attention_flood))
+            flood_client = aiohttp.ClientSession(
+                base_url=url, timeout=timeout,
+                connector=aiohttp.TCPConnector(limit=args.attention_flood))
             body = {"inputs": attention_text, "format": args.attention_format,
                     "include": [k.strip() for k in args.attention_include.split(",")]}
             flooding = asyncio.create_task(load.attention_flood(
@@ -279,14 +288,16 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
                 client, long_prompts, args.long_join_interval, t_start, stop, joins))
         started = datetime.now().astimezone().isoformat(timespec="seconds")
         load_before = os.getloadavg()[0]
+        cpu_before = time.process_time()
         try:
             outputs, duration = await load.run_load(client, send, requests, offsets,
                                                     args.max_concurrency, start=t_start)
         finally:
             stop.set()
+            client_cpu = time.process_time() - cpu_before
             if flooding is not None:
                 await flooding
-                await flood_client.aclose()
+                await flood_client.close()
             if joining is not None:
                 await joining
     goodput = parse_goodput(args.goodput)
@@ -297,9 +308,10 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
         "ignore_eos": args.ignore_eos,
         "max_concurrency": args.max_concurrency, "goodput": goodput or None,
         "workload_params": _workload_params(args), "server_info": info,
-        # Timings mean little on a busy machine: say how busy it was.
+        # Timings mean little on a busy machine: say how busy it was, and how much of it
+        # this client took (it shares the machine with the server it measures).
         "host": {"cpus": os.cpu_count(), "loadavg_1m_before": load_before,
-                 "loadavg_1m_after": os.getloadavg()[0]},
+                 "loadavg_1m_after": os.getloadavg()[0], "client_cpu_s": client_cpu},
     }
     run.update(calculate_metrics(outputs, duration, args.metric_percentiles, goodput))
     if joining is not None:
@@ -338,23 +350,28 @@ def _rate_name(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def _json_name(args: argparse.Namespace, rate: float) -> str:
+def _json_name(args: argparse.Namespace, run: dict[str, Any]) -> str:
     label = f"{args.label}-" if args.label else ""
-    return f"{label}{args.backend}-{args.workload}-rate{_rate_name(rate)}.json"
+    round_part = f"-round{run['round']}" if args.rounds > 1 else ""
+    return (f"{label}{args.backend}-{args.workload}-rate{_rate_name(run['request_rate'])}"
+            f"{round_part}.json")
 
 
 def _static_baseline(args: argparse.Namespace, requests: list[SampleRequest]
                      ) -> StaticBaseline:
     """The same requests as static batches of --max-concurrency, in this process."""
     batch = args.max_concurrency or len(requests)
+    between = " and between rounds" if args.rounds > 1 else ""
     print(f"static baseline: {len(requests)} requests in batches of {batch}, in process, "
-          "before and after the HTTP runs", file=sys.stderr)
+          f"before and after the HTTP runs{between}", file=sys.stderr)
     return StaticBaseline(args.model, requests, batch, args.server_threads, args.ignore_eos)
 
 
 def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
-                attention_text: str | None, out: Path, command: str) -> list[dict[str, Any]]:
-    """One run per request rate against the server (started here without --url)."""
+                attention_text: str | None, out: Path, command: str,
+                between_rounds: Callable[[], object] | None = None) -> list[dict[str, Any]]:
+    """One run per request rate and round against the server (started here without --url);
+    ``between_rounds`` runs after every round but the last, the server idle."""
     server = None
     if args.url is None:
         from benchmarks.http_load import Server
@@ -369,15 +386,19 @@ def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
         if server is not None:
             server.wait_ready()
         url = args.url or (server.url if server else "")
-        for rate in args.request_rate:
-            run = asyncio.run(run_rate(args, url.rstrip("/"), requests, rate, attention_text))
-            run["command"] = command
-            if server is not None:
-                run["server_env"] = _server_env(args.server_env)
-                run["server_threads"] = args.server_threads
-            _write_json(out / _json_name(args, rate), run)
-            print(report.summary(run))
-            runs.append(run)
+        for round_number in range(1, args.rounds + 1):
+            if round_number > 1 and between_rounds is not None:
+                between_rounds()
+            for rate in args.request_rate:
+                run = asyncio.run(run_rate(args, url.rstrip("/"), requests, rate,
+                                           attention_text))
+                run["command"], run["round"] = command, round_number
+                if server is not None:
+                    run["server_env"] = _server_env(args.server_env)
+                    run["server_threads"] = args.server_threads
+                _write_json(out / _json_name(args, run), run)
+                print(report.summary(run))
+                runs.append(run)
     finally:
         if server is not None:
             server.stop()
@@ -412,13 +433,17 @@ def handle(args: argparse.Namespace) -> int:
     try:
         if static is not None:
             static.measure()  # before the server starts; again after it stops
-        runs = _serve_runs(args, requests, attention_text, out, command)
+        runs = _serve_runs(args, requests, attention_text, out, command,
+                           static.measure if static is not None else None)
         if static is not None:
             static.measure()
             for run in runs:
-                run["static_baseline"] = static.result(run["output_throughput"])
-                _write_json(out / _json_name(args, run["request_rate"]), run)
+                run["static_baseline"] = static.result(run["output_throughput"],
+                                                       run["round"] - 1)
+                _write_json(out / _json_name(args, run), run)
                 print(report.static_summary(run))
+            if args.rounds > 1:
+                print(report.static_rounds(runs))
     finally:
         if static is not None:
             static.close()
@@ -437,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("benchmarks.serve: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError, RuntimeError, httpx.HTTPError) as exc:
+    except (ValueError, OSError, RuntimeError, *load.CLIENT_ERRORS) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"benchmarks.serve: error: {message}", file=sys.stderr)
         return 2

@@ -6,6 +6,11 @@ requests span n/rate seconds; rate ``inf`` sends them all at once. ``max_concurr
 caps the requests in flight; an arrival beyond the cap waits for a slot, and its latency
 is counted from when it is sent. Every request streams, so time to first token and each
 inter-token gap are measured where a client sees them: when the SSE line arrives.
+
+The client is aiohttp, as vLLM's is: it shares the machine with the server it measures,
+and per streamed line it spends a fraction of httpx's CPU time (docs/benchmarks.md), time
+the server's ONNX Runtime threads would otherwise lose. Each run records the client's own
+CPU seconds.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 
 from benchmarks.serve.workloads import SampleRequest
@@ -74,27 +79,32 @@ class _Timer:
         self.out.latency = self.last - self.sent
 
 
-async def _sse(response: httpx.Response) -> Any:
-    async for line in response.aiter_lines():
+# What a failed request or connection raises (a timeout is asyncio's TimeoutError).
+CLIENT_ERRORS = (aiohttp.ClientError, TimeoutError)
+
+
+async def _sse(response: aiohttp.ClientResponse) -> Any:
+    async for raw in response.content:  # one line at a time
+        line = raw.decode("utf-8")
         if line.startswith("data:"):
             data = line[len("data:"):].strip()
             yield None if data == "[DONE]" else json.loads(data)
 
 
-async def _failed(response: httpx.Response, out: RequestOutput) -> RequestOutput:
-    body = (await response.aread()).decode("utf-8", "replace")
-    out.error = f"HTTP {response.status_code}: {body[:300]}"
+async def _failed(response: aiohttp.ClientResponse, out: RequestOutput) -> RequestOutput:
+    body = (await response.read()).decode("utf-8", "replace")
+    out.error = f"HTTP {response.status}: {body[:300]}"
     return out
 
 
-async def tgi_request(client: httpx.AsyncClient, req: SampleRequest,
+async def tgi_request(client: aiohttp.ClientSession, req: SampleRequest,
                       out: RequestOutput) -> RequestOutput:
     """POST /generate_stream: one SSE event per token; the last carries the details."""
     body = {"inputs": req.prompt, "parameters": {
         "max_new_tokens": req.expected_output_len, "do_sample": False, "details": True}}
     timer = _Timer(out)
-    async with client.stream("POST", "/generate_stream", json=body) as r:
-        if r.status_code != 200:
+    async with client.post("/generate_stream", json=body) as r:
+        if r.status != 200:
             return await _failed(r, out)
         async for event in _sse(r):
             if event is None:
@@ -112,7 +122,7 @@ async def tgi_request(client: httpx.AsyncClient, req: SampleRequest,
     return out
 
 
-async def openai_request(client: httpx.AsyncClient, req: SampleRequest, out: RequestOutput,
+async def openai_request(client: aiohttp.ClientSession, req: SampleRequest, out: RequestOutput,
                          model: str, ignore_eos: bool = False) -> RequestOutput:
     """POST /v1/completions with stream and usage: chunks timed, usage counts the tokens.
     ``ignore_eos`` is vLLM's extension (exactly max_tokens tokens), as `vllm bench serve
@@ -124,8 +134,8 @@ async def openai_request(client: httpx.AsyncClient, req: SampleRequest, out: Req
         body["ignore_eos"] = True
     timer = _Timer(out)
     texts: list[str] = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
+    async with client.post("/v1/completions", json=body) as r:
+        if r.status != 200:
             return await _failed(r, out)
         async for event in _sse(r):
             if event is None:
@@ -146,7 +156,7 @@ async def openai_request(client: httpx.AsyncClient, req: SampleRequest, out: Req
     return out
 
 
-RequestFunc = Callable[[httpx.AsyncClient, SampleRequest, RequestOutput],
+RequestFunc = Callable[[aiohttp.ClientSession, SampleRequest, RequestOutput],
                        Awaitable[RequestOutput]]
 
 
@@ -160,7 +170,7 @@ def request_func(backend: str, model: str | None, ignore_eos: bool = False) -> R
             raise ValueError("the openai backend needs the served model name")
         name = model
 
-        async def call(client: httpx.AsyncClient, req: SampleRequest,
+        async def call(client: aiohttp.ClientSession, req: SampleRequest,
                        out: RequestOutput) -> RequestOutput:
             return await openai_request(client, req, out, name, ignore_eos)
 
@@ -168,7 +178,7 @@ def request_func(backend: str, model: str | None, ignore_eos: bool = False) -> R
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 
-async def run_load(client: httpx.AsyncClient, send: RequestFunc,
+async def run_load(client: aiohttp.ClientSession, send: RequestFunc,
                    requests: list[SampleRequest], offsets: list[float],
                    max_concurrency: int | None, start: float | None = None
                    ) -> tuple[list[RequestOutput], float]:
@@ -184,7 +194,7 @@ async def run_load(client: httpx.AsyncClient, send: RequestFunc,
                             start_time=time.perf_counter() - start)
         try:
             return await send(client, req, out)
-        except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as exc:
+        except (*CLIENT_ERRORS, json.JSONDecodeError, KeyError, ValueError) as exc:
             out.error = f"{type(exc).__name__}: {exc}"
             return out
         finally:
@@ -210,7 +220,7 @@ class FloodStats:
     ok_latencies: list[float] = field(default_factory=list)
 
 
-async def attention_flood(client: httpx.AsyncClient, body: dict[str, Any], concurrency: int,
+async def attention_flood(client: aiohttp.ClientSession, body: dict[str, Any], concurrency: int,
                           interval: float, stop: asyncio.Event, stats: FloodStats) -> None:
     """A wave of ``concurrency`` simultaneous /attention requests every ``interval``
     seconds (or when the last wave is answered, if later) until ``stop`` is set."""
@@ -220,11 +230,11 @@ async def attention_flood(client: httpx.AsyncClient, body: dict[str, Any], concu
         try:
             # Streamed and dropped: a full-size answer is tens of MB, and holding it would
             # cost this process time it owes to timing the token streams.
-            async with client.stream("POST", "/attention", json=body) as r:
-                async for _ in r.aiter_raw():
+            async with client.post("/attention", json=body) as r:
+                async for _ in r.content.iter_chunked(1 << 16):
                     pass
-                code = str(r.status_code)
-        except httpx.HTTPError as exc:
+                code = str(r.status)
+        except CLIENT_ERRORS as exc:
             code = type(exc).__name__
         stats.sent += 1
         if code == "200":
@@ -250,7 +260,7 @@ class JoinStats:
     failed: list[str] = field(default_factory=list)
 
 
-async def long_prompt_joins(client: httpx.AsyncClient, prompts: list[str], interval: float,
+async def long_prompt_joins(client: aiohttp.ClientSession, prompts: list[str], interval: float,
                             start: float, stop: asyncio.Event, stats: JoinStats) -> None:
     """One maximum-length prompt (one new token) every ``interval`` seconds, one at a time,
     until ``stop`` or the prompts run out: the running streams' gaps while it is prefilled
@@ -264,11 +274,12 @@ async def long_prompt_joins(client: httpx.AsyncClient, prompts: list[str], inter
         body = {"inputs": prompt, "parameters": {"max_new_tokens": 1, "do_sample": False}}
         sent = time.perf_counter() - start
         try:
-            r = await client.post("/generate", json=body)
-            if r.status_code != 200:
-                stats.failed.append(f"HTTP {r.status_code}: {r.text[:200]}")
-                continue
-        except httpx.HTTPError as exc:
+            async with client.post("/generate", json=body) as r:
+                if r.status != 200:
+                    stats.failed.append(f"HTTP {r.status}: {(await r.text())[:200]}")
+                    continue
+                await r.read()
+        except CLIENT_ERRORS as exc:
             stats.failed.append(f"{type(exc).__name__}: {exc}")
             continue
         stats.windows.append((sent, time.perf_counter() - start))

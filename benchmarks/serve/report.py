@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,12 @@ TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1
 def _rate(run: dict[str, Any]) -> str:
     rate = run["request_rate"]
     return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _rate_round(run: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    """The rate, and the round when the runs were repeated (--rounds)."""
+    repeated = any(r.get("round", 1) > 1 for r in runs)
+    return f"{_rate(run)}, round {run['round']}" if repeated else _rate(run)
 
 
 def summary(run: dict[str, Any]) -> str:
@@ -70,11 +77,27 @@ def static_summary(run: dict[str, Any]) -> str:
     static = run["static_baseline"]
     eos = "ignored" if static["ignore_eos"] else "a stop"
     each = " / ".join(f"{r['output_throughput']:.1f}" for r in static["runs"])
-    return (f"rate {_rate(run)}: continuous {run['output_throughput']:.1f} output tok/s "
+    where = f"rate {_rate(run)}" + (f", round {run['round']}" if "round" in run else "")
+    return (f"{where}: continuous {run['output_throughput']:.1f} output tok/s "
             f"({run['total_output_tokens']} tokens) vs static batches of {static['batch']} "
             f"{static['output_throughput']:.1f} tok/s (before / after: {each}; "
             f"{static['output_tokens']} tokens, end-of-sequence {eos}): "
             f"{static['continuous_vs_static']:.3f}×")
+
+
+def static_rounds(runs: list[dict[str, Any]]) -> str:
+    """Per rate, the median over rounds of continuous ÷ static (--rounds with
+    --static-baseline): the figure to quote."""
+    lines = []
+    for rate in dict.fromkeys(r["request_rate"] for r in runs):
+        ratios = [r["static_baseline"]["continuous_vs_static"] for r in runs
+                  if r["request_rate"] == rate and r.get("static_baseline")]
+        if ratios:
+            each = ", ".join(f"{x:.3f}" for x in ratios)
+            lines.append(f"rate {_rate({'request_rate': rate})}: continuous ÷ static, median "
+                         f"of {len(ratios)} rounds: {statistics.median(ratios):.3f}× "
+                         f"(rounds: {each})")
+    return "\n".join(lines)
 
 
 def _host(runs: list[dict[str, Any]]) -> str:
@@ -82,8 +105,11 @@ def _host(runs: list[dict[str, Any]]) -> str:
     if not hosts:
         return ""
     loads = [h[k] for h in hosts for k in ("loadavg_1m_before", "loadavg_1m_after")]
+    cpu = [h["client_cpu_s"] for h in hosts if "client_cpu_s" in h]
+    took = (f"; this client took {' / '.join(f'{c:.1f}' for c in cpu)} CPU s of it"
+            if cpu else "")
     return (f"Client host: {hosts[0]['cpus']} CPUs, 1-minute load average "
-            f"{min(loads):.1f}–{max(loads):.1f} during the runs.")
+            f"{min(loads):.1f}–{max(loads):.1f} during the runs{took}.")
 
 
 def markdown(runs: list[dict[str, Any]], command: str) -> str:
@@ -102,7 +128,8 @@ def markdown(runs: list[dict[str, Any]], command: str) -> str:
 
         goodput = run["request_goodput"]
         lines.append(
-            f"| {run['workload']} | {_rate(run)} | {run.get('max_concurrency') or '–'} | "
+            f"| {run['workload']} | {_rate_round(run, runs)} | "
+            f"{run.get('max_concurrency') or '–'} | "
             f"{run['completed']} / {run['failed']} | {run['duration']:.1f} | "
             f"{run['request_throughput']:.2f} | "
             f"{'–' if goodput is None else f'{goodput:.2f}'} | "
@@ -117,6 +144,8 @@ def markdown(runs: list[dict[str, Any]], command: str) -> str:
                   "as static batches (`--static-baseline`: engine.onnx, no prefix cache, each "
                   "batch prefilled together and decoded until its last row ends):", ""]
         lines += [f"- {static_summary(run)}" for run in statics]
+        if len(statics) > len({r["request_rate"] for r in statics}):
+            lines += [""] + [f"**{line}**" for line in static_rounds(statics).splitlines()]
     floods = [r for r in runs if r.get("attention_flood")]
     for run in floods:
         f = run["attention_flood"]
@@ -136,7 +165,7 @@ def figure(runs: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for run in runs:
-        label = f"{run['workload']} @ {_rate(run)}/s"
+        label = f"{run['workload']} @ {_rate_round(run, runs)}/s"
         itls = np.sort([g * 1000 for gaps in run["itls"] for g in gaps])
         if len(itls):
             axes[0].plot(itls, np.arange(1, len(itls) + 1) / len(itls), label=label)

@@ -12,7 +12,10 @@ over the wall time of all batches, prefills included, as the HTTP run's does.
 This machine's speed drifts by 10-20 % over a minute when it is shared, so the reference
 is measured right before and right after the HTTP runs (the server idle) and the ratio
 uses their mean: a drift that a single measurement would fold into the ratio shows up as
-the two disagreeing.
+the two disagreeing. With ``--rounds N`` the HTTP runs are repeated and the reference is
+measured between rounds too, so each round's ratio uses the two measurements around it,
+and the figure reported is the median of the rounds' ratios (drift within a round cancels;
+a round disturbed by something else on the machine does not move the median).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class StaticBaseline:
         longest = max(len(p) + n for p, n in zip(prompts, limits, strict=True))
         self.runner = EngineRunner(artifact, threads, name="static", max_len=longest)
 
-    def measure(self) -> None:
+    def measure(self) -> dict[str, float]:
         """One pass over every batch, timed (the first call warms up on the first batch's
         shapes first, as every engine row of the harness is warmed)."""
         if not self.runs:
@@ -54,14 +57,19 @@ class StaticBaseline:
             result = self.runner.generate_until(prompts, limits, stop_at_eos=not self.ignore_eos)
             generated += sum(len(tokens) for tokens in result.tokens)
         duration = time.perf_counter() - t0
-        self.runs.append({"output_tokens": generated, "duration": duration,
-                          "output_throughput": generated / duration})
+        run = {"output_tokens": generated, "duration": duration,
+               "output_throughput": generated / duration}
+        self.runs.append(run)
+        return run
 
-    def result(self, continuous_throughput: float) -> dict[str, Any]:
-        reference = statistics.mean(r["output_throughput"] for r in self.runs)
+    def result(self, continuous_throughput: float, round_index: int = 0) -> dict[str, Any]:
+        """The reference for a run of round ``round_index`` (0-based): the mean of the
+        measurements before and after that round."""
+        around = self.runs[round_index:round_index + 2]
+        reference = statistics.mean(r["output_throughput"] for r in around)
         return {"batch": self.batch, "batches": len(self.groups), "ignore_eos": self.ignore_eos,
-                "threads": self.threads, "runs": self.runs,
-                "output_tokens": self.runs[0]["output_tokens"],
+                "threads": self.threads, "runs": around,
+                "output_tokens": around[0]["output_tokens"],
                 "output_throughput": reference,
                 "continuous_vs_static": continuous_throughput / reference,
                 "engine": "engine.onnx in process: static batches, no prefix cache, no chunks"}

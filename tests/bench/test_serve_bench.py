@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -153,6 +154,29 @@ def test_chat_workload_renders_the_models_template_and_shares_its_prefix(
     assert metric_total(server.url, "attnserve_prefix_cache_hits_total") > hits
 
 
+def test_long_prompt_joins_are_sent_answered_and_split_from_steady_gaps(
+        server: Server, tiny_artifact: Path, tmp_path: Path) -> None:
+    """--long-join-interval: prompts of --long-join-len tokens join while the load runs; each
+    is answered (one new token each, as the server counts), and the streams' gaps are split
+    into those overlapping a join and the rest, which together are all of them."""
+    before = generated_tokens(server.url)
+    code = main(["--url", server.url, "--model", str(tiny_artifact), "--backend", "openai",
+                 "--ignore-eos", "--input-len", "16", "--output-len", "100",
+                 "--num-prompts", "6", "--max-concurrency", "1", "--num-warmups", "0",
+                 "--long-join-interval", "0.02",
+                 "--long-join-count", "2", "--long-join-len", "40",
+                 "--result-dir", str(tmp_path)])
+    assert code == 0
+    (run,) = runs(tmp_path)
+    joins = run["long_prompt_joins"]
+    assert joins["failed"] == [] and joins["prompt_len"] == 40
+    assert 1 <= joins["joins"] == len(joins["windows"]) <= 2
+    assert all(0 < sent < answered for sent, answered in joins["windows"])
+    assert joins["gaps_during"] + joins["gaps_steady"] == sum(len(g) for g in run["itls"])
+    assert generated_tokens(server.url) - before == run["total_output_tokens"] + joins["joins"]
+    assert run["host"]["client_cpu_s"] > 0  # the client's own share of the machine
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--model", "x", "--goodput", "itl:5"], "--goodput"),
     (["--workload", "random"], "--url"),
@@ -188,3 +212,45 @@ def test_static_baseline_runs_the_same_requests_beside_the_continuous_run(
     assert static["output_throughput"] == pytest.approx(mean)
     assert static["continuous_vs_static"] == pytest.approx(run["output_throughput"] / mean)
     assert "static batches of 4" in (tmp_path / "report.md").read_text()
+
+
+def test_a_server_that_is_not_there_exits_2_with_one_line(
+        tiny_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Port 9 (discard) is closed here: the connection error is one line, and no result is
+    written."""
+    assert main(["--url", "http://127.0.0.1:9", "--model", str(tiny_artifact),
+                 "--num-prompts", "1", "--result-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("benchmarks.serve: error:") and len(err.splitlines()) == 1
+    assert "127.0.0.1:9" in err
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_rounds_measure_the_static_reference_between_them_and_report_the_median(
+        server: Server, tiny_artifact: Path, tmp_path: Path) -> None:
+    """--rounds 2 --static-baseline: two runs (one JSON each), three static measurements
+    (before, between, after), each round's ratio against the two around it, and the median
+    of the rounds' ratios in report.md."""
+    code = main(["--url", server.url, "--model", str(tiny_artifact), "--backend", "openai",
+                 "--ignore-eos", "--input-len", "16", "--output-len", "8", "--num-prompts", "4",
+                 "--max-concurrency", "4", "--num-warmups", "0", "--static-baseline",
+                 "--rounds", "2", "--result-dir", str(tmp_path)])
+    assert code == 0
+    names = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert names == ["openai-random-rateinf-round1.json", "openai-random-rateinf-round2.json"]
+    first, second = (json.loads((tmp_path / name).read_text()) for name in names)
+    assert (first["round"], second["round"]) == (1, 2)
+    assert first["output_lens"] == second["output_lens"] == [8] * 4
+    # The measurement between the rounds closes round 1 and opens round 2.
+    assert first["static_baseline"]["runs"][1] == second["static_baseline"]["runs"][0]
+    assert first["static_baseline"]["runs"][0] != second["static_baseline"]["runs"][1]
+    ratios = []
+    for run in (first, second):
+        static = run["static_baseline"]
+        assert [r["output_tokens"] for r in static["runs"]] == [32, 32]
+        mean = float(np.mean([r["output_throughput"] for r in static["runs"]]))
+        assert static["continuous_vs_static"] == pytest.approx(run["output_throughput"] / mean)
+        ratios.append(run["output_throughput"] / mean)
+    md = (tmp_path / "report.md").read_text()
+    assert f"median of 2 rounds: {float(np.median(ratios)):.3f}×" in md
+    assert "| inf, round 1 |" in md and "| inf, round 2 |" in md
