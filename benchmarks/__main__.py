@@ -146,14 +146,14 @@ def _optimum(args: argparse.Namespace) -> tuple[Path | None, str]:
 def _llamacpp(args: argparse.Namespace) -> tuple[Path | None, str]:
     from benchmarks.llamacpp_env import ensure_overlay, has_llama_cpp, overlay_python
 
-    python = overlay_python(args.llamacpp_venv)
-    if python.exists() and has_llama_cpp(python):
-        return python, ""
-    if args.setup_llamacpp:
+    if args.setup_llamacpp:  # builds once, and again when the build flags changed
         try:
             return ensure_overlay(args.llamacpp_venv), ""
         except (OSError, Exception) as exc:
             return None, f"llama-cpp-python could not be built here: {exc}"
+    python = overlay_python(args.llamacpp_venv)
+    if python.exists() and has_llama_cpp(python):
+        return python, ""
     return None, (f"llama-cpp-python is not built; run with --setup-llamacpp to compile it "
                   f"into {args.llamacpp_venv}")
 

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -115,14 +116,25 @@ def run_worker(spec: dict[str, Any], work: Path, opts: BenchOptions,
     for line in proc.stderr.splitlines():
         if line.startswith(("torch_", "hf_", "ort_", "optimum", "engine", "ct2", "llamacpp")):
             log(f"  {line}")
-    if not out_path.is_file():
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+    if not out_path.is_file():  # killed by a signal (a peer's native crash) or failed early
+        tail = proc.stderr.strip().splitlines()[-1:] or [_exit_status(proc.returncode)]
+        log(f"  {spec['job']} {spec.get('engine', '')} failed: worker died: {tail[0]}")
         return {"error": f"worker died: {tail[0]}"}
     payload: dict[str, Any] = json.loads(out_path.read_text(encoding="utf-8"))
     payload["wall_s"] = time.perf_counter() - t0
     if "error" in payload:
         log(f"  {spec['job']} {spec.get('engine', '')} failed: {payload['error']}")
     return payload
+
+
+def _exit_status(code: int) -> str:
+    """A worker's exit status as a person reads it: "SIGSEGV" rather than -11."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
 
 
 def machine_info() -> dict[str, Any]:

@@ -80,3 +80,21 @@ def test_rounds_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["benchmarks: error: --threads, --prompt-tokens and --rounds must be "
                    "positive"]
+
+
+def test_a_worker_killed_by_a_signal_is_reported_and_logged(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A peer that crashes natively (llama.cpp's AMX kernel segfaulted on one host) leaves no
+    result file: the engine's payload names the signal and the run's log says so, instead
+    of the engine silently missing from the table."""
+    from benchmarks.harness import BenchOptions, run_worker
+
+    crashing = tmp_path / "python"
+    crashing.write_text("#!/bin/sh\nkill -SEGV $$\n", encoding="utf-8")
+    crashing.chmod(0o755)
+    out = run_worker({"job": "measure", "engine": "llamacpp_q8_0"}, tmp_path / "jobs",
+                     BenchOptions(presets=[], out_dir=tmp_path, latest_dir=None),
+                     python=crashing)
+    assert out == {"error": "worker died: killed by SIGSEGV"}
+    assert "measure llamacpp_q8_0 failed: worker died: killed by SIGSEGV" in (
+        capsys.readouterr().err)
