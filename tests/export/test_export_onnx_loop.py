@@ -65,11 +65,16 @@ def torch_greedy(ckpt: Path, prompt: list[int], steps: int) -> list[int]:
 
 def test_plain_ort_greedy_loop_matches_pytorch(tiny_checkpoint: Path, tiny_artifact: Path) -> None:
     tok = Tokenizer.from_file(str(tiny_artifact / "tokenizer.json"))
-    for text in ("ROMEO:\nWhat is", "First Citizen:\nWe are"):
+    generated: set[int] = set()
+    for text in ("ROMEO:\nWhat is", "First Citizen:\nWe are", "def main("):
         prompt = tok.encode(text, add_special_tokens=False).ids
         expected = torch_greedy(tiny_checkpoint, prompt, 48)
         assert ort_greedy(tiny_artifact, prompt, 48) == expected
-        assert len(set(expected)) > 3  # a trained model, not one token repeated
+        generated |= set(expected)
+    # Not one token repeated: the loops compared many different steps. (Per prompt this
+    # depends on the CPU the 5-second fixture trained on: on one Xeon "ROMEO" loops over
+    # three tokens while the other two give 12 and 20.)
+    assert len(generated) > 10
 
 
 def test_graph_follows_the_io_contract(tiny_artifact: Path) -> None:
