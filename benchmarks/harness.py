@@ -117,9 +117,10 @@ def run_worker(spec: dict[str, Any], work: Path, opts: BenchOptions,
         if line.startswith(("torch_", "hf_", "ort_", "optimum", "engine", "ct2", "llamacpp")):
             log(f"  {line}")
     if not out_path.is_file():  # killed by a signal (a peer's native crash) or failed early
-        tail = proc.stderr.strip().splitlines()[-1:] or [_exit_status(proc.returncode)]
-        log(f"  {spec['job']} {spec.get('engine', '')} failed: worker died: {tail[0]}")
-        return {"error": f"worker died: {tail[0]}"}
+        last = proc.stderr.strip().splitlines()[-1:]
+        reason = _exit_status(proc.returncode) + (f"; its last words: {last[0]}" if last else "")
+        log(f"  {spec['job']} {spec.get('engine', '')} failed: worker died: {reason}")
+        return {"error": f"worker died: {reason}"}
     payload: dict[str, Any] = json.loads(out_path.read_text(encoding="utf-8"))
     payload["wall_s"] = time.perf_counter() - t0
     if "error" in payload:

@@ -90,11 +90,12 @@ def test_a_worker_killed_by_a_signal_is_reported_and_logged(
     from benchmarks.harness import BenchOptions, run_worker
 
     crashing = tmp_path / "python"
-    crashing.write_text("#!/bin/sh\nkill -SEGV $$\n", encoding="utf-8")
+    crashing.write_text("#!/bin/sh\necho 'load_tensors: AMX model buffer' >&2\nkill -SEGV $$\n",
+                        encoding="utf-8")
     crashing.chmod(0o755)
     out = run_worker({"job": "measure", "engine": "llamacpp_q8_0"}, tmp_path / "jobs",
                      BenchOptions(presets=[], out_dir=tmp_path, latest_dir=None),
                      python=crashing)
-    assert out == {"error": "worker died: killed by SIGSEGV"}
-    assert "measure llamacpp_q8_0 failed: worker died: killed by SIGSEGV" in (
-        capsys.readouterr().err)
+    reason = "killed by SIGSEGV; its last words: load_tensors: AMX model buffer"
+    assert out == {"error": f"worker died: {reason}"}
+    assert f"measure llamacpp_q8_0 failed: worker died: {reason}" in capsys.readouterr().err
