@@ -352,7 +352,7 @@ def _rate_name(rate: float) -> str:
 
 def _json_name(args: argparse.Namespace, run: dict[str, Any]) -> str:
     label = f"{args.label}-" if args.label else ""
-    round_part = f"-round{run['round']}" if args.rounds > 1 else ""
+    round_part = f"-round{run['round']}" if run["rounds"] > 1 else ""
     return (f"{label}{args.backend}-{args.workload}-rate{_rate_name(run['request_rate'])}"
             f"{round_part}.json")
 
@@ -369,7 +369,7 @@ def _static_baseline(args: argparse.Namespace, requests: list[SampleRequest]
 
 def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
                 attention_text: str | None, out: Path, command: str,
-                between_rounds: Callable[[], object] | None = None) -> list[dict[str, Any]]:
+                between_rounds: Callable[[], None] | None = None) -> list[dict[str, Any]]:
     """One run per request rate and round against the server (started here without --url);
     ``between_rounds`` runs after every round but the last, the server idle."""
     server = None
@@ -392,7 +392,7 @@ def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
             for rate in args.request_rate:
                 run = asyncio.run(run_rate(args, url.rstrip("/"), requests, rate,
                                            attention_text))
-                run["command"], run["round"] = command, round_number
+                run.update(command=command, round=round_number, rounds=args.rounds)
                 if server is not None:
                     run["server_env"] = _server_env(args.server_env)
                     run["server_threads"] = args.server_threads

@@ -18,10 +18,9 @@ def _rate(run: dict[str, Any]) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def _rate_round(run: dict[str, Any], runs: list[dict[str, Any]]) -> str:
-    """The rate, and the round when the runs were repeated (--rounds)."""
-    repeated = any(r.get("round", 1) > 1 for r in runs)
-    return f"{_rate(run)}, round {run['round']}" if repeated else _rate(run)
+def _rate_round(run: dict[str, Any]) -> str:
+    """The rate, and the round when the run is one of several (--rounds)."""
+    return f"{_rate(run)}, round {run['round']}" if run.get("rounds", 1) > 1 else _rate(run)
 
 
 def summary(run: dict[str, Any]) -> str:
@@ -77,8 +76,7 @@ def static_summary(run: dict[str, Any]) -> str:
     static = run["static_baseline"]
     eos = "ignored" if static["ignore_eos"] else "a stop"
     each = " / ".join(f"{r['output_throughput']:.1f}" for r in static["runs"])
-    where = f"rate {_rate(run)}" + (f", round {run['round']}" if "round" in run else "")
-    return (f"{where}: continuous {run['output_throughput']:.1f} output tok/s "
+    return (f"rate {_rate_round(run)}: continuous {run['output_throughput']:.1f} output tok/s "
             f"({run['total_output_tokens']} tokens) vs static batches of {static['batch']} "
             f"{static['output_throughput']:.1f} tok/s (before / after: {each}; "
             f"{static['output_tokens']} tokens, end-of-sequence {eos}): "
@@ -128,7 +126,7 @@ def markdown(runs: list[dict[str, Any]], command: str) -> str:
 
         goodput = run["request_goodput"]
         lines.append(
-            f"| {run['workload']} | {_rate_round(run, runs)} | "
+            f"| {run['workload']} | {_rate_round(run)} | "
             f"{run.get('max_concurrency') or '–'} | "
             f"{run['completed']} / {run['failed']} | {run['duration']:.1f} | "
             f"{run['request_throughput']:.2f} | "
@@ -144,7 +142,7 @@ def markdown(runs: list[dict[str, Any]], command: str) -> str:
                   "as static batches (`--static-baseline`: engine.onnx, no prefix cache, each "
                   "batch prefilled together and decoded until its last row ends):", ""]
         lines += [f"- {static_summary(run)}" for run in statics]
-        if len(statics) > len({r["request_rate"] for r in statics}):
+        if any(r.get("rounds", 1) > 1 for r in statics):
             lines += [""] + [f"**{line}**" for line in static_rounds(statics).splitlines()]
     floods = [r for r in runs if r.get("attention_flood")]
     for run in floods:
@@ -165,7 +163,7 @@ def figure(runs: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for run in runs:
-        label = f"{run['workload']} @ {_rate_round(run, runs)}/s"
+        label = f"{run['workload']} @ {_rate_round(run)}/s"
         itls = np.sort([g * 1000 for gaps in run["itls"] for g in gaps])
         if len(itls):
             axes[0].plot(itls, np.arange(1, len(itls) + 1) / len(itls), label=label)

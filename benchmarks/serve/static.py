@@ -46,7 +46,7 @@ class StaticBaseline:
         longest = max(len(p) + n for p, n in zip(prompts, limits, strict=True))
         self.runner = EngineRunner(artifact, threads, name="static", max_len=longest)
 
-    def measure(self) -> dict[str, float]:
+    def measure(self) -> None:
         """One pass over every batch, timed (the first call warms up on the first batch's
         shapes first, as every engine row of the harness is warmed)."""
         if not self.runs:
@@ -57,10 +57,8 @@ class StaticBaseline:
             result = self.runner.generate_until(prompts, limits, stop_at_eos=not self.ignore_eos)
             generated += sum(len(tokens) for tokens in result.tokens)
         duration = time.perf_counter() - t0
-        run = {"output_tokens": generated, "duration": duration,
-               "output_throughput": generated / duration}
-        self.runs.append(run)
-        return run
+        self.runs.append({"output_tokens": generated, "duration": duration,
+                          "output_throughput": generated / duration})
 
     def result(self, continuous_throughput: float, round_index: int = 0) -> dict[str, Any]:
         """The reference for a run of round ``round_index`` (0-based): the mean of the
