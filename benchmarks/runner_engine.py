@@ -12,13 +12,14 @@ from pathlib import Path
 from benchmarks.measure import GenResult
 from service.contract import io_spec as io
 from service.engine.scheduler import RequestHandle
+from service.settings import Device
 
 
 class EngineRunner:
     def __init__(self, artifact_dir: Path, threads: int, name: str = "engine",
-                 max_len: int | None = None) -> None:
+                 max_len: int | None = None, device: Device = "cpu") -> None:
         """``max_len``: tokens per KV slot (the server's --max-total-tokens), default the
-        model's context."""
+        model's context; ``device``: the server's --device."""
         from service.artifact.loader import open_artifact
         from service.engine.engine import Engine, EngineConfig
         from service.settings import Settings
@@ -33,7 +34,7 @@ class EngineRunner:
         # One static batch: no prefix cache, no chunking, no mixed steps (nobody joins:
         # engine.onnx, not engine_mixed.onnx); end-of-sequence is not a stop.
         self.engine = Engine.from_artifact(artifact, EngineConfig(
-            device="cpu", intra_op_threads=threads, max_batch_size=64,
+            device=device, intra_op_threads=threads, max_batch_size=64,
             max_batch_tokens=1 << 20, max_queued_requests=1024, max_total_tokens=max_total,
             prefix_caching=False, prefill_chunk_tokens=0, mixed_steps=False), warmup=False)
         self.loop = asyncio.new_event_loop()

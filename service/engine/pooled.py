@@ -106,6 +106,11 @@ class PooledRunner:
     def _arrange(self, slots: Sequence[Slot], start: int | None) -> None:
         """Lay a batch's slots out for the graph (default: wherever they are)."""
 
+    def settle(self) -> None:
+        """Bring the pool's arrays up to date with every pass so far. A runner that keeps
+        a steady batch's newest columns elsewhere (model.onnx under CUDA) writes them back
+        here and before any call that reads or moves rows; the default has none."""
+
     # -- prompts ---------------------------------------------------------------------
 
     def prefill(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],

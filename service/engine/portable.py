@@ -6,14 +6,20 @@ so it cannot write into the pool in place as engine.onnx does. This runner gathe
 row's cached keys and values from its pool slot into a left-padded past and writes only
 the new columns back: a copy of the batch's cache per gather, the price of the portable
 graph (it runs where engine.onnx does not: under CUDA, or for an artifact exported
-without engine.onnx). Under CUDA the past goes to the device and the presents come back
-on every pass.
+without engine.onnx).
+
+Under CUDA a steady batch's cache stays on the device: a decode step's presents, left in
+ONNX Runtime's device memory, are bound as the next step's past, and the columns they add
+reach the pool in one copy when the batch changes (``settle``), not one round trip of the
+whole cache per token (measured on an H100 with SmolLM2-135M at batch 32, that round trip
+made CUDA three times slower than 16 CPU cores).
 
 The pool stays the only owner: the present of a decode step is kept only as the past of
 the very next one, and only while nothing else touched the rows (same slots in the same
 order, no prefill, extend, truncate, join or leave in between); otherwise the past is
 gathered from the pool again. So a steady batch pays the graph's own Concat per step,
-and a change of composition one gather.
+and a change of composition one gather. Under CUDA every one of those other calls first
+writes the device's pending columns back (``settle``), so nothing reads a stale pool.
 
 Left padding is what the contract specifies: ``attention_mask`` marks the real columns
 and ``position_ids`` count each row's own tokens, so padding changes nothing a row
@@ -23,6 +29,8 @@ computes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 import onnxruntime as ort
@@ -34,13 +42,26 @@ from service.engine.runner import PoolConfig
 from service.engine.session import CUDA
 
 Shape = tuple[int, int, int, int]
+Past: TypeAlias = "np.ndarray | ort.OrtValue"  # (B, nkv, T_past, hs): host or ONNX Runtime
+
+
+@dataclass
+class _DeviceCarry:
+    """The last decode step's presents, left on the device as the next step's past."""
+
+    key: tuple[int, ...]  # the rows' slot indices, in order
+    width: int  # T_past of the next step: the presents' length
+    presents: list[ort.OrtValue]  # each (B, nkv, width, hs)
+    pending: int  # the last ``pending`` columns are not in the pool yet
 
 
 class ModelGraphRunner(PooledRunner):
     """ModelRunner over model.onnx: the past gathered from the pool, the new columns put back."""
 
     def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig,
-                 pool: PoolConfig) -> None:
+                 pool: PoolConfig, resident: bool | None = None) -> None:
+        """``resident``: keep a steady batch's presents in ONNX Runtime between decode
+        steps (default: when the session runs off the host)."""
         n = config.n_layers
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
@@ -59,6 +80,9 @@ class ModelGraphRunner(PooledRunner):
         # The last decode's present, valid as the next decode's past for these slot
         # indices: (indices, scratch set, presents), or None.
         self._carry: tuple[tuple[int, ...], int, list[np.ndarray]] | None = None
+        # Off the host the presents stay where ONNX Runtime wrote them (module docstring).
+        self.resident = self.device != "cpu" if resident is None else resident
+        self._device_carry: _DeviceCarry | None = None
 
     # -- scratch ---------------------------------------------------------------------
 
@@ -75,18 +99,13 @@ class ModelGraphRunner(PooledRunner):
         return [buffer[:need].reshape(shape) for buffer in buffers]
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
-             past: list[np.ndarray], out: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
-        """logits (B, T, V) and presents (B, nkv, T_past + T, hs). On CPU the presents are
-        written straight into scratch set ``out`` (no copy out of ONNX Runtime)."""
+             past: Sequence[Past], out: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+        """logits (B, T, V) and presents (B, nkv, T_past + T, hs) on the host. On CPU the
+        presents are written straight into scratch set ``out`` (no copy out of ONNX
+        Runtime)."""
+        binding = self._bind(ids, mask, pos, past)
         b, t = ids.shape
-        binding = self.session.io_binding()
-        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(ids, np.int64))  # (B, T)
-        binding.bind_cpu_input(io.ATTENTION_MASK, np.ascontiguousarray(mask, np.int64))
-        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(pos, np.int64))
-        for name, value in zip(self._past, past, strict=True):
-            binding.bind_cpu_input(name, value)  # (B, nkv, T_past, hs)
-        binding.bind_output(io.LOGITS, "cpu")
-        shape = (b, self.shape.heads, past[0].shape[2] + t, self.shape.head_dim)
+        shape = (b, self.shape.heads, _length(past[0]) + t, self.shape.head_dim)
         presents: list[np.ndarray] = []
         if self.device == "cpu":
             presents = self._scratch(out, shape)  # each (B, nkv, T_past + T, hs)
@@ -101,6 +120,32 @@ class ModelGraphRunner(PooledRunner):
         if self.device != "cpu":
             presents = [v.numpy() for v in outputs[1:]]  # device → host
         return outputs[0].numpy(), presents
+
+    def _run_resident(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
+                      past: Sequence[Past]) -> tuple[np.ndarray, list[ort.OrtValue]]:
+        """logits (B, T, V) on the host and presents (B, nkv, T_past + T, hs) left in
+        ONNX Runtime's memory on the session's device."""
+        binding = self._bind(ids, mask, pos, past)
+        for name in self._present:
+            binding.bind_output(name, self.device)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        return outputs[0].numpy(), list(outputs[1:])
+
+    def _bind(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
+              past: Sequence[Past]) -> ort.IOBinding:
+        """A binding with the inputs set and the logits bound to the host."""
+        binding = self.session.io_binding()
+        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(ids, np.int64))  # (B, T)
+        binding.bind_cpu_input(io.ATTENTION_MASK, np.ascontiguousarray(mask, np.int64))
+        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(pos, np.int64))
+        for name, value in zip(self._past, past, strict=True):  # (B, nkv, T_past, hs)
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, value)
+        binding.bind_output(io.LOGITS, "cpu")
+        return binding
 
     def _gather(self, index: np.ndarray, lengths: np.ndarray, use: int) -> list[np.ndarray]:
         """Each row's cached columns, left-padded to the longest, into scratch set ``use``:
@@ -123,6 +168,8 @@ class ModelGraphRunner(PooledRunner):
         width = int(lengths.max())
         self._check_room(width + 1)
         key = tuple(index.tolist())
+        if self.resident:
+            return self._decode_resident(index, lengths, key, tokens)
         carry, self._carry = self._carry, None
         if carry is not None and carry[0] == key and carry[2][0].shape[2] == width:
             src, past = carry[1], carry[2]  # last step's present: the pool's rows, padded
@@ -140,9 +187,45 @@ class ModelGraphRunner(PooledRunner):
             self._carry = (key, 1 - src, present)
         return np.asarray(logits[:, -1])  # (B, V)
 
+    def _decode_resident(self, index: np.ndarray, lengths: np.ndarray,
+                         key: tuple[int, ...], tokens: np.ndarray) -> np.ndarray:
+        """``decode`` with the cache kept on the device: the past is the last step's
+        presents when the rows are the same, else gathered from the (settled) pool."""
+        width = int(lengths.max())
+        carry = self._device_carry
+        if carry is not None and (carry.key != key or carry.width != width):
+            self.settle()
+            carry = None
+        past: Sequence[Past] = (carry.presents if carry is not None
+                                else self._gather(index, lengths, 0))
+        mask = (np.arange(width + 1)[None, :] >= (width - lengths)[:, None]).astype(np.int64)
+        ids = np.asarray(tokens, np.int64)[:, None]  # (B, 1)
+        logits, presents = self._run_resident(ids, mask, lengths[:, None].astype(np.int64),
+                                              past)
+        self.pool.tokens[index, lengths] = ids[:, 0]
+        self.pool.lengths[index] = lengths + 1
+        self._device_carry = _DeviceCarry(key, width + 1, presents,
+                                          (carry.pending if carry is not None else 0) + 1)
+        return np.asarray(logits[:, -1])  # (B, V)
+
+    def settle(self) -> None:
+        """Write the decode steps' columns still on the device into the pool (one copy of
+        the batch's cache) and drop the carried past."""
+        carry, self._device_carry = self._device_carry, None
+        self._carry = None
+        if carry is None or carry.pending == 0:
+            return
+        index = np.asarray(carry.key, np.int64)  # (B,)
+        first = self.pool.lengths[index] - carry.pending  # (B,) the first pending position
+        columns = carry.width - carry.pending  # where the pending columns start
+        for array, value in zip(self.pool.arrays, carry.presents, strict=True):
+            new = value.numpy()[:, :, columns:]  # (B, nkv, pending, hs): device → host
+            for j in range(carry.pending):
+                array[index, :, first + j] = new[:, :, j]  # (B, nkv, hs)
+
     def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
                       all_logits: bool) -> list[np.ndarray]:
-        self._carry = None
+        self.settle()
         b = len(slots)
         index = np.fromiter((s.index for s in slots), np.int64, b)  # (B,)
         lengths = np.fromiter((len(p) for p in prompts), np.int64, b)  # (B,)
@@ -165,7 +248,7 @@ class ModelGraphRunner(PooledRunner):
                 for i, n in enumerate(lengths.tolist())]
 
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
-        self._carry = None
+        self.settle()
         start = int(self.pool.lengths[slot.index])
         total = start + len(tokens)
         self._check_room(total)
@@ -181,20 +264,25 @@ class ModelGraphRunner(PooledRunner):
         return np.asarray(logits[0])  # (T, V)
 
     def truncate(self, slot: Slot, length: int) -> None:
-        self._carry = None
+        self.settle()
         super().truncate(slot, length)
 
     def reuse_prefix(self, slot: Slot, prompt: Sequence[int]) -> int:
-        self._carry = None
+        self.settle()
         return super().reuse_prefix(slot, prompt)
 
     def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
-        self._carry = None
+        self.settle()
         kept = super().leave(slots, keep)
         if not self.pool.used:
             self._buffers.clear()  # idle: the scratch's memory goes back
         return kept
 
     def join(self, groups: Sequence[Sequence[Slot]]) -> list[Slot]:
-        self._carry = None
+        self.settle()
         return super().join(groups)
+
+
+def _length(past: Past) -> int:
+    """T_past of a (B, nkv, T_past, hs) past, on the host or in ONNX Runtime."""
+    return int(past.shape()[2] if isinstance(past, ort.OrtValue) else past.shape[2])

@@ -8,6 +8,7 @@ test_compose_e2e.py builds and runs the images themselves where a dockerd can ru
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -168,10 +169,25 @@ def test_gpu_base_is_a_cuda_cudnn_runtime_image(gpu_stages) -> None:
     text = (REPO / "deploy" / "Dockerfile.gpu").read_text()
     base = re.search(r"^ARG CUDA_IMAGE=(\S+)$", text, re.M)
     assert base, "ARG CUDA_IMAGE=... missing"
-    # onnxruntime-gpu >= 1.19 on PyPI is built for CUDA 12 + cuDNN 9
-    assert re.fullmatch(r"nvidia/cuda:12\.\d+\.\d+-cudnn-runtime-ubuntu\d+\.\d+", base.group(1))
+    # onnxruntime-gpu >= 1.27 on PyPI is built for CUDA 13 + cuDNN 9 (1.19-1.26: CUDA 12)
+    assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-cudnn-runtime-ubuntu\d+\.\d+", base.group(1))
     assert stage_named(gpu_stages, "runtime").base == "${CUDA_IMAGE}"
     assert stage_named(gpu_stages, "serve-venv").base == "${CUDA_IMAGE}"
+
+
+def test_the_gpu_extra_asks_for_an_onnxruntime_gpu_built_for_the_images_cuda() -> None:
+    """An unpinned onnxruntime-gpu follows PyPI's newest build, whose CUDA major moved from
+    12 to 13 at 1.27: the extra's floor must be a release built for the base image's."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (spec,) = [d for d in extras["gpu"] if d.startswith("onnxruntime-gpu")]
+    floor = re.fullmatch(r"onnxruntime-gpu>=(\d+)\.(\d+)(?:\.\d+)?", spec)
+    assert floor, spec
+    base = re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:(\d+)\.",
+                     (REPO / "deploy" / "Dockerfile.gpu").read_text(), re.M)
+    assert base
+    assert int(base.group(1)) == 13, "a CUDA 12 base needs onnxruntime-gpu>=1.19,<1.27"
+    assert (int(floor.group(1)), int(floor.group(2))) >= (1, 27)
 
 
 def test_dockerignore_keeps_environments_models_and_caches_out() -> None:

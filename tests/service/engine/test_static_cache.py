@@ -77,12 +77,13 @@ def model_session(artifact: Path) -> ort.InferenceSession:
 
 
 @pytest.fixture(params=["engine.onnx", "engine_mixed.onnx", "legacy engine.onnx",
-                        "model.onnx"])
+                        "model.onnx", "model.onnx, cache left in ORT"])
 def runner(request: pytest.FixtureRequest, session: ort.InferenceSession,
            mixed_session: ort.InferenceSession, legacy_session: ort.InferenceSession,
            model_session: ort.InferenceSession, config: io.ArtifactConfig) -> PooledRunner:
     """Either runner over a fresh pool of 8 slots (engine.onnx with or without
-    ``logits_index``, with one group of rows or two)."""
+    ``logits_index``, with one group of rows or two; model.onnx with the past gathered
+    from the pool, or kept in ONNX Runtime between steps as under CUDA)."""
     if request.param == "engine.onnx":
         return EngineGraphRunner(session, config, PoolConfig(slots=8))
     if request.param == "engine_mixed.onnx":
@@ -91,7 +92,9 @@ def runner(request: pytest.FixtureRequest, session: ort.InferenceSession,
         return runner
     if request.param == "legacy engine.onnx":
         return EngineGraphRunner(legacy_session, config, PoolConfig(slots=8))
-    return ModelGraphRunner(model_session, config, PoolConfig(slots=8))
+    if request.param == "model.onnx":
+        return ModelGraphRunner(model_session, config, PoolConfig(slots=8))
+    return ModelGraphRunner(model_session, config, PoolConfig(slots=8), resident=True)
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +189,7 @@ def test_extend_gives_logits_of_every_fed_token_and_truncate_rolls_back(
     kept = prompt + drafts[:2] + [bonus]
     np.testing.assert_allclose(got[0], full_forward(plain, kept)[0][-1], atol=1e-4)
     _, present = full_forward(plain, kept)
+    runner.settle()
     for mine, theirs in zip(runner.pool.arrays, present, strict=True):
         np.testing.assert_allclose(mine[slot.index, :, :len(kept)], theirs, atol=1e-5)
     with pytest.raises(ValueError, match="truncate"):
@@ -519,3 +523,49 @@ def test_a_newcomer_with_a_cached_prefix_rides_apart_and_changes_no_logit(
                                atol=1e-4)
     for got, p in zip(firsts, newcomers, strict=True):
         np.testing.assert_allclose(got[-1], full_forward(plain, p)[0][-1], atol=1e-4)
+
+
+def test_steady_decode_with_the_cache_left_in_ort_settles_into_the_pool(
+        model_session: ort.InferenceSession, config: io.ArtifactConfig, plain: OrtDecoder,
+        encode: Callable[[str], list[int]]) -> None:
+    """model.onnx as it runs under CUDA: a steady batch binds each step's presents as the
+    next past and leaves the pool behind; ``settle`` (and any other call, here a leave)
+    writes the pending columns, so the pool ends equal to the plain loop's cache, and
+    the batch decodes on from it."""
+    runner = ModelGraphRunner(model_session, config, PoolConfig(slots=8), resident=True)
+    seqs = [encode(p) for p in PROMPTS[:3]]  # ragged: left padding in the carried past
+    slots = runner.reserve(3)
+    runner.prefill(slots, [np.asarray(s) for s in seqs])
+
+    def step(rows: list[int]) -> None:
+        nxt = np.asarray([int(full_forward(plain, seqs[r])[0][-1].argmax()) for r in rows])
+        got = runner.decode([slots[r] for r in rows], nxt)  # (B, V)
+        for r, t in zip(rows, nxt.tolist(), strict=True):
+            seqs[r].append(t)
+        want = np.stack([full_forward(plain, seqs[r])[0][-1] for r in rows])
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+    def assert_pool_is_the_plain_cache(rows: list[int]) -> None:
+        for r in rows:
+            n = len(seqs[r])
+            assert runner.pool.lengths[slots[r].index] == n
+            _, present = full_forward(plain, seqs[r])
+            for mine, theirs in zip(runner.pool.arrays, present, strict=True):
+                np.testing.assert_allclose(mine[slots[r].index, :, :n], theirs, atol=1e-5)
+
+    for _ in range(5):
+        step([0, 1, 2])
+    before = [a[slots[0].index, :, len(seqs[0]) - 1].copy() for a in runner.pool.arrays]
+    runner.settle()
+    assert_pool_is_the_plain_cache([0, 1, 2])
+    assert any(not np.array_equal(b, a[slots[0].index, :, len(seqs[0]) - 1])
+               for b, a in zip(before, runner.pool.arrays, strict=True))  # it was pending
+    for _ in range(3):
+        step([0, 1, 2])
+    kept = runner.leave(slots, [0, 2])  # settles first: row 1's cache goes out whole
+    assert [s.index for s in kept] == [slots[0].index, slots[2].index]
+    assert_pool_is_the_plain_cache([0, 2])
+    for _ in range(3):
+        step([0, 2])
+    runner.settle()
+    assert_pool_is_the_plain_cache([0, 2])
