@@ -164,7 +164,7 @@ def export_artifact(
     from export.onnx_build import WEIGHTS_FILE, load_graph, save_graphs
     from export.quantize import quantize_model
     from export.verify import TorchReference, verify_artifact
-    from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
+    from service.contract.engine_spec import ENGINE_FILE, ENGINE_FLOAT32_FILE, ENGINE_MIXED_FILE
 
     say = log or (lambda _msg: None)
     opset = DEFAULT_OPSET if opset is None else opset
@@ -251,7 +251,15 @@ def export_artifact(
                 verification["engine_mixed_quantized"] = _quantize_engine(
                     gpt, fp32_mixed, mixed_path, tok, ckpt.meta.training, quantize, False)
             final = {p.name: load_graph(p) for p in sorted(tmp.glob("*.onnx"))}
+            if engine_graph:  # float32, for wide passes: its LM head the embedding's bytes
+                final[ENGINE_FLOAT32_FILE] = build_engine_graph(gpt, mixed=mixed_steps)
             storage = save_graphs(tmp, final, base=tmp)  # one weights.bin again
+            if engine_graph and verify:
+                verification["engine_float32"] = verify_engine(
+                    gpt, tmp / ENGINE_FLOAT32_FILE, prompts=verification["decode"]["prompts"],
+                    reference=reference)
+                say(f"verified {ENGINE_FLOAT32_FILE}: "
+                    f"{verification['engine_float32']['max_abs_diff']:.2e}")
             for stale in tmp.glob(".*.fp32"):
                 stale.unlink()
         shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)

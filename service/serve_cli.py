@@ -47,6 +47,10 @@ OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--prefix-cache-memory-mb", "prefix_cache_memory_mb", float,
      "prefix cache block store in MiB (default 64)"),
     ("--prefix-block-size", "prefix_block_size", int, "tokens per prefix-cache block (16)"),
+    ("--float32-pass-tokens", "float32_pass_tokens", int,
+     "quantised artifacts: passes of at least this many tokens run on engine_float32.onnx, "
+     "the graph's float32 twin (MatMulNBits is slower than a float32 GEMM there); 0: never "
+     "(default 256)"),
     ("--prefill-chunk-tokens", "prefill_chunk_tokens", int,
      "prefill longer prompts in chunks of this many tokens between decode steps; 0: off "
      "(default 256)"),

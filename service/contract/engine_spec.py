@@ -42,6 +42,11 @@ from service.contract import io_spec as io
 
 ENGINE_FILE = "engine.onnx"
 ENGINE_MIXED_FILE = "engine_mixed.onnx"  # the same decoder with a second group of rows
+# A quantised artifact's engine graph before quantisation (engine_mixed.onnx's when the
+# artifact has one, else engine.onnx's): float32 weights already in weights.bin, for passes
+# of many tokens, where MatMulNBits is slower than a float32 GEMM (service/engine/
+# static_cache.py).
+ENGINE_FLOAT32_FILE = "engine_float32.onnx"
 SEQLENS_K = "seqlens_k"
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
 LOGITS_INDEX = "logits_index"

@@ -25,7 +25,7 @@ import numpy as np
 
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
-from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
+from service.contract.engine_spec import ENGINE_FILE, ENGINE_FLOAT32_FILE, ENGINE_MIXED_FILE
 from service.contract.manifest import verify_manifest
 from service.engine.draft import DraftModel
 from service.engine.portable import ModelGraphRunner
@@ -34,7 +34,7 @@ from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import RequestHandle, Scheduler, SchedulerLimits
 from service.engine.session import CPU, create_session, select_providers
 from service.engine.speculative import SpeculativeConfig, Speculator
-from service.engine.static_cache import EngineGraphRunner
+from service.engine.static_cache import EngineGraphRunner, twin_fits
 from service.engine.stats import KVStats, PrefixCacheStats, StatsSink
 from service.settings import Device, Limits, Settings
 
@@ -58,6 +58,7 @@ class EngineConfig:
     prefix_cache_memory_mb: float = 64.0
     prefix_block_size: int = 16
     prefill_chunk_tokens: int = 256  # 0: prompts are prefilled in one pass
+    float32_pass_tokens: int = 256  # passes this long run on engine_float32.onnx; 0: never
     adaptive_prefill_chunks: bool = True
     speculative: SpeculativeConfig | None = None  # None: one token per row per step
     speculative_model: Path | None = None  # the draft's artifact (method "draft")
@@ -75,6 +76,7 @@ class EngineConfig:
                    prefix_cache_memory_mb=settings.prefix_cache_memory_mb,
                    prefix_block_size=settings.prefix_block_size,
                    prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                   float32_pass_tokens=settings.float32_pass_tokens,
                    adaptive_prefill_chunks=settings.adaptive_prefill_chunks,
                    speculative=speculative_config(settings),
                    speculative_model=None if settings.speculative_model in (None, "ngram")
@@ -163,15 +165,29 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     """engine.onnx over the KV pool when the artifact has it and the session would run on
     CPU anyway (its cache is float32 on the host), engine_mixed.onnx instead with
     ``mixed_steps`` where the artifact has that; else model.onnx through the same pool.
-    One session either way: two would each keep a prepacked copy of the weights."""
+    One session with packed weights either way: two would each keep a packed copy. A
+    quantised artifact's float32 twin (engine_float32.onnx), for passes of at least
+    ``float32_pass_tokens`` tokens, reads its weights where ONNX Runtime memory-mapped
+    them (page cache shared with weights.bin, no packed copy)."""
     engine_path = artifact_dir / ENGINE_FILE
     if engine.mixed_steps and (artifact_dir / ENGINE_MIXED_FILE).is_file():
         engine_path = artifact_dir / ENGINE_MIXED_FILE
     if engine.engine_graph and engine_path.is_file() and select_providers(
             engine.device) == [CPU]:
         pool = pool_config(engine, model, model.kv_bytes_per_token(4))
-        return EngineGraphRunner(create_session(engine_path, "cpu", engine.intra_op_threads,
-                                                spin_wait=spin_wait), model, pool)
+        session = create_session(engine_path, "cpu", engine.intra_op_threads,
+                                 spin_wait=spin_wait)
+        twin_path = artifact_dir / ENGINE_FLOAT32_FILE
+        twin = None
+        if engine.float32_pass_tokens and twin_path.is_file():
+            twin = create_session(twin_path, "cpu", engine.intra_op_threads, prepack=False,
+                                  spin_wait=spin_wait)
+            if not twin_fits(session, twin):
+                log.info("%s does not take %s's inputs: not used", ENGINE_FLOAT32_FILE,
+                         engine_path.name)
+                twin = None
+        return EngineGraphRunner(session, model, pool, float32_twin=twin,
+                                 float32_pass_tokens=engine.float32_pass_tokens)
     itemsize = np.dtype(model.kv_dtype).itemsize
     pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
     return ModelGraphRunner(create_session(artifact_dir / io.MODEL_FILE, engine.device,
@@ -201,6 +217,9 @@ class Engine:
                      runner.pool.shape.dtype.itemsize) / 2**20,
                  f", prefix cache of {p.capacity_blocks} blocks x {p.block_size} tokens"
                  if (p := runner.prefix_stats()) else "")
+        if isinstance(runner, EngineGraphRunner) and runner.has_float32_twin:
+            log.info("passes of %d tokens or more run on %s (float32 weights, memory-mapped)",
+                     runner.float32_pass_tokens, ENGINE_FLOAT32_FILE)
         limits = SchedulerLimits(config.max_batch_size, config.max_batch_tokens,
                                  config.max_queued_requests, config.prefill_chunk_tokens,
                                  config.adaptive_prefill_chunks)
@@ -220,6 +239,14 @@ class Engine:
     @property
     def graph_file(self) -> str:
         return self.runner.graph_file
+
+    @property
+    def float32_pass_tokens(self) -> int | None:
+        """Passes of this many tokens or more run on engine_float32.onnx; None: no twin."""
+        runner = self.runner
+        if isinstance(runner, EngineGraphRunner) and runner.has_float32_twin:
+            return runner.float32_pass_tokens
+        return None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.scheduler.start(loop)

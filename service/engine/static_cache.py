@@ -23,6 +23,16 @@ pass also asks the arena to give its activations back to the OS once done
 (``memory.enable_memory_arena_shrinkage``), so one long prompt does not raise the
 process's memory for good. An engine.onnx exported before ``logits_index`` computes every
 position's logits; its wanted rows are picked out here.
+
+A quantised artifact carries the same graph in float32 as well (engine_float32.onnx, its
+weights already in weights.bin). ONNX Runtime's MatMulNBits beats a float32 GEMM by 5x at
+one row but loses to it from a few dozen rows on (block 32, level 4, on a 576 x 1536
+weight: 303 against 195 us at 32 rows, 19.4 against 12.3 ms at 2,048), so a pass of at
+least ``float32_pass_tokens`` tokens (a long prompt, a prompt chunk with the decode rows)
+runs on the twin. Its weights are not packed: ONNX Runtime reads them where it
+memory-mapped weights.bin, so the twin costs page cache shared with the file rather than
+a private copy, and packs each weight per call, which a pass of hundreds of rows hides.
+Both sessions write the same pool.
 """
 
 from __future__ import annotations
@@ -44,7 +54,10 @@ class EngineGraphRunner(PooledRunner):
     """ModelRunner over engine.onnx with a persistent float32 KV pool on the host."""
 
     def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig,
-                 pool: PoolConfig) -> None:
+                 pool: PoolConfig, float32_twin: ort.InferenceSession | None = None,
+                 float32_pass_tokens: int = 0) -> None:
+        """``float32_twin``: the same graph with float32 weights, run for passes of at
+        least ``float32_pass_tokens`` tokens (module docstring)."""
         n = config.n_layers
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
@@ -68,11 +81,19 @@ class EngineGraphRunner(PooledRunner):
         self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in inputs
         if self.mixes_chunks:
             self.graph_file = es.ENGINE_MIXED_FILE
-        self._binding = session.io_binding()  # reused: see _bind
-        self._kv_bound: dict[str, tuple[int, int, int]] = {}  # group → (address, rows, length)
+        self._graph = _Graph(session)
+        if float32_twin is not None and not twin_fits(session, float32_twin):
+            raise ValueError("the float32 twin does not take the engine graph's inputs")
+        self._twin = _Graph(float32_twin) if float32_twin is not None else None
+        self.float32_pass_tokens = float32_pass_tokens
+        self.twin_passes = 0  # passes run on the float32 twin
         scratch = (1, self.shape.heads, 1, self.shape.head_dim)  # (1, nkv, 1, hs)
         self._scratch = [np.zeros(scratch, np.float32) for _ in self._past]
         self._scratch_pointers = [a.ctypes.data for a in self._scratch]
+
+    @property
+    def has_float32_twin(self) -> bool:
+        return self._twin is not None and self.float32_pass_tokens > 0
 
     def _arrange(self, slots: Sequence[Slot], start: int | None) -> None:
         self.pool.compact(slots, start)
@@ -88,30 +109,34 @@ class EngineGraphRunner(PooledRunner):
                              "feed the chunk in a pass of its own")
         if chunk is not None and len(chunk.ids) > 1 and chunk.total > chunk.ids.shape[1]:
             raise ValueError("several rows of the second group must all be first prompts")
-        binding = self._binding
-        logits = self._bind(binding, rows, self.pool.pointers(rows.lo), self.max_len, "")
+        tokens = rows.ids.size + (chunk.ids.size if chunk is not None else 0)
+        graph = self._graph
+        if self._twin is not None and 0 < self.float32_pass_tokens <= tokens:
+            graph = self._twin
+            self.twin_passes += 1
+        logits = self._bind(graph, rows, self.pool.pointers(rows.lo), self.max_len, "")
         chunk_logits = None  # bound as an output: must outlive the run
-        if self.mixes_chunks:
+        if graph.mixes_chunks:  # the twin may have a second group the other graph lacks
             if chunk is None:
-                chunk_logits = self._bind(binding, _IDLE_ROW, self._scratch_pointers, 1,
+                chunk_logits = self._bind(graph, _IDLE_ROW, self._scratch_pointers, 1,
                                           es.CHUNK_PREFIX)
             else:
-                chunk_logits = self._bind(binding, chunk, self.pool.pointers(chunk.lo),
+                chunk_logits = self._bind(graph, chunk, self.pool.pointers(chunk.lo),
                                           self.max_len, es.CHUNK_PREFIX)
-        tokens = rows.ids.size + (chunk.ids.size if chunk is not None else 0)
-        self.session.run_with_iobinding(binding, self._shrink if tokens > len(rows.ids)
-                                        else None)
+        graph.session.run_with_iobinding(graph.binding, self._shrink
+                                         if tokens > len(rows.ids) else None)
         if not self._gathers:  # (n, K, V) of the old graph's (n, T, V)
             logits = logits[np.arange(len(rows.ids))[:, None], rows.index]
         return logits, chunk_logits if chunk is not None else None
 
-    def _bind(self, binding: ort.IOBinding, rows: _Rows, pointers: list[int], length: int,
+    def _bind(self, graph: _Graph, rows: _Rows, pointers: list[int], length: int,
               prefix: str) -> np.ndarray:
         """Bind one group's inputs, its KV run (past and present: the same memory, written
         in place) and its logits, an array of ours (freed with the caller's last reference,
         never cached by ONNX Runtime's arena). The binding lives as long as the runner and
         the KV run is bound again only when it changes: its 2 × layers calls cost about
         0.3 ms a pass on SmolLM2, and a steady batch, or an idle second group, keeps its run."""
+        binding = graph.binding
         n, t = rows.ids.shape
         index = np.ascontiguousarray(rows.index, np.int64)  # (n, K)
         logits = np.empty((n, index.shape[1] if self._gathers else t, self.vocab_size),
@@ -130,11 +155,11 @@ class EngineGraphRunner(PooledRunner):
         binding.bind_cpu_input(prefix + es.TOTAL_SEQUENCE_LENGTH,
                                np.array([rows.total], np.int32))
         shape = [n, self.shape.heads, length, self.shape.head_dim]
-        if self._kv_bound.get(prefix) != (pointers[0], n, length):
+        if graph.kv_bound.get(prefix) != (pointers[0], n, length):
             for past, present, ptr in zip(self._past, self._present, pointers, strict=True):
                 binding.bind_input(prefix + past, "cpu", 0, np.float32, shape, ptr)
                 binding.bind_output(prefix + present, "cpu", 0, np.float32, shape, ptr)
-            self._kv_bound[prefix] = (pointers[0], n, length)
+            graph.kv_bound[prefix] = (pointers[0], n, length)
         return logits
 
     def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
@@ -265,6 +290,26 @@ class EngineGraphRunner(PooledRunner):
         pos = np.arange(start, total, dtype=np.int64)[None, :]  # (1, T)
         return _Rows(slot.index, np.asarray(tokens, np.int64)[None, :], pos,
                      np.array([total - 1]), total, index[None, :])
+
+
+class _Graph:
+    """A session and its IO binding, reused from pass to pass (see ``_bind``)."""
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self.session = session
+        self.binding = session.io_binding()
+        self.kv_bound: dict[str, tuple[int, int, int]] = {}  # group → (address, rows, length)
+        self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in {i.name for i in session.get_inputs()}
+
+
+def twin_fits(session: ort.InferenceSession, twin: ort.InferenceSession) -> bool:
+    """Whether ``twin`` can run every pass ``session`` runs: the same inputs, or those
+    plus a second group of rows, left idle (engine_mixed.onnx's float32 build beside a
+    quantised engine.onnx, with mixed steps off)."""
+    mine = {i.name for i in session.get_inputs()}
+    extra = {i.name for i in twin.get_inputs()} - mine
+    return mine <= {i.name for i in twin.get_inputs()} and all(
+        name.startswith(es.CHUNK_PREFIX) for name in extra)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,11 @@ class Runtime:
         """model.onnx, or engine.onnx with its in-place KV cache."""
         return self.engine.graph_file if self.engine is not None else None
 
+    @property
+    def float32_pass_tokens(self) -> int | None:
+        """From how many tokens a pass runs on the float32 twin; None: no twin."""
+        return self.engine.float32_pass_tokens if self.engine is not None else None
+
 
 def load_engine(runtime: Runtime) -> None:
     """Build the engine and the attention session and warm them up (blocking; runs in a

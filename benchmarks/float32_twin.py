@@ -1,0 +1,108 @@
+"""Quantised artifacts with their float32 twin on and off, beside float32, in one process.
+
+Usage:
+    python -m benchmarks.float32_twin --fp32 artifacts/smollm2-135m-instruct \
+        --quantized int4=.cache/bench-work/smollm2-135m-instruct/artifact_int4 \
+        [--quantized gguf=DIR ...] [--batch 32] [--prompt-len 64] [--new 128] [--rounds 3] \
+        [--threads 2] [--wide 256] [--out FILE.json]
+
+One static batch of ``--batch`` random prompts, ``--new`` greedy tokens each (end of
+sequence not a stop), through the engine as ``benchmarks.runner_engine`` builds it (one
+pass for the whole prompt batch, so the prefill is one pass of batch × prompt-len tokens).
+Every round runs the float32 artifact, then each quantised one with the twin
+(engine_float32.onnx for passes of at least ``--wide`` tokens) and without it, in turn on
+the same engines, so the machine's drift falls on all alike. Prints tokens/s and TTFT per
+round, and each quantised variant's per-round ratio to float32 with its median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def named(value: str) -> tuple[str, Path]:
+    name, _, path = value.partition("=")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
+    return name, Path(path)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.runner_engine import EngineRunner
+    from service.engine.static_cache import EngineGraphRunner
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 10000, args.prompt_len).tolist() for _ in range(args.batch)]
+    max_len = args.prompt_len + args.new + 8
+    runners = {"fp32": EngineRunner(args.fp32, args.threads, max_len=max_len)}
+    for name, path in args.quantized:
+        runner = EngineRunner(path, args.threads, max_len=max_len)
+        model = runner.engine.runner
+        if not (isinstance(model, EngineGraphRunner) and model.has_float32_twin):
+            raise SystemExit(f"float32_twin: {path} has no engine_float32.onnx "
+                             "(export it again with --quantize ... --engine-graph)")
+        runners[name] = runner
+    rounds: dict[str, list[dict[str, float]]] = {}
+    try:
+        for _ in range(args.rounds):
+            for name, runner in runners.items():
+                for wide in ((0,) if name == "fp32" else (args.wide, 0)):
+                    label = name if name == "fp32" else f"{name} twin {'on' if wide else 'off'}"
+                    model = runner.engine.runner
+                    assert isinstance(model, EngineGraphRunner)
+                    model.float32_pass_tokens = wide
+                    result = runner.generate(prompts, args.new)
+                    rounds.setdefault(label, []).append(
+                        {"tok_s": args.batch * args.new / result.total_s,
+                         "ttft_ms": result.ttft_s * 1000})
+    finally:
+        for runner in runners.values():
+            runner.close()
+    report: dict[str, Any] = {"batch": args.batch, "prompt_len": args.prompt_len,
+                              "new": args.new, "threads": args.threads, "wide": args.wide,
+                              "rounds": rounds, "ratios_to_fp32": {}}
+    for label, values in rounds.items():
+        speeds = ", ".join(f"{v['tok_s']:.1f}" for v in values)
+        ttfts = ", ".join(f"{v['ttft_ms']:.0f}" for v in values)
+        print(f"{label:>16}: tok/s {speeds}; TTFT ms {ttfts}")
+    for label, values in rounds.items():
+        if label == "fp32":
+            continue
+        ratios = [v["tok_s"] / f["tok_s"] for v, f in zip(values, rounds["fp32"], strict=True)]
+        report["ratios_to_fp32"][label] = ratios
+        print(f"{label:>16} ÷ fp32: {', '.join(f'{r:.3f}' for r in ratios)} "
+              f"(median {statistics.median(ratios):.3f})")
+    return report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--fp32", type=Path, required=True, help="the float32 artifact")
+    p.add_argument("--quantized", type=named, action="append", required=True,
+                   metavar="NAME=DIR", help="a quantised artifact with engine_float32.onnx")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--wide", type=int, default=256, help="--float32-pass-tokens when on")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    for path in [args.fp32, *(d for _, d in args.quantized)]:
+        if not (path / "manifest.json").is_file():
+            raise SystemExit(f"float32_twin: {path} is not an artifact (no manifest.json)")
+    report = run(args)
+    if args.out:
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(args.out)
+
+
+if __name__ == "__main__":
+    main()

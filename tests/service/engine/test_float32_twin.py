@@ -1,0 +1,118 @@
+"""A quantised artifact's float32 twin (engine_float32.onnx) for passes of many tokens.
+
+MatMulNBits loses to a float32 GEMM once a pass carries a few dozen rows, so export keeps
+the engine graph's float32 build beside the quantised one and the runner sends passes of at
+least ``float32_pass_tokens`` tokens to it (service/engine/static_cache.py). Checked here
+against PyTorch's float32 model: a wide pass computes its logits, a narrow one does not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint
+from service.contract import io_spec as io
+from service.contract.engine_spec import ENGINE_FILE, ENGINE_FLOAT32_FILE, ENGINE_MIXED_FILE
+from service.engine.engine import EngineConfig, create_runner
+from service.engine.static_cache import EngineGraphRunner
+from tests.conftest import torch_threads
+
+WIDE = 24  # tokens from which a pass runs on the twin, in these tests
+
+
+@pytest.fixture(scope="module")
+def int4_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from export.to_onnx import export_artifact
+
+    with torch_threads(1):
+        return export_artifact(tiny_checkpoint, tmp_path_factory.mktemp("int4") / "artifact",
+                               quantize="int4", engine_graph=True, verify=False)
+
+
+def runner_for(artifact: Path, wide: int, mixed_steps: bool = True) -> EngineGraphRunner:
+    config = io.ArtifactConfig.load(artifact)
+    runner = create_runner(artifact, config, EngineConfig(
+        intra_op_threads=1, max_batch_size=4, prefix_caching=False, float32_pass_tokens=wide,
+        mixed_steps=mixed_steps))
+    assert isinstance(runner, EngineGraphRunner)
+    assert runner.graph_file == (ENGINE_MIXED_FILE if mixed_steps else ENGINE_FILE)
+    return runner
+
+
+@torch.no_grad()
+def torch_logits(checkpoint: Path, ids: list[int]) -> np.ndarray:
+    gpt = load_checkpoint(checkpoint).model.eval()
+    return gpt(torch.tensor([ids])).logits[0].numpy()  # (T, V)
+
+
+def test_export_keeps_the_float32_engine_graph_beside_the_quantised_one(
+        int4_artifact: Path) -> None:
+    manifest = json.loads((int4_artifact / io.MANIFEST_FILE).read_text("utf-8"))
+    assert ENGINE_FLOAT32_FILE in manifest["files"]
+    twin = onnx.load(str(int4_artifact / ENGINE_FLOAT32_FILE), load_external_data=False).graph
+    quantised = onnx.load(str(int4_artifact / ENGINE_MIXED_FILE),
+                          load_external_data=False).graph
+    assert not any(n.op_type == "MatMulNBits" for n in twin.node)
+    assert any(n.op_type == "MatMulNBits" for n in quantised.node)
+    assert [i.name for i in twin.input] == [i.name for i in quantised.input]
+    assert [o.name for o in twin.output] == [o.name for o in quantised.output]
+    # its large weights are the float32 ones in weights.bin: no second file
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in twin.initializer)
+    assert sorted(p.name for p in int4_artifact.glob("*.bin")) == ["weights.bin"]
+
+
+@pytest.mark.parametrize("mixed_steps", [True, False])
+def test_a_wide_pass_runs_in_float32_and_a_narrow_one_quantised(
+        int4_artifact: Path, tiny_checkpoint: Path, stdlib_text: str, mixed_steps: bool) -> None:
+    """A prompt of WIDE tokens or more: the twin's logits are PyTorch's float32 ones; the
+    same prompt with the twin off, and the decode steps after it, run on MatMulNBits.
+    With mixed steps off the twin (engine_mixed.onnx's float32 build) serves the plain
+    engine.onnx, its second group of rows left idle."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(int4_artifact / io.TOKENIZER_FILE))
+    ids = tok.encode(stdlib_text[5000:8000], add_special_tokens=False).ids[:WIDE + 8]
+    want = torch_logits(tiny_checkpoint, ids)[-1]  # (V,)
+
+    wide = runner_for(int4_artifact, WIDE, mixed_steps)
+    (slot,) = wide.reserve(1)
+    (got,) = wide.prefill([slot], [np.asarray(ids)])  # (1, V)
+    twin_error = float(np.abs(got[0] - want).max())
+    assert twin_error < 1e-3
+    assert wide.twin_passes == 1
+    for token in ids[:3]:  # one token a pass: the quantised graph
+        wide.decode([slot], np.asarray([token]))
+    assert wide.twin_passes == 1
+
+    narrow = runner_for(int4_artifact, 0, mixed_steps)
+    (slot,) = narrow.reserve(1)
+    (quantised,) = narrow.prefill([slot], [np.asarray(ids)])
+    assert narrow.twin_passes == 0
+    assert float(np.abs(quantised[0] - want).max()) > 10 * twin_error
+
+    short = ids[:WIDE - 1]  # one token short of the threshold: quantised as well
+    (slot,) = wide.reserve(1)
+    (below,) = wide.prefill([slot], [np.asarray(short)])
+    assert wide.twin_passes == 1
+    np.testing.assert_allclose(
+        below[0], narrow.prefill(narrow.reserve(1), [np.asarray(short)])[0][0], atol=1e-5)
+
+
+def test_an_artifact_without_a_twin_runs_every_pass_quantised(
+        int4_artifact: Path, tmp_path: Path) -> None:
+    """An artifact exported before the twin existed (the file gone) still serves."""
+    import shutil
+
+    old = tmp_path / "artifact"
+    shutil.copytree(int4_artifact, old)
+    (old / ENGINE_FLOAT32_FILE).unlink()
+    runner = runner_for(old, WIDE)
+    (slot,) = runner.reserve(1)
+    runner.prefill([slot], [np.arange(3, 3 + WIDE + 4)])
+    assert runner.twin_passes == 0
