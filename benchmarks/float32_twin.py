@@ -99,9 +99,9 @@ def main() -> None:
             raise SystemExit(f"float32_twin: {path} is not an artifact (no manifest.json)")
     report = run(args)
     if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        tmp.replace(args.out)
+        from model.data import write_text_atomic
+
+        write_text_atomic(args.out, json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":
