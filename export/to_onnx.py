@@ -34,6 +34,11 @@ from service.contract.manifest import Manifest, checkpoint_fingerprint, describe
 DTYPES = ("float32", "float16")
 QUANTIZATIONS = ("int8", "int4", "int8-dynamic", "gguf")  # export/quantize.py METHODS
 ENGINE_QUANTIZATIONS = (None, "int8", "int4", "gguf")  # MatMulNBits: what engine.onnx can take
+# From how many tokens a pass runs faster on engine_float32.onnx than on MatMulNBits
+# (`python -m benchmarks.float32_twin --passes`, SmolLM2, 2 threads): 4-bit from about 200
+# (a 2,048-token pass 20-29 % faster), 8-bit from about 1,000 (5 %; 27 % slower at 128).
+# Recorded in the manifest (exporter.float32_pass_tokens); --float32-pass-tokens overrides.
+FLOAT32_PASS_TOKENS = {"int4": 256, "gguf": 256, "int8": 1024}
 
 
 def _versions() -> dict[str, str]:
@@ -251,10 +256,11 @@ def export_artifact(
                 verification["engine_mixed_quantized"] = _quantize_engine(
                     gpt, fp32_mixed, mixed_path, tok, ckpt.meta.training, quantize, False)
             final = {p.name: load_graph(p) for p in sorted(tmp.glob("*.onnx"))}
-            if engine_graph:  # float32, for wide passes: its LM head the embedding's bytes
+            twin = engine_graph and quantize in FLOAT32_PASS_TOKENS
+            if twin:  # float32, for wide passes: its LM head the embedding's bytes
                 final[ENGINE_FLOAT32_FILE] = build_engine_graph(gpt, mixed=mixed_steps)
             storage = save_graphs(tmp, final, base=tmp)  # one weights.bin again
-            if engine_graph and verify:
+            if twin and verify:
                 verification["engine_float32"] = verify_engine(
                     gpt, tmp / ENGINE_FLOAT32_FILE, prompts=verification["decode"]["prompts"],
                     reference=reference)
@@ -281,6 +287,8 @@ def export_artifact(
             exporter={"name": "attnserve graph builder", "method": "direct (export/graphs.py, "
                       "export/engine_graph.py)", "build_seconds": round(build_seconds, 3),
                       **({"engine_mixed_steps": mixed_steps} if engine_graph else {}),
+                      **({"float32_pass_tokens": FLOAT32_PASS_TOKENS[quantize]}
+                         if engine_graph and quantize in FLOAT32_PASS_TOKENS else {}),
                       "storage": storage, "versions": _versions()},
             opset=opset, kv_dtype=dtype, quantization=quantize,
             io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,

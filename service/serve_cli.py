@@ -50,7 +50,7 @@ OPTIONS: tuple[tuple[str, str, type, str], ...] = (
     ("--float32-pass-tokens", "float32_pass_tokens", int,
      "quantised artifacts: passes of at least this many tokens run on engine_float32.onnx, "
      "the graph's float32 twin (MatMulNBits is slower than a float32 GEMM there); 0: never "
-     "(default 256)"),
+     "(default: the artifact's, 256 for int4/gguf, 1024 for int8)"),
     ("--prefill-chunk-tokens", "prefill_chunk_tokens", int,
      "prefill longer prompts in chunks of this many tokens between decode steps; 0: off "
      "(default 256)"),

@@ -73,11 +73,12 @@ class Settings(BaseSettings):
         64.0, gt=0, description="memory for the prefix cache's block store, in MiB (it "
                                 "fills to this as prompts are cached)")
     prefix_block_size: int = Field(16, ge=1, description="tokens per prefix-cache block")
-    float32_pass_tokens: int = Field(
-        256, ge=0, description="a quantised artifact with engine_float32.onnx runs passes "
-                               "of at least this many tokens (prompts, chunks) on that "
-                               "float32 twin, its weights memory-mapped from weights.bin; "
-                               "0: always the quantised graph")
+    float32_pass_tokens: int | None = Field(
+        None, ge=0, description="a quantised artifact with engine_float32.onnx runs passes "
+                                "of at least this many tokens (prompts, chunks) on that "
+                                "float32 twin, its weights memory-mapped from weights.bin; "
+                                "0: always the quantised graph; default: the artifact's "
+                                "(256 for int4 and gguf, 1024 for int8)")
     prefill_chunk_tokens: int = Field(
         256, ge=0, description="prompts longer than this are prefilled in chunks of at most "
                                "this size between decode steps; 0: one pass")

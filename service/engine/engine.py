@@ -15,6 +15,7 @@ could hold.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -58,7 +59,7 @@ class EngineConfig:
     prefix_cache_memory_mb: float = 64.0
     prefix_block_size: int = 16
     prefill_chunk_tokens: int = 256  # 0: prompts are prefilled in one pass
-    float32_pass_tokens: int = 256  # passes this long run on engine_float32.onnx; 0: never
+    float32_pass_tokens: int | None = None  # engine_float32.onnx from; 0: never; None: artifact's
     adaptive_prefill_chunks: bool = True
     speculative: SpeculativeConfig | None = None  # None: one token per row per step
     speculative_model: Path | None = None  # the draft's artifact (method "draft")
@@ -160,6 +161,13 @@ def pool_config(engine: EngineConfig, model: io.ArtifactConfig, token_bytes: int
                       prefix_cache_blocks=blocks, max_len=max_len, budget_tokens=budget)
 
 
+def artifact_float32_pass_tokens(artifact_dir: Path) -> int:
+    """The threshold export measured for this artifact's quantisation (its manifest's
+    ``exporter.float32_pass_tokens``); 256 where an older manifest does not say."""
+    manifest = json.loads((artifact_dir / io.MANIFEST_FILE).read_text("utf-8"))
+    return int(manifest.get("exporter", {}).get("float32_pass_tokens", 256))
+
+
 def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineConfig,
                   spin_wait: bool = True) -> ModelRunner:
     """engine.onnx over the KV pool when the artifact has it and the session would run on
@@ -179,7 +187,10 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
                                  spin_wait=spin_wait)
         twin_path = artifact_dir / ENGINE_FLOAT32_FILE
         twin = None
-        if engine.float32_pass_tokens and twin_path.is_file():
+        wide = engine.float32_pass_tokens
+        if wide is None:
+            wide = artifact_float32_pass_tokens(artifact_dir)
+        if wide and twin_path.is_file():
             twin = create_session(twin_path, "cpu", engine.intra_op_threads, prepack=False,
                                   spin_wait=spin_wait)
             if not twin_fits(session, twin):
@@ -187,7 +198,7 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
                          engine_path.name)
                 twin = None
         return EngineGraphRunner(session, model, pool, float32_twin=twin,
-                                 float32_pass_tokens=engine.float32_pass_tokens)
+                                 float32_pass_tokens=wide)
     itemsize = np.dtype(model.kv_dtype).itemsize
     pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
     return ModelGraphRunner(create_session(artifact_dir / io.MODEL_FILE, engine.device,

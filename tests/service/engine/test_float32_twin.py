@@ -35,7 +35,17 @@ def int4_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
                                quantize="int4", engine_graph=True, verify=False)
 
 
-def runner_for(artifact: Path, wide: int, mixed_steps: bool = True) -> EngineGraphRunner:
+@pytest.fixture(scope="module")
+def int8_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from export.to_onnx import export_artifact
+
+    with torch_threads(1):
+        return export_artifact(tiny_checkpoint, tmp_path_factory.mktemp("int8") / "artifact",
+                               quantize="int8", engine_graph=True, verify=False)
+
+
+def runner_for(artifact: Path, wide: int | None,
+               mixed_steps: bool = True) -> EngineGraphRunner:
     config = io.ArtifactConfig.load(artifact)
     runner = create_runner(artifact, config, EngineConfig(
         intra_op_threads=1, max_batch_size=4, prefix_caching=False, float32_pass_tokens=wide,
@@ -116,3 +126,15 @@ def test_an_artifact_without_a_twin_runs_every_pass_quantised(
     (slot,) = runner.reserve(1)
     runner.prefill([slot], [np.arange(3, 3 + WIDE + 4)])
     assert runner.twin_passes == 0
+
+
+def test_each_artifact_carries_its_own_threshold(int4_artifact: Path,
+                                                  int8_artifact: Path) -> None:
+    """Export records from how many tokens the twin pays (4-bit: 256, 8-bit: 1,024, as
+    measured by benchmarks.float32_twin --passes); the runner takes it unless told."""
+    for artifact, expected in ((int4_artifact, 256), (int8_artifact, 1024)):
+        manifest = json.loads((artifact / io.MANIFEST_FILE).read_text("utf-8"))
+        assert manifest["exporter"]["float32_pass_tokens"] == expected
+        assert runner_for(artifact, None).float32_pass_tokens == expected
+        assert runner_for(artifact, 64).float32_pass_tokens == 64
+        assert not runner_for(artifact, 0).has_float32_twin
