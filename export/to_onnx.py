@@ -198,6 +198,8 @@ def export_artifact(
                          f"{model_cfg.head_dim}: export without it (the service then decodes "
                          "with model.onnx)")
     gpt = ckpt.model.eval()
+    # a quantised engine graph also gets its float32 build, for wide passes
+    twin = engine_graph and quantize in FLOAT32_PASS_TOKENS
     with staged_directory(out) as tmp:
         started = time.perf_counter()
         model_path, attention_path = tmp / io.MODEL_FILE, tmp / io.ATTENTION_FILE
@@ -256,7 +258,6 @@ def export_artifact(
                 verification["engine_mixed_quantized"] = _quantize_engine(
                     gpt, fp32_mixed, mixed_path, tok, ckpt.meta.training, quantize, False)
             final = {p.name: load_graph(p) for p in sorted(tmp.glob("*.onnx"))}
-            twin = engine_graph and quantize in FLOAT32_PASS_TOKENS
             if twin:  # float32, for wide passes: its LM head the embedding's bytes
                 final[ENGINE_FLOAT32_FILE] = build_engine_graph(gpt, mixed=mixed_steps)
             storage = save_graphs(tmp, final, base=tmp)  # one weights.bin again
@@ -288,7 +289,7 @@ def export_artifact(
                       "export/engine_graph.py)", "build_seconds": round(build_seconds, 3),
                       **({"engine_mixed_steps": mixed_steps} if engine_graph else {}),
                       **({"float32_pass_tokens": FLOAT32_PASS_TOKENS[quantize]}
-                         if engine_graph and quantize in FLOAT32_PASS_TOKENS else {}),
+                         if twin and quantize else {}),
                       "storage": storage, "versions": _versions()},
             opset=opset, kv_dtype=dtype, quantization=quantize,
             io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,

@@ -186,11 +186,11 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
         session = create_session(engine_path, "cpu", engine.intra_op_threads,
                                  spin_wait=spin_wait)
         twin_path = artifact_dir / ENGINE_FLOAT32_FILE
-        twin = None
-        wide = engine.float32_pass_tokens
-        if wide is None:
-            wide = artifact_float32_pass_tokens(artifact_dir)
-        if wide and twin_path.is_file():
+        twin, wide = None, 0
+        if twin_path.is_file():  # the manifest is read only for an artifact with a twin
+            wide = (artifact_float32_pass_tokens(artifact_dir)
+                    if engine.float32_pass_tokens is None else engine.float32_pass_tokens)
+        if wide:
             twin = create_session(twin_path, "cpu", engine.intra_op_threads, prepack=False,
                                   spin_wait=spin_wait)
             if not twin_fits(session, twin):
@@ -228,14 +228,14 @@ class Engine:
                      runner.pool.shape.dtype.itemsize) / 2**20,
                  f", prefix cache of {p.capacity_blocks} blocks x {p.block_size} tokens"
                  if (p := runner.prefix_stats()) else "")
-        if isinstance(runner, EngineGraphRunner) and runner.has_float32_twin:
-            log.info("passes of %d tokens or more run on %s (float32 weights, memory-mapped)",
-                     runner.float32_pass_tokens, ENGINE_FLOAT32_FILE)
         limits = SchedulerLimits(config.max_batch_size, config.max_batch_tokens,
                                  config.max_queued_requests, config.prefill_chunk_tokens,
                                  config.adaptive_prefill_chunks)
         speculator = create_speculator(artifact, config)
         engine = cls(runner, Scheduler(runner, artifact.codec, limits, stats, speculator))
+        if engine.float32_pass_tokens is not None:
+            log.info("passes of %d tokens or more run on %s (float32 weights, memory-mapped)",
+                     engine.float32_pass_tokens, ENGINE_FLOAT32_FILE)
         if warmup:
             started = time.perf_counter()
             engine.scheduler.warmup(GenerationRequest(

@@ -99,13 +99,13 @@ class ModelGraphRunner(PooledRunner):
         return [buffer[:need].reshape(shape) for buffer in buffers]
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
-             past: Sequence[Past], out: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+             past: list[np.ndarray], out: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
         """logits (B, T, V) and presents (B, nkv, T_past + T, hs) on the host. On CPU the
         presents are written straight into scratch set ``out`` (no copy out of ONNX
         Runtime)."""
         binding = self._bind(ids, mask, pos, past)
         b, t = ids.shape
-        shape = (b, self.shape.heads, _length(past[0]) + t, self.shape.head_dim)
+        shape = (b, self.shape.heads, past[0].shape[2] + t, self.shape.head_dim)
         presents: list[np.ndarray] = []
         if self.device == "cpu":
             presents = self._scratch(out, shape)  # each (B, nkv, T_past + T, hs)
@@ -168,17 +168,17 @@ class ModelGraphRunner(PooledRunner):
         width = int(lengths.max())
         self._check_room(width + 1)
         key = tuple(index.tolist())
+        mask = (np.arange(width + 1)[None, :] >= (width - lengths)[:, None]).astype(np.int64)
+        ids = np.asarray(tokens, np.int64)[:, None]  # (B, 1)
+        pos = lengths[:, None].astype(np.int64)  # (B, 1): each row's next position
         if self.resident:
-            return self._decode_resident(index, lengths, key, tokens)
+            return self._decode_resident(index, lengths, key, ids, mask, pos)
         carry, self._carry = self._carry, None
         if carry is not None and carry[0] == key and carry[2][0].shape[2] == width:
             src, past = carry[1], carry[2]  # last step's present: the pool's rows, padded
         else:
             src, past = 0, self._gather(index, lengths, 0)
-        mask = (np.arange(width + 1)[None, :] >= (width - lengths)[:, None]).astype(np.int64)
-        ids = np.asarray(tokens, np.int64)[:, None]  # (B, 1)
-        logits, present = self._run(ids, mask, lengths[:, None].astype(np.int64), past,
-                                    out=1 - src)
+        logits, present = self._run(ids, mask, pos, past, out=1 - src)
         for array, new in zip(self.pool.arrays, present, strict=True):
             array[index, :, lengths] = new[:, :, width]  # (B, nkv, hs): the new column
         self.pool.tokens[index, lengths] = ids[:, 0]
@@ -187,21 +187,18 @@ class ModelGraphRunner(PooledRunner):
             self._carry = (key, 1 - src, present)
         return np.asarray(logits[:, -1])  # (B, V)
 
-    def _decode_resident(self, index: np.ndarray, lengths: np.ndarray,
-                         key: tuple[int, ...], tokens: np.ndarray) -> np.ndarray:
+    def _decode_resident(self, index: np.ndarray, lengths: np.ndarray, key: tuple[int, ...],
+                         ids: np.ndarray, mask: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """``decode`` with the cache kept on the device: the past is the last step's
         presents when the rows are the same, else gathered from the (settled) pool."""
-        width = int(lengths.max())
+        width = mask.shape[1] - 1  # the past's length
         carry = self._device_carry
         if carry is not None and (carry.key != key or carry.width != width):
             self.settle()
             carry = None
         past: Sequence[Past] = (carry.presents if carry is not None
                                 else self._gather(index, lengths, 0))
-        mask = (np.arange(width + 1)[None, :] >= (width - lengths)[:, None]).astype(np.int64)
-        ids = np.asarray(tokens, np.int64)[:, None]  # (B, 1)
-        logits, presents = self._run_resident(ids, mask, lengths[:, None].astype(np.int64),
-                                              past)
+        logits, presents = self._run_resident(ids, mask, pos, past)
         self.pool.tokens[index, lengths] = ids[:, 0]
         self.pool.lengths[index] = lengths + 1
         self._device_carry = _DeviceCarry(key, width + 1, presents,
@@ -282,7 +279,3 @@ class ModelGraphRunner(PooledRunner):
         self.settle()
         return super().join(groups)
 
-
-def _length(past: Past) -> int:
-    """T_past of a (B, nkv, T_past, hs) past, on the host or in ONNX Runtime."""
-    return int(past.shape()[2] if isinstance(past, ort.OrtValue) else past.shape[2])
