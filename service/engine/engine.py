@@ -31,6 +31,7 @@ from service.contract.manifest import verify_manifest
 from service.engine.draft import DraftModel
 from service.engine.portable import ModelGraphRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.engine.resident import release_file_pages
 from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import RequestHandle, Scheduler, SchedulerLimits
 from service.engine.session import CPU, create_session, select_providers
@@ -241,6 +242,10 @@ class Engine:
             engine.scheduler.warmup(GenerationRequest(
                 [model.start_token_id], SamplingParams(), StoppingCriteria(max_new_tokens=4)))
             log.info("engine warmed up in %.0f ms", (time.perf_counter() - started) * 1000)
+        released = release_file_pages(artifact.path)  # e.g. a tied embedding packed at load
+        if released:
+            log.info("%.0f MiB of weights read once at load dropped from memory "
+                     "(faulted back in as read)", released / 2**20)
         return engine
 
     @property

@@ -3,7 +3,9 @@
 Routes call ``submit`` on the event loop and read events from a per-request asyncio
 queue. The loop thread admits waiting requests at every step (their prefill runs, then
 they decode with the rest), retires finished and cancelled rows at once, and hands each
-step's events back to the event loop with one ``call_soon_threadsafe``. A prompt longer
+step's events back to the event loop with one ``call_soon_threadsafe``. Each time it runs
+out of work it gives the C heap's freed pages back to the OS (service/engine/resident.py), so
+the server's memory after a busy period returns to what it holds. A prompt longer
 than ``prefill_chunk_tokens`` is prefilled one chunk per loop iteration, between decode
 steps of the running rows, so they keep their pace.
 
@@ -31,6 +33,7 @@ from typing import Literal
 from service.engine.batch import Batch, SequenceState
 from service.engine.chunking import ChunkBudget
 from service.engine.request import ErrorEvent, Event, GenerationRequest, TokenEvent
+from service.engine.resident import release_freed_heap
 from service.engine.runner import ModelRunner
 from service.engine.speculative import Speculator
 from service.engine.stats import LoadStats, NullStats, RequestStats, StatsSink, StepStats
@@ -209,6 +212,8 @@ class Scheduler:
                     self._fail(self._partial, [], f"generation failed: {exc}", "generation")
                 batch, self._partial = None, None
             self._report_load(batch)
+            if batch is None and self._partial is None and not self._waiting:
+                release_freed_heap()  # idle now: the busy period's heap holes go back
         self._fail(batch, list(self._waiting), "the server is shutting down", "shutdown")
         if self._partial is not None:
             self._fail(self._partial, [], "the server is shutting down", "shutdown")
