@@ -12,7 +12,9 @@ sequence not a stop), through the engine as ``benchmarks.runner_engine`` builds 
 pass for the whole prompt batch, so the prefill is one pass of batch × prompt-len tokens).
 Every round runs the float32 artifact, then each quantised one with the twin
 (engine_float32.onnx for passes of at least ``--wide`` tokens) and without it, in turn on
-the same engines, so the machine's drift falls on all alike. Prints tokens/s and TTFT per
+the same engines, so the machine's drift falls on all alike; a 4-bit artifact with
+engine_codes8.onnx also runs as served (twin and 8-bit codes on, each at the artifact's
+threshold), and the other two variants with the codes off. Prints tokens/s and TTFT per
 round, and each quantised variant's per-round ratio to float32 with its median.
 
 ``--passes`` times single prefill passes instead (where the threshold comes from): for
@@ -51,7 +53,8 @@ def passes(args: argparse.Namespace) -> dict[str, Any]:
     for name, path in args.quantized:
         runner = create_runner(path, io.ArtifactConfig.load(path), EngineConfig(
             intra_op_threads=args.threads, max_batch_size=max(args.passes),
-            max_total_tokens=args.prompt_len + 8, prefix_caching=False, float32_pass_tokens=1))
+            max_total_tokens=args.prompt_len + 8, prefix_caching=False, float32_pass_tokens=1,
+            codes8_pass_tokens=0))
         if not (isinstance(runner, EngineGraphRunner) and runner.has_float32_twin):
             raise SystemExit(f"float32_twin: {path} has no engine_float32.onnx "
                              "(export it again with --quantize int4|gguf --engine-graph)")
@@ -85,6 +88,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_len = args.prompt_len + args.new + 8
     runners = {"fp32": EngineRunner(args.fp32, args.threads, max_len=max_len)}
     wide: dict[str, int] = {"fp32": 0}  # each artifact's threshold when the twin is on
+    # label → (float32_pass_tokens, codes8_pass_tokens) per artifact, in running order
+    variants: dict[str, dict[str, tuple[int, int]]] = {"fp32": {"fp32": (0, 0)}}
     for name, path in args.quantized:
         runner = EngineRunner(path, args.threads, max_len=max_len)
         model = runner.engine.runner
@@ -93,15 +98,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              "(export it again with --quantize ... --engine-graph)")
         runners[name] = runner
         wide[name] = args.wide or model.float32_pass_tokens
+        variants[name] = {f"{name} twin on": (wide[name], 0), f"{name} twin off": (0, 0)}
+        if model.has_codes8:
+            variants[name] = {f"{name} as served": (wide[name], model.codes8_pass_tokens),
+                              **variants[name]}
     rounds: dict[str, list[dict[str, float]]] = {}
     try:
         for _ in range(args.rounds):
             for name, runner in runners.items():
-                for tokens in ((0,) if name == "fp32" else (wide[name], 0)):
-                    label = name if name == "fp32" else f"{name} twin {'on' if tokens else 'off'}"
+                for label, (tokens, many) in variants[name].items():
                     model = runner.engine.runner
                     assert isinstance(model, EngineGraphRunner)
-                    model.float32_pass_tokens = tokens
+                    model.float32_pass_tokens, model.codes8_pass_tokens = tokens, many
                     result = runner.generate(prompts, args.new)
                     rounds.setdefault(label, []).append(
                         {"tok_s": args.batch * args.new / result.total_s,
@@ -111,17 +119,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runner.close()
     report: dict[str, Any] = {"batch": args.batch, "prompt_len": args.prompt_len,
                               "new": args.new, "threads": args.threads, "wide": wide,
-                              "rounds": rounds, "ratios_to_fp32": {}}
+                              "variants": variants, "rounds": rounds, "ratios_to_fp32": {}}
     for label, values in rounds.items():
         speeds = ", ".join(f"{v['tok_s']:.1f}" for v in values)
         ttfts = ", ".join(f"{v['ttft_ms']:.0f}" for v in values)
-        print(f"{label:>16}: tok/s {speeds}; TTFT ms {ttfts}")
+        print(f"{label:>18}: tok/s {speeds}; TTFT ms {ttfts}")
     for label, values in rounds.items():
         if label == "fp32":
             continue
         ratios = [v["tok_s"] / f["tok_s"] for v, f in zip(values, rounds["fp32"], strict=True)]
         report["ratios_to_fp32"][label] = ratios
-        print(f"{label:>16} ÷ fp32: {', '.join(f'{r:.3f}' for r in ratios)} "
+        print(f"{label:>18} ÷ fp32: {', '.join(f'{r:.3f}' for r in ratios)} "
               f"(median {statistics.median(ratios):.3f})")
     return report
 

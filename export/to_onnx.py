@@ -37,8 +37,16 @@ ENGINE_QUANTIZATIONS = (None, "int8", "int4", "gguf")  # MatMulNBits: what engin
 # From how many tokens a pass runs faster on engine_float32.onnx than on MatMulNBits
 # (`python -m benchmarks.float32_twin --passes`, SmolLM2, 2 threads): 4-bit from about 200
 # (a 2,048-token pass 20-29 % faster), 8-bit from about 1,000 (5 %; 27 % slower at 128).
-# Recorded in the manifest (exporter.float32_pass_tokens); --float32-pass-tokens overrides.
-FLOAT32_PASS_TOKENS = {"int4": 256, "gguf": 256, "int8": 1024}
+# int4's 8-bit codes (below) hold out longer: one prefill pass of 256 / 512 / 2,048 tokens
+# took 289 / 546 / 2,188 ms on them, 306 / 525 / 2,003 on the twin; gguf's (Q4_1, with its
+# minimums) 366 / 666 / 2,569 against 319 / 545 / 2,005. Recorded in the manifest
+# (exporter.float32_pass_tokens); --float32-pass-tokens overrides.
+FLOAT32_PASS_TOKENS = {"int4": 512, "gguf": 256, "int8": 1024}
+# From how many tokens a pass runs faster on a 4-bit graph's weights as 8-bit codes
+# (export/widen_codes.py; `python -m benchmarks.quant_blocks --engine ...`, SmolLM2, 2
+# threads, decode steps: 4-bit 28.9 / 36.0 / 50.2 ms at 12 / 16 / 24 rows, as 8-bit codes
+# 29.0 / 35.6 / 47.4). Recorded in the manifest (exporter.codes8_pass_tokens).
+CODES8_PASS_TOKENS = {"int4": 16, "gguf": 16}
 
 
 def _versions() -> dict[str, str]:
@@ -169,7 +177,13 @@ def export_artifact(
     from export.onnx_build import WEIGHTS_FILE, load_graph, save_graphs
     from export.quantize import quantize_model
     from export.verify import TorchReference, verify_artifact
-    from service.contract.engine_spec import ENGINE_FILE, ENGINE_FLOAT32_FILE, ENGINE_MIXED_FILE
+    from export.widen_codes import compare_widened, widen_4bit_codes
+    from service.contract.engine_spec import (
+        ENGINE_CODES8_FILE,
+        ENGINE_FILE,
+        ENGINE_FLOAT32_FILE,
+        ENGINE_MIXED_FILE,
+    )
 
     say = log or (lambda _msg: None)
     opset = DEFAULT_OPSET if opset is None else opset
@@ -200,6 +214,7 @@ def export_artifact(
     gpt = ckpt.model.eval()
     # a quantised engine graph also gets its float32 build, for wide passes
     twin = engine_graph and quantize in FLOAT32_PASS_TOKENS
+    codes8 = 0  # 4-bit weights widened to 8-bit codes (engine_codes8.onnx), if any
     with staged_directory(out) as tmp:
         started = time.perf_counter()
         model_path, attention_path = tmp / io.MODEL_FILE, tmp / io.ATTENTION_FILE
@@ -260,6 +275,11 @@ def export_artifact(
             final = {p.name: load_graph(p) for p in sorted(tmp.glob("*.onnx"))}
             if twin:  # float32, for wide passes: its LM head the embedding's bytes
                 final[ENGINE_FLOAT32_FILE] = build_engine_graph(gpt, mixed=mixed_steps)
+            served = ENGINE_MIXED_FILE if mixed_steps else ENGINE_FILE
+            if engine_graph and quantize in CODES8_PASS_TOKENS:  # for passes of many rows
+                widened, codes8 = widen_4bit_codes(final[served], tmp)
+                if codes8:
+                    final[ENGINE_CODES8_FILE] = widened
             storage = save_graphs(tmp, final, base=tmp)  # one weights.bin again
             if twin and verify:
                 verification["engine_float32"] = verify_engine(
@@ -267,6 +287,12 @@ def export_artifact(
                     reference=reference)
                 say(f"verified {ENGINE_FLOAT32_FILE}: "
                     f"{verification['engine_float32']['max_abs_diff']:.2e}")
+            if codes8 and verify:
+                verification["engine_codes8"] = compare_widened(
+                    gpt, tmp / served, tmp / ENGINE_CODES8_FILE,
+                    prompts=verification["decode"]["prompts"][:2])
+                say(f"verified {ENGINE_CODES8_FILE} ({codes8} weights as 8-bit codes) against "
+                    f"{served}: {verification['engine_codes8']['max_abs_diff']:.2e}")
             for stale in tmp.glob(".*.fp32"):
                 stale.unlink()
         shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
@@ -290,6 +316,8 @@ def export_artifact(
                       **({"engine_mixed_steps": mixed_steps} if engine_graph else {}),
                       **({"float32_pass_tokens": FLOAT32_PASS_TOKENS[quantize]}
                          if twin and quantize else {}),
+                      **({"codes8_pass_tokens": CODES8_PASS_TOKENS[str(quantize)]}
+                         if codes8 else {}),
                       "storage": storage, "versions": _versions()},
             opset=opset, kv_dtype=dtype, quantization=quantize,
             io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,

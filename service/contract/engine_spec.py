@@ -47,6 +47,10 @@ ENGINE_MIXED_FILE = "engine_mixed.onnx"  # the same decoder with a second group 
 # of many tokens, where MatMulNBits is slower than a float32 GEMM (service/engine/
 # static_cache.py).
 ENGINE_FLOAT32_FILE = "engine_float32.onnx"
+# A 4-bit artifact's served engine graph with its codes widened to bytes (export/
+# widen_codes.py): the same dequantised weights, ONNX Runtime's 8-bit kernel, which beats
+# the 4-bit one from about 16 rows of a pass on.
+ENGINE_CODES8_FILE = "engine_codes8.onnx"
 SEQLENS_K = "seqlens_k"
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
 LOGITS_INDEX = "logits_index"

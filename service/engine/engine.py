@@ -18,15 +18,21 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
-from service.contract.engine_spec import ENGINE_FILE, ENGINE_FLOAT32_FILE, ENGINE_MIXED_FILE
+from service.contract.engine_spec import (
+    ENGINE_CODES8_FILE,
+    ENGINE_FILE,
+    ENGINE_FLOAT32_FILE,
+    ENGINE_MIXED_FILE,
+)
 from service.contract.manifest import verify_manifest
 from service.engine.draft import DraftModel
 from service.engine.portable import ModelGraphRunner
@@ -61,6 +67,7 @@ class EngineConfig:
     prefix_block_size: int = 16
     prefill_chunk_tokens: int = 256  # 0: prompts are prefilled in one pass
     float32_pass_tokens: int | None = None  # engine_float32.onnx from; 0: never; None: artifact's
+    codes8_pass_tokens: int | None = None  # engine_codes8.onnx from; 0: never; None: artifact's
     adaptive_prefill_chunks: bool = True
     speculative: SpeculativeConfig | None = None  # None: one token per row per step
     speculative_model: Path | None = None  # the draft's artifact (method "draft")
@@ -79,6 +86,7 @@ class EngineConfig:
                    prefix_block_size=settings.prefix_block_size,
                    prefill_chunk_tokens=settings.prefill_chunk_tokens,
                    float32_pass_tokens=settings.float32_pass_tokens,
+                   codes8_pass_tokens=settings.codes8_pass_tokens,
                    adaptive_prefill_chunks=settings.adaptive_prefill_chunks,
                    speculative=speculative_config(settings),
                    speculative_model=None if settings.speculative_model in (None, "ngram")
@@ -165,8 +173,39 @@ def pool_config(engine: EngineConfig, model: io.ArtifactConfig, token_bytes: int
 def artifact_float32_pass_tokens(artifact_dir: Path) -> int:
     """The threshold export measured for this artifact's quantisation (its manifest's
     ``exporter.float32_pass_tokens``); 256 where an older manifest does not say."""
+    return _exporter_figure(artifact_dir, "float32_pass_tokens", 256)
+
+
+def artifact_codes8_pass_tokens(artifact_dir: Path) -> int:
+    """From how many tokens a pass runs on this artifact's 8-bit codes (its manifest's
+    ``exporter.codes8_pass_tokens``; 16 where it does not say)."""
+    return _exporter_figure(artifact_dir, "codes8_pass_tokens", 16)
+
+
+def _exporter_figure(artifact_dir: Path, key: str, default: int) -> int:
     manifest = json.loads((artifact_dir / io.MANIFEST_FILE).read_text("utf-8"))
-    return int(manifest.get("exporter", {}).get("float32_pass_tokens", 256))
+    return int(manifest.get("exporter", {}).get(key, default))
+
+
+def _extra_graph(artifact_dir: Path, name: str, threshold: int | None,
+                 artifact_threshold: Callable[[Path], int], session: ort.InferenceSession,
+                 engine: EngineConfig, prepack: bool, spin_wait: bool
+                 ) -> tuple[ort.InferenceSession | None, int]:
+    """The artifact's graph ``name`` for passes of at least the threshold's tokens (the
+    setting, else the artifact's; the manifest is read only where the file is), and that
+    threshold; (None, 0) where the file is missing, the threshold 0, or its inputs differ."""
+    path = artifact_dir / name
+    if not path.is_file():
+        return None, 0
+    tokens = artifact_threshold(artifact_dir) if threshold is None else threshold
+    if not tokens:
+        return None, 0
+    extra = create_session(path, "cpu", engine.intra_op_threads, prepack=prepack,
+                           spin_wait=spin_wait)
+    if not twin_fits(session, extra):
+        log.info("%s does not take the served graph's inputs: not used", name)
+        return None, 0
+    return extra, tokens
 
 
 def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineConfig,
@@ -177,7 +216,9 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     One session with packed weights either way: two would each keep a packed copy. A
     quantised artifact's float32 twin (engine_float32.onnx), for passes of at least
     ``float32_pass_tokens`` tokens, reads its weights where ONNX Runtime memory-mapped
-    them (page cache shared with weights.bin, no packed copy)."""
+    them (page cache shared with weights.bin, no packed copy). A 4-bit artifact's 8-bit
+    codes (engine_codes8.onnx), for passes of at least ``codes8_pass_tokens``, are packed:
+    the 8-bit kernel needs it."""
     engine_path = artifact_dir / ENGINE_FILE
     if engine.mixed_steps and (artifact_dir / ENGINE_MIXED_FILE).is_file():
         engine_path = artifact_dir / ENGINE_MIXED_FILE
@@ -186,20 +227,15 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
         pool = pool_config(engine, model, model.kv_bytes_per_token(4))
         session = create_session(engine_path, "cpu", engine.intra_op_threads,
                                  spin_wait=spin_wait)
-        twin_path = artifact_dir / ENGINE_FLOAT32_FILE
-        twin, wide = None, 0
-        if twin_path.is_file():  # the manifest is read only for an artifact with a twin
-            wide = (artifact_float32_pass_tokens(artifact_dir)
-                    if engine.float32_pass_tokens is None else engine.float32_pass_tokens)
-        if wide:
-            twin = create_session(twin_path, "cpu", engine.intra_op_threads, prepack=False,
-                                  spin_wait=spin_wait)
-            if not twin_fits(session, twin):
-                log.info("%s does not take %s's inputs: not used", ENGINE_FLOAT32_FILE,
-                         engine_path.name)
-                twin = None
+        twin, wide = _extra_graph(artifact_dir, ENGINE_FLOAT32_FILE,
+                                  engine.float32_pass_tokens, artifact_float32_pass_tokens,
+                                  session, engine, prepack=False, spin_wait=spin_wait)
+        codes8, many = _extra_graph(artifact_dir, ENGINE_CODES8_FILE, engine.codes8_pass_tokens,
+                                    artifact_codes8_pass_tokens, session, engine,
+                                    prepack=True, spin_wait=spin_wait)
         return EngineGraphRunner(session, model, pool, float32_twin=twin,
-                                 float32_pass_tokens=wide)
+                                 float32_pass_tokens=wide, codes8=codes8,
+                                 codes8_pass_tokens=many)
     itemsize = np.dtype(model.kv_dtype).itemsize
     pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
     return ModelGraphRunner(create_session(artifact_dir / io.MODEL_FILE, engine.device,
@@ -237,6 +273,11 @@ class Engine:
         if engine.float32_pass_tokens is not None:
             log.info("passes of %d tokens or more run on %s (float32 weights, memory-mapped)",
                      engine.float32_pass_tokens, ENGINE_FLOAT32_FILE)
+        if engine.codes8_pass_tokens is not None:
+            log.info("passes of %d tokens or more%s run on %s (the 4-bit weights as 8-bit "
+                     "codes)", engine.codes8_pass_tokens,
+                     "" if engine.float32_pass_tokens is None
+                     else f", fewer than {engine.float32_pass_tokens},", ENGINE_CODES8_FILE)
         if warmup:
             started = time.perf_counter()
             engine.scheduler.warmup(GenerationRequest(
@@ -262,6 +303,15 @@ class Engine:
         runner = self.runner
         if isinstance(runner, EngineGraphRunner) and runner.has_float32_twin:
             return runner.float32_pass_tokens
+        return None
+
+    @property
+    def codes8_pass_tokens(self) -> int | None:
+        """Passes of this many tokens or more (below ``float32_pass_tokens``) run on
+        engine_codes8.onnx; None: the artifact has no such graph, or it is off."""
+        runner = self.runner
+        if isinstance(runner, EngineGraphRunner) and runner.has_codes8:
+            return runner.codes8_pass_tokens
         return None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -177,6 +177,8 @@ class KVPool:
                                      * shape.head_dim).reshape(
             slots, shape.heads, shape.max_len, shape.head_dim)
             for r in self._regions]  # each (S, nh, M, hs)
+        self._addresses = [a.ctypes.data for a in self.arrays]  # fixed: mappings never move
+        self.array_bytes = nbytes  # the size of each array (S, nh, M, hs)
         self.lengths = np.zeros(slots, np.int64)  # (S,) tokens cached per slot
         self.tokens = np.zeros((slots, shape.max_len), np.int64)  # (S, M) their ids
         self._owner: list[Slot | None] = [None] * slots
@@ -188,7 +190,7 @@ class KVPool:
     @property
     def bytes_allocated(self) -> int:
         """Virtual size of the pool: address space reserved, not memory committed."""
-        return sum(a.nbytes for a in self.arrays)
+        return self.array_bytes * len(self.arrays)
 
     @property
     def resident_bytes(self) -> int:
@@ -216,7 +218,8 @@ class KVPool:
 
     def pointers(self, lo: int) -> list[int]:
         """Address of slot ``lo`` in every array: the start of a bound (n, nh, M, hs) view."""
-        return [a.ctypes.data + lo * self.row_bytes for a in self.arrays]
+        offset = lo * self.row_bytes
+        return [address + offset for address in self._addresses]
 
     # -- allocation ------------------------------------------------------------------
 

@@ -74,6 +74,11 @@ class Runtime:
         """From how many tokens a pass runs on the float32 twin; None: no twin."""
         return self.engine.float32_pass_tokens if self.engine is not None else None
 
+    @property
+    def codes8_pass_tokens(self) -> int | None:
+        """From how many tokens a pass runs on the 8-bit codes; None: no such graph."""
+        return self.engine.codes8_pass_tokens if self.engine is not None else None
+
 
 def load_engine(runtime: Runtime) -> None:
     """Build the engine and the attention session and warm them up (blocking; runs in a

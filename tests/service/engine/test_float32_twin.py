@@ -27,15 +27,6 @@ WIDE = 24  # tokens from which a pass runs on the twin, in these tests
 
 
 @pytest.fixture(scope="module")
-def int4_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from export.to_onnx import export_artifact
-
-    with torch_threads(1):
-        return export_artifact(tiny_checkpoint, tmp_path_factory.mktemp("int4") / "artifact",
-                               quantize="int4", engine_graph=True, verify=False)
-
-
-@pytest.fixture(scope="module")
 def int8_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from export.to_onnx import export_artifact
 
@@ -44,12 +35,14 @@ def int8_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
                                quantize="int8", engine_graph=True, verify=False)
 
 
-def runner_for(artifact: Path, wide: int | None,
-               mixed_steps: bool = True) -> EngineGraphRunner:
+def runner_for(artifact: Path, wide: int | None, mixed_steps: bool = True,
+               codes8: int | None = 0) -> EngineGraphRunner:
+    """The artifact's runner with the twin from ``wide`` tokens (and the 8-bit codes of a
+    4-bit artifact from ``codes8``: off unless asked, see test_codes8.py)."""
     config = io.ArtifactConfig.load(artifact)
     runner = create_runner(artifact, config, EngineConfig(
         intra_op_threads=1, max_batch_size=4, prefix_caching=False, float32_pass_tokens=wide,
-        mixed_steps=mixed_steps))
+        mixed_steps=mixed_steps, codes8_pass_tokens=codes8))
     assert isinstance(runner, EngineGraphRunner)
     assert runner.graph_file == (ENGINE_MIXED_FILE if mixed_steps else ENGINE_FILE)
     return runner
@@ -130,9 +123,10 @@ def test_an_artifact_without_a_twin_runs_every_pass_quantised(
 
 def test_each_artifact_carries_its_own_threshold(int4_artifact: Path,
                                                   int8_artifact: Path) -> None:
-    """Export records from how many tokens the twin pays (4-bit: 256, 8-bit: 1,024, as
-    measured by benchmarks.float32_twin --passes); the runner takes it unless told."""
-    for artifact, expected in ((int4_artifact, 256), (int8_artifact, 1024)):
+    """Export records from how many tokens the twin pays (int4, beside its 8-bit codes:
+    512; 8-bit: 1,024, as measured by benchmarks.float32_twin --passes); the runner takes
+    it unless told."""
+    for artifact, expected in ((int4_artifact, 512), (int8_artifact, 1024)):
         manifest = json.loads((artifact / io.MANIFEST_FILE).read_text("utf-8"))
         assert manifest["exporter"]["float32_pass_tokens"] == expected
         assert runner_for(artifact, None).float32_pass_tokens == expected
