@@ -54,7 +54,7 @@ def passes(args: argparse.Namespace) -> dict[str, Any]:
         runner = create_runner(path, io.ArtifactConfig.load(path), EngineConfig(
             intra_op_threads=args.threads, max_batch_size=max(args.passes),
             max_total_tokens=args.prompt_len + 8, prefix_caching=False, float32_pass_tokens=1,
-            codes8_pass_tokens=0))
+            codes8_pass_rows=0))
         if not (isinstance(runner, EngineGraphRunner) and runner.has_float32_twin):
             raise SystemExit(f"float32_twin: {path} has no engine_float32.onnx "
                              "(export it again with --quantize int4|gguf --engine-graph)")
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_len = args.prompt_len + args.new + 8
     runners = {"fp32": EngineRunner(args.fp32, args.threads, max_len=max_len)}
     wide: dict[str, int] = {"fp32": 0}  # each artifact's threshold when the twin is on
-    # label → (float32_pass_tokens, codes8_pass_tokens) per artifact, in running order
+    # label → (float32_pass_tokens, codes8_pass_rows) per artifact, in running order
     variants: dict[str, dict[str, tuple[int, int]]] = {"fp32": {"fp32": (0, 0)}}
     for name, path in args.quantized:
         runner = EngineRunner(path, args.threads, max_len=max_len)
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         wide[name] = args.wide or model.float32_pass_tokens
         variants[name] = {f"{name} twin on": (wide[name], 0), f"{name} twin off": (0, 0)}
         if model.has_codes8:
-            variants[name] = {f"{name} as served": (wide[name], model.codes8_pass_tokens),
+            variants[name] = {f"{name} as served": (wide[name], model.codes8_pass_rows),
                               **variants[name]}
     rounds: dict[str, list[dict[str, float]]] = {}
     try:
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for label, (tokens, many) in variants[name].items():
                     model = runner.engine.runner
                     assert isinstance(model, EngineGraphRunner)
-                    model.float32_pass_tokens, model.codes8_pass_tokens = tokens, many
+                    model.float32_pass_tokens, model.codes8_pass_rows = tokens, many
                     result = runner.generate(prompts, args.new)
                     rounds.setdefault(label, []).append(
                         {"tok_s": args.batch * args.new / result.total_s,

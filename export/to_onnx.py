@@ -42,11 +42,16 @@ ENGINE_QUANTIZATIONS = (None, "int8", "int4", "gguf")  # MatMulNBits: what engin
 # minimums) 366 / 666 / 2,569 against 319 / 545 / 2,005. Recorded in the manifest
 # (exporter.float32_pass_tokens); --float32-pass-tokens overrides.
 FLOAT32_PASS_TOKENS = {"int4": 512, "gguf": 256, "int8": 1024}
-# From how many tokens a pass runs faster on a 4-bit graph's weights as 8-bit codes
+# From how many rows a pass runs faster on a 4-bit graph's weights as 8-bit codes
 # (export/widen_codes.py; `python -m benchmarks.quant_blocks --engine ...`, SmolLM2, 2
 # threads, decode steps: 4-bit 28.9 / 36.0 / 50.2 ms at 12 / 16 / 24 rows, as 8-bit codes
-# 29.0 / 35.6 / 47.4). Recorded in the manifest (exporter.codes8_pass_tokens).
-CODES8_PASS_TOKENS = {"int4": 16, "gguf": 16}
+# 29.0 / 35.6 / 47.4); and from how many tokens a pass of fewer rows does, counting the
+# cost of bringing the codes into a cache that held the 4-bit weights: one prompt pass of
+# 64 / 128 / 256 tokens took 100 / 167 / 289 ms on the codes from cold, 87 / 165 / 327 on
+# the 4-bit graph warm. Recorded in the manifest (exporter.codes8_pass_rows and
+# codes8_prompt_tokens).
+CODES8_PASS_ROWS = {"int4": 16, "gguf": 16}
+CODES8_PROMPT_TOKENS = 128
 
 
 def _versions() -> dict[str, str]:
@@ -276,7 +281,7 @@ def export_artifact(
             if twin:  # float32, for wide passes: its LM head the embedding's bytes
                 final[ENGINE_FLOAT32_FILE] = build_engine_graph(gpt, mixed=mixed_steps)
             served = ENGINE_MIXED_FILE if mixed_steps else ENGINE_FILE
-            if engine_graph and quantize in CODES8_PASS_TOKENS:  # for passes of many rows
+            if engine_graph and quantize in CODES8_PASS_ROWS:  # for passes of many rows
                 widened, codes8 = widen_4bit_codes(final[served], tmp)
                 if codes8:
                     final[ENGINE_CODES8_FILE] = widened
@@ -316,8 +321,8 @@ def export_artifact(
                       **({"engine_mixed_steps": mixed_steps} if engine_graph else {}),
                       **({"float32_pass_tokens": FLOAT32_PASS_TOKENS[quantize]}
                          if twin and quantize else {}),
-                      **({"codes8_pass_tokens": CODES8_PASS_TOKENS[str(quantize)]}
-                         if codes8 else {}),
+                      **({"codes8_pass_rows": CODES8_PASS_ROWS[str(quantize)],
+                          "codes8_prompt_tokens": CODES8_PROMPT_TOKENS} if codes8 else {}),
                       "storage": storage, "versions": _versions()},
             opset=opset, kv_dtype=dtype, quantization=quantize,
             io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,

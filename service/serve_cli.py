@@ -51,9 +51,9 @@ OPTIONS: tuple[tuple[str, str, type, str], ...] = (
      "quantised artifacts: passes of at least this many tokens run on engine_float32.onnx, "
      "the graph's float32 twin (MatMulNBits is slower than a float32 GEMM there); 0: never "
      "(default: the artifact's, 512 for int4, 256 for gguf, 1024 for int8)"),
-    ("--codes8-pass-tokens", "codes8_pass_tokens", int,
-     "4-bit artifacts: passes of at least this many tokens (below --float32-pass-tokens) "
-     "run on engine_codes8.onnx, the same weights as 8-bit codes (faster for many rows); "
+    ("--codes8-pass-rows", "codes8_pass_rows", int,
+     "4-bit artifacts: passes of at least this many rows (below --float32-pass-tokens "
+     "tokens) run on engine_codes8.onnx, the same weights as 8-bit codes (faster for many rows); "
      "0: never, and not loaded (default: the artifact's, 16)"),
     ("--prefill-chunk-tokens", "prefill_chunk_tokens", int,
      "prefill longer prompts in chunks of this many tokens between decode steps; 0: off "

@@ -79,12 +79,13 @@ class Settings(BaseSettings):
                                 "float32 twin, its weights memory-mapped from weights.bin; "
                                 "0: always the quantised graph; default: the artifact's "
                                 "(512 for int4, 256 for gguf, 1024 for int8)")
-    codes8_pass_tokens: int | None = Field(
+    codes8_pass_rows: int | None = Field(
         None, ge=0, description="a 4-bit artifact with engine_codes8.onnx runs passes of at "
-                                "least this many tokens (and fewer than float32_pass_tokens) "
-                                "on its weights widened to 8-bit codes: the same values, the "
-                                "faster kernel for many rows; 0: never (and not loaded: its "
-                                "packed codes cost memory); default: the artifact's (16)")
+                                "least this many rows (sequences; and of fewer than "
+                                "float32_pass_tokens tokens) on its weights widened to 8-bit "
+                                "codes: the same values, the faster kernel for many rows; 0: "
+                                "never (and not loaded: its packed codes cost memory); "
+                                "default: the artifact's (16)")
     prefill_chunk_tokens: int = Field(
         256, ge=0, description="prompts longer than this are prefilled in chunks of at most "
                                "this size between decode steps; 0: one pass")

@@ -67,7 +67,7 @@ class EngineConfig:
     prefix_block_size: int = 16
     prefill_chunk_tokens: int = 256  # 0: prompts are prefilled in one pass
     float32_pass_tokens: int | None = None  # engine_float32.onnx from; 0: never; None: artifact's
-    codes8_pass_tokens: int | None = None  # engine_codes8.onnx from; 0: never; None: artifact's
+    codes8_pass_rows: int | None = None  # engine_codes8.onnx from; 0: never; None: artifact's
     adaptive_prefill_chunks: bool = True
     speculative: SpeculativeConfig | None = None  # None: one token per row per step
     speculative_model: Path | None = None  # the draft's artifact (method "draft")
@@ -86,7 +86,7 @@ class EngineConfig:
                    prefix_block_size=settings.prefix_block_size,
                    prefill_chunk_tokens=settings.prefill_chunk_tokens,
                    float32_pass_tokens=settings.float32_pass_tokens,
-                   codes8_pass_tokens=settings.codes8_pass_tokens,
+                   codes8_pass_rows=settings.codes8_pass_rows,
                    adaptive_prefill_chunks=settings.adaptive_prefill_chunks,
                    speculative=speculative_config(settings),
                    speculative_model=None if settings.speculative_model in (None, "ngram")
@@ -176,10 +176,16 @@ def artifact_float32_pass_tokens(artifact_dir: Path) -> int:
     return _exporter_figure(artifact_dir, "float32_pass_tokens", 256)
 
 
-def artifact_codes8_pass_tokens(artifact_dir: Path) -> int:
-    """From how many tokens a pass runs on this artifact's 8-bit codes (its manifest's
-    ``exporter.codes8_pass_tokens``; 16 where it does not say)."""
-    return _exporter_figure(artifact_dir, "codes8_pass_tokens", 16)
+def artifact_codes8_pass_rows(artifact_dir: Path) -> int:
+    """From how many rows a pass runs on this artifact's 8-bit codes (its manifest's
+    ``exporter.codes8_pass_rows``; 16 where it does not say)."""
+    return _exporter_figure(artifact_dir, "codes8_pass_rows", 16)
+
+
+def artifact_codes8_prompt_tokens(artifact_dir: Path) -> int:
+    """From how many tokens a pass of fewer rows runs on the 8-bit codes (the manifest's
+    ``exporter.codes8_prompt_tokens``; 0, never, where it does not say)."""
+    return _exporter_figure(artifact_dir, "codes8_prompt_tokens", 0)
 
 
 def _exporter_figure(artifact_dir: Path, key: str, default: int) -> int:
@@ -217,8 +223,8 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     quantised artifact's float32 twin (engine_float32.onnx), for passes of at least
     ``float32_pass_tokens`` tokens, reads its weights where ONNX Runtime memory-mapped
     them (page cache shared with weights.bin, no packed copy). A 4-bit artifact's 8-bit
-    codes (engine_codes8.onnx), for passes of at least ``codes8_pass_tokens``, are packed:
-    the 8-bit kernel needs it."""
+    codes (engine_codes8.onnx), for passes of at least ``codes8_pass_rows`` rows (or the
+    artifact's ``codes8_prompt_tokens`` tokens), are packed: the 8-bit kernel needs it."""
     engine_path = artifact_dir / ENGINE_FILE
     if engine.mixed_steps and (artifact_dir / ENGINE_MIXED_FILE).is_file():
         engine_path = artifact_dir / ENGINE_MIXED_FILE
@@ -230,12 +236,13 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
         twin, wide = _extra_graph(artifact_dir, ENGINE_FLOAT32_FILE,
                                   engine.float32_pass_tokens, artifact_float32_pass_tokens,
                                   session, engine, prepack=False, spin_wait=spin_wait)
-        codes8, many = _extra_graph(artifact_dir, ENGINE_CODES8_FILE, engine.codes8_pass_tokens,
-                                    artifact_codes8_pass_tokens, session, engine,
+        codes8, many = _extra_graph(artifact_dir, ENGINE_CODES8_FILE, engine.codes8_pass_rows,
+                                    artifact_codes8_pass_rows, session, engine,
                                     prepack=True, spin_wait=spin_wait)
-        return EngineGraphRunner(session, model, pool, float32_twin=twin,
-                                 float32_pass_tokens=wide, codes8=codes8,
-                                 codes8_pass_tokens=many)
+        return EngineGraphRunner(
+            session, model, pool, float32_twin=twin, float32_pass_tokens=wide, codes8=codes8,
+            codes8_pass_rows=many,
+            codes8_prompt_tokens=artifact_codes8_prompt_tokens(artifact_dir) if many else 0)
     itemsize = np.dtype(model.kv_dtype).itemsize
     pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
     return ModelGraphRunner(create_session(artifact_dir / io.MODEL_FILE, engine.device,
@@ -273,11 +280,12 @@ class Engine:
         if engine.float32_pass_tokens is not None:
             log.info("passes of %d tokens or more run on %s (float32 weights, memory-mapped)",
                      engine.float32_pass_tokens, ENGINE_FLOAT32_FILE)
-        if engine.codes8_pass_tokens is not None:
-            log.info("passes of %d tokens or more%s run on %s (the 4-bit weights as 8-bit "
-                     "codes)", engine.codes8_pass_tokens,
+        if engine.codes8_pass_rows is not None:
+            log.info("passes of %d rows or more%s run on %s (the 4-bit weights as 8-bit "
+                     "codes)", engine.codes8_pass_rows,
                      "" if engine.float32_pass_tokens is None
-                     else f", fewer than {engine.float32_pass_tokens},", ENGINE_CODES8_FILE)
+                     else f" and fewer than {engine.float32_pass_tokens} tokens",
+                     ENGINE_CODES8_FILE)
         if warmup:
             started = time.perf_counter()
             engine.scheduler.warmup(GenerationRequest(
@@ -306,12 +314,12 @@ class Engine:
         return None
 
     @property
-    def codes8_pass_tokens(self) -> int | None:
-        """Passes of this many tokens or more (below ``float32_pass_tokens``) run on
+    def codes8_pass_rows(self) -> int | None:
+        """Passes of this many rows or more (below ``float32_pass_tokens`` tokens) run on
         engine_codes8.onnx; None: the artifact has no such graph, or it is off."""
         runner = self.runner
         if isinstance(runner, EngineGraphRunner) and runner.has_codes8:
-            return runner.codes8_pass_tokens
+            return runner.codes8_pass_rows
         return None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -36,9 +36,14 @@ a private copy, and packs each weight per call, which a pass of hundreds of rows
 A 4-bit artifact also carries its served graph with the codes widened to bytes
 (engine_codes8.onnx, export/widen_codes.py): the very same dequantised weights, run by the
 8-bit kernel, which is the faster of the two from about 16 rows (a 32-row SmolLM2 decode
-step: 58.7 against 64.2 ms; 14.6 against 11.1 ms at one row). Passes of at least
-``codes8_pass_tokens`` tokens, and fewer than ``float32_pass_tokens``, run on it; it is
-packed like the main graph (ONNX Runtime's 8-bit kernel needs that), so it costs the
+step: 58.7 against 64.2 ms; 14.6 against 11.1 ms at one row). A pass of at least
+``codes8_pass_rows`` rows (sequences: decode rows and prompts), or of at least
+``codes8_prompt_tokens`` tokens, and of fewer than ``float32_pass_tokens`` tokens, runs on
+it. Rows first, because switching graphs has a price on a CPU whose cache holds the 4-bit
+weights: at one row the steps keep them warm, and a 64-token prompt on the 8-bit codes
+took 100 ms from cold against 87 on the warm 4-bit graph, and slowed the steps after it
+(126 → 120 tok/s), though each graph is faster on its own (76 against 86 ms, both warm).
+It is packed like the main graph (ONNX Runtime's 8-bit kernel needs that), so it costs the
 8-bit codes' bytes in memory. Every session writes the same pool.
 """
 
@@ -63,11 +68,11 @@ class EngineGraphRunner(PooledRunner):
     def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig,
                  pool: PoolConfig, float32_twin: ort.InferenceSession | None = None,
                  float32_pass_tokens: int = 0, codes8: ort.InferenceSession | None = None,
-                 codes8_pass_tokens: int = 0) -> None:
+                 codes8_pass_rows: int = 0, codes8_prompt_tokens: int = 0) -> None:
         """``float32_twin``: the same graph with float32 weights, run for passes of at
         least ``float32_pass_tokens`` tokens; ``codes8``: with its 4-bit codes widened to
-        bytes, for passes of at least ``codes8_pass_tokens`` tokens and fewer than that
-        (module docstring)."""
+        bytes, for narrower passes of at least ``codes8_pass_rows`` rows or
+        ``codes8_prompt_tokens`` tokens (0: rows alone) (module docstring)."""
         n = config.n_layers
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
@@ -100,7 +105,8 @@ class EngineGraphRunner(PooledRunner):
         if codes8 is not None and not twin_fits(session, codes8):
             raise ValueError("the 8-bit-codes graph does not take the engine graph's inputs")
         self._codes8 = _Graph(codes8) if codes8 is not None else None
-        self.codes8_pass_tokens = codes8_pass_tokens
+        self.codes8_pass_rows = codes8_pass_rows
+        self.codes8_prompt_tokens = codes8_prompt_tokens
         self.codes8_passes = 0  # passes run on the 8-bit codes
         scratch = (1, self.shape.heads, 1, self.shape.head_dim)  # (1, nkv, 1, hs)
         self._scratch = [np.zeros(scratch, np.float32) for _ in self._past]
@@ -112,16 +118,19 @@ class EngineGraphRunner(PooledRunner):
 
     @property
     def has_codes8(self) -> bool:
-        return self._codes8 is not None and self.codes8_pass_tokens > 0
+        return self._codes8 is not None and self.codes8_pass_rows > 0
 
-    def _graph_for(self, tokens: int) -> _Graph:
-        """The graph for a pass of ``tokens`` tokens (rows × padded length, both groups)."""
+    def _graph_for(self, rows: int, tokens: int) -> _Graph:
+        """The graph for a pass of ``rows`` sequences and ``tokens`` tokens (rows × padded
+        length, both groups)."""
         if self._twin is not None and 0 < self.float32_pass_tokens <= tokens:
             self.twin_passes += 1
             return self._twin
-        if self._codes8 is not None and 0 < self.codes8_pass_tokens <= tokens:
+        codes8 = self._codes8
+        if codes8 is not None and self.codes8_pass_rows > 0 and (
+                self.codes8_pass_rows <= rows or 0 < self.codes8_prompt_tokens <= tokens):
             self.codes8_passes += 1
-            return self._codes8
+            return codes8
         return self._graph
 
     def _arrange(self, slots: Sequence[Slot], start: int | None) -> None:
@@ -139,7 +148,8 @@ class EngineGraphRunner(PooledRunner):
         if chunk is not None and len(chunk.ids) > 1 and chunk.total > chunk.ids.shape[1]:
             raise ValueError("several rows of the second group must all be first prompts")
         tokens = rows.ids.size + (chunk.ids.size if chunk is not None else 0)
-        graph = self._graph_for(tokens)
+        graph = self._graph_for(len(rows.ids) + (len(chunk.ids) if chunk is not None else 0),
+                                tokens)
         logits = self._bind(graph, rows, self.pool.pointers(rows.lo), self.max_len, "")
         chunk_logits = None  # bound as an output: must outlive the run
         if graph.mixes_chunks:  # a twin may have a second group the main graph lacks

@@ -21,10 +21,12 @@ from model.checkpoint import load_checkpoint
 from service.contract import io_spec as io
 from service.contract.engine_spec import ENGINE_CODES8_FILE, ENGINE_FILE, ENGINE_MIXED_FILE
 from service.engine.engine import EngineConfig, create_runner
+from service.engine.kv_pool import Slot
 from service.engine.static_cache import EngineGraphRunner
 from tests.service.conftest import ServerProcess
 
-MANY = 6  # tokens from which a pass runs on the 8-bit codes, in these tests
+ROWS = 4  # rows from which a pass runs on the 8-bit codes, in these tests
+PROMPT = 12  # tokens from which a pass of fewer rows does
 WIDE = 40  # and from which on the float32 twin
 
 
@@ -32,7 +34,7 @@ def runner_for(artifact: Path, codes8: int | None, wide: int = WIDE,
                mixed_steps: bool = True) -> EngineGraphRunner:
     runner = create_runner(artifact, io.ArtifactConfig.load(artifact), EngineConfig(
         intra_op_threads=1, max_batch_size=8, prefix_caching=False, mixed_steps=mixed_steps,
-        float32_pass_tokens=wide, codes8_pass_tokens=codes8))
+        float32_pass_tokens=wide, codes8_pass_rows=codes8))
     assert isinstance(runner, EngineGraphRunner)
     return runner
 
@@ -40,7 +42,8 @@ def runner_for(artifact: Path, codes8: int | None, wide: int = WIDE,
 def test_export_writes_the_codes_and_their_threshold(int4_artifact: Path) -> None:
     manifest = json.loads((int4_artifact / io.MANIFEST_FILE).read_text("utf-8"))
     assert ENGINE_CODES8_FILE in manifest["files"]
-    assert manifest["exporter"]["codes8_pass_tokens"] == 16
+    assert manifest["exporter"]["codes8_pass_rows"] == 16
+    assert manifest["exporter"]["codes8_prompt_tokens"] == 128
     widened = onnx.load(str(int4_artifact / ENGINE_CODES8_FILE), load_external_data=False)
     served = onnx.load(str(int4_artifact / ENGINE_MIXED_FILE), load_external_data=False)
     bits = [{a.name: a.i for a in n.attribute}["bits"]
@@ -48,7 +51,8 @@ def test_export_writes_the_codes_and_their_threshold(int4_artifact: Path) -> Non
     assert bits and set(bits) == {8}
     assert [i.name for i in widened.graph.input] == [i.name for i in served.graph.input]
     assert sorted(p.name for p in int4_artifact.glob("*.bin")) == ["weights.bin"]
-    assert runner_for(int4_artifact, None).codes8_pass_tokens == 16  # the artifact's
+    runner = runner_for(int4_artifact, None)
+    assert (runner.codes8_pass_rows, runner.codes8_prompt_tokens) == (16, 128)  # the artifact's
 
 
 def test_the_codes_agree_with_the_four_bit_graph(int4_artifact: Path,
@@ -66,46 +70,48 @@ def test_the_codes_agree_with_the_four_bit_graph(int4_artifact: Path,
 @pytest.mark.parametrize("mixed_steps", [True, False])
 def test_each_pass_runs_on_the_graph_its_size_calls_for(int4_artifact: Path,
                                                         mixed_steps: bool) -> None:
-    """Below MANY tokens: the 4-bit graph; MANY up to WIDE: the 8-bit codes; WIDE and
-    more: the float32 twin. Logits of the codes' passes equal the 4-bit graph's."""
+    """Fewer than ROWS rows and PROMPT tokens: the 4-bit graph; ROWS rows or PROMPT tokens
+    (below WIDE): the 8-bit codes; WIDE tokens: the float32 twin. The codes' logits are
+    the 4-bit graph's."""
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 300, n) for n in (MANY - 1, MANY, 12)]
     plain = runner_for(int4_artifact, 0, mixed_steps=mixed_steps)  # codes off: the reference
-    mixed = runner_for(int4_artifact, MANY, mixed_steps=mixed_steps)
+    mixed = runner_for(int4_artifact, ROWS, mixed_steps=mixed_steps)
+    mixed.codes8_prompt_tokens = PROMPT
     assert mixed.graph_file == (ENGINE_MIXED_FILE if mixed_steps else ENGINE_FILE)
+    slots: dict[str, list[Slot]] = {"plain": [], "mixed": []}
 
-    expected_passes = 0
-    slots: dict[str, list] = {"plain": [], "mixed": []}
-    for prompt in prompts:  # one prompt a pass
-        slots["plain"] += plain.reserve(1)
-        slots["mixed"] += mixed.reserve(1)
-        want = plain.prefill(slots["plain"][-1:], [prompt])[0]
-        got = mixed.prefill(slots["mixed"][-1:], [prompt])[0]
-        expected_passes += len(prompt) >= MANY
-        assert mixed.codes8_passes == expected_passes
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    def both(feed: Callable[[EngineGraphRunner, list[Slot]], np.ndarray], rows: int,
+             on_codes: bool) -> None:
+        """One pass on each runner over ``rows`` slots (new ones when reserved here)."""
+        before = mixed.codes8_passes
+        outputs = []
+        for name, runner in (("plain", plain), ("mixed", mixed)):
+            outputs.append(np.asarray(feed(runner, slots[name][-rows:])))
+        assert mixed.codes8_passes - before == on_codes
+        np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+    def prompts(lengths: list[int]) -> Callable[[EngineGraphRunner, list[Slot]], np.ndarray]:
+        fed = [rng.integers(3, 300, n) for n in lengths]
+
+        def feed(runner: EngineGraphRunner, _: list[Slot]) -> np.ndarray:
+            name = "plain" if runner is plain else "mixed"
+            new = runner.reserve(len(fed))
+            slots[name] += new
+            return np.concatenate(runner.prefill(new, fed))
+        return feed
+
+    both(prompts([PROMPT - 1]), 1, on_codes=False)  # one row, 11 tokens
+    both(prompts([PROMPT]), 1, on_codes=True)  # one row, 12 tokens
+    both(prompts([4, 4]), 2, on_codes=False)  # two rows, 8 tokens
+    both(prompts([3]), 1, on_codes=False)  # five rows held now
+    tokens = np.arange(10, 10 + ROWS)
+    both(lambda r, s: r.decode(s, tokens[:ROWS - 1]), ROWS - 1, on_codes=False)
+    both(lambda r, s: r.decode(s, tokens), ROWS, on_codes=True)
     assert plain.codes8_passes == 0
 
-    # decode steps: 3 rows on the 4-bit graph; 6 rows, one token each, on the codes
-    extra = [rng.integers(3, 300, 4) for _ in range(3)]
-    for name, runner in (("plain", plain), ("mixed", mixed)):
-        for prompt in extra:  # three more rows, six in all
-            slots[name] += runner.reserve(1)
-            runner.prefill(slots[name][-1:], [prompt])
-    steps = {}
-    for name, runner in (("plain", plain), ("mixed", mixed)):
-        rows = slots[name]
-        before = runner.codes8_passes
-        few = runner.decode(rows[:3], np.array([7, 8, 9]))
-        between = runner.codes8_passes
-        many = runner.decode(rows, np.arange(10, 10 + len(rows)))
-        steps[name] = (few, many, between - before, runner.codes8_passes - between)
-    assert steps["mixed"][2:] == (0, 1) and steps["plain"][2:] == (0, 0)
-    np.testing.assert_allclose(steps["mixed"][0], steps["plain"][0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(steps["mixed"][1], steps["plain"][1], rtol=1e-5, atol=1e-5)
-
+    passes = mixed.codes8_passes
     mixed.prefill(mixed.reserve(1), [rng.integers(3, 300, WIDE)])  # the twin's
-    assert mixed.twin_passes == 1 and mixed.codes8_passes == expected_passes + 1
+    assert mixed.twin_passes == 1 and mixed.codes8_passes == passes
 
 
 def test_codes_off_load_nothing(int4_artifact: Path) -> None:
@@ -115,20 +121,26 @@ def test_codes_off_load_nothing(int4_artifact: Path) -> None:
 
 def test_the_server_says_which_passes_run_where(
         int4_artifact: Path, start_server: Callable[..., ServerProcess]) -> None:
-    """/info gives both thresholds (the artifact's by default); --codes8-pass-tokens 0
-    turns the codes off; a request is answered either way, with the same greedy text."""
+    """/info gives both thresholds (the artifact's by default); --codes8-pass-rows 0
+    turns the codes off; 16 concurrent requests (decode steps of up to 16 rows: the codes'
+    when on) get the same greedy texts either way."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
 
-    prompt = "First Citizen:\nBefore we proceed any further, hear me speak."
+    prompts = [f"First Citizen:\nBefore we proceed any further, hear me {i}." for i in range(16)]
     texts = []
-    for args, codes8 in (((), 16), (("--codes8-pass-tokens", "0"), None)):
+    for args, codes8 in (((), 16), (("--codes8-pass-rows", "0"), None)):
         server = start_server(*args, model=int4_artifact)
         info = httpx.get(f"{server.url}/info", timeout=10).json()
-        assert (info["float32_pass_tokens"], info["codes8_pass_tokens"]) == (512, codes8)
-        ids = httpx.post(f"{server.url}/tokenize", timeout=10, json={"prompt": prompt}).json()
-        assert ids["count"] >= 16  # its prefill is a pass for the codes when they are on
-        reply = httpx.post(f"{server.url}/generate", timeout=60, json={
-            "inputs": prompt, "parameters": {"max_new_tokens": 8}})
-        assert reply.status_code == 200, reply.text
-        texts.append(reply.json()["generated_text"])
+        assert (info["float32_pass_tokens"], info["codes8_pass_rows"]) == (512, codes8)
+
+        def generate(prompt: str, url: str = server.url) -> str:
+            reply = httpx.post(f"{url}/generate", timeout=120, json={
+                "inputs": prompt, "parameters": {"max_new_tokens": 24}})
+            assert reply.status_code == 200, reply.text
+            return str(reply.json()["generated_text"])
+
+        with ThreadPoolExecutor(16) as pool:
+            texts.append(list(pool.map(generate, prompts)))
     assert texts[0] == texts[1]  # the same weights either way

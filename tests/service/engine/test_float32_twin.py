@@ -42,7 +42,7 @@ def runner_for(artifact: Path, wide: int | None, mixed_steps: bool = True,
     config = io.ArtifactConfig.load(artifact)
     runner = create_runner(artifact, config, EngineConfig(
         intra_op_threads=1, max_batch_size=4, prefix_caching=False, float32_pass_tokens=wide,
-        mixed_steps=mixed_steps, codes8_pass_tokens=codes8))
+        mixed_steps=mixed_steps, codes8_pass_rows=codes8))
     assert isinstance(runner, EngineGraphRunner)
     assert runner.graph_file == (ENGINE_MIXED_FILE if mixed_steps else ENGINE_FILE)
     return runner
