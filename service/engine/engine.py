@@ -197,21 +197,21 @@ def _extra_graph(artifact_dir: Path, name: str, threshold: int | None,
                  artifact_threshold: Callable[[Path], int], session: ort.InferenceSession,
                  engine: EngineConfig, prepack: bool, spin_wait: bool
                  ) -> tuple[ort.InferenceSession | None, int]:
-    """The artifact's graph ``name`` for passes of at least the threshold's tokens (the
-    setting, else the artifact's; the manifest is read only where the file is), and that
-    threshold; (None, 0) where the file is missing, the threshold 0, or its inputs differ."""
+    """The artifact's graph ``name`` for the passes past a threshold (the setting, else the
+    artifact's; the manifest is read only where the file is), and that threshold; (None, 0)
+    where the file is missing, the threshold 0, or its inputs differ from ``session``'s."""
     path = artifact_dir / name
     if not path.is_file():
         return None, 0
-    tokens = artifact_threshold(artifact_dir) if threshold is None else threshold
-    if not tokens:
+    chosen = artifact_threshold(artifact_dir) if threshold is None else threshold
+    if not chosen:
         return None, 0
     extra = create_session(path, "cpu", engine.intra_op_threads, prepack=prepack,
                            spin_wait=spin_wait)
     if not twin_fits(session, extra):
         log.info("%s does not take the served graph's inputs: not used", name)
         return None, 0
-    return extra, tokens
+    return extra, chosen
 
 
 def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineConfig,
