@@ -61,10 +61,13 @@ class EngineRunner:
 
         eos = self.eos_token_id if stop_at_eos else None
         extra = self.extra_eos_ids if stop_at_eos else ()
+        # No log-probabilities (an OpenAI request without ``logprobs``): the peers measured
+        # beside us compute none, and each costs an exp over the vocabulary (0.2 ms a row
+        # on SmolLM2's 49,152 tokens).
         requests = [GenerationRequest(prompt_ids=list(p), sampling=SamplingParams(),
                                       stopping=StoppingCriteria(
                                           max_new_tokens=n, eos_token_id=eos,
-                                          extra_eos_ids=extra))
+                                          extra_eos_ids=extra), token_logprobs=False)
                     for p, n in zip(prompts, max_new, strict=True)]
         t0 = time.perf_counter()
         handles = self.engine.submit(requests)
