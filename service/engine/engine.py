@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -170,48 +170,32 @@ def pool_config(engine: EngineConfig, model: io.ArtifactConfig, token_bytes: int
                       prefix_cache_blocks=blocks, max_len=max_len, budget_tokens=budget)
 
 
-def artifact_float32_pass_tokens(artifact_dir: Path) -> int:
-    """The threshold export measured for this artifact's quantisation (its manifest's
-    ``exporter.float32_pass_tokens``); 256 where an older manifest does not say."""
-    return _exporter_figure(artifact_dir, "float32_pass_tokens", 256)
+# What a pass-size threshold is where an older manifest does not record it.
+RECORDED_DEFAULTS = {"float32_pass_tokens": 256, "codes8_pass_rows": 16, "codes8_prompt_tokens": 0}
 
 
-def artifact_codes8_pass_rows(artifact_dir: Path) -> int:
-    """From how many rows a pass runs on this artifact's 8-bit codes (its manifest's
-    ``exporter.codes8_pass_rows``; 16 where it does not say)."""
-    return _exporter_figure(artifact_dir, "codes8_pass_rows", 16)
-
-
-def artifact_codes8_prompt_tokens(artifact_dir: Path) -> int:
-    """From how many tokens a pass of fewer rows runs on the 8-bit codes (the manifest's
-    ``exporter.codes8_prompt_tokens``; 0, never, where it does not say)."""
-    return _exporter_figure(artifact_dir, "codes8_prompt_tokens", 0)
-
-
-def _exporter_figure(artifact_dir: Path, key: str, default: int) -> int:
+def recorded_thresholds(artifact_dir: Path) -> dict[str, int]:
+    """The pass-size thresholds export measured for this artifact's graphs (its manifest's
+    ``exporter``: float32_pass_tokens, codes8_pass_rows, codes8_prompt_tokens)."""
     manifest = json.loads((artifact_dir / io.MANIFEST_FILE).read_text("utf-8"))
-    return int(manifest.get("exporter", {}).get(key, default))
+    exporter = manifest.get("exporter", {})
+    return {key: int(exporter.get(key, default)) for key, default in RECORDED_DEFAULTS.items()}
 
 
-def _extra_graph(artifact_dir: Path, name: str, threshold: int | None,
-                 artifact_threshold: Callable[[Path], int], session: ort.InferenceSession,
+def _extra_graph(path: Path, threshold: int, session: ort.InferenceSession,
                  engine: EngineConfig, prepack: bool, spin_wait: bool
                  ) -> tuple[ort.InferenceSession | None, int]:
-    """The artifact's graph ``name`` for the passes past a threshold (the setting, else the
-    artifact's; the manifest is read only where the file is), and that threshold; (None, 0)
-    where the file is missing, the threshold 0, or its inputs differ from ``session``'s."""
-    path = artifact_dir / name
-    if not path.is_file():
-        return None, 0
-    chosen = artifact_threshold(artifact_dir) if threshold is None else threshold
-    if not chosen:
+    """The artifact's graph at ``path`` for the passes past ``threshold``, and that
+    threshold; (None, 0) where the file is missing, the threshold 0, or its inputs differ
+    from ``session``'s."""
+    if not threshold or not path.is_file():
         return None, 0
     extra = create_session(path, "cpu", engine.intra_op_threads, prepack=prepack,
                            spin_wait=spin_wait)
     if not twin_fits(session, extra):
-        log.info("%s does not take the served graph's inputs: not used", name)
+        log.info("%s does not take the served graph's inputs: not used", path.name)
         return None, 0
-    return extra, chosen
+    return extra, threshold
 
 
 def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineConfig,
@@ -233,16 +217,20 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
         pool = pool_config(engine, model, model.kv_bytes_per_token(4))
         session = create_session(engine_path, "cpu", engine.intra_op_threads,
                                  spin_wait=spin_wait)
-        twin, wide = _extra_graph(artifact_dir, ENGINE_FLOAT32_FILE,
-                                  engine.float32_pass_tokens, artifact_float32_pass_tokens,
+        extras = (artifact_dir / ENGINE_FLOAT32_FILE, artifact_dir / ENGINE_CODES8_FILE)
+        recorded = (recorded_thresholds(artifact_dir) if any(p.is_file() for p in extras)
+                    else RECORDED_DEFAULTS)  # the manifest is read only when it matters
+        twin, wide = _extra_graph(extras[0], recorded["float32_pass_tokens"]
+                                  if engine.float32_pass_tokens is None
+                                  else engine.float32_pass_tokens,
                                   session, engine, prepack=False, spin_wait=spin_wait)
-        codes8, many = _extra_graph(artifact_dir, ENGINE_CODES8_FILE, engine.codes8_pass_rows,
-                                    artifact_codes8_pass_rows, session, engine,
-                                    prepack=True, spin_wait=spin_wait)
+        codes8, many = _extra_graph(extras[1], recorded["codes8_pass_rows"]
+                                    if engine.codes8_pass_rows is None
+                                    else engine.codes8_pass_rows,
+                                    session, engine, prepack=True, spin_wait=spin_wait)
         return EngineGraphRunner(
             session, model, pool, float32_twin=twin, float32_pass_tokens=wide, codes8=codes8,
-            codes8_pass_rows=many,
-            codes8_prompt_tokens=artifact_codes8_prompt_tokens(artifact_dir) if many else 0)
+            codes8_pass_rows=many, codes8_prompt_tokens=recorded["codes8_prompt_tokens"])
     itemsize = np.dtype(model.kv_dtype).itemsize
     pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
     return ModelGraphRunner(create_session(artifact_dir / io.MODEL_FILE, engine.device,

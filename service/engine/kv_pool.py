@@ -178,7 +178,6 @@ class KVPool:
             slots, shape.heads, shape.max_len, shape.head_dim)
             for r in self._regions]  # each (S, nh, M, hs)
         self._addresses = [a.ctypes.data for a in self.arrays]  # fixed: mappings never move
-        self.array_bytes = nbytes  # the size of each array (S, nh, M, hs)
         self.lengths = np.zeros(slots, np.int64)  # (S,) tokens cached per slot
         self.tokens = np.zeros((slots, shape.max_len), np.int64)  # (S, M) their ids
         self._owner: list[Slot | None] = [None] * slots
@@ -190,7 +189,7 @@ class KVPool:
     @property
     def bytes_allocated(self) -> int:
         """Virtual size of the pool: address space reserved, not memory committed."""
-        return self.array_bytes * len(self.arrays)
+        return self.slots * self.row_bytes * len(self.arrays)
 
     @property
     def resident_bytes(self) -> int:
