@@ -154,10 +154,13 @@ def compare_decoders(gpt: GPT, ref_dec: Decoder, q_dec: Decoder, tokenizer: Any,
 
 
 def quantize_weights(src: Path, dst: Path, method: str = "int8",
-                     training: dict[str, Any] | None = None) -> dict[str, Any]:
+                     training: dict[str, Any] | None = None,
+                     flat: bool = False) -> dict[str, Any]:
     """Write ``src`` with its MatMul weights quantised by ``method`` to ``dst``.
 
     ``training`` is the checkpoint's training record: ``gguf`` finds its source file there.
+    ``flat``: the graph's activations are (tokens, features) matrices, as in the engine
+    graphs (``gguf`` then writes each Q4_1 remainder as one Gemm).
     """
     if method not in METHODS:
         raise ValueError(f"unsupported quantization {method!r}; choose one of {list(METHODS)}")
@@ -169,7 +172,7 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
         lg.setLevel(logging.ERROR)
     try:
         if method == "gguf":
-            figures = _gguf_blocks(src, dst, training or {})
+            figures = _gguf_blocks(src, dst, training or {}, flat)
         elif method in NBITS:
             figures = _matmul_nbits(src, dst, *NBITS[method])
         else:
@@ -204,13 +207,14 @@ def _nbits_quantizer(model: Any, bits: int, symmetric: bool,
     return quantizer.model.model
 
 
-def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any]) -> dict[str, Any]:
+def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
+                 flat: bool) -> dict[str, Any]:
     """The source GGUF file's blocks where they map onto MatMulNBits; our int4/int8 for
     the weights of other types (``fallback``, by node)."""
     from export.gguf_blocks import rewrite_file
     from export.gguf_source import open_source
 
-    model, figures = rewrite_file(src, open_source(training))
+    model, figures = rewrite_file(src, open_source(training), flat=flat)
     fallback = figures["fallback"]
     for bits, method in ((4, "int4"), (8, "int8")):
         names = {n for n, f in fallback.items() if f["bits"] == bits}

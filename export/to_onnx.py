@@ -138,7 +138,7 @@ def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
     from export.engine_graph import EngineDecoder
     from export.quantize import compare_decoders, quantize_weights
 
-    figures = quantize_weights(fp32_path, out, method, training)
+    figures = quantize_weights(fp32_path, out, method, training, flat=True)
     if measure:
         figures.update(compare_decoders(gpt, EngineDecoder(fp32_path, gpt),
                                         EngineDecoder(out, gpt), tok, training, method))
@@ -185,6 +185,7 @@ def export_artifact(
     from export.widen_codes import compare_widened, widen_4bit_codes
     from service.contract.engine_spec import (
         ENGINE_CODES8_FILE,
+        ENGINE_CODES8_PLAIN_FILE,
         ENGINE_FILE,
         ENGINE_FLOAT32_FILE,
         ENGINE_MIXED_FILE,
@@ -285,6 +286,9 @@ def export_artifact(
                 widened, codes8 = widen_4bit_codes(final[served], tmp)
                 if codes8:
                     final[ENGINE_CODES8_FILE] = widened
+                if codes8 and served != ENGINE_FILE:  # the same weights, stored once
+                    final[ENGINE_CODES8_PLAIN_FILE] = widen_4bit_codes(final[ENGINE_FILE],
+                                                                       tmp)[0]
             storage = save_graphs(tmp, final, base=tmp)  # one weights.bin again
             if twin and verify:
                 verification["engine_float32"] = verify_engine(
@@ -298,6 +302,12 @@ def export_artifact(
                     prompts=verification["decode"]["prompts"][:2])
                 say(f"verified {ENGINE_CODES8_FILE} ({codes8} weights as 8-bit codes) against "
                     f"{served}: {verification['engine_codes8']['max_abs_diff']:.2e}")
+            if codes8 and verify and ENGINE_CODES8_PLAIN_FILE in final:
+                verification["engine_codes8_plain"] = compare_widened(
+                    gpt, tmp / ENGINE_FILE, tmp / ENGINE_CODES8_PLAIN_FILE,
+                    prompts=verification["decode"]["prompts"][:2])
+                say(f"verified {ENGINE_CODES8_PLAIN_FILE} against {ENGINE_FILE}: "
+                    f"{verification['engine_codes8_plain']['max_abs_diff']:.2e}")
             for stale in tmp.glob(".*.fp32"):
                 stale.unlink()
         shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)

@@ -106,6 +106,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="reuse cached keys/values of shared prompt "
                                            "prefixes (engine.onnx; default on)")
+    parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction,
+                        default=None, help="once loaded, move the packed weights into 2 MiB "
+                                           "pages: fewer TLB misses a decode step (Linux "
+                                           "6.1+; default on)")
     parser.set_defaults(handler=run)
 
 
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     fields = [dest for _, dest, _, _ in OPTIONS] + ["device", "log_level", "engine_graph",
                                                 "prefix_caching", "generation_config",
                                                 "adaptive_prefill_chunks", "mixed_steps",
-                                                "speculative_adaptive"]
+                                                "speculative_adaptive", "huge_pages"]
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     try:
         settings = Settings(**overrides)

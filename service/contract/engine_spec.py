@@ -51,6 +51,10 @@ ENGINE_FLOAT32_FILE = "engine_float32.onnx"
 # widen_codes.py): the same dequantised weights, ONNX Runtime's 8-bit kernel, which beats
 # the 4-bit one from about 16 rows of a pass on.
 ENGINE_CODES8_FILE = "engine_codes8.onnx"
+# The same for engine.onnx, where the served graph is engine_mixed.onnx: a server with
+# --no-mixed-steps (and a static batch) then runs no idle second group of rows in its wide
+# passes (2-3% of a 32-row decode step on SmolLM2). Its weights are engine_codes8.onnx's.
+ENGINE_CODES8_PLAIN_FILE = "engine_codes8_plain.onnx"
 SEQLENS_K = "seqlens_k"
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
 LOGITS_INDEX = "logits_index"

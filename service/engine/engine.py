@@ -29,6 +29,7 @@ from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.contract.engine_spec import (
     ENGINE_CODES8_FILE,
+    ENGINE_CODES8_PLAIN_FILE,
     ENGINE_FILE,
     ENGINE_FLOAT32_FILE,
     ENGINE_MIXED_FILE,
@@ -37,7 +38,7 @@ from service.contract.manifest import verify_manifest
 from service.engine.draft import DraftModel
 from service.engine.portable import ModelGraphRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
-from service.engine.resident import release_file_pages
+from service.engine.resident import collapse_to_huge_pages, release_file_pages
 from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import RequestHandle, Scheduler, SchedulerLimits
 from service.engine.session import CPU, create_session, select_providers
@@ -69,6 +70,7 @@ class EngineConfig:
     float32_pass_tokens: int | None = None  # engine_float32.onnx from; 0: never; None: artifact's
     codes8_pass_rows: int | None = None  # engine_codes8.onnx from; 0: never; None: artifact's
     adaptive_prefill_chunks: bool = True
+    huge_pages: bool = True  # the weights packed at load moved into 2 MiB pages
     speculative: SpeculativeConfig | None = None  # None: one token per row per step
     speculative_model: Path | None = None  # the draft's artifact (method "draft")
 
@@ -88,6 +90,7 @@ class EngineConfig:
                    float32_pass_tokens=settings.float32_pass_tokens,
                    codes8_pass_rows=settings.codes8_pass_rows,
                    adaptive_prefill_chunks=settings.adaptive_prefill_chunks,
+                   huge_pages=settings.huge_pages,
                    speculative=speculative_config(settings),
                    speculative_model=None if settings.speculative_model in (None, "ngram")
                    else Path(str(settings.speculative_model)))
@@ -198,6 +201,14 @@ def _extra_graph(path: Path, threshold: int, session: ort.InferenceSession,
     return extra, threshold
 
 
+def codes8_file(artifact_dir: Path, served: str) -> str:
+    """The 8-bit codes' graph beside the served graph ``served``: engine.onnx's own where
+    the artifact has one (no idle second group of rows), else engine_codes8.onnx."""
+    if served == ENGINE_FILE and (artifact_dir / ENGINE_CODES8_PLAIN_FILE).is_file():
+        return ENGINE_CODES8_PLAIN_FILE
+    return ENGINE_CODES8_FILE
+
+
 def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineConfig,
                   spin_wait: bool = True) -> ModelRunner:
     """engine.onnx over the KV pool when the artifact has it and the session would run on
@@ -207,8 +218,9 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     quantised artifact's float32 twin (engine_float32.onnx), for passes of at least
     ``float32_pass_tokens`` tokens, reads its weights where ONNX Runtime memory-mapped
     them (page cache shared with weights.bin, no packed copy). A 4-bit artifact's 8-bit
-    codes (engine_codes8.onnx), for passes of at least ``codes8_pass_rows`` rows (or the
-    artifact's ``codes8_prompt_tokens`` tokens), are packed: the 8-bit kernel needs it."""
+    codes (engine_codes8.onnx, or engine_codes8_plain.onnx beside a plain engine.onnx), for
+    passes of at least ``codes8_pass_rows`` rows (or the artifact's
+    ``codes8_prompt_tokens`` tokens), are packed: the 8-bit kernel needs it."""
     engine_path = artifact_dir / ENGINE_FILE
     if engine.mixed_steps and (artifact_dir / ENGINE_MIXED_FILE).is_file():
         engine_path = artifact_dir / ENGINE_MIXED_FILE
@@ -217,7 +229,8 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
         pool = pool_config(engine, model, model.kv_bytes_per_token(4))
         session = create_session(engine_path, "cpu", engine.intra_op_threads,
                                  spin_wait=spin_wait)
-        extras = (artifact_dir / ENGINE_FLOAT32_FILE, artifact_dir / ENGINE_CODES8_FILE)
+        extras = (artifact_dir / ENGINE_FLOAT32_FILE,
+                  artifact_dir / codes8_file(artifact_dir, engine_path.name))
         recorded = (recorded_thresholds(artifact_dir) if any(p.is_file() for p in extras)
                     else RECORDED_DEFAULTS)  # the manifest is read only when it matters
         twin, wide = _extra_graph(extras[0], recorded["float32_pass_tokens"]
@@ -273,7 +286,7 @@ class Engine:
                      "codes)", engine.codes8_pass_rows,
                      "" if engine.float32_pass_tokens is None
                      else f" and fewer than {engine.float32_pass_tokens} tokens",
-                     ENGINE_CODES8_FILE)
+                     codes8_file(artifact.path, runner.graph_file))
         if warmup:
             started = time.perf_counter()
             engine.scheduler.warmup(GenerationRequest(
@@ -283,6 +296,12 @@ class Engine:
         if released:
             log.info("%.0f MiB of weights read once at load dropped from memory "
                      "(faulted back in as read)", released / 2**20)
+        if config.huge_pages:  # after the warm-up: its buffers are written by now
+            started = time.perf_counter()
+            moved = collapse_to_huge_pages()
+            if moved:
+                log.info("%.0f MiB of packed weights and buffers moved into 2 MiB pages in "
+                         "%.0f ms", moved / 2**20, (time.perf_counter() - started) * 1000)
         return engine
 
     @property

@@ -1,4 +1,5 @@
-"""Keeping the server's resident memory to what it uses: freed heap and read-once weights.
+"""The server's resident memory: what it gives back (freed heap, read-once weights) and how
+its weights sit in it (2 MiB pages).
 
 Two kinds of pages stay resident after the work that needed them is done:
 
@@ -16,6 +17,15 @@ Two kinds of pages stay resident after the work that needed them is done:
   token. Dropping the mapping's pages (``MADV_DONTNEED``, only where no page was written,
   so nothing is lost: a read faults the page back in from the file or the page cache) takes
   its resident size from 110 MB to the rows in use.
+
+And one kind of page costs time: a decode step streams every weight, and the weights ONNX
+Runtime packed at load sit in 4 KiB pages, so one step walks ~130,000 of them through the
+TLB. ``MADV_COLLAPSE`` (Linux 6.1+) moves a mapping's pages into 2 MiB pages at once,
+whatever the system's transparent-huge-page mode. Measured on SmolLM2-135M-Instruct (fp32
+engine.onnx, 2 threads, three alternating processes): a batch-1 decode step took 21.1-21.8
+ms instead of 22.6-23.1 ms. Only 2 MiB ranges already nearly all in RAM are collapsed, so
+memory that is reserved but not yet used is not made resident (and the KV pool, advised
+against huge pages, is never touched).
 """
 
 from __future__ import annotations
@@ -27,9 +37,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
+import numpy as np
+
+_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ (\S+)\s*(.*)$")
+MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)  # Linux 6.1+; Python 3.11 lacks the name
+HUGE_PAGE = 2 << 20
+COLLAPSE_MIN_RESIDENT = 0.9  # share of a 2 MiB range in RAM: never fill a sparse one
 
 
 def _libc_function(name: str, argtypes: list[type], restype: type) -> Callable[..., int] | None:
@@ -48,6 +62,8 @@ def _libc_function(name: str, argtypes: list[type], restype: type) -> Callable[.
 _MALLOC_TRIM = _libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 _MADVISE = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
                           ctypes.c_int)
+_MINCORE = _libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
+                          ctypes.c_int)
 
 
 def can_release() -> bool:
@@ -64,12 +80,47 @@ def release_freed_heap() -> bool:
 
 @dataclass(frozen=True)
 class Mapping:
-    """One mapping of a file in this process, with its resident and written sizes."""
+    """One mapping in this process, with its resident and written sizes."""
 
     start: int
     end: int
     resident_bytes: int
-    written_bytes: int  # private pages copied on write: the file no longer has their content
+    written_bytes: int  # private pages written (copied on write, or anonymous memory)
+
+
+@dataclass(frozen=True)
+class _Region:
+    mapping: Mapping
+    permissions: str  # e.g. rw-p
+    inode: str  # "0": not a file
+    name: str  # the file, [heap], [stack]..., or "" for anonymous memory
+
+
+def _regions(smaps: Path) -> list[_Region]:
+    """Every mapping in ``smaps`` (none where /proc is not there)."""
+    try:
+        lines = smaps.read_text().splitlines()
+    except OSError:
+        return []
+    found: list[_Region] = []
+    header: tuple[str, ...] | None = None
+    sizes = {"Rss:": 0, "Anonymous:": 0}
+
+    def close() -> None:
+        if header is not None:
+            start, end, permissions, inode, name = header
+            found.append(_Region(Mapping(int(start, 16), int(end, 16), sizes["Rss:"],
+                                         sizes["Anonymous:"]), permissions, inode, name))
+
+    for line in lines:
+        match = _HEADER.match(line)
+        if match:
+            close()
+            header, sizes = match.groups(), {"Rss:": 0, "Anonymous:": 0}
+        elif line.startswith(("Rss:", "Anonymous:")):
+            sizes[line.split()[0]] = int(line.split()[1]) * 1024
+    close()
+    return found
 
 
 def file_mappings(path: Path, smaps: Path = Path("/proc/self/smaps")) -> list[Mapping]:
@@ -77,28 +128,8 @@ def file_mappings(path: Path, smaps: Path = Path("/proc/self/smaps")) -> list[Ma
     ``path`` (none where /proc is not there)."""
     target = os.path.realpath(path)
     inside = target.rstrip(os.sep) + os.sep
-    found: list[Mapping] = []
-    current: dict[str, Any] | None = None
-    try:
-        lines = smaps.read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        header = _HEADER.match(line)
-        if header:
-            if current is not None:
-                found.append(Mapping(**current))
-            start, end, _, name = header.groups()
-            current = None
-            if name == target or name.startswith(inside):
-                current = {"start": int(start, 16), "end": int(end, 16),
-                           "resident_bytes": 0, "written_bytes": 0}
-        elif current is not None and line.startswith(("Rss:", "Anonymous:")):
-            field = "resident_bytes" if line.startswith("Rss:") else "written_bytes"
-            current[field] = int(line.split()[1]) * 1024
-    if current is not None:
-        found.append(Mapping(**current))
-    return found
+    return [r.mapping for r in _regions(smaps)
+            if r.name == target or r.name.startswith(inside)]
 
 
 def release_file_pages(path: Path) -> int:
@@ -114,3 +145,43 @@ def release_file_pages(path: Path) -> int:
         if _MADVISE(mapping.start, mapping.end - mapping.start, mmap.MADV_DONTNEED) == 0:
             released += mapping.resident_bytes
     return released
+
+
+def anonymous_mappings(smaps: Path = Path("/proc/self/smaps")) -> list[Mapping]:
+    """This process's private anonymous memory: malloc's own mappings and its heap."""
+    return [r.mapping for r in _regions(smaps)
+            if r.inode == "0" and r.permissions == "rw-p" and r.name in ("", "[heap]")]
+
+
+def _resident_pages(start: int, nbytes: int) -> np.ndarray:
+    """(nbytes / page,) bool: which pages of [start, start + nbytes) are in RAM (mincore)."""
+    vec = np.zeros(nbytes // mmap.PAGESIZE, np.uint8)
+    if _MINCORE is None or _MINCORE(start, nbytes, vec.ctypes.data) != 0:
+        return np.zeros(len(vec), bool)
+    return (vec & 1).astype(bool)
+
+
+def collapse_to_huge_pages(min_resident: float = COLLAPSE_MIN_RESIDENT) -> int:
+    """Move every 2 MiB range of this process's anonymous memory that is at least
+    ``min_resident`` in RAM into a huge page; the bytes moved (0 where the kernel cannot:
+    before Linux 6.1, or a mapping advised against huge pages like the KV pool's).
+
+    Ranges are judged one by one, not by mapping: the kernel merges neighbouring
+    allocations into one mapping, so weights and a reserved buffer may share one."""
+    if _MADVISE is None:
+        return 0
+    moved = 0
+    pages_per_range = HUGE_PAGE // mmap.PAGESIZE
+    for mapping in anonymous_mappings():
+        start = -(-mapping.start // HUGE_PAGE) * HUGE_PAGE
+        end = mapping.end // HUGE_PAGE * HUGE_PAGE
+        if end <= start:
+            continue
+        resident = _resident_pages(start, end - start).reshape(-1, pages_per_range)
+        full = resident.mean(axis=1) >= min_resident  # (ranges,)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], full.astype(np.int8), [0]])))
+        for first, stop in zip(edges[0::2], edges[1::2], strict=True):  # runs of full ranges
+            at, size = start + int(first) * HUGE_PAGE, int(stop - first) * HUGE_PAGE
+            if _MADVISE(at, size, MADV_COLLAPSE) == 0:
+                moved += size
+    return moved

@@ -188,14 +188,19 @@ def effective_weight(model: onnx.ModelProto, node: onnx.NodeProto, base: Path) -
     return session.run(None, {"x": np.eye(k, dtype=np.float32)})[0].T  # (N, K)
 
 
-def weight_of(node: onnx.NodeProto) -> tuple[str, int | None]:
-    """(graph weight kind, layer) from the MatMulNBits B name: l3.qkv.w.gguf_q (kept
-    blocks), l3.qkv.w_Q8 / _Q4 (ORT's quantiser)."""
-    name = node.input[1].removesuffix(".gguf_q").removesuffix("_Q8").removesuffix("_Q4")
-    if name == "lm_head.w":
-        return name, None
-    layer, _, kind = name.partition(".")
-    return kind, int(layer[1:])
+def weights_of(node: onnx.NodeProto) -> list[tuple[str, int | None]]:
+    """(graph weight kind, layer) of each weight in the MatMulNBits B name: l3.qkv.w.gguf_q
+    (kept blocks), l3.gate.w+l3.up.w.gguf_q (kept, joined), l3.qkv.w_Q8 / _Q4 (ORT's
+    quantiser)."""
+    found: list[tuple[str, int | None]] = []
+    names = node.input[1].removesuffix(".gguf_q").removesuffix("_Q8").removesuffix("_Q4")
+    for name in names.split("+"):
+        if name == "lm_head.w":
+            found.append((name, None))
+            continue
+        layer, _, kind = name.partition(".")
+        found.append((kind, int(layer[1:])))
+    return found
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -204,25 +209,31 @@ def test_weights_are_the_files_dequantised_blocks(case: str, graph: str,
                                                   built: Callable[[str], Built]) -> None:
     b = built(case)
     model = onnx.load(str(b.artifact / graph), load_external_data=False)
-    checked, fallback = 0, 0
+    checked, fallback, joined = 0, 0, 0
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":
             continue
-        kind, layer = weight_of(node)
-        ref, types = gguf_reference(b.gguf, CASES[case].family, kind, layer)
+        weights = weights_of(node)  # gate and up share one product: their rows joined
+        refs = [gguf_reference(b.gguf, CASES[case].family, kind, layer)
+                for kind, layer in weights]
+        types = [t for _, ts in refs for t in ts]
         if not node.input[1].endswith(".gguf_q"):  # our quantiser's fallback
             assert not set(types) <= KEPT or len({t == Q.Q8_0 for t in types}) > 1
             fallback += 1
             continue
         assert set(types) <= KEPT
+        ref = np.concatenate([r for r, _ in refs])
         ours = effective_weight(model, node, b.artifact)
         assert ours.shape == ref.shape
         assert np.array_equal(ours, ref), f"{node.name}: {np.abs(ours - ref).max()}"
-        checked += 1
+        checked += len(weights)
+        joined += len(weights) > 1
     cfg = read_meta(b.ckpt).model
     per_layer = 5 if cfg.arch == "llama" else 4  # GPT-2: no gate
     assert checked + fallback == per_layer * cfg.n_layers + 1  # every projection, the head
     assert (fallback > 0) == (case in FALLBACK_CASES)
+    if cfg.arch == "llama" and case not in FALLBACK_CASES:
+        assert joined == cfg.n_layers  # gate|up: one product a layer
     weights = {t.name for t in model.graph.initializer} - {
         t.name for t in model.graph.initializer if t.name.startswith("gguf.")
         or t.name.endswith(".gguf_mins")}

@@ -19,7 +19,12 @@ import pytest
 
 from model.checkpoint import load_checkpoint
 from service.contract import io_spec as io
-from service.contract.engine_spec import ENGINE_CODES8_FILE, ENGINE_FILE, ENGINE_MIXED_FILE
+from service.contract.engine_spec import (
+    ENGINE_CODES8_FILE,
+    ENGINE_CODES8_PLAIN_FILE,
+    ENGINE_FILE,
+    ENGINE_MIXED_FILE,
+)
 from service.engine.engine import EngineConfig, create_runner
 from service.engine.kv_pool import Slot
 from service.engine.static_cache import EngineGraphRunner
@@ -50,6 +55,18 @@ def test_export_writes_the_codes_and_their_threshold(int4_artifact: Path) -> Non
             for n in widened.graph.node if n.op_type == "MatMulNBits"]
     assert bits and set(bits) == {8}
     assert [i.name for i in widened.graph.input] == [i.name for i in served.graph.input]
+    # engine.onnx's own, over the same stored weights
+    assert ENGINE_CODES8_PLAIN_FILE in manifest["files"]
+    plain_widened = onnx.load(str(int4_artifact / ENGINE_CODES8_PLAIN_FILE),
+                              load_external_data=False)
+    plain = onnx.load(str(int4_artifact / ENGINE_FILE), load_external_data=False)
+    assert [i.name for i in plain_widened.graph.input] == [i.name for i in plain.graph.input]
+    assert {{a.name: a.i for a in n.attribute}["bits"] for n in plain_widened.graph.node
+            if n.op_type == "MatMulNBits"} == {8}
+
+    def weights(model: onnx.ModelProto) -> set[str]:
+        return {t.name for t in model.graph.initializer if t.name.endswith(".codes8")}
+    assert weights(plain_widened) == weights(widened)  # one copy in weights.bin
     assert sorted(p.name for p in int4_artifact.glob("*.bin")) == ["weights.bin"]
     runner = runner_for(int4_artifact, None)
     assert (runner.codes8_pass_rows, runner.codes8_prompt_tokens) == (16, 128)  # the artifact's
@@ -78,6 +95,8 @@ def test_each_pass_runs_on_the_graph_its_size_calls_for(int4_artifact: Path,
     mixed = runner_for(int4_artifact, ROWS, mixed_steps=mixed_steps)
     mixed.codes8_prompt_tokens = PROMPT
     assert mixed.graph_file == (ENGINE_MIXED_FILE if mixed_steps else ENGINE_FILE)
+    assert mixed._codes8 is not None  # no idle second group beside a plain engine.onnx
+    assert mixed._codes8.mixes_chunks == mixed_steps
     slots: dict[str, list[Slot]] = {"plain": [], "mixed": []}
 
     def both(feed: Callable[[EngineGraphRunner, list[Slot]], np.ndarray], rows: int,

@@ -1,9 +1,10 @@
-"""Freed C heap pages go back to the OS when the engine idles, and weights read once at load
-leave memory (service/engine/resident.py).
+"""Freed C heap pages go back to the OS when the engine idles, weights read once at load
+leave memory, and written memory moves into 2 MiB pages (service/engine/resident.py).
 
 The reference is the kernel's own count: RssAnon in /proc/self/status, read in a child
-process that fragments its heap with libc's malloc, and the weights file's resident pages in
-/proc/self/smaps; the engine's tokens after the drop are the plain ONNX Runtime loop's.
+process that fragments its heap with libc's malloc, the weights file's resident pages and
+AnonHugePages in /proc/self/smaps; the engine's tokens after the drop and the move are the
+plain ONNX Runtime loop's.
 """
 
 from __future__ import annotations
@@ -103,6 +104,74 @@ def test_dropped_file_pages_leave_memory_and_read_back_the_same(tmp_path: Path) 
         private.close()
 
 
+COLLAPSE_DENSE_AND_SPARSE = textwrap.dedent("""
+    import ctypes, json, mmap
+    import numpy as np
+    from service.engine import resident
+
+    def region(*arrays):
+        \"\"\"(AnonHugePages, Rss) in KiB of the mappings under the arrays' bytes (the
+        kernel merges neighbouring allocations into one mapping, or splits one).\"\"\"
+        low = min(a.ctypes.data for a in arrays)
+        high = max(a.ctypes.data + a.nbytes for a in arrays)
+        inside, sizes = False, {"AnonHugePages:": 0, "Rss:": 0}
+        for line in open("/proc/self/smaps"):
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start < high and low < end
+            elif inside and head in sizes:
+                sizes[head] += int(line.split()[1])
+        return sizes["AnonHugePages:"], sizes["Rss:"]
+
+    # Can this kernel collapse at all? Probe on an aligned, written mapping of our own.
+    probe = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    probe.write(b"x" * (8 << 20))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+    aligned = -(-base // (2 << 20)) * (2 << 20)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(aligned, 2 << 20, resident.MADV_COLLAPSE) != 0:
+        print(json.dumps({"unsupported": ctypes.get_errno()}))
+        raise SystemExit
+    def malloc_floats(count):  # as ONNX Runtime allocates: glibc malloc, no advice
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        address = libc.malloc(count * 4)
+        return np.ctypeslib.as_array((ctypes.c_float * count).from_address(address))
+
+    dense = malloc_floats(16 << 20)  # 64 MiB, every page written
+    dense[:] = np.arange(16 << 20, dtype=np.float32)
+    sparse = malloc_floats(16 << 20)  # 64 MiB reserved (calloc-like), 1 page in 64 written
+    sparse[:: (mmap.PAGESIZE // 4) * 64] = 1.0
+    before = region(dense, sparse)
+    moved = resident.collapse_to_huge_pages()
+    print(json.dumps({"before": before, "moved": moved,
+                      "after": region(dense, sparse),
+                      "dense_intact": bool((dense == np.arange(16 << 20, dtype=np.float32)).all()),
+                      "sparse_written": float(sparse[:: (mmap.PAGESIZE // 4) * 64].sum())}))
+""")
+
+
+def test_written_memory_moves_into_huge_pages_and_reserved_memory_stays_unbacked() -> None:
+    """A 64 MiB malloc'd buffer with every page written ends in 2 MiB pages with its values
+    intact; the 64 MiB buffer beside it (the kernel merges both into one mapping) with one
+    page in 64 written is left alone: collapsing would make all of it resident. The
+    kernel's AnonHugePages and Rss are the reference."""
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", COLLAPSE_DENSE_AND_SPARSE], cwd=root,
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    figures = json.loads(out)
+    if "unsupported" in figures:
+        pytest.skip(f"this kernel cannot MADV_COLLAPSE (errno {figures['unsupported']})")
+    mib = 1024  # KiB
+    (huge_before, rss_before), (huge_after, rss_after) = figures["before"], figures["after"]
+    assert huge_after - huge_before >= 62 * mib, figures  # the written buffer's 2 MiB ranges
+    assert rss_after - rss_before < 4 * mib, figures  # and nothing filled in
+    assert figures["dense_intact"] is True
+    assert figures["sparse_written"] == (16 << 20) / ((mmap.PAGESIZE // 4) * 64)
+    assert figures["moved"] >= 62 << 20
+
+
 def test_the_engine_releases_the_heap_each_time_it_runs_out_of_work(
         engine_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = EngineGraphRunner(create_session(engine_artifact / "engine.onnx", "cpu", 1),
@@ -141,9 +210,14 @@ def test_weights_read_once_at_load_leave_memory_and_the_engine_still_matches_the
         encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     """The engine drops its weights' resident pages once loaded and warmed up (a model this
-    small may have none: ONNX Runtime maps large tensors only); its tokens after that stay
-    the plain loop's."""
+    small may have none: ONNX Runtime maps large tensors only), then moves its written
+    memory into huge pages; its tokens after that stay the plain loop's."""
     resident: list[int] = []
+    collapsed: list[int] = []
+
+    def measured_collapse() -> int:
+        collapsed.append(resident_module.collapse_to_huge_pages())
+        return collapsed[-1]
 
     def measured_release(path: Path) -> int:
         resident.append(sum(m.resident_bytes for m in resident_module.file_mappings(path)))
@@ -152,6 +226,7 @@ def test_weights_read_once_at_load_leave_memory_and_the_engine_still_matches_the
         return released
 
     monkeypatch.setattr(engine_module, "release_file_pages", measured_release)
+    monkeypatch.setattr(engine_module, "collapse_to_huge_pages", measured_collapse)
     artifact = open_artifact(Settings.model_validate({"model": engine_artifact}))
     engine = Engine.from_artifact(artifact, EngineConfig(intra_op_threads=1, max_batch_size=2))
     prompt = encode("First Citizen:\nBefore we proceed")
@@ -167,4 +242,5 @@ def test_weights_read_once_at_load_leave_memory_and_the_engine_still_matches_the
     finally:
         engine.stop(5)
     assert len(resident) == 2 and resident[1] == 0
+    assert len(collapsed) == 1  # once, after the release (whatever this kernel could move)
     assert tokens == reference_greedy(prompt, 24)
