@@ -62,6 +62,26 @@ FALLBACK_TEXT = (
 ) * 8
 
 
+KEPT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})  # export/gguf_blocks.py keeps these
+
+
+def gguf_advice(training: dict[str, Any], method: str | None) -> str | None:
+    """A note for ``--quantize int4|int8`` of a checkpoint imported from a GGUF file whose
+    matrices are blocks that ``--quantize gguf`` keeps as they are: int4/int8 re-round
+    weights that are already quantised (SmolLM2's Q4_1 file: +33% perplexity with int4,
+    +0.3% with gguf). None where it does not apply."""
+    record = training.get("imported_from")
+    if method not in NBITS or not isinstance(record, dict) or record.get("format") != "gguf":
+        return None
+    types = record.get("tensor_types")
+    kept = sorted(KEPT_GGUF_TYPES & set(types)) if isinstance(types, dict) else []
+    if not kept:
+        return None
+    return (f"note: this checkpoint was imported from a GGUF file of {'/'.join(kept)} blocks; "
+            f"--quantize {method} quantises those already-quantised weights again, while "
+            "--quantize gguf keeps them exactly (the file's own quality)")
+
+
 def held_out_text(training: dict[str, Any]) -> tuple[str, str]:
     """The held-out tail (last 10%) of the checkpoint's own corpus; (text, source).
 

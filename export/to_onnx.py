@@ -180,7 +180,7 @@ def export_artifact(
         grouped_kv,
     )
     from export.onnx_build import WEIGHTS_FILE, load_graph, save_graphs
-    from export.quantize import quantize_model
+    from export.quantize import gguf_advice, quantize_model
     from export.verify import TorchReference, verify_artifact
     from export.widen_codes import compare_widened, widen_4bit_codes
     from service.contract.engine_spec import (
@@ -259,6 +259,8 @@ def export_artifact(
                 say(f"verified {ENGINE_MIXED_FILE}: "
                     f"{verification['engine_mixed']['max_abs_diff']:.2e}")
         if quantize is not None:
+            if (advice := gguf_advice(ckpt.meta.training, quantize)) is not None:
+                say(advice)
             fp32_model = tmp / f".{io.MODEL_FILE}.fp32"
             os.replace(model_path, fp32_model)
             quantization = quantize_model(gpt, model_path, fp32_model, tok, ckpt.meta.training,

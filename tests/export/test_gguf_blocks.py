@@ -374,3 +374,25 @@ def test_import_records_size_and_sha256(built: Callable[[str], Built]) -> None:
     data = b.gguf.read_bytes()
     assert record["size"] == len(data)
     assert record["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+def test_int4_of_a_gguf_checkpoint_points_to_the_kept_blocks(
+        built: Callable[[str], Built], tmp_path: Path) -> None:
+    """--quantize int4 of a checkpoint imported from Q4_1 blocks says that --quantize gguf
+    keeps them; nothing is said for K-quants (gguf would re-quantise those too), for a
+    checkpoint not imported from GGUF, or for gguf itself."""
+    from export.quantize import gguf_advice
+
+    b = built("q4_1")
+    said: list[str] = []
+    export_artifact(b.ckpt, tmp_path / "int4", quantize="int4", verify=False,
+                    log=said.append)
+    notes = [m for m in said if m.startswith("note:")]
+    assert len(notes) == 1 and "Q4_1" in notes[0] and "--quantize gguf" in notes[0]
+    training = read_meta(b.ckpt).training
+    assert gguf_advice(training, "gguf") is None and gguf_advice(training, None) is None
+    kquants = {"imported_from": {**training["imported_from"],
+                                 "tensor_types": {"Q4_K": 7, "Q6_K": 1, "F32": 3}}}
+    assert gguf_advice(kquants, "int4") is None
+    assert gguf_advice({"imported_from": {"format": "hf"}}, "int8") is None
+    assert gguf_advice({}, "int8") is None
