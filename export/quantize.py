@@ -62,9 +62,6 @@ FALLBACK_TEXT = (
 ) * 8
 
 
-KEPT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})  # export/gguf_blocks.py keeps these
-
-
 def gguf_advice(training: dict[str, Any], method: str | None) -> str | None:
     """A note for ``--quantize int4|int8`` of a checkpoint imported from a GGUF file whose
     matrices are blocks that ``--quantize gguf`` keeps as they are: int4/int8 re-round
@@ -73,8 +70,10 @@ def gguf_advice(training: dict[str, Any], method: str | None) -> str | None:
     record = training.get("imported_from")
     if method not in NBITS or not isinstance(record, dict) or record.get("format") != "gguf":
         return None
+    from export.gguf_blocks import DIRECT  # the types it keeps
+
     types = record.get("tensor_types")
-    kept = sorted(KEPT_GGUF_TYPES & set(types)) if isinstance(types, dict) else []
+    kept = sorted({t.name for t in DIRECT} & set(types)) if isinstance(types, dict) else []
     if not kept:
         return None
     return (f"note: this checkpoint was imported from a GGUF file of {'/'.join(kept)} blocks; "

@@ -69,15 +69,15 @@ class Settings(BaseSettings):
                                 "most max_batch_size x max_total_tokens)")
     prefix_caching: bool = Field(
         True, description="reuse cached keys/values of shared prompt prefixes")
+    prefix_cache_memory_mb: float = Field(
+        64.0, gt=0, description="memory for the prefix cache's block store, in MiB (it "
+                                "fills to this as prompts are cached)")
+    prefix_block_size: int = Field(16, ge=1, description="tokens per prefix-cache block")
     huge_pages: bool = Field(
         True, description="once loaded, move the weights ONNX Runtime packed (and other "
                           "memory already written) into 2 MiB pages: a decode step streams "
                           "every weight, and fewer pages mean fewer TLB misses (Linux 6.1+ "
                           "MADV_COLLAPSE; elsewhere nothing happens)")
-    prefix_cache_memory_mb: float = Field(
-        64.0, gt=0, description="memory for the prefix cache's block store, in MiB (it "
-                                "fills to this as prompts are cached)")
-    prefix_block_size: int = Field(16, ge=1, description="tokens per prefix-cache block")
     float32_pass_tokens: int | None = Field(
         None, ge=0, description="a quantised artifact with engine_float32.onnx runs passes "
                                 "of at least this many tokens (prompts, chunks) on that "

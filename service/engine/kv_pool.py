@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from service.engine.resident import resident_pages
+
 
 class Slot:
     """A row's place in the pool. Shared by the batch and the pool: a move updates it."""
@@ -131,12 +133,7 @@ def resident_bytes(address: int, nbytes: int) -> int:
     A page that was read but never written since its release maps the kernel's shared
     zero page, which mincore counts and RSS does not; the engine reads only the tokens a
     slot holds, so in practice the figure is the memory the written tokens commit."""
-    pages = (nbytes + PAGE - 1) // PAGE
-    vec = np.zeros(pages, np.uint8)  # (pages,) bit 0: resident
-    if _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
-                     ctypes.c_void_p(vec.ctypes.data)) != 0:
-        raise OSError(ctypes.get_errno(), "mincore failed on the KV pool")
-    return int(np.count_nonzero(vec & 1)) * PAGE
+    return int(np.count_nonzero(resident_pages(address, nbytes))) * PAGE
 
 
 class PoolExhausted(RuntimeError):

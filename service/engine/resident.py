@@ -48,7 +48,7 @@ COLLAPSE_MIN_RESIDENT = 0.9  # share of a 2 MiB range in RAM: never fill a spars
 
 def _libc_function(name: str, argtypes: list[type], restype: type) -> Callable[..., int] | None:
     try:
-        process = ctypes.CDLL(None)  # the symbols already loaded: libc among them
+        process = ctypes.CDLL(None, use_errno=True)  # the symbols loaded: libc among them
     except OSError:
         return None
     function = getattr(process, name, None)
@@ -102,25 +102,17 @@ def _regions(smaps: Path) -> list[_Region]:
         lines = smaps.read_text().splitlines()
     except OSError:
         return []
-    found: list[_Region] = []
-    header: tuple[str, ...] | None = None
-    sizes = {"Rss:": 0, "Anonymous:": 0}
-
-    def close() -> None:
-        if header is not None:
-            start, end, permissions, inode, name = header
-            found.append(_Region(Mapping(int(start, 16), int(end, 16), sizes["Rss:"],
-                                         sizes["Anonymous:"]), permissions, inode, name))
-
+    headers: list[tuple[tuple[str, ...], dict[str, int]]] = []  # (fields, sizes in bytes)
     for line in lines:
         match = _HEADER.match(line)
         if match:
-            close()
-            header, sizes = match.groups(), {"Rss:": 0, "Anonymous:": 0}
-        elif line.startswith(("Rss:", "Anonymous:")):
-            sizes[line.split()[0]] = int(line.split()[1]) * 1024
-    close()
-    return found
+            headers.append((match.groups(), {"Rss:": 0, "Anonymous:": 0}))
+        elif headers and line.startswith(("Rss:", "Anonymous:")):
+            key, kib = line.split()[:2]
+            headers[-1][1][key] = int(kib) * 1024
+    return [_Region(Mapping(int(start, 16), int(end, 16), sizes["Rss:"], sizes["Anonymous:"]),
+                    permissions, inode, name)
+            for (start, end, permissions, inode, name), sizes in headers]
 
 
 def file_mappings(path: Path, smaps: Path = Path("/proc/self/smaps")) -> list[Mapping]:
@@ -153,11 +145,14 @@ def anonymous_mappings(smaps: Path = Path("/proc/self/smaps")) -> list[Mapping]:
             if r.inode == "0" and r.permissions == "rw-p" and r.name in ("", "[heap]")]
 
 
-def _resident_pages(start: int, nbytes: int) -> np.ndarray:
-    """(nbytes / page,) bool: which pages of [start, start + nbytes) are in RAM (mincore)."""
-    vec = np.zeros(nbytes // mmap.PAGESIZE, np.uint8)
-    if _MINCORE is None or _MINCORE(start, nbytes, vec.ctypes.data) != 0:
-        return np.zeros(len(vec), bool)
+def resident_pages(address: int, nbytes: int) -> np.ndarray:
+    """(⌈nbytes / page⌉,) bool: which pages of the page-aligned [address, address + nbytes)
+    are in RAM (mincore(2)); OSError where mincore fails or is missing."""
+    vec = np.zeros(-(-nbytes // mmap.PAGESIZE), np.uint8)  # bit 0: resident
+    if _MINCORE is None:
+        raise OSError("mincore is not available")
+    if _MINCORE(address, nbytes, vec.ctypes.data) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
     return (vec & 1).astype(bool)
 
 
@@ -177,7 +172,10 @@ def collapse_to_huge_pages(min_resident: float = COLLAPSE_MIN_RESIDENT) -> int:
         end = mapping.end // HUGE_PAGE * HUGE_PAGE
         if end <= start:
             continue
-        resident = _resident_pages(start, end - start).reshape(-1, pages_per_range)
+        try:
+            resident = resident_pages(start, end - start).reshape(-1, pages_per_range)
+        except OSError:
+            continue
         full = resident.mean(axis=1) >= min_resident  # (ranges,)
         edges = np.flatnonzero(np.diff(np.concatenate([[0], full.astype(np.int8), [0]])))
         for first, stop in zip(edges[0::2], edges[1::2], strict=True):  # runs of full ranges
