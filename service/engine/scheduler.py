@@ -3,9 +3,11 @@
 Routes call ``submit`` on the event loop and read events from a per-request asyncio
 queue. The loop thread admits waiting requests at every step (their prefill runs, then
 they decode with the rest), retires finished and cancelled rows at once, and hands each
-step's events back to the event loop with one ``call_soon_threadsafe``. Each time it runs
-out of work it gives the C heap's freed pages back to the OS (service/engine/resident.py), so
-the server's memory after a busy period returns to what it holds. A prompt longer
+step's events back to the event loop with one ``call_soon_threadsafe``, once the step's
+stats and the load after it are recorded (so a response is in /metrics before it
+completes). Each time it runs out of work it gives the C heap's freed pages back to the OS
+(service/engine/resident.py), so the server's memory after a busy period returns to what it
+holds. A prompt longer
 than ``prefill_chunk_tokens`` is prefilled one chunk per loop iteration, between decode
 steps of the running rows, so they keep their pace.
 
@@ -131,6 +133,7 @@ class Scheduler:
         self.chunks = ChunkBudget(limits.prefill_chunk_tokens, limits.adaptive_chunks,
                                   mixed=runner.mixes_chunks)
         self._handles: dict[int, RequestHandle] = {}
+        self._outbox: list[tuple[RequestHandle, Event]] = []  # events _publish sends
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -190,7 +193,7 @@ class Scheduler:
 
     def _run(self) -> None:
         batch: Batch | None = None
-        self._report_load(None)  # the pool's size is known from the start
+        self._publish(None)  # the pool's size is known from the start
         while True:
             with self._cv:
                 while (not self._stopping and not self._waiting and batch is None
@@ -211,7 +214,7 @@ class Scheduler:
                 if self._partial is not None:
                     self._fail(self._partial, [], f"generation failed: {exc}", "generation")
                 batch, self._partial = None, None
-            self._report_load(batch)
+            self._publish(batch)
             if batch is None and self._partial is None and not self._waiting:
                 release_freed_heap()  # idle now: the busy period's heap holes go back
         self._fail(batch, list(self._waiting), "the server is shutting down", "shutdown")
@@ -219,7 +222,7 @@ class Scheduler:
             self._fail(self._partial, [], "the server is shutting down", "shutdown")
             self._partial = None
         self._waiting.clear()
-        self._report_load(None)
+        self._publish(None)
 
     def _iterate(self, batch: Batch | None, admitted: list[RequestHandle]) -> Batch | None:
         """One loop iteration: newcomers join, a chunk of a long prompt, one decode step
@@ -231,14 +234,14 @@ class Scheduler:
             return self._decode_with_prompts(batch, admitted)
         if admitted:
             batch = self._join(batch, self._prefill(admitted))
-            self._report_load(batch)
+            self._publish(batch)
         if self._partial is not None and self._drop_cancelled_partial():
-            self._report_load(batch)
+            self._publish(batch)
         if self._partial is not None:
             if batch is not None and self._mixes(batch):
                 return self._decode_with_chunk(batch)
             batch = self._join(batch, self._advance_partial(running=batch is not None))
-            self._report_load(batch)
+            self._publish(batch)
         if batch is not None:
             batch = self._decode(batch)
         return batch
@@ -292,7 +295,7 @@ class Scheduler:
                         "on their own", len(admitted), exc)
             fresh.release(self.runner)
             joined = self._join(batch, self._prefill(admitted))
-            self._report_load(joined)
+            self._publish(joined)
             return self._decode(joined) if joined is not None else None
         took = time.perf_counter() - start
         self.stats.record_step(StepStats("decode", took, len(batch), len(batch)))
@@ -507,20 +510,31 @@ class Scheduler:
             if seq and seq.first_token_time is not None else None,
             inter_token_latencies=tuple(seq.inter_token_latencies) if seq else ()))
 
-    def _report_load(self, batch: Batch | None) -> None:
+    def _send(self, pairs: list[tuple[RequestHandle, Event]]) -> None:
+        """Queue events for the event loop; :meth:`_publish` hands them over."""
+        self._outbox.extend(pairs)
+
+    def _publish(self, batch: Batch | None) -> None:
+        """Record the engine's load, then hand the events queued since the last call to
+        the event loop.
+
+        Every event leaves the loop thread here, after the stats of the step that made it,
+        the stats of the requests that step finished (recorded as their rows retired) and
+        the load that followed: a client that scrapes /metrics right after its response
+        finds that response in every counter, histogram and gauge."""
         self.running = len(batch) if batch is not None else 0
         self.stats.record_load(LoadStats(
             running=self.running, waiting=len(self._waiting), kv=self.runner.kv_stats(),
             prefix_cache=self.runner.prefix_stats(),
             prefilling=int(self._partial is not None),
             speculation=self.speculator.stats() if self.speculator is not None else None))
-
-    def _send(self, pairs: list[tuple[RequestHandle, Event]]) -> None:
+        pairs, self._outbox = self._outbox, []
         if not pairs or self._loop is None:
             return
         # A closed event loop raises RuntimeError: nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(_dispatch, pairs)
+
 
 
 def _dispatch(pairs: list[tuple[RequestHandle, Event]]) -> None:

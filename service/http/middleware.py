@@ -52,7 +52,7 @@ class ObservabilityMiddleware:
             return
         start = time.perf_counter()
         path: str = scope["path"]
-        state = {"status": 0, "complete": False, "received": 0}
+        state = {"status": 0, "complete": False, "received": 0, "recorded": False}
         rid = request_id.resolve(_header(scope, b"x-request-id"))
         token = request_id.current.set(rid)
         rid_header = (b"x-request-id", rid.encode())
@@ -66,27 +66,11 @@ class ObservabilityMiddleware:
                     raise BodyTooLarge(self.max_body_bytes)
             return message
 
-        async def observed_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                state["status"] = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), rid_header]}
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                state["complete"] = True
-            await send(message)
-
-        status = "500"
-        try:
-            length = _content_length(scope)
-            if length is not None and length > self.max_body_bytes:
-                self._count_rejection()
-                status = "413"
-                await self._too_large(path, observed_send)
+        def record(status: str) -> None:
+            """Count the request once: its route, status, latency and access line."""
+            if state["recorded"]:
                 return
-            await self.app(scope, limited_receive, observed_send)
-            status = str(state["status"]) if state["complete"] else "499"
-        except ClientDisconnected:
-            status = "499"
-        finally:
+            state["recorded"] = True
             elapsed = time.perf_counter() - start
             metrics = self.metrics()
             if metrics is not None:
@@ -94,6 +78,32 @@ class ObservabilityMiddleware:
             if path not in QUIET:
                 log.info("%s %s %s %.1f ms", scope.get("method", ""), path, status,
                          elapsed * 1000)
+
+        async def observed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), rid_header]}
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                state["complete"] = True
+                # Counted before the last byte leaves: a client that scrapes /metrics
+                # right after this response must find it counted.
+                record(str(state["status"]))
+            await send(message)
+
+        try:
+            length = _content_length(scope)
+            if length is not None and length > self.max_body_bytes:
+                self._count_rejection()
+                await self._too_large(path, observed_send)
+                return
+            await self.app(scope, limited_receive, observed_send)
+            record("499")  # no complete response: the client left first
+        except ClientDisconnected:
+            record("499")
+        except BaseException:
+            record("500")
+            raise
+        finally:
             request_id.current.reset(token)
 
     def _count_rejection(self) -> None:

@@ -8,6 +8,7 @@ so "while a request is still decoding" is a fact the test arranged, not a timing
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerLimits
 from service.engine.session import create_session
 from service.engine.static_cache import EngineGraphRunner
+from service.engine.stats import LoadStats, RequestStats
 from service.engine.text import TextCodec
 from tests.service.fault_runner import ControlledRunner, QueueGate, Recorder
 
@@ -432,3 +434,75 @@ def test_all_events_gathers_what_events_streams_before_or_after_the_finish(
     for events in (gathered, already):
         assert [e.token.id for e in events] == expected
         assert [e.finish is not None for e in events] == [False] * 15 + [True]
+
+
+
+class DeliveryWatch(Recorder):
+    """A Recorder that notes, for the one request in flight, whether its last event had
+    already reached the event loop when its stats, and the idle load after it, were recorded.
+
+    Each record waits up to ``grace`` seconds for that event: the event loop gets every
+    chance to win, so a scheduler that sends before it records is caught every time, not
+    only on a busy machine. One that records first pays the wait and is never caught."""
+
+    def __init__(self, grace: float = 0.5) -> None:
+        super().__init__()
+        self.grace = grace
+        self.last_delivered = threading.Event()
+        self.watching = False
+        self.stats_after_response: list[bool] = []
+        self.idle_load_after_response: list[bool] = []
+
+    def watch(self, handle: RequestHandle) -> None:
+        """Flag the handle's last event when the event loop delivers it."""
+        self.last_delivered.clear()
+        self.watching = True
+        deliver = handle.deliver
+
+        def watched(event: Any) -> None:
+            deliver(event)
+            if isinstance(event, ErrorEvent) or event.finish is not None:
+                self.last_delivered.set()
+
+        handle.deliver = watched  # type: ignore[method-assign]
+
+    def record_request(self, stats: RequestStats) -> None:
+        super().record_request(stats)
+        self.stats_after_response.append(self.last_delivered.wait(self.grace))
+
+    def record_load(self, stats: LoadStats) -> None:
+        super().record_load(stats)
+        if self.watching and stats.running == 0:
+            self.idle_load_after_response.append(self.last_delivered.wait(self.grace))
+            self.watching = False
+
+
+def test_a_request_is_in_the_stats_before_its_last_event_is_sent(
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
+    """A finished request's stats (TTFT, queue time, inter-token latencies) and the idle
+    load after it are recorded before its last event leaves the engine thread, so a
+    /metrics scrape that follows a response counts that response: for a request that
+    decodes, one that ends at its first token, and one refused for its size."""
+    stats = DeliveryWatch()
+    scheduler = Scheduler(model, codec, SchedulerLimits(8, 64, 16), stats)
+    ids = encode(PROMPTS[0])
+    too_long = list(range(1, 60))
+
+    async def main() -> list[list[Any]]:
+        scheduler.start(asyncio.get_running_loop())
+        got = []
+        for request in (greedy(ids, 5), greedy(ids, 1), greedy(too_long, 8)):
+            (handle,) = scheduler.submit([request])
+            stats.watch(handle)
+            got.append(await handle.all_events())
+        return got
+
+    try:
+        decoded, first_only, refused = asyncio.run(main())
+    finally:
+        scheduler.stop(5)
+    assert [len(decoded), len(first_only)] == [5, 1]
+    assert isinstance(refused[-1], ErrorEvent) and "max_batch_tokens" in refused[-1].message
+    assert [s.outcome for s in stats.requests] == ["finished", "finished", "error"]
+    assert stats.stats_after_response == [False, False, False]
+    assert stats.idle_load_after_response == [False, False, False]

@@ -328,19 +328,37 @@ def test_slots_shorter_than_the_context_decode_the_reference_tokens(
 
 
 def test_a_pool_larger_than_the_memory_available_is_refused_before_allocating(
-        session: ort.InferenceSession, config: io.ArtifactConfig) -> None:
-    from service.engine.kv_pool import memory_available
+        session: ort.InferenceSession, config: io.ArtifactConfig,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner asks the pool's reader of available memory, once, before allocating: a
+    pool of exactly what is available is made, one slot more is refused. The figure is
+    given to it here, so nothing another process does in between can move it."""
+    from service.engine import kv_pool
 
-    available = memory_available()
-    assert available is not None and available > 0  # Linux: /proc/meminfo
     slot = config.max_seq_len * 2 * config.n_layers * config.d_model * 4
-    slots = available // slot + 1  # one slot more than fits
+    monkeypatch.setattr(kv_pool, "memory_available", lambda: 40 * slot)
+    fits = EngineGraphRunner(session, config, PoolConfig(slots=40))
+    assert fits.kv_stats().capacity_tokens == 40 * config.max_seq_len
     with pytest.raises(MemoryError, match="--max-total-tokens or --max-batch-size"):
-        EngineGraphRunner(session, config, PoolConfig(slots=int(slots)))
+        EngineGraphRunner(session, config, PoolConfig(slots=41))
     # The same slots under a token budget that fits: the check counts the budget, not
     # slots x max_len (the pool's pages are committed only as tokens are written).
-    budget = EngineGraphRunner(session, config, PoolConfig(slots=int(slots), budget_tokens=64))
+    budget = EngineGraphRunner(session, config, PoolConfig(slots=41, budget_tokens=64))
     assert budget.kv_stats().capacity_tokens == 64
+
+
+def test_a_pool_larger_than_the_machine_is_refused_by_the_live_figure(
+        session: ort.InferenceSession, config: io.ArtifactConfig) -> None:
+    """End to end, with the real reader: a pool twice the machine's physical memory
+    (MemTotal, which MemAvailable and any container headroom never exceed, however much
+    other processes free meanwhile) is refused before anything is allocated."""
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    total = next(int(line.split()[1]) * 1024 for line in meminfo
+                 if line.startswith("MemTotal:"))
+    slot = config.max_seq_len * 2 * config.n_layers * config.d_model * 4
+    slots = 2 * total // slot + 1
+    with pytest.raises(MemoryError, match="--max-total-tokens or --max-batch-size"):
+        EngineGraphRunner(session, config, PoolConfig(slots=int(slots)))
 
 
 def test_create_runner_falls_back_to_model_onnx_through_the_pool(
