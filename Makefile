@@ -30,7 +30,7 @@ PRESET ?= small
 DEMO_CKPT ?= checkpoints/demo
 DEMO_ARTIFACT ?= artifacts/demo
 
-.PHONY: run test venv checkpoint artifact lint typecheck clean system-deps deploy-check \
+.PHONY: run test test-stress venv checkpoint artifact lint typecheck clean system-deps deploy-check \
 	deploy-smoke default-model train-demo
 
 ## venv: create .venv and install attnserve with every extra the tests need
@@ -79,9 +79,17 @@ train-demo: | $(VENV)/.installed
 	$(BIN)/attnserve sample --ckpt $(DEMO_CKPT) --prompt "Return the" --max-new-tokens 40 --seed 0
 	exec $(BIN)/attnserve serve --model $(DEMO_ARTIFACT) --host $(HOST) --port $(PORT)
 
-## test: the whole suite (CI runs exactly this)
+## test: the whole suite (CI runs exactly this), in file order
 test: venv system-deps default-model
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -p no:randomly $(PYTEST_ARGS)
+
+## test-stress: the whole suite RUNS times (3), each in a random order from its own seed
+## (printed; SEEDS=s1,s2,... replays), with a busy loop on every core (tests/stress.py)
+RUNS ?= 3
+SEEDS ?=
+test-stress: venv system-deps default-model
+	$(BIN)/python tests/stress.py --runs $(RUNS) $(if $(SEEDS),--seeds $(SEEDS)) \
+		-- $(PYTEST_ARGS)
 
 ## system-deps: Debian packages the deploy tests use (prometheus, promtool, docker-compose);
 ## installs them with apt-get when missing and root, else prints a loud notice (tests skip)
