@@ -16,8 +16,9 @@ so the I/O contract is unchanged:
 - ``int8-dynamic``: ``quantize_dynamic`` (per-output-channel int8 weights, activations
   quantised per tensor on the fly through DynamicQuantizeLinear + MatMulInteger).
 - ``gguf``: for a checkpoint imported from a GGUF file, that file's own Q4_0 / Q4_1 /
-  Q8_0 blocks as MatMulNBits, not requantised (export/gguf_blocks.py); weights of other
-  types fall back to ``int4`` / ``int8`` one by one.
+  Q5_0 / Q5_1 / Q8_0 and K-quant (Q2_K-Q6_K) blocks as MatMulNBits, not requantised
+  (export/gguf_blocks.py); weights with float tensors (F16, BF16) fall back to ``int8``
+  one by one.
 
 Quantisation runs on the graph as exported, before ORT's fusions, so every weight MatMul
 is still a plain MatMul with a constant right-hand side. Logits no longer match PyTorch
@@ -246,7 +247,7 @@ def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
     figures["quantized_matmuls"] = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
     figures["float_matmuls_left"] = sum(n.op_type == "MatMul" and n.input[1] in {
         t.name for t in model.graph.initializer} and not n.name.endswith(".gguf_mins")
-        and not n.output[0].endswith(".gguf_block_sums") for n in model.graph.node)
+        and ".gguf_block_sums" not in n.output[0] for n in model.graph.node)
     if figures["quantized_matmuls"] == 0:
         raise ValueError(f"{src.name}: no weight of the GGUF file to keep or quantise")
     _save(model, dst)

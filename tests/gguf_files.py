@@ -6,7 +6,8 @@ Nothing is downloaded: the source is a transformers model directory built locall
 are not), GPT-2's Conv1D weights are transposed to (out, in), 1-D tensors stay F32 and
 matrices take the requested types in turn. Types gguf-py can quantise are quantised from
 the model's weights; for the K-quants, which it only dequantises, the blocks are random
-bytes with their fp16 scales rescaled to a sane weight spread: dequantisation is what is
+bytes with their fp16 scales rescaled to a sane weight spread (and, for those with
+minimums, sub-blocks centred on zero as real weights' are): dequantisation is what is
 tested, and transformers reads the same bytes. The tokenizer goes in as llama.cpp stores
 a byte-level BPE: tokens, types (special added tokens CONTROL, other added tokens
 USER_DEFINED), merges, special ids, ``pre`` and the chat template.
@@ -29,6 +30,8 @@ K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Byte offsets of the fp16 super-block scales (d, dmin) in each K-quant block.
 K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
                    Q.Q6_K: (208,)}
+# The largest code of the K-quants with minimums.
+K_TOPS = {Q.Q2_K: 3, Q.Q4_K: 15, Q.Q5_K: 31}
 
 
 @dataclass
@@ -54,9 +57,36 @@ def llamacpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def pack_k_scales(sc: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's eight 6-bit sub-block scales and minimums (..., 8) → their 12 bytes:
+    bytes 0-3 hold scales 0-3 and the top 2 bits of scales 4-7, bytes 4-7 minimums 0-3 and
+    the top bits of minimums 4-7, bytes 8-11 the low nibbles of scales and minimums 4-7."""
+    out = np.empty((*sc.shape[:-1], 12), np.uint8)
+    out[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    out[..., 4:8] = mins[..., :4] | ((mins[..., 4:] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:] & 0x0F) | ((mins[..., 4:] & 0x0F) << 4)
+    return out
+
+
+def _centre_minimums(raw: np.ndarray, qtype: Q, rng: np.random.Generator) -> None:
+    """Sub-block scales sc in the upper half of their range and minimums m ≈ sc (beside
+    dmin = d·top/2, set by the caller), so each sub-block's values d·sc·q − dmin·m centre on
+    zero, as llama.cpp's quantiser makes them of zero-mean weights. (Random minimums shift
+    whole blocks; on such weights int8 activations cost the logits 3-6%.) raw (N, nb, bytes)"""
+    subs, bits = (16, 4) if qtype == Q.Q2_K else (8, 6)
+    sc = rng.integers(1 << (bits - 1), 1 << bits, (*raw.shape[:2], subs), dtype=np.uint8)
+    mins = np.clip(sc.astype(np.int64) + rng.integers(-2, 3, sc.shape), 0, (1 << bits) - 1)
+    if qtype == Q.Q2_K:
+        raw[..., :16] = sc | (mins.astype(np.uint8) << 4)
+    else:
+        raw[..., 4:16] = pack_k_scales(sc, mins.astype(np.uint8))
+
+
 def random_k_blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator,
-                    std: float = 0.05) -> np.ndarray:
-    """Valid ``qtype`` blocks for a (rows, cols) matrix whose weights have about ``std``."""
+                    std: float = 0.05, centred: bool = True) -> np.ndarray:
+    """Valid ``qtype`` blocks for a (rows, cols) matrix whose weights have about ``std``;
+    ``centred``: the blocks with minimums (Q2_K, Q4_K, Q5_K) centred on zero, else every
+    byte but the super-block scales random."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = shape
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
@@ -66,6 +96,9 @@ def random_k_blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator,
             raw[..., off:off + 2] = values[..., i:i + 1].astype(np.float16).view(np.uint8)
 
     scales = rng.uniform(0.5, 1.0, (rows, cols // block, len(K_SCALE_OFFSETS[qtype])))
+    if centred and qtype in K_TOPS:
+        _centre_minimums(raw, qtype, rng)
+        scales[..., 1] = scales[..., 0] * K_TOPS[qtype] / 2  # dmin = d·top/2
     set_scales(scales)
     spread = float(gguf.quants.dequantize(raw.reshape(rows, -1), qtype).std())
     set_scales(scales * std / spread)

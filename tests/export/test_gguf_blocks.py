@@ -1,7 +1,8 @@
 """`attnserve export --quantize gguf`: a GGUF file's own blocks as MatMulNBits.
 
 Small random Llama models are built with transformers, written as GGUF files with the
-`gguf` package (tests/gguf_files.py; `gguf.quants.quantize` makes the blocks), imported,
+`gguf` package (tests/gguf_files.py; `gguf.quants.quantize` makes the blocks, random bytes
+with sane scales the K-quants' blocks, which gguf only dequantises), imported,
 and exported with the GGUF file's blocks kept. The references are independent of the code
 under test: gguf's own dequantiser on the file's tensors (rows put back in transformers'
 order by inverting llama.cpp's permutation written here), ONNX Runtime running each
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ pytest.importorskip("transformers")
 
 SMALL = {"hidden_size": 128, "intermediate_size": 96, "num_attention_heads": 4,
          "num_key_value_heads": 2, "tie_word_embeddings": True}  # heads of 32
+KSMALL = {**SMALL, "hidden_size": 256, "intermediate_size": 512}  # K-quants: 256 a block
 
 
 @dataclass(frozen=True)
@@ -52,18 +55,24 @@ class Case:
 
 CASES = {"q4_0": Case("llama", (Q.Q4_0,), SMALL), "q8_0": Case("llama", (Q.Q8_0,), SMALL),
          "q4_1": Case("llama", (Q.Q4_1,), SMALL),
-         # Q|K|V mixes types: Q4_0 beside Q4_1 rows, 8- beside 4-bit (our int8), Q5_0 (int8)
-         "mixed": Case("llama", (Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_0), SMALL),
+         # Q|K|V: Q4_1 | Q5_1 | Q4_0 (8-bit rows between 4-bit ones); gate | up: Q8_0 | Q5_0,
+         # Q5_0 | Q5_1 (8-bit, joined); F16 tensors (their weights fall back to our int8)
+         "mixed": Case("llama", (Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.F16), SMALL),
          # Qwen2: Q/K/V biases, rows not permuted, an output.weight of its own
          "qwen2-untied": Case("qwen2", (Q.Q4_1, Q.Q4_0),
                               {**SMALL, "tie_word_embeddings": False}),
          # GPT-2: one attn_qkv tensor, biases, learned positions
          "gpt2": Case("gpt2", (Q.Q4_0, Q.Q8_0), {"n_embd": 64}),
-         # K-quants only: every weight falls back (Q4_K alone → int4, with Q6_K → int8)
-         "kquants": Case("llama", (Q.Q4_K, Q.Q6_K),
-                         {**SMALL, "hidden_size": 256, "intermediate_size": 512})}
-FALLBACK_CASES = ("mixed", "kquants")
-KEPT = {Q.Q4_0, Q.Q4_1, Q.Q8_0}
+         # K-quants as Q4_K_M mixes them: gate | up and Q | K | V of Q4_K beside Q6_K rows
+         "kquants": Case("llama", (Q.Q4_K, Q.Q6_K), KSMALL),
+         # every block format: gate | up Q5_K | Q8_0 (8-bit, block 32, joined), Q | K | V
+         # Q5_K | Q2_K | Q8_0 (Q and V in one product, K at block 16), Q3_K | Q8_0 | Q5_K
+         "kquants-low": Case("llama", (Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q8_0), KSMALL)}
+FALLBACK_CASES = ("mixed",)
+FORMAT = {Q.Q4_0: (4, 32), Q.Q4_1: (4, 32), Q.Q5_0: (8, 32), Q.Q5_1: (8, 32),
+          Q.Q8_0: (8, 32), Q.Q2_K: (4, 16), Q.Q3_K: (4, 16), Q.Q4_K: (4, 32),
+          Q.Q5_K: (8, 32), Q.Q6_K: (8, 16)}  # the kept types' (bits, block size)
+KEPT = set(FORMAT)
 # llama.cpp names of each graph weight (model.onnx | engine.onnx).
 QKV = {"llama": ("attn_q", "attn_k", "attn_v"), "qwen2": ("attn_q", "attn_k", "attn_v"),
        "gpt2": ("attn_qkv",)}
@@ -188,18 +197,25 @@ def effective_weight(model: onnx.ModelProto, node: onnx.NodeProto, base: Path) -
     return session.run(None, {"x": np.eye(k, dtype=np.float32)})[0].T  # (N, K)
 
 
-def weights_of(node: onnx.NodeProto) -> list[tuple[str, int | None]]:
-    """(graph weight kind, layer) of each weight in the MatMulNBits B name: l3.qkv.w.gguf_q
-    (kept blocks), l3.gate.w+l3.up.w.gguf_q (kept, joined), l3.qkv.w_Q8 / _Q4 (ORT's
-    quantiser)."""
-    found: list[tuple[str, int | None]] = []
+Rows = tuple[str, int | None, slice]  # (graph weight kind, layer, its rows)
+
+
+def weights_of(node: onnx.NodeProto) -> list[Rows]:
+    """The graph weights whose rows a MatMulNBits holds, from its B name: l3.qkv.w.gguf_q
+    (kept blocks), l3.gate.w+l3.up.w.gguf_q (kept, joined), l3.qkv.w.rows0-256+
+    l3.qkv.w.rows384-512.gguf_q (rows of one format, in a weight of several),
+    l3.qkv.w_Q8 / _Q4 (ORT's quantiser)."""
+    found: list[Rows] = []
     names = node.input[1].removesuffix(".gguf_q").removesuffix("_Q8").removesuffix("_Q4")
     for name in names.split("+"):
+        rows = slice(None)
+        if (match := re.fullmatch(r"(.+)\.rows(\d+)-(\d+)", name)) is not None:
+            name, rows = match[1], slice(int(match[2]), int(match[3]))
         if name == "lm_head.w":
-            found.append((name, None))
+            found.append((name, None, rows))
             continue
         layer, _, kind = name.partition(".")
-        found.append((kind, int(layer[1:])))
+        found.append((kind, int(layer[1:]), rows))
     return found
 
 
@@ -207,33 +223,46 @@ def weights_of(node: onnx.NodeProto) -> list[tuple[str, int | None]]:
 @pytest.mark.parametrize("graph", ["model.onnx", ENGINE_FILE])
 def test_weights_are_the_files_dequantised_blocks(case: str, graph: str,
                                                   built: Callable[[str], Built]) -> None:
+    """Every kept MatMulNBits, alone on an identity input, is gguf's dequantised rows; every
+    weight's rows are held once; gate and up are one product where their blocks have one
+    format; nothing stays a float product."""
     b = built(case)
+    family = CASES[case].family
     model = onnx.load(str(b.artifact / graph), load_external_data=False)
-    checked, fallback, joined = 0, 0, 0
+    covered: dict[tuple[str, int | None], list[tuple[int, int]]] = {}
+    fallback, joined_ffn = 0, 0
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":
             continue
-        weights = weights_of(node)  # gate and up share one product: their rows joined
-        refs = [gguf_reference(b.gguf, CASES[case].family, kind, layer)
-                for kind, layer in weights]
+        weights = weights_of(node)
+        refs = [gguf_reference(b.gguf, family, kind, layer) for kind, layer, _ in weights]
         types = [t for _, ts in refs for t in ts]
         if not node.input[1].endswith(".gguf_q"):  # our quantiser's fallback
-            assert not set(types) <= KEPT or len({t == Q.Q8_0 for t in types}) > 1
+            assert not set(types) <= KEPT
             fallback += 1
+            covered[weights[0][:2]] = [(0, refs[0][0].shape[0])]
             continue
         assert set(types) <= KEPT
-        ref = np.concatenate([r for r, _ in refs])
+        rows = [r[rs] for (r, _), (_, _, rs) in zip(refs, weights, strict=True)]
+        ref = np.concatenate(rows)
         ours = effective_weight(model, node, b.artifact)
         assert ours.shape == ref.shape
         assert np.array_equal(ours, ref), f"{node.name}: {np.abs(ours - ref).max()}"
-        checked += len(weights)
-        joined += len(weights) > 1
+        for (kind, layer, rs), (r, _) in zip(weights, refs, strict=True):
+            covered.setdefault((kind, layer), []).append(rs.indices(r.shape[0])[:2])
+        joined_ffn += {k for k, _, _ in weights} >= {"gate.w", "up.w"}
     cfg = read_meta(b.ckpt).model
     per_layer = 5 if cfg.arch == "llama" else 4  # GPT-2: no gate
-    assert checked + fallback == per_layer * cfg.n_layers + 1  # every projection, the head
+    assert len(covered) == per_layer * cfg.n_layers + 1  # every projection, the head
+    for (kind, layer), spans in covered.items():  # each row once: the spans tile 0..N
+        n = gguf_reference(b.gguf, family, kind, layer)[0].shape[0]
+        starts, stops = zip(*sorted(spans), strict=True)
+        assert starts == (0, *stops[:-1]) and stops[-1] == n, (kind, layer, spans)
     assert (fallback > 0) == (case in FALLBACK_CASES)
-    if cfg.arch == "llama" and case not in FALLBACK_CASES:
-        assert joined == cfg.n_layers  # gate|up: one product a layer
+    if cfg.arch == "llama" and case not in FALLBACK_CASES:  # gate | up: one product a layer
+        formats = [{FORMAT[t] for k in ("gate.w", "up.w")
+                    for t in gguf_reference(b.gguf, family, k, i)[1]} for i in range(cfg.n_layers)]
+        assert joined_ffn == sum(len(f) == 1 for f in formats)
     weights = {t.name for t in model.graph.initializer} - {
         t.name for t in model.graph.initializer if t.name.startswith("gguf.")
         or t.name.endswith(".gguf_mins")}
@@ -241,7 +270,8 @@ def test_weights_are_the_files_dequantised_blocks(case: str, graph: str,
                 and n.input[1] in weights]  # no float weight product left
 
 
-@pytest.mark.parametrize("case", ["q4_0", "q8_0", "q4_1", "qwen2-untied", "gpt2"])
+@pytest.mark.parametrize("case", ["q4_0", "q8_0", "q4_1", "qwen2-untied", "gpt2", "kquants",
+                                  "kquants-low"])
 def test_logits_match_the_dequantised_checkpoint(case: str,
                                                  built: Callable[[str], Built]) -> None:
     """model.onnx and engine.onnx against PyTorch on the imported checkpoint: within 1e-4
@@ -282,21 +312,40 @@ def float_activations(artifact: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("case", FALLBACK_CASES)
+@pytest.mark.parametrize("case", ["mixed", "kquants", "kquants-low"])
 def test_manifest_records_kept_and_fallback(case: str, built: Callable[[str], Built]) -> None:
-    """Each fallback weight is listed with its types and the quantiser it got: int4 for
-    K-quants of at most 4.5 bits a weight (Q2_K-Q4_K), int8 for anything else."""
+    """The kept tensors are counted by type (every K-quant among them); each fallback weight
+    (one with an F16 tensor) is listed with its types and the quantiser it got."""
     manifest = json.loads((built(case).artifact / "manifest.json").read_text("utf-8"))
     assert manifest["quantization"] == "gguf"
+    types = {t.name for t in CASES[case].types}
     for key in ("quantized", "engine_quantized"):
         figures = manifest["verification"][key]
-        assert bool(figures["kept_tensors"]) == (case == "mixed") and figures["fallback"]
+        assert set(figures["kept_tensors"]) == types - {"F16"}
+        assert bool(figures["fallback"]) == (case in FALLBACK_CASES)
         for f in figures["fallback"].values():
-            low = set(f["types"]) <= {"Q2_K", "Q3_K", "Q4_K"}
-            assert f["as"] == ("int4" if low else "int8"), f
-        assert {f["as"] for f in figures["fallback"].values()} == (
-            {"int4", "int8"} if case == "kquants" else {"int8"})
+            assert "F16" in f["types"] and f["as"] == "int8", f
+        assert figures["split_products"] > 0  # Q4_1 | Q5_1 | Q4_0, Q4_K | Q6_K...
+        assert (16 in figures["block_sizes"]) == (case != "mixed")
         assert "perplexity_relative_change" in figures  # every case is verified
+
+
+def test_fallback_bits_follow_the_bits_a_weight() -> None:
+    """A weight not kept goes to our int4 where all its types have at most 4.5 bits a weight
+    (none the import reads now: IQ4_NL here), else int8."""
+    from types import SimpleNamespace
+
+    from export.gguf_blocks import fallback_bits
+    from export.gguf_source import Part
+
+    tensors = {name: SimpleNamespace(tensor_type=kind) for name, kind in
+               (("a", Q.IQ4_NL), ("b", Q.BF16), ("c", Q.F16), ("d", Q.IQ2_XS))}
+
+    def bits(*names: str) -> int:
+        src = SimpleNamespace(tensors=tensors)
+        return fallback_bits(src, [Part(n, np.arange(1)) for n in names])  # type: ignore[arg-type]
+
+    assert (bits("a"), bits("a", "d"), bits("b"), bits("c"), bits("a", "b")) == (4, 4, 8, 8, 8)
 
 
 def test_real_smollm2_blocks_are_exact() -> None:
@@ -378,9 +427,9 @@ def test_import_records_size_and_sha256(built: Callable[[str], Built]) -> None:
 
 def test_int4_of_a_gguf_checkpoint_points_to_the_kept_blocks(
         built: Callable[[str], Built], tmp_path: Path) -> None:
-    """--quantize int4 of a checkpoint imported from Q4_1 blocks says that --quantize gguf
-    keeps them; nothing is said for K-quants (gguf would re-quantise those too), for a
-    checkpoint not imported from GGUF, or for gguf itself."""
+    """--quantize int4 of a checkpoint imported from Q4_1 blocks (or K-quants) says that
+    --quantize gguf keeps them; nothing is said for types gguf would re-quantise too (F16,
+    BF16), for a checkpoint not imported from GGUF, or for gguf itself."""
     from export.quantize import gguf_advice
 
     b = built("q4_1")
@@ -393,6 +442,10 @@ def test_int4_of_a_gguf_checkpoint_points_to_the_kept_blocks(
     assert gguf_advice(training, "gguf") is None and gguf_advice(training, None) is None
     kquants = {"imported_from": {**training["imported_from"],
                                  "tensor_types": {"Q4_K": 7, "Q6_K": 1, "F32": 3}}}
-    assert gguf_advice(kquants, "int4") is None
+    note = gguf_advice(kquants, "int4")
+    assert note is not None and "Q4_K/Q6_K blocks" in note
+    others = {"imported_from": {**training["imported_from"],
+                                "tensor_types": {"F16": 7, "BF16": 1, "F32": 3}}}
+    assert gguf_advice(others, "int8") is None
     assert gguf_advice({"imported_from": {"format": "hf"}}, "int8") is None
     assert gguf_advice({}, "int8") is None
