@@ -28,6 +28,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -291,6 +292,24 @@ def scrape_state(prometheus: str, job: str) -> dict[str, Any] | None:
     return None
 
 
+def prometheus_now(prometheus: str) -> float:
+    """Prometheus's own clock, in seconds since the epoch: the evaluation time of an instant
+    query (the time a scrape is stamped with is on this clock, not on ours)."""
+    return float(prometheus_api(prometheus, "query", query="time()")["result"][0])
+
+
+def rfc3339_seconds(text: str) -> float:
+    """Seconds since the epoch of an RFC 3339 time as Prometheus writes one (`lastScrape`:
+    nanoseconds, `Z` or an offset), which datetime.fromisoformat reads only from 3.11."""
+    match = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)",
+                         text)
+    if match is None:
+        raise ValueError(f"not an RFC 3339 time: {text!r}")
+    whole, fraction, zone = match.groups()
+    stamp = datetime.fromisoformat(whole + ("+00:00" if zone == "Z" else zone))
+    return stamp.timestamp() + float(f"0.{fraction or 0}")
+
+
 def scalar_result(prometheus: str, expr: str) -> float | None:
     """The single value of an instant query, None when empty or NaN."""
     result = prometheus_api(prometheus, "query", query=expr)["result"]
@@ -313,12 +332,22 @@ def check_deployment(service: str, prometheus: str, n_requests: int = 5, timeout
         raise RuntimeError(f"target {first['scrapeUrl']} is {first['health']}: "
                            f"{first.get('lastError')}")
     replies = send_generate(service, n_requests, api_key=api_key)
+    # Every reply is in: a scrape that begins later sees all of the traffic (one that merely
+    # follows the first scrape may have begun while the requests still ran).
+    traffic_end = prometheus_now(prometheus)
 
     def scraped_after_traffic() -> dict[str, Any] | None:
         target = scrape_state(prometheus, job)
-        return target if target and target["lastScrape"] != first["lastScrape"] else None
+        if target is None or rfc3339_seconds(target["lastScrape"]) <= traffic_end:
+            return None
+        # ... and its samples are queryable: they are stored with the target's `up` sample.
+        up = f'timestamp(up{{job="{job}",instance="{target["labels"]["instance"]}"}})'
+        stamp = scalar_result(prometheus, up)
+        return target if stamp is not None and stamp > traffic_end else None
 
-    target = wait_until(scraped_after_traffic, timeout, "a scrape after the traffic")
+    target = wait_until(scraped_after_traffic, timeout,
+                        f"a scrape that began after the traffic ended (at {traffic_end:.3f} s "
+                        f"on Prometheus's clock)")
     if target["health"] != "up":
         raise RuntimeError(f"target {target['scrapeUrl']} went {target['health']}: "
                            f"{target.get('lastError')}")

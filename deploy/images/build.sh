@@ -33,6 +33,10 @@ BASE_MODE=${ATTNSERVE_BASE:-auto}
 CACHE_DIR=${ATTNSERVE_CACHE_DIR:-/var/cache/attnserve}
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 LOCAL_BASE=attnserve-base:bookworm
+# Bumped when the local base changes in a way a cached tarball or image must not hide: 2 is
+# the root directory 0755 (mktemp -d makes it 0700, and with the vfs storage driver the
+# container's / then keeps that mode: the non-root service could not even exec /bin/sh).
+BASE_VERSION=2
 REGISTRY_PYTHON=python:3.11-slim-bookworm
 REGISTRY_DEBIAN=debian:bookworm-slim
 WHEELS=deploy/images/wheels
@@ -68,12 +72,21 @@ apt_mirror() {
     echo "${uri:-$fallback}"
 }
 
+# The mode of a tarball's root entry ("drwxr-xr-x"), as `tar -tv` prints it.
+root_mode() { tar -tvf "$1" 2>/dev/null | awk 'NR == 1 { print $1; exit }'; }
+
 build_local_base() {
-    if has_image "$LOCAL_BASE"; then
+    if has_image "$LOCAL_BASE" && [ "$(docker image inspect -f \
+            '{{index .Config.Labels "org.attnserve.base-version"}}' "$LOCAL_BASE")" = "$BASE_VERSION" ]
+    then
         log "base $LOCAL_BASE: present"
         return
     fi
     local tarball=$CACHE_DIR/base/bookworm-minbase-python3.tar
+    if [ -f "$tarball" ] && [ "$(root_mode "$tarball")" != drwxr-xr-x ]; then
+        log "base tarball $tarball: root directory $(root_mode "$tarball"), not 0755: rebuilding"
+        rm -f "$tarball"
+    fi
     if [ ! -f "$tarball" ]; then
         [ "$(id -u)" -eq 0 ] || die "building the local base needs root (debootstrap)"
         command -v debootstrap >/dev/null || die "debootstrap missing (make system-deps)"
@@ -82,6 +95,7 @@ build_local_base() {
         security=$(apt_mirror bookworm-security http://deb.debian.org/debian-security)
         mkdir -p "$CACHE_DIR/base"
         rootfs=$(mktemp -d "$CACHE_DIR/base/rootfs.XXXXXX")
+        chmod 0755 "$rootfs"  # it becomes the image's /: mktemp made it 0700
         # shellcheck disable=SC2064  # expand now: the trap must remove this very directory
         trap "rm -rf '$rootfs'" EXIT
         log "debootstrap bookworm from $mirror into $rootfs (about a minute)"
@@ -101,6 +115,8 @@ EOF
             || die "apt-get upgrade in the base failed: see $CACHE_DIR/base/debootstrap.log"
         rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin "$rootfs"/tmp/*
         tar -C "$rootfs" --numeric-owner -cf "$tarball.partial" .
+        [ "$(root_mode "$tarball.partial")" = drwxr-xr-x ] \
+            || die "the base tarball's root is $(root_mode "$tarball.partial"), not drwxr-xr-x"
         mv "$tarball.partial" "$tarball"
         rm -rf "$rootfs"
         trap - EXIT
@@ -110,6 +126,7 @@ EOF
         --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
         --change 'ENV LANG=C.UTF-8' \
         --change 'CMD ["/bin/bash"]' \
+        --change "LABEL org.attnserve.base-version=$BASE_VERSION" \
         --message "debootstrap --variant=minbase bookworm + python3, python3-venv" \
         "$tarball" "$LOCAL_BASE" >/dev/null
 }

@@ -3,8 +3,10 @@
 Used by test_compose_e2e.py and test_compose_scale.py through the fixtures in conftest.py.
 The daemon listens on a socket in a fresh temporary exec root, so it never meets the
 machine's own daemon or a user's containers; its data root is a cache directory outside the
-clone (ATTNSERVE_CACHE_DIR, default /var/cache/attnserve), so the images are built once per
-machine and later runs only check them. It runs without a default bridge and with its own
+clone (ATTNSERVE_CACHE_DIR, default /var/cache/attnserve), one per storage driver (dockerd's
+own choice, and vfs, where an image's file modes are applied as they are: overlay2 hid a
+base whose / was 0700), so the images are built once per machine and driver and later runs
+only check them. It runs without a default bridge and with its own
 address pool, so it can run beside another daemon; builds use the host network
 (deploy/images/build.sh) and compose makes its own networks. Every wait here has a timeout.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,7 +33,7 @@ from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("ATTNSERVE_CACHE_DIR", "/var/cache/attnserve"))
-DATA_ROOT = CACHE_DIR / "e2e-docker"
+DATA_ROOT = CACHE_DIR / "e2e-docker"  # dockerd's default driver; vfs: e2e-docker-vfs
 BASE_TARBALL = CACHE_DIR / "base" / "bookworm-minbase-python3.tar"
 # Far from docker's defaults (172.17+/16, 192.168/20) and from a user daemon's networks.
 ADDRESS_POOL = "base=10.213.0.0/16,size=24"
@@ -38,6 +41,10 @@ ADDRESS_POOL = "base=10.213.0.0/16,size=24"
 COMPOSE_VARIABLES = ("ATTNSERVE_", "DOCKER_", "COMPOSE_", "PUBLISH_ADDRESS", "PROMETHEUS_",
                      "PROXY_", "GRAFANA_")
 T = TypeVar("T")
+# dockerd's own choice (overlay2 where the kernel allows it), and vfs: what
+# deploy/images/dockerd.sh falls back to where overlay is unavailable, and the driver that
+# applies every file mode of an image as it is (overlay2 hid a base whose / was 0700).
+STORAGE_DRIVERS = (None, "vfs")
 
 
 def tool(name: str) -> str | None:
@@ -83,12 +90,23 @@ def wait_for(probe: Callable[[], T | None], timeout: float, what: str,
 # ---------------------------------------------------------------------------------- daemon
 
 
+def data_root(storage_driver: str | None) -> Path:
+    """The daemon's data root: images and layers are per storage driver."""
+    return DATA_ROOT if storage_driver is None else DATA_ROOT.with_name(
+        f"{DATA_ROOT.name}-{storage_driver}")
+
+
 @dataclass
 class Daemon:
     exec_root: Path
     proc: subprocess.Popen[bytes]
     log: Path
     lock: Any  # the open lock file: one daemon on the data root at a time
+    data_root: Path
+
+    @property
+    def storage_driver(self) -> str:
+        return self.docker("info", "-f", "{{.Driver}}").stdout.strip()
 
     @property
     def env(self) -> dict[str, str]:
@@ -120,10 +138,10 @@ class Daemon:
         self.docker("volume", "prune", "-f")
 
 
-def take_data_root(timeout: float) -> Any:
+def take_data_root(root: Path, timeout: float) -> Any:
     """An exclusive lock on the data root: a second test session waits for the first."""
-    DATA_ROOT.mkdir(parents=True, exist_ok=True)
-    lock = (CACHE_DIR / "e2e-docker.lock").open("w")
+    root.mkdir(parents=True, exist_ok=True)
+    lock = root.with_name(f"{root.name}.lock").open("w")
 
     def taken() -> bool | None:
         try:
@@ -133,45 +151,50 @@ def take_data_root(timeout: float) -> Any:
         return True
 
     try:
-        wait_for(taken, timeout, f"another test session to release {DATA_ROOT}", interval=2)
+        wait_for(taken, timeout, f"another test session to release {root}", interval=2)
     except BaseException:
         lock.close()
         raise
     return lock
 
 
-def stale_daemons() -> str:
+def stale_daemons(root: Path) -> str:
     """Processes still using the data root (a dockerd or containerd of a killed run)."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and str(DATA_ROOT) in (proc / "cmdline").read_text():
+            if proc.name.isdigit() and any(
+                    re.search(rf"{re.escape(str(root))}(/|$)", arg)
+                    for arg in (proc / "cmdline").read_text().split("\0")):
                 found.append(f"{proc.name}: {(proc / 'cmdline').read_text()[:120]!r}")
         except OSError:
             continue
     return "; ".join(found)
 
 
-def start_daemon(timeout: float = 90) -> Daemon:
+def start_daemon(storage_driver: str | None = None, timeout: float = 90) -> Daemon:
+    """A daemon on the data root of ``storage_driver`` (None: dockerd's own choice)."""
     dockerd = tool("dockerd")
     assert dockerd is not None
-    lock = take_data_root(timeout=900)
+    root = data_root(storage_driver)
+    lock = take_data_root(root, timeout=900)
     # Short path: containerd's socket lives under it and sockets have a ~108-byte limit.
     exec_root = Path(tempfile.mkdtemp(prefix="attnserve-dockerd-", dir="/tmp"))
     log = exec_root / "dockerd.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [dockerd, f"--data-root={DATA_ROOT}", f"--exec-root={exec_root}",
+            [dockerd, f"--data-root={root}", f"--exec-root={exec_root}",
+             *([f"--storage-driver={storage_driver}"] if storage_driver else []),
              f"--host=unix://{exec_root}/docker.sock", f"--pidfile={exec_root}/docker.pid",
              "--bridge=none", f"--default-address-pool={ADDRESS_POOL}", "--log-level=warn"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)  # a Ctrl-C of pytest does not reach it half-way
-    daemon = Daemon(exec_root, proc, log, lock)
+    daemon = Daemon(exec_root, proc, log, lock, root)
 
     def answers() -> bool | None:
         if proc.poll() is not None:
             raise RuntimeError(f"dockerd exited with {proc.returncode}:\n{daemon.log_tail()}\n"
-                               f"processes on {DATA_ROOT}: {stale_daemons() or 'none'}")
+                               f"processes on {root}: {stale_daemons(root) or 'none'}")
         return True if daemon.docker("info", check=False, timeout=10).returncode == 0 else None
 
     try:
@@ -201,6 +224,43 @@ def stop_daemon(daemon: Daemon) -> None:
         unmount_under(daemon.exec_root)
         shutil.rmtree(daemon.exec_root, ignore_errors=True)
         daemon.lock.close()  # releases the flock
+
+
+# What deploy/images/build.sh builds and docker-compose.yml runs.
+DEPLOY_IMAGES = ("attnserve:cpu", "attnserve-prometheus:bookworm", "attnserve-haproxy:bookworm")
+
+
+def image_ids(daemon: Daemon, images: tuple[str, ...] = DEPLOY_IMAGES) -> list[str | None]:
+    """Each image's id on ``daemon`` (None where it has none)."""
+    ids: list[str | None] = []
+    for image in images:
+        proc = daemon.docker("image", "inspect", "-f", "{{.Id}}", image, check=False)
+        ids.append(proc.stdout.strip() if proc.returncode == 0 else None)
+    return ids
+
+
+def transfer_images(source: Daemon, target: Daemon, images: tuple[str, ...] = DEPLOY_IMAGES,
+                    timeout: float = 900) -> bool:
+    """`docker save | docker load` the images from ``source`` to ``target`` unless the target
+    has them with the same ids already (what a user does who builds on one host and runs on
+    another); whether anything moved."""
+    if image_ids(source, images) == image_ids(target, images):
+        return False
+    docker = tool("docker")
+    assert docker is not None
+    save = subprocess.Popen([docker, "save", *images], env=source.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert save.stdout is not None
+    try:
+        load = subprocess.run([docker, "load", "--quiet"], env=target.env, stdin=save.stdout,
+                              capture_output=True, text=True, timeout=timeout, check=False)
+    finally:
+        save.stdout.close()
+        saved = save.wait(timeout)
+    if saved != 0 or load.returncode != 0:
+        raise RuntimeError(f"docker save | docker load failed ({saved}, {load.returncode}):\n"
+                           f"{load.stderr[-2000:]}")
+    return True
 
 
 def unmount_under(root: Path) -> None:
@@ -236,15 +296,46 @@ def free_port_range(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
+# What docker says when a host port it publishes is taken (docker-proxy, or the kernel).
+PORT_TAKEN = re.compile(r"port is already allocated|address already in use", re.IGNORECASE)
+UP_ATTEMPTS = 4
+
+
 @dataclass
 class Compose:
-    """docker-compose on the repository's docker-compose.yml, as project `project`."""
+    """docker-compose on the repository's docker-compose.yml, as project `project`.
+
+    ``ports`` picks the host ports (settings docker-compose.yml reads) when the project is
+    made, and again whenever ``up`` finds one taken: they are free when probed, but docker
+    publishes them only later, and a stopped stack gives them back in between.
+    """
 
     daemon: Daemon
     project: str
     settings: dict[str, str]  # the variables docker-compose.yml reads (ports, model dir)
     profiles: tuple[str, ...] = ()
     transcript: list[str] = field(default_factory=list)
+    ports: Callable[[], dict[str, str]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ports is not None:
+            self.settings.update(self.ports())
+
+    def up(self, *args: str, timeout: float = 300) -> None:
+        """`docker-compose up ARGS`; on new host ports again (up to UP_ATTEMPTS in all) when
+        one was taken since it was probed."""
+        for attempt in range(1, UP_ATTEMPTS + 1):
+            proc = self.run("up", *args, timeout=timeout, check=False)
+            if proc.returncode == 0:
+                return
+            taken = self.ports is not None and PORT_TAKEN.search(proc.stderr) is not None
+            if not taken or attempt == UP_ATTEMPTS:
+                raise RuntimeError(f"docker-compose up {' '.join(args)} failed (attempt "
+                                   f"{attempt}):\n{proc.stderr[-3000:]}")
+            assert self.ports is not None
+            fresh = self.ports()
+            self.settings.update(fresh)
+            self.transcript.append(f"a host port was taken: up again on {fresh}")
 
     def run(self, *args: str, timeout: float = 180, check: bool = True
             ) -> subprocess.CompletedProcess[str]:

@@ -3,7 +3,8 @@
 What a user runs (docs/containers.md): `make images`, `make deploy-model`, `docker-compose up
 -d`; here against a dockerd the tests start themselves (tests/deploy/docker_harness.py), on
 free loopback ports. The stack is the default one: attnserve + Prometheus on a compose
-network. The tests run in file order on one stack: the last two stop and restart it.
+network. The tests share one stack per storage driver and pass in any order: the drain and
+restart tests stop it, and each test starts from a stack that is up and healthy.
 
 Skipped, loudly, where no dockerd can run (not root, docker.io not installed). The first run
 on a machine builds the local Debian base (debootstrap, about two minutes) and the images;
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,9 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.docker_harness import (
+    BASE_TARBALL,
     CHAT_MODEL,
+    STORAGE_DRIVERS,
     Compose,
     Stream,
     chat_body,
@@ -30,7 +34,13 @@ from tests.deploy.docker_harness import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [
+    pytest.mark.slow, pytest.mark.timeout(1800),
+    # every test once on dockerd's default storage driver and once on vfs
+    pytest.mark.parametrize("docker_daemon", [
+        pytest.param(d, id=d or "default-driver") for d in STORAGE_DRIVERS],
+        indirect=True, scope="module"),
+]
 START_S = 180.0  # container created → healthy (model load + warm-up: ~10 s when idle)
 RUNTIME_UID = 10001
 
@@ -43,25 +53,35 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(docker_daemon, deploy_images, deploy_model) -> Iterator[Stack]:
-    first = free_port_range(3)
-    prometheus_port = free_port_range(1)
-    compose = Compose(docker_daemon, "attnserve-e2e", {
-        "ATTNSERVE_MODEL_DIR": str(deploy_model),
-        "ATTNSERVE_HOST_PORTS": f"{first}-{first + 2}",
-        "PROMETHEUS_HOST_PORT": str(prometheus_port),
-    })
+def running_stack(docker_daemon, deploy_images, deploy_model) -> Iterator[Compose]:
+    """The compose project, made once per module (and storage driver)."""
+
+    def ports() -> dict[str, str]:
+        first = free_port_range(3)
+        return {"ATTNSERVE_HOST_PORTS": f"{first}-{first + 2}",
+                "PROMETHEUS_HOST_PORT": str(free_port_range(1))}
+
+    compose = Compose(docker_daemon, "attnserve-e2e",
+                      {"ATTNSERVE_MODEL_DIR": str(deploy_model)}, ports=ports)
     compose.down()
     try:
-        compose.run("up", "-d", "--no-build", timeout=300)
-        compose.wait_healthy("attnserve", 1, START_S)
-        (container,) = compose.containers("attnserve")
-        yield Stack(compose, f"http://127.0.0.1:{compose.host_port(container)}",
-                    f"http://127.0.0.1:{prometheus_port}")
+        yield compose
     finally:
         print("\n".join(compose.transcript))
         print(compose.logs())
         compose.down()
+
+
+@pytest.fixture
+def stack(running_stack: Compose) -> Stack:
+    """The stack up and healthy before each test, whatever the tests before it did (the
+    drain and restart tests stop it), so the tests pass in any order. `up -d` on a running
+    stack changes nothing: it only starts what is stopped."""
+    compose = running_stack
+    compose.up("-d", "--no-build", timeout=300)
+    (container,) = compose.wait_healthy("attnserve", 1, START_S)
+    return Stack(compose, f"http://127.0.0.1:{compose.host_port(container)}",
+                 f"http://127.0.0.1:{compose.settings['PROMETHEUS_HOST_PORT']}")
 
 
 def test_serving_image_is_torch_free_non_root_and_carries_no_host_config(
@@ -81,6 +101,38 @@ def test_serving_image_is_torch_free_non_root_and_carries_no_host_config(
     run = docker_daemon.docker("run", "--rm", "--network", "none", "attnserve:cpu",
                                "python", "-c", probe, timeout=120)
     assert run.stdout.strip() == str(RUNTIME_UID)
+
+
+def test_local_base_tarball_has_a_world_readable_root(deploy_images) -> None:
+    """The debootstrapped base's root entry (the image's /) is 0755, and so is every
+    top-level directory a non-root process must traverse: a tarball made from a
+    ``mktemp -d`` root is 0700 there, which vfs applies as it is."""
+    if not BASE_TARBALL.is_file():
+        pytest.skip(f"no local base tarball at {BASE_TARBALL}: the images were built on a "
+                    "base pulled from a registry")
+    with tarfile.open(BASE_TARBALL) as tar:
+        root = tar.next()
+        assert root is not None and root.name in (".", "./") and root.isdir()
+        assert root.mode & 0o7777 == 0o755, oct(root.mode)
+        top = {m.name.removeprefix("./"): m.mode & 0o7777 for m in tar.getmembers()
+               if m.isdir() and m.name.removeprefix("./").count("/") == 0}
+    for name in ("bin", "etc", "lib", "usr", "usr/bin", "home", "opt", "var"):
+        mode = top.get(name)
+        if mode is not None:
+            assert mode & 0o005 == 0o005, f"/{name} is {oct(mode)}"
+
+
+@pytest.mark.parametrize("image", ["attnserve:cpu", "attnserve-prometheus:bookworm",
+                                   "attnserve-haproxy:bookworm"])
+def test_every_image_runs_as_a_non_root_user_on_this_storage_driver(
+        docker_daemon, deploy_images, image: str) -> None:
+    """Each image's / is 0755 and a non-root user can exec a shell in it, on this daemon's
+    storage driver (the module runs on dockerd's default and on vfs)."""
+    run = docker_daemon.docker("run", "--rm", "--network", "none", "--user", "65534:65534",
+                               "--entrypoint", "/bin/sh", image, "-c", "stat -c %a /; id -u",
+                               timeout=120, check=False)
+    assert run.returncode == 0, (docker_daemon.storage_driver, run.stderr[-2000:])
+    assert run.stdout.split() == ["755", "65534"], docker_daemon.storage_driver
 
 
 def test_service_is_healthy_non_root_with_the_model_mounted_read_only(stack, deploy_model
@@ -146,6 +198,8 @@ def test_compose_stop_drains_an_in_flight_stream(stack) -> None:
 
 def test_restarted_service_serves_again_from_the_same_volume(stack, deploy_model) -> None:
     (container,) = stack.compose.containers("attnserve")
+    stack.compose.run("stop", "attnserve", timeout=120)
+    assert stack.compose.inspect(container)["State"]["Status"] == "exited"
     stack.compose.run("start", timeout=120)
     (healthy,) = stack.compose.wait_healthy("attnserve", 1, START_S)
     assert healthy == container  # the same container, restarted, not a new one

@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -40,8 +41,14 @@ CLIENT_TIMEOUT_S = 60.0  # a hang would show up as this
 @dataclass
 class Scaled:
     compose: Compose
-    proxy: str
-    prometheus: str
+
+    @property
+    def proxy(self) -> str:  # the host ports may change (Compose.up): read them each time
+        return f"http://127.0.0.1:{self.compose.settings['PROXY_HOST_PORT']}"
+
+    @property
+    def prometheus(self) -> str:
+        return f"http://127.0.0.1:{self.compose.settings['PROMETHEUS_HOST_PORT']}"
 
 
 def chat_route_count(url: str) -> float:
@@ -54,33 +61,45 @@ def chat_route_count(url: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def scaled(docker_daemon, deploy_images, deploy_model) -> Iterator[Scaled]:
-    first = free_port_range(REPLICAS + 1)
-    proxy_port, prometheus_port = free_port_range(1), free_port_range(1)
+def scaled_stack(docker_daemon, deploy_images, deploy_model) -> Iterator[Scaled]:
+    """The scaled compose project, made once per module (and storage driver)."""
+
+    def ports() -> dict[str, str]:
+        first = free_port_range(REPLICAS + 1)
+        return {"ATTNSERVE_HOST_PORTS": f"{first}-{first + REPLICAS}",
+                "PROXY_HOST_PORT": str(free_port_range(1)),
+                "PROMETHEUS_HOST_PORT": str(free_port_range(1))}
+
     compose = Compose(docker_daemon, "attnserve-scale", {
         "ATTNSERVE_MODEL_DIR": str(deploy_model),
-        "ATTNSERVE_HOST_PORTS": f"{first}-{first + REPLICAS}",
-        "PROXY_HOST_PORT": str(proxy_port),
-        "PROMETHEUS_HOST_PORT": str(prometheus_port),
         # three replicas share the machine's cores: one ONNX Runtime thread each
         "ATTNSERVE_INTRA_OP_THREADS": "1",
-    }, profiles=("scale",))
+    }, profiles=("scale",), ports=ports)
     compose.down()
     try:
-        compose.run("up", "-d", "--no-build", "--scale", f"attnserve={REPLICAS}", timeout=420)
-        compose.wait_healthy("attnserve", REPLICAS, START_S)
-        proxy = f"http://127.0.0.1:{proxy_port}"
-
-        def routed() -> bool | None:
-            status, _, _ = post_json(f"{proxy}/v1/chat/completions", chat_body("Hi", 1), 30)
-            return True if status == 200 else None
-
-        wait_for(routed, 60, "the proxy to route a request")
-        yield Scaled(compose, proxy, f"http://127.0.0.1:{prometheus_port}")
+        yield Scaled(compose)
     finally:
         print("\n".join(compose.transcript))
         print(compose.logs(tail=30))
         compose.down()
+
+
+@pytest.fixture
+def scaled(scaled_stack: Scaled) -> Scaled:
+    """Every replica up, healthy and routed to before each test, whatever the tests before
+    it did (one kills a replica, two stop the stack), so the tests pass in any order.
+    `up -d` changes nothing on a stack that is already up: it starts what is not."""
+    compose = scaled_stack.compose
+    compose.up("-d", "--no-build", "--scale", f"attnserve={REPLICAS}", timeout=420)
+    compose.wait_healthy("attnserve", REPLICAS, START_S)
+
+    def routed() -> bool | None:
+        status, _, _ = post_json(f"{scaled_stack.proxy}/v1/chat/completions",
+                                 chat_body("Hi", 1), 30)
+        return True if status == 200 else None
+
+    wait_for(routed, 60, "the proxy to route a request")
+    return scaled_stack
 
 
 def test_requests_spread_over_every_replica(scaled) -> None:
@@ -123,9 +142,17 @@ def test_prometheus_scrapes_every_replica(scaled, smoke) -> None:
     wait_for(all_up, 60, f"Prometheus to scrape {sorted(addresses)}", interval=1.0)
 
 
+# HAProxy saw a replica go (health check failed: "is DOWN"; or DNS dropped it first: "is
+# going DOWN for maintenance").
+REPLICA_DOWN = re.compile(r"Server attnserve/attnserve\d+ is (going )?DOWN")
+KILL_WAIT_S = 180.0  # load before the kill, then 10 answers and the DOWN line after it
+
+
 def test_a_replica_killed_under_load_is_routed_around(scaled) -> None:
     victim = scaled.compose.containers("attnserve")[0]
+    (proxy,) = scaled.compose.containers("proxy")
     outcomes: list[tuple[float, str]] = []  # (time, "200" | "503+retry-after" | failure)
+    answered = [0, 0, 0]  # responses per client
     stop = threading.Event()
     started = time.monotonic()
 
@@ -141,20 +168,43 @@ def test_a_replica_killed_under_load_is_routed_around(scaled) -> None:
             except (OSError, urllib.error.URLError) as exc:  # reset, refused, or timed out
                 outcomes.append((time.monotonic() - started, f"failed: {exc!r}"))
                 continue
+            answered[i] += 1
             if status == 503 and "retry-after" in headers:
                 outcomes.append((time.monotonic() - started, "503+retry-after"))
             else:
                 outcomes.append((time.monotonic() - started,
                                  str(status) if status == 200 else f"{status}: {raw[:200]!r}"))
 
+    def ok_after(moment: float) -> int:
+        return sum(1 for t, outcome in list(outcomes) if t > moment and outcome == "200")
+
     clients = [threading.Thread(target=client, args=(i,)) for i in range(3)]
     for thread in clients:
         thread.start()
     try:
-        time.sleep(5)
+        # Under load: every client has had an answer, and goes on asking.
+        try:
+            wait_for(lambda: True if min(answered) >= 1 else None, KILL_WAIT_S,
+                     "an answer for every client before the kill")
+        except TimeoutError as exc:
+            pytest.fail(f"{exc}: answers per client {answered}, outcomes {outcomes}")
         killed_at = time.monotonic() - started
+        since = f"{time.time():.3f}"  # the proxy's log lines from the kill on (same host clock)
         scaled.compose.daemon.docker("kill", victim)  # SIGKILL: nothing is drained
-        time.sleep(15)
+
+        def routed_around() -> bool | None:
+            if ok_after(killed_at) < 10:
+                return None
+            log = scaled.compose.daemon.docker("logs", "--since", since, proxy, timeout=30)
+            return True if REPLICA_DOWN.search(log.stdout + log.stderr) else None
+
+        try:
+            wait_for(routed_around, KILL_WAIT_S,
+                     "10 answers of 200 after the kill and the proxy logging the replica DOWN",
+                     interval=1.0)
+        except TimeoutError as exc:
+            pytest.fail(f"{exc}: {ok_after(killed_at)} answered 200 after the kill; proxy log:\n"
+                        f"{scaled.compose.logs('proxy', tail=40)}")
     finally:
         stop.set()
         for thread in clients:
@@ -167,8 +217,7 @@ def test_a_replica_killed_under_load_is_routed_around(scaled) -> None:
     # HAProxy saw the replica go, and what it retried on another one (its log's retries
     # field, `+N` when redispatched) is what clients did not have to retry themselves.
     proxy_log = scaled.compose.logs("proxy", tail=2000)
-    # (health check failed: "is DOWN"; or DNS dropped it first: "is going DOWN for maintenance")
-    assert re.search(r"Server attnserve/attnserve\d+ is (going )?DOWN", proxy_log), proxy_log
+    assert REPLICA_DOWN.search(proxy_log), proxy_log
     retried = len(re.findall(r" \d+/\d+/\d+/\d+/\+?[1-9]\d* \d+/\d+ \"POST", proxy_log))
     print(f"{len(outcomes)} requests, {len(after)} after the kill at {killed_at:.1f} s: "
           f"{sum(1 for o in after if o[1] == '200')} answered 200, "
@@ -178,13 +227,30 @@ def test_a_replica_killed_under_load_is_routed_around(scaled) -> None:
 
 def test_the_proxy_answers_503_with_retry_after_when_no_replica_is_ready(scaled) -> None:
     scaled.compose.run("stop", "--timeout", "20", "attnserve", timeout=120)
-    started = time.monotonic()
-    status, headers, raw = post_json(f"{scaled.proxy}/v1/chat/completions",
+    marker = uuid.uuid4().hex  # finds this request's line in the proxy's log
+    status, headers, raw = post_json(f"{scaled.proxy}/v1/chat/completions?probe={marker}",
                                      chat_body("Anyone there?", 4), CLIENT_TIMEOUT_S)
     assert status == 503, raw[:300]
     assert headers.get("retry-after") == "2"
     assert json.loads(raw)["error_type"] == "unhealthy"
-    assert time.monotonic() - started < 30  # HAProxy's `timeout queue` (15 s), not a hang
+    # HAProxy's log line of this request (option httplog: backend/server, timers, status,
+    # bytes, cookies, termination state, ..., request line): the proxy answered it itself
+    # because it found no replica to pass it to, not a replica and not a hang (which
+    # CLIENT_TIMEOUT_S would have ended with an error above). The termination state says
+    # why: SC no server there (`<NOSRV>`, or the last one it tried refused), sC none
+    # connected in time, sQ none came within `timeout queue`.
+    answered = re.compile(r"attnserve/(<NOSRV>|attnserve\d+) \S+ 503 \d+ \S+ \S+ "
+                          rf"(SC|sC|sQ)\S\S .*\"POST /v1/chat/completions\?probe={marker} ")
+
+    def logged() -> str | None:  # HAProxy writes the line once the response is sent
+        line = answered.search(scaled.compose.logs("proxy", tail=200))
+        return line.group(0) if line else None
+
+    try:
+        wait_for(logged, 30, f"the proxy's log line of request {marker}", interval=1.0)
+    except TimeoutError as exc:
+        pytest.fail(f"{exc}: no line answered by the proxy itself (503 with SC, sC or sQ):\n"
+                    f"{scaled.compose.logs('proxy', tail=40)}")
 
 
 def test_compose_stop_drains_a_stream_through_the_proxy(scaled) -> None:

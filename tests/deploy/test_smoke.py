@@ -2,24 +2,30 @@
 
 The service is started exactly as the runtime image starts it: the CMD and the ATTNSERVE_*
 ENV of deploy/Dockerfile's last stage, parsed from the Dockerfile, with only the artifact path
-(the session's tiny artifact instead of /models/default) and host/port (127.0.0.1 and a free
-port instead of 0.0.0.0:8000) replaced. Then a real Prometheus (Debian package) runs
-deploy/prometheus/prometheus.yml with only the target changed (a static address for the DNS
-discovery of compose's service name), traffic goes in, and
-the Prometheus HTTP API must show the target up and a numeric p50 time to first token.
+(the session's tiny artifact instead of /models/default) and host/port (127.0.0.1 and port 0
+instead of 0.0.0.0:8000) replaced. Both the service and Prometheus bind port 0 and the test
+reads the port each got from its startup log: a port picked by the test and bound by the
+process later could be taken by another process in between. Then a real Prometheus (Debian
+package) runs deploy/prometheus/prometheus.yml with only the target changed (a static address
+for the DNS discovery of compose's service name), traffic goes in, and the Prometheus HTTP API
+must show the target up and a numeric p50 time to first token.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import yaml
@@ -29,6 +35,9 @@ DEPLOY = REPO / "deploy"
 WAIT_S = 60.0
 # The only values of the image's environment the local run replaces.
 REPLACED = ("ATTNSERVE_MODEL", "ATTNSERVE_HOST", "ATTNSERVE_PORT")
+# The startup lines that name the port the kernel gave each process.
+UVICORN_LISTENING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+PROMETHEUS_LISTENING = re.compile(r'msg="Listening on" address=127\.0\.0\.1:(\d+)')
 
 
 @dataclass
@@ -61,6 +70,21 @@ def start(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subproce
                                 stdin=subprocess.DEVNULL)
 
 
+def bound_port(proc: subprocess.Popen[bytes], log: Path, listening: re.Pattern[str],
+               smoke: ModuleType) -> int:
+    """The port `proc` (started on port 0) reports listening on in its log (bounded wait)."""
+    def reported() -> int | None:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if (match := listening.search(text)) is not None:
+            return int(match.group(1))
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{text[-3000:]}")
+        return None
+
+    return smoke.wait_until(reported, WAIT_S, f"{proc.args[0]} to report its port",
+                            interval=0.1)
+
+
 def alive_probe(proc: Proc, probe):
     def check():
         if proc.proc.poll() is not None:
@@ -77,28 +101,48 @@ def container_run(cpu_stages, smoke) -> tuple[list[str], dict[str, str]]:
     return smoke.container_command(runtime), smoke.stage_env(runtime)
 
 
-@pytest.fixture(scope="module")
-def service(container_run, tiny_artifact, smoke, tmp_path_factory) -> Iterator[Proc]:
+@contextmanager
+def running_service(container_run: tuple[list[str], dict[str, str]], artifact: Path,
+                    smoke: ModuleType, work: Path) -> Iterator[Proc]:
+    """The service as the image runs it, ready; stopped however the caller ends."""
     argv, image_env = container_run
     assert set(REPLACED) <= set(image_env), "the image must set what we replace"
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
     # PATH stays the host's: /opt/venv/bin of the image is this interpreter's bin here.
     env.update({k: v for k, v in image_env.items() if k != "PATH"})
-    env.update({"ATTNSERVE_MODEL": str(tiny_artifact), "ATTNSERVE_HOST": "127.0.0.1",
-                "ATTNSERVE_PORT": str(port)})
+    env.update({"ATTNSERVE_MODEL": str(artifact), "ATTNSERVE_HOST": "127.0.0.1",
+                "ATTNSERVE_PORT": "0"})
     executable = Path(sys.executable).parent / argv[0]
     assert executable.is_file(), f"{argv[0]} is not installed next to {sys.executable}"
-    work = tmp_path_factory.mktemp("service-cwd")  # like the image: no source tree in cwd
-    proc = Proc(f"http://127.0.0.1:{port}", port,
-                start([str(executable), *argv[1:]], env, work, work / "service.log"),
-                work / "service.log", env)
+    log = work / "service.log"
+    popen = start([str(executable), *argv[1:]], env, work, log)
     try:
+        port = bound_port(popen, log, UVICORN_LISTENING, smoke)
+        # What the image's HEALTHCHECK reads: the port the service really listens on.
+        env["ATTNSERVE_PORT"] = str(port)
+        proc = Proc(f"http://127.0.0.1:{port}", port, popen, log, env)
         smoke.wait_until(alive_probe(proc, lambda: smoke.is_ready(proc.url)), WAIT_S,
                          f"{proc.url}/ready")
         yield proc
     finally:
-        stop(proc.proc)
+        stop(popen)
+
+
+@pytest.fixture(scope="module")
+def service(container_run, tiny_artifact, smoke, tmp_path_factory) -> Iterator[Proc]:
+    # cwd like the image's: no source tree in it
+    with running_service(container_run, tiny_artifact, smoke,
+                         tmp_path_factory.mktemp("service-cwd")) as proc:
+        yield proc
+
+
+@pytest.fixture
+def own_service(container_run, tiny_artifact, smoke, tmp_path_factory) -> Iterator[Proc]:
+    """A service of the test's own, for a test that ends it: the module's one must outlive
+    that test whatever order the tests run in."""
+    with running_service(container_run, tiny_artifact, smoke,
+                         tmp_path_factory.mktemp("service-cwd")) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +158,15 @@ def prometheus(service, system_tool, tmp_path_factory, smoke) -> Iterator[Proc]:
     assert job.pop("dns_sd_configs")[0]["names"] == ["attnserve"]
     job["static_configs"] = [{"targets": [f"127.0.0.1:{service.port}"]}]
     config.write_text(yaml.safe_dump(parsed, sort_keys=False))
-    port = _free_port()
-    proc = Proc(f"http://127.0.0.1:{port}", port,
-                start([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
-                       f"--web.listen-address=127.0.0.1:{port}"], dict(os.environ), work,
-                      work / "prometheus.log"),
-                work / "prometheus.log", {})
+    log = work / "prometheus.log"
+    popen = start([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
+                   "--web.listen-address=127.0.0.1:0"], dict(os.environ), work, log)
+    try:
+        port = bound_port(popen, log, PROMETHEUS_LISTENING, smoke)
+    except BaseException:
+        stop(popen, timeout=15)
+        raise
+    proc = Proc(f"http://127.0.0.1:{port}", port, popen, log, {})
 
     def ready() -> bool | None:
         status, _ = smoke.http_request(f"{proc.url}/-/ready", timeout=5)
@@ -130,14 +177,6 @@ def prometheus(service, system_tool, tmp_path_factory, smoke) -> Iterator[Proc]:
         yield proc
     finally:
         stop(proc.proc, timeout=15)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_the_container_command_is_what_runs(container_run, service) -> None:
@@ -155,8 +194,10 @@ def test_prometheus_scrapes_the_service_and_sees_ttft(service, prometheus, smoke
     assert summary["target"] == f"{service.url}/metrics"
     assert math.isfinite(summary["ttft_p50_s"]) and summary["ttft_p50_s"] > 0
     assert smoke.scalar_result(prometheus.url, 'up{job="attnserve"}') == 1.0
+    # check_deployment waited for a scrape that began after the last reply, and for its
+    # samples to be stored: Prometheus holds every token of the 5 requests (>= 1 each).
     generated = smoke.scalar_result(prometheus.url, "max(attnserve_generation_tokens_total)")
-    assert generated is not None and generated >= 5  # 5 requests, >= 1 token each
+    assert generated is not None and generated >= 5, generated
 
 
 def test_alert_rules_are_loaded_and_evaluate(prometheus, smoke) -> None:
@@ -199,13 +240,18 @@ def test_image_healthcheck_command(service, cpu_stages, smoke) -> None:
     python = [sys.executable, *argv[1:]]
     ok = subprocess.run(python, env=service.env, capture_output=True, timeout=30, check=False)
     assert ok.returncode == 0, ok.stderr
-    nobody = {**service.env, "ATTNSERVE_PORT": str(_free_port())}
-    down = subprocess.run(python, env=nobody, capture_output=True, timeout=30, check=False)
+    # A port bound here but not listening refuses connections, and no other process can
+    # start listening on it while the check runs.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        nobody = {**service.env, "ATTNSERVE_PORT": str(closed.getsockname()[1])}
+        down = subprocess.run(python, env=nobody, capture_output=True, timeout=30, check=False)
     assert down.returncode != 0
 
 
-def test_sigterm_shuts_down_cleanly_within_the_grace_period(service) -> None:
+def test_sigterm_shuts_down_cleanly_within_the_grace_period(own_service: Proc) -> None:
     # docker stop / Kubernetes send SIGTERM and wait the grace period (30 s in compose).
+    service = own_service
     drain = float(service.env["ATTNSERVE_DRAIN_TIMEOUT"])
     service.proc.send_signal(signal.SIGTERM)
     try:
