@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,35 +18,49 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bound_port import LAUNCHER, wait_bound_port
 from benchmarks.measure import percentile, proc_memory_mb
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
-    """`attnserve serve` in a subprocess on a free loopback port."""
+    """`attnserve serve` in a subprocess on a loopback port.
+
+    The server binds port 0 and reports the port the kernel gave it (benchmarks/bound_port.py):
+    a port picked here and bound there later could be taken by another process in between.
+    ``port`` and ``url`` wait (bounded) for that report.
+    """
 
     def __init__(self, artifact: Path, threads: int, env: dict[str, str], log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cli = Path(sys.executable).with_name("attnserve")
-        cmd = [str(cli)] if cli.exists() else [sys.executable, "-m", "service.cli"]
+        self._port: int | None = None
+        self.port_file = log_path.with_name(f"{log_path.name}.port")
+        self.port_file.unlink(missing_ok=True)
+        self.log_path = log_path
         # Defaults first: a variable the caller sets (e.g. a larger batch) wins.
         env = {"ATTNSERVE_MAX_BATCH_SIZE": "32", "ATTNSERVE_LOG_LEVEL": "warning", **env,
                "ATTNSERVE_INTRA_OP_THREADS": str(threads)}
         self.log = log_path.open("wb")
         self.proc = subprocess.Popen(
-            [*cmd, "serve", "--model", str(artifact), "--host", "127.0.0.1",
-             "--port", str(self.port)], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            [sys.executable, str(LAUNCHER), str(self.port_file), "serve", "--model",
+             str(artifact), "--host", "127.0.0.1", "--port", "0"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on, once it has bound one (waits up to 180 s)."""
+        if self._port is None:
+            self._port = wait_bound_port(self.proc, self.port_file, 180.0, self.log_path)
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         import httpx
 
         deadline = time.monotonic() + timeout
+        if self._port is None:
+            self._port = wait_bound_port(self.proc, self.port_file, timeout, self.log_path)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} before ready")

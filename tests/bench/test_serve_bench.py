@@ -4,14 +4,23 @@ A few requests per run, bounded; nothing about speed is asserted. What is assert
 request completed, the JSON carries vLLM's field names and agrees with what the server
 itself counted (/metrics), the token lengths are the ones asked for, the concurrency cap
 held, the /attention flood was answered, and the Markdown and PNG were written.
+
+The server is the service tests' (tests/service/launch_server.py): it binds port 0 and
+reports its port, and its attention gate lets the flood test hold the admitted /attention
+request of each wave until the rest of the wave is refused, so how many are refused does
+not depend on how fast the machine is.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -19,8 +28,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.http_load import Server
 from benchmarks.serve.__main__ import main
+from tests.service.conftest import ServerProcess, metric_value
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VLLM_FIELDS = {"date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate",
@@ -34,16 +43,80 @@ VLLM_FIELDS = {"date", "backend", "model_id", "tokenizer_id", "num_prompts", "re
 
 
 @pytest.fixture(scope="module")
-def server(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def attention_gate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("attention-gate")
+    os.mkfifo(directory / "entered")
+    os.mkfifo(directory / "release")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(tiny_artifact: Path, attention_gate: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve-bench") / "server.log"
-    env = {**os.environ, "ATTNSERVE_ATTENTION_MAX_CONCURRENT": "1",
-           "ATTNSERVE_ATTENTION_MAX_QUEUED": "0"}  # PYTHONPATH: this tree's service
-    srv = Server(tiny_artifact, 1, env, log)
+    srv = ServerProcess(tiny_artifact, log, env={
+        "ATTNSERVE_ATTENTION_MAX_CONCURRENT": "1", "ATTNSERVE_ATTENTION_MAX_QUEUED": "0",
+        "ATTNSERVE_TEST_ATTENTION_GATE": str(attention_gate)})
     try:
         srv.wait_ready(120)
         yield srv
     finally:
         srv.stop()
+
+
+def busy_refusals(url: str) -> float:
+    return metric_value(httpx.get(f"{url}/metrics").text, "attnserve_rejected_requests_total",
+                        {"reason": "attention_busy"})
+
+
+class FloodReferee:
+    """Lets each /attention request the server admits leave its attention session only
+    once the rest of its wave (``wave - 1`` requests) has been refused, so a wave that
+    reaches the server spread out on a busy machine is refused all the same."""
+
+    def __init__(self, gate: Path, url: str, wave: int) -> None:
+        self.gate, self.url, self.wave = gate, url, wave
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> FloodReferee:
+        self._start = busy_refusals(self.url)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        held = 0
+        while True:
+            with open(self.gate / "entered", "rb") as entered:
+                if not entered.read(1):
+                    return  # __exit__ opened and closed it: the flood is over
+            held += 1
+            try:
+                self._await_refusals(held)
+            except Exception as exc:  # reported by the test; the request is let go anyway
+                self.errors.append(f"wave {held}: {exc!r}")
+            finally:
+                with open(self.gate / "release", "w") as release:
+                    release.write("1")
+
+    def _await_refusals(self, waves: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (refused := busy_refusals(self.url)) < self._start + (self.wave - 1) * waves:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{refused - self._start:.0f} refused in {timeout} s")
+            time.sleep(0.02)
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        deadline = time.monotonic() + 30
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:  # an empty write wakes the thread waiting for the next request
+                os.close(os.open(self.gate / "entered", os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # ENXIO: the thread is not waiting yet
+                time.sleep(0.01)
+            self._thread.join(0.1)
+        if self._thread.is_alive():
+            self.errors.append("the referee did not stop")
 
 
 def generated_tokens(url: str) -> float:
@@ -59,7 +132,7 @@ def runs(directory: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
 
 
-def test_random_workload_over_generate_stream(server: Server, tiny_artifact: Path,
+def test_random_workload_over_generate_stream(server: ServerProcess, tiny_artifact: Path,
                                               tmp_path: Path) -> None:
     before = generated_tokens(server.url)
     code = main(["--url", server.url, "--model", str(tiny_artifact), "--workload", "random",
@@ -90,13 +163,16 @@ def test_random_workload_over_generate_stream(server: Server, tiny_artifact: Pat
 
 
 def test_shared_prefix_over_openai_with_a_cap_and_an_attention_flood(
-        server: Server, tiny_artifact: Path, tmp_path: Path) -> None:
-    code = main(["--url", server.url, "--model", str(tiny_artifact), "--backend", "openai",
-                 "--workload", "shared-prefix", "--num-prefixes", "2", "--prefix-len", "40",
-                 "--suffix-len", "8", "--output-len", "6", "--num-prompts", "6",
-                 "--request-rate", "50", "--max-concurrency", "2", "--num-warmups", "1",
-                 "--attention-flood", "3", "--attention-input-len", "16",
-                 "--result-dir", str(tmp_path), "--label", "smoke"])
+        server: ServerProcess, attention_gate: Path, tiny_artifact: Path,
+        tmp_path: Path) -> None:
+    with FloodReferee(attention_gate, server.url, wave=3) as referee:
+        code = main(["--url", server.url, "--model", str(tiny_artifact), "--backend", "openai",
+                     "--workload", "shared-prefix", "--num-prefixes", "2", "--prefix-len", "40",
+                     "--suffix-len", "8", "--output-len", "6", "--num-prompts", "6",
+                     "--request-rate", "50", "--max-concurrency", "2", "--num-warmups", "1",
+                     "--attention-flood", "3", "--attention-input-len", "16",
+                     "--result-dir", str(tmp_path), "--label", "smoke"])
+    assert not referee.errors, referee.errors
     assert code == 0
     (run,) = runs(tmp_path)
     assert (tmp_path / "smoke-openai-shared-prefix-rate50.json").is_file()
@@ -120,7 +196,7 @@ def metric_total(url: str, name: str) -> float:
 
 
 def test_chat_workload_renders_the_models_template_and_shares_its_prefix(
-        server: Server, tiny_artifact: Path, tmp_path: Path) -> None:
+        server: ServerProcess, tiny_artifact: Path, tmp_path: Path) -> None:
     """Two-turn chats: one system prompt for all, second turns extend their first turns,
     and over HTTP the server's prefix cache reuses the shared part."""
     from benchmarks.serve.workloads import chat_requests
@@ -155,7 +231,7 @@ def test_chat_workload_renders_the_models_template_and_shares_its_prefix(
 
 
 def test_long_prompt_joins_are_sent_answered_and_split_from_steady_gaps(
-        server: Server, tiny_artifact: Path, tmp_path: Path) -> None:
+        server: ServerProcess, tiny_artifact: Path, tmp_path: Path) -> None:
     """--long-join-interval: prompts of --long-join-len tokens join while the load runs; each
     is answered (one new token each, as the server counts), and the streams' gaps are split
     into those overlapping a join and the rest, which together are all of them."""
@@ -194,7 +270,7 @@ def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str,
 
 
 def test_static_baseline_runs_the_same_requests_beside_the_continuous_run(
-        server: Server, tiny_artifact: Path, tmp_path: Path) -> None:
+        server: ServerProcess, tiny_artifact: Path, tmp_path: Path) -> None:
     """--ignore-eos: every request yields exactly --output-len tokens over HTTP, and the
     in-process static reference (batches of --max-concurrency, before and after) generates
     the same total; the ratio is the two throughputs' quotient (its value is not asserted)."""
@@ -216,18 +292,21 @@ def test_static_baseline_runs_the_same_requests_beside_the_continuous_run(
 
 def test_a_server_that_is_not_there_exits_2_with_one_line(
         tiny_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Port 9 (discard) is closed here: the connection error is one line, and no result is
-    written."""
-    assert main(["--url", "http://127.0.0.1:9", "--model", str(tiny_artifact),
-                 "--num-prompts", "1", "--result-dir", str(tmp_path)]) == 2
+    """A port bound here but not listening refuses connections (whatever else runs on the
+    machine): the connection error is one line, and no result is written."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+        assert main(["--url", f"http://{address}", "--model", str(tiny_artifact),
+                     "--num-prompts", "1", "--result-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("benchmarks.serve: error:") and len(err.splitlines()) == 1
-    assert "127.0.0.1:9" in err
+    assert address in err
     assert not list(tmp_path.glob("*.json"))
 
 
 def test_rounds_measure_the_static_reference_between_them_and_report_the_median(
-        server: Server, tiny_artifact: Path, tmp_path: Path) -> None:
+        server: ServerProcess, tiny_artifact: Path, tmp_path: Path) -> None:
     """--rounds 2 --static-baseline: two runs (one JSON each), three static measurements
     (before, between, after), each round's ratio against the two around it, and the median
     of the rounds' ratios in report.md."""

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -103,12 +102,6 @@ def greedy_loop(artifact: Path) -> Callable[[list[int], int], list[int]]:
     return lambda prompt, max_new: greedy_until(decoder, prompt, max_new, config.eos_token_id)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class GateWriter:
     """The test's end of a server's step gate (see fault_runner.py): a FIFO of commands.
 
@@ -131,7 +124,11 @@ class GateWriter:
 
 
 class ServerProcess:
-    """`attnserve serve` in a subprocess on a free loopback port, torch hidden.
+    """`attnserve serve` in a subprocess on a loopback port, torch hidden.
+
+    The server binds port 0 and the launcher reports the port the kernel gave it: a port
+    picked here and bound there later could be taken by another process in between.
+    ``port`` and ``url`` wait (bounded) for that report.
 
     With ``gate``, every forward pass of the server waits for the test's command (the
     warm-up's too): ``server.gate.send("+")`` lets it run freely, "-" holds it again.
@@ -139,8 +136,9 @@ class ServerProcess:
 
     def __init__(self, artifact: Path, log_path: Path, args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, gate: bool = False) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._port: int | None = None
+        self.port_file = log_path.with_name(f"{log_path.name}.port")
+        self.port_file.unlink(missing_ok=True)
         self.log_path = log_path
         environment = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
         environment.update(env or {})
@@ -150,17 +148,41 @@ class ServerProcess:
             environment["ATTNSERVE_TEST_GATE"] = str(self.gate.path)
         environment["PYTHONPATH"] = os.pathsep.join(
             [str(NO_TORCH), *filter(None, [os.environ.get("PYTHONPATH")])])
+        environment["ATTNSERVE_TEST_PORT_FILE"] = str(self.port_file)
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, str(LAUNCHER), "serve", "--model", str(artifact),
-             "--port", str(self.port), "--intra-op-threads", "1", *args],
+             "--port", "0", "--intra-op-threads", "1", *args],
             env=environment, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on, once it has bound one (waits up to 120 s)."""
+        if self._port is None:
+            self._port = self._wait_port(time.monotonic() + 120.0)
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _wait_port(self, deadline: float) -> int:
+        while not self.port_file.exists():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode} before "
+                                     f"listening:\n{self.log()}")
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"server reported no port in time:\n{self.log()}")
+            time.sleep(0.05)
+        return int(self.port_file.read_text())
 
     def log(self) -> str:
         return self.log_path.read_text("utf-8", errors="replace")
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
+        if self._port is None:
+            self._port = self._wait_port(deadline)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
@@ -272,3 +294,12 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
 @pytest.fixture(scope="session")
 def metric() -> Callable[..., float]:
     return metric_value
+
+
+def wait_metric(server: ServerProcess, name: str, value: float, timeout: float = 20.0) -> None:
+    """Until the server's /metrics shows ``name == value`` (bounded): how a test knows where
+    requests are (running, waiting) while the gate holds the engine."""
+    deadline = time.monotonic() + timeout
+    while metric_value(text := httpx.get(f"{server.url}/metrics").text, name) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}:\n{text}"
+        time.sleep(0.02)

@@ -2,7 +2,7 @@
 
 Usage:
     [ATTNSERVE_TEST_GATE=FIFO] [ATTNSERVE_TEST_POISON=TOKEN_ID] \
-        [ATTNSERVE_TEST_ATTENTION_GATE=DIR] \
+        [ATTNSERVE_TEST_ATTENTION_GATE=DIR] [ATTNSERVE_TEST_PORT_FILE=FILE] \
         python tests/service/launch_server.py serve --model DIR ...
 
 ATTNSERVE_TEST_GATE names a FIFO the test writes one-character commands to (see
@@ -14,6 +14,10 @@ ATTNSERVE_TEST_ATTENTION_GATE names a directory holding two FIFOs, ``entered`` a
 ``release``: every attention.onnx run of more than one token (the warm-up runs one) first
 writes a byte to ``entered`` and then waits for a byte on ``release``, so the test knows
 exactly when a request is inside the attention session and decides when it leaves.
+ATTNSERVE_TEST_PORT_FILE names a file the port the server listens on is written to once it
+is bound (atomically: the file appears whole): started with ``--port 0``, the server binds
+a port the kernel picks, so no other process can take it between a test choosing it and
+the server binding it.
 Nothing else changes: same CLI, same server.
 """
 
@@ -55,9 +59,29 @@ def main() -> int:
             return run(self, token_ids, kinds, layers)
 
         AttentionModel.run = gated_run  # type: ignore[method-assign]
+    port_file = os.environ.get("ATTNSERVE_TEST_PORT_FILE")
+    if port_file:
+        report_bound_port(port_file)
     from service.cli import main as cli_main
 
     return cli_main(sys.argv[1:])
+
+
+def report_bound_port(path: str) -> None:
+    """Write the port uvicorn bound to ``path`` right after it starts listening."""
+    import uvicorn
+
+    startup = uvicorn.Server.startup
+
+    async def reporting_startup(self: Any, sockets: Any = None) -> None:
+        await startup(self, sockets)
+        if self.started:
+            port = self.servers[0].sockets[0].getsockname()[1]
+            with open(f"{path}.tmp", "w") as out:
+                out.write(str(port))
+            os.replace(f"{path}.tmp", path)  # readers never see a partial number
+
+    uvicorn.Server.startup = reporting_startup  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import mmap
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -178,9 +179,11 @@ def test_the_engine_releases_the_heap_each_time_it_runs_out_of_work(
                                io.ArtifactConfig.load(engine_artifact), PoolConfig(slots=4))
     codec = TextCodec.from_file(engine_artifact / io.TOKENIZER_FILE)
     rows_at_release: list[int] = []
+    released = threading.Semaphore(0)
 
     def release() -> bool:
         rows_at_release.append(runner.pool.used)
+        released.release()
         return True
 
     monkeypatch.setattr(scheduler_module, "release_freed_heap", release)
@@ -193,10 +196,10 @@ def test_the_engine_releases_the_heap_each_time_it_runs_out_of_work(
                 [*codec.encode("ROMEO:"), t], SamplingParams(), StoppingCriteria(6))
                 for t in wave])
             await asyncio.gather(*(h.all_events() for h in handles))
-            for _ in range(200):  # the loop thread finishes its iteration after the events
-                if len(rows_at_release) == 1 + (wave == [8, 9]):
-                    break
-                await asyncio.sleep(0.01)
+            # The loop thread finishes its iteration after the events: the next wave must
+            # not arrive before that busy period's release, or it would be one period.
+            assert await asyncio.to_thread(released.acquire, timeout=60), \
+                f"no release after the busy period of {wave}"
 
     try:
         asyncio.run(main())

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 
 from service.contract import io_spec as io
 from service.contract.manifest import load_manifest
+from tests.service.conftest import ServerProcess, wait_metric
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "To be, or not", "KING:\nWhat",
            "O", "Good morrow, cousin"]
@@ -30,9 +31,14 @@ MAX_BODY = 8192
 
 
 @pytest.fixture(scope="module")
-def server(start_server: Callable[..., Any]) -> Any:
-    return start_server("--max-batch-size", "8", "--max-body-bytes", str(MAX_BODY),
-                        "--served-model-name", "tiny")
+def server(start_server: Callable[..., Any]) -> ServerProcess:
+    """Runs freely behind a step gate, so a test can hold the engine while requests queue."""
+    server = start_server("--max-batch-size", "8", "--max-body-bytes", str(MAX_BODY),
+                          "--served-model-name", "tiny", gate=True, wait=False)
+    assert server.gate is not None
+    server.gate.send("+")  # the warm-up's passes wait at the gate too
+    server.wait_ready()
+    return server
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +109,7 @@ def test_list_inputs_give_a_list_in_order_and_full_text_on_request(
 
 
 def test_concurrent_requests_are_batched_and_each_equals_its_sequential_result(
-        client: httpx.Client, metric: Callable[..., float]) -> None:
+        server: ServerProcess, client: httpx.Client, metric: Callable[..., float]) -> None:
     def generate(prompt: str) -> str:
         r = client.post("/generate", json={"inputs": prompt,
                                            "parameters": {"max_new_tokens": 100}})
@@ -112,8 +118,23 @@ def test_concurrent_requests_are_batched_and_each_equals_its_sequential_result(
 
     sequential = [generate(p) for p in PROMPTS]
     before = client.get("/metrics").text
+    # Requests sent at once may still reach the engine one after another on a busy
+    # machine. So the first one is held mid-decode while the others queue behind it: all
+    # of them join its batch, whatever the machine's speed.
+    gate = server.gate
+    assert gate is not None
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        concurrent = list(pool.map(generate, PROMPTS))
+        gate.send("-")
+        try:
+            first = pool.submit(generate, PROMPTS[0])
+            gate.send(".")  # its prefill; its first decode step waits at the gate
+            wait_metric(server, "attnserve_num_requests_running", 1)
+            rest = [pool.submit(generate, p) for p in PROMPTS[1:]]
+            # the loop is held inside a step: nobody is admitted until the gate opens
+            wait_metric(server, "attnserve_num_requests_waiting", len(rest))
+        finally:
+            gate.send("+")
+        concurrent = [first.result(), *(f.result() for f in rest)]
     after = client.get("/metrics").text
     assert concurrent == sequential
     name = "attnserve_batch_size_bucket"

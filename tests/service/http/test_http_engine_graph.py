@@ -19,7 +19,7 @@ import pytest
 
 from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 from service.contract.manifest import verify_manifest
-from tests.service.conftest import ServerProcess, serving
+from tests.service.conftest import ServerProcess, serving, wait_metric
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O", "KING HENRY:"]
@@ -36,7 +36,16 @@ def engine_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="module")
 def server(engine_artifact: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
-    yield from serving(engine_artifact, tmp_path_factory.mktemp("log") / "server.log")
+    """Runs freely behind a step gate, so a test can hold the engine while requests queue."""
+    proc = ServerProcess(engine_artifact, tmp_path_factory.mktemp("log") / "server.log",
+                         gate=True)
+    try:
+        assert proc.gate is not None
+        proc.gate.send("+")
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
 
 
 def test_manifest_lists_the_engine_graphs(engine_artifact: Path) -> None:
@@ -60,8 +69,23 @@ def test_concurrent_greedy_requests_equal_the_reference_loop(
         assert r.status_code == 200, r.text
         return [t["id"] for t in r.json()["details"]["tokens"]]
 
+    # Requests sent at once may still reach the engine one after another on a busy
+    # machine. So the first one is held mid-decode while the others queue behind it: all
+    # of them join its batch, whatever the machine's speed.
+    gate = server.gate
+    assert gate is not None
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        got = list(pool.map(generate, range(len(PROMPTS))))
+        gate.send("-")
+        try:
+            first = pool.submit(generate, 0)
+            gate.send(".")  # its prefill; its first decode step waits at the gate
+            wait_metric(server, "attnserve_num_requests_running", 1)
+            rest = [pool.submit(generate, i) for i in range(1, len(PROMPTS))]
+            # the loop is held inside a step: nobody is admitted until the gate opens
+            wait_metric(server, "attnserve_num_requests_waiting", len(rest))
+        finally:
+            gate.send("+")
+        got = [first.result(), *(f.result() for f in rest)]
     for i, prompt in enumerate(PROMPTS):
         assert got[i] == reference_greedy(encode(prompt), lengths[i]), prompt
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,13 +49,15 @@ def client(server: Any) -> Iterator[httpx.Client]:
 
 
 def wait_for(client: httpx.Client, metric: Callable[..., float], name: str, value: float,
-             timeout: float = 20.0) -> None:
+             labels: dict[str, str] | None = None, timeout: float = 20.0) -> None:
+    """Until /metrics shows ``name{labels} == value`` (bounded): the server updates its
+    metrics on its own threads, after the event the test caused."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if metric(client.get("/metrics").text, name) == value:
+        if metric(client.get("/metrics").text, name, labels) == value:
             return
         time.sleep(0.02)
-    raise AssertionError(f"{name} never reached {value}")
+    raise AssertionError(f"{name}{labels or ''} never reached {value} in {timeout} s")
 
 
 def first_event(stream: Iterator[str]) -> dict[str, Any]:
@@ -139,6 +142,7 @@ def test_list_longer_than_the_queue_is_422_not_429(client: httpx.Client) -> None
 def test_disconnected_stream_is_cancelled_and_frees_its_slot(
         client: httpx.Client, held: Any, metric: Callable[..., float]) -> None:
     before = client.get("/metrics").text
+    gone = {"route": "/generate_stream", "status": "499"}
     with client.stream("POST", "/generate_stream", headers=AUTH, json={
             "inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}}) as r:
         lines = r.iter_lines()
@@ -148,10 +152,15 @@ def test_disconnected_stream_is_cancelled_and_frees_its_slot(
         text = client.get("/metrics").text
         assert metric(text, "attnserve_num_requests_running") == 1
         assert metric(text, "attnserve_kv_cache_slots_used") == 1
-    # Leaving the block closes the connection mid-stream; the held step then runs.
+    # Leaving the block closes the connection mid-stream. The server counts the 499 once
+    # it has seen the disconnect and cancelled the request: only then may the held step
+    # run, or the engine could decode all 100 tokens before the cancel arrives.
+    wait_for(client, metric, "attnserve_requests_total",
+             metric(before, "attnserve_requests_total", gone) + 1, gone)
     held.send("+")
     wait_for(client, metric, "attnserve_num_requests_running", 0)
-    assert metric(client.get("/metrics").text, "attnserve_kv_cache_slots_used") == 0
+    # The gauges of one load report are set one after another: wait for this one too.
+    wait_for(client, metric, "attnserve_kv_cache_slots_used", 0)
     after = client.get("/metrics").text
     generated = metric(after, "attnserve_generation_tokens_total") - metric(
         before, "attnserve_generation_tokens_total")
@@ -161,20 +170,30 @@ def test_disconnected_stream_is_cancelled_and_frees_its_slot(
     assert ok.status_code == 200  # the single slot is free again
 
 
-def test_disconnected_plain_request_is_cancelled(client: httpx.Client, held: Any,
+def test_disconnected_plain_request_is_cancelled(server: Any, client: httpx.Client, held: Any,
                                                  metric: Callable[..., float]) -> None:
     before = client.get("/metrics").text
+    labels = {"route": "/generate", "status": "499"}
+    body = json.dumps({"inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}}).encode()
     held.send(".")  # prefill only: the request is still decoding when the client gives up
-    with pytest.raises(httpx.ReadTimeout):
-        client.post("/generate", headers=AUTH, timeout=1.0, json={
-            "inputs": "ROMEO:", "parameters": {"max_new_tokens": 100}})
+    # A raw connection, so the test (not a client timeout) decides when the client leaves:
+    # after the request is provably in the batch, before its next step may run.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: test\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_for(client, metric, "attnserve_num_requests_running", 1)  # prefilled
+    # Closed: once the 499 is counted the server has cancelled the request, so the held
+    # step may run without it decoding on to its 100th token.
+    wait_for(client, metric, "attnserve_requests_total",
+             metric(before, "attnserve_requests_total", labels) + 1, labels)
     held.send("+")
     wait_for(client, metric, "attnserve_num_requests_running", 0)
     after = client.get("/metrics").text
     generated = metric(after, "attnserve_generation_tokens_total") - metric(
         before, "attnserve_generation_tokens_total")
     assert 1 <= generated < 100
-    labels = {"route": "/generate", "status": "499"}
     assert metric(after, "attnserve_requests_total", labels) - metric(
         before, "attnserve_requests_total", labels) == 1
 
