@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n, seed in enumerate(seeds, 1):
             command = [sys.executable, "-m", "pytest", "-p", "randomly",
-                       f"--randomly-seed={seed}", *extra]
+                       f"--randomly-seed={seed}", "--durations=15", *extra]
             print(f"\ntest-stress: run {n}/{len(seeds)}, seed {seed}: {shlex.join(command)}",
                   flush=True)
             started = time.monotonic()

@@ -25,6 +25,11 @@ from export.to_onnx import export_artifact
 from service.contract import io_spec as io
 from service.contract.manifest import verify_manifest
 
+# pytest-timeout counts a test's fixtures against it, and this module's (the export of the
+# real model, its server, transformers dequantising the GGUF file) all fall on whichever test
+# runs first: 2-3 min on a quiet 2-core machine, up to 10 min with every core busy (seen
+# under `make test-stress`). The hang guard is sized for that, as the compose tests' is.
+pytestmark = pytest.mark.timeout(1800)
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at"]
 NEW_TOKENS = 32
 EXPORT_SECONDS: dict[str, float] = {}
