@@ -15,6 +15,7 @@ torch is not installed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -62,6 +63,12 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    # PyTorch's OpenMP workers wait for work asleep rather than spinning (read once, when
+    # torch loads; a setting of the user's stands): the export alternates PyTorch with
+    # one-thread ONNX Runtime sessions, and on busy cores a spinning worker the system has
+    # descheduled stalls every parallel region. SmolLM2's PyTorch checks, 2 threads on 2
+    # loaded cores: 75 s spinning, 15 s asleep, the same logits bit for bit.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.format == "hf":
         from export.hf import export_hf
 

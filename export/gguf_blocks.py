@@ -61,6 +61,7 @@ from export.gguf_source import GGUFFile, Part, SourceRefused
 ACCURACY_LEVEL = 4  # int8 activations, as --quantize int8/int4
 Q4_1_MODES = ("exact", "float-zp")
 Q4_1_MODE = "exact"
+CHECK_ROWS = 4096  # rows of a weight dequantised at a time to check it (dequantises_to)
 
 
 @dataclass(frozen=True)
@@ -261,13 +262,46 @@ def _weight_of(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
     return (name, transposed) if name in src.weights else None
 
 
+def _weight_array(tensor: onnx.TensorProto, base: Path | None) -> np.ndarray:
+    """An initializer's values; an external one mapped from its file, not read whole."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL or base is None:
+        return numpy_helper.to_array(tensor)
+    info = {e.key: e.value for e in tensor.external_data}
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    return np.memmap(base / info["location"], dtype=dtype, mode="r",
+                     offset=int(info.get("offset", 0)), shape=tuple(tensor.dims))
+
+
+def dequantises_to(pieces: list[Piece], weight: np.ndarray, transposed: bool) -> bool:
+    """Whether the pieces' blocks dequantise exactly to ``weight`` (N, K), or to its
+    transpose stored (K, N): ``CHECK_ROWS`` rows at a time, so that a 49k-row LM head
+    never exists in float32 beside its copies (the same values as dequantising whole:
+    :meth:`Blocks.dequantize` is elementwise)."""
+    view = weight.T if transposed else weight  # (N, K): a view, nothing copied
+    if view.shape != (sum(p.blocks.codes.shape[0] for p in pieces),
+                      pieces[0].blocks.codes[0].size):
+        return False
+    for piece in pieces:
+        b = piece.blocks
+        for start in range(0, b.codes.shape[0], CHECK_ROWS):
+            stop = min(b.codes.shape[0], start + CHECK_ROWS)
+            rows = Blocks(b.bits, b.codes[start:stop], b.scales[start:stop],
+                          None if b.mins is None else b.mins[start:stop])
+            if not np.array_equal(rows.dequantize(),
+                                  view[piece.start + start:piece.start + stop]):
+                return False
+    return True
+
+
 def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
-                  level: int = ACCURACY_LEVEL, flat: bool = False) -> dict[str, Any]:
+                  level: int = ACCURACY_LEVEL, flat: bool = False,
+                  base: Path | None = None) -> dict[str, Any]:
     """Replace, in place, every weight product whose tensors are of ``DIRECT`` types in
     ``src`` by MatMulNBits over the file's blocks; return the figures (``fallback``: the
     nodes left for our quantiser, with the bits it should use). ``model`` holds its
-    weights; ``flat``: its activations are (tokens, features) matrices (see
-    :class:`BlockWriter`)."""
+    weights, or with ``base`` leaves them in that directory (external data), each read
+    when its blocks are checked; ``flat``: its activations are (tokens, features) matrices
+    (see :class:`BlockWriter`)."""
     if mode not in Q4_1_MODES:
         raise ValueError(f"unknown Q4_1 mode {mode!r}; choose one of {list(Q4_1_MODES)}")
     graph = model.graph
@@ -287,9 +321,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
             fallback[node.name] = {"weight": name, "types": types,
                                    "bits": fallback_bits(src, parts)}
             continue
-        weight = numpy_helper.to_array(inits[name])
-        ours = np.concatenate([p.blocks.dequantize() for p in pieces])  # (N, K)
-        if not np.array_equal(ours, weight.T if transposed else weight):
+        if not dequantises_to(pieces, _weight_array(inits[name], base), transposed):
             raise SourceRefused(
                 f"--quantize gguf: {src.path} changed since the import (or the checkpoint "
                 f"was trained further): the blocks of {', '.join(p.tensor for p in parts)} "
@@ -313,7 +345,12 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
     used = {i for n in graph.node for i in n.input}
     keep = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
-    graph.initializer.extend(keep + [t for t in writer.inits.values() if t.name in used])
+    graph.initializer.extend(keep)
+    for name in list(writer.inits):  # moved one by one: each copied, then let go
+        tensor = writer.inits.pop(name)
+        if name in used:
+            graph.initializer.append(tensor)
+        del tensor
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
@@ -357,8 +394,11 @@ def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],
 
 
 def rewrite_file(path: Path, src: GGUFFile, mode: str = Q4_1_MODE,
-                 level: int = ACCURACY_LEVEL,
-                 flat: bool = False) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """``path`` (its external weights loaded) rewritten by :func:`rewrite_graph`."""
-    model = onnx.load(str(path))
-    return model, rewrite_graph(model, src, mode, level, flat)
+                 level: int = ACCURACY_LEVEL, flat: bool = False,
+                 external: bool = False) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """``path`` rewritten by :func:`rewrite_graph`: its external weights loaded, or with
+    ``external`` left where they are (the model's tensors still point at them; each weight
+    is read when it is checked), so that the float32 graph is never held whole."""
+    model = onnx.load(str(path), load_external_data=not external)
+    return model, rewrite_graph(model, src, mode, level, flat,
+                                base=path.parent if external else None)

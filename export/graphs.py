@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from export.onnx_build import Graph, f32, make_model
+from export.onnx_build import Graph, WeightsWriter, f32, make_model
 from model.architectures import architecture
 from model.architectures.base import qkv_bias, qkv_weight
 from model.config import GPTConfig
@@ -66,12 +66,13 @@ class DecoderBuilder:
     every layer's attention intermediates as outputs."""
 
     def __init__(self, gpt: GPT, cached: bool, introspect: bool,
-                 kv_dtype: io.KvDtype = "float32", matmul_head: bool = False) -> None:
+                 kv_dtype: io.KvDtype = "float32", matmul_head: bool = False,
+                 weights: WeightsWriter | None = None) -> None:
         self.gpt, self.cfg = gpt, gpt.config
         self.arch = architecture(gpt.config.arch)
         self.cached, self.introspect, self.kv_dtype = cached, introspect, kv_dtype
         self.matmul_head = matmul_head
-        self.g = Graph()
+        self.g = Graph(weights)
         self.outputs: list[str] = []
 
     # -- leaves --------------------------------------------------------------------------
@@ -242,11 +243,13 @@ def _value_infos(shapes: dict[str, list[str]], static: dict[str, int],
 
 
 def build_decoder(gpt: GPT, opset: int = DEFAULT_OPSET, kv_dtype: io.KvDtype = "float32",
-                  matmul_head: bool = False) -> onnx.ModelProto:
-    """model.onnx: the merged prefill/decode graph with KV cache (the I/O contract)."""
+                  matmul_head: bool = False,
+                  weights: WeightsWriter | None = None) -> onnx.ModelProto:
+    """model.onnx: the merged prefill/decode graph with KV cache (the I/O contract).
+    ``weights``: store the large initializers there as they are made (:class:`Graph`)."""
     cfg = gpt.config
     builder = DecoderBuilder(gpt.eval(), cached=True, introspect=False, kv_dtype=kv_dtype,
-                             matmul_head=matmul_head)
+                             matmul_head=matmul_head, weights=weights)
     builder.build()
     shapes = io.model_io_shapes(cfg.n_layers, grouped_kv(cfg))
     static = {"num_heads": cfg.n_heads, io.KV_HEADS: cfg.kv_heads, "head_dim": cfg.head_dim,
@@ -274,10 +277,12 @@ def attention_io_shapes(n_layers: int) -> dict[str, dict[str, list[str]]]:
     return {"inputs": {name: seq for name in io.attention_input_names()}, "outputs": outputs}
 
 
-def build_attention(gpt: GPT, opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
-    """attention.onnx: every layer's intermediates for a whole (left-padded) prompt."""
+def build_attention(gpt: GPT, opset: int = DEFAULT_OPSET,
+                    weights: WeightsWriter | None = None) -> onnx.ModelProto:
+    """attention.onnx: every layer's intermediates for a whole (left-padded) prompt.
+    ``weights``: as :func:`build_decoder`'s."""
     cfg = gpt.config
-    builder = DecoderBuilder(gpt.eval(), cached=False, introspect=True)
+    builder = DecoderBuilder(gpt.eval(), cached=False, introspect=True, weights=weights)
     builder.build()
     shapes = attention_io_shapes(cfg.n_layers)
     static = {"num_heads": cfg.n_heads, "head_dim": cfg.head_dim}

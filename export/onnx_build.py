@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,18 +37,29 @@ ALIGN_MIN_BYTES = 1 << 20
 
 
 class Graph:
-    """Accumulates initializers and nodes with unique names."""
+    """Accumulates initializers and nodes with unique names.
 
-    def __init__(self) -> None:
+    With ``weights``, every initializer of at least ``EXTERNAL_MIN_BYTES`` goes straight
+    into that :class:`WeightsWriter`'s file as the graph is built, so a graph never holds
+    its weights in memory (a float32 graph of SmolLM2 held them three times over: 1.9 GB
+    for 650 MB of weights, through ``helper.make_graph`` and ``make_model``'s copies).
+    """
+
+    def __init__(self, weights: WeightsWriter | None = None) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self._names: set[str] = set()
+        self._weights = weights
 
     def const(self, name: str, array: np.ndarray) -> str:
         """An initializer; a name already given returns the existing one (shared weights)."""
         if name not in self._names:
             self._names.add(name)
-            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+            array = np.ascontiguousarray(array)
+            if self._weights is not None and array.nbytes >= EXTERNAL_MIN_BYTES:
+                self.inits.append(self._weights.store(name, array))
+            else:
+                self.inits.append(numpy_helper.from_array(array, name))
         return name
 
     def ints(self, name: str, values: list[int]) -> str:
@@ -87,6 +99,13 @@ def make_model(graph: Graph, name: str, inputs: list[onnx.ValueInfoProto],
     return model
 
 
+def _location(tensor: onnx.TensorProto) -> str | None:
+    """The file an external tensor's bytes are in; None for a tensor that holds them."""
+    if tensor.data_location != TensorProto.EXTERNAL:
+        return None
+    return {e.key: e.value for e in tensor.external_data}.get("location")
+
+
 def _tensor_bytes(tensor: onnx.TensorProto, base: Path | None) -> bytes:
     """A tensor's raw little-endian bytes, wherever it keeps them."""
     if tensor.data_location == TensorProto.EXTERNAL:
@@ -101,6 +120,114 @@ def _tensor_bytes(tensor: onnx.TensorProto, base: Path | None) -> bytes:
     return numpy_helper.to_array(tensor).tobytes()
 
 
+class WeightsWriter:
+    """:func:`save_graphs` one graph at a time: ``add`` moves a graph's large initializers
+    into weights.bin (each distinct tensor once, across every graph added) and writes the
+    graph file, and :meth:`store` writes one initializer while its graph is being built
+    (:class:`Graph`), so no graph ever holds its weights. Building SmolLM2-135M's four
+    float32 graphs that way instead of holding them all until one save took that stage
+    from 4.4 GB to 1.0 GB (the process, PyTorch's model included; docs/export.md).
+
+    Use as a context manager: weights.bin and the graph files are written under temporary
+    names and renamed when the block ends without an error (``figures`` then holds the
+    sizes for the manifest), so a failure leaves the previous files in place. Initializers
+    that are already external are read from ``base`` (which may hold the weights.bin being
+    replaced: it is read to the end of the block).
+    """
+
+    def __init__(self, directory: Path, base: Path | None = None) -> None:
+        self.directory, self.base = directory, base
+        self.figures: dict[str, Any] = {}
+        self._index: dict[bytes, tuple[int, int]] = {}  # digest → (offset, length)
+        self._files: list[str] = []
+        self._referenced = 0  # bytes of every large initializer, shared ones each time
+        self._tmp = directory / f".{WEIGHTS_FILE}.tmp"
+        self._blob: Any = None
+
+    def __enter__(self) -> WeightsWriter:
+        self._blob = open(self._tmp, "wb")  # closed in __exit__
+        return self
+
+    def _staged(self, file_name: str) -> Path:
+        return self.directory / f".{file_name}.tmp"
+
+    def _put(self, data_type: int, dims: list[int], data: Any) -> tuple[int, int]:
+        """(offset, length) of these bytes in the file, written unless equal ones were."""
+        digest = hashlib.sha256(bytes([data_type]) + repr(dims).encode())
+        digest.update(data)
+        key = digest.digest()
+        self._referenced += memoryview(data).nbytes
+        if key not in self._index:
+            blob = self._blob
+            offset, length = blob.tell(), memoryview(data).nbytes
+            if length >= ALIGN_MIN_BYTES and offset % ALIGNMENT:
+                offset += ALIGNMENT - offset % ALIGNMENT
+                blob.seek(offset)
+            blob.write(data)
+            self._index[key] = (offset, length)
+        return self._index[key]
+
+    def _point(self, tensor: onnx.TensorProto, location: str, offset: int,
+               length: int) -> None:
+        """Make ``tensor`` external: its bytes at ``offset`` of ``location``."""
+        for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data",
+                      "uint64_data", "string_data"):
+            tensor.ClearField(field)
+        del tensor.external_data[:]
+        tensor.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", location), ("offset", str(offset)),
+                     ("length", str(length))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = k, v
+
+    def store(self, name: str, array: np.ndarray) -> onnx.TensorProto:
+        """An initializer whose bytes are written now (a graph being built,
+        :class:`Graph`); it points at the file being written until :meth:`add` takes its
+        graph."""
+        if sys.byteorder != "little":  # ONNX's raw data is little-endian
+            array = array.astype(array.dtype.newbyteorder("<"))
+        tensor = onnx.TensorProto(name=name, dims=array.shape,
+                                  data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+        offset, length = self._put(tensor.data_type, list(array.shape),
+                                   np.ascontiguousarray(array).data.cast("B"))
+        self._point(tensor, self._tmp.name, offset, length)
+        return tensor
+
+    def add(self, file_name: str, model: onnx.ModelProto) -> None:
+        """Store ``model``'s large initializers (the proto is changed to point at them)
+        and write it, under a temporary name until the block ends."""
+        for tensor in model.graph.initializer:
+            if _location(tensor) == self._tmp.name:  # stored while the graph was built
+                info = {e.key: e.value for e in tensor.external_data}
+                self._point(tensor, WEIGHTS_FILE, int(info["offset"]), int(info["length"]))
+                continue
+            data = _tensor_bytes(tensor, self.base)
+            if len(data) < EXTERNAL_MIN_BYTES:
+                continue
+            offset, length = self._put(tensor.data_type, list(tensor.dims), data)
+            del data
+            self._point(tensor, WEIGHTS_FILE, offset, length)
+        onnx.save_model(model, str(self._staged(file_name)))
+        self._files.append(file_name)
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        blob, self._blob = self._blob, None
+        if kind is not None:
+            blob.close()
+            for path in [self._tmp, *map(self._staged, self._files)]:
+                path.unlink(missing_ok=True)
+            return
+        blob.truncate(blob.tell())
+        blob.close()
+        os.replace(self._tmp, self.directory / WEIGHTS_FILE)
+        for file_name in self._files:
+            os.replace(self._staged(file_name), self.directory / file_name)
+        self.figures = {"weights_file": WEIGHTS_FILE,
+                        "weights_bytes": (self.directory / WEIGHTS_FILE).stat().st_size,
+                        "tensor_bytes_referenced": self._referenced,
+                        "unique_tensors": len(self._index)}
+
+
 def save_graphs(directory: Path, models: Mapping[str, onnx.ModelProto],
                 base: Path | None = None) -> dict[str, Any]:
     """Write each ``models[file]`` into ``directory`` with its large initializers stored
@@ -109,46 +236,13 @@ def save_graphs(directory: Path, models: Mapping[str, onnx.ModelProto],
     Equal tensors (same dtype, shape and bytes) share one entry whatever their names,
     so the tied embedding, or a weight two graphs read, costs its bytes once. Initializers
     that are already external are read from ``base``. weights.bin is written under a
-    temporary name and renamed, so a failure leaves the previous one in place.
+    temporary name and renamed, so a failure leaves the previous one in place. (Graphs
+    built one at a time: :class:`WeightsWriter`.)
     """
-    index: dict[bytes, tuple[int, int]] = {}  # digest → (offset, length)
-    tmp = directory / f".{WEIGHTS_FILE}.tmp"
-    referenced = 0
-    with open(tmp, "wb") as blob:
-        for model in models.values():
-            for tensor in model.graph.initializer:
-                data = _tensor_bytes(tensor, base)
-                if len(data) < EXTERNAL_MIN_BYTES:
-                    continue
-                referenced += len(data)
-                key = hashlib.sha256(
-                    bytes([tensor.data_type]) + repr(list(tensor.dims)).encode() + data
-                ).digest()
-                if key not in index:
-                    offset = blob.tell()
-                    if len(data) >= ALIGN_MIN_BYTES and offset % ALIGNMENT:
-                        offset += ALIGNMENT - offset % ALIGNMENT
-                        blob.seek(offset)
-                    blob.write(data)
-                    index[key] = (offset, len(data))
-                offset, length = index[key]
-                tensor.ClearField("raw_data")
-                for field in ("float_data", "int32_data", "int64_data", "double_data",
-                              "uint64_data", "string_data"):
-                    tensor.ClearField(field)
-                del tensor.external_data[:]
-                tensor.data_location = TensorProto.EXTERNAL
-                for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)),
-                             ("length", str(length))):
-                    entry = tensor.external_data.add()
-                    entry.key, entry.value = k, v
-        blob.truncate(blob.tell())
-    os.replace(tmp, directory / WEIGHTS_FILE)
-    for file_name, model in models.items():
-        onnx.save_model(model, str(directory / file_name))
-    stored = (directory / WEIGHTS_FILE).stat().st_size
-    return {"weights_file": WEIGHTS_FILE, "weights_bytes": stored,
-            "tensor_bytes_referenced": referenced, "unique_tensors": len(index)}
+    with WeightsWriter(directory, base) as writer:
+        for file_name, model in models.items():
+            writer.add(file_name, model)
+    return writer.figures
 
 
 def load_graph(path: Path) -> onnx.ModelProto:

@@ -34,14 +34,16 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from export.memory import release
 from export.verify import decoder_for
 from model.gpt import GPT
-from service.contract.reference import int8_agreement
+from service.contract.reference import agreement_with, greedy
 
 METHODS = ("int8", "int4", "int8-dynamic", "gguf")
 # Block-wise 8-bit weights lose ~10x less than per-channel dynamic int8, so they are held
@@ -125,23 +127,34 @@ def _run_all(dec: Decoder, ids: np.ndarray) -> np.ndarray:
 
 
 def perplexity(dec: Decoder, windows: np.ndarray) -> float:
-    logits = _run_all(dec, windows[:, :-1]).astype(np.float64)  # (B, T, V)
-    logits -= logits.max(-1, keepdims=True)
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    nll = -np.take_along_axis(logp, windows[:, 1:, None], axis=-1).mean()
-    return float(math.exp(nll))
+    """exp(mean NLL) of each window's tokens after the first. One window a pass: the
+    logits of a window are bit for bit those of a batch of all (checked on every graph
+    kind of a --quantize gguf export), and a pass holds (T, V) logits, not (B, T, V) and
+    the arena and float64 copies around them (1 GB more at SmolLM2's 49k vocabulary)."""
+    nll = np.empty(windows[:, 1:].shape)  # (B, T) float64
+    for row, window in enumerate(windows):
+        x = _run_all(dec, window[None, :-1])[0].astype(np.float64)  # (T, V)
+        x -= x.max(-1, keepdims=True)
+        logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+        nll[row] = -np.take_along_axis(logp, window[1:, None], axis=-1)[:, 0]
+    return float(math.exp(nll.mean()))
 
 
 def int8_figures(gpt: GPT, fp32_path: Path, int8_path: Path, tokenizer: Any,
                  training: dict[str, Any], method: str = "int8") -> dict[str, Any]:
     """Compare the int8 model.onnx with the float32 one on held-out text."""
-    ref_dec, q_dec = decoder_for(fp32_path, gpt, "float32"), decoder_for(int8_path, gpt, "float32")
-    return compare_decoders(gpt, ref_dec, q_dec, tokenizer, training, method)
+    return compare_decoders(gpt, lambda: decoder_for(fp32_path, gpt, "float32"),
+                            lambda: decoder_for(int8_path, gpt, "float32"), tokenizer,
+                            training, method)
 
 
-def compare_decoders(gpt: GPT, ref_dec: Decoder, q_dec: Decoder, tokenizer: Any,
+def compare_decoders(gpt: GPT, reference: Callable[[], Decoder],
+                     candidate: Callable[[], Decoder], tokenizer: Any,
                      training: dict[str, Any], method: str = "int8") -> dict[str, Any]:
-    """Agreement and perplexity of a quantised decoder against its float32 reference."""
+    """Agreement and perplexity of a quantised decoder against its float32 reference.
+
+    ``reference`` and ``candidate`` make the decoders, one after the other: each session
+    (a float32 one holds every weight unpacked) is gone before the next is made."""
     cfg = gpt.config
     text, source = held_out_text(training)
     ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
@@ -150,13 +163,22 @@ def compare_decoders(gpt: GPT, ref_dec: Decoder, q_dec: Decoder, tokenizer: Any,
 
     stride = max(PROMPT_TOKENS, (len(ids) - PROMPT_TOKENS) // PROMPTS)
     prompts = np.stack([ids[i * stride:i * stride + PROMPT_TOKENS] for i in range(PROMPTS)])
-    # duck-typed: int8_agreement only calls empty_past() and the decoder itself
-    agreement = int8_agreement(ref_dec, q_dec, prompts, steps)  # type: ignore[arg-type]
-
     window = min(cfg.max_seq_len, 128) + 1
     count = max(1, min(8, len(ids) // window))
     windows = np.stack([ids[i * window:(i + 1) * window] for i in range(count)])
-    ppl_ref, ppl_q = perplexity(ref_dec, windows), perplexity(q_dec, windows)
+
+    release()  # what quantising left behind, before a float32 session comes
+    dec = reference()
+    # duck-typed: greedy and agreement_with only call empty_past() and the decoder itself
+    expected = greedy(dec, prompts, steps)  # type: ignore[arg-type]
+    ppl_ref = perplexity(dec, windows)
+    del dec
+    release()
+    dec = candidate()
+    agreement = agreement_with(dec, prompts, expected)  # type: ignore[arg-type]
+    ppl_q = perplexity(dec, windows)
+    del dec
+    release()
     return {
         "held_out_source": source,
         "prompts": PROMPTS,
@@ -231,11 +253,21 @@ def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
                  flat: bool) -> dict[str, Any]:
     """The source GGUF file's blocks where they map onto MatMulNBits; our int4/int8 for
     the weights of other types (``fallback``, by node)."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
     from export.gguf_blocks import rewrite_file
     from export.gguf_source import open_source
 
-    model, figures = rewrite_file(src, open_source(training), flat=flat)
+    model, figures = rewrite_file(src, open_source(training), flat=flat, external=True)
     fallback = figures["fallback"]
+    if fallback:  # ORT's quantiser reads the weights it rewrites from the proto
+        wanted = {f["weight"] for f in fallback.values()}
+        for tensor in model.graph.initializer:
+            if tensor.name in wanted and uses_external_data(tensor):
+                load_external_data_for_tensor(tensor, str(src.parent))
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                del tensor.external_data[:]
     for bits, method in ((4, "int4"), (8, "int8")):
         names = {n for n, f in fallback.items() if f["bits"] == bits}
         if names:
@@ -250,15 +282,19 @@ def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
         and ".gguf_block_sums" not in n.output[0] for n in model.graph.node)
     if figures["quantized_matmuls"] == 0:
         raise ValueError(f"{src.name}: no weight of the GGUF file to keep or quantise")
-    _save(model, dst)
+    _save(model, dst, src.parent)
     return figures
 
 
-def _save(model: Any, dst: Path) -> None:
-    """Topologically sorted, one self-contained file (export_artifact moves the weights
-    into weights.bin afterwards)."""
+def _save(model: Any, dst: Path, base: Path | None = None) -> None:
+    """Topologically sorted, in one file (export_artifact moves the weights into
+    weights.bin afterwards). Tensors left in ``base``'s external data keep pointing there
+    when ``dst`` is in that directory, and are loaded into the file otherwise."""
+    import onnx
     from onnxruntime.quantization.onnx_model import ONNXModel
 
+    if base is not None and base.resolve() != dst.parent.resolve():
+        onnx.load_external_data_for_model(model, str(base))
     ONNXModel(model).save_model_to_file(str(dst), use_external_data_format=False)
 
 

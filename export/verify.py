@@ -16,6 +16,7 @@ ORT is driven only through the names in service/contract/io_spec.py, as any clie
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,9 @@ def clear_mismatches(margins: list[float], tolerance: float) -> list[float]:
     return [m for m in margins if m > 2 * tolerance]
 
 DECODE_STEPS = 64
+PREFILL_BATCH, PREFILL_LENGTH = 4, 16
+RAGGED_LENGTHS, RAGGED_STEPS = (3, 11, 6), 8
+ATTENTION_SEED, ATTENTION_LENGTHS = 1, (12, 7)
 
 
 class VerificationError(ValueError):
@@ -125,6 +129,42 @@ class TorchReference:
     def __init__(self, gpt: GPT) -> None:
         self.gpt = gpt
         self._greedy: dict[tuple[tuple[int, ...], int], tuple[list[int], np.ndarray]] = {}
+        self._logits: dict[bytes, np.ndarray] = {}
+        self._intermediates: dict[bytes, list[Any]] = {}
+
+    def prepare(self, prompts: CheckPrompts) -> TorchReference:
+        """Compute now everything the checks fed ``prompts`` compare against, so that
+        PyTorch's weights can go before any ONNX Runtime session is made (a float32 session
+        holds a second copy of every weight); returns self."""
+        self.logits(prompts.prefill)
+        for prompt in prompts.decode:
+            self.greedy(prompt, decode_steps(self.gpt.config, prompts.decode,
+                                             prompts.decode_steps))
+        for prompt in prompts.ragged:
+            self.greedy(prompt, RAGGED_STEPS)
+        self.intermediates(prompts.attention)
+        return self
+
+    @torch.no_grad()
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        """GPT.forward's logits (B, T, V) for unpadded prompts ``ids`` (B, T)."""
+        key = repr(ids.shape).encode() + ids.astype(np.int64).tobytes()
+        if key not in self._logits:
+            self._logits[key] = self.gpt(torch.from_numpy(ids)).logits.numpy()
+        return self._logits[key]
+
+    @torch.no_grad()
+    def intermediates(self, prompts: list[list[int]]) -> list[Any]:
+        """GPT.forward's attention intermediates, layer by layer, for ``prompts`` left-padded
+        (:func:`left_pad`)."""
+        key = repr(prompts).encode()
+        if key not in self._intermediates:
+            ids, mask, pos = left_pad(prompts)
+            out = self.gpt(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                           position_ids=torch.from_numpy(pos), return_intermediates=True)
+            assert out.intermediates is not None
+            self._intermediates[key] = out.intermediates
+        return self._intermediates[key]
 
     @torch.no_grad()
     def greedy(self, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
@@ -148,15 +188,47 @@ def random_prompts(rng: np.random.Generator, vocab: int, lengths: list[int]) -> 
     return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
 
 
-@torch.no_grad()
-def check_prefill(gpt: GPT, dec: OrtDecoder, rng: np.random.Generator,
-                  batch: int = 4, length: int = 16) -> dict[str, Any]:
-    length = min(length, gpt.config.max_seq_len)
-    ids = np.asarray(random_prompts(rng, gpt.config.vocab_size, [length] * batch), np.int64)
+@dataclass(frozen=True)
+class CheckPrompts:
+    """What the checks feed, drawn from their seeds before any check runs, so that PyTorch
+    can answer for all of them first (:meth:`TorchReference.prepare`)."""
+
+    prefill: np.ndarray  # (B, T) int64, unpadded
+    decode: list[list[int]]
+    decode_steps: int  # as asked; decode_steps() clips it to the context
+    ragged: list[list[int]]
+    attention: list[list[int]]
+
+
+def check_prompts(cfg: Any, seed: int = 0, steps: int = DECODE_STEPS,
+                  attention_seed: int = ATTENTION_SEED) -> CheckPrompts:
+    """The prompts of :func:`verify_decoder` (``seed``: prefill, then decode, then ragged,
+    one generator) and :func:`verify_attention` (``attention_seed``)."""
+    rng = np.random.default_rng(seed)
+    length = min(PREFILL_LENGTH, cfg.max_seq_len)
+    prefill = np.asarray(random_prompts(rng, cfg.vocab_size, [length] * PREFILL_BATCH),
+                         np.int64)
+    decode = decode_prompts(rng, cfg.vocab_size)
+    ragged = random_prompts(rng, cfg.vocab_size, list(RAGGED_LENGTHS))
+    attention = random_prompts(np.random.default_rng(attention_seed), cfg.vocab_size,
+                               list(ATTENTION_LENGTHS))
+    return CheckPrompts(prefill, decode, steps, ragged, attention)
+
+
+def decode_steps(cfg: Any, prompts: list[list[int]], steps: int) -> int:
+    """``steps`` decode steps after ``prompts``, as many as the context leaves room for."""
+    return max(1, min(steps, cfg.max_seq_len - max(len(p) for p in prompts)))
+
+
+def check_prefill(gpt: GPT, dec: OrtDecoder, ids: np.ndarray,
+                  reference: TorchReference | None = None) -> dict[str, Any]:
+    """Unpadded prompts ``ids`` (B, T) with zero-length past tensors vs GPT.forward."""
+    reference = reference or TorchReference(gpt)
+    batch, length = ids.shape
     mask = np.ones_like(ids)
     pos = np.broadcast_to(np.arange(length, dtype=np.int64), ids.shape).copy()
     logits, present = dec(ids, mask, pos, dec.empty_past(batch))
-    ref = gpt(torch.from_numpy(ids)).logits.numpy()  # (B, T, V)
+    ref = reference.logits(ids)  # (B, T, V)
     if present[0].shape != (batch, dec.kv_heads, length, dec.head_dim):
         raise VerificationError(f"present shape {present[0].shape} after a zero-length past")
     return {"max_abs_diff": float(np.abs(logits - ref).max()), "prompts": batch,
@@ -175,7 +247,7 @@ def check_decode(gpt: GPT, dec: OrtDecoder, prompts: list[list[int]],
     """Cached decode vs full recomputation, teacher-forced with PyTorch's greedy tokens
     (left-padded rows of different lengths)."""
     reference = reference or TorchReference(gpt)
-    steps = max(1, min(steps, gpt.config.max_seq_len - max(len(p) for p in prompts)))
+    steps = decode_steps(gpt.config, prompts, steps)
     seqs, refs = zip(*(reference.greedy(p, steps) for p in prompts), strict=True)
     batch = len(prompts)
     ids, mask, pos = left_pad(prompts)
@@ -201,12 +273,11 @@ def check_decode(gpt: GPT, dec: OrtDecoder, prompts: list[list[int]],
             "mismatch_margins": margins, "scale": logit_scale(*refs)}
 
 
-def check_ragged(gpt: GPT, dec: OrtDecoder, rng: np.random.Generator,
-                 lengths: tuple[int, ...] = (3, 11, 6), steps: int = 8,
+def check_ragged(gpt: GPT, dec: OrtDecoder, prompts: list[list[int]],
+                 steps: int = RAGGED_STEPS,
                  reference: TorchReference | None = None) -> dict[str, Any]:
     """A left-padded batch must give, row by row, what each prompt gives alone."""
     reference = reference or TorchReference(gpt)
-    prompts = random_prompts(rng, gpt.config.vocab_size, list(lengths))
     seqs, refs = zip(*(reference.greedy(p, steps) for p in prompts), strict=True)
     ids, mask, pos = left_pad(prompts)
     logits, past = dec(ids, mask, pos, dec.empty_past(len(prompts)))
@@ -222,28 +293,29 @@ def check_ragged(gpt: GPT, dec: OrtDecoder, rng: np.random.Generator,
         for row, p in enumerate(prompts):
             worst = max(worst, float(np.abs(logits[row, -1] - refs[row][len(p) - 1 + step]
                                             ).max()))
-    return {"max_abs_diff": worst, "rows": len(prompts), "lengths": list(lengths),
+    return {"max_abs_diff": worst, "rows": len(prompts), "lengths": [len(p) for p in prompts],
             "decode_steps": steps, "scale": logit_scale(*refs)}
 
 
 @torch.no_grad()
-def check_attention(gpt: GPT, path: str | Path, rng: np.random.Generator,
-                    lengths: tuple[int, ...] = (12, 7)) -> dict[str, Any]:
+def check_attention(gpt: GPT, path: str | Path, prompts: list[list[int]],
+                    reference: TorchReference | None = None) -> dict[str, Any]:
+    """attention.onnx's outputs for ``prompts``, left-padded, vs GPT's intermediates."""
+    reference = reference or TorchReference(gpt)
     sess = create_session(path)
     n = gpt.config.n_layers
-    ids, mask, pos = left_pad(random_prompts(rng, gpt.config.vocab_size, list(lengths)))
+    ids, mask, pos = left_pad(prompts)
     outs = dict(zip(io.attention_output_names(n),
                     sess.run(io.attention_output_names(n), {
                         io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, io.POSITION_IDS: pos}),
                     strict=True))
-    ref = gpt(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-              position_ids=torch.from_numpy(pos), return_intermediates=True).intermediates
-    assert ref is not None
+    del sess
+    ref = reference.intermediates(prompts)
     t = ids.shape[1]
     upper = np.triu(np.ones((t, t), bool), k=1)
     figures: dict[str, Any] = {"weights_max_abs_diff": 0.0, "qkv_scores_max_abs_diff": 0.0,
                "row_sum_max_error": 0.0, "upper_triangle_max": 0.0, "qk_scale": 0.0,
-               "layers": n, "lengths": list(lengths)}
+               "layers": n, "lengths": [len(p) for p in prompts]}
     for layer, inter in enumerate(ref):
         got = {k: outs[io.attention_output_name(layer, k)] for k in io.ATTENTION_KINDS}
         q_norm = inter.q.norm(dim=-1).amax(-1)  # (B, nh): each head's longest query
@@ -274,15 +346,16 @@ def verify_decoder(gpt: GPT, model_path: Path, kv_dtype: io.KvDtype = "float32",
     Pass the same ``reference`` to re-verify another graph of the same model cheaply.
     """
     gpt.eval()
-    rng = np.random.default_rng(seed)
+    prompts = check_prompts(gpt.config, seed, decode_steps)
     dec = decoder_for(model_path, gpt, kv_dtype)
     reference = reference or TorchReference(gpt)
     figures: dict[str, Any] = {
-        "prefill": check_prefill(gpt, dec, rng),
-        "decode": check_decode(gpt, dec, decode_prompts(rng, gpt.config.vocab_size),
-                               steps=decode_steps, reference=reference),
-        "ragged_batch": check_ragged(gpt, dec, rng, reference=reference),
+        "prefill": check_prefill(gpt, dec, prompts.prefill, reference),
+        "decode": check_decode(gpt, dec, prompts.decode, steps=decode_steps,
+                               reference=reference),
+        "ragged_batch": check_ragged(gpt, dec, prompts.ragged, reference=reference),
     }
+    del dec
     checks = ("prefill", "decode", "ragged_batch")
     tol = logits_tolerance(gpt.config, max(figures[n]["scale"] for n in checks), kv_dtype)
     figures["tolerance"] = tol
@@ -299,9 +372,11 @@ def verify_decoder(gpt: GPT, model_path: Path, kv_dtype: io.KvDtype = "float32",
     return figures
 
 
-def verify_attention(gpt: GPT, attention_path: Path, seed: int = 1) -> dict[str, Any]:
+def verify_attention(gpt: GPT, attention_path: Path, seed: int = ATTENTION_SEED,
+                     reference: TorchReference | None = None) -> dict[str, Any]:
     """attention.onnx checks; raise on a violation."""
-    att = check_attention(gpt, attention_path, np.random.default_rng(seed))
+    prompts = check_prompts(gpt.config, attention_seed=seed).attention
+    att = check_attention(gpt, attention_path, prompts, reference)
     tol = att["tolerance"] = attention_tolerance(gpt.config, att["qk_scale"])
     problems = []
     if not att["weights_max_abs_diff"] <= tol:
@@ -321,9 +396,12 @@ def verify_artifact(gpt: GPT, model_path: Path, attention_path: Path,
                     kv_dtype: io.KvDtype = "float32", seed: int = 0,
                     decode_steps: int = DECODE_STEPS,
                     reference: TorchReference | None = None) -> dict[str, Any]:
-    """Run every check; raise VerificationError on a violation, else return the figures."""
+    """Run every check; raise VerificationError on a violation, else return the figures.
+
+    ``reference``: PyTorch's side, shared with later checks; prepared from
+    ``check_prompts(gpt.config, seed, decode_steps)``, it needs PyTorch's weights no more."""
     figures = verify_decoder(gpt, model_path, kv_dtype, seed, decode_steps, reference)
-    figures["attention"] = verify_attention(gpt, attention_path)
+    figures["attention"] = verify_attention(gpt, attention_path, reference=reference)
     figures["tolerance"] = {"logits": figures["tolerance"],
                             "attention_weights": figures["attention"]["tolerance"]}
     figures["passed"] = True

@@ -108,7 +108,14 @@ def int8_agreement(reference: OrtDecoder, candidate: OrtDecoder, prompts: np.nda
     one early divergence does not count every later token as wrong. The free-running figure
     (tokens equal before the first divergence, averaged over prompts) is reported beside it.
     """
-    expected = greedy(reference, prompts, steps)  # (P, steps)
+    return agreement_with(candidate, prompts, greedy(reference, prompts, steps))
+
+
+def agreement_with(candidate: OrtDecoder, prompts: np.ndarray,
+                   expected: np.ndarray) -> dict[str, Any]:
+    """:func:`int8_agreement` given the reference's greedy tokens ``expected`` (P, steps),
+    so that the reference's session can be gone before the candidate's is made."""
+    steps = expected.shape[1]
     forced = greedy(candidate, prompts, steps, forced=expected)
     free = greedy(candidate, prompts, steps)
     common = [int(np.argmin(np.append(f == e, False))) for f, e in zip(free, expected,
