@@ -23,8 +23,10 @@ Nothing else changes: same CLI, same server.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -68,20 +70,14 @@ def main() -> int:
 
 
 def report_bound_port(path: str) -> None:
-    """Write the port uvicorn bound to ``path`` right after it starts listening."""
-    import uvicorn
-
-    startup = uvicorn.Server.startup
-
-    async def reporting_startup(self: Any, sockets: Any = None) -> None:
-        await startup(self, sockets)
-        if self.started:
-            port = self.servers[0].sockets[0].getsockname()[1]
-            with open(f"{path}.tmp", "w") as out:
-                out.write(str(port))
-            os.replace(f"{path}.tmp", path)  # readers never see a partial number
-
-    uvicorn.Server.startup = reporting_startup  # type: ignore[method-assign]
+    """benchmarks/bound_port.py's, loaded by its path: this script runs with the service
+    importable, not the repository root."""
+    where = Path(__file__).resolve().parents[2] / "benchmarks" / "bound_port.py"
+    spec = importlib.util.spec_from_file_location("attnserve_bound_port", where)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.report_bound_port(path)
 
 
 if __name__ == "__main__":
