@@ -57,7 +57,7 @@ def passes(args: argparse.Namespace) -> dict[str, Any]:
             codes8_pass_rows=0))
         if not (isinstance(runner, EngineGraphRunner) and runner.has_float32_twin):
             raise SystemExit(f"float32_twin: {path} has no engine_float32.onnx "
-                             "(export it again with --quantize int4|gguf --engine-graph)")
+                             "(export it again with --quantize int4|gguf --engine-graph --codes8)")
         for rows in args.passes:
             seconds: dict[str, list[float]] = {"twin": [], "quantised": []}
             for _ in range(args.rounds):
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = runner.engine.runner
         if not (isinstance(model, EngineGraphRunner) and model.has_float32_twin):
             raise SystemExit(f"float32_twin: {path} has no engine_float32.onnx "
-                             "(export it again with --quantize ... --engine-graph)")
+                             "(export it again with --quantize ... --engine-graph --float32-twin)")
         runners[name] = runner
         wide[name] = args.wide or model.float32_pass_tokens
         variants[name] = {f"{name} twin on": (wide[name], 0), f"{name} twin off": (0, 0)}

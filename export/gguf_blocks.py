@@ -45,6 +45,7 @@ row per token.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,11 +180,19 @@ class BlockWriter:
         self.inits: dict[str, onnx.TensorProto] = {}
         self.sums: dict[tuple[str, int], str] = {}  # (activation, block) → its block sums
         self.uncentred = 0  # blocks with minimums left at zero point 0
+        self.by_content: dict[tuple[str, tuple[int, ...], bytes], str] = {}
 
     def const(self, name: str, array: np.ndarray) -> str:
-        if name not in self.inits:
-            self.inits[name] = numpy_helper.from_array(np.ascontiguousarray(array), name)
-        return name
+        """An initializer: ``name``, or the name of an equal one already made (a tied
+        embedding's blocks and the LM head's: one tensor, which ORT then loads once)."""
+        if name in self.inits:
+            return name
+        array = np.ascontiguousarray(array)
+        key = (array.dtype.str, array.shape, hashlib.sha256(array.tobytes()).digest())
+        if key not in self.by_content:
+            self.inits[name] = numpy_helper.from_array(array, name)
+            self.by_content[key] = name
+        return self.by_content[key]
 
     def node(self, op: str, inputs: list[str], output: str | list[str], name: str,
              **attrs: Any) -> str:
@@ -236,6 +245,63 @@ class BlockWriter:
                                 f"{name}.gguf_mins")
                 self.node("Add", [main, low], out, f"{name}.gguf_add")
 
+    def gather(self, ids: str, out: str, blocks: Blocks, w: str, name: str) -> None:
+        """out = the rows ``ids`` of W (N, K) held by ``blocks``, dequantised in the graph
+        with :meth:`Blocks.dequantize`'s float32 operations, so bit for bit gguf's rows.
+
+        The codes and scales are stored as MatMulNBits reads them, so a tied LM head's
+        blocks and the embedding's are the same bytes, stored once (weights.bin keys
+        tensors by content); only the minimums (N·K/block floats) are the embedding's own.
+        A token reads its own row's bytes: nothing is dequantised beyond the rows asked."""
+        n, nb = blocks.scales.shape
+        k, bits = nb * blocks.block, blocks.bits
+        flat = self.node("Reshape", [ids, self.const("gguf.shape_rows", np.array([-1]))],
+                         f"{name}.ids", f"{name}.gguf_ids")  # (M,)
+        packed = self.node("Gather", [self.const(f"{w}.gguf_q", pack(blocks.codes, bits)),
+                                      flat], f"{name}.packed", f"{name}.gguf_gather")
+        if bits == 4:  # (M, nb, block/2) bytes → (M, nb, block) codes, 2i low, 2i+1 high
+            low = self.node("BitwiseAnd", [packed, self.const("gguf.nibble", np.array([15], np.uint8))],
+                            f"{name}.low", f"{name}.gguf_low")
+            high = self.node("BitShift", [packed, self.const("gguf.four", np.array([4], np.uint8))],
+                             f"{name}.high", f"{name}.gguf_high", direction="RIGHT")
+            last = self.const("gguf.axis_last", np.array([-1]))
+            pairs = self.node("Concat", [
+                self.node("Unsqueeze", [low, last], f"{name}.low1", f"{name}.gguf_low1"),
+                self.node("Unsqueeze", [high, last], f"{name}.high1", f"{name}.gguf_high1")],
+                f"{name}.pairs", f"{name}.gguf_pairs", axis=-1)  # (M, nb, block/2, 2)
+            packed = self.node("Reshape", [pairs, self.const(
+                f"gguf.shape_codes_{nb}_{blocks.block}", np.array([-1, nb, blocks.block]))],
+                f"{name}.codes", f"{name}.gguf_codes")
+        q = self.node("Cast", [packed], f"{name}.q", f"{name}.gguf_cast",
+                      to=onnx.TensorProto.FLOAT)  # (M, nb, block)
+
+        def per_block(array_name: str, array: np.ndarray, tag: str) -> str:
+            """A per-block table (N·nb,) gathered for the tokens, (M, nb, 1)."""
+            table = self.node("Reshape", [self.const(array_name, array.reshape(-1)),
+                                          self.const(f"gguf.shape_table_{nb}",
+                                                     np.array([n, nb]))],
+                              f"{name}.{tag}_table", f"{name}.gguf_{tag}_table")
+            rows = self.node("Gather", [table, flat], f"{name}.{tag}", f"{name}.gguf_{tag}")
+            return self.node("Unsqueeze", [rows, self.const("gguf.axis_last", np.array([-1]))],
+                             f"{name}.{tag}1", f"{name}.gguf_{tag}1")
+
+        scale = per_block(f"{w}.gguf_scales", blocks.scales, "scale")
+        if blocks.mins is not None:  # scale·q + min
+            value = self.node("Add", [
+                self.node("Mul", [scale, q], f"{name}.scaled", f"{name}.gguf_scaled"),
+                per_block(f"{w}.gguf_row_mins", blocks.mins, "min")],
+                f"{name}.value", f"{name}.gguf_value")
+        else:  # scale·(q − zero)
+            centred_q = self.node("Sub", [q, self.const(f"gguf.zero_{blocks.zero}",
+                                                        np.array([blocks.zero], np.float32))],
+                                  f"{name}.centred", f"{name}.gguf_centred")
+            value = self.node("Mul", [scale, centred_q], f"{name}.value", f"{name}.gguf_value")
+        shape = self.node("Concat", [
+            self.node("Shape", [ids], f"{name}.ids_shape", f"{name}.gguf_ids_shape"),
+            self.const(f"gguf.width_{k}", np.array([k]))], f"{name}.shape",
+            f"{name}.gguf_shape", axis=0)
+        self.node("Reshape", [value, shape], out, name)  # ids.shape + (K,)
+
     def joined(self, x: str, outs: list[str], parts: list[Blocks], w: str, name: str) -> None:
         """outs[i] = x · W_iᵀ for products sharing x: one product over the joined rows, then
         a Split (the rows of one node stream through the kernel once)."""
@@ -248,9 +314,13 @@ class BlockWriter:
 
 def _weight_of(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
                src: GGUFFile) -> tuple[str, bool] | None:
-    """(initializer, stored transposed as (K, N)) of a MatMul or a bias-free Gemm(transB)
-    whose weight comes from the file; None for every other node."""
-    if node.op_type == "MatMul" and node.input[1] in inits:
+    """(initializer, stored transposed as (K, N)) of a MatMul, a bias-free Gemm(transB) or
+    an embedding's Gather whose weight comes from the file; None for every other node."""
+    if node.op_type == "Gather" and node.input[0] in inits:
+        if any(a.name == "axis" and a.i != 0 for a in node.attribute):
+            return None
+        name, transposed = node.input[0], False
+    elif node.op_type == "MatMul" and node.input[1] in inits:
         name, transposed = node.input[1], True
     elif node.op_type == "Gemm" and len(node.input) == 2 and node.input[1] in inits:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
@@ -309,6 +379,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
     kept: Counter[str] = Counter()
     fallback: dict[str, dict[str, Any]] = {}
     pieces_of: dict[str, tuple[str, list[Piece]]] = {}  # node → (weight, its pieces)
+    gathers: list[str] = []  # embeddings read from the blocks (the rest stay float32)
     for node in graph.node:
         found = _weight_of(node, inits, src)
         if found is None:
@@ -317,6 +388,8 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
         parts = src.weights[name]
         types = [src.tensors[p.tensor].tensor_type.name for p in parts]
         pieces = weight_pieces(src, parts)
+        if node.op_type == "Gather" and (pieces is None or len(pieces) > 1):
+            continue  # a float tensor, or rows of two formats: the float32 Gather is exact
         if pieces is None:
             fallback[node.name] = {"weight": name, "types": types,
                                    "bits": fallback_bits(src, parts)}
@@ -327,19 +400,31 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
                 f"was trained further): the blocks of {', '.join(p.tensor for p in parts)} "
                 f"do not dequantise to the checkpoint's weight {name}")
         pieces_of[node.name] = (name, pieces)
-        kept.update(types)
+        if node.op_type == "Gather":
+            gathers.append(name)
+        else:
+            kept.update(types)
     readers: dict[str, list[onnx.NodeProto]] = {}  # input → the products reading it
     for node in graph.node:
-        if node.name in pieces_of:
+        if node.name in pieces_of and node.op_type != "Gather":
             readers.setdefault(node.input[0], []).append(node)
     writer = BlockWriter(mode, level, flat)
     joined = split = 0
+    embeddings: list[tuple[int, onnx.NodeProto]] = []  # (where in writer.nodes, Gather)
     for node in graph.node:
         if node.name not in pieces_of:
             writer.nodes.append(node)
+        elif node.op_type == "Gather":
+            embeddings.append((len(writer.nodes), node))
         elif node is readers[node.input[0]][0]:  # the others' outputs come from here too
             j, s = _write_products(writer, node.input[0], readers[node.input[0]], pieces_of)
             joined, split = joined + j, split + s
+    # The embeddings last, in their places: a tied one's blocks keep the LM head's names.
+    for at, node in reversed(embeddings):
+        done, writer.nodes = writer.nodes, []
+        weight, (piece,) = pieces_of[node.name]
+        writer.gather(node.input[1], node.output[0], piece.blocks, weight, node.name)
+        writer.nodes = done[:at] + writer.nodes + done[at:]
     del graph.node[:]
     graph.node.extend(writer.nodes)
     used = {i for n in graph.node for i in n.input}
@@ -360,7 +445,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
                                    if a.name == "block_size"}),
             "q4_1": mode, "uncentred_blocks": writer.uncentred, "kept_tensors": dict(kept),
             "kept_matmuls": len(nbits), "joined_products": joined, "split_products": split,
-            "fallback": fallback}
+            "kept_gathers": gathers, "fallback": fallback}
 
 
 def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],

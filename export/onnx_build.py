@@ -141,8 +141,10 @@ class WeightsWriter:
         self._index: dict[bytes, tuple[int, int]] = {}  # digest → (offset, length)
         self._files: list[str] = []
         self._referenced = 0  # bytes of every large initializer, shared ones each time
+        self.added: dict[str, int] = {}  # graph file → bytes its add() stored new
         self._tmp = directory / f".{WEIGHTS_FILE}.tmp"
         self._blob: Any = None
+        self._new = 0  # bytes the last _put wrote
 
     def __enter__(self) -> WeightsWriter:
         self._blob = open(self._tmp, "wb")  # closed in __exit__
@@ -157,6 +159,7 @@ class WeightsWriter:
         digest.update(data)
         key = digest.digest()
         self._referenced += memoryview(data).nbytes
+        self._new = 0
         if key not in self._index:
             blob = self._blob
             offset, length = blob.tell(), memoryview(data).nbytes
@@ -165,6 +168,7 @@ class WeightsWriter:
                 blob.seek(offset)
             blob.write(data)
             self._index[key] = (offset, length)
+            self._new = length
         return self._index[key]
 
     def _point(self, tensor: onnx.TensorProto, location: str, offset: int,
@@ -205,6 +209,7 @@ class WeightsWriter:
             if len(data) < EXTERNAL_MIN_BYTES:
                 continue
             offset, length = self._put(tensor.data_type, list(tensor.dims), data)
+            self.added[file_name] = self.added.get(file_name, 0) + self._new
             del data
             self._point(tensor, WEIGHTS_FILE, offset, length)
         onnx.save_model(model, str(self._staged(file_name)))

@@ -53,6 +53,10 @@ METHODS = ("int8", "int4", "int8-dynamic", "gguf")
 AGREEMENT_TARGETS = {"int8": 0.97, "int4": 0.85, "int8-dynamic": 0.95, "gguf": 0.95}
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations, int8 dot products
+# attention.onnx of a quantised artifact reads the served weights at float activations:
+# what /attention shows is the weights' attention, not int8 activations' rounding (its
+# speed matters little: one pass a request for the layers asked)
+ATTENTION_ACCURACY_LEVEL = 0
 # MatMulNBits settings per method: (bits, symmetric).
 NBITS = {"int8": (8, True), "int4": (4, False)}
 STEPS = 64
@@ -197,12 +201,13 @@ def compare_decoders(gpt: GPT, reference: Callable[[], Decoder],
 
 def quantize_weights(src: Path, dst: Path, method: str = "int8",
                      training: dict[str, Any] | None = None,
-                     flat: bool = False) -> dict[str, Any]:
+                     flat: bool = False, level: int = ACCURACY_LEVEL) -> dict[str, Any]:
     """Write ``src`` with its MatMul weights quantised by ``method`` to ``dst``.
 
     ``training`` is the checkpoint's training record: ``gguf`` finds its source file there.
     ``flat``: the graph's activations are (tokens, features) matrices, as in the engine
-    graphs (``gguf`` then writes each Q4_1 remainder as one Gemm).
+    graphs (``gguf`` then writes each Q4_1 remainder as one Gemm). ``level``: MatMulNBits'
+    accuracy level (4: int8 activations; 0: float).
     """
     if method not in METHODS:
         raise ValueError(f"unsupported quantization {method!r}; choose one of {list(METHODS)}")
@@ -214,9 +219,9 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
         lg.setLevel(logging.ERROR)
     try:
         if method == "gguf":
-            figures = _gguf_blocks(src, dst, training or {}, flat)
+            figures = _gguf_blocks(src, dst, training or {}, flat, level)
         elif method in NBITS:
-            figures = _matmul_nbits(src, dst, *NBITS[method])
+            figures = _matmul_nbits(src, dst, *NBITS[method], level)
         else:
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -234,7 +239,7 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
 
 
 def _nbits_quantizer(model: Any, bits: int, symmetric: bool,
-                    exclude: frozenset[str] = frozenset()) -> Any:
+                    exclude: frozenset[str] = frozenset(), level: int = ACCURACY_LEVEL) -> Any:
     """``model`` (onnx.ModelProto) with every MatMul not in ``exclude`` quantised."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
@@ -242,7 +247,7 @@ def _nbits_quantizer(model: Any, bits: int, symmetric: bool,
     )
 
     config = DefaultWeightOnlyQuantConfig(block_size=BLOCK_SIZE, is_symmetric=symmetric,
-                                          accuracy_level=ACCURACY_LEVEL, bits=bits)
+                                          accuracy_level=level, bits=bits)
     quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=list(exclude),
                                      algo_config=config)
     quantizer.process()
@@ -250,7 +255,7 @@ def _nbits_quantizer(model: Any, bits: int, symmetric: bool,
 
 
 def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
-                 flat: bool) -> dict[str, Any]:
+                 flat: bool, level: int) -> dict[str, Any]:
     """The source GGUF file's blocks where they map onto MatMulNBits; our int4/int8 for
     the weights of other types (``fallback``, by node)."""
     import onnx
@@ -259,7 +264,8 @@ def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
     from export.gguf_blocks import rewrite_file
     from export.gguf_source import open_source
 
-    model, figures = rewrite_file(src, open_source(training), flat=flat, external=True)
+    model, figures = rewrite_file(src, open_source(training), flat=flat, external=True,
+                                  level=level)
     fallback = figures["fallback"]
     if fallback:  # ORT's quantiser reads the weights it rewrites from the proto
         wanted = {f["weight"] for f in fallback.values()}
@@ -273,7 +279,7 @@ def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
         if names:
             others = frozenset(n.name for n in model.graph.node if n.op_type == "MatMul"
                                and n.name not in names)
-            model = _nbits_quantizer(model, *NBITS[method], exclude=others)
+            model = _nbits_quantizer(model, *NBITS[method], exclude=others, level=level)
             for n in names:
                 fallback[n]["as"] = method
     figures["quantized_matmuls"] = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
@@ -298,16 +304,17 @@ def _save(model: Any, dst: Path, base: Path | None = None) -> None:
     ONNXModel(model).save_model_to_file(str(dst), use_external_data_format=False)
 
 
-def _matmul_nbits(src: Path, dst: Path, bits: int, symmetric: bool) -> dict[str, Any]:
+def _matmul_nbits(src: Path, dst: Path, bits: int, symmetric: bool,
+                  level: int) -> dict[str, Any]:
     import onnx
 
-    out = _nbits_quantizer(onnx.load(str(src)), bits, symmetric)
+    out = _nbits_quantizer(onnx.load(str(src)), bits, symmetric, level=level)
     done = sum(n.op_type == "MatMulNBits" for n in out.graph.node)
     if done == 0:
         raise ValueError(f"{src.name}: no MatMul with a constant weight to quantise")
     _save(out, dst)
     return {"method": "onnxruntime MatMulNBitsQuantizer (MatMulNBits)", "bits": bits,
-            "block_size": BLOCK_SIZE, "symmetric": symmetric, "accuracy_level": ACCURACY_LEVEL,
+            "block_size": BLOCK_SIZE, "symmetric": symmetric, "accuracy_level": level,
             "quantized_matmuls": done,
             "float_matmuls_left": sum(n.op_type == "MatMul" for n in out.graph.node)}
 

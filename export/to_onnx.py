@@ -39,6 +39,7 @@ from service.contract.manifest import Manifest, checkpoint_fingerprint, describe
 DTYPES = ("float32", "float16")
 QUANTIZATIONS = ("int8", "int4", "int8-dynamic", "gguf")  # export/quantize.py METHODS
 ENGINE_QUANTIZATIONS = (None, "int8", "int4", "gguf")  # MatMulNBits: what engine.onnx can take
+ATTENTION_QUANTIZATIONS = ("int8", "int4", "gguf")  # attention.onnx then reads them too
 # From how many tokens a pass runs faster on engine_float32.onnx than on MatMulNBits
 # (`python -m benchmarks.float32_twin --passes`, SmolLM2, 2 threads): 4-bit from about 200
 # (a 2,048-token pass 20-29 % faster), 8-bit from about 1,000 (5 %; 27 % slower at 128).
@@ -150,6 +151,27 @@ def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
     return figures
 
 
+def _quantize_attention(gpt: Any, fp32_path: Path, out: Path, training: dict[str, Any],
+                        method: str, reference: Any,
+                        fallback: dict[str, Any] | None) -> dict[str, Any]:
+    """attention.onnx over the weights the engine serves, at float activations. Kept GGUF
+    blocks are the checkpoint's own weights exactly, so that graph is verified against
+    PyTorch by the float32 rule (verify.py); re-rounded ones (int4, int8, a GGUF weight
+    that fell back) have their distance reported."""
+    from export.quantize import ATTENTION_ACCURACY_LEVEL, quantize_weights
+    from export.verify import check_attention, check_prompts, verify_attention
+
+    figures = quantize_weights(fp32_path, out, method, training,
+                               level=ATTENTION_ACCURACY_LEVEL)
+    if reference is None:  # --no-verify
+        return figures
+    if method == "gguf" and not fallback:
+        return {**figures, "verified": True,
+                **verify_attention(gpt, out, reference=reference)}
+    prompts = check_prompts(gpt.config).attention
+    return {**figures, "verified": False, **check_attention(gpt, out, prompts, reference)}
+
+
 def export_artifact(
     ckpt_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -163,6 +185,8 @@ def export_artifact(
     log: Any = None,
     engine_graph: bool = False,
     mixed_steps: bool = True,
+    float32_twin: bool = False,
+    codes8: bool = False,
 ) -> Path:
     """Build, verify and (optionally) quantise; return the artifact directory.
 
@@ -171,8 +195,15 @@ def export_artifact(
     the same decoder with a second group of rows for newcomers' prompts and prompt chunks
     (the server runs one or the other); model.onnx is unchanged either way. With
     ``quantize="int8"`` or ``"int4"`` both graphs get MatMulNBits weights
-    (export/quantize.py). All
-    graphs point into one weights.bin, each distinct tensor stored once.
+    (export/quantize.py), and so does attention.onnx, which then reads the weights the
+    engine serves (at float activations: introspection, not speed). All graphs point into
+    one weights.bin, each distinct tensor stored once: a --quantize gguf artifact holds
+    the file's blocks and little else.
+
+    Copies that trade memory for speed are opt-in, and the export reports what each adds:
+    ``float32_twin`` (engine_float32.onnx, float32 weights for wide prompt passes of a
+    quantised engine graph) and ``codes8`` (a 4-bit graph's weights widened to 8-bit
+    codes, for passes of many rows).
     """
     # Everything heavy is imported before the staging directory exists, so a SIGTERM
     # never lands inside an extension module's initialisation.
@@ -225,8 +256,9 @@ def export_artifact(
                          "with model.onnx)")
     gpt = ckpt.model.eval()
     # a quantised engine graph also gets its float32 build, for wide passes
-    twin = engine_graph and quantize in FLOAT32_PASS_TOKENS
-    codes8 = 0  # 4-bit weights widened to 8-bit codes (engine_codes8.onnx), if any
+    twin = engine_graph and quantize in FLOAT32_PASS_TOKENS and float32_twin
+    widen = engine_graph and quantize in CODES8_PASS_ROWS and codes8
+    codes8_weights = 0  # 4-bit weights widened to 8-bit codes (engine_codes8.onnx), if any
     with staged_directory(out) as tmp:
         started = time.perf_counter()
         model_path, attention_path = tmp / io.MODEL_FILE, tmp / io.ATTENTION_FILE
@@ -288,6 +320,16 @@ def export_artifact(
             say(f"{quantize}: token agreement {quantization.get('token_agreement')}, "
                 f"perplexity change {quantization.get('perplexity_relative_change')}")
             verification["quantized"] = quantization
+            if quantize in ATTENTION_QUANTIZATIONS:
+                fp32_attention = tmp / f".{io.ATTENTION_FILE}.fp32"
+                os.replace(attention_path, fp32_attention)
+                verification["attention_quantized"] = _quantize_attention(
+                    gpt, fp32_attention, attention_path, ckpt.meta.training, quantize,
+                    reference, quantization.get("fallback"))
+                if verify:
+                    say(f"{quantize} attention.onnx: attention weights "
+                        f"{verification['attention_quantized']['weights_max_abs_diff']:.2e} "
+                        "from PyTorch's")
             if engine_graph:
                 fp32_engine = tmp / f".{ENGINE_FILE}.fp32"
                 os.replace(engine_path, fp32_engine)
@@ -310,28 +352,35 @@ def export_artifact(
                         weights.add(path.name, load_graph(path))
                 if twin:
                     weights.add(ENGINE_FLOAT32_FILE, load_graph(tmp / ENGINE_FLOAT32_FILE))
-                if engine_graph and quantize in CODES8_PASS_ROWS:  # for passes of many rows
-                    widened, codes8 = widen_4bit_codes(load_graph(tmp / served), tmp)
-                    if codes8:
+                if widen:  # for passes of many rows
+                    widened, codes8_weights = widen_4bit_codes(load_graph(tmp / served), tmp)
+                    if codes8_weights:
                         weights.add(ENGINE_CODES8_FILE, widened)
                     del widened
-                if codes8 and served != ENGINE_FILE:  # the same weights, stored once
+                if codes8_weights and served != ENGINE_FILE:  # the same weights, stored once
                     weights.add(ENGINE_CODES8_PLAIN_FILE,
                                 widen_4bit_codes(load_graph(tmp / ENGINE_FILE), tmp)[0])
             storage = weights.figures
+            added = {name: weights.added.get(name, 0) for name in (
+                ENGINE_FLOAT32_FILE, ENGINE_CODES8_FILE, ENGINE_CODES8_PLAIN_FILE)
+                if (tmp / name).is_file()}
+            if added:  # what each opt-in copy costs on disk (its weights nobody else reads)
+                storage["opt_in_bytes"] = added
+                say("opt-in copies: " + ", ".join(f"{name} +{size / 1e6:.1f} MB"
+                                                  for name, size in added.items()))
             if twin and verify:
                 verification["engine_float32"] = verify_engine(
                     gpt, tmp / ENGINE_FLOAT32_FILE, prompts=verification["decode"]["prompts"],
                     reference=reference)
                 say(f"verified {ENGINE_FLOAT32_FILE}: "
                     f"{verification['engine_float32']['max_abs_diff']:.2e}")
-            if codes8 and verify:
+            if codes8_weights and verify:
                 verification["engine_codes8"] = compare_widened(
                     gpt, tmp / served, tmp / ENGINE_CODES8_FILE,
                     prompts=verification["decode"]["prompts"][:2])
-                say(f"verified {ENGINE_CODES8_FILE} ({codes8} weights as 8-bit codes) against "
-                    f"{served}: {verification['engine_codes8']['max_abs_diff']:.2e}")
-            if codes8 and verify and served != ENGINE_FILE:
+                say(f"verified {ENGINE_CODES8_FILE} ({codes8_weights} weights as 8-bit codes) "
+                    f"against {served}: {verification['engine_codes8']['max_abs_diff']:.2e}")
+            if codes8_weights and verify and served != ENGINE_FILE:
                 verification["engine_codes8_plain"] = compare_widened(
                     gpt, tmp / ENGINE_FILE, tmp / ENGINE_CODES8_PLAIN_FILE,
                     prompts=verification["decode"]["prompts"][:2])
@@ -351,6 +400,11 @@ def export_artifact(
         say(f"artifact {storage['artifact_bytes'] / 1e6:.1f} MB for "
             f"{parameter_bytes / 1e6:.1f} MB of weights ({WEIGHTS_FILE}: "
             f"{storage['weights_bytes'] / 1e6:.1f} MB, shared by every graph)")
+        source = ckpt.meta.training.get("imported_from")
+        if quantize == "gguf" and isinstance(source, dict) and source.get("size"):
+            storage["source_bytes"] = int(source["size"])
+            say(f"{WEIGHTS_FILE} is {storage['weights_bytes'] / storage['source_bytes']:.2f}× "
+                f"the GGUF file ({storage['source_bytes'] / 1e6:.1f} MB)")
         manifest = Manifest(
             files=files,
             source_checkpoint=checkpoint_fingerprint(ckpt_dir),
@@ -360,7 +414,8 @@ def export_artifact(
                       **({"float32_pass_tokens": FLOAT32_PASS_TOKENS[quantize]}
                          if twin and quantize else {}),
                       **({"codes8_pass_rows": CODES8_PASS_ROWS[str(quantize)],
-                          "codes8_prompt_tokens": CODES8_PROMPT_TOKENS} if codes8 else {}),
+                          "codes8_prompt_tokens": CODES8_PROMPT_TOKENS}
+                         if codes8_weights else {}),
                       "storage": storage, "versions": _versions()},
             opset=opset, kv_dtype=dtype, quantization=quantize,
             io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,

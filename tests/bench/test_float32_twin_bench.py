@@ -31,4 +31,4 @@ def test_a_quantised_artifact_without_a_twin_is_refused(tiny_artifact: Path) -> 
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == (
         f"float32_twin: {tiny_artifact} has no engine_float32.onnx "
-        "(export it again with --quantize ... --engine-graph)")
+        "(export it again with --quantize ... --engine-graph --float32-twin)")

@@ -270,6 +270,125 @@ def test_weights_are_the_files_dequantised_blocks(case: str, graph: str,
                 and n.input[1] in weights]  # no float weight product left
 
 
+def embedding_rows(model: onnx.ModelProto, base: Path, vocab: int) -> tuple[np.ndarray, bool]:
+    """What the graph's embedding computes for every token id (the nodes from the ids to
+    tok_gather's output, alone in a graph), and whether they read blocks (the rewritten
+    form) rather than a float32 table."""
+    by_name = {n.name: n for n in model.graph.node}
+    produced = {o: n for n in model.graph.node for o in n.output}
+    blocks = "tok_gather.gguf_ids" in by_name
+    ids = (by_name["tok_gather.gguf_ids"] if blocks else by_name["tok_gather"]).input[
+        0 if blocks else 1]
+    out = by_name["tok_gather"].output[0]
+    nodes: list[onnx.NodeProto] = []
+
+    def needs(value: str) -> None:
+        n = produced.get(value)
+        if value == ids or n is None or n in nodes:
+            return
+        for i in n.input:
+            needs(i)
+        nodes.append(n)
+
+    needs(out)
+    copies = []
+    for n in nodes:
+        c = onnx.NodeProto()
+        c.CopyFrom(n)
+        c.input[:] = ["ids" if i == ids else i for i in c.input]
+        copies.append(c)
+    wanted = {i for c in copies for i in c.input}
+    graph = helper.make_graph(
+        copies, "embedding", [helper.make_tensor_value_info("ids", TensorProto.INT64, [vocab])],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)],
+        [t for t in model.graph.initializer if t.name in wanted])
+    one = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    one.ir_version = 8
+    onnx.external_data_helper.load_external_data_for_model(one, str(base))
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(one.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"ids": np.arange(vocab, dtype=np.int64)})[0], blocks
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("graph", ["model.onnx", "attention.onnx", ENGINE_FILE])
+def test_the_embedding_is_the_files_dequantised_rows(case: str, graph: str,
+                                                    built: Callable[[str], Built]) -> None:
+    """Every token's embedding is gguf's dequantised token_embd row, bit for bit, read from
+    the kept blocks where its type is kept (from the LM head's own blocks when tied:
+    stored once); a float tensor (F16) stays a float32 table, which is exact too."""
+    b = built(case)
+    reader = gguf.GGUFReader(b.gguf)
+    tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    ref = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)  # (V, d)
+    model = onnx.load(str(b.artifact / graph), load_external_data=False)
+    rows, from_blocks = embedding_rows(model, b.artifact, ref.shape[0])
+    assert from_blocks == (tensor.tensor_type in KEPT)
+    assert rows.dtype == np.float32 and np.array_equal(rows, ref)
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    if from_blocks and tied and graph != "attention.onnx":  # attention.onnx has no head
+        codes = next(n for n in model.graph.node if n.name == "tok_gather.gguf_gather").input[0]
+        head = [n for n in model.graph.node if n.op_type == "MatMulNBits"
+                and weights_of(n)[0][0] == "lm_head.w"]
+        assert [n.input[1] for n in head] == [codes]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_artifact_holds_the_blocks_and_no_float_copy(case: str,
+                                                         built: Callable[[str], Built]) -> None:
+    """By default a --quantize gguf artifact stores the file's blocks and no float32 copy
+    of a weight matrix (no twin, no widened codes; attention.onnx reads the blocks): every
+    large float32 tensor is a per-block table (scales, minimums) or a block-sum matrix.
+    Q4_0 and Q8_0 blocks keep their size but for float32 scales (20/18 and 36/34 bytes a
+    block), so those artifacts stay near the file's tensor bytes (alignment and norms
+    weigh more at this size than at real ones)."""
+    b = built(case)
+    assert not [p.name for p in b.artifact.iterdir()
+                if p.name.startswith(("engine_float32", "engine_codes8"))]
+    manifest = json.loads((b.artifact / "manifest.json").read_text("utf-8"))
+    assert "float32_pass_tokens" not in manifest["exporter"]
+    assert "codes8_pass_rows" not in manifest["exporter"]
+    tables = (".gguf_scales", ".gguf_mins", ".gguf_row_mins")
+    for graph in sorted(b.artifact.glob("*.onnx")):
+        model = onnx.load(str(graph), load_external_data=False)
+        large = [t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT
+                 and int(np.prod(t.dims)) > 4096 and not t.name.endswith(tables)
+                 and not t.name.startswith("gguf.block_sums")]
+        floats = {"pos_emb"}  # GPT-2's learned positions: an F32 tensor in the file too
+        if case in FALLBACK_CASES:  # an F16 embedding is a float32 table (see above)
+            floats.add("tok_emb")
+        large = [n for n in large if n not in floats]
+        assert large == [], (graph.name, large)
+    reader = gguf.GGUFReader(b.gguf)
+    tensor_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    stored = (b.artifact / "weights.bin").stat().st_size
+    assert manifest["exporter"]["storage"]["source_bytes"] == b.gguf.stat().st_size
+    if case in ("q4_0", "q8_0"):
+        assert stored < 1.25 * tensor_bytes, stored / tensor_bytes
+
+
+def test_opt_in_copies_are_written_and_sized(built: Callable[[str], Built],
+                                             tmp_path: Path) -> None:
+    """--float32-twin and --codes8 add their graphs, and the manifest records the bytes
+    each added to weights.bin (what the default artifact saves)."""
+    b = built("q4_1")
+    art = export_artifact(b.ckpt, tmp_path / "art", quantize="gguf", engine_graph=True,
+                          verify=False, float32_twin=True, codes8=True)
+    manifest = json.loads((art / "manifest.json").read_text("utf-8"))
+    added = manifest["exporter"]["storage"]["opt_in_bytes"]
+    assert set(added) == {"engine_float32.onnx", "engine_codes8.onnx",
+                          "engine_codes8_plain.onnx"}
+    assert manifest["exporter"]["float32_pass_tokens"] > 0
+    assert manifest["exporter"]["codes8_pass_rows"] > 0
+    growth = (art / "weights.bin").stat().st_size - (b.artifact / "weights.bin").stat().st_size
+    # each new tensor may start at an aligned offset: at most one alignment's padding each
+    assert sum(added.values()) <= growth <= sum(added.values()) + 4096 * 64
+    cfg = read_meta(b.ckpt).model
+    float_weights = 4 * sum(p.numel() for p in load_checkpoint(b.ckpt).model.parameters())
+    assert added["engine_float32.onnx"] >= 0.9 * float_weights - 4 * cfg.vocab_size * cfg.d_model
+
+
 @pytest.mark.parametrize("case", ["q4_0", "q8_0", "q4_1", "qwen2-untied", "gpt2", "kquants",
                                   "kquants-low"])
 def test_logits_match_the_dequantised_checkpoint(case: str,

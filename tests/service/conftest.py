@@ -52,14 +52,16 @@ def encode(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
 
 @pytest.fixture(scope="session")
 def int4_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint exported with --quantize int4 --engine-graph (so with
-    engine_float32.onnx and engine_codes8.onnx beside the 4-bit graphs), unverified."""
+    """The tiny checkpoint exported with --quantize int4 --engine-graph and both opt-in
+    copies (engine_float32.onnx and engine_codes8.onnx beside the 4-bit graphs),
+    unverified."""
     from export.to_onnx import export_artifact
     from tests.conftest import torch_threads
 
     with torch_threads(1):
         return export_artifact(tiny_checkpoint, tmp_path_factory.mktemp("int4") / "artifact",
-                               quantize="int4", engine_graph=True, verify=False)
+                               quantize="int4", engine_graph=True, verify=False,
+                               float32_twin=True, codes8=True)
 
 
 @pytest.fixture(scope="session")

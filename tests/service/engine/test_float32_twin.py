@@ -32,7 +32,8 @@ def int8_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
 
     with torch_threads(1):
         return export_artifact(tiny_checkpoint, tmp_path_factory.mktemp("int8") / "artifact",
-                               quantize="int8", engine_graph=True, verify=False)
+                               quantize="int8", engine_graph=True, verify=False,
+                               float32_twin=True)
 
 
 def runner_for(artifact: Path, wide: int | None, mixed_steps: bool = True,
