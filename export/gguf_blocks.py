@@ -260,9 +260,10 @@ class BlockWriter:
         packed = self.node("Gather", [self.const(f"{w}.gguf_q", pack(blocks.codes, bits)),
                                       flat], f"{name}.packed", f"{name}.gguf_gather")
         if bits == 4:  # (M, nb, block/2) bytes → (M, nb, block) codes, 2i low, 2i+1 high
-            low = self.node("BitwiseAnd", [packed, self.const("gguf.nibble", np.array([15], np.uint8))],
+            nibble, four = np.array([15], np.uint8), np.array([4], np.uint8)
+            low = self.node("BitwiseAnd", [packed, self.const("gguf.nibble", nibble)],
                             f"{name}.low", f"{name}.gguf_low")
-            high = self.node("BitShift", [packed, self.const("gguf.four", np.array([4], np.uint8))],
+            high = self.node("BitShift", [packed, self.const("gguf.four", four)],
                              f"{name}.high", f"{name}.gguf_high", direction="RIGHT")
             last = self.const("gguf.axis_last", np.array([-1]))
             pairs = self.node("Concat", [
