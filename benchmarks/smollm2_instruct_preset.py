@@ -40,13 +40,13 @@ def prepare_smollm2_instruct(work: Path) -> tuple[Path, Path, str]:
     """(checkpoint, source GGUF, description): the imported checkpoint, reused when the
     repository already holds it, else imported from the file into ``work``."""
     gguf = source_gguf()
-    if (CHECKPOINT / "model.safetensors").is_file():
+    if (CHECKPOINT / "config.json").is_file():
         ckpt = CHECKPOINT
     else:
         from model.gguf_import import import_gguf_checkpoint
 
         ckpt = work / "ckpt"
-        if not (ckpt / "model.safetensors").is_file():
+        if not (ckpt / "config.json").is_file():
             import_gguf_checkpoint(gguf, ckpt, force=True)
     where = ckpt.relative_to(REPO_ROOT) if ckpt.is_relative_to(REPO_ROOT) else ckpt
     return ckpt, gguf, (f"SmolLM2-135M-Instruct, {gguf.name} (Q4_1 matrices, Q8_0 embedding) "

@@ -64,6 +64,11 @@ def register(subparsers: Any) -> None:
                         "weights widened to 8-bit codes (engine_codes8.onnx), for passes of "
                         "16 rows or more (2-6%% faster there on SmolLM2; export prints the "
                         "MB added)")
+    p.add_argument("--activations", choices=["int8", "float"], default="int8",
+                   help="with --quantize gguf: run the kept blocks at int8 activations "
+                        "(MatMulNBits accuracy level 4, as llama.cpp does; the fastest) or "
+                        "float ones (level 0; 8-bit blocks as two 4-bit products): the "
+                        "float32 model's answers, slower from a few rows (docs/export.md)")
     p.set_defaults(handler=run)
 
     from export.eval_cli import register as register_eval
@@ -91,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         args.ckpt, args.out, opset=args.opset, dtype=args.dtype, quantize=args.quantize,
         verify=not args.no_verify, force=args.force,
         engine_graph=args.engine_graph, mixed_steps=args.mixed_steps,
-        float32_twin=args.float32_twin, codes8=args.codes8,
+        float32_twin=args.float32_twin, codes8=args.codes8, activations=args.activations,
         log=lambda msg: print(f"  {msg}", file=sys.stderr))
     print(f"exported {args.ckpt} → {out} in {time.perf_counter() - started:.1f}s")
     return 0

@@ -216,6 +216,9 @@ class BlockWriter:
         """out = x · Wᵀ for W (N, K) held by ``blocks``, as MatMulNBits (+ the minimums)."""
         n, nb = blocks.scales.shape
         k = nb * blocks.block
+        if self.level == 0 and blocks.bits == 8:
+            self._byte_halves(x, out, blocks, w, name)
+            return
         codes, scales = blocks.codes, blocks.scales
         extra: list[str] = []
         main = out
@@ -236,14 +239,54 @@ class BlockWriter:
                   main, name, K=k, N=n, bits=blocks.bits, block_size=blocks.block,
                   accuracy_level=self.level)
         if main != out:  # exact minimums: x·(d·(q − z)) + Σ_block(x)·(m + z·d)ᵀ
-            sums = self.block_sums(x, k, blocks.block)  # (T, K/block)
-            mins_t = self.const(f"{w}.gguf_mins", np.ascontiguousarray(lows.T))  # (K/block, N)
-            if self.flat:
-                self.node("Gemm", [sums, mins_t, main], out, f"{name}.gguf_mins")
-            else:
-                low = self.node("MatMul", [sums, mins_t], f"{out}.gguf_mins",
-                                f"{name}.gguf_mins")
-                self.node("Add", [main, low], out, f"{name}.gguf_add")
+            self._remainders(x, main, out, lows, blocks.block, w, name)
+
+    def _remainders(self, x: str, main: str, out: str, lows: np.ndarray, block: int, w: str,
+                    name: str) -> None:
+        """out = main + (x summed per block) · lowsᵀ, lows (N, K/block) a constant a block."""
+        k = lows.shape[1] * block
+        sums = self.block_sums(x, k, block)  # (T, K/block)
+        mins_t = self.const(f"{w}.gguf_mins", np.ascontiguousarray(lows.T))  # (K/block, N)
+        if self.flat:
+            self.node("Gemm", [sums, mins_t, main], out, f"{name}.gguf_mins")
+        else:
+            low = self.node("MatMul", [sums, mins_t], f"{out}.gguf_mins", f"{name}.gguf_mins")
+            self.node("Add", [main, low], out, f"{name}.gguf_add")
+
+    def _halves(self, blocks: Blocks, w: str) -> tuple[str, str, str, str]:
+        """8-bit codes q as two 4-bit ones, q = 16·hi + lo: (hi codes, 16·scales, lo codes,
+        scales), packed as MatMulNBits reads them."""
+        return (self.const(f"{w}.gguf_q_high", pack(blocks.codes >> 4, 4)),
+                self.const(f"{w}.gguf_scales_high",
+                           (np.float32(16) * blocks.scales).reshape(-1)),
+                self.const(f"{w}.gguf_q_low", pack(blocks.codes & 15, 4)),
+                self.const(f"{w}.gguf_scales", blocks.scales.reshape(-1)))
+
+    def _byte_halves(self, x: str, out: str, blocks: Blocks, w: str, name: str) -> None:
+        """x · Wᵀ of 8-bit codes at float activations, as two 4-bit products: ONNX Runtime
+        (1.32, x86) has no float-activation kernel for 8-bit codes and dequantises the whole
+        weight on every call (106 ms for SmolLM2's 49,152 × 576 head, against 1.4 ms for a
+        4-bit product). With q = 16·hi + lo, d·(q − 128) = 16d·(hi − 8) + d·lo, each exact
+        in float32 (16d is d scaled by a power of 2; d·lo a scale of at most 19 significant
+        bits times 4 bits); with minimums d·q + m = 16d·(hi − 8) + d·lo + (m + 128·d), the
+        last added per block as the exact form's remainders are (rounded once, in float32)."""
+        n, nb = blocks.scales.shape
+        k = nb * blocks.block
+        high_q, high_s, low_q, low_s = self._halves(blocks, w)
+        zero = self.const(f"gguf.zero_points_4bit_{n}_{nb}",
+                          pack_zero_points(np.zeros((n, nb), np.uint8), 4))
+        attrs = {"K": k, "N": n, "bits": 4, "block_size": blocks.block, "accuracy_level": 0}
+        high = self.node("MatMulNBits", [x, high_q, high_s], f"{out}.gguf_high",
+                         f"{name}.gguf_high", **attrs)
+        low = self.node("MatMulNBits", [x, low_q, low_s, zero], f"{out}.gguf_low",
+                        f"{name}.gguf_low", **attrs)
+        if blocks.mins is None:
+            self.node("Add", [high, low], out, name)
+            return
+        both = self.node("Add", [high, low], f"{out}.gguf_scaled", f"{name}.gguf_halves")
+        lows = (blocks.mins.astype(np.float64)
+                + 128.0 * blocks.scales.astype(np.float64)).astype(np.float32)
+        self._remainders(x, both, out, lows, blocks.block, w, name)
 
     def gather(self, ids: str, out: str, blocks: Blocks, w: str, name: str) -> None:
         """out = the rows ``ids`` of W (N, K) held by ``blocks``, dequantised in the graph
@@ -257,24 +300,43 @@ class BlockWriter:
         k, bits = nb * blocks.block, blocks.bits
         flat = self.node("Reshape", [ids, self.const("gguf.shape_rows", np.array([-1]))],
                          f"{name}.ids", f"{name}.gguf_ids")  # (M,)
-        packed = self.node("Gather", [self.const(f"{w}.gguf_q", pack(blocks.codes, bits)),
-                                      flat], f"{name}.packed", f"{name}.gguf_gather")
-        if bits == 4:  # (M, nb, block/2) bytes → (M, nb, block) codes, 2i low, 2i+1 high
+        def unpacked(codes: str, tag: str) -> str:
+            """The rows' 4-bit codes as floats: (M, nb, block/2) bytes → (M, nb, block),
+            element 2i in the low nibble, 2i + 1 in the high one."""
+            packed = self.node("Gather", [codes, flat], f"{name}.{tag}packed",
+                               f"{name}.gguf_{tag}gather")
             nibble, four = np.array([15], np.uint8), np.array([4], np.uint8)
             low = self.node("BitwiseAnd", [packed, self.const("gguf.nibble", nibble)],
-                            f"{name}.low", f"{name}.gguf_low")
+                            f"{name}.{tag}low", f"{name}.gguf_{tag}low")
             high = self.node("BitShift", [packed, self.const("gguf.four", four)],
-                             f"{name}.high", f"{name}.gguf_high", direction="RIGHT")
+                             f"{name}.{tag}high", f"{name}.gguf_{tag}high", direction="RIGHT")
             last = self.const("gguf.axis_last", np.array([-1]))
             pairs = self.node("Concat", [
-                self.node("Unsqueeze", [low, last], f"{name}.low1", f"{name}.gguf_low1"),
-                self.node("Unsqueeze", [high, last], f"{name}.high1", f"{name}.gguf_high1")],
-                f"{name}.pairs", f"{name}.gguf_pairs", axis=-1)  # (M, nb, block/2, 2)
-            packed = self.node("Reshape", [pairs, self.const(
+                self.node("Unsqueeze", [low, last], f"{name}.{tag}low1",
+                          f"{name}.gguf_{tag}low1"),
+                self.node("Unsqueeze", [high, last], f"{name}.{tag}high1",
+                          f"{name}.gguf_{tag}high1")],
+                f"{name}.{tag}pairs", f"{name}.gguf_{tag}pairs", axis=-1)  # (M, nb, block/2, 2)
+            codes = self.node("Reshape", [pairs, self.const(
                 f"gguf.shape_codes_{nb}_{blocks.block}", np.array([-1, nb, blocks.block]))],
-                f"{name}.codes", f"{name}.gguf_codes")
-        q = self.node("Cast", [packed], f"{name}.q", f"{name}.gguf_cast",
-                      to=onnx.TensorProto.FLOAT)  # (M, nb, block)
+                f"{name}.{tag}codes", f"{name}.gguf_{tag}codes")
+            return self.node("Cast", [codes], f"{name}.{tag}q", f"{name}.gguf_{tag}cast",
+                             to=onnx.TensorProto.FLOAT)
+
+        if bits == 8 and self.level == 0:  # the head's two 4-bit halves: q = 16·hi + lo
+            high_q, _, low_q, _ = self._halves(blocks, w)
+            high = self.node("Mul", [unpacked(high_q, "hi_"), self.const(
+                "gguf.sixteen", np.array([16], np.float32))], f"{name}.hi16",
+                f"{name}.gguf_hi16")
+            q = self.node("Add", [high, unpacked(low_q, "lo_")], f"{name}.q",
+                          f"{name}.gguf_q")  # (M, nb, block), exact small integers
+        elif bits == 4:
+            q = unpacked(self.const(f"{w}.gguf_q", pack(blocks.codes, bits)), "")
+        else:
+            packed = self.node("Gather", [self.const(f"{w}.gguf_q", pack(blocks.codes, bits)),
+                                          flat], f"{name}.packed", f"{name}.gguf_gather")
+            q = self.node("Cast", [packed], f"{name}.q", f"{name}.gguf_cast",
+                          to=onnx.TensorProto.FLOAT)  # (M, nb, block)
 
         def per_block(array_name: str, array: np.ndarray, tag: str) -> str:
             """A per-block table (N·nb,) gathered for the tokens, (M, nb, 1)."""

@@ -57,6 +57,8 @@ ACCURACY_LEVEL = 4  # int8 activations, int8 dot products
 # what /attention shows is the weights' attention, not int8 activations' rounding (its
 # speed matters little: one pass a request for the layers asked)
 ATTENTION_ACCURACY_LEVEL = 0
+# --activations: MatMulNBits' accuracy level for the served graphs (--quantize gguf)
+ACTIVATION_LEVELS = {"int8": ACCURACY_LEVEL, "float": 0}
 # MatMulNBits settings per method: (bits, symmetric).
 NBITS = {"int8": (8, True), "int4": (4, False)}
 STEPS = 64
@@ -321,9 +323,9 @@ def _matmul_nbits(src: Path, dst: Path, bits: int, symmetric: bool,
 
 def quantize_model(gpt: GPT, model_path: Path, fp32_path: Path, tokenizer: Any,
                   training: dict[str, Any], measure: bool = True,
-                  method: str = "int8") -> dict[str, Any]:
+                  method: str = "int8", level: int = ACCURACY_LEVEL) -> dict[str, Any]:
     """Write the ``method`` version of ``fp32_path`` to ``model_path``; return the figures."""
-    figures = quantize_weights(fp32_path, model_path, method, training)
+    figures = quantize_weights(fp32_path, model_path, method, training, level=level)
     if measure:
         figures.update(int8_figures(gpt, fp32_path, model_path, tokenizer, training, method))
     return figures

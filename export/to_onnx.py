@@ -139,12 +139,13 @@ def artifact_config(ckpt: Any, model_name: str, kv_dtype: io.KvDtype,
 
 
 def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
-                     training: dict[str, Any], method: str, measure: bool) -> dict[str, Any]:
+                     training: dict[str, Any], method: str, measure: bool,
+                     level: int) -> dict[str, Any]:
     """engine.onnx with quantised weights, judged against its float32 self."""
     from export.engine_graph import EngineDecoder
     from export.quantize import compare_decoders, quantize_weights
 
-    figures = quantize_weights(fp32_path, out, method, training, flat=True)
+    figures = quantize_weights(fp32_path, out, method, training, flat=True, level=level)
     if measure:
         figures.update(compare_decoders(gpt, lambda: EngineDecoder(fp32_path, gpt),
                                         lambda: EngineDecoder(out, gpt), tok, training, method))
@@ -187,6 +188,7 @@ def export_artifact(
     mixed_steps: bool = True,
     float32_twin: bool = False,
     codes8: bool = False,
+    activations: str = "int8",
 ) -> Path:
     """Build, verify and (optionally) quantise; return the artifact directory.
 
@@ -203,7 +205,9 @@ def export_artifact(
     Copies that trade memory for speed are opt-in, and the export reports what each adds:
     ``float32_twin`` (engine_float32.onnx, float32 weights for wide prompt passes of a
     quantised engine graph) and ``codes8`` (a 4-bit graph's weights widened to 8-bit
-    codes, for passes of many rows).
+    codes, for passes of many rows). ``activations="float"`` (--quantize gguf) runs the
+    kept blocks at float activations rather than int8 ones (docs/export.md: slower, and
+    the answers of the float32 model).
     """
     # Everything heavy is imported before the staging directory exists, so a SIGTERM
     # never lands inside an extension module's initialisation.
@@ -217,7 +221,7 @@ def export_artifact(
     )
     from export.memory import release
     from export.onnx_build import WEIGHTS_FILE, WeightsWriter, load_graph
-    from export.quantize import gguf_advice, quantize_model
+    from export.quantize import ACTIVATION_LEVELS, gguf_advice, quantize_model
     from export.verify import TorchReference, check_prompts, verify_artifact
     from export.widen_codes import compare_widened, widen_4bit_codes
     from service.contract.engine_spec import (
@@ -242,6 +246,13 @@ def export_artifact(
         if head_dim % 8:
             raise ValueError(f"--engine-graph needs a head size that is a multiple of 8 "
                              f"(ONNX Runtime's GroupQueryAttention); this model's is {head_dim}")
+    if activations not in ACTIVATION_LEVELS:
+        raise ValueError(f"unsupported activations {activations!r}; choose one of "
+                         f"{list(ACTIVATION_LEVELS)}")
+    if activations != "int8" and quantize != "gguf":
+        raise ValueError("--activations float needs --quantize gguf (the kept blocks; "
+                         "int4/int8 are requantised for int8 activations)")
+    level = ACTIVATION_LEVELS[activations]
     check_target(out, force)
     ckpt, tok = load_source(Path(ckpt_dir))
     if quantize == "gguf":  # refuse before writing anything: no source file, or another one
@@ -316,7 +327,7 @@ def export_artifact(
             fp32_model = tmp / f".{io.MODEL_FILE}.fp32"
             os.replace(model_path, fp32_model)
             quantization = quantize_model(gpt, model_path, fp32_model, tok, ckpt.meta.training,
-                                         measure=verify, method=quantize)
+                                         measure=verify, method=quantize, level=level)
             say(f"{quantize}: token agreement {quantization.get('token_agreement')}, "
                 f"perplexity change {quantization.get('perplexity_relative_change')}")
             verification["quantized"] = quantization
@@ -334,14 +345,16 @@ def export_artifact(
                 fp32_engine = tmp / f".{ENGINE_FILE}.fp32"
                 os.replace(engine_path, fp32_engine)
                 verification["engine_quantized"] = _quantize_engine(
-                    gpt, fp32_engine, engine_path, tok, ckpt.meta.training, quantize, verify)
+                    gpt, fp32_engine, engine_path, tok, ckpt.meta.training, quantize, verify,
+                    level)
                 say(f"{quantize} engine.onnx: token agreement "
                     f"{verification['engine_quantized'].get('token_agreement')}")
             if engine_graph and mixed_steps:  # the same rewrite; judged above on engine.onnx
                 fp32_mixed = tmp / f".{ENGINE_MIXED_FILE}.fp32"
                 os.replace(mixed_path, fp32_mixed)
                 verification["engine_mixed_quantized"] = _quantize_engine(
-                    gpt, fp32_mixed, mixed_path, tok, ckpt.meta.training, quantize, False)
+                    gpt, fp32_mixed, mixed_path, tok, ckpt.meta.training, quantize, False,
+                    level)
             served = ENGINE_MIXED_FILE if mixed_steps else ENGINE_FILE
             # one weights.bin again, each graph loaded and stored in turn, in the order
             # they always had; the graphs as quantised stay on disk, with the old

@@ -1,14 +1,18 @@
 """Checkpoint directory: config.json · model.safetensors · tokenizer.json · metrics.jsonl.
 
-No pickle anywhere: weights are safetensors, everything else is JSON. A checkpoint is
-built in a temporary sibling directory and renamed into place, so an interrupted run
-never leaves a directory that looks valid.
+No pickle anywhere: weights are safetensors, everything else is JSON. A checkpoint
+imported from a GGUF file holds that file (model.gguf) instead of model.safetensors: its
+quantised blocks, dequantised when the checkpoint is loaded (model/gguf_import.py), kept
+as they are by ``export --quantize gguf``. A checkpoint is built in a temporary sibling
+directory and renamed into place, so an interrupted run never leaves a directory that
+looks valid.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +24,7 @@ from model.staging import staged_directory
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+GGUF_WEIGHTS_FILE = "model.gguf"  # an imported GGUF file, held as the weights
 TOKENIZER_FILE = "tokenizer.json"
 METRICS_FILE = "metrics.jsonl"
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
@@ -60,7 +65,9 @@ def read_meta(ckpt_dir: str | os.PathLike[str]) -> CheckpointMeta:
     _check_not_pickle(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
-    missing = [n for n in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE) if not (path / n).is_file()]
+    missing = [n for n in (CONFIG_FILE, TOKENIZER_FILE) if not (path / n).is_file()]
+    if not any((path / n).is_file() for n in (WEIGHTS_FILE, GGUF_WEIGHTS_FILE)):
+        missing.insert(1, WEIGHTS_FILE)
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
     try:
@@ -89,21 +96,30 @@ def save_checkpoint(
     tokenizer_json: str,
     metrics: Iterable[dict[str, Any]] = (),
     extra_files: Mapping[str, bytes] | None = None,
+    gguf_file: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Write a complete checkpoint atomically and return its path.
 
     ``extra_files`` (name → content) travel along, e.g. an imported model's
     generation_config.json and chat template, which `attnserve export` carries on.
+    ``gguf_file``: hold that file as the weights (model.gguf; ``model`` is then None): a
+    hard link where the filesystem allows (no bytes copied), else a copy.
     """
     from safetensors.torch import save_model
 
     with staged_directory(out_dir) as tmp:
         for name, content in (extra_files or {}).items():
-            if Path(name).name != name or name in (WEIGHTS_FILE, TOKENIZER_FILE, CONFIG_FILE,
-                                                   METRICS_FILE):
+            if Path(name).name != name or name in (WEIGHTS_FILE, GGUF_WEIGHTS_FILE,
+                                                   TOKENIZER_FILE, CONFIG_FILE, METRICS_FILE):
                 raise ValueError(f"extra checkpoint file {name!r} is not a plain new name")
             (tmp / name).write_bytes(content)
-        save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if gguf_file is not None:
+            try:
+                os.link(gguf_file, tmp / GGUF_WEIGHTS_FILE)
+            except OSError:  # another filesystem, or links not allowed
+                shutil.copyfile(gguf_file, tmp / GGUF_WEIGHTS_FILE)
+        else:
+            save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / TOKENIZER_FILE).write_text(tokenizer_json, encoding="utf-8")
         (tmp / METRICS_FILE).write_text(
             "".join(json.dumps(m) + "\n" for m in metrics), encoding="utf-8")
@@ -122,6 +138,13 @@ class Checkpoint:
         return self.path / TOKENIZER_FILE
 
 
+def weights_path(ckpt_dir: str | os.PathLike[str]) -> Path:
+    """The checkpoint's weights: model.safetensors, or the GGUF file it holds."""
+    path = Path(ckpt_dir)
+    held = path / GGUF_WEIGHTS_FILE
+    return held if held.is_file() and not (path / WEIGHTS_FILE).is_file() else path / WEIGHTS_FILE
+
+
 def load_checkpoint(ckpt_dir: str | os.PathLike[str], device: str = "cpu") -> Checkpoint:
     """Rebuild ``GPT(GPTConfig(**config))`` and load its safetensors weights strictly."""
     from safetensors import SafetensorError
@@ -131,6 +154,8 @@ def load_checkpoint(ckpt_dir: str | os.PathLike[str], device: str = "cpu") -> Ch
 
     meta = read_meta(ckpt_dir)
     path = Path(ckpt_dir)
+    if weights_path(path).name == GGUF_WEIGHTS_FILE:
+        return _load_held_gguf(path, meta, device)
     model = GPT(meta.model)
     try:
         missing, unexpected = load_model(model, str(path / WEIGHTS_FILE), strict=False,
@@ -144,6 +169,24 @@ def load_checkpoint(ckpt_dir: str | os.PathLike[str], device: str = "cpu") -> Ch
             f"unexpected {sorted(unexpected)}")
     model.to(device).eval()
     return Checkpoint(model=model, meta=meta, path=path)
+
+
+def _load_held_gguf(path: Path, meta: CheckpointMeta, device: str) -> Checkpoint:
+    """A checkpoint holding its GGUF file: the weights dequantised from it, once. Its
+    ``imported_from`` record points at the held file (the one ``--quantize gguf`` reads:
+    the same bytes as the imported one, which may since have moved)."""
+    from model.gguf_import import load_gguf_model
+    from model.hf_import import ImportRefused
+
+    try:
+        model = load_gguf_model(path / GGUF_WEIGHTS_FILE, meta.model)
+    except ImportRefused as exc:
+        raise CheckpointError(f"{path / GGUF_WEIGHTS_FILE} does not match config.json: "
+                              f"{exc}") from exc
+    record = meta.training.get("imported_from")
+    if isinstance(record, dict):
+        meta.training["imported_from"] = {**record, "path": str(path / GGUF_WEIGHTS_FILE)}
+    return Checkpoint(model=model.to(device), meta=meta, path=path)
 
 
 def read_metrics(ckpt_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -43,7 +43,8 @@ def _register_import(subparsers: argparse._SubParsersAction) -> None:
                     "model.safetensors or its sharded index, tokenizer.json (or, for GPT-2, "
                     "vocab.json + merges.txt), generation_config.json), or a llama.cpp GGUF "
                     "file of the llama, qwen2 or gpt2 architecture (F32/F16/BF16, Q4_0, Q4_1, "
-                    "Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K, dequantised to float32; "
+                    "Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K, held as they are and "
+                    "dequantised to float32 on load; "
                     "byte-level BPE tokenizer), and write an attnserve checkpoint directory "
                     "(atomically), with the chat template, tokenizer_config.json and "
                     "generation_config.json beside it. Nothing is downloaded; pickled weights "
@@ -58,6 +59,11 @@ def _register_import(subparsers: argparse._SubParsersAction) -> None:
                         help="GGUF model file, e.g. SmolLM2-135M-Instruct.Q4_1.gguf "
                              "(`make default-model` installs it under .cache/)")
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
+    p.add_argument("--float32", action="store_true",
+                   help="with --gguf: write every weight dequantised to float32 "
+                        "(model.safetensors) instead of holding the GGUF file itself as the "
+                        "checkpoint's weights (model.gguf, a hard link where possible; loading "
+                        "dequantises it, `export --quantize gguf` keeps its blocks)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--sampling", action="append", default=[], metavar="KEY=VALUE",
                    help="a recommended sampling default written into generation_config.json "
@@ -192,8 +198,14 @@ def _import(args: argparse.Namespace) -> int:
         from model.gguf_import import import_gguf_checkpoint
 
         source, out = args.gguf, import_gguf_checkpoint(Path(args.gguf), Path(args.out),
-                                                        force=args.force, sampling=sampling)
+                                                        force=args.force, sampling=sampling,
+                                                        float32=args.float32)
     else:
+        if args.float32:
+            print("attnserve import: --float32 applies to --gguf only (a Hugging Face "
+                  "directory's weights are always written as float32 safetensors)",
+                  file=sys.stderr)
+            return 2
         source, out = args.hf, import_hf_checkpoint(Path(args.hf), Path(args.out),
                                                     force=args.force, sampling=sampling)
     print(f"imported {source} → {out} in {time.perf_counter() - started:.1f}s")

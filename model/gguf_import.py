@@ -7,11 +7,14 @@ The file is read with the maintained ``gguf`` package (memory-mapped) for the
 architectures we serve (``general.architecture`` ``llama`` — SmolLM2, TinyLlama, Llama 3 —
 ``qwen2`` and ``gpt2``: whatever model/architectures/ registers). The metadata becomes the
 same Hugging Face-style config that model/hf_import.py reads from config.json, so both
-importers build a GPTConfig through one set of checks; the tensors are dequantised one
-by one with ``gguf.quants.dequantize`` (llama.cpp's own definitions) to float32 and
-renamed by the architecture's table of llama.cpp names. GGUF lists dimensions innermost
-first; what else llama.cpp's converter changed (llama's Q/K row permutation for its
-interleaved rotary) the architecture undoes.
+importers build a GPTConfig through one set of checks. The checkpoint holds the file
+itself as its weights (model.gguf): the quantised blocks, which ``--quantize gguf`` keeps,
+and which loading the checkpoint dequantises (``load_gguf_model``: one tensor at a time
+with ``gguf.quants.dequantize``, llama.cpp's own definitions, to float32, renamed by the
+architecture's table of llama.cpp names); ``float32=True`` (``--float32``) writes those
+float32 weights as model.safetensors instead. GGUF lists dimensions innermost first; what
+else llama.cpp's converter changed (llama's Q/K row permutation for its interleaved
+rotary) the architecture undoes.
 The tokenizer comes from the metadata (model/gguf_tokenizer.py), with the chat template,
 tokenizer_config.json and generation_config.json written beside it for the chat route.
 
@@ -258,11 +261,15 @@ def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
 def state_dict_from_gguf(source: GGUFSource) -> dict[str, torch.Tensor]:
     """Every tensor dequantised once, renamed, in our layout (e.g. llama's Q/K rows
     unpermuted)."""
-    cfg = source.config
+    return _dequantized_state(source.plan, source.arch, source.family, source.config)
+
+
+def _dequantized_state(plan: list[tuple[gguf.ReaderTensor, list[str]]], arch: Architecture,
+                       family: str, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    for tensor, targets in source.plan:
+    for tensor, targets in plan:
         w = dequantize(tensor)  # (out, in) or (n,)
-        w = source.arch.from_gguf_layout(w, targets[0], source.family, cfg)  # (out, in)
+        w = arch.from_gguf_layout(w, targets[0], family, cfg)  # (out, in)
         if len(targets) == 1:
             out[targets[0]] = w.contiguous()
             continue
@@ -271,6 +278,36 @@ def state_dict_from_gguf(source: GGUFSource) -> dict[str, torch.Tensor]:
     if cfg.tie_weights:
         out["lm_head.weight"] = out["tok_emb.weight"]
     return out
+
+
+def _filled(skeleton: Any, state: dict[str, torch.Tensor], tied: bool) -> Any:
+    """The meta-device GPT with ``state`` as its parameters (no copy), tied again."""
+    skeleton.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        skeleton.lm_head.weight = skeleton.tok_emb.weight  # assign=True untied them
+    skeleton.fill_buffers()
+    return skeleton.eval()
+
+
+def load_gguf_model(path: Path, config: GPTConfig) -> Any:
+    """The model.gpt.GPT of ``config`` with the weights of the GGUF file ``path``
+    dequantised into it, one tensor at a time (the weights held once: a checkpoint that
+    holds its GGUF file, model/checkpoint.py). Raises ImportRefused when the file does not
+    compute ``config`` (another file put in its place)."""
+    from model.gpt import GPT
+
+    def refuse(reason: str) -> ImportRefused:
+        return ImportRefused(f"{path}: {reason}")
+
+    reader = open_gguf(path)
+    _, family, arch, found = read_config(reader, path)
+    if found.to_dict() != config.to_dict():
+        raise refuse("its metadata computes another model than the checkpoint's config.json")
+    with torch.device("meta"):
+        skeleton = GPT(config)
+    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    plan = plan_tensors(reader.tensors, expected, config.tie_weights, arch, family, refuse)
+    return _filled(skeleton, _dequantized_state(plan, arch, family, config), config.tie_weights)
 
 
 def file_sha256(reader: gguf.GGUFReader) -> str:
@@ -287,21 +324,27 @@ GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p
 
 
 def import_gguf_checkpoint(src: Path, out: Path, *, force: bool = False,
-                           sampling: dict[str, float | int] | None = None) -> Path:
+                           sampling: dict[str, float | int] | None = None,
+                           float32: bool = False) -> Path:
     """Convert the GGUF file ``src`` into our checkpoint at ``out`` (nothing written on refusal).
 
-    ``sampling`` (e.g. the model card's temperature) goes into generation_config.json over
-    whatever the file's ``general.sampling.*`` keys recommend.
+    By default the checkpoint holds the file itself as its weights (model.gguf: a hard
+    link where the filesystem allows, else a copy): its quantised blocks, not a float32
+    copy of every weight, which loading dequantises (model/checkpoint.py) and
+    ``--quantize gguf`` keeps. ``float32`` writes model.safetensors instead (every tensor
+    dequantised once). ``sampling`` (e.g. the model card's temperature) goes into
+    generation_config.json over whatever the file's ``general.sampling.*`` keys recommend.
     """
     src, out = Path(src), Path(out)
     check_target(out, force)
     source = read_gguf_source(src)
-    state = state_dict_from_gguf(source)
-    model = source.skeleton
-    model.load_state_dict(state, strict=True, assign=True)
-    if source.config.tie_weights:
-        model.lm_head.weight = model.tok_emb.weight  # assign=True untied them
-    model.eval()
+    model = None
+    if float32:
+        model = _filled(source.skeleton, state_dict_from_gguf(source), source.config.tie_weights)
+    else:  # a tensor cut short by a truncated file is refused before anything is written
+        for tensor, _ in source.plan:
+            if np.asarray(tensor.data).nbytes != int(tensor.n_bytes):
+                raise ImportRefused(f"{src}: tensor {tensor.name} is cut short (truncated file)")
     file_type = source.meta.get("general.file_type")
     meta = CheckpointMeta(
         model=source.config,
@@ -324,4 +367,7 @@ def import_gguf_checkpoint(src: Path, out: Path, *, force: bool = False,
     if recommended or sampling:
         extra["generation_config.json"] = with_sampling(extra["generation_config.json"],
                                                         {**recommended, **(sampling or {})})
-    return save_checkpoint(out, model, meta, source.tokenizer_json, extra_files=extra)
+    if model is not None:
+        return save_checkpoint(out, model, meta, source.tokenizer_json, extra_files=extra)
+    return save_checkpoint(out, None, meta, source.tokenizer_json, extra_files=extra,
+                           gguf_file=src)

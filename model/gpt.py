@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from model.architectures import architecture
 from model.attention import AttentionIntermediates, attention_allowed
 from model.config import GPTConfig
-from model.rotary import Rotary
+from model.rotary import Rotary, inverse_frequencies
 
 KVCache = list[tuple[Tensor, Tensor]]  # per layer: key, value each (B, nkv, T_total, hs)
 
@@ -77,6 +77,17 @@ class GPT(nn.Module):
         if config.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
 
+    def fill_buffers(self) -> None:
+        """Compute the buffers (rotary frequencies, the sinusoidal table) of a model built
+        on the meta device, whose parameters were then assigned (a checkpoint holding its
+        GGUF file: model/gguf_import.py)."""
+        cfg = self.config
+        if self.rotary is not None:
+            self.rotary.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta,
+                                                       cfg.rope_scaling)
+        elif self.pos_emb is None:
+            self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model)
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         """N(0, 0.02) for weights and embeddings, zero biases, identity LayerNorms (seed 002)."""
@@ -109,7 +120,7 @@ class GPT(nn.Module):
     def positions(self, position_ids: Tensor) -> Tensor:
         if self.pos_emb is not None:
             return self.pos_emb(position_ids)  # (B, T, d)
-        table: Tensor = self.pos_table  # type: ignore[assignment]
+        table: Tensor = self.pos_table
         return table[position_ids]  # (B, T, d)
 
     def forward(

@@ -19,6 +19,7 @@ from service.contract import io_spec as io
 MANIFEST_VERSION = 1
 REQUIRED_FILES = (io.MODEL_FILE, io.ATTENTION_FILE, io.TOKENIZER_FILE, io.CONFIG_FILE)
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+HELD_GGUF_FILE = "model.gguf"  # an imported GGUF file held as the weights (model/checkpoint.py)
 _CHUNK = 1 << 20
 
 
@@ -48,8 +49,11 @@ def describe_files(directory: Path, names: list[str] | tuple[str, ...]) -> dict[
 def checkpoint_fingerprint(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """sha256 of each checkpoint file, plus one digest over them (``name sha256`` lines)."""
     path = Path(ckpt_dir)
-    files = {n: asdict(e) for n, e in describe_files(path, CHECKPOINT_FILES).items()}
-    lines = "".join(f"{n} {files[n]['sha256']}\n" for n in CHECKPOINT_FILES)
+    names: tuple[str, ...] = CHECKPOINT_FILES
+    if not (path / "model.safetensors").is_file() and (path / HELD_GGUF_FILE).is_file():
+        names = tuple(HELD_GGUF_FILE if n == "model.safetensors" else n for n in names)
+    files = {n: asdict(e) for n, e in describe_files(path, names).items()}
+    lines = "".join(f"{n} {files[n]['sha256']}\n" for n in names)
     return {"path": str(path.resolve()),
             "sha256": hashlib.sha256(lines.encode()).hexdigest(),
             "files": files}

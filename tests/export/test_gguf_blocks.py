@@ -368,6 +368,76 @@ def test_the_artifact_holds_the_blocks_and_no_float_copy(case: str,
         assert stored < 1.25 * tensor_bytes, stored / tensor_bytes
 
 
+@pytest.mark.parametrize("minimums", [False, True])
+def test_byte_codes_at_float_activations_are_two_exact_nibble_products(minimums: bool) -> None:
+    """At float activations an 8-bit block is two 4-bit products (ORT has no fast 8-bit
+    kernel there): their sum, on an identity input, is the blocks' dequantised weight
+    exactly without minimums, and within one rounding of it with them."""
+    import onnxruntime as ort
+
+    from export.gguf_blocks import BlockWriter
+    from export.gguf_codes import Blocks
+
+    rng = np.random.default_rng(0)
+    n, nb, block = 24, 4, 16
+    scales = rng.uniform(0.001, 0.02, (n, nb)).astype(np.float16).astype(np.float32)
+    mins = (-scales * rng.integers(0, 200, (n, nb))).astype(np.float32) if minimums else None
+    blocks = Blocks(8, rng.integers(0, 256, (n, nb, block)).astype(np.uint8), scales, mins)
+    writer = BlockWriter("exact", 0)
+    writer.matmul("x", "y", blocks, "w", "w")
+    assert {nd.op_type for nd in writer.nodes} >= {"MatMulNBits", "Add"}
+    assert all({a.name: a.i for a in nd.attribute}["bits"] == 4 for nd in writer.nodes
+               if nd.op_type == "MatMulNBits")
+    k = nb * block
+    graph = helper.make_graph(writer.nodes, "halves",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [k, n])],
+                              list(writer.inits.values()))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    session = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    ours = session.run(None, {"x": np.eye(k, dtype=np.float32)})[0].T  # (N, K)
+    ref = blocks.dequantize()
+    if minimums:
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=2 * np.abs(ref).max() * 2.0 ** -24)
+    else:
+        assert np.array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("case", ["q8_0", "kquants", "gpt2"])
+def test_float_activations_serve_the_float32_models_logits(case: str,
+                                                           built: Callable[[str], Built],
+                                                           tmp_path: Path) -> None:
+    """--activations float: every product at accuracy level 0 and 4-bit (8-bit blocks
+    split), logits within 1e-4 relative of PyTorch on the imported checkpoint, the
+    embedding still gguf's rows bit for bit."""
+    b = built(case)
+    art = export_artifact(b.ckpt, tmp_path / "float", quantize="gguf", engine_graph=True,
+                          verify=False, activations="float")
+    for graph in ("model.onnx", ENGINE_FILE):
+        model = onnx.load(str(art / graph), load_external_data=False)
+        levels = {(a.name, a.i) for nd in model.graph.node if nd.op_type == "MatMulNBits"
+                  for a in nd.attribute if a.name in ("accuracy_level", "bits")}
+        assert levels == {("accuracy_level", 0), ("bits", 4)}, (graph, levels)
+    gpt = load_checkpoint(b.ckpt).model.eval()
+    ids = np.random.default_rng(0).integers(3, gpt.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        ref = gpt(torch.from_numpy(ids)).logits.float().numpy()  # (B, T, V)
+    pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()
+    dec = OrtDecoder.from_artifact(art)
+    got, _ = dec(ids, np.ones_like(ids), pos, dec.empty_past(2))
+    assert float(np.sqrt(((got - ref) ** 2).mean() / (ref ** 2).mean())) < 1e-4
+    reader = gguf.GGUFReader(b.gguf)
+    tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    rows, from_blocks = embedding_rows(onnx.load(str(art / "model.onnx"),
+                                                 load_external_data=False), art,
+                                       int(tensor.shape[-1]))
+    assert from_blocks and np.array_equal(
+        rows, gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type))
+
+
 def test_opt_in_copies_are_written_and_sized(built: Callable[[str], Built],
                                              tmp_path: Path) -> None:
     """--float32-twin and --codes8 add their graphs, and the manifest records the bytes
@@ -507,26 +577,28 @@ def test_refusals_exit_2_and_write_nothing(built: Callable[[str], Built], tmp_pa
                                             tmp_path.iterdir())
 
     refused(tiny_checkpoint, "not")  # trained here, never imported from GGUF
-    moved = b.gguf.with_suffix(".moved")
-    b.gguf.rename(moved)
-    try:
-        refused(b.ckpt, "gone")
-    finally:
-        moved.rename(b.gguf)
+    # A --float32 checkpoint reads the blocks from the imported file, wherever it was.
+    source = tmp_path / "source.gguf"
+    shutil.copyfile(b.gguf, source)
+    float_ckpt = import_gguf_checkpoint(source, tmp_path / "f32-ckpt", float32=True)
+    source.rename(source.with_suffix(".moved"))
+    refused(float_ckpt, "gone")
+    source.with_suffix(".moved").rename(source)
     original = b.gguf.read_bytes()
-    # Another file at the same path, of the same size and header: the recorded sha256
-    # tells them apart; for a checkpoint imported before the import recorded size and
-    # sha256, the blocks do.
+    # Another file of the same size and header written over the imported one (and so over
+    # the held one, the same inode): the recorded sha256 tells them apart; for a float32
+    # checkpoint imported before the import recorded size and sha256, the blocks do.
     write_file(tmp_path / "other", CASES["q4_0"], seed=7)
-    shutil.copyfile(tmp_path / "other" / "gguf" / "model.gguf", b.gguf)
-    shutil.rmtree(tmp_path / "other")
-    assert b.gguf.stat().st_size == len(original)
+    other = (tmp_path / "other" / "gguf" / "model.gguf").read_bytes()
+    assert len(other) == len(original) and b.gguf.samefile(b.ckpt / "model.gguf")
     old = tmp_path / "old-ckpt"
-    shutil.copytree(b.ckpt, old)
+    shutil.copytree(float_ckpt, old)
     config = json.loads((old / "config.json").read_text())
     del config["training"]["imported_from"]["size"], config["training"]["imported_from"]["sha256"]
     (old / "config.json").write_text(json.dumps(config))
     try:
+        b.gguf.write_bytes(other)
+        source.write_bytes(other)
         refused(b.ckpt, "changed since the import: its sha256 is ")
         refused(old, "do not dequantise to the checkpoint's weight")
         b.gguf.write_bytes(original + b"\0")  # one byte appended: refused before hashing
@@ -534,6 +606,7 @@ def test_refusals_exit_2_and_write_nothing(built: Callable[[str], Built], tmp_pa
     finally:
         b.gguf.write_bytes(original)
     shutil.rmtree(old)
+    shutil.rmtree(tmp_path / "other")
 
 
 def test_import_records_size_and_sha256(built: Callable[[str], Built]) -> None:

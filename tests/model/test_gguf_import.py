@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -419,7 +420,7 @@ def test_non_gguf_and_non_empty_output_refused(
         import_gguf_checkpoint(good, taken)
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]
     assert import_gguf_checkpoint(good, taken, force=True) == taken
-    assert not (taken / "keep.txt").exists() and (taken / "model.safetensors").is_file()
+    assert not (taken / "keep.txt").exists() and (taken / "model.gguf").is_file()
 
 
 def test_cli_imports_and_takes_exactly_one_source(
@@ -432,6 +433,49 @@ def test_cli_imports_and_takes_exactly_one_source(
         cli_main(["import", "--gguf", str(b.gguf), "--hf", str(b.hf_dir), "--out",
                   str(tmp_path / "d")])
     assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_the_checkpoint_holds_the_file_and_float32_is_opt_in(built: Callable[[str], Built],
+                                                            tmp_path: Path) -> None:
+    """By default the checkpoint's weights are the GGUF file itself (a hard link here: the
+    same inode, no bytes copied), no float32 copy; --float32 writes model.safetensors. Both
+    load to gguf's dequantised weights bit for bit, and the held file keeps the checkpoint
+    whole when the imported one moves away."""
+    b = built("llama-blocks")
+    held = b.ckpt / "model.gguf"
+    assert held.is_file() and not (b.ckpt / "model.safetensors").exists()
+    assert held.stat().st_ino == b.gguf.stat().st_ino
+    assert cli_main(["import", "--gguf", str(b.gguf), "--out", str(tmp_path / "f32"),
+                     "--float32"]) == 0
+    assert sorted(p.name for p in (tmp_path / "f32").iterdir()) == sorted(
+        p.name.replace("model.gguf", "model.safetensors") for p in b.ckpt.iterdir())
+    reader = gguf.GGUFReader(b.gguf)
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    ref = gguf.quants.dequantize(np.asarray(embd.data), embd.tensor_type)  # (V, d)
+    moved = tmp_path / "moved"
+    shutil.copytree(b.ckpt, moved)  # the copy holds its own file; the source is elsewhere
+    held_model = load_checkpoint(moved).model.state_dict()
+    float_model = load_checkpoint(tmp_path / "f32").model.state_dict()
+    assert held_model.keys() == float_model.keys()
+    for name, value in held_model.items():
+        assert torch.equal(value, float_model[name]), name
+    assert np.array_equal(held_model["tok_emb.weight"].numpy(), ref)
+    record = load_checkpoint(moved).meta.training["imported_from"]
+    assert record["path"] == str(moved / "model.gguf")  # what --quantize gguf reads
+
+
+def test_a_held_file_that_changed_is_refused(built: Callable[[str], Built],
+                                            tmp_path: Path) -> None:
+    """Another model's GGUF file in a checkpoint's place: loading names the mismatch."""
+    from model.checkpoint import CheckpointError
+
+    other = built("qwen2-blocks")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(built("llama-blocks").ckpt, ckpt)
+    (ckpt / "model.gguf").unlink()
+    shutil.copyfile(other.gguf, ckpt / "model.gguf")
+    with pytest.raises(CheckpointError, match=re.escape("model.gguf does not match config.json")):
+        load_checkpoint(ckpt)
 
 
 def test_recommended_sampling_reaches_generation_config(

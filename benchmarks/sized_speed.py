@@ -1,0 +1,135 @@
+"""Decode speed on one GGUF file, beside llama.cpp's own `llama-batched-bench`, in one run.
+
+Usage (from the repository root, in the dev venv; the tools from
+`python -m benchmarks.llamacpp_tools --build`, the artifact exported from that file with
+`attnserve export --quantize gguf --engine-graph`):
+    python -m benchmarks.sized_speed --gguf .cache/bench-work/sized/llama-1b/llama-1b-Q4_K_M.gguf \\
+        --artifact /tmp/w/artifact [--batches 1,8,32] [--prompt 64] [--new 128] [--rounds 3]
+
+Each round runs both engines in turn at every batch size, so a busy machine slows both
+alike: ours through the engine itself (`benchmarks/runner_engine.py`: one static batch of
+random prompts, greedy, end-of-sequence no stop), llama.cpp's `llama-batched-bench -npp
+PROMPT -ntg NEW -npl B -t THREADS` (its S_TG column: B·NEW tokens over the generation
+time). Decode tok/s of ours: B·(NEW − 1) tokens after every row's first, over the time
+after it. Prints the median of the rounds per engine and batch size and their ratio;
+``--json`` also writes every round. Timings depend on the machine and what else runs on
+it, so compare engines only within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|(.*)\|\s*$")
+
+
+def batched_bench_tg(output: str) -> dict[int, float]:
+    """llama-batched-bench's table → {B: S_TG t/s} (columns PP, TG, B, N_KV, T_PP s,
+    S_PP t/s, T_TG s, S_TG t/s, T s, S t/s)."""
+    found: dict[int, float] = {}
+    for line in output.splitlines():
+        match = ROW.match(line.strip())
+        if match is None:
+            continue
+        cells = [c.strip() for c in match[4].split("|")]
+        if len(cells) >= 5:
+            found[int(match[3])] = float(cells[4])
+    return found
+
+
+def llamacpp_tg(tool: Path, gguf: Path, batch: int, prompt: int, new: int,
+                threads: int) -> float:
+    argv = [str(tool), "-m", str(gguf), "-c", str(batch * (prompt + new) + 64),
+            "-b", "2048", "-ub", "512", "-npp", str(prompt), "-ntg", str(new),
+            "-npl", str(batch), "-t", str(threads), "-tb", str(threads)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    table = batched_bench_tg(done.stdout)
+    if done.returncode != 0 or batch not in table:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise SystemExit(f"sized_speed: llama-batched-bench failed ({done.returncode}): "
+                         + " / ".join(tail))
+    return table[batch]
+
+
+def ours_tg(runner: Any, vocab: int, batch: int, prompt: int, new: int, seed: int) -> float:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(3, vocab, (batch, prompt)).tolist()
+    result = runner.generate(prompts, new)
+    return batch * (new - 1) / (result.total_s - result.ttft_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sized_speed",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--gguf", type=Path, required=True)
+    p.add_argument("--artifact", type=Path, required=True)
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    from benchmarks.llamacpp_tools import tool_path
+    from benchmarks.runner_engine import EngineRunner
+    from service.contract import io_spec as io
+
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches {args.batches!r}: expected comma-separated integers")
+    for path in (args.gguf, args.artifact / io.MANIFEST_FILE):
+        if not path.is_file():
+            print(f"sized_speed: {path} is not a file", file=sys.stderr)
+            return 2
+    try:
+        tool = tool_path("llama-batched-bench")
+    except FileNotFoundError as exc:
+        print(f"sized_speed: {exc}", file=sys.stderr)
+        return 2
+    vocab = io.ArtifactConfig.load(args.artifact).vocab_size
+    runner = EngineRunner(args.artifact, args.threads,
+                          max_len=args.prompt + args.new + 8)
+    ours_tg(runner, vocab, 1, 8, 4, seed=0)  # warm-up: sessions' first runs
+    rounds: list[dict[str, Any]] = []
+    try:
+        for r in range(args.rounds):
+            for batch in batches:
+                row = {"round": r, "batch": batch,
+                       "ours": ours_tg(runner, vocab, batch, args.prompt, args.new, seed=r),
+                       "llamacpp": llamacpp_tg(tool, args.gguf, batch, args.prompt,
+                                               args.new, args.threads)}
+                rounds.append(row)
+                print(f"round {r} batch {batch:3d}: ours {row['ours']:8.1f} tok/s, "
+                      f"llama.cpp {row['llamacpp']:8.1f} tok/s", flush=True)
+    finally:
+        runner.close()
+    print(f"\ndecode tok/s, prompt {args.prompt} -> {args.new}, {args.threads} threads, "
+          f"median of {args.rounds} rounds ({args.gguf.name})")
+    summary = {}
+    for batch in batches:
+        ours = statistics.median(r["ours"] for r in rounds if r["batch"] == batch)
+        theirs = statistics.median(r["llamacpp"] for r in rounds if r["batch"] == batch)
+        summary[batch] = {"ours": ours, "llamacpp": theirs, "ratio": ours / theirs}
+        print(f"batch {batch:3d}: ours {ours:8.1f}  llama.cpp {theirs:8.1f}  "
+              f"ratio {ours / theirs:.2f}")
+    if args.json is not None:
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                   "rounds": rounds, "summary": summary}, indent=2))
+        os.replace(tmp, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
