@@ -174,8 +174,13 @@ class BlockWriter:
     ``flat``: the graph's activations are (tokens, features) matrices, so a remainder and
     its Add can be one Gemm (whose inputs must be matrices)."""
 
-    def __init__(self, mode: str, level: int, flat: bool = False) -> None:
+    def __init__(self, mode: str, level: int, flat: bool = False,
+                 halves: bool | None = None) -> None:
         self.mode, self.level, self.flat = mode, level, flat
+        # 8-bit blocks as two 4-bit products (:meth:`_byte_halves`): by default where the
+        # activations are float; attention.onnx of an int8-activation artifact runs at
+        # float ones on the 8-bit codes the engine graphs hold (stored once, run rarely)
+        self.halves = level == 0 if halves is None else halves
         self.nodes: list[onnx.NodeProto] = []
         self.inits: dict[str, onnx.TensorProto] = {}
         self.sums: dict[tuple[str, int], str] = {}  # (activation, block) → its block sums
@@ -216,7 +221,7 @@ class BlockWriter:
         """out = x · Wᵀ for W (N, K) held by ``blocks``, as MatMulNBits (+ the minimums)."""
         n, nb = blocks.scales.shape
         k = nb * blocks.block
-        if self.level == 0 and blocks.bits == 8:
+        if self.halves and blocks.bits == 8:
             self._byte_halves(x, out, blocks, w, name)
             return
         codes, scales = blocks.codes, blocks.scales
@@ -323,7 +328,7 @@ class BlockWriter:
             return self.node("Cast", [codes], f"{name}.{tag}q", f"{name}.gguf_{tag}cast",
                              to=onnx.TensorProto.FLOAT)
 
-        if bits == 8 and self.level == 0:  # the head's two 4-bit halves: q = 16·hi + lo
+        if bits == 8 and self.halves:  # the head's two 4-bit halves: q = 16·hi + lo
             high_q, _, low_q, _ = self._halves(blocks, w)
             high = self.node("Mul", [unpacked(high_q, "hi_"), self.const(
                 "gguf.sixteen", np.array([16], np.float32))], f"{name}.hi16",
@@ -428,7 +433,7 @@ def dequantises_to(pieces: list[Piece], weight: np.ndarray, transposed: bool) ->
 
 def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
                   level: int = ACCURACY_LEVEL, flat: bool = False,
-                  base: Path | None = None) -> dict[str, Any]:
+                  base: Path | None = None, halves: bool | None = None) -> dict[str, Any]:
     """Replace, in place, every weight product whose tensors are of ``DIRECT`` types in
     ``src`` by MatMulNBits over the file's blocks; return the figures (``fallback``: the
     nodes left for our quantiser, with the bits it should use). ``model`` holds its
@@ -471,7 +476,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
     for node in graph.node:
         if node.name in pieces_of and node.op_type != "Gather":
             readers.setdefault(node.input[0], []).append(node)
-    writer = BlockWriter(mode, level, flat)
+    writer = BlockWriter(mode, level, flat, halves)
     joined = split = 0
     embeddings: list[tuple[int, onnx.NodeProto]] = []  # (where in writer.nodes, Gather)
     for node in graph.node:
@@ -542,11 +547,11 @@ def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],
 
 
 def rewrite_file(path: Path, src: GGUFFile, mode: str = Q4_1_MODE,
-                 level: int = ACCURACY_LEVEL, flat: bool = False,
-                 external: bool = False) -> tuple[onnx.ModelProto, dict[str, Any]]:
+                 level: int = ACCURACY_LEVEL, flat: bool = False, external: bool = False,
+                 halves: bool | None = None) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """``path`` rewritten by :func:`rewrite_graph`: its external weights loaded, or with
     ``external`` left where they are (the model's tensors still point at them; each weight
     is read when it is checked), so that the float32 graph is never held whole."""
     model = onnx.load(str(path), load_external_data=not external)
-    return model, rewrite_graph(model, src, mode, level, flat,
+    return model, rewrite_graph(model, src, mode, level, flat, halves=halves,
                                 base=path.parent if external else None)

@@ -203,13 +203,15 @@ def compare_decoders(gpt: GPT, reference: Callable[[], Decoder],
 
 def quantize_weights(src: Path, dst: Path, method: str = "int8",
                      training: dict[str, Any] | None = None,
-                     flat: bool = False, level: int = ACCURACY_LEVEL) -> dict[str, Any]:
+                     flat: bool = False, level: int = ACCURACY_LEVEL,
+                     halves: bool | None = None) -> dict[str, Any]:
     """Write ``src`` with its MatMul weights quantised by ``method`` to ``dst``.
 
     ``training`` is the checkpoint's training record: ``gguf`` finds its source file there.
     ``flat``: the graph's activations are (tokens, features) matrices, as in the engine
     graphs (``gguf`` then writes each Q4_1 remainder as one Gemm). ``level``: MatMulNBits'
-    accuracy level (4: int8 activations; 0: float).
+    accuracy level (4: int8 activations; 0: float); ``halves``: gguf's 8-bit blocks as
+    two 4-bit products (default: at level 0; export/gguf_blocks.py).
     """
     if method not in METHODS:
         raise ValueError(f"unsupported quantization {method!r}; choose one of {list(METHODS)}")
@@ -221,7 +223,7 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
         lg.setLevel(logging.ERROR)
     try:
         if method == "gguf":
-            figures = _gguf_blocks(src, dst, training or {}, flat, level)
+            figures = _gguf_blocks(src, dst, training or {}, flat, level, halves)
         elif method in NBITS:
             figures = _matmul_nbits(src, dst, *NBITS[method], level)
         else:
@@ -257,7 +259,7 @@ def _nbits_quantizer(model: Any, bits: int, symmetric: bool,
 
 
 def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
-                 flat: bool, level: int) -> dict[str, Any]:
+                 flat: bool, level: int, halves: bool | None) -> dict[str, Any]:
     """The source GGUF file's blocks where they map onto MatMulNBits; our int4/int8 for
     the weights of other types (``fallback``, by node)."""
     import onnx
@@ -267,7 +269,7 @@ def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
     from export.gguf_source import open_source
 
     model, figures = rewrite_file(src, open_source(training), flat=flat, external=True,
-                                  level=level)
+                                  level=level, halves=halves)
     fallback = figures["fallback"]
     if fallback:  # ORT's quantiser reads the weights it rewrites from the proto
         wanted = {f["weight"] for f in fallback.values()}

@@ -153,17 +153,19 @@ def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
 
 
 def _quantize_attention(gpt: Any, fp32_path: Path, out: Path, training: dict[str, Any],
-                        method: str, reference: Any,
-                        fallback: dict[str, Any] | None) -> dict[str, Any]:
+                        method: str, reference: Any, fallback: dict[str, Any] | None,
+                        served_level: int) -> dict[str, Any]:
     """attention.onnx over the weights the engine serves, at float activations. Kept GGUF
     blocks are the checkpoint's own weights exactly, so that graph is verified against
     PyTorch by the float32 rule (verify.py); re-rounded ones (int4, int8, a GGUF weight
-    that fell back) have their distance reported."""
+    that fell back) have their distance reported. Its weights are stored as the served
+    graphs' (8-bit blocks split in two only where those run at float activations), so
+    weights.bin holds them once."""
     from export.quantize import ATTENTION_ACCURACY_LEVEL, quantize_weights
     from export.verify import check_attention, check_prompts, verify_attention
 
     figures = quantize_weights(fp32_path, out, method, training,
-                               level=ATTENTION_ACCURACY_LEVEL)
+                               level=ATTENTION_ACCURACY_LEVEL, halves=served_level == 0)
     if reference is None:  # --no-verify
         return figures
     if method == "gguf" and not fallback:
@@ -336,7 +338,7 @@ def export_artifact(
                 os.replace(attention_path, fp32_attention)
                 verification["attention_quantized"] = _quantize_attention(
                     gpt, fp32_attention, attention_path, ckpt.meta.training, quantize,
-                    reference, quantization.get("fallback"))
+                    reference, quantization.get("fallback"), level)
                 if verify:
                     say(f"{quantize} attention.onnx: attention weights "
                         f"{verification['attention_quantized']['weights_max_abs_diff']:.2e} "

@@ -151,20 +151,17 @@ def gguf_reference(path: Path, family: str, weight: str,
     return np.concatenate(rows), types
 
 
-def effective_weight(model: onnx.ModelProto, node: onnx.NodeProto, base: Path) -> np.ndarray:
-    """The (N, K) weight a rewritten product computes: the MatMulNBits node (and, for
-    minimums, the nodes adding them) alone in a graph at accuracy level 0 (float
-    activations) on an identity input."""
+def run_between(model: onnx.ModelProto, source: str, out: str, base: Path,
+                feed: np.ndarray, float_activations: bool = False) -> np.ndarray:
+    """The nodes of ``model`` between the value ``source`` and ``out``, alone in a graph
+    (their initializers loaded from ``base``), run on ``feed`` in ``source``'s place;
+    ``float_activations``: every MatMulNBits at accuracy level 0."""
     produced = {o: n for n in model.graph.node for o in n.output}
-    consumers = {i: n for n in model.graph.node for i in n.input}
-    x, out = node.input[0], node.output[0]
-    if out.endswith(".gguf_scaled"):  # exact Q4_1: + block sums · remainders (Add or Gemm)
-        out = consumers[out].output[0]
     nodes: list[onnx.NodeProto] = []
 
-    def needs(value: str) -> None:  # the nodes between x and ``value``, in order
+    def needs(value: str) -> None:  # the nodes between source and ``value``, in order
         n = produced.get(value)
-        if value == x or n is None or n in nodes:
+        if value == source or n is None or n in nodes:
             return
         for i in n.input:
             needs(i)
@@ -175,18 +172,17 @@ def effective_weight(model: onnx.ModelProto, node: onnx.NodeProto, base: Path) -
     for n in nodes:
         c = onnx.NodeProto()
         c.CopyFrom(n)
-        c.input[:] = ["x" if i == x else i for i in c.input]
+        c.input[:] = ["feed" if i == source else i for i in c.input]
         for a in c.attribute:
-            if a.name == "accuracy_level":
+            if float_activations and a.name == "accuracy_level":
                 a.i = 0
         copies.append(c)
     wanted = {i for c in copies for i in c.input}
-    inits = [t for t in model.graph.initializer if t.name in wanted]
-    k = next(a.i for a in node.attribute if a.name == "K")
-    n_out = next(a.i for a in node.attribute if a.name == "N")
-    graph = helper.make_graph(copies, "one", [helper.make_tensor_value_info(
-        "x", TensorProto.FLOAT, [k, k])], [helper.make_tensor_value_info(
-            out, TensorProto.FLOAT, [k, n_out])], inits)
+    graph = helper.make_graph(
+        copies, "between", [helper.make_tensor_value_info(
+            "feed", helper.np_dtype_to_tensor_dtype(feed.dtype), list(feed.shape))],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)],
+        [t for t in model.graph.initializer if t.name in wanted])
     one = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                   helper.make_opsetid("com.microsoft", 1)])
     one.ir_version = 8
@@ -194,7 +190,20 @@ def effective_weight(model: onnx.ModelProto, node: onnx.NodeProto, base: Path) -
     import onnxruntime as ort
 
     session = ort.InferenceSession(one.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, {"x": np.eye(k, dtype=np.float32)})[0].T  # (N, K)
+    return session.run(None, {"feed": feed})[0]
+
+
+def effective_weight(model: onnx.ModelProto, node: onnx.NodeProto, base: Path) -> np.ndarray:
+    """The (N, K) weight a rewritten product computes: the MatMulNBits node (and, for
+    minimums, the nodes adding them) alone in a graph at accuracy level 0 (float
+    activations) on an identity input."""
+    consumers = {i: n for n in model.graph.node for i in n.input}
+    out = node.output[0]
+    if out.endswith(".gguf_scaled"):  # exact Q4_1: + block sums · remainders (Add or Gemm)
+        out = consumers[out].output[0]
+    k = next(a.i for a in node.attribute if a.name == "K")
+    return run_between(model, node.input[0], out, base, np.eye(k, dtype=np.float32),
+                       float_activations=True).T  # (N, K)
 
 
 Rows = tuple[str, int | None, slice]  # (graph weight kind, layer, its rows)
@@ -275,40 +284,12 @@ def embedding_rows(model: onnx.ModelProto, base: Path, vocab: int) -> tuple[np.n
     tok_gather's output, alone in a graph), and whether they read blocks (the rewritten
     form) rather than a float32 table."""
     by_name = {n.name: n for n in model.graph.node}
-    produced = {o: n for n in model.graph.node for o in n.output}
     blocks = "tok_gather.gguf_ids" in by_name
     ids = (by_name["tok_gather.gguf_ids"] if blocks else by_name["tok_gather"]).input[
         0 if blocks else 1]
-    out = by_name["tok_gather"].output[0]
-    nodes: list[onnx.NodeProto] = []
-
-    def needs(value: str) -> None:
-        n = produced.get(value)
-        if value == ids or n is None or n in nodes:
-            return
-        for i in n.input:
-            needs(i)
-        nodes.append(n)
-
-    needs(out)
-    copies = []
-    for n in nodes:
-        c = onnx.NodeProto()
-        c.CopyFrom(n)
-        c.input[:] = ["ids" if i == ids else i for i in c.input]
-        copies.append(c)
-    wanted = {i for c in copies for i in c.input}
-    graph = helper.make_graph(
-        copies, "embedding", [helper.make_tensor_value_info("ids", TensorProto.INT64, [vocab])],
-        [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)],
-        [t for t in model.graph.initializer if t.name in wanted])
-    one = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    one.ir_version = 8
-    onnx.external_data_helper.load_external_data_for_model(one, str(base))
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(one.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, {"ids": np.arange(vocab, dtype=np.int64)})[0], blocks
+    rows = run_between(model, ids, by_name["tok_gather"].output[0], base,
+                       np.arange(vocab, dtype=np.int64))
+    return rows, blocks
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -373,8 +354,6 @@ def test_byte_codes_at_float_activations_are_two_exact_nibble_products(minimums:
     """At float activations an 8-bit block is two 4-bit products (ORT has no fast 8-bit
     kernel there): their sum, on an identity input, is the blocks' dequantised weight
     exactly without minimums, and within one rounding of it with them."""
-    import onnxruntime as ort
-
     from export.gguf_blocks import BlockWriter
     from export.gguf_codes import Blocks
 
@@ -388,17 +367,10 @@ def test_byte_codes_at_float_activations_are_two_exact_nibble_products(minimums:
     assert {nd.op_type for nd in writer.nodes} >= {"MatMulNBits", "Add"}
     assert all({a.name: a.i for a in nd.attribute}["bits"] == 4 for nd in writer.nodes
                if nd.op_type == "MatMulNBits")
-    k = nb * block
-    graph = helper.make_graph(writer.nodes, "halves",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [k, n])],
-                              list(writer.inits.values()))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 8
-    session = ort.InferenceSession(model.SerializeToString(),
-                                   providers=["CPUExecutionProvider"])
-    ours = session.run(None, {"x": np.eye(k, dtype=np.float32)})[0].T  # (N, K)
+    model = onnx.ModelProto()
+    model.graph.node.extend(writer.nodes)
+    model.graph.initializer.extend(writer.inits.values())
+    ours = run_between(model, "x", "y", Path("."), np.eye(nb * block, dtype=np.float32)).T
     ref = blocks.dequantize()
     if minimums:
         np.testing.assert_allclose(ours, ref, rtol=0, atol=2 * np.abs(ref).max() * 2.0 ** -24)
@@ -551,15 +523,16 @@ def test_real_smollm2_blocks_are_exact() -> None:
                  "token_embd.weight"):
         t = tensors[name]
         blocks = read_blocks(t)
-        writer = BlockWriter("exact", 0)
-        writer.matmul("x", "y", blocks, "w", "w")
-        nbits = next(n for n in writer.nodes if n.op_type == "MatMulNBits")
-        model = onnx.ModelProto()
-        model.graph.node.extend(writer.nodes)
-        model.graph.initializer.extend(writer.inits.values())
-        ours = effective_weight(model, nbits, Path("."))
         ref = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        assert np.array_equal(ours, ref), (name, float(np.abs(ours - ref).max()))
+        for halves in (False, True):  # Q8_0 as one 8-bit product or two 4-bit ones
+            writer = BlockWriter("exact", 0, halves=halves)
+            writer.matmul("x", "y", blocks, "w", "w")
+            model = onnx.ModelProto()
+            model.graph.node.extend(writer.nodes)
+            model.graph.initializer.extend(writer.inits.values())
+            ours = run_between(model, "x", "y", Path("."),
+                               np.eye(ref.shape[1], dtype=np.float32)).T  # (N, K)
+            assert np.array_equal(ours, ref), (name, float(np.abs(ours - ref).max()))
 
 
 def test_refusals_exit_2_and_write_nothing(built: Callable[[str], Built], tmp_path: Path,
