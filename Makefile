@@ -22,6 +22,11 @@ IMPORT_FROM = $(if $(filter %.gguf,$(MODEL)),--gguf,--hf)
 # was right in 12 of 20 tries even at the model card's temperature 0.2 (top_p 0.9), 20 of
 # 20 greedy. A request's own temperature always wins. IMPORT_ARGS= for any other model.
 IMPORT_ARGS ?= $(if $(filter $(SMOLLM2_GGUF),$(MODEL)),--sampling temperature=0)
+# Another GGUF file keeps its own quantised blocks (an artifact about its size; float32
+# would be 4 bytes a weight: 4.3 GB for a 1B model); the default model exports float32,
+# which answers as its f32 weights do (docs/export.md, "Accuracy level"). EXPORT_ARGS=
+# replaces these options.
+EXPORT_ARGS ?= $(if $(filter %.gguf,$(MODEL)),$(if $(filter $(SMOLLM2_GGUF),$(MODEL)),,--quantize gguf))
 # A 4,096-token context per sequence keeps the KV pool at a laptop's size (SmolLM2's 8,192
 # would reserve 11.5 GB for 32 sequences); any serve option can be passed here.
 SERVE_ARGS ?= --max-total-tokens 4096
@@ -56,7 +61,7 @@ $(CKPT)/config.json: $(MODEL) | $(VENV)/.installed
 ## artifact: export and verify it to ONNX (engine graph included) unless done already
 artifact: $(ARTIFACT)/manifest.json
 $(ARTIFACT)/manifest.json: $(CKPT)/config.json
-	$(BIN)/attnserve export --ckpt $(CKPT) --out $(ARTIFACT) --engine-graph --force
+	$(BIN)/attnserve export --ckpt $(CKPT) --out $(ARTIFACT) --engine-graph --force $(EXPORT_ARGS)
 
 ## run: the main job on a fresh machine: SmolLM2-135M-Instruct (or MODEL=...) on HOST:PORT
 run: artifact
