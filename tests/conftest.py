@@ -11,6 +11,7 @@ stuck on one token.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,6 +100,17 @@ def build_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     )
     metrics = [{"step": i + 1, "loss": loss_value} for i, loss_value in enumerate(losses)]
     return save_checkpoint(out_dir, model, meta, tok.to_str(), metrics)
+
+
+@pytest.fixture(scope="module")
+def attention_gate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two FIFOs for tests/service/launch_server.py's attention gate (a server started with
+    ``ATTNSERVE_TEST_ATTENTION_GATE`` set to this directory): ``entered`` is written when a
+    request is inside attention.run, which then waits to read ``release``."""
+    directory = tmp_path_factory.mktemp("attention-gate")
+    os.mkfifo(directory / "entered")
+    os.mkfifo(directory / "release")
+    return directory
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serve.__main__ import main
-from tests.service.conftest import ServerProcess, metric_value
+from tests.service.helpers import ServerProcess, metric_value
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VLLM_FIELDS = {"date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate",
@@ -40,14 +40,6 @@ VLLM_FIELDS = {"date", "backend", "model_id", "tokenizer_id", "num_prompts", "re
                "output_lens", "ttfts", "itls", "latencies", "start_times", "generated_texts",
                "errors"} | {f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p99")
                             for m in ("ttft", "tpot", "itl", "e2el")}
-
-
-@pytest.fixture(scope="module")
-def attention_gate(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("attention-gate")
-    os.mkfifo(directory / "entered")
-    os.mkfifo(directory / "release")
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -1,38 +1,18 @@
-"""Service test fixtures: a plain ONNX Runtime reference loop and real server subprocesses.
-
-Every server runs `attnserve serve` in a subprocess whose PYTHONPATH starts with a
-directory holding a `torch.py` that raises ModuleNotFoundError, so each HTTP test also
-proves the service never imports torch.
-"""
+"""Service test fixtures: artifacts, the greedy reference and real server subprocesses
+(the helpers they use are in tests/service/helpers.py)."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 from tokenizers import Tokenizer
 
 from service.contract import io_spec as io
 from service.contract.engine_spec import ENGINE_FILE
-from service.contract.reference import OrtDecoder, greedy_until
-from service.engine.batch import Batch
-from service.engine.request import GenerationRequest
-from service.engine.runner import ModelRunner
-from service.engine.text import TextCodec
-
-HERE = Path(__file__).resolve().parent
-NO_TORCH = HERE / "no_torch"
-LAUNCHER = HERE / "launch_server.py"
+from tests.service.helpers import ServerProcess, greedy_loop, metric_value
 
 
 @pytest.fixture(scope="session")
@@ -94,133 +74,6 @@ def reference_greedy(artifact: Path) -> Callable[[list[int], int], list[int]]:
     return greedy_loop(artifact)
 
 
-def greedy_loop(artifact: Path) -> Callable[[list[int], int], list[int]]:
-    """The greedy reference (service/contract/reference.py) over any artifact's model.onnx:
-    batch 1, model.onnx by the contract's names, the past fed back every step, argmax; it
-    shares no code with the engine. Stops at max_new tokens or right after the
-    end-of-sequence token, like the engine."""
-    config = io.ArtifactConfig.load(artifact)
-    decoder = OrtDecoder.from_artifact(artifact)
-    return lambda prompt, max_new: greedy_until(decoder, prompt, max_new, config.eos_token_id)
-
-
-class GateWriter:
-    """The test's end of a server's step gate (see fault_runner.py): a FIFO of commands.
-
-    Opened read-write so opening never blocks; closing it opens the server's gate for good.
-    """
-
-    def __init__(self, path: Path) -> None:
-        os.mkfifo(path)
-        self.path = path
-        self._fd: int | None = os.open(path, os.O_RDWR)
-
-    def send(self, commands: str) -> None:
-        assert self._fd is not None, "the gate is closed"
-        os.write(self._fd, commands.encode("ascii"))
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-class ServerProcess:
-    """`attnserve serve` in a subprocess on a loopback port, torch hidden.
-
-    The server binds port 0 and the launcher reports the port the kernel gave it: a port
-    picked here and bound there later could be taken by another process in between.
-    ``port`` and ``url`` wait (bounded) for that report.
-
-    With ``gate``, every forward pass of the server waits for the test's command (the
-    warm-up's too): ``server.gate.send("+")`` lets it run freely, "-" holds it again.
-    """
-
-    def __init__(self, artifact: Path, log_path: Path, args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, gate: bool = False) -> None:
-        self._port: int | None = None
-        self.port_file = log_path.with_name(f"{log_path.name}.port")
-        self.port_file.unlink(missing_ok=True)
-        self.log_path = log_path
-        environment = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
-        environment.update(env or {})
-        self.gate: GateWriter | None = None
-        if gate:
-            self.gate = GateWriter(log_path.parent / "gate.fifo")
-            environment["ATTNSERVE_TEST_GATE"] = str(self.gate.path)
-        environment["PYTHONPATH"] = os.pathsep.join(
-            [str(NO_TORCH), *filter(None, [os.environ.get("PYTHONPATH")])])
-        environment["ATTNSERVE_TEST_PORT_FILE"] = str(self.port_file)
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(LAUNCHER), "serve", "--model", str(artifact),
-             "--port", "0", "--intra-op-threads", "1", *args],
-            env=environment, stdout=self._log, stderr=subprocess.STDOUT)
-
-    @property
-    def port(self) -> int:
-        """The port the server listens on, once it has bound one (waits up to 120 s)."""
-        if self._port is None:
-            self._port = self._wait_port(time.monotonic() + 120.0)
-        return self._port
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _wait_port(self, deadline: float) -> int:
-        while not self.port_file.exists():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode} before "
-                                     f"listening:\n{self.log()}")
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"server reported no port in time:\n{self.log()}")
-            time.sleep(0.05)
-        return int(self.port_file.read_text())
-
-    def log(self) -> str:
-        return self.log_path.read_text("utf-8", errors="replace")
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        if self._port is None:
-            self._port = self._wait_port(deadline)
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"server not ready after {timeout}s:\n{self.log()}")
-
-    def stop(self) -> int:
-        if self.gate is not None:
-            self.gate.close()  # whatever waits at the gate runs on, so the drain ends
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-
-def serving(artifact: Path, log_path: Path, args: tuple[str, ...] = (),
-            env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
-    """A ready server for a fixture to ``yield from``; stopped however the tests end."""
-    proc = ServerProcess(artifact, log_path, args, env)
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
-
-
 @pytest.fixture(scope="module")
 def start_server(artifact: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[Callable[..., ServerProcess]]:
@@ -241,67 +94,7 @@ def start_server(artifact: Path, tmp_path_factory: pytest.TempPathFactory
         server.stop()
 
 
-def run_with_joins(model: ModelRunner, codec: TextCodec, waves: list[list[GenerationRequest]],
-                   join_every: int) -> dict[int, list[int]]:
-    """Decode, adding one wave of requests every `join_every` steps; tokens by request id.
-
-    Finished rows leave at once, so the batch is filtered and concatenated as it would be
-    in the engine; any ModelRunner (model.onnx or engine.onnx, both over a KV pool) can be
-    driven.
-    """
-    tokens: dict[int, list[int]] = {}
-    batch: Batch | None = None
-    step = 0
-    while waves or batch is not None:
-        if waves and step % join_every == 0:
-            fresh = Batch.from_requests(waves.pop(0), codec, model.vocab_size)
-            for seq, event in zip(fresh.sequences, fresh.step(model), strict=True):
-                tokens.setdefault(seq.request.id, []).append(event.token.id)
-            batch = fresh if batch is None else Batch.concatenate([batch, fresh], model)
-        else:
-            assert batch is not None
-            for seq, event in zip(batch.sequences, batch.step(model), strict=True):
-                tokens.setdefault(seq.request.id, []).append(event.token.id)
-        assert batch is not None
-        keep = [i for i, s in enumerate(batch.sequences) if s.finish is None]
-        if keep:
-            batch.filter(keep, model)
-        else:
-            batch.release(model)
-            batch = None
-        step += 1
-    return tokens
-
-
-def first_sse(lines: Iterator[str]) -> dict[str, Any]:
-    """The first server-sent event of a stream, parsed."""
-    for line in lines:
-        if line.startswith("data:"):
-            return dict(json.loads(line[5:]))
-    raise AssertionError("stream ended before its first event")
-
-
-def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """One sample from a Prometheus exposition (0.0 when absent)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v
-                                           for k, v in (labels or {}).items()):
-                return float(sample.value)
-    return 0.0
-
-
 @pytest.fixture(scope="session")
 def metric() -> Callable[..., float]:
     return metric_value
 
-
-def wait_metric(server: ServerProcess, name: str, value: float, timeout: float = 20.0) -> None:
-    """Until the server's /metrics shows ``name == value`` (bounded): how a test knows where
-    requests are (running, waiting) while the gate holds the engine."""
-    deadline = time.monotonic() + timeout
-    while metric_value(text := httpx.get(f"{server.url}/metrics").text, name) != value:
-        assert time.monotonic() < deadline, f"{name} never reached {value}:\n{text}"
-        time.sleep(0.02)

@@ -28,7 +28,7 @@ from service.contract.engine_spec import (
 from service.engine.engine import EngineConfig, create_runner
 from service.engine.kv_pool import Slot
 from service.engine.static_cache import EngineGraphRunner
-from tests.service.conftest import ServerProcess
+from tests.service.helpers import ServerProcess
 
 ROWS = 4  # rows from which a pass runs on the 8-bit codes, in these tests
 PROMPT = 12  # tokens from which a pass of fewer rows does

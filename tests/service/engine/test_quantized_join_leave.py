@@ -18,7 +18,7 @@ from service.engine.engine import EngineConfig, create_runner
 from service.engine.portable import ModelGraphRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.text import TextCodec
-from tests.service.conftest import greedy_loop, run_with_joins
+from tests.service.helpers import greedy_loop, run_with_joins
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O"]

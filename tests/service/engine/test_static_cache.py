@@ -30,7 +30,7 @@ from service.engine.sampling import log_softmax
 from service.engine.session import create_session
 from service.engine.static_cache import EngineGraphRunner
 from service.engine.text import TextCodec
-from tests.service.conftest import run_with_joins
+from tests.service.helpers import run_with_joins
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O"]

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from service.contract import io_spec as io
 from service.contract.manifest import load_manifest
-from tests.service.conftest import ServerProcess, wait_metric
+from tests.service.helpers import ServerProcess, wait_metric
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "To be, or not", "KING:\nWhat",
            "O", "Good morrow, cousin"]

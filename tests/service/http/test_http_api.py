@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, models
 from service.contract import io_spec as io
 from service.contract.manifest import describe_files, load_manifest
 from service.contract.reference import OrtDecoder
-from tests.service.conftest import ServerProcess, serving
+from tests.service.helpers import ServerProcess, serving
 
 NAME = "tiny-chat"
 EOS = 2  # the tiny tokenizer's <end>

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -67,19 +66,11 @@ class HeldRequest:
 
 
 @pytest.fixture(scope="module")
-def gate(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("attention-gate")
-    os.mkfifo(directory / "entered")
-    os.mkfifo(directory / "release")
-    return directory
-
-
-@pytest.fixture(scope="module")
-def server(start_server: Callable[..., Any], gate: Path) -> Any:
+def server(start_server: Callable[..., Any], attention_gate: Path) -> Any:
     return start_server(env={"ATTNSERVE_ATTENTION_MAX_CONCURRENT": "1",
                              "ATTNSERVE_ATTENTION_MAX_QUEUED": "0",
                              "ATTNSERVE_ATTENTION_THREADS": "1",
-                             "ATTNSERVE_TEST_ATTENTION_GATE": str(gate)})
+                             "ATTNSERVE_TEST_ATTENTION_GATE": str(attention_gate)})
 
 
 async def _stream_tokens(client: httpx.AsyncClient) -> list[int]:
@@ -106,7 +97,7 @@ async def _flood_and_stream(url: str) -> tuple[list[httpx.Response], httpx.Respo
 
 
 def test_flood_beyond_the_bound_gets_429_counted_while_a_stream_completes(
-        server: Any, gate: Path, metric: Callable[..., float],
+        server: Any, attention_gate: Path, metric: Callable[..., float],
         encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
     def scrape() -> str:
@@ -116,7 +107,8 @@ def test_flood_beyond_the_bound_gets_429_counted_while_a_stream_completes(
     busy = {"reason": "attention_busy"}
     before = metric(scrape(), "attnserve_rejected_requests_total", busy)
 
-    held = HeldRequest(server.url, gate, {"inputs": HELD_TEXT, "include": ["weights", "q"]})
+    held = HeldRequest(server.url, attention_gate,
+                       {"inputs": HELD_TEXT, "include": ["weights", "q"]})
     assert metric(scrape(), "attnserve_admission_requests", running) == 1
     refused, bad, tokens = asyncio.run(_flood_and_stream(server.url))
 
@@ -144,7 +136,7 @@ def test_flood_beyond_the_bound_gets_429_counted_while_a_stream_completes(
     assert metric(scrape(), "attnserve_admission_requests", running) == 0
 
     # The slot came back: the next request is admitted and answered.
-    again = HeldRequest(server.url, gate, {"inputs": HELD_TEXT})
+    again = HeldRequest(server.url, attention_gate, {"inputs": HELD_TEXT})
     assert again.release().status_code == 200
     assert metric(scrape(), "attnserve_rejected_requests_total", busy) - before == FLOOD
 

@@ -19,7 +19,7 @@ import pytest
 
 from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 from service.contract.manifest import verify_manifest
-from tests.service.conftest import ServerProcess, serving, wait_metric
+from tests.service.helpers import ServerProcess, serving, wait_metric
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O", "KING HENRY:"]
@@ -143,7 +143,7 @@ def greedy_ids(url: str, prompt: str, n: int) -> list[int]:
 def test_prefix_caching_on_and_off_give_the_reference_tokens(
         tuned: ServerProcess, uncached: ServerProcess, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    from tests.service.conftest import metric_value
+    from tests.service.helpers import metric_value
 
     prompts = [SYSTEM + p for p in PROMPTS]
     lengths = [9, 14, 6, 11, 17, 8]
@@ -167,7 +167,7 @@ def test_prefix_caching_on_and_off_give_the_reference_tokens(
 def test_a_long_prompt_is_prefilled_in_chunks_with_the_reference_tokens(
         tuned: ServerProcess, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    from tests.service.conftest import metric_value
+    from tests.service.helpers import metric_value
 
     long = " ".join(PROMPTS) + " " + PROMPTS[1]
     ids = encode(long)
@@ -210,7 +210,7 @@ def test_a_poisoned_prefill_is_424_while_its_neighbours_succeed(
 def test_a_failed_decode_step_is_424_and_the_next_request_succeeds(
         tuned: ServerProcess, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    from tests.service.conftest import metric_value
+    from tests.service.helpers import metric_value
 
     gate = tuned.gate
     assert gate is not None
@@ -232,7 +232,7 @@ def test_a_failed_decode_step_is_424_and_the_next_request_succeeds(
 def test_kv_metrics_report_what_the_pool_holds(
         tuned: ServerProcess, engine_artifact: Path, encode: Callable[[str], list[int]]) -> None:
     from service.contract import io_spec as io
-    from tests.service.conftest import first_sse, metric_value
+    from tests.service.helpers import first_sse, metric_value
 
     config = io.ArtifactConfig.load(engine_artifact)
     token_bytes = 2 * config.n_layers * config.d_model * 4

@@ -22,7 +22,7 @@ import torch
 
 from service.contract.engine_spec import ENGINE_MIXED_FILE
 from tests.hf_gpt2 import ENDOFTEXT, load_hf_model
-from tests.service.conftest import ServerProcess, serving
+from tests.service.helpers import ServerProcess, serving
 
 pytest.importorskip("transformers")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.conftest import ServerProcess, metric_value, serving
+from tests.service.helpers import ServerProcess, metric_value, serving
 
 # Code repeats itself: prompt lookup finds what comes next in the prompt.
 REPETITIVE = ("def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\n"

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.service.conftest import ServerProcess, serving
+from tests.service.helpers import ServerProcess, serving
 
 KEY = "schema-key"
 NAME = "tiny"

@@ -34,7 +34,7 @@ from PIL import Image
 
 from service.contract import io_spec as io
 from tests.conftest import tiny_corpus, torch_threads
-from tests.service.conftest import ServerProcess
+from tests.service.helpers import ServerProcess
 
 KEY = "viz-test-key"
 PROMPT = "Return the number of items in the container."
