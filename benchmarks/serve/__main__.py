@@ -256,10 +256,14 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
                    rate: float, attention_text: str | None) -> dict[str, Any]:
     limit = args.max_concurrency or len(requests)
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
-    connections = aiohttp.TCPConnector(limit=limit + 4)
+    async with aiohttp.ClientSession(base_url=url, timeout=timeout) as probe:
+        model, info = await _served_model(probe)
+    # Another server than ours (no /info: llama-server) gets a connection a request: after
+    # a streamed answer llama-server's keep-alive connection fails the next request on it
+    # ("Can not write request body"); ours keeps connections alive, as vLLM's bench does.
+    connections = aiohttp.TCPConnector(limit=limit + 4, force_close=not info)
     async with aiohttp.ClientSession(base_url=url, timeout=timeout,
                                      connector=connections) as client:
-        model, info = await _served_model(client)
         send = load.request_func(args.backend, model, ignore_eos=args.ignore_eos)
         for req in requests[:args.num_warmups]:
             warm = await send(client, req, load.RequestOutput())
