@@ -22,9 +22,10 @@ class Settings(BaseSettings):
                                       protected_namespaces=())
 
     model: Path = Field(description="artifact directory (model.onnx, attention.onnx, ...)")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    device: Device = "auto"
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind (0: any free port)")
+    device: Device = Field("auto", description="auto: CUDA when ONNX Runtime has it, else "
+                                               "CPU; cuda: fail at start without it")
     served_model_name: str | None = Field(
         None, description="name in /v1/models and metrics; default: the artifact's model_name")
     max_batch_size: int = Field(32, ge=1, description="sequences decoded together per step")
@@ -117,7 +118,8 @@ class Settings(BaseSettings):
         "auto", description="auto: the OpenAI routes take sampling fields a request leaves "
                             "unset from the artifact's generation_config.json (vLLM's "
                             "default); off: the API's neutral defaults")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="the server's log level")
 
     @field_validator("api_key")
     @classmethod

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,3 +103,63 @@ def test_limits_default_to_the_context_and_refuse_impossible_values(tmp_path: Pa
         Limits.resolve(Settings(model=tmp_path, max_total_tokens=256), 128)
     with pytest.raises(ValueError, match="max_batch_tokens"):
         Limits.resolve(Settings(model=tmp_path, max_batch_tokens=64), 128)
+
+
+def _serve_parser() -> Any:
+    import argparse
+
+    from service.serve_cli import register
+
+    root = argparse.ArgumentParser(prog="attnserve")
+    register(root.add_subparsers())
+    return root
+
+
+def test_every_setting_is_a_flag_with_its_type_and_default_in_the_help() -> None:
+    """The flags are generated from Settings: one per field (the API key, a secret, only
+    from the environment), parsed to the field's type, bools as --x/--no-x, Literals as
+    choices, and the help naming each field's default."""
+    import argparse
+
+    root = _serve_parser()
+    serve_parser = next(a for a in root._actions
+                        if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    flags = {a.dest: a for a in serve_parser._actions if a.dest != "help"}
+    assert set(flags) == set(Settings.model_fields) - {"api_key"}
+    for name, field in Settings.model_fields.items():
+        if name == "api_key" or field.get_default() is None or field.is_required():
+            continue
+        default = field.get_default()
+        shown = ("on" if default else "off") if isinstance(default, bool) else str(default)
+        assert f"(default {shown})" in flags[name].help or flags[name].help == (
+            f"default {shown}"), (name, flags[name].help)
+    args = root.parse_args(["serve", "--model", "m", "--max-batch-size", "7",
+                            "--drain-timeout", "2.5", "--no-prefix-caching",
+                            "--device", "cpu", "--speculative-model", "ngram"])
+    assert (args.max_batch_size, args.drain_timeout, args.prefix_caching, args.device,
+            args.speculative_model, args.port) == (7, 2.5, False, "cpu", "ngram", None)
+    with pytest.raises(SystemExit):
+        root.parse_args(["serve", "--device", "tpu"])
+    with pytest.raises(SystemExit):
+        root.parse_args(["serve", "--api-key", "secret"])
+
+
+def test_a_flag_wins_over_the_environment_and_the_environment_over_the_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.serve_cli import settings_from
+
+    root = _serve_parser()
+    for key in [k for k in os.environ if k.startswith("ATTNSERVE_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("ATTNSERVE_MAX_BATCH_SIZE", "5")
+    monkeypatch.setenv("ATTNSERVE_PREFIX_CACHING", "false")
+    settings = settings_from(root.parse_args(["serve", "--model", "m",
+                                              "--max-batch-size", "7"]))
+    assert (settings.max_batch_size, settings.prefix_caching) == (7, False)
+    assert settings.max_queued_requests == 128 and settings.port == 8000  # the defaults
+    monkeypatch.setenv("ATTNSERVE_MAX_BATCH_SIZE", "0")
+    with pytest.raises(ValueError, match="invalid setting max_batch_size"):
+        settings_from(root.parse_args(["serve", "--model", "m"]))
+    monkeypatch.delenv("ATTNSERVE_MAX_BATCH_SIZE")
+    with pytest.raises(ValueError, match=r"--model \(or ATTNSERVE_MODEL\) is required"):
+        settings_from(root.parse_args(["serve"]))
