@@ -62,6 +62,7 @@ ACTIVATION_LEVELS = {"int8": ACCURACY_LEVEL, "float": 0}
 # MatMulNBits settings per method: (bits, symmetric).
 NBITS = {"int8": (8, True), "int4": (4, False)}
 STEPS = 64
+SIDE_DATA = ".data"  # a quantised graph's new weights beside it (_save), until weights.bin
 PROMPTS = 8
 PROMPT_TOKENS = 16
 FALLBACK_TEXT = (
@@ -297,15 +298,18 @@ def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
 
 
 def _save(model: Any, dst: Path, base: Path | None = None) -> None:
-    """Topologically sorted, in one file (export_artifact moves the weights into
-    weights.bin afterwards). Tensors left in ``base``'s external data keep pointing there
-    when ``dst`` is in that directory, and are loaded into the file otherwise."""
+    """Topologically sorted, its new weights in a side file (``dst`` + ".data": a graph
+    of over 2 GB, a 3B model's blocks, cannot be one protobuf); export_artifact moves
+    them into weights.bin afterwards and deletes the side files. Tensors left in
+    ``base``'s external data keep pointing there when ``dst`` is in that directory, and
+    are copied into the side file otherwise."""
     import onnx
     from onnxruntime.quantization.onnx_model import ONNXModel
 
     if base is not None and base.resolve() != dst.parent.resolve():
         onnx.load_external_data_for_model(model, str(base))
-    ONNXModel(model).save_model_to_file(str(dst), use_external_data_format=False)
+    dst.with_name(dst.name + SIDE_DATA).unlink(missing_ok=True)  # onnx appends to it
+    ONNXModel(model).save_model_to_file(str(dst), use_external_data_format=True)
 
 
 def _matmul_nbits(src: Path, dst: Path, bits: int, symmetric: bool,

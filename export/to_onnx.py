@@ -223,7 +223,7 @@ def export_artifact(
     )
     from export.memory import release
     from export.onnx_build import WEIGHTS_FILE, WeightsWriter, load_graph
-    from export.quantize import ACTIVATION_LEVELS, gguf_advice, quantize_model
+    from export.quantize import ACTIVATION_LEVELS, SIDE_DATA, gguf_advice, quantize_model
     from export.verify import TorchReference, check_prompts, verify_artifact
     from export.widen_codes import compare_widened, widen_4bit_codes
     from service.contract.engine_spec import (
@@ -401,8 +401,8 @@ def export_artifact(
                     prompts=verification["decode"]["prompts"][:2])
                 say(f"verified {ENGINE_CODES8_PLAIN_FILE} against {ENGINE_FILE}: "
                     f"{verification['engine_codes8_plain']['max_abs_diff']:.2e}")
-            for stale in tmp.glob(".*.fp32"):
-                stale.unlink()
+            for stale in [*tmp.glob(".*.fp32"), *tmp.glob(f"*.onnx{SIDE_DATA}")]:
+                stale.unlink()  # the float32 graphs, and quantised weights now in weights.bin
         shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
         for name in io.OPTIONAL_HF_FILES:  # chat template and friends, when the checkpoint has them
             if (Path(ckpt_dir) / name).is_file():

@@ -97,11 +97,13 @@ def session(model_nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], k:
 
 
 def written(tensor: gguf.ReaderTensor, mode: str = "exact", level: int = 0,
-            flat: bool = False) -> tuple[ort.InferenceSession, int]:
-    """The tensor's product as export/gguf_blocks.py writes it, and its MatMulNBits count."""
+            flat: bool = False, halves: bool = False) -> tuple[ort.InferenceSession, int]:
+    """The tensor's product as export/gguf_blocks.py writes it, and its MatMulNBits count:
+    by default as the int8-activation graphs hold it (8-bit blocks one product), run here
+    at ``level``; ``halves``: 8-bit blocks as two 4-bit products (--activations float)."""
     from export.gguf_blocks import BlockWriter, read_blocks
 
-    writer = BlockWriter(mode, level, flat)
+    writer = BlockWriter(mode, level, flat, halves)
     writer.matmul("x", "y", read_blocks(tensor), "w", "w")
     n, k = reference(tensor).shape
     nbits = sum(node.op_type == "MatMulNBits" for node in writer.nodes)
@@ -142,6 +144,15 @@ def test_matmulnbits_returns_ggufs_values(qtype: Q, kind: str,
     if qtype not in (Q.Q2_K, Q.Q4_K):  # no float zero points: exact in either mode
         sess, _ = written(tensor, mode="float-zp")
         assert np.array_equal(sess.run(None, {"x": eye})[0].T, ref)
+    if qtype in (Q.Q5_K, Q.Q6_K):  # 8-bit codes as two 4-bit halves: exact without
+        sess, nbits = written(tensor, halves=True)  # minimums, one rounding with them
+        ours = sess.run(None, {"x": eye})[0].T
+        assert nbits == 2
+        if qtype in MINIMUMS:
+            np.testing.assert_allclose(ours, ref, rtol=0,
+                                       atol=2 * np.abs(ref).max() * 2.0 ** -24)
+        else:
+            assert np.array_equal(ours, ref)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
