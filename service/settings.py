@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -129,6 +129,12 @@ class Settings(BaseSettings):
             raise ValueError("ATTNSERVE_API_KEY is set but empty: unset it to serve "
                              "without auth, or give a key")
         return key
+
+
+def default_of(name: str) -> Any:
+    """A Settings field's default: the one source of each serving default, which the
+    engine's own config classes (EngineConfig, SpeculativeConfig) take rather than repeat."""
+    return Settings.model_fields[name].get_default()
 
 
 @dataclass(frozen=True)

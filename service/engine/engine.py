@@ -45,32 +45,34 @@ from service.engine.session import CPU, create_session, select_providers
 from service.engine.speculative import SpeculativeConfig, Speculator
 from service.engine.static_cache import EngineGraphRunner, twin_fits
 from service.engine.stats import KVStats, PrefixCacheStats, StatsSink
-from service.settings import Device, Limits, Settings
+from service.settings import Device, Limits, Settings, default_of
 
 log = logging.getLogger("attnserve.engine")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything that shapes the engine beyond the artifact (vLLM's EngineArgs)."""
+    """Everything that shapes the engine beyond the artifact (vLLM's EngineArgs); each
+    default is the Settings field's of the same name (``device`` excepted: an engine made
+    directly, in tests and benchmarks, runs on the CPU; served, ``auto`` picks)."""
 
     device: Device = "cpu"
-    intra_op_threads: int = 0  # ONNX Runtime threads; 0 = all cores
-    engine_graph: bool = True  # engine.onnx when the artifact has it and it runs on CPU
-    mixed_steps: bool = True  # engine_mixed.onnx when the artifact has it
-    max_batch_size: int = 32  # rows decoded together = the KV pool's slots
-    max_batch_tokens: int = 16384  # reserved tokens (prompt + max_new_tokens) in a batch
-    max_queued_requests: int = 128
+    intra_op_threads: int = default_of("intra_op_threads")  # ONNX Runtime threads; 0 = all
+    engine_graph: bool = default_of("engine_graph")  # engine.onnx when present, on CPU
+    mixed_steps: bool = default_of("mixed_steps")  # engine_mixed.onnx when present
+    max_batch_size: int = default_of("max_batch_size")  # rows a step = the KV pool's slots
+    max_batch_tokens: int = default_of("max_batch_tokens")  # reserved tokens in a batch
+    max_queued_requests: int = default_of("max_queued_requests")
     max_total_tokens: int | None = None  # tokens per slot; None: the model's context
-    kv_cache_memory_mb: float | None = None  # token budget of the pool; None: no cap
-    prefix_caching: bool = True
-    prefix_cache_memory_mb: float = 64.0
-    prefix_block_size: int = 16
-    prefill_chunk_tokens: int = 256  # 0: prompts are prefilled in one pass
-    float32_pass_tokens: int | None = None  # engine_float32.onnx from; 0: never; None: artifact's
-    codes8_pass_rows: int | None = None  # engine_codes8.onnx from; 0: never; None: artifact's
-    adaptive_prefill_chunks: bool = True
-    huge_pages: bool = True  # the weights packed at load moved into 2 MiB pages
+    kv_cache_memory_mb: float | None = default_of("kv_cache_memory_mb")  # None: no cap
+    prefix_caching: bool = default_of("prefix_caching")
+    prefix_cache_memory_mb: float = default_of("prefix_cache_memory_mb")
+    prefix_block_size: int = default_of("prefix_block_size")
+    prefill_chunk_tokens: int = default_of("prefill_chunk_tokens")  # 0: one pass
+    float32_pass_tokens: int | None = default_of("float32_pass_tokens")  # None: artifact's
+    codes8_pass_rows: int | None = default_of("codes8_pass_rows")  # None: artifact's
+    adaptive_prefill_chunks: bool = default_of("adaptive_prefill_chunks")
+    huge_pages: bool = default_of("huge_pages")  # packed weights moved into 2 MiB pages
     speculative: SpeculativeConfig | None = None  # None: one token per row per step
     speculative_model: Path | None = None  # the draft's artifact (method "draft")
 

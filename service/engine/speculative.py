@@ -37,6 +37,7 @@ import numpy as np
 from service.engine.request import SamplingParams
 from service.engine.sampling import RowSampler, warp
 from service.engine.stats import SpeculationStats
+from service.settings import default_of
 
 Method = Literal["ngram", "draft"]
 
@@ -46,11 +47,14 @@ class SpeculativeConfig:
     """How to speculate; vLLM's ``--speculative-config`` fields where they exist."""
 
     method: Method = "ngram"
-    num_speculative_tokens: int = 4  # k: drafted tokens per verification pass
-    prompt_lookup_max: int = 4  # longest n-gram searched for (ngram)
-    prompt_lookup_min: int = 2  # shortest n-gram accepted as a match (ngram)
-    max_batch_rows: int = 1  # speculate only while the batch has at most this many rows
-    adaptive: bool = True  # False: propose every step, paying or not (to measure acceptance)
+    # k: drafted tokens per verification pass
+    num_speculative_tokens: int = default_of("num_speculative_tokens")
+    prompt_lookup_max: int = default_of("prompt_lookup_max")  # longest n-gram searched for
+    prompt_lookup_min: int = default_of("prompt_lookup_min")  # shortest accepted as a match
+    # speculate only while the batch has at most this many rows
+    max_batch_rows: int = default_of("speculative_max_batch_rows")
+    # False: propose every step, paying or not (to measure acceptance)
+    adaptive: bool = default_of("speculative_adaptive")
     probe_budget: float = 0.02  # share of plain speed spent re-testing speculation that lost
     max_pause: int = 512  # longest run of plain steps between two such tests
 

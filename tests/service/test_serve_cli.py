@@ -163,3 +163,24 @@ def test_a_flag_wins_over_the_environment_and_the_environment_over_the_default(
     monkeypatch.delenv("ATTNSERVE_MAX_BATCH_SIZE")
     with pytest.raises(ValueError, match=r"--model \(or ATTNSERVE_MODEL\) is required"):
         settings_from(root.parse_args(["serve"]))
+
+
+def test_the_engine_configs_take_their_defaults_from_settings() -> None:
+    """One source for each default: an engine made without settings (tests, benchmarks)
+    runs as a server started without flags does."""
+    import dataclasses
+
+    from service.engine.engine import EngineConfig
+    from service.engine.speculative import SpeculativeConfig
+
+    renamed = {"max_batch_rows": "speculative_max_batch_rows",
+               "adaptive": "speculative_adaptive"}
+    for config in (EngineConfig(), SpeculativeConfig()):
+        shared = 0
+        for f in dataclasses.fields(config):
+            name = renamed.get(f.name, f.name)
+            if name in Settings.model_fields and name not in ("device", "max_total_tokens",
+                                                              "speculative_model"):
+                assert getattr(config, f.name) == Settings.model_fields[name].get_default(), name
+                shared += 1
+        assert shared >= 5
