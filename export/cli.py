@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         verify=not args.no_verify, force=args.force,
         engine_graph=args.engine_graph, mixed_steps=args.mixed_steps,
         float32_twin=args.float32_twin, codes8=args.codes8, activations=args.activations,
-        log=lambda msg: print(f"  {msg}", file=sys.stderr))
+        log=lambda msg: print(f"  [{time.perf_counter() - started:6.1f} s] {msg}",
+                              file=sys.stderr))
     print(f"exported {args.ckpt} → {out} in {time.perf_counter() - started:.1f}s")
     return 0
