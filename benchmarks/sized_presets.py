@@ -82,8 +82,8 @@ SHAPES: dict[str, SizedShape] = {
 def write_smollm2_tokenizer(out: Path, context_length: int) -> dict[str, int | None]:
     """tokenizer.json and its side files, rebuilt from the shipped SmolLM2 GGUF; its ids."""
     from benchmarks.smollm2_instruct_preset import source_gguf
-    from model.gguf_import import open_gguf, read_metadata
     from model.gguf_tokenizer import build_tokenizer, read_vocab, side_files
+    from model.gguf_weights import open_gguf, read_metadata
 
     gguf = source_gguf()
     vocab = read_vocab(read_metadata(open_gguf(gguf), gguf), str(gguf))

@@ -61,7 +61,7 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
 
 def open_source(training: dict[str, Any]) -> GGUFFile:
     """The GGUF file of a checkpoint's ``training`` record, or SourceRefused (one line)."""
-    from model.gguf_import import file_sha256, open_gguf, read_config
+    from model.gguf_weights import file_sha256, open_gguf, read_config
 
     record = training.get("imported_from")
     if not isinstance(record, dict) or record.get("format") != "gguf":

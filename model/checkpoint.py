@@ -2,7 +2,7 @@
 
 No pickle anywhere: weights are safetensors, everything else is JSON. A checkpoint
 imported from a GGUF file holds that file (model.gguf) instead of model.safetensors: its
-quantised blocks, dequantised when the checkpoint is loaded (model/gguf_import.py), kept
+quantised blocks, dequantised when the checkpoint is loaded (model/gguf_weights.py), kept
 as they are by ``export --quantize gguf``. A checkpoint is built in a temporary sibling
 directory and renamed into place, so an interrupted run never leaves a directory that
 looks valid.
@@ -175,8 +175,8 @@ def _load_held_gguf(path: Path, meta: CheckpointMeta, device: str) -> Checkpoint
     """A checkpoint holding its GGUF file: the weights dequantised from it, once. Its
     ``imported_from`` record points at the held file (the one ``--quantize gguf`` reads:
     the same bytes as the imported one, which may since have moved)."""
-    from model.gguf_import import load_gguf_model
-    from model.hf_import import ImportRefused
+    from model.gguf_weights import load_gguf_model
+    from model.hf_config import ImportRefused
 
     try:
         model = load_gguf_model(path / GGUF_WEIGHTS_FILE, meta.model)

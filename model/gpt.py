@@ -80,7 +80,7 @@ class GPT(nn.Module):
     def fill_buffers(self) -> None:
         """Compute the buffers (rotary frequencies, the sinusoidal table) of a model built
         on the meta device, whose parameters were then assigned (a checkpoint holding its
-        GGUF file: model/gguf_import.py)."""
+        GGUF file: model/gguf_weights.py)."""
         cfg = self.config
         if self.rotary is not None:
             self.rotary.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta,

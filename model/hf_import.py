@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.architectures import architecture, for_hf_model_type, hf_model_types
+from model.architectures import architecture
 from model.architectures.base import Architecture
 from model.checkpoint import CheckpointMeta, save_checkpoint
 from model.config import GPTConfig
+from model.hf_config import ImportRefused, gpt_config_from_hf
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -53,10 +54,6 @@ SAFETENSORS_HINT = (
     "convert it once with transformers: GPT2LMHeadModel.from_pretrained(DIR)"
     ".save_pretrained(DIR, safe_serialization=True), or download the model's "
     "model.safetensors (e.g. `hf download gpt2 model.safetensors --local-dir DIR`)")
-
-
-class ImportRefused(ValueError):
-    """The directory is not something this importer converts faithfully (one-line reason)."""
 
 
 # Sampling fields a model author may recommend in generation_config.json, with the range
@@ -118,21 +115,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _optional_json(path: Path) -> dict[str, Any]:
     return _read_json(path) if path.is_file() else {}
-
-
-def gpt_config_from_hf(hf: dict[str, Any], where: Path) -> GPTConfig:
-    """GPTConfig computing exactly what transformers computes for ``hf``, or a refusal."""
-
-    def refuse(reason: str) -> ImportRefused:
-        return ImportRefused(f"{where}: {reason}")
-
-    model_type = hf.get("model_type")
-    arch = for_hf_model_type(str(model_type))
-    if arch is None:
-        raise refuse(f"model_type {model_type!r} is not supported; attnserve imports "
-                     f"model_type {', '.join(hf_model_types())}")
-    config: GPTConfig = arch.config_from_hf(hf, refuse)
-    return config
 
 
 def _weight_files(src: Path) -> dict[str, Path]:

@@ -26,7 +26,8 @@ import torch
 
 from model.checkpoint import load_checkpoint, read_meta
 from model.default_model import default_gguf_path, install_hint
-from model.gguf_import import _Reader, dequantize, import_gguf_checkpoint
+from model.gguf_import import import_gguf_checkpoint
+from model.gguf_weights import _Reader, dequantize
 from model.hf_import import ImportRefused
 from model.sample import generate
 from service.cli import main as cli_main
