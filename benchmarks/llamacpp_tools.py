@@ -58,21 +58,27 @@ def build_record() -> str:
                       *CMAKE_ARGS]) + "\n"
 
 
-def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-    with open(log, "a", encoding="utf-8") as out:
+def run_logged(cmd: list[str], log: Path, env: dict[str, str] | None = None,
+               append: bool = True) -> None:
+    """``cmd`` with its output in ``log`` (after a ``$ cmd`` line; appended, or a fresh
+    file); an OSError naming the program (a Python module or script run by this
+    interpreter: its name) where it fails."""
+    with open(log, "a" if append else "w", encoding="utf-8") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
         result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     if result.returncode != 0:
-        raise OSError(f"{Path(cmd[0]).name} failed (exit {result.returncode}); see {log}")
+        program = cmd[0] if cmd[0] != sys.executable else next(
+            (a for a in cmd[1:] if not a.startswith("-")), cmd[0])
+        raise OSError(f"{Path(program).name} failed (exit {result.returncode}); see {log}")
 
 
 def fetch_sdist(root: Path, log: Path) -> Path:
     """The pinned sdist tarball in ``root``, downloaded with pip unless already there."""
     tarball = root / f"{sdist_stem()}.tar.gz"
     if not tarball.is_file():
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-              "--dest", str(root), LLAMA_CPP_PYTHON], log)
+        run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                    ":all:", "--dest", str(root), LLAMA_CPP_PYTHON], log)
     if not tarball.is_file():
         raise OSError(f"pip download did not leave {tarball}; see {log}")
     return tarball
@@ -132,10 +138,10 @@ def ensure_tools(root: Path = TOOLS_DIR, log: object = print) -> dict[str, Path]
     src = unpack_vendor(fetch_sdist(root, build_log), root / "src")
     shutil.rmtree(build, ignore_errors=True)  # another flag set: configure from scratch
     env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=BUILD_JOBS)
-    _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
-          f"-DCMAKE_MAKE_PROGRAM={_ninja()}", *CMAKE_ARGS], build_log, env=env)
-    _run(["cmake", "--build", str(build), "--parallel", BUILD_JOBS, "--target", *TOOLS],
-         build_log, env=env)
+    run_logged(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
+                f"-DCMAKE_MAKE_PROGRAM={_ninja()}", *CMAKE_ARGS], build_log, env=env)
+    run_logged(["cmake", "--build", str(build), "--parallel", BUILD_JOBS, "--target", *TOOLS],
+               build_log, env=env)
     missing = [t for t in TOOLS if not binary(t, root).is_file()]
     if missing:
         raise OSError(f"the build left no {', '.join(missing)}; see {build_log}")

@@ -31,14 +31,13 @@ import argparse
 import hashlib
 import json
 import shutil
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.llamacpp_env import LLAMA_CPP_PYTHON
-from benchmarks.llamacpp_tools import converter_command, tool_path
+from benchmarks.llamacpp_tools import converter_command, run_logged, tool_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SIZED_DIR = REPO_ROOT / ".cache" / "bench-work" / "sized"
@@ -130,22 +129,12 @@ def file_record(path: Path) -> dict[str, Any]:
     return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha.hexdigest()}
 
 
-def _logged(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-    with open(log, "w", encoding="utf-8") as out:
-        out.write(f"$ {' '.join(cmd)}\n")
-        out.flush()
-        result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    if result.returncode != 0:
-        raise OSError(f"{Path(cmd[1] if cmd[0] == sys.executable else cmd[0]).name} failed "
-                      f"(exit {result.returncode}); see {log}")
-
-
 def convert_f16(hf: Path, out: Path) -> list[str]:
     """llama.cpp's converter, HF directory → f16 GGUF (written aside, then renamed)."""
     prefix, env = converter_command()
     part = out.with_name(out.name + ".part")
     cmd = [*prefix, str(hf), "--outfile", str(part), "--outtype", "f16"]
-    _logged(cmd, out.with_suffix(".log"), env)
+    run_logged(cmd, out.with_suffix(".log"), env, append=False)
     part.rename(out)
     return cmd
 
@@ -154,7 +143,7 @@ def quantize(f16: Path, out: Path, qtype: str, threads: int) -> list[str]:
     """``llama-quantize`` with its default mix for ``qtype`` (written aside, then renamed)."""
     part = out.with_name(out.name + ".part")
     cmd = [str(tool_path("llama-quantize")), str(f16), str(part), qtype, str(threads)]
-    _logged(cmd, out.with_suffix(".log"))
+    run_logged(cmd, out.with_suffix(".log"), append=False)
     part.rename(out)
     return cmd
 

@@ -280,7 +280,8 @@ class BlockWriter:
         high_q, high_s, low_q, low_s = self._halves(blocks, w)
         zero = self.const(f"gguf.zero_points_4bit_{n}_{nb}",
                           pack_zero_points(np.zeros((n, nb), np.uint8), 4))
-        attrs = {"K": k, "N": n, "bits": 4, "block_size": blocks.block, "accuracy_level": 0}
+        attrs = {"K": k, "N": n, "bits": 4, "block_size": blocks.block,
+                 "accuracy_level": self.level}
         high = self.node("MatMulNBits", [x, high_q, high_s], f"{out}.gguf_high",
                          f"{name}.gguf_high", **attrs)
         low = self.node("MatMulNBits", [x, low_q, low_s, zero], f"{out}.gguf_low",

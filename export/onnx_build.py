@@ -144,7 +144,6 @@ class WeightsWriter:
         self.added: dict[str, int] = {}  # graph file → bytes its add() stored new
         self._tmp = directory / f".{WEIGHTS_FILE}.tmp"
         self._blob: Any = None
-        self._new = 0  # bytes the last _put wrote
 
     def __enter__(self) -> WeightsWriter:
         self._blob = open(self._tmp, "wb")  # closed in __exit__
@@ -153,14 +152,15 @@ class WeightsWriter:
     def _staged(self, file_name: str) -> Path:
         return self.directory / f".{file_name}.tmp"
 
-    def _put(self, data_type: int, dims: list[int], data: Any) -> tuple[int, int]:
-        """(offset, length) of these bytes in the file, written unless equal ones were."""
+    def _put(self, data_type: int, dims: list[int], data: Any) -> tuple[int, int, bool]:
+        """(offset, length, whether written now) of these bytes in the file, written unless
+        equal ones were."""
         digest = hashlib.sha256(bytes([data_type]) + repr(dims).encode())
         digest.update(data)
         key = digest.digest()
         self._referenced += memoryview(data).nbytes
-        self._new = 0
-        if key not in self._index:
+        new = key not in self._index
+        if new:
             blob = self._blob
             offset, length = blob.tell(), memoryview(data).nbytes
             if length >= ALIGN_MIN_BYTES and offset % ALIGNMENT:
@@ -168,8 +168,7 @@ class WeightsWriter:
                 blob.seek(offset)
             blob.write(data)
             self._index[key] = (offset, length)
-            self._new = length
-        return self._index[key]
+        return (*self._index[key], new)
 
     def _point(self, tensor: onnx.TensorProto, location: str, offset: int,
                length: int) -> None:
@@ -192,8 +191,8 @@ class WeightsWriter:
             array = array.astype(array.dtype.newbyteorder("<"))
         tensor = onnx.TensorProto(name=name, dims=array.shape,
                                   data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-        offset, length = self._put(tensor.data_type, list(array.shape),
-                                   np.ascontiguousarray(array).data.cast("B"))
+        offset, length, _ = self._put(tensor.data_type, list(array.shape),
+                                      np.ascontiguousarray(array).data.cast("B"))
         self._point(tensor, self._tmp.name, offset, length)
         return tensor
 
@@ -208,8 +207,8 @@ class WeightsWriter:
             data = _tensor_bytes(tensor, self.base)
             if len(data) < EXTERNAL_MIN_BYTES:
                 continue
-            offset, length = self._put(tensor.data_type, list(tensor.dims), data)
-            self.added[file_name] = self.added.get(file_name, 0) + self._new
+            offset, length, new = self._put(tensor.data_type, list(tensor.dims), data)
+            self.added[file_name] = self.added.get(file_name, 0) + (length if new else 0)
             del data
             self._point(tensor, WEIGHTS_FILE, offset, length)
         onnx.save_model(model, str(self._staged(file_name)))

@@ -47,7 +47,7 @@ def argument(field: Any) -> dict[str, Any]:
     else:
         keywords["type"] = str if kind is Path else kind
         shown = default
-    if default is not None and field.is_required() is False:
+    if default is not None and not field.is_required():
         text = f"{text} (default {shown})" if text else f"default {shown}"
     keywords["help"] = text.replace("%", "%%")
     return keywords
@@ -89,8 +89,8 @@ def settings_from(args: argparse.Namespace) -> Any:
         first = exc.errors()[0]
         name = ".".join(str(p) for p in first["loc"])
         if first["type"] == "missing":
-            raise ValueError(f"--{name.replace('_', '-')} (or ATTNSERVE_{name.upper()}) "
-                             "is required") from None
+            raise ValueError(f"{flag(name)} (or ATTNSERVE_{name.upper()}) is required"
+                             ) from None
         raise ValueError(f"invalid setting {name}: {first['msg']}") from None
 
 
