@@ -17,9 +17,11 @@ from service.settings import Device
 
 class EngineRunner:
     def __init__(self, artifact_dir: Path, threads: int, name: str = "engine",
-                 max_len: int | None = None, device: Device = "cpu") -> None:
+                 max_len: int | None = None, device: Device = "cpu",
+                 cuda_graphs: bool = True, max_batch_size: int = 64) -> None:
         """``max_len``: tokens per KV slot (the server's --max-total-tokens), default the
-        model's context; ``device``: the server's --device."""
+        model's context; ``device``, ``cuda_graphs`` and ``max_batch_size``: the server's
+        flags of those names."""
         from service.artifact.loader import open_artifact
         from service.engine.engine import Engine, EngineConfig
         from service.settings import Settings
@@ -34,7 +36,8 @@ class EngineRunner:
         # One static batch: no prefix cache, no chunking, no mixed steps (nobody joins:
         # engine.onnx, not engine_mixed.onnx); end-of-sequence is not a stop.
         self.engine = Engine.from_artifact(artifact, EngineConfig(
-            device=device, intra_op_threads=threads, max_batch_size=64,
+            device=device, intra_op_threads=threads, max_batch_size=max_batch_size,
+            cuda_graphs=cuda_graphs,
             max_batch_tokens=1 << 20, max_queued_requests=1024, max_total_tokens=max_total,
             prefix_caching=False, prefill_chunk_tokens=0, mixed_steps=False), warmup=False)
         self.loop = asyncio.new_event_loop()

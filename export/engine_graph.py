@@ -307,9 +307,13 @@ def export_engine(gpt: GPT, path: Path, matmul_only: bool = False,
 
 def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None = None,
                   prompts: list[list[int]] | None = None,
-                  reference: TorchReference | None = None) -> dict[str, object]:
+                  reference: TorchReference | None = None,
+                  dtype: io.KvDtype = "float32") -> dict[str, object]:
     """Greedy-decode ragged rows through engine.onnx, teacher-forced with PyTorch's tokens;
     logits within tolerance, greedy choices equal wherever PyTorch's choice is clear.
+    ``dtype``: the graph's cache (and, float16, its arithmetic: the bound of
+    :func:`logits_tolerance` for it); a float16 graph's ``greedy_ids`` must equal the
+    argmax of its own logits.
 
     Pass model.onnx's ``reference`` and decode ``prompts`` and PyTorch runs no more.
     Also checks that the presents come back in the very buffers bound as pasts, i.e. that
@@ -327,14 +331,17 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
     reference = reference or TorchReference(gpt)
     seqs, refs = zip(*(reference.greedy(p, steps) for p in prompts), strict=True)
     session = create_session(path)
-    idle = es.idle_chunk_inputs(_input_names(session), n, cfg.kv_heads, cfg.head_dim)
+    idle = es.idle_chunk_inputs(_input_names(session), n, cfg.kv_heads, cfg.head_dim, dtype)
     lens = [len(p) for p in prompts]
     # as long as the check needs: GroupQueryAttention reads each row's first seqlens_k + 1
     # positions whatever the buffer's length, and max_seq_len ones cost SmolLM2 (8,192
     # positions) 750 MB
     length = min(cfg.max_seq_len, max(lens) + steps)
     shape = (len(lens), cfg.kv_heads, length, cfg.head_dim)
-    buffers = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for _ in range(2 * n)]
+    buffers = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.dtype(dtype)))
+               for _ in range(2 * n)]
+    greedy = es.GREEDY_IDS in {o.name for o in session.get_outputs()}
+    greedy_equal = True  # greedy_ids == argmax(logits), every row and step
     t = max(lens)
     ids = np.zeros((len(lens), t), np.int64)  # right-padded: each row's cache starts at 0
     for row, p in enumerate(prompts):
@@ -361,11 +368,17 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
             binding.bind_cpu_input(name, value)
         for name in [es.chunk_name(o) for o in (io.LOGITS, *io.present_names(n))] if idle else []:
             binding.bind_output(name, "cpu")
+        extra = [es.GREEDY_IDS, *([es.chunk_name(es.GREEDY_IDS)] if idle else [])] if greedy else []
+        for name in extra:
+            binding.bind_output(name, "cpu")
         session.run_with_iobinding(binding)
         outs = binding.get_outputs()
         in_place &= all(o.data_ptr() == b.data_ptr() for o, b in zip(outs[1:1 + 2 * n], buffers,
                                                                       strict=True))
         last = outs[0].numpy()[:, 0]  # (B, V)
+        if greedy:
+            ids_out = binding.get_outputs()[-len(extra)].numpy()[:, 0]  # (B,)
+            greedy_equal &= bool((ids_out == last.argmax(-1)).all())
         ref = np.stack([r[k - 1 + step] for r, k in zip(refs, lens, strict=True)])  # (B, V)
         worst = max(worst, float(np.abs(last - ref).max()))
         scale = max(scale, float(np.abs(ref).max()))
@@ -375,13 +388,15 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
         ids, pos = nxt[:, None], total[:, None].copy()  # PyTorch's tokens: the same cache
         total = total + 1
     if tolerance is None:
-        tolerance = logits_tolerance(cfg, scale)
+        tolerance = logits_tolerance(cfg, scale, dtype, half=dtype == "float16")
     decided = clear_mismatches(margins, tolerance)
     result: dict[str, object] = {"steps": steps, "max_abs_diff": worst,
                                  "greedy_equal": not decided, "near_ties": len(margins)
                                  - len(decided), "in_place": in_place, "tolerance": tolerance,
                                  "prompt_lengths": lens}
-    if not (worst <= tolerance and not decided and in_place):
+    if greedy:
+        result["greedy_ids_equal_argmax"] = greedy_equal
+    if not (worst <= tolerance and not decided and in_place and greedy_equal):
         raise ValueError(f"engine.onnx disagrees with PyTorch: {result}")
     return result
 

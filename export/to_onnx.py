@@ -221,6 +221,7 @@ def export_artifact(
         build_decoder,
         grouped_kv,
     )
+    from export.half import halve_artifact
     from export.memory import release
     from export.onnx_build import WEIGHTS_FILE, WeightsWriter, load_graph
     from export.quantize import ACTIVATION_LEVELS, SIDE_DATA, gguf_advice, quantize_model
@@ -238,9 +239,9 @@ def export_artifact(
     opset = DEFAULT_OPSET if opset is None else opset
     out = Path(out_dir)
     check_options(opset, dtype, quantize)
-    if engine_graph and (dtype != "float32" or quantize not in ENGINE_QUANTIZATIONS):
-        raise ValueError("--engine-graph needs float32 weights or --quantize int8/int4 "
-                         "(no --dtype float16, no --quantize int8-dynamic)")
+    if engine_graph and quantize not in ENGINE_QUANTIZATIONS:
+        raise ValueError("--engine-graph needs float32 or float16 weights or --quantize "
+                         "int8/int4/gguf (no --quantize int8-dynamic)")
     if engine_graph:
         from model.checkpoint import read_meta
 
@@ -304,6 +305,9 @@ def export_artifact(
         # the weights can go before any session comes (a float32 one holds them again).
         gpt.to_empty(device="meta")
         release()
+        if dtype == "float16" and engine_graph:  # the served graphs wholly in float16
+            storage = halve_artifact(tmp, [p.name for p in (engine_path, mixed_path)
+                                           if p.is_file()], say)
         if verify:
             verification = verify_artifact(gpt, model_path, attention_path, dtype,
                                            reference=reference)
@@ -314,13 +318,13 @@ def export_artifact(
             if engine_graph:
                 verification["engine"] = verify_engine(
                     gpt, engine_path, prompts=verification["decode"]["prompts"],
-                    reference=reference)
+                    reference=reference, dtype=dtype)
                 say(f"verified engine.onnx: {verification['engine']['max_abs_diff']:.2e} "
                     f"over {verification['engine']['steps']} steps, cache updated in place")
             if engine_graph and mixed_steps:
                 verification["engine_mixed"] = verify_engine(
                     gpt, mixed_path, prompts=verification["decode"]["prompts"],
-                    reference=reference)
+                    reference=reference, dtype=dtype)
                 say(f"verified {ENGINE_MIXED_FILE}: "
                     f"{verification['engine_mixed']['max_abs_diff']:.2e}")
         if quantize is not None:

@@ -55,8 +55,13 @@ class Settings(BaseSettings):
                              "small, so /attention cannot take the decode loop's cores")
     engine_graph: bool = Field(
         True, description="decode with the artifact's engine.onnx (in-place KV cache) when it "
-                          "has one and runs on CPU; false: always model.onnx (through the "
-                          "same KV pool, copied in and out every step)")
+                          "has one and runs on CPU, or on CUDA for a --dtype float16 "
+                          "artifact; false: always model.onnx (through the same KV pool, "
+                          "copied in and out every step)")
+    cuda_graphs: bool = Field(
+        True, description="on CUDA, with a float16 artifact's engine.onnx: replay decode "
+                          "steps as CUDA graphs, one per batch-size bucket (1, 2, 4, ... "
+                          "128); false: launch every kernel of every step")
     mixed_steps: bool = Field(
         True, description="decode with the artifact's engine_mixed.onnx when it has one: "
                           "newcomers' prompts and prompt chunks ride in the running rows' "

@@ -8,12 +8,14 @@ engine.onnx  (B = batch_size, T = sequence_length, M = max_sequence_length ≤ m
     inputs   input_ids (int64) [B, T], position_ids (int64) [B, T]
              seqlens_k (int32) [B]: each row's total length − 1 after this call
              total_sequence_length (int32) [1]: the longest row's total length
-             past_key_values.{i}.key / .value (float32) [B, num_heads, M, head_dim]
+             past_key_values.{i}.key / .value (float32, float16 with --dtype float16)
+             [B, num_heads, M, head_dim]
              (num_key_value_heads under grouped-query attention)
              logits_index (int64) [B, K]: which of each row's T fed positions get logits
              (0 ≤ index < T): a decode step's 0, a prompt's last real token, or all
     outputs  logits (float32) [B, K, vocab_size]
              present.{i}.key / .value: the same buffers as the pasts, written in place
+             greedy_ids (int64) [B, K]: argmax of the logits (float16 graphs only)
 
 Rows are right-padded: a row's cache and its new tokens start at column 0.
 
@@ -60,6 +62,9 @@ TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
 LOGITS_INDEX = "logits_index"
 MAX_SEQUENCE = "max_sequence_length"
 LOGITS_POSITIONS = "logits_positions"
+# A float16 engine graph's extra output (export/half.py): int64 [B, K], the argmax of each
+# row's logits, so a greedy step on the GPU copies token ids, not logits, to the host.
+GREEDY_IDS = "greedy_ids"
 GATHERED_INPUTS = frozenset({LOGITS_INDEX})  # absent from engine.onnx files of before it
 
 
@@ -81,11 +86,11 @@ def engine_output_names(n_layers: int) -> list[str]:
 
 
 def idle_chunk_inputs(input_names: Collection[str], n_layers: int, kv_heads: int,
-                      head_dim: int) -> dict[str, np.ndarray]:
+                      head_dim: int, dtype: str = "float32") -> dict[str, np.ndarray]:
     """The inputs of a mixed graph's second group when it feeds no token: one row of none,
     whose attention the graph runs on a zero row at position 0 of a one-position scratch
     cache; empty for a graph with one group. Its outputs (``chunk.logits`` (1, 0, V), the
-    scratch presents) are for the caller to ignore."""
+    scratch presents) are for the caller to ignore. ``dtype``: the graph's cache's."""
     if chunk_name(io.INPUT_IDS) not in input_names:
         return {}
     none = np.zeros((1, 0), np.int64)  # (1, 0): no token, no logits
@@ -93,5 +98,5 @@ def idle_chunk_inputs(input_names: Collection[str], n_layers: int, kv_heads: int
     return {chunk_name(io.INPUT_IDS): none, chunk_name(io.POSITION_IDS): none,
             chunk_name(LOGITS_INDEX): none, chunk_name(SEQLENS_K): np.zeros(1, np.int32),
             chunk_name(TOTAL_SEQUENCE_LENGTH): np.ones(1, np.int32),
-            **{chunk_name(name): np.zeros(scratch, np.float32)
+            **{chunk_name(name): np.zeros(scratch, np.dtype(dtype))
                for name in io.past_names(n_layers)}}

@@ -25,7 +25,8 @@ _LEVELS = {
 
 
 def create_session(model: str | Path | bytes, *, threads: int = 1,
-                   providers: Sequence[str] = (CPU,), optimization: Optimization = "all",
+                   providers: Sequence[str | tuple[str, dict[str, str]]] = (CPU,),
+                   optimization: Optimization = "all",
                    save_optimized_to: Path | None = None,
                    prepack: bool = True,
                    external_data_dir: Path | None = None,

@@ -172,9 +172,26 @@ class Batch:
             if want_prompt:
                 self._record_prompt_logprobs(logits)
             last = np.stack([rows[-1] for rows in logits])  # (B, V)
+        elif self._argmax_only():  # token ids are all the step needs from the graph
+            return self._emit(runner.decode_greedy(self.slots, self.next_tokens))  # (B,)
         else:
             last = runner.decode(self.slots, self.next_tokens)  # (B, V)
         return self._sample(last)
+
+    def _argmax_only(self) -> bool:
+        """Every row takes the raw logits' argmax and reports no log-probability."""
+        return all(s.sampler.params.is_plain_greedy and not s.request.token_logprobs
+                   and not s.request.sampling.top_n_logprobs for s in self.sequences)
+
+    def _emit(self, tokens: np.ndarray) -> list[TokenEvent]:
+        """Each row's next token, chosen by the runner (``decode_greedy``): ``_sample``
+        without logits."""
+        for seq, token in zip(self.sequences, tokens, strict=True):
+            seq.sampler.observe(int(token))
+        self.next_tokens = np.asarray(tokens, np.int64)  # (B,) fed at the next step
+        now = time.perf_counter()
+        return [self._advance(i, seq, int(tokens[i]), None, None, now)
+                for i, seq in enumerate(self.sequences)]
 
     def _sample(self, last: np.ndarray) -> list[TokenEvent]:
         """Each row's next token from its logits ``last`` (B, V)."""
@@ -265,7 +282,7 @@ class Batch:
             seq.prefill = tuple(infos)
 
     def _advance(self, row: int, seq: SequenceState, token: int, logprob: float | None,
-                 logits: np.ndarray, now: float) -> TokenEvent:
+                 logits: np.ndarray | None, now: float) -> TokenEvent:
         req = seq.request
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -293,7 +310,7 @@ class Batch:
             elif seq.generated >= req.stopping.max_new_tokens:
                 reason = "length"
         top: tuple[tuple[int, str, float], ...] = ()
-        if req.sampling.top_n_logprobs:
+        if req.sampling.top_n_logprobs and logits is not None:
             top = tuple((t, self.codec.token_text(t), lp)
                         for t, lp in top_logprobs(logits[row], req.sampling.top_n_logprobs))
         if reason is not None:

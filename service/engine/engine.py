@@ -41,7 +41,7 @@ from service.engine.request import GenerationRequest, SamplingParams, StoppingCr
 from service.engine.resident import collapse_to_huge_pages, release_file_pages
 from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import RequestHandle, Scheduler, SchedulerLimits
-from service.engine.session import CPU, create_session, select_providers
+from service.engine.session import CPU, CUDA, create_session, select_providers
 from service.engine.speculative import SpeculativeConfig, Speculator
 from service.engine.static_cache import EngineGraphRunner, twin_fits
 from service.engine.stats import KVStats, PrefixCacheStats, StatsSink
@@ -59,6 +59,7 @@ class EngineConfig:
     device: Device = "cpu"
     intra_op_threads: int = default_of("intra_op_threads")  # ONNX Runtime threads; 0 = all
     engine_graph: bool = default_of("engine_graph")  # engine.onnx when present, on CPU
+    cuda_graphs: bool = default_of("cuda_graphs")  # float16 engine.onnx on CUDA: replays
     mixed_steps: bool = default_of("mixed_steps")  # engine_mixed.onnx when present
     max_batch_size: int = default_of("max_batch_size")  # rows a step = the KV pool's slots
     max_batch_tokens: int = default_of("max_batch_tokens")  # reserved tokens in a batch
@@ -79,7 +80,8 @@ class EngineConfig:
     @classmethod
     def from_settings(cls, settings: Settings, limits: Limits) -> EngineConfig:
         return cls(device=settings.device, intra_op_threads=settings.intra_op_threads,
-                   engine_graph=settings.engine_graph, mixed_steps=settings.mixed_steps,
+                   engine_graph=settings.engine_graph, cuda_graphs=settings.cuda_graphs,
+                   mixed_steps=settings.mixed_steps,
                    max_batch_size=limits.max_batch_size,
                    max_batch_tokens=limits.max_batch_tokens,
                    max_queued_requests=limits.max_queued_requests,
@@ -224,11 +226,21 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     passes of at least ``codes8_pass_rows`` rows (or the artifact's
     ``codes8_prompt_tokens`` tokens), are packed: the 8-bit kernel needs it."""
     engine_path = artifact_dir / ENGINE_FILE
+    itemsize = np.dtype(model.kv_dtype).itemsize
+    if engine.engine_graph and engine_path.is_file() and model.kv_dtype == "float16" and \
+            select_providers(engine.device)[0] == CUDA:
+        # a float16 artifact's engine.onnx on the GPU: the pool in device memory (device.py)
+        pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
+        pool = replace(pool, prefix_cache_blocks=0)  # the prefix store is host memory
+        return EngineGraphRunner(
+            create_session(engine_path, "cuda", engine.intra_op_threads,
+                           cuda_graphs=engine.cuda_graphs),
+            model, pool, device="cuda", cuda_graphs=engine.cuda_graphs)
     if engine.mixed_steps and (artifact_dir / ENGINE_MIXED_FILE).is_file():
         engine_path = artifact_dir / ENGINE_MIXED_FILE
     if engine.engine_graph and engine_path.is_file() and select_providers(
             engine.device) == [CPU]:
-        pool = pool_config(engine, model, model.kv_bytes_per_token(4))
+        pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
         session = create_session(engine_path, "cpu", engine.intra_op_threads,
                                  spin_wait=spin_wait)
         extras = (artifact_dir / ENGINE_FLOAT32_FILE,
@@ -246,7 +258,6 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
         return EngineGraphRunner(
             session, model, pool, float32_twin=twin, float32_pass_tokens=wide, codes8=codes8,
             codes8_pass_rows=many, codes8_prompt_tokens=recorded["codes8_prompt_tokens"])
-    itemsize = np.dtype(model.kv_dtype).itemsize
     pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
     return ModelGraphRunner(create_session(artifact_dir / io.MODEL_FILE, engine.device,
                                            engine.intra_op_threads, spin_wait=spin_wait),

@@ -282,8 +282,7 @@ class KVPool:
             raise ValueError(f"slot {dst} is taken")
         n = int(self.lengths[src])
         if not self._remap(src, dst):
-            for a in self.arrays:
-                a[dst, :, :n] = a[src, :, :n]  # (nh, n, hs)
+            self._copy_row(src, dst, n)
             self._release(src, 0)
         self.tokens[dst, :n] = self.tokens[src, :n]
         self.lengths[dst] = n
@@ -291,6 +290,11 @@ class KVPool:
         self._owner[src], self._owner[dst] = None, slot
         slot.index = dst
         self.moves += 1
+
+    def _copy_row(self, src: int, dst: int, n: int) -> None:
+        """Copy the first ``n`` cached tokens of slot ``src`` to slot ``dst``."""
+        for a in self.arrays:
+            a[dst, :, :n] = a[src, :, :n]  # (nh, n, hs)
 
     def _remap(self, src: int, dst: int) -> bool:
         """Move slot ``src``'s pages to slot ``dst`` in every array with mremap(2)

@@ -36,7 +36,9 @@ class PooledRunner:
     device: str
     mixes_chunks: bool = False  # decode_with_chunk is one pass over the weights
 
-    def __init__(self, config: io.ArtifactConfig, pool: PoolConfig, dtype: np.dtype) -> None:
+    def __init__(self, config: io.ArtifactConfig, pool: PoolConfig, dtype: np.dtype,
+                 device: str = "cpu") -> None:
+        """``device`` "cuda": the pool in GPU memory (device.py), no prefix cache."""
         self.config = config
         self.vocab_size = config.vocab_size
         self.max_len = pool.max_len or config.max_seq_len
@@ -48,13 +50,18 @@ class PooledRunner:
         virtual = pool.slots * self.max_len
         self._budget = min(pool.budget_tokens, virtual) if pool.budget_tokens else virtual
         token_bytes = self.shape.token_bytes
+        self.prefix: PrefixCache | None = None
+        if device != "cpu":  # allocated whole, where ONNX Runtime's allocator says if it fits
+            from service.engine.device import DeviceKVPool
+
+            self.pool: KVPool = DeviceKVPool(self.shape, pool.slots)
+            return
         ensure_memory(self._budget * token_bytes
                       + pool.prefix_cache_blocks * pool.prefix_block_size * token_bytes,
                       f"a budget of {self._budget:,} tokens x {token_bytes:,} bytes "
                       f"({pool.slots} slots of up to {self.max_len} tokens), plus the "
                       "prefix cache")
         self.pool = KVPool(self.shape, pool.slots)
-        self.prefix: PrefixCache | None = None
         if pool.prefix_cache_blocks > 0:
             self.prefix = PrefixCache(self.pool, pool.prefix_block_size,
                                       pool.prefix_cache_blocks)
@@ -179,6 +186,11 @@ class PooledRunner:
 
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         raise NotImplementedError
+
+    def decode_greedy(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+        """``decode``'s argmax per row, (B,) int64: a runner whose graph picks the tokens
+        itself (a float16 engine graph on the GPU) copies only those."""
+        return self.decode(slots, tokens).argmax(-1)
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
                           chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

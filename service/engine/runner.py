@@ -70,6 +70,11 @@ class ModelRunner(Protocol):
         """One token per row (tokens (B,)) after each row's cache; logits (B, V)."""
         ...
 
+    def decode_greedy(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+        """``decode`` for rows that all take the argmax: (B,) int64 token ids, which is
+        all a graph that picks them on the GPU copies back."""
+        ...
+
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
                           chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``decode(slots, tokens)`` and ``extend_last(slot, chunk)`` (a prompt chunk of a

@@ -35,12 +35,16 @@ def select_providers(device: Device) -> list[str]:
 
 
 def create_session(path: Path, device: Device, intra_op_threads: int,
-                   prepack: bool = True, spin_wait: bool = True) -> ort.InferenceSession:
+                   prepack: bool = True, spin_wait: bool = True,
+                   cuda_graphs: bool = False) -> ort.InferenceSession:
     """A session on ``device``'s providers, refusing to start if CUDA was asked for and
-    ONNX Runtime cannot use it."""
-    session = sessions.create_session(path, threads=intra_op_threads,
-                                      providers=select_providers(device), prepack=prepack,
-                                      spin_wait=spin_wait)
+    ONNX Runtime cannot use it. ``cuda_graphs``: the CUDA provider may capture and replay
+    runs (``gpu_graph_id``, service/engine/device.py)."""
+    providers: list[str | tuple[str, dict[str, str]]] = list(select_providers(device))
+    if cuda_graphs:
+        providers = [(CUDA, {"enable_cuda_graph": "1"}) if p == CUDA else p for p in providers]
+    session = sessions.create_session(path, threads=intra_op_threads, providers=providers,
+                                      prepack=prepack, spin_wait=spin_wait)
     active = session.get_providers()[0]
     if device == "cuda" and active != CUDA:
         raise DeviceError(f"--device cuda: ONNX Runtime could not use CUDA for {path.name} "

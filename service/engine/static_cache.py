@@ -57,6 +57,7 @@ import onnxruntime as ort
 
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
+from service.engine.device import UNCAPTURED, CapturedDecode
 from service.engine.kv_pool import Slot
 from service.engine.pooled import PooledRunner
 from service.engine.runner import PoolConfig
@@ -68,11 +69,15 @@ class EngineGraphRunner(PooledRunner):
     def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig,
                  pool: PoolConfig, float32_twin: ort.InferenceSession | None = None,
                  float32_pass_tokens: int = 0, codes8: ort.InferenceSession | None = None,
-                 codes8_pass_rows: int = 0, codes8_prompt_tokens: int = 0) -> None:
+                 codes8_pass_rows: int = 0, codes8_prompt_tokens: int = 0,
+                 device: str = "cpu", cuda_graphs: bool = False) -> None:
         """``float32_twin``: the same graph with float32 weights, run for passes of at
         least ``float32_pass_tokens`` tokens; ``codes8``: with its 4-bit codes widened to
         bytes, for narrower passes of at least ``codes8_pass_rows`` rows or
-        ``codes8_prompt_tokens`` tokens (0: rows alone) (module docstring)."""
+        ``codes8_prompt_tokens`` tokens (0: rows alone) (module docstring). ``device``
+        "cuda": a float16 graph on the CUDA provider, the pool in device memory, decode
+        steps replayed as CUDA graphs with ``cuda_graphs`` (the session must have been
+        created with them; device.py)."""
         n = config.n_layers
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
@@ -84,11 +89,16 @@ class EngineGraphRunner(PooledRunner):
         self._gathers = es.LOGITS_INDEX in inputs  # False: an engine.onnx of before it
         self._shrink = ort.RunOptions()  # for multi-token passes: the arena gives back
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-        super().__init__(config, pool, np.dtype(np.float32))
+        self._plain = ort.RunOptions()  # every other pass
+        if cuda_graphs:  # neither captured nor replayed: only decode steps are (device.py)
+            for options in (self._shrink, self._plain):
+                options.add_run_config_entry("gpu_graph_id", UNCAPTURED)
+        super().__init__(config, pool, np.dtype(config.kv_dtype), device)
         self.session = session
         self.graph_file = es.ENGINE_FILE
         self.provider = session.get_providers()[0]
-        self.device = "cpu"
+        self.device = device
+        self._greedy = es.GREEDY_IDS in outputs  # a float16 graph's argmax output
         self._past, self._present = io.past_names(n), io.present_names(n)
         # engine_mixed.onnx (export/engine_graph.py) has a second group of rows, so a
         # prompt chunk or newcomers' prompts ride along with a decode step: one read of
@@ -108,9 +118,15 @@ class EngineGraphRunner(PooledRunner):
         self.codes8_pass_rows = codes8_pass_rows
         self.codes8_prompt_tokens = codes8_prompt_tokens
         self.codes8_passes = 0  # passes run on the 8-bit codes
+        if device != "cpu" and (self.mixes_chunks or float32_twin or codes8):
+            raise ValueError(f"on {device}, the engine runs {es.ENGINE_FILE} alone")
         scratch = (1, self.shape.heads, 1, self.shape.head_dim)  # (1, nkv, 1, hs)
-        self._scratch = [np.zeros(scratch, np.float32) for _ in self._past]
+        self._scratch = [np.zeros(scratch, self.shape.dtype) for _ in self._past]
         self._scratch_pointers = [a.ctypes.data for a in self._scratch]
+        self._captured: CapturedDecode | None = None
+        if cuda_graphs:  # on the CPU (tests): the same bindings, never captured
+            self._captured = CapturedDecode(session, self.pool, n, self.vocab_size,
+                                            device=device)
 
     @property
     def has_float32_twin(self) -> bool:
@@ -160,7 +176,7 @@ class EngineGraphRunner(PooledRunner):
                 chunk_logits = self._bind(graph, chunk, self.pool.pointers(chunk.lo),
                                           self.max_len, es.CHUNK_PREFIX)
         graph.session.run_with_iobinding(graph.binding, self._shrink
-                                         if tokens > len(rows.ids) else None)
+                                         if tokens > len(rows.ids) else self._plain)
         if not self._gathers:  # (n, K, V) of the old graph's (n, T, V)
             logits = logits[np.arange(len(rows.ids))[:, None], rows.index]
         return logits, chunk_logits if chunk is not None else None
@@ -192,16 +208,56 @@ class EngineGraphRunner(PooledRunner):
                                np.array([rows.total], np.int32))
         shape = [n, self.shape.heads, length, self.shape.head_dim]
         if graph.kv_bound.get(prefix) != (pointers[0], n, length):
+            where = "cpu" if prefix else self.device  # the idle group's scratch: the host's
             for past, present, ptr in zip(self._past, self._present, pointers, strict=True):
-                binding.bind_input(prefix + past, "cpu", 0, np.float32, shape, ptr)
-                binding.bind_output(prefix + present, "cpu", 0, np.float32, shape, ptr)
+                binding.bind_input(prefix + past, where, 0, self.shape.dtype, shape, ptr)
+                binding.bind_output(prefix + present, where, 0, self.shape.dtype, shape, ptr)
             graph.kv_bound[prefix] = (pointers[0], n, length)
+        if self._greedy and not prefix:  # computed either way; left to ONNX Runtime
+            binding.bind_output(es.GREEDY_IDS, "cpu")
         return logits
 
     def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         rows, order = self._decode_rows(slots, tokens)
-        logits, _ = self._run(rows)  # (n, 1, V)
+        replayed = self._replay(rows, greedy_only=False)
+        if replayed is not None and replayed[0] is not None:
+            logits = replayed[0][:, None]  # (n, 1, V)
+        else:
+            logits, _ = self._run(rows)  # (n, 1, V)
         return self._decoded(rows, order, logits)
+
+    def decode_greedy(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+        """``decode``'s argmax per row, (B,) int64 in batch order: on a captured graph the
+        graph's own ``greedy_ids``, the only copy the step makes (device.py)."""
+        rows, order = self._decode_rows(slots, tokens)
+        replayed = self._replay(rows, greedy_only=True)
+        if replayed is None:
+            logits, _ = self._run(rows)  # (n, 1, V)
+            return self._decoded(rows, order, logits).argmax(-1)
+        ids = replayed[1]  # (n,) in slot order
+        self._decoded(rows, order, np.empty((len(ids), 1, 0), np.float32))
+        if order is None:
+            return ids.astype(np.int64)
+        out = np.empty_like(ids, np.int64)
+        out[order] = ids
+        return out
+
+    def _replay(self, rows: _Rows, greedy_only: bool
+                ) -> tuple[np.ndarray | None, np.ndarray] | None:
+        """A decode step on its bucket's captured CUDA graph, or None where none fits."""
+        captured = self._captured
+        if captured is None:
+            return None
+        bucket = captured.bucket_for(rows.lo, len(rows.ids))
+        if bucket is None:
+            return None
+        return captured.run(bucket, rows.ids[:, 0], rows.seqlens.astype(np.int32),
+                            greedy_only)
+
+    @property
+    def graph_replays(self) -> int:
+        """Decode steps run from a captured CUDA graph so far."""
+        return self._captured.replays if self._captured is not None else 0
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
                           chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -104,7 +104,8 @@ class FifoGate(Gate):
 class ControlledRunner:
     """The real runner behind a gate and a poison token; everything else passes through.
 
-    Every forward pass (``prefill``, ``decode``, ``decode_with_chunk``, ``extend``)
+    Every forward pass (``prefill``, ``decode``, ``decode_greedy``, ``decode_with_chunk``,
+    ``extend``)
     waits at the gate.
     """
 
@@ -137,6 +138,10 @@ class ControlledRunner:
     def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         self._pass()
         return self.runner.decode(slots, tokens)
+
+    def decode_greedy(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+        self._pass()
+        return self.runner.decode_greedy(slots, tokens)
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
                           chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,233 @@
+"""engine.onnx on the GPU: the KV pool in device memory, decode steps replayed as CUDA graphs.
+
+A float16 artifact's engine graph runs wholly on ONNX Runtime's CUDA provider (its
+GroupQueryAttention takes float16 or bfloat16 only, which is why a float32 artifact decodes
+with model.onnx there: portable.py). Three things keep a decode step on the device:
+
+- **The KV pool lives there** (``DeviceKVPool``): one device buffer per layer's keys and
+  values, allocated once, bound by pointer as every pass's past and present exactly as the
+  host pool is (static_cache.py), so GroupQueryAttention writes each new column in place
+  and no cache crosses the bus. A row moved by compaction is copied device to device by a
+  one-node ONNX Runtime graph (``DeviceCopier``): no CUDA library beyond ONNX Runtime's.
+- **Decode steps are CUDA graphs** (``CapturedDecode``): the kernels of a step, about a
+  dozen per layer, are launched once at capture and then replayed with one call, which is
+  what a 135M model's step costs on a fast GPU (launches, not arithmetic). ONNX Runtime
+  captures a graph per ``gpu_graph_id`` over fixed addresses, so each batch-size bucket
+  (1, 2, 4, … up to the pool's slots) has its own inputs on the device, written in place
+  before each replay, and binds the pool's first slots: a batch of n rows is replayed in
+  the smallest bucket that holds it when its rows sit at slots [0, n) and the bucket's
+  other slots are free (the padding rows write one column of a free slot, which nothing
+  reads). GroupQueryAttention reads each row's length from ``seqlens_k`` on the device and
+  sizes its work by the buffer's length M, so ``total_sequence_length`` (read on the host,
+  hence frozen at capture) is fed as M. Prefill, prompt chunks and any other pass run
+  uncaptured (``gpu_graph_id`` −1).
+- **Only token ids come back for greedy rows**: the float16 graph also returns
+  ``greedy_ids`` (export/half.py), so a step whose rows all decode greedily without
+  log-probabilities copies B int64s to the host (``decode_greedy``), not (B, V) logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnxruntime as ort
+
+from service.contract import engine_spec as es
+from service.contract import io_spec as io
+from service.engine.kv_pool import KVPool, PoolShape
+
+log = logging.getLogger(__name__)
+
+DEVICE = "cuda"
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes that get a captured decode graph
+UNCAPTURED = "-1"  # gpu_graph_id of a pass that is neither captured nor replayed
+
+
+class DeviceCopier:
+    """Device-to-device copies through ONNX Runtime: an Identity over a flat byte-sized
+    tensor, its input and output bound to the two addresses (the CUDA provider's Identity
+    copies when they differ)."""
+
+    def __init__(self, device_id: int = 0) -> None:
+        from onnx import TensorProto, helper  # the gpu extra's: only a GPU server builds this
+
+        node = helper.make_node("Identity", ["x"], ["y"])
+        graph = helper.make_graph(
+            [node], "copy", [helper.make_tensor_value_info("x", TensorProto.UINT8, ["n"])],
+            [helper.make_tensor_value_info("y", TensorProto.UINT8, ["n"])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = min(model.ir_version, 9)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        self.device_id = device_id
+        self.session = ort.InferenceSession(model.SerializeToString(), options,
+                                            providers=[("CUDAExecutionProvider",
+                                                        {"device_id": str(device_id)})])
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        binding = self.session.io_binding()
+        binding.bind_input("x", DEVICE, self.device_id, np.uint8, [nbytes], src)
+        binding.bind_output("y", DEVICE, self.device_id, np.uint8, [nbytes], dst)
+        self.session.run_with_iobinding(binding)
+
+
+class DeviceKVPool(KVPool):
+    """The KV pool in GPU memory: the same slots, lengths and token ids as ``KVPool``, its
+    (S, nh, M, hs) buffers allocated once by ONNX Runtime on the device. Pages are not
+    given back per slot (device memory is not paged that way): the pool costs its whole
+    size from the start, and ONNX Runtime's allocator refuses one that does not fit."""
+
+    def __init__(self, shape: PoolShape, slots: int, device_id: int = 0) -> None:
+        if slots < 1:
+            raise ValueError("the KV pool needs at least one slot")
+        self.shape = shape
+        self.slots = slots
+        dims = [slots, shape.heads, shape.max_len, shape.head_dim]
+        self.values = [ort.OrtValue.ortvalue_from_shape_and_type(dims, shape.dtype, DEVICE,
+                                                                  device_id)
+                       for _ in range(shape.layers)]  # each (S, nh, M, hs) on the device
+        self.arrays = []  # no host view: a row is read only through the graphs
+        self._addresses = [v.data_ptr() for v in self.values]
+        self.lengths = np.zeros(slots, np.int64)  # (S,)
+        self.tokens = np.zeros((slots, shape.max_len), np.int64)  # (S, M)
+        self._owner = [None] * slots
+        self.moves = 0
+        self._can_remap = False
+        self._copier = DeviceCopier(device_id)
+        self.device_id = device_id
+        # zeros, as the host pool's fresh pages are: a kernel that reads a tile past a row's
+        # length must not meet a NaN left in the memory by someone else
+        zero = ort.OrtValue.ortvalue_from_numpy(np.zeros(self.row_bytes, np.uint8), DEVICE,
+                                                device_id)
+        for address in self._addresses:
+            for slot in range(slots):
+                self._copier.copy(address + slot * self.row_bytes, zero.data_ptr(),
+                                  self.row_bytes)
+
+    @property
+    def bytes_allocated(self) -> int:
+        return self.slots * self.row_bytes * len(self.values)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.bytes_allocated  # allocated whole on the device
+
+    def _release(self, index: int, keep: int) -> None:
+        """Nothing to give back: the device buffers stay allocated."""
+
+    def _copy_row(self, src: int, dst: int, n: int) -> None:
+        for address in self._addresses:
+            self._copier.copy(address + dst * self.row_bytes, address + src * self.row_bytes,
+                              self.row_bytes)
+
+
+@dataclass
+class _Bucket:
+    """One batch size's captured decode graph: its device inputs, outputs and binding."""
+
+    rows: int
+    graph_id: str
+    binding: ort.IOBinding
+    ids: ort.OrtValue  # (b, 1) int64
+    pos: ort.OrtValue  # (b, 1) int64
+    seqlens: ort.OrtValue  # (b,) int32
+    logits: ort.OrtValue  # (b, 1, V) float32
+    greedy: ort.OrtValue  # (b, 1) int64
+    index: ort.OrtValue  # (b, 1) int64 zeros: a decode step's one position per row
+    host: dict[str, np.ndarray] = field(default_factory=dict)  # staging for update_inplace
+    captured: bool = False
+
+
+class CapturedDecode:
+    """Decode steps replayed as CUDA graphs, one per batch-size bucket (module docstring).
+
+    ``session`` must have been created with the CUDA provider's ``enable_cuda_graph``. On
+    the CPU (a host pool, ``device`` "cpu") the same bindings run without capture: what
+    the tests check the buckets' padding and in-place inputs with."""
+
+    def __init__(self, session: ort.InferenceSession, pool: KVPool, n_layers: int,
+                 vocab_size: int, buckets: tuple[int, ...] = GRAPH_BUCKETS,
+                 device: str = DEVICE) -> None:
+        self.session, self.pool, self.device = session, pool, device
+        self.device_id = pool.device_id if isinstance(pool, DeviceKVPool) else 0
+        self.buckets = tuple(b for b in buckets if b <= pool.slots)
+        self.vocab_size = vocab_size
+        self._past, self._present = io.past_names(n_layers), io.present_names(n_layers)
+        self._made: dict[int, _Bucket] = {}
+        # frozen at capture: the buffer's length, which GroupQueryAttention sizes its work by
+        self._total = ort.OrtValue.ortvalue_from_numpy(
+            np.array([pool.shape.max_len], np.int32))
+        self.replays = 0  # decode steps run from a captured graph (a stat)
+
+    def bucket_for(self, lo: int, n: int) -> int | None:
+        """The bucket a decode step of ``n`` rows at slots [lo, lo + n) replays in, or
+        None (not at slot 0, too many rows, or a padding slot in use)."""
+        if lo != 0:
+            return None
+        for b in self.buckets:
+            if b >= n:
+                owners = self.pool._owner[n:b]
+                return b if all(o is None for o in owners) else None
+        return None
+
+    def run(self, rows: int, ids: np.ndarray, seqlens: np.ndarray, greedy_only: bool
+            ) -> tuple[np.ndarray | None, np.ndarray]:
+        """One decode step of ``rows`` rows replayed in bucket ``self.bucket_for``'s graph:
+        (logits (n, V) float32 or None when ``greedy_only``, greedy ids (n,))."""
+        n = len(ids)
+        bucket = self._bucket(rows)
+        host = bucket.host
+        host["ids"][:n, 0] = ids
+        host["ids"][n:] = 0
+        host["pos"][:n, 0] = seqlens
+        host["pos"][n:] = 0
+        host["seqlens"][:n] = seqlens
+        host["seqlens"][n:] = 0
+        bucket.ids.update_inplace(host["ids"])
+        bucket.pos.update_inplace(host["pos"])
+        bucket.seqlens.update_inplace(host["seqlens"])
+        options = ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", bucket.graph_id)
+        self.session.run_with_iobinding(bucket.binding, options)
+        bucket.captured = True
+        self.replays += 1
+        greedy = bucket.greedy.numpy()[:n, 0]  # (n,) the only copy a greedy step makes
+        if greedy_only:
+            return None, greedy
+        return bucket.logits.numpy()[:n, 0], greedy  # (n, V)
+
+    def _bucket(self, rows: int) -> _Bucket:
+        if rows in self._made:
+            return self._made[rows]
+        b, where, device_id = rows, self.device, self.device_id
+
+        def device(shape: list[int], dtype: type) -> ort.OrtValue:
+            return ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, where, device_id)
+
+        bucket = _Bucket(
+            rows=b, graph_id=str(len(self._made) + 1), binding=self.session.io_binding(),
+            ids=device([b, 1], np.int64), pos=device([b, 1], np.int64),
+            seqlens=device([b], np.int32), logits=device([b, 1, self.vocab_size], np.float32),
+            greedy=device([b, 1], np.int64), index=device([b, 1], np.int64),
+            host={"ids": np.zeros((b, 1), np.int64), "pos": np.zeros((b, 1), np.int64),
+                  "seqlens": np.zeros(b, np.int32)})
+        bucket.index.update_inplace(np.zeros((b, 1), np.int64))
+        binding = bucket.binding
+        binding.bind_ortvalue_input(io.INPUT_IDS, bucket.ids)
+        binding.bind_ortvalue_input(io.POSITION_IDS, bucket.pos)
+        binding.bind_ortvalue_input(es.SEQLENS_K, bucket.seqlens)
+        binding.bind_ortvalue_input(es.TOTAL_SEQUENCE_LENGTH, self._total)
+        binding.bind_ortvalue_input(es.LOGITS_INDEX, bucket.index)
+        shape = [b, self.pool.shape.heads, self.pool.shape.max_len, self.pool.shape.head_dim]
+        dtype = self.pool.shape.dtype
+        for past, present, ptr in zip(self._past, self._present, self.pool.pointers(0),
+                                      strict=True):
+            binding.bind_input(past, where, device_id, dtype, shape, ptr)
+            binding.bind_output(present, where, device_id, dtype, shape, ptr)
+        binding.bind_ortvalue_output(io.LOGITS, bucket.logits)
+        binding.bind_ortvalue_output(es.GREEDY_IDS, bucket.greedy)
+        self._made[rows] = bucket
+        log.info("decode steps of up to %d rows: graph %s on %s", b, bucket.graph_id, where)
+        return bucket
