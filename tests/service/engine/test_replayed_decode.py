@@ -102,3 +102,36 @@ def test_buckets_need_slot_zero_and_free_padding(half_artifact: Path) -> None:
     assert captured.bucket_for(1, 2) is None  # a run that does not start at slot 0
     assert captured.bucket_for(0, 9) is None  # more rows than any bucket
     del slots
+
+
+def test_on_cuda_the_device_pool_and_captured_graphs_decode_the_cpus_tokens(
+        half_artifact: Path) -> None:
+    """The GPU path proper (device pool, Identity copies, captured graphs): greedy batches
+    through joins and leaves on CUDA decode what the same float16 graph decodes on the CPU.
+    Only where onnxruntime has CUDA (CI has none; results/cuda/ holds the H100 runs)."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("needs onnxruntime-gpu and a CUDA GPU")
+    from service.engine.device import DeviceKVPool
+
+    config = io.ArtifactConfig.load(half_artifact)
+    codec = TextCodec.from_file(half_artifact / io.TOKENIZER_FILE)
+    cuda = EngineGraphRunner(create_session(half_artifact / es.ENGINE_FILE, "cuda", 1,
+                                            cuda_graphs=True), config,
+                             PoolConfig(slots=SLOTS, max_len=MAX_LEN), device="cuda",
+                             cuda_graphs=True)
+    assert isinstance(cuda.pool, DeviceKVPool)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (4, 7, 2, 6, 5)]
+
+    def waves() -> list[list[GenerationRequest]]:
+        requests = [GenerationRequest(p, SamplingParams(), StoppingCriteria(n, (), None),
+                                      token_logprobs=False)
+                    for p, n in zip(prompts, (9, 3, 12, 4, 6), strict=True)]
+        return [requests[:3], requests[3:]]
+
+    got = run_with_joins(cuda, codec, waves(), join_every=3)
+    want = run_with_joins(runner_for(half_artifact, False), codec, waves(), join_every=3)
+    assert sorted(got.values()) == sorted(want.values())
+    assert cuda.graph_replays > 0 and cuda.pool.moves > 0
