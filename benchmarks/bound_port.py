@@ -9,7 +9,8 @@ this launcher writes it to a file instead, right after uvicorn starts listening.
 Usage: python benchmarks/bound_port.py PORT_FILE serve --model DIR --port 0 ...
 
 Run as a script, it imports only the service (never the benchmarks package): the server
-runs exactly as `attnserve serve ...` does. ``wait_bound_port`` is the caller's side.
+runs exactly as `attnserve serve ...` does. ``wait_bound_port`` and ``wait_ready`` are the
+caller's side.
 """
 
 from __future__ import annotations
@@ -54,6 +55,27 @@ def wait_bound_port(proc: subprocess.Popen[bytes], port_file: Path, timeout: flo
             raise RuntimeError(f"server reported no port within {timeout:.0f} s{tail}")
         time.sleep(0.05)
     return int(port_file.read_text())
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float,
+               log: Path | None = None, interval: float = 0.2) -> None:
+    """Until ``url``'s /ready answers 200 (bounded; fails early, with the log's tail, if
+    ``proc`` exits): the one readiness wait of the benchmarks and the tests."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = f":\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
+            raise RuntimeError(f"the server exited with {proc.returncode} before ready{tail}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(interval)
+    tail = f":\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
+    raise RuntimeError(f"the server was not ready after {timeout:.0f} s{tail}")
 
 
 def main(argv: list[str]) -> int:

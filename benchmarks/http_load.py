@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bound_port import LAUNCHER, wait_bound_port
+from benchmarks.bound_port import LAUNCHER, wait_bound_port, wait_ready
 from benchmarks.measure import percentile, proc_memory_mb
 
 
@@ -56,21 +56,10 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        import httpx
-
         deadline = time.monotonic() + timeout
         if self._port is None:
             self._port = wait_bound_port(self.proc, self.port_file, timeout, self.log_path)
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} before ready")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"server not ready after {timeout:.0f}s")
+        wait_ready(self.url, self.proc, max(0.0, deadline - time.monotonic()), self.log_path)
 
     def peak_rss_mb(self) -> float | None:
         return proc_memory_mb(self.proc.pid).get("VmHWM")

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import bound_port
+
 SYSTEM = "You are a helpful assistant. Answer briefly."
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colours.",
@@ -161,17 +163,10 @@ async def soak(url: str, pid: int, clients: int, duration: float) -> dict[str, o
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"soak: the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"soak: the server was not ready after {timeout:.0f} s")
+    try:
+        bound_port.wait_ready(url, proc, timeout)
+    except RuntimeError as exc:
+        raise SystemExit(f"soak: {str(exc).splitlines()[0]}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from benchmarks import bound_port
 from service.contract import io_spec as io
 from service.engine.text import TextCodec
 
@@ -78,17 +77,10 @@ def one_run(browser: Any, url: str, text: str, legacy: bool) -> dict[str, float]
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"viz_open: the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("viz_open: the server was not ready after 300 s")
+    try:
+        bound_port.wait_ready(url, proc, 300.0)
+    except RuntimeError as exc:
+        raise SystemExit(f"viz_open: {str(exc).splitlines()[0]}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.bound_port import wait_ready
 from service.contract import io_spec as io
 from service.contract.reference import OrtDecoder, greedy_until
 from service.engine.batch import Batch
@@ -123,16 +124,11 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         if self._port is None:
             self._port = self._wait_port(deadline)
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"server not ready after {timeout}s:\n{self.log()}")
+        try:
+            wait_ready(self.url, self.proc, max(0.0, deadline - time.monotonic()),
+                       self.log_path, interval=0.1)
+        except RuntimeError as exc:
+            raise AssertionError(str(exc)) from None
 
     def stop(self) -> int:
         if self.gate is not None:
