@@ -135,7 +135,10 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
         ids_shape = g.op("Shape", [r.ids], f"ids_shape{r.tag}")[0]  # [B, T]
         shapes_btc.append(g.op("Concat", [ids_shape, minus1], f"shape_btc{r.tag}",
                                axis=0)[0])
-    width = d + 2 * cfg.kv_heads * hs  # q | k | v
+    width = cfg.attention_width + 2 * cfg.kv_heads * hs  # q | k | v
+    # the attention output, (N, nh·hs): d wide unless the heads are wider (Qwen3)
+    flat_attn = flat if cfg.attention_width == d else g.const(
+        "shape_flat_attn", np.array([-1, cfg.attention_width], np.int64))
     if mixed:  # both groups' tokens as one row, (1, N): the embedding sees one sequence
         row = g.const("shape_row", np.array([1, -1], np.int64))
         ids, pos = (g.op("Concat", [g.op("Reshape", [getattr(r, name), row],
@@ -155,7 +158,9 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
         rope = {"do_rotary": 1, "rotary_interleaved": 0}
     for i, block in enumerate(blocks):
         a, p = block.attn, f"l{i}"
-        qkv = arch.engine_qkv(g, h, a, p, matmul_only)  # (N, d + 2·kv): q | k | v
+        qkv = arch.engine_qkv(g, h, a, p, matmul_only)  # (N, nh·hs + 2·kv): q | k | v
+        if a.q_norm is not None:  # Qwen3: each head's query and key RMS-normalised first
+            qkv = _normed_qk(g, arch, qkv, a, cfg, eps, p)
         parts = (g.op("Split", [qkv, sizes], f"{p}.qkv_split", n_out=len(groups), axis=0)
                  if mixed else [qkv])  # per group (N_g, d + 2·kv)
         attns = []
@@ -174,7 +179,8 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
                 scale=float(1.0 / np.sqrt(hs)), **rope)[0]  # (B, T, d)
             if r.tag:
                 attn = chunk.unpad(attn, f"{p}.attn_unpadded{r.tag}")  # (B, T, d)
-            attns.append(g.op("Reshape", [attn, flat], f"{p}.attn_flat{r.tag}")[0])  # (N_g, d)
+            attns.append(g.op("Reshape", [attn, flat_attn],
+                              f"{p}.attn_flat{r.tag}")[0])  # (N_g, nh·hs)
         attn = g.op("Concat", attns, f"{p}.attn_all", axis=0)[0] if mixed else attns[0]
         o = g.op("MatMul", [attn, g.const(f"{p}.w_o", f32(a.w_o.weight).T)], f"{p}.o")[0]
         o_bias = [g.const(f"{p}.b_o", f32(a.w_o.bias))] if a.w_o.bias is not None else []
@@ -250,6 +256,24 @@ class _ChunkShapes:
 
     def unpad(self, attn: str, name: str) -> str:
         return self.g.op("Slice", [attn, self.start, self.t, self.axis1], name)[0]  # (B, T, d)
+
+
+def _normed_qk(g: Graph, arch: Any, qkv: str, attn: Any, cfg: Any, eps: float, p: str) -> str:
+    """(N, nh·hs + 2·kv) with each head's query and key normalised over hs by the
+    architecture's fused norm (GroupQueryAttention then rotates them), values as they were."""
+    nh, nkv, hs = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    q, k, v = g.op("Split", [qkv, g.const("split_q_k_v", np.array([nh * hs, nkv * hs, nkv * hs],
+                                                                   np.int64))],
+                   f"{p}.q_k_v", n_out=3, axis=-1)
+    normed = []
+    for part, heads, norm, kind in ((q, nh, attn.q_norm, "q"), (k, nkv, attn.k_norm, "k")):
+        by_head = g.op("Reshape", [part, g.const(f"shape_heads{heads}",
+                                                 np.array([-1, heads, hs], np.int64))],
+                       f"{p}.{kind}_heads")[0]  # (N, heads, hs)
+        by_head = arch.engine_norm(g, by_head, norm, eps, f"{p}.{kind}_norm")  # (N, heads, hs)
+        normed.append(g.op("Reshape", [by_head, g.const(f"shape_width{heads}", np.array(
+            [-1, heads * hs], np.int64))], f"{p}.{kind}_normed")[0])  # (N, heads·hs)
+    return g.op("Concat", [*normed, v], f"{p}.qkv_normed", axis=-1)[0]
 
 
 def _exact(rows: _Rows) -> dict[str, Any]:

@@ -143,13 +143,16 @@ class DecoderBuilder:
     def _attention(self, i: int, h: str, bias: str, rotary: tuple[str, str] | None) -> str:
         block: Any = self.gpt.blocks[i]
         g, cfg, attn = self.g, self.cfg, block.attn
-        p, d, nh, nkv, hs = f"l{i}", cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        kv = nkv * hs
-        qkv = self._linear(h, qkv_weight(attn), qkv_bias(attn), f"{p}.qkv")  # (B, T, d + 2kv)
-        q, k, v = g.op("Split", [qkv, g.ints(f"split_qkv{kv}", [d, kv, kv])], f"{p}.split",
-                       n_out=3, axis=-1)
+        p, nh, nkv, hs = f"l{i}", cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        kv, width = nkv * hs, cfg.attention_width
+        qkv = self._linear(h, qkv_weight(attn), qkv_bias(attn), f"{p}.qkv")  # (B, T, w + 2kv)
+        q, k, v = g.op("Split", [qkv, g.ints(f"split_qkv{kv}", [width, kv, kv])],
+                       f"{p}.split", n_out=3, axis=-1)
         q, k, v = (self._heads(q, nh, f"{p}.q"), self._heads(k, nkv, f"{p}.k_new"),
                    self._heads(v, nkv, f"{p}.v_new"))  # (B, heads, T, hs)
+        if attn.q_norm is not None:  # Qwen3: each head's query and key, over hs
+            q = self._norm(q, attn.q_norm, f"{p}.q_norm")
+            k = self._norm(k, attn.k_norm, f"{p}.k_norm")
         if rotary is not None:
             q, k = self._rotate(q, *rotary, f"{p}.q_rot"), self._rotate(k, *rotary, f"{p}.k_rot")
         if self.cached:
@@ -179,7 +182,7 @@ class DecoderBuilder:
         ctx = g.one("Transpose", [g.one("Reshape", [ctx, g.ints("shape_by_head_hs",
                                                                   [0, nh, -1, hs])],
                                         f"{p}.ctx_heads")], f"{p}.ctx_bthd", perm=[0, 2, 1, 3])
-        merged = g.one("Reshape", [ctx, g.ints("shape_merge", [0, 0, d])], f"{p}.ctx")
+        merged = g.one("Reshape", [ctx, g.ints("shape_merge", [0, 0, width])], f"{p}.ctx")
         if self.introspect:
             self._record(i, q, k, v, scores, scaled, weights)
         b_o = f32(attn.w_o.bias) if attn.w_o.bias is not None else None

@@ -135,6 +135,7 @@ def artifact_config(ckpt: Any, model_name: str, kv_dtype: io.KvDtype,
         kv_dtype=kv_dtype,
         generation=io.GenerationDefaults(max_new_tokens=min(64, cfg.max_seq_len // 2)),
         arch=cfg.arch, n_kv_heads=cfg.n_kv_heads if cfg.kv_heads != cfg.n_heads else None,
+        head_size=cfg.head_size,
     )
 
 

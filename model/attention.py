@@ -57,7 +57,8 @@ class CausalSelfAttention(nn.Module):
     With ``n_kv_heads`` < ``n_heads`` (grouped-query attention, Llama family) the keys and
     values have fewer heads: query head h reads key/value head h // (n_heads / n_kv_heads),
     and only those heads are cached. Rotary angles, when given, rotate Q and K before the
-    keys enter the cache.
+    keys enter the cache; with ``qk_norm`` (Qwen3) each head's query and key are
+    RMS-normalised first. Heads may be wider than d_model / n_heads (``head_size``).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -65,12 +66,16 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
         self.head_dim = config.head_dim
-        d, kv = config.d_model, config.kv_heads * config.head_dim
+        d, kv, width = config.d_model, config.kv_heads * config.head_dim, config.attention_width
         bias = config.attn_bias
-        self.w_q = nn.Linear(d, d, bias=bias or config.qkv_bias)
+        self.w_q = nn.Linear(d, width, bias=bias or config.qkv_bias)
         self.w_k = nn.Linear(d, kv, bias=bias or config.qkv_bias)
         self.w_v = nn.Linear(d, kv, bias=bias or config.qkv_bias)
-        self.w_o = nn.Linear(d, d, bias=bias)
+        self.w_o = nn.Linear(width, d, bias=bias)
+        # per-head norms of the query and key before rotary (Qwen3): the architecture's
+        # RMSNorm over head_dim, set by its block factory
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         self.dropout = config.dropout
         self.use_sdpa = True  # see GPT.set_attention_impl
 
@@ -86,11 +91,13 @@ class CausalSelfAttention(nn.Module):
         explicit: bool,
         rotary: tuple[Tensor, Tensor] | None = None,  # cos, sin (B, T, hs)
     ) -> tuple[Tensor, tuple[Tensor, Tensor], AttentionIntermediates | None]:
-        b, t, d = x.shape
+        b, t, _ = x.shape
         nh, nkv = self.n_heads, self.n_kv_heads
         q = self._split_heads(self.w_q(x), nh)  # (B, nh, T, hs)
         k = self._split_heads(self.w_k(x), nkv)  # (B, nkv, T, hs)
         v = self._split_heads(self.w_v(x), nkv)  # (B, nkv, T, hs)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over hs, per head and position
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if past is not None:
@@ -128,5 +135,5 @@ class CausalSelfAttention(nn.Module):
                     diagonal=total - t)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
                                                  enable_gqa=nkv != nh)
-        out = out.transpose(1, 2).contiguous().view(b, t, d)  # (B, T, d): heads merged
+        out = out.transpose(1, 2).contiguous().view(b, t, nh * self.head_dim)  # (B, T, nh·hs)
         return self.w_o(out), present, inter

@@ -47,13 +47,19 @@ class GPTConfig:
     rope_scaling: dict[str, Any] | None = None  # transformers' rope_scaling, checked
     qkv_bias: bool = False  # biases on Q/K/V only (Qwen2); attn_bias covers all four
     mlp_bias: bool = False  # biases on the SwiGLU projections (Llama's mlp_bias)
+    # Each head's width when it is not d_model / n_heads (Qwen3-0.6B: 16 heads of 128 over
+    # a d_model of 1024): Q and the attention output are n_heads·head_size wide.
+    head_size: int | None = None
+    qk_norm: bool = False  # an RMSNorm on each head's query and key before rotary (Qwen3)
 
     def __post_init__(self) -> None:
         arch = architecture(self.arch)  # UnknownArchitecture lists the registered ones
         checks = {
             "vocab_size": self.vocab_size > 0,
             "d_model": self.d_model > 0,
-            "n_heads": self.n_heads > 0 and self.d_model % max(self.n_heads, 1) == 0,
+            "n_heads": self.n_heads > 0 and (self.head_size is not None
+                                             or self.d_model % max(self.n_heads, 1) == 0),
+            "head_size": self.head_size is None or self.head_size > 0,
             "n_layers": self.n_layers > 0,
             "d_ff": self.d_ff > 0,
             "max_seq_len": self.max_seq_len > 0,
@@ -78,7 +84,13 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size if self.head_size is not None else self.d_model // self.n_heads
+
+    @property
+    def attention_width(self) -> int:
+        """Q's and the attention output's width: n_heads · head_dim (d_model unless
+        ``head_size`` sets another)."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_heads(self) -> int:

@@ -179,6 +179,9 @@ def _llama_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
     if hp["model_type"] == "llama":
         writer.add_rope_dimension_count(hp["hidden_size"] // heads)
+    if hp.get("head_dim") is not None:  # convert_hf_to_gguf.py's TextModel writes both
+        writer.add_key_length(hp["head_dim"])
+        writer.add_value_length(hp["head_dim"])
     scaling = hp.get("rope_scaling") or {}
     if scaling.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -202,7 +205,7 @@ def _gguf_tensors(hf_dir: Path, hp: dict[str, Any]) -> dict[str, np.ndarray]:
     n_layers = hp["n_layer"] if arch == "gpt2" else hp["num_hidden_layers"]
     names = gguf.get_tensor_name_map(
         {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
-         "gpt2": gguf.MODEL_ARCH.GPT2}[arch], n_layers)
+         "qwen3": gguf.MODEL_ARCH.QWEN3, "gpt2": gguf.MODEL_ARCH.GPT2}[arch], n_layers)
     out: dict[str, np.ndarray] = {}
     for name, data in load_file(str(hf_dir / "model.safetensors")).items():
         if name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):

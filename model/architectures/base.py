@@ -72,6 +72,10 @@ class ModelConfig(Protocol):
     @property
     def head_dim(self) -> int: ...
     @property
+    def attention_width(self) -> int: ...
+    @property
+    def qk_norm(self) -> bool: ...
+    @property
     def kv_heads(self) -> int: ...
 
 
@@ -147,6 +151,7 @@ class Architecture:
     fixed: ClassVar[Mapping[str, Any]] = {}
     grouped_kv: bool = False  # may have fewer key/value heads than query heads (GQA)
     split_biases: bool = False  # may set qkv_bias / mlp_bias apart from attn_bias
+    head_options: bool = False  # may have heads wider than d / n_heads and q/k norms
     default_preset: str = "small"  # `attnserve train --arch NAME` without --preset
     # llama.cpp's tensor names → ours: whole-model tensors, and per block (a tuple of
     # several names splits a fused tensor by rows, e.g. GPT-2's attn_qkv).
@@ -165,6 +170,8 @@ class Architecture:
             ("activation", config.activation in self.activations),
             ("n_kv_heads", grouped_ok or self.grouped_kv),
             ("qkv_bias/mlp_bias", self.split_biases or not (config.qkv_bias or config.mlp_bias)),
+            ("head_size/qk_norm", self.head_options or not (
+                config.qk_norm or config.attention_width != config.d_model)),
         ) if not ok]
 
     def num_params(self, config: ModelConfig) -> int:

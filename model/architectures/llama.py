@@ -46,13 +46,15 @@ from model.rotary import inverse_frequencies
 if TYPE_CHECKING:
     import gguf
 
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
 # transformers' names inside a layer → ours (same layouts).
 RENAMES = (("self_attn.q_proj", "attn.w_q"), ("self_attn.k_proj", "attn.w_k"),
            ("self_attn.v_proj", "attn.w_v"), ("self_attn.o_proj", "attn.w_o"),
            ("mlp.gate_proj", "ffn.gate"), ("mlp.up_proj", "ffn.up"),
            ("mlp.down_proj", "ffn.down"), ("input_layernorm", "ln_1"),
-           ("post_attention_layernorm", "ln_2"))
+           ("post_attention_layernorm", "ln_2"), ("self_attn.q_norm", "attn.q_norm"),
+           ("self_attn.k_norm", "attn.k_norm"))
 HF_LAYER, OUR_LAYER = "model.layers.", "blocks."
 ROPE_FREQS = "rope_freqs.weight"
 # llama.cpp permutes Q/K rows for these GGUF architectures only (qwen2 files are not).
@@ -112,18 +114,21 @@ def unpermute_rope_rows(w: Tensor, n_heads: int) -> Tensor:
 
 
 class Llama(Architecture):
-    """LlamaForCausalLM / Qwen2ForCausalLM (GGUF ``llama`` / ``qwen2``)."""
+    """LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (GGUF ``llama`` / ``qwen2`` /
+    ``qwen3``). Qwen3 is Qwen2 without biases and with an RMSNorm on each head's query and
+    key before rotary (``qk_norm``), its heads often wider than d_model / n_heads."""
 
     name = "llama"
-    hf_model_types = ("llama", "qwen2")
-    gguf_names = ("llama", "qwen2")
+    hf_model_types = ("llama", "qwen2", "qwen3")
+    gguf_names = ("llama", "qwen2", "qwen3")
     positions = ("rope",)
     activations = ("silu",)
     fixed: ClassVar[Mapping[str, Any]] = {"position": "rope", "activation": "silu"}
     grouped_kv = True
     split_biases = True
+    head_options = True
     default_preset = "llama-small"
-    hf_class = "LlamaForCausalLM / Qwen2ForCausalLM"
+    hf_class = "LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM"
     hf_tokenizer_json_only = True
     hf_ignored_suffixes = (".rotary_emb.inv_freq",)
     # llama.cpp's llama / qwen2 tensors (rope_freqs goes into the config).
@@ -132,6 +137,7 @@ class Llama(Architecture):
     gguf_layers: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "attn_norm": ("ln_1",), "ffn_norm": ("ln_2",), "attn_q": ("attn.w_q",),
         "attn_k": ("attn.w_k",), "attn_v": ("attn.w_v",), "attn_output": ("attn.w_o",),
+        "attn_q_norm": ("attn.q_norm",), "attn_k_norm": ("attn.k_norm",),
         "ffn_gate": ("ffn.gate",), "ffn_up": ("ffn.up",), "ffn_down": ("ffn.down",)}
 
     # -- configuration -------------------------------------------------------------------
@@ -140,10 +146,11 @@ class Llama(Architecture):
         SwiGLU's three matrices, two RMSNorms per block, final RMSNorm, head."""
         v, d, f, n_layers = config.vocab_size, config.d_model, config.d_ff, config.n_layers
         head = 0 if config.tie_weights else v * d
-        kv = config.kv_heads * config.head_dim
-        attention = 2 * d * d + 2 * d * kv
-        attention += (d + 2 * kv if config.qkv_bias or config.attn_bias else 0)  # Q/K/V biases
+        kv, width = config.kv_heads * config.head_dim, config.attention_width
+        attention = 2 * d * width + 2 * d * kv
+        attention += (width + 2 * kv if config.qkv_bias or config.attn_bias else 0)  # biases
         attention += d if config.attn_bias else 0  # output projection bias
+        attention += 2 * config.head_dim if config.qk_norm else 0  # q_norm, k_norm
         mlp = 3 * d * f + (2 * f + d if config.mlp_bias else 0)
         return v * d + n_layers * (attention + mlp + 2 * d) + d + head
 
@@ -160,7 +167,7 @@ class Llama(Architecture):
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise refuse(f"hidden_act {act!r} is not supported (only silu: SwiGLU)")
-        if model_type == "qwen2" and hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
             raise refuse("use_sliding_window=true is not supported (full attention only)")
         if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
             raise refuse(f"partial_rotary_factor {hf['partial_rotary_factor']} is not "
@@ -168,12 +175,11 @@ class Llama(Architecture):
         try:
             d_model = int(hf.get("hidden_size", 4096))
             n_heads = int(hf.get("num_attention_heads", 32))
-            head_dim = hf.get("head_dim")
-            if head_dim is not None and int(head_dim) * n_heads != d_model:
-                raise refuse(f"head_dim {head_dim} × {n_heads} heads ≠ hidden_size {d_model} "
-                             "is not supported")
+            head_dim = int(hf.get("head_dim") or d_model // n_heads)
+            wide = head_dim * n_heads != d_model
             n_kv = hf.get("num_key_value_heads")
             llama = model_type == "llama"  # Qwen2: Q/K/V biases always, no others
+            qwen3 = model_type == "qwen3"  # Qwen3: attention_bias on all four, q/k norms
             return GPTConfig(
                 vocab_size=int(hf.get("vocab_size", 32000 if llama else 151936)),
                 d_model=d_model,
@@ -185,28 +191,35 @@ class Llama(Architecture):
                 activation="silu",
                 tie_weights=bool(hf.get("tie_word_embeddings", False)),
                 layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                attn_bias=bool(hf.get("attention_bias", False)) if llama else False,
+                attn_bias=bool(hf.get("attention_bias", False)) if llama or qwen3 else False,
                 arch="llama",
                 n_kv_heads=int(n_kv) if n_kv is not None else None,
                 rope_theta=float(hf.get("rope_theta", 10000.0)),
                 rope_scaling=dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None,
-                qkv_bias=not llama,
+                qkv_bias=model_type == "qwen2",
                 mlp_bias=bool(hf.get("mlp_bias", False)) if llama else False,
+                head_size=head_dim if wide else None,
+                qk_norm=qwen3,
             )
         except (TypeError, ValueError) as exc:
             raise refuse(f"unsupported configuration: {exc}") from exc
 
     def hf_config(self, config: ModelConfig, special: dict[str, Any]) -> dict[str, Any]:
-        """LlamaConfig, or Qwen2Config for Q/K/V biases alone: the inverse of
-        :meth:`config_from_hf`."""
+        """LlamaConfig, Qwen2Config for Q/K/V biases alone, or Qwen3Config for per-head
+        query/key norms: the inverse of :meth:`config_from_hf`."""
         qwen2 = config.qkv_bias and not config.attn_bias
+        if config.qk_norm and (config.qkv_bias or config.mlp_bias):
+            raise ValueError("per-head query/key norms with Q/K/V-only or SwiGLU biases have "
+                             "no transformers equivalent (Qwen3 biases all four attention "
+                             "projections or none)")
         if qwen2 and config.mlp_bias:
             raise ValueError("Q/K/V biases with SwiGLU biases have no transformers equivalent "
                              "(Qwen2 has no mlp_bias, Llama biases all four attention "
                              "projections)")
+        model_type = "qwen3" if config.qk_norm else "qwen2" if qwen2 else "llama"
         values: dict[str, Any] = {
-            "architectures": [HF_ARCHITECTURES["qwen2" if qwen2 else "llama"]],
-            "model_type": "qwen2" if qwen2 else "llama",
+            "architectures": [HF_ARCHITECTURES[model_type]],
+            "model_type": model_type,
             "vocab_size": config.vocab_size, "hidden_size": config.d_model,
             "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layers,
             "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
@@ -219,10 +232,12 @@ class Llama(Architecture):
             "eos_token_id": special.get("eos_token_id"),
             "pad_token_id": special.get("pad_token_id"),
         }
-        if qwen2:
+        if model_type != "llama":
             values.update(use_sliding_window=False, sliding_window=None,
                           max_window_layers=config.n_layers)
-        else:
+        if model_type == "qwen3":
+            values.update(head_dim=config.head_dim, attention_bias=config.attn_bias)
+        elif model_type == "llama":
             values.update(head_dim=config.head_dim, attention_bias=config.attn_bias,
                           mlp_bias=config.mlp_bias, pretraining_tp=1)
         return values
@@ -239,15 +254,14 @@ class Llama(Architecture):
                 raise refuse(f"per-layer key/value head counts {sorted(set(kv_heads))} are "
                              "not supported")
             kv_heads = kv_heads[0]
-        head_dim = d // heads
-        for name in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        head_dim = int(meta.get(f"{family}.attention.key_length", d // heads))
+        for name in ("rope.dimension_count", "attention.value_length"):
             value = meta.get(f"{family}.{name}")
             if value is not None and int(value) != head_dim:
-                raise refuse(f"{family}.{name} {value} ≠ head_dim {head_dim} "
-                             "(embedding_length / head_count) is not supported (partial "
-                             "rotary or a separate head width)")
+                raise refuse(f"{family}.{name} {value} ≠ head width {head_dim} is not "
+                             "supported (partial rotary, or values of another width)")
         theta = float(meta.get(f"{family}.rope.freq_base", 10000.0))
-        biased = family == "llama"  # llama.cpp loads llama's biases when present
+        biased = family in ("llama", "qwen3")  # llama.cpp loads their biases when present
         return {
             "model_type": family, "architectures": [HF_ARCHITECTURES[family]],
             "hidden_size": d, "num_attention_heads": heads,
@@ -259,14 +273,15 @@ class Llama(Architecture):
                                           dequantize),
             "hidden_act": "silu",
             "attention_bias": biased and "blk.0.attn_q.bias" in tensors,
-            "mlp_bias": biased and "blk.0.ffn_gate.bias" in tensors,
+            "mlp_bias": family == "llama" and "blk.0.ffn_gate.bias" in tensors,
+            "head_dim": head_dim,
         }
 
     # -- weights -------------------------------------------------------------------------
     def hf_expected_shapes(self, config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
         """The tensors with transformers' ``model.`` prefix, without lm_head."""
         d, f, v = config.d_model, config.d_ff, config.vocab_size
-        kv = config.kv_heads * config.head_dim
+        kv, w, hs = config.kv_heads * config.head_dim, config.attention_width, config.head_dim
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d),
                                               "model.norm.weight": (d,)}
         qkv_biased = config.qkv_bias or config.attn_bias
@@ -275,13 +290,16 @@ class Llama(Architecture):
             shapes.update({
                 f"{p}.input_layernorm.weight": (d,),
                 f"{p}.post_attention_layernorm.weight": (d,),
-                f"{p}.self_attn.q_proj.weight": (d, d), f"{p}.self_attn.k_proj.weight": (kv, d),
-                f"{p}.self_attn.v_proj.weight": (kv, d), f"{p}.self_attn.o_proj.weight": (d, d),
+                f"{p}.self_attn.q_proj.weight": (w, d), f"{p}.self_attn.k_proj.weight": (kv, d),
+                f"{p}.self_attn.v_proj.weight": (kv, d), f"{p}.self_attn.o_proj.weight": (d, w),
                 f"{p}.mlp.gate_proj.weight": (f, d), f"{p}.mlp.up_proj.weight": (f, d),
                 f"{p}.mlp.down_proj.weight": (d, f),
             })
+            if config.qk_norm:
+                shapes.update({f"{p}.self_attn.q_norm.weight": (hs,),
+                               f"{p}.self_attn.k_norm.weight": (hs,)})
             if qkv_biased:
-                shapes.update({f"{p}.self_attn.q_proj.bias": (d,),
+                shapes.update({f"{p}.self_attn.q_proj.bias": (w,),
                                f"{p}.self_attn.k_proj.bias": (kv,),
                                f"{p}.self_attn.v_proj.bias": (kv,)})
             if config.attn_bias:
@@ -338,8 +356,11 @@ class Llama(Architecture):
     def block(self, config: ModelConfig) -> nn.Module:
         """RMSNorm before attention (grouped, rotary) and before SwiGLU."""
         d, eps = config.d_model, config.layer_norm_eps
-        return PreNormBlock(RMSNorm(d, eps), CausalSelfAttention(config), RMSNorm(d, eps),
-                            SwiGLU(config), config.dropout)
+        attn = CausalSelfAttention(config)
+        if config.qk_norm:  # Qwen3: each head's query and key, over head_dim
+            attn.q_norm, attn.k_norm = RMSNorm(config.head_dim, eps), RMSNorm(config.head_dim, eps)
+        return PreNormBlock(RMSNorm(d, eps), attn, RMSNorm(d, eps), SwiGLU(config),
+                            config.dropout)
 
     def final_norm(self, config: ModelConfig) -> nn.Module:
         return RMSNorm(config.d_model, config.layer_norm_eps)

@@ -188,10 +188,12 @@ class ArtifactConfig:
     # value heads. The defaults describe every artifact written before they existed.
     arch: str = "gpt"
     n_kv_heads: int | None = None
+    # a head's width where it is not d_model / n_heads (Qwen3); written only then
+    head_size: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size if self.head_size is not None else self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -225,6 +227,8 @@ class ArtifactConfig:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["generation"] = self.generation.to_dict()
+        if self.head_size is None:  # as every artifact written before the field existed
+            del data["head_size"]
         return data
 
     @classmethod

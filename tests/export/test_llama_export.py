@@ -1,4 +1,5 @@
-"""Exported Llama / Qwen2 artifacts against transformers, driven through plain ORT by name.
+"""Exported Llama / Qwen2 / Qwen3 artifacts against transformers, driven through plain ORT
+by name.
 
 The artifacts come from random-weight transformers models (tests/hf_llama.py) imported
 and exported by our pipeline; the reference is the transformers model itself, so these
@@ -20,7 +21,7 @@ from export.to_onnx import export_artifact
 from service.contract import io_spec as io
 from tests.hf_llama import load_hf_model
 
-FAMILIES = ["llama", "qwen2"]
+FAMILIES = ["llama", "qwen2", "qwen3"]
 
 
 def _session(path: Path) -> ort.InferenceSession:
@@ -121,7 +122,7 @@ def test_engine_graph_refuses_a_head_dim_the_kernel_cannot_rotate(
     from model.gpt import GPT
 
     meta = read_meta(built.checkpoint)
-    config = GPTConfig(**(meta.model.to_dict() | {"d_model": 32}))  # head_dim 8
+    config = GPTConfig(**(meta.model.to_dict() | {"d_model": 32, "head_size": None}))  # hs 8
     save_checkpoint(tmp_path / "ckpt", GPT(config), CheckpointMeta(config, meta.tokenizer),
                     (built.checkpoint / "tokenizer.json").read_text("utf-8"))
     out = tmp_path / "art"

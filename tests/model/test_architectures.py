@@ -29,6 +29,7 @@ def test_lookups_by_name_model_type_and_gguf_architecture() -> None:
     assert for_hf_model_type("gpt2") is architecture("gpt")
     assert for_hf_model_type("qwen2") is for_hf_model_type("llama") is architecture("llama")
     assert for_gguf("gpt2") is architecture("gpt") and for_gguf("qwen2") is architecture("llama")
+    assert for_hf_model_type("qwen3") is for_gguf("qwen3") is architecture("llama")
     assert for_hf_model_type("mistral") is None and for_gguf("phi3") is None
     with pytest.raises(UnknownArchitecture, match=r"'rwkv'; registered: gpt, llama"):
         GPTConfig(vocab_size=8, arch="rwkv")
@@ -36,7 +37,8 @@ def test_lookups_by_name_model_type_and_gguf_architecture() -> None:
 
 @pytest.mark.parametrize(("family", "arch", "preset"), [
     ("gpt2", gguf.MODEL_ARCH.GPT2, "tiny"), ("llama", gguf.MODEL_ARCH.LLAMA, "llama-tiny"),
-    ("qwen2", gguf.MODEL_ARCH.QWEN2, "llama-tiny")])
+    ("qwen2", gguf.MODEL_ARCH.QWEN2, "llama-tiny"),
+    ("qwen3", gguf.MODEL_ARCH.QWEN3, "llama-tiny")])
 def test_gguf_names_cover_every_parameter_as_llamacpp_names_them(
         family: str, arch: gguf.MODEL_ARCH, preset: str) -> None:
     """Every one of our parameters is filled from exactly the GGUF tensor gguf-py names
@@ -45,6 +47,9 @@ def test_gguf_names_cover_every_parameter_as_llamacpp_names_them(
                                 **({"attn_bias": True} if family == "gpt2" else {}))
     if family == "qwen2":
         config = GPTConfig(**(config.to_dict() | {"qkv_bias": True}))
+    if family == "qwen3":  # per-head query/key norms, heads twice d / n_heads
+        config = GPTConfig(**(config.to_dict() | {"qk_norm": True,
+                                                   "head_size": 2 * config.head_dim}))
     ours = set(GPT(config).state_dict())
     table = for_gguf(family)
     assert table is not None
@@ -86,16 +91,19 @@ def test_llama_gguf_layout_undoes_llamacpps_permutation() -> None:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "qwen3"])
 def test_hf_names_round_trip_through_transformers(family: str) -> None:
     """ours → HF names/layouts → transformers loads them strictly → back to ours, exact."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    arch = architecture(family)
+    arch = architecture("gpt" if family == "gpt" else "llama")
     preset = "tiny" if family == "gpt" else "llama-tiny"
     config = config_from_preset(preset, vocab_size=64,
                                 **({"attn_bias": True, "activation": "gelu_tanh"}
                                    if family == "gpt" else {}))
+    if family == "qwen3":
+        config = GPTConfig(**(config.to_dict() | {"qk_norm": True,
+                                                   "head_size": 2 * config.head_dim}))
     torch.manual_seed(0)
     model = GPT(config).eval()
     hf_cfg = arch.hf_config(config, {})

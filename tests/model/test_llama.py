@@ -34,7 +34,7 @@ def one_thread() -> Any:
         yield
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def imported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> tuple[str, Any, Any, Path]:
     """(family, transformers model, our imported GPT, HF directory)."""
@@ -64,6 +64,12 @@ def test_logits_and_attention_equal_transformers(imported: tuple[str, Any, Any, 
     if family == "qwen2":
         assert ours.blocks[0].attn.w_q.bias is not None and ours.blocks[0].attn.w_o.bias is None
         assert ours.config.tie_weights
+    if family == "qwen3":  # per-head norms, heads wider than d_model / n_heads, no biases
+        attn = ours.blocks[0].attn
+        assert attn.q_norm is not None and attn.w_q.bias is None
+        assert ours.config.head_dim == 32 and attn.w_q.weight.shape == (128, 64)
+        assert ours.num_params() == ours.config.num_params_closed_form() == sum(
+            p.numel() for p in hf.parameters())
 
 
 @torch.no_grad()
@@ -76,7 +82,8 @@ def test_cached_decode_with_left_padding_equals_transformers(
     mask[0, :5] = 0  # row 0 left-padded
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     prefill = ours(ids[:, :10], attention_mask=mask[:, :10], position_ids=pos[:, :10])
-    assert prefill.present[0][0].shape == (2, 2, 10, 16)  # the cache holds kv heads only
+    # the cache holds kv heads only
+    assert prefill.present[0][0].shape == (2, 2, 10, ours.config.head_dim)
     step = ours(ids[:, 10:], attention_mask=mask, position_ids=pos[:, 10:],
                 past_key_values=prefill.present)
     ref = hf(ids, attention_mask=mask, position_ids=pos).logits
@@ -91,13 +98,14 @@ def test_import_copies_chat_template_and_generation_config(
     for name in ("tokenizer_config.json", "generation_config.json"):
         assert (ckpt / name).read_bytes() == (root / "hf" / name).read_bytes()
     template = "chat_template.jinja"
-    assert (ckpt / template).is_file() == (family == "qwen2")
+    assert (ckpt / template).is_file() == (family != "llama")
     meta = json.loads((ckpt / "config.json").read_text())
     ids = json.loads((root / "hf" / "tokenizer.json").read_text())["added_tokens"]
     im_end = next(t["id"] for t in ids if t["content"] == IM_END)
     assert meta["tokenizer"]["eos_token_id"] == im_end  # generation_config's first stop id
-    assert meta["training"]["imported_from"]["architecture"] == (
-        "LlamaForCausalLM" if family == "llama" else "Qwen2ForCausalLM")
+    assert meta["training"]["imported_from"]["architecture"] == {
+        "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM"}[family]
 
 
 @torch.no_grad()
@@ -168,7 +176,8 @@ def _edit_config(src: Path, **changes: Any) -> None:
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
-    ({"head_dim": 32}, "head_dim 32"),
+    # a head width the weights do not have (wider heads themselves are Qwen3's, and served)
+    ({"head_dim": 32}, r"q_proj\.weight has shape \[64, 64\], config\.json implies \[128, 64\]"),
     ({"architectures": ["Qwen2ForSequenceClassification"]}, "architectures"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
 ])
