@@ -153,11 +153,12 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
     x = g.op("Reshape", [embed, flat], "embed_flat")[0]  # (N, d)
     blocks: list[Any] = list(gpt.blocks)
     h = arch.engine_norm(g, x, blocks[0].ln_1, eps, "l0.ln1")  # (N, d)
-    rope: dict[str, int] = {"do_rotary": 0}
-    if rotary is not None:  # the kernel rotates Q and K by each row's cache position
-        rope = {"do_rotary": 1, "rotary_interleaved": 0}
     for i, block in enumerate(blocks):
         a, p = block.attn, f"l{i}"
+        rope: dict[str, int] = {"do_rotary": 0}
+        tables: tuple[str, ...] = ()
+        if rotary is not None and cfg.rotates(i):  # the kernel rotates Q and K by each
+            rope, tables = {"do_rotary": 1, "rotary_interleaved": 0}, rotary  # row's position
         qkv = arch.engine_qkv(g, h, a, p, matmul_only)  # (N, nh·hs + 2·kv): q | k | v
         if a.q_norm is not None:  # Qwen3: each head's query and key RMS-normalised first
             qkv = _normed_qk(g, arch, qkv, a, cfg, eps, p)
@@ -172,7 +173,7 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
             attn = g.op(
                 "GroupQueryAttention",
                 [part, "", "", r.past[2 * i], r.past[2 * i + 1], r.seqlens, r.total,
-                 *(rotary or ())],
+                 *tables],
                 f"{p}.gqa{r.tag}", outputs=[f"{p}.attn{r.tag}", r.present[2 * i],
                                             r.present[2 * i + 1]],
                 domain=CONTRIB, num_heads=nh, kv_num_heads=cfg.kv_heads,

@@ -228,7 +228,8 @@ class DecoderBuilder:
             x = g.one("Add", [x, g.one("Gather", [g.const("pos_emb", f32(table)),
                                                  io.POSITION_IDS], "pos_gather")], "embed")
         for i, block in enumerate(gpt.blocks):
-            a = self._attention(i, self._norm(x, block.ln_1, f"l{i}.ln1"), bias, rotary)
+            a = self._attention(i, self._norm(x, block.ln_1, f"l{i}.ln1"), bias,
+                                rotary if self.cfg.rotates(i) else None)
             if self.introspect and i == len(gpt.blocks) - 1:
                 break  # nothing after the last layer's attention is an output
             x = g.one("Add", [x, a], f"l{i}.res1")

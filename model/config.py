@@ -51,6 +51,8 @@ class GPTConfig:
     # a d_model of 1024): Q and the attention output are n_heads·head_size wide.
     head_size: int | None = None
     qk_norm: bool = False  # an RMSNorm on each head's query and key before rotary (Qwen3)
+    # layers whose attention has no rotary positions at all ("NoPE", SmolLM3: every fourth)
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         arch = architecture(self.arch)  # UnknownArchitecture lists the registered ones
@@ -60,6 +62,8 @@ class GPTConfig:
             "n_heads": self.n_heads > 0 and (self.head_size is not None
                                              or self.d_model % max(self.n_heads, 1) == 0),
             "head_size": self.head_size is None or self.head_size > 0,
+            "nope_layers": all(0 <= i < self.n_layers for i in self.nope_layers) and (
+                not self.nope_layers or self.position == "rope"),
             "n_layers": self.n_layers > 0,
             "d_ff": self.d_ff > 0,
             "max_seq_len": self.max_seq_len > 0,
@@ -101,6 +105,11 @@ class GPTConfig:
         """The key/value head query head ``head`` reads (transformers' repeat_kv order)."""
         return head // (self.n_heads // self.kv_heads)
 
+    def rotates(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates its queries and keys (rotary models but their
+        NoPE layers)."""
+        return self.position == "rope" and layer not in self.nope_layers
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -111,6 +120,8 @@ class GPTConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown GPTConfig keys: {unknown}")
+        if "nope_layers" in data:  # a JSON list
+            data = {**data, "nope_layers": tuple(data["nope_layers"])}
         return cls(**data)
 
     def num_params_closed_form(self) -> int:

@@ -161,7 +161,8 @@ class GPT(nn.Module):
         intermediates: list[AttentionIntermediates] = []
         for i, block in enumerate(self.blocks):
             past = past_key_values[i] if past_key_values else None
-            x, layer_present, inter = block(x, allowed, past, return_intermediates, rotary)
+            x, layer_present, inter = block(x, allowed, past, return_intermediates,
+                                            rotary if self.config.rotates(i) else None)
             present.append(layer_present)
             if inter is not None:
                 intermediates.append(inter)

@@ -177,7 +177,7 @@ def _llama_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     writer.add_head_count_kv(hp.get("num_key_value_heads") or heads)
     writer.add_rope_freq_base(hp["rope_theta"])
     writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    if hp["model_type"] == "llama":
+    if hp["model_type"] in ("llama", "smollm3"):
         writer.add_rope_dimension_count(hp["hidden_size"] // heads)
     if hp.get("head_dim") is not None:  # convert_hf_to_gguf.py's TextModel writes both
         writer.add_key_length(hp["head_dim"])
@@ -205,7 +205,8 @@ def _gguf_tensors(hf_dir: Path, hp: dict[str, Any]) -> dict[str, np.ndarray]:
     n_layers = hp["n_layer"] if arch == "gpt2" else hp["num_hidden_layers"]
     names = gguf.get_tensor_name_map(
         {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
-         "qwen3": gguf.MODEL_ARCH.QWEN3, "gpt2": gguf.MODEL_ARCH.GPT2}[arch], n_layers)
+         "qwen3": gguf.MODEL_ARCH.QWEN3, "smollm3": gguf.MODEL_ARCH.SMOLLM3,
+         "gpt2": gguf.MODEL_ARCH.GPT2}[arch], n_layers)
     out: dict[str, np.ndarray] = {}
     for name, data in load_file(str(hf_dir / "model.safetensors")).items():
         if name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):
@@ -214,9 +215,9 @@ def _gguf_tensors(hf_dir: Path, hp: dict[str, Any]) -> dict[str, np.ndarray]:
             continue
         if arch == "gpt2" and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
             data = data.T  # Conv1D (in, out) → (out, in)
-        if arch == "llama" and ".q_proj." in name:
+        if arch in ("llama", "smollm3") and ".q_proj." in name:  # LlamaModel's permute
             data = llamacpp_permute(data, hp["num_attention_heads"])
-        if arch == "llama" and ".k_proj." in name:
+        if arch in ("llama", "smollm3") and ".k_proj." in name:
             data = llamacpp_permute(data, hp["num_attention_heads"], hp["num_key_value_heads"])
         new = names.get_name(name.removeprefix("transformer."), try_suffixes=(".weight", ".bias"))
         if new is None:

@@ -1,11 +1,11 @@
-"""Random-weight Llama, Qwen2 and Qwen3 models built locally with transformers, for import
-parity.
+"""Random-weight Llama, Qwen2, Qwen3 and SmolLM3 models built locally with transformers, for
+import parity.
 
 Nothing is downloaded: a LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM is built
 from its config, every parameter randomised (RMSNorm scales near 1, Qwen2's Q/K/V biases
 nonzero, Qwen3's per-head query/key norms near 1 and its heads twice d_model / n_heads
-wide, so a dropped bias, a norm read as identity or a head width taken from d_model cannot
-pass), and saved with
+wide, SmolLM3's second layer without rotary, so a dropped bias, a norm read as identity, a
+head width taken from d_model or a rotation where there is none cannot pass), and saved with
 ``save_pretrained(safe_serialization=True)`` beside a byte-level BPE tokenizer trained on
 the stdlib corpus with ChatML special tokens, as SmolLM2 and Qwen2.5 have. Llama
 directories carry the chat template inside tokenizer_config.json, Qwen2 and Qwen3 ones in
@@ -29,7 +29,8 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-Family = Literal["llama", "qwen2", "qwen3"]
+Family = Literal["llama", "qwen2", "qwen3", "smollm3"]
+QWEN = ("qwen2", "qwen3")  # Qwen2's tokenizer layout; the others Llama's
 
 
 def write_tokenizer(out: Path, family: Family, vocab_size: int = 400) -> dict[str, int]:
@@ -47,14 +48,14 @@ def write_tokenizer(out: Path, family: Family, vocab_size: int = 400) -> dict[st
     ids = {t: int(bpe.token_to_id(t)) for t in SPECIALS}
     tok_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": IM_END,
-        "pad_token": IM_END if family == "llama" else ENDOFTEXT,
-        "bos_token": IM_START if family == "llama" else None, "unk_token": None,
+        "pad_token": ENDOFTEXT if family in QWEN else IM_END,
+        "bos_token": None if family in QWEN else IM_START, "unk_token": None,
         "model_max_length": 2048, "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {str(ids[t]): {"content": t, "special": True, "lstrip": False,
                                                "rstrip": False, "normalized": False,
                                                "single_word": False} for t in SPECIALS},
     }
-    if family == "llama":
+    if family not in QWEN:
         tok_config["chat_template"] = CHATML
     else:
         (out / "chat_template.jinja").write_text(CHATML, "utf-8")
@@ -82,20 +83,23 @@ def hf_config(family: Family, vocab_size: int, ids: dict[str, int], **overrides:
     """A small LlamaConfig / Qwen2Config / Qwen3Config, GQA (2 key/value heads for 4 query
     heads of 16 dimensions: the smallest GroupQueryAttention's rotary kernel takes; Qwen3's
     heads 32 wide, Q twice d_model)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
     values: dict[str, Any] = {
         "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 56,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "tie_word_embeddings": family != "llama", "eos_token_id": ids[IM_END],
-        "bos_token_id": ids[IM_START] if family == "llama" else ids[ENDOFTEXT],
+        "bos_token_id": ids[ENDOFTEXT] if family in QWEN else ids[IM_START],
         "pad_token_id": None,
     }
     if family == "qwen3":
         values["head_dim"] = 32
+    if family == "smollm3":  # the second layer without rotary (SmolLM3: every fourth)
+        values["no_rope_layers"] = [1, 0]
     values.update(overrides)
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family](**values)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+            "smollm3": SmolLM3Config}[family](**values)
 
 
 def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 400,
@@ -107,14 +111,15 @@ def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 4
         LlamaForCausalLM,
         Qwen2ForCausalLM,
         Qwen3ForCausalLM,
+        SmolLM3ForCausalLM,
     )
 
     ids = write_tokenizer(out, family, vocab_size)
     config = hf_config(family, vocab_size, ids, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
-             "qwen3": Qwen3ForCausalLM}[family](config)
+    model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+             "smollm3": SmolLM3ForCausalLM}[family](config)
     randomise(model, seed)
     model.eval()
     model.save_pretrained(str(out), safe_serialization=True)

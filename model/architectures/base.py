@@ -76,6 +76,9 @@ class ModelConfig(Protocol):
     @property
     def qk_norm(self) -> bool: ...
     @property
+    def nope_layers(self) -> tuple[int, ...]: ...
+    def rotates(self, layer: int) -> bool: ...
+    @property
     def kv_heads(self) -> int: ...
 
 
@@ -170,8 +173,9 @@ class Architecture:
             ("activation", config.activation in self.activations),
             ("n_kv_heads", grouped_ok or self.grouped_kv),
             ("qkv_bias/mlp_bias", self.split_biases or not (config.qkv_bias or config.mlp_bias)),
-            ("head_size/qk_norm", self.head_options or not (
-                config.qk_norm or config.attention_width != config.d_model)),
+            ("head_size/qk_norm/nope_layers", self.head_options or not (
+                config.qk_norm or config.nope_layers
+                or config.attention_width != config.d_model)),
         ) if not ok]
 
     def num_params(self, config: ModelConfig) -> int:

@@ -47,7 +47,9 @@ if TYPE_CHECKING:
     import gguf
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM"}
+                    "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+# llama.cpp's smollm3 graph leaves rotary out of every fourth layer (a fixed step, no key)
+SMOLLM3_NOPE_STEP = 4
 # transformers' names inside a layer → ours (same layouts).
 RENAMES = (("self_attn.q_proj", "attn.w_q"), ("self_attn.k_proj", "attn.w_k"),
            ("self_attn.v_proj", "attn.w_v"), ("self_attn.o_proj", "attn.w_o"),
@@ -58,7 +60,7 @@ RENAMES = (("self_attn.q_proj", "attn.w_q"), ("self_attn.k_proj", "attn.w_k"),
 HF_LAYER, OUR_LAYER = "model.layers.", "blocks."
 ROPE_FREQS = "rope_freqs.weight"
 # llama.cpp permutes Q/K rows for these GGUF architectures only (qwen2 files are not).
-GGUF_PERMUTED = ("llama",)
+GGUF_PERMUTED = ("llama", "smollm3")
 # Llama 3's rope_scaling as llama.cpp's converter assumes it when writing rope_freqs.
 LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -114,13 +116,15 @@ def unpermute_rope_rows(w: Tensor, n_heads: int) -> Tensor:
 
 
 class Llama(Architecture):
-    """LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (GGUF ``llama`` / ``qwen2`` /
-    ``qwen3``). Qwen3 is Qwen2 without biases and with an RMSNorm on each head's query and
-    key before rotary (``qk_norm``), its heads often wider than d_model / n_heads."""
+    """LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / SmolLM3ForCausalLM (GGUF
+    ``llama`` / ``qwen2`` / ``qwen3`` / ``smollm3``). Qwen3 is Qwen2 without biases and with
+    an RMSNorm on each head's query and key before rotary (``qk_norm``), its heads often
+    wider than d_model / n_heads; SmolLM3 is Llama with no rotary in some layers
+    (``nope_layers``: every fourth)."""
 
     name = "llama"
-    hf_model_types = ("llama", "qwen2", "qwen3")
-    gguf_names = ("llama", "qwen2", "qwen3")
+    hf_model_types = ("llama", "qwen2", "qwen3", "smollm3")
+    gguf_names = ("llama", "qwen2", "qwen3", "smollm3")
     positions = ("rope",)
     activations = ("silu",)
     fixed: ClassVar[Mapping[str, Any]] = {"position": "rope", "activation": "silu"}
@@ -128,7 +132,7 @@ class Llama(Architecture):
     split_biases = True
     head_options = True
     default_preset = "llama-small"
-    hf_class = "LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM"
+    hf_class = "LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / SmolLM3ForCausalLM"
     hf_tokenizer_json_only = True
     hf_ignored_suffixes = (".rotary_emb.inv_freq",)
     # llama.cpp's llama / qwen2 tensors (rope_freqs goes into the config).
@@ -167,7 +171,7 @@ class Llama(Architecture):
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise refuse(f"hidden_act {act!r} is not supported (only silu: SwiGLU)")
-        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "smollm3") and hf.get("use_sliding_window", False):
             raise refuse("use_sliding_window=true is not supported (full attention only)")
         if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
             raise refuse(f"partial_rotary_factor {hf['partial_rotary_factor']} is not "
@@ -178,8 +182,10 @@ class Llama(Architecture):
             head_dim = int(hf.get("head_dim") or d_model // n_heads)
             wide = head_dim * n_heads != d_model
             n_kv = hf.get("num_key_value_heads")
-            llama = model_type == "llama"  # Qwen2: Q/K/V biases always, no others
+            llama = model_type in ("llama", "smollm3")  # Qwen2: Q/K/V biases always, no others
             qwen3 = model_type == "qwen3"  # Qwen3: attention_bias on all four, q/k norms
+            nope = _nope_layers(hf, int(hf.get("num_hidden_layers", 32)), refuse) \
+                if model_type == "smollm3" else ()
             return GPTConfig(
                 vocab_size=int(hf.get("vocab_size", 32000 if llama else 151936)),
                 d_model=d_model,
@@ -189,7 +195,8 @@ class Llama(Architecture):
                 max_seq_len=int(hf.get("max_position_embeddings", 2048 if llama else 32768)),
                 position="rope",
                 activation="silu",
-                tie_weights=bool(hf.get("tie_word_embeddings", False)),
+                # absent, transformers takes the class default: SmolLM3Config's ties
+                tie_weights=bool(hf.get("tie_word_embeddings", model_type == "smollm3")),
                 layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 attn_bias=bool(hf.get("attention_bias", False)) if llama or qwen3 else False,
                 arch="llama",
@@ -200,6 +207,7 @@ class Llama(Architecture):
                 mlp_bias=bool(hf.get("mlp_bias", False)) if llama else False,
                 head_size=head_dim if wide else None,
                 qk_norm=qwen3,
+                nope_layers=nope,
             )
         except (TypeError, ValueError) as exc:
             raise refuse(f"unsupported configuration: {exc}") from exc
@@ -216,7 +224,11 @@ class Llama(Architecture):
             raise ValueError("Q/K/V biases with SwiGLU biases have no transformers equivalent "
                              "(Qwen2 has no mlp_bias, Llama biases all four attention "
                              "projections)")
-        model_type = "qwen3" if config.qk_norm else "qwen2" if qwen2 else "llama"
+        if config.nope_layers and (config.qk_norm or qwen2):
+            raise ValueError("layers without rotary beside Qwen's biases or query/key norms "
+                             "have no transformers equivalent (SmolLM3 is Llama's body)")
+        model_type = ("smollm3" if config.nope_layers else "qwen3" if config.qk_norm
+                      else "qwen2" if qwen2 else "llama")
         values: dict[str, Any] = {
             "architectures": [HF_ARCHITECTURES[model_type]],
             "model_type": model_type,
@@ -232,11 +244,15 @@ class Llama(Architecture):
             "eos_token_id": special.get("eos_token_id"),
             "pad_token_id": special.get("pad_token_id"),
         }
-        if model_type != "llama":
+        if model_type in ("qwen2", "qwen3"):
             values.update(use_sliding_window=False, sliding_window=None,
                           max_window_layers=config.n_layers)
         if model_type == "qwen3":
             values.update(head_dim=config.head_dim, attention_bias=config.attn_bias)
+        elif model_type == "smollm3":
+            values.update(attention_bias=config.attn_bias, mlp_bias=config.mlp_bias,
+                          no_rope_layers=[int(config.rotates(i))
+                                          for i in range(config.n_layers)])
         elif model_type == "llama":
             values.update(head_dim=config.head_dim, attention_bias=config.attn_bias,
                           mlp_bias=config.mlp_bias, pretraining_tp=1)
@@ -261,8 +277,11 @@ class Llama(Architecture):
                 raise refuse(f"{family}.{name} {value} ≠ head width {head_dim} is not "
                              "supported (partial rotary, or values of another width)")
         theta = float(meta.get(f"{family}.rope.freq_base", 10000.0))
-        biased = family in ("llama", "qwen3")  # llama.cpp loads their biases when present
-        return {
+        biased = family in ("llama", "qwen3", "smollm3")  # their biases load when present
+        layers = int(key("block_count"))
+        nope = {"no_rope_layers": [int((i + 1) % SMOLLM3_NOPE_STEP != 0) for i in range(layers)]
+                } if family == "smollm3" else {}
+        return {**nope,
             "model_type": family, "architectures": [HF_ARCHITECTURES[family]],
             "hidden_size": d, "num_attention_heads": heads,
             "num_key_value_heads": int(kv_heads), "num_hidden_layers": key("block_count"),
@@ -273,7 +292,7 @@ class Llama(Architecture):
                                           dequantize),
             "hidden_act": "silu",
             "attention_bias": biased and "blk.0.attn_q.bias" in tensors,
-            "mlp_bias": family == "llama" and "blk.0.ffn_gate.bias" in tensors,
+            "mlp_bias": family in ("llama", "smollm3") and "blk.0.ffn_gate.bias" in tensors,
             "head_dim": head_dim,
         }
 
@@ -340,7 +359,7 @@ class Llama(Architecture):
         return out
 
     def gguf_config_tensors(self, family: str) -> tuple[str, ...]:
-        return (ROPE_FREQS,) if family == "llama" else ()
+        return (ROPE_FREQS,) if family in ("llama", "smollm3") else ()
 
     def from_gguf_layout(self, w: Tensor, target: str, family: str,
                          config: ModelConfig) -> Tensor:
@@ -447,6 +466,18 @@ class Llama(Architecture):
         down_bias = [g.const(f"{p}.down.b", f32(mlp.down.bias))] if bias else []
         return self.engine_skip_norm(g, x, down, next_norm, down_bias,
                                      float(config.layer_norm_eps), next_name, f"{p}.res2")
+
+
+def _nope_layers(hf: dict[str, Any], n_layers: int, refuse: Refuse) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary, from ``no_rope_layers`` (1: rotary, per layer) or,
+    absent, every ``no_rope_layer_interval``-th layer, as transformers derives it."""
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        step = int(hf.get("no_rope_layer_interval", SMOLLM3_NOPE_STEP))
+        flags = [int((i + 1) % step != 0) for i in range(n_layers)]
+    if len(flags) != n_layers:
+        raise refuse(f"no_rope_layers has {len(flags)} entries for {n_layers} layers")
+    return tuple(i for i, rotary in enumerate(flags) if not rotary)
 
 
 def _rope_scaling(meta: dict[str, Any], family: str, tensors: Mapping[str, gguf.ReaderTensor],

@@ -30,6 +30,7 @@ def test_lookups_by_name_model_type_and_gguf_architecture() -> None:
     assert for_hf_model_type("qwen2") is for_hf_model_type("llama") is architecture("llama")
     assert for_gguf("gpt2") is architecture("gpt") and for_gguf("qwen2") is architecture("llama")
     assert for_hf_model_type("qwen3") is for_gguf("qwen3") is architecture("llama")
+    assert for_hf_model_type("smollm3") is for_gguf("smollm3") is architecture("llama")
     assert for_hf_model_type("mistral") is None and for_gguf("phi3") is None
     with pytest.raises(UnknownArchitecture, match=r"'rwkv'; registered: gpt, llama"):
         GPTConfig(vocab_size=8, arch="rwkv")
@@ -38,7 +39,8 @@ def test_lookups_by_name_model_type_and_gguf_architecture() -> None:
 @pytest.mark.parametrize(("family", "arch", "preset"), [
     ("gpt2", gguf.MODEL_ARCH.GPT2, "tiny"), ("llama", gguf.MODEL_ARCH.LLAMA, "llama-tiny"),
     ("qwen2", gguf.MODEL_ARCH.QWEN2, "llama-tiny"),
-    ("qwen3", gguf.MODEL_ARCH.QWEN3, "llama-tiny")])
+    ("qwen3", gguf.MODEL_ARCH.QWEN3, "llama-tiny"),
+    ("smollm3", gguf.MODEL_ARCH.SMOLLM3, "llama-tiny")])
 def test_gguf_names_cover_every_parameter_as_llamacpp_names_them(
         family: str, arch: gguf.MODEL_ARCH, preset: str) -> None:
     """Every one of our parameters is filled from exactly the GGUF tensor gguf-py names

@@ -34,7 +34,7 @@ def one_thread() -> Any:
         yield
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3"])
 def imported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> tuple[str, Any, Any, Path]:
     """(family, transformers model, our imported GPT, HF directory)."""
@@ -64,6 +64,8 @@ def test_logits_and_attention_equal_transformers(imported: tuple[str, Any, Any, 
     if family == "qwen2":
         assert ours.blocks[0].attn.w_q.bias is not None and ours.blocks[0].attn.w_o.bias is None
         assert ours.config.tie_weights
+    if family == "smollm3":  # the second layer attends without rotary
+        assert ours.config.nope_layers == (1,) and not ours.config.rotates(1)
     if family == "qwen3":  # per-head norms, heads wider than d_model / n_heads, no biases
         attn = ours.blocks[0].attn
         assert attn.q_norm is not None and attn.w_q.bias is None
@@ -98,14 +100,14 @@ def test_import_copies_chat_template_and_generation_config(
     for name in ("tokenizer_config.json", "generation_config.json"):
         assert (ckpt / name).read_bytes() == (root / "hf" / name).read_bytes()
     template = "chat_template.jinja"
-    assert (ckpt / template).is_file() == (family != "llama")
+    assert (ckpt / template).is_file() == (family in ("qwen2", "qwen3"))
     meta = json.loads((ckpt / "config.json").read_text())
     ids = json.loads((root / "hf" / "tokenizer.json").read_text())["added_tokens"]
     im_end = next(t["id"] for t in ids if t["content"] == IM_END)
     assert meta["tokenizer"]["eos_token_id"] == im_end  # generation_config's first stop id
     assert meta["training"]["imported_from"]["architecture"] == {
         "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM"}[family]
+        "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}[family]
 
 
 @torch.no_grad()
