@@ -153,6 +153,10 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
     x = g.op("Reshape", [embed, flat], "embed_flat")[0]  # (N, d)
     blocks: list[Any] = list(gpt.blocks)
     h = arch.engine_norm(g, x, blocks[0].ln_1, eps, "l0.ln1")  # (N, d)
+    # a sliding window of W positions, the query's own included, is the kernel's
+    # local_window_size W (checked against PyTorch by the export's verification)
+    window = ({"local_window_size": cfg.sliding_window}
+              if cfg.sliding_window is not None else {})
     for i, block in enumerate(blocks):
         a, p = block.attn, f"l{i}"
         rope: dict[str, int] = {"do_rotary": 0}
@@ -177,7 +181,7 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
                 f"{p}.gqa{r.tag}", outputs=[f"{p}.attn{r.tag}", r.present[2 * i],
                                             r.present[2 * i + 1]],
                 domain=CONTRIB, num_heads=nh, kv_num_heads=cfg.kv_heads,
-                scale=float(1.0 / np.sqrt(hs)), **rope)[0]  # (B, T, d)
+                scale=float(1.0 / np.sqrt(hs)), **rope, **window)[0]  # (B, T, d)
             if r.tag:
                 attn = chunk.unpad(attn, f"{p}.attn_unpadded{r.tag}")  # (B, T, d)
             attns.append(g.op("Reshape", [attn, flat_attn],

@@ -117,6 +117,11 @@ class DecoderBuilder:
         key = g.one("Unsqueeze", [g.one("Range", [zero, s, step], "key_pos"),
                                   g.ints("axis0", [0])], "key_row")  # (1, S)
         causal = g.one("LessOrEqual", [key, query], "causal")  # (T, S)
+        if self.cfg.sliding_window is not None:  # only the last W positions (Mistral)
+            near = g.one("Less", [g.one("Sub", [query, key], "distance"),
+                                  g.const("window", np.array(self.cfg.sliding_window,
+                                                             np.int64))], "in_window")
+            causal = g.one("And", [causal, near], "causal_window")  # (T, S)
         diagonal = g.one("Equal", [key, query], "diagonal")  # (T, S)
         real = g.one("Unsqueeze", [g.one("Cast", [io.ATTENTION_MASK], "mask_bool",
                                          to=TensorProto.BOOL), g.ints("axes12", [1, 2])],

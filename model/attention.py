@@ -32,19 +32,24 @@ class AttentionIntermediates:
 
 
 def attention_allowed(
-    attention_mask: Tensor, past_len: int, query_len: int
+    attention_mask: Tensor, past_len: int, query_len: int, window: int | None = None
 ) -> Tensor:
     """Boolean (B, 1, T, T_past + T) mask: True where a query may attend to a key.
 
-    A query at absolute position p sees keys at positions ≤ p that are not padding. A
-    padding query (left padding) would then see nothing and softmax would give NaN, so
-    every query may always see itself; those rows are discarded by the caller anyway.
+    A query at absolute position p sees keys at positions ≤ p that are not padding, and
+    with a sliding ``window`` only those at positions > p − window (the last ``window``,
+    itself included; padding sits left of every real token, so column distance is
+    position distance). A padding query (left padding) would then see nothing and softmax
+    would give NaN, so every query may always see itself; those rows are discarded by the
+    caller anyway.
     """
     total = past_len + query_len
     device = attention_mask.device
     query_pos = torch.arange(past_len, total, device=device).unsqueeze(1)  # (T, 1)
     key_pos = torch.arange(total, device=device).unsqueeze(0)  # (1, T_total)
     causal = key_pos <= query_pos  # (T, T_total)
+    if window is not None:
+        causal = causal & (query_pos - key_pos < window)
     not_padding = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T_total)
     diagonal = key_pos == query_pos  # (T, T_total)
     return (causal & not_padding) | diagonal  # (B, 1, T, T_total)

@@ -53,6 +53,9 @@ class GPTConfig:
     qk_norm: bool = False  # an RMSNorm on each head's query and key before rotary (Qwen3)
     # layers whose attention has no rotary positions at all ("NoPE", SmolLM3: every fourth)
     nope_layers: tuple[int, ...] = ()
+    # every layer attends to the last sliding_window positions only, itself included
+    # (Mistral's sliding-window attention); None: the whole past
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         arch = architecture(self.arch)  # UnknownArchitecture lists the registered ones
@@ -62,6 +65,7 @@ class GPTConfig:
             "n_heads": self.n_heads > 0 and (self.head_size is not None
                                              or self.d_model % max(self.n_heads, 1) == 0),
             "head_size": self.head_size is None or self.head_size > 0,
+            "sliding_window": self.sliding_window is None or self.sliding_window > 0,
             "nope_layers": all(0 <= i < self.n_layers for i in self.nope_layers) and (
                 not self.nope_layers or self.position == "rope"),
             "n_layers": self.n_layers > 0,

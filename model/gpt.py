@@ -148,8 +148,12 @@ class GPT(nn.Module):
                 position_ids = torch.arange(past_len, past_len + t, device=input_ids.device)
                 position_ids = position_ids.unsqueeze(0).expand(b, t)
         allowed = None
+        window = self.config.sliding_window
+        if attention_mask is None and window is not None:  # a window needs a mask
+            attention_mask = torch.ones(b, past_len + t, dtype=torch.long,
+                                        device=input_ids.device)
         if attention_mask is not None:
-            allowed = attention_allowed(attention_mask, past_len, t)  # (B, 1, T, T_total)
+            allowed = attention_allowed(attention_mask, past_len, t, window)  # (B,1,T,T_total)
 
         rotary = None
         if self.rotary is not None:

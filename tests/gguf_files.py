@@ -167,6 +167,9 @@ def _llama3_rope_factors(hp: dict[str, Any]) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
+GGUF_ARCH = {"mistral": "llama"}  # transformers' model_type → general.architecture
+
+
 def _llama_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     heads = hp["num_attention_heads"]
     writer.add_block_count(hp["num_hidden_layers"])
@@ -177,8 +180,10 @@ def _llama_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     writer.add_head_count_kv(hp.get("num_key_value_heads") or heads)
     writer.add_rope_freq_base(hp["rope_theta"])
     writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    if hp["model_type"] in ("llama", "smollm3"):
+    if hp["model_type"] in ("llama", "smollm3", "mistral"):
         writer.add_rope_dimension_count(hp["hidden_size"] // heads)
+    if hp.get("sliding_window") is not None:
+        writer.add_sliding_window(hp["sliding_window"])
     if hp.get("head_dim") is not None:  # convert_hf_to_gguf.py's TextModel writes both
         writer.add_key_length(hp["head_dim"])
         writer.add_value_length(hp["head_dim"])
@@ -206,6 +211,7 @@ def _gguf_tensors(hf_dir: Path, hp: dict[str, Any]) -> dict[str, np.ndarray]:
     names = gguf.get_tensor_name_map(
         {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
          "qwen3": gguf.MODEL_ARCH.QWEN3, "smollm3": gguf.MODEL_ARCH.SMOLLM3,
+         "mistral": gguf.MODEL_ARCH.LLAMA,
          "gpt2": gguf.MODEL_ARCH.GPT2}[arch], n_layers)
     out: dict[str, np.ndarray] = {}
     for name, data in load_file(str(hf_dir / "model.safetensors")).items():
@@ -215,9 +221,9 @@ def _gguf_tensors(hf_dir: Path, hp: dict[str, Any]) -> dict[str, np.ndarray]:
             continue
         if arch == "gpt2" and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
             data = data.T  # Conv1D (in, out) → (out, in)
-        if arch in ("llama", "smollm3") and ".q_proj." in name:  # LlamaModel's permute
+        if arch in ("llama", "smollm3", "mistral") and ".q_proj." in name:  # LlamaModel's
             data = llamacpp_permute(data, hp["num_attention_heads"])
-        if arch in ("llama", "smollm3") and ".k_proj." in name:
+        if arch in ("llama", "smollm3", "mistral") and ".k_proj." in name:
             data = llamacpp_permute(data, hp["num_attention_heads"], hp["num_key_value_heads"])
         new = names.get_name(name.removeprefix("transformer."), try_suffixes=(".weight", ".bias"))
         if new is None:
@@ -249,7 +255,8 @@ def write_gguf(hf_dir: Path, out: Path, types: Sequence[Q] = (Q.F32,),
     """
     hp = json.loads((hf_dir / "config.json").read_text("utf-8"))
     arch = hp["model_type"]
-    writer = gguf.GGUFWriter(str(out), architecture or arch)
+    # llama.cpp's converter writes Mistral as llama (and its window, where it has one)
+    writer = gguf.GGUFWriter(str(out), architecture or GGUF_ARCH.get(arch, arch))
     writer.add_name(f"attnserve-test-{arch}")
     (_gpt2_metadata if arch == "gpt2" else _llama_metadata)(writer, hp)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if tuple(types) == (Q.F32,)

@@ -1,11 +1,12 @@
-"""Random-weight Llama, Qwen2, Qwen3 and SmolLM3 models built locally with transformers, for
-import parity.
+"""Random-weight Llama, Qwen2, Qwen3, SmolLM3 and Mistral models built locally with
+transformers, for import parity.
 
 Nothing is downloaded: a LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM is built
 from its config, every parameter randomised (RMSNorm scales near 1, Qwen2's Q/K/V biases
 nonzero, Qwen3's per-head query/key norms near 1 and its heads twice d_model / n_heads
 wide, SmolLM3's second layer without rotary, so a dropped bias, a norm read as identity, a
-head width taken from d_model or a rotation where there is none cannot pass), and saved with
+head width taken from d_model or a rotation where there is none cannot pass; Mistral's
+window of 5 positions, shorter than every test prompt), and saved with
 ``save_pretrained(safe_serialization=True)`` beside a byte-level BPE tokenizer trained on
 the stdlib corpus with ChatML special tokens, as SmolLM2 and Qwen2.5 have. Llama
 directories carry the chat template inside tokenizer_config.json, Qwen2 and Qwen3 ones in
@@ -29,7 +30,7 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-Family = Literal["llama", "qwen2", "qwen3", "smollm3"]
+Family = Literal["llama", "qwen2", "qwen3", "smollm3", "mistral"]
 QWEN = ("qwen2", "qwen3")  # Qwen2's tokenizer layout; the others Llama's
 
 
@@ -83,7 +84,13 @@ def hf_config(family: Family, vocab_size: int, ids: dict[str, int], **overrides:
     """A small LlamaConfig / Qwen2Config / Qwen3Config, GQA (2 key/value heads for 4 query
     heads of 16 dimensions: the smallest GroupQueryAttention's rotary kernel takes; Qwen3's
     heads 32 wide, Q twice d_model)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, SmolLM3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        SmolLM3Config,
+    )
 
     values: dict[str, Any] = {
         "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 56,
@@ -97,9 +104,11 @@ def hf_config(family: Family, vocab_size: int, ids: dict[str, int], **overrides:
         values["head_dim"] = 32
     if family == "smollm3":  # the second layer without rotary (SmolLM3: every fourth)
         values["no_rope_layers"] = [1, 0]
+    if family == "mistral":  # each layer sees its last 5 positions: shorter than the prompts
+        values["sliding_window"] = 5
     values.update(overrides)
     return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-            "smollm3": SmolLM3Config}[family](**values)
+            "smollm3": SmolLM3Config, "mistral": MistralConfig}[family](**values)
 
 
 def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 400,
@@ -109,6 +118,7 @@ def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 4
     from transformers import (
         GenerationConfig,
         LlamaForCausalLM,
+        MistralForCausalLM,
         Qwen2ForCausalLM,
         Qwen3ForCausalLM,
         SmolLM3ForCausalLM,
@@ -119,7 +129,7 @@ def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 4
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-             "smollm3": SmolLM3ForCausalLM}[family](config)
+             "smollm3": SmolLM3ForCausalLM, "mistral": MistralForCausalLM}[family](config)
     randomise(model, seed)
     model.eval()
     model.save_pretrained(str(out), safe_serialization=True)

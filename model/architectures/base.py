@@ -77,6 +77,8 @@ class ModelConfig(Protocol):
     def qk_norm(self) -> bool: ...
     @property
     def nope_layers(self) -> tuple[int, ...]: ...
+    @property
+    def sliding_window(self) -> int | None: ...
     def rotates(self, layer: int) -> bool: ...
     @property
     def kv_heads(self) -> int: ...
@@ -173,8 +175,8 @@ class Architecture:
             ("activation", config.activation in self.activations),
             ("n_kv_heads", grouped_ok or self.grouped_kv),
             ("qkv_bias/mlp_bias", self.split_biases or not (config.qkv_bias or config.mlp_bias)),
-            ("head_size/qk_norm/nope_layers", self.head_options or not (
-                config.qk_norm or config.nope_layers
+            ("head_size/qk_norm/nope_layers/sliding_window", self.head_options or not (
+                config.qk_norm or config.nope_layers or config.sliding_window
                 or config.attention_width != config.d_model)),
         ) if not ok]
 

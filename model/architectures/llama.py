@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     import gguf
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                    "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                    "mistral": "MistralForCausalLM"}
 # llama.cpp's smollm3 graph leaves rotary out of every fourth layer (a fixed step, no key)
 SMOLLM3_NOPE_STEP = 4
 # transformers' names inside a layer → ours (same layouts).
@@ -120,10 +121,11 @@ class Llama(Architecture):
     ``llama`` / ``qwen2`` / ``qwen3`` / ``smollm3``). Qwen3 is Qwen2 without biases and with
     an RMSNorm on each head's query and key before rotary (``qk_norm``), its heads often
     wider than d_model / n_heads; SmolLM3 is Llama with no rotary in some layers
-    (``nope_layers``: every fourth)."""
+    (``nope_layers``: every fourth); Mistral is Llama whose layers see the last
+    ``sliding_window`` positions only."""
 
     name = "llama"
-    hf_model_types = ("llama", "qwen2", "qwen3", "smollm3")
+    hf_model_types = ("llama", "qwen2", "qwen3", "smollm3", "mistral")
     gguf_names = ("llama", "qwen2", "qwen3", "smollm3")
     positions = ("rope",)
     activations = ("silu",)
@@ -132,7 +134,8 @@ class Llama(Architecture):
     split_biases = True
     head_options = True
     default_preset = "llama-small"
-    hf_class = "LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / SmolLM3ForCausalLM"
+    hf_class = ("LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / SmolLM3ForCausalLM / "
+                "MistralForCausalLM")
     hf_tokenizer_json_only = True
     hf_ignored_suffixes = (".rotary_emb.inv_freq",)
     # llama.cpp's llama / qwen2 tensors (rope_freqs goes into the config).
@@ -182,7 +185,7 @@ class Llama(Architecture):
             head_dim = int(hf.get("head_dim") or d_model // n_heads)
             wide = head_dim * n_heads != d_model
             n_kv = hf.get("num_key_value_heads")
-            llama = model_type in ("llama", "smollm3")  # Qwen2: Q/K/V biases always, no others
+            llama = model_type in ("llama", "smollm3", "mistral")  # Qwen2: Q/K/V biases, no others
             qwen3 = model_type == "qwen3"  # Qwen3: attention_bias on all four, q/k norms
             nope = _nope_layers(hf, int(hf.get("num_hidden_layers", 32)), refuse) \
                 if model_type == "smollm3" else ()
@@ -208,6 +211,7 @@ class Llama(Architecture):
                 head_size=head_dim if wide else None,
                 qk_norm=qwen3,
                 nope_layers=nope,
+                sliding_window=_sliding_window(hf, model_type),
             )
         except (TypeError, ValueError) as exc:
             raise refuse(f"unsupported configuration: {exc}") from exc
@@ -227,7 +231,13 @@ class Llama(Architecture):
         if config.nope_layers and (config.qk_norm or qwen2):
             raise ValueError("layers without rotary beside Qwen's biases or query/key norms "
                              "have no transformers equivalent (SmolLM3 is Llama's body)")
-        model_type = ("smollm3" if config.nope_layers else "qwen3" if config.qk_norm
+        if config.sliding_window is not None and (config.nope_layers or config.qk_norm or qwen2
+                                                  or config.attn_bias or config.mlp_bias):
+            raise ValueError("a sliding window beside biases, query/key norms or layers "
+                             "without rotary has no transformers equivalent (Mistral is "
+                             "Llama's body without biases)")
+        model_type = ("mistral" if config.sliding_window is not None else "smollm3"
+                      if config.nope_layers else "qwen3" if config.qk_norm
                       else "qwen2" if qwen2 else "llama")
         values: dict[str, Any] = {
             "architectures": [HF_ARCHITECTURES[model_type]],
@@ -249,6 +259,8 @@ class Llama(Architecture):
                           max_window_layers=config.n_layers)
         if model_type == "qwen3":
             values.update(head_dim=config.head_dim, attention_bias=config.attn_bias)
+        elif model_type == "mistral":
+            values.update(sliding_window=config.sliding_window, head_dim=config.head_dim)
         elif model_type == "smollm3":
             values.update(attention_bias=config.attn_bias, mlp_bias=config.mlp_bias,
                           no_rope_layers=[int(config.rotates(i))
@@ -294,6 +306,7 @@ class Llama(Architecture):
             "attention_bias": biased and "blk.0.attn_q.bias" in tensors,
             "mlp_bias": family in ("llama", "smollm3") and "blk.0.ffn_gate.bias" in tensors,
             "head_dim": head_dim,
+            "sliding_window": meta.get(f"{family}.attention.sliding_window"),
         }
 
     # -- weights -------------------------------------------------------------------------
@@ -466,6 +479,15 @@ class Llama(Architecture):
         down_bias = [g.const(f"{p}.down.b", f32(mlp.down.bias))] if bias else []
         return self.engine_skip_norm(g, x, down, next_norm, down_bias,
                                      float(config.layer_norm_eps), next_name, f"{p}.res2")
+
+
+def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
+    """Mistral's window (a Llama GGUF file may carry one too), None where it covers the
+    whole context (Mistral 7B v0.2 and later write null)."""
+    window = hf.get("sliding_window") if model_type in ("mistral", "llama") else None
+    if window is None or int(window) >= int(hf.get("max_position_embeddings", 1 << 30)):
+        return None
+    return int(window)
 
 
 def _nope_layers(hf: dict[str, Any], n_layers: int, refuse: Refuse) -> tuple[int, ...]:

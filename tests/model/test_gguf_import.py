@@ -87,6 +87,8 @@ CASES = {
     # llama.cpp's smollm3 leaves rotary out of every fourth layer, whatever the file says
     "smollm3-f32": Case("smollm3", (Q.F32,), {**SMALL, "num_hidden_layers": 4,
                                               "no_rope_layers": [1, 1, 1, 0]}),
+    # a llama file with llama.attention.sliding_window (Mistral's window of 5)
+    "mistral-f32": Case("mistral", (Q.F32,), SMALL),
     "gpt2-f32": Case("gpt2", (Q.F32,)),
     # transformers reads GGUF GPT-2 with n_positions 1024 whatever the file says.
     "gpt2-quants-untied": Case("gpt2", (Q.Q8_0, Q.Q5_0, Q.BF16),
@@ -110,7 +112,7 @@ def build_hf(out: Path, family: str, **overrides: Any) -> Path:
 def tokenizer_spec(family: str) -> TokenizerSpec:
     if family == "gpt2":
         return TokenizerSpec(pre="gpt-2", bos=ENDOFTEXT, eos=ENDOFTEXT)
-    if family in ("qwen2", "qwen3"):  # Qwen3 ships Qwen2's tokenizer; SmolLM3 Llama 3's
+    if family in ("qwen2", "qwen3"):  # Qwen3 ships Qwen2's tokenizer; the others Llama's
         return TokenizerSpec(pre="qwen2", eos=IM_END, pad=ENDOFTEXT, eot=ENDOFTEXT,
                              chat_template=CHATML)
     # transformers' Llama tokenizer prepends bos whatever the file says: say so here.
@@ -182,8 +184,9 @@ def assert_same_greedy(ours: Any, theirs: Any, ids: torch.Tensor, n: int,
 
 
 # files transformers' GGUF loader (4.57) cannot read: Qwen3 heads of another width than 128
-# (it ignores qwen3.attention.key_length) and SmolLM3 (no loader)
-SOURCE_CHECKED = ("qwen3-f32-wide", "smollm3-f32")
+# (it ignores qwen3.attention.key_length), SmolLM3 (no loader) and a llama file's sliding
+# window (ignored)
+SOURCE_CHECKED = ("qwen3-f32-wide", "smollm3-f32", "mistral-f32")
 
 
 @pytest.mark.parametrize("name", [name for name in CASES if name not in SOURCE_CHECKED])
@@ -213,8 +216,10 @@ def test_files_transformers_cannot_load_match_their_source_model(
     if name == "qwen3-f32-wide":
         assert (ours.config.head_dim, ours.config.attention_width, ours.config.d_model) == (
             64, 256, 128)
-    else:
+    elif name == "smollm3-f32":
         assert ours.config.nope_layers == (3,)
+    else:
+        assert ours.config.sliding_window == 5
     ids = torch.randint(0, ours.config.vocab_size, (2, 20),
                         generator=torch.Generator().manual_seed(0))
     assert_same_logits(ours, theirs, ids)

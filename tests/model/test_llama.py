@@ -34,7 +34,7 @@ def one_thread() -> Any:
         yield
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "mistral"])
 def imported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> tuple[str, Any, Any, Path]:
     """(family, transformers model, our imported GPT, HF directory)."""
@@ -64,6 +64,11 @@ def test_logits_and_attention_equal_transformers(imported: tuple[str, Any, Any, 
     if family == "qwen2":
         assert ours.blocks[0].attn.w_q.bias is not None and ours.blocks[0].attn.w_o.bias is None
         assert ours.config.tie_weights
+    if family == "mistral":  # each query sees its last 5 positions, itself included
+        assert ours.config.sliding_window == 5
+        weights = out.intermediates[0].weights  # (B, nh, T, T)
+        assert float(weights[:, :, 10, :6].abs().max()) == 0.0 and bool(
+            (weights[:, :, 10, 6:11] > 0).all())
     if family == "smollm3":  # the second layer attends without rotary
         assert ours.config.nope_layers == (1,) and not ours.config.rotates(1)
     if family == "qwen3":  # per-head norms, heads wider than d_model / n_heads, no biases
@@ -107,7 +112,8 @@ def test_import_copies_chat_template_and_generation_config(
     assert meta["tokenizer"]["eos_token_id"] == im_end  # generation_config's first stop id
     assert meta["training"]["imported_from"]["architecture"] == {
         "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}[family]
+        "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+        "mistral": "MistralForCausalLM"}[family]
 
 
 @torch.no_grad()

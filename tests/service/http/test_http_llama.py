@@ -31,7 +31,9 @@ NEW_TOKENS = 20
 @pytest.fixture(scope="module", params=[("llama", "engine_mixed.onnx"), ("llama", "model.onnx"),
                                         ("qwen2", "engine.onnx"), ("qwen2", "model.onnx"),
                                         ("qwen3", "engine_mixed.onnx"),
-                                        ("smollm3", "engine_mixed.onnx")],
+                                        ("smollm3", "engine_mixed.onnx"),
+                                        ("mistral", "engine_mixed.onnx"),
+                                        ("mistral", "model.onnx")],
                 ids=lambda p: "-".join(p))
 def served(request: pytest.FixtureRequest, llama_artifacts: Any) -> tuple[Any, str]:
     """(build, decode graph): the families through both of the service's decode paths."""
