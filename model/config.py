@@ -56,6 +56,9 @@ class GPTConfig:
     # every layer attends to the last sliding_window positions only, itself included
     # (Mistral's sliding-window attention); None: the whole past
     sliding_window: int | None = None
+    # the Hugging Face checkpoint's layout fuses Q/K/V (qkv_proj) and the SwiGLU gate and
+    # up projections (gate_up_proj), as Phi-3 stores them; what is computed is Llama's
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         arch = architecture(self.arch)  # UnknownArchitecture lists the registered ones

@@ -1,4 +1,4 @@
-"""Random-weight Llama, Qwen2, Qwen3, SmolLM3 and Mistral models built locally with
+"""Random-weight Llama, Qwen2, Qwen3, SmolLM3, Mistral and Phi-3 models built locally with
 transformers, for import parity.
 
 Nothing is downloaded: a LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM is built
@@ -6,7 +6,8 @@ from its config, every parameter randomised (RMSNorm scales near 1, Qwen2's Q/K/
 nonzero, Qwen3's per-head query/key norms near 1 and its heads twice d_model / n_heads
 wide, SmolLM3's second layer without rotary, so a dropped bias, a norm read as identity, a
 head width taken from d_model or a rotation where there is none cannot pass; Mistral's
-window of 5 positions, shorter than every test prompt), and saved with
+window of 5 positions, shorter than every test prompt; Phi-3's fused projections and window
+of 6), and saved with
 ``save_pretrained(safe_serialization=True)`` beside a byte-level BPE tokenizer trained on
 the stdlib corpus with ChatML special tokens, as SmolLM2 and Qwen2.5 have. Llama
 directories carry the chat template inside tokenizer_config.json, Qwen2 and Qwen3 ones in
@@ -30,7 +31,7 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-Family = Literal["llama", "qwen2", "qwen3", "smollm3", "mistral"]
+Family = Literal["llama", "qwen2", "qwen3", "smollm3", "mistral", "phi3"]
 QWEN = ("qwen2", "qwen3")  # Qwen2's tokenizer layout; the others Llama's
 
 
@@ -87,6 +88,7 @@ def hf_config(family: Family, vocab_size: int, ids: dict[str, int], **overrides:
     from transformers import (
         LlamaConfig,
         MistralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
         SmolLM3Config,
@@ -106,9 +108,13 @@ def hf_config(family: Family, vocab_size: int, ids: dict[str, int], **overrides:
         values["no_rope_layers"] = [1, 0]
     if family == "mistral":  # each layer sees its last 5 positions: shorter than the prompts
         values["sliding_window"] = 5
+    if family == "phi3":  # fused projections, a window as the 4k models have (2,047 there)
+        values.update(sliding_window=6, original_max_position_embeddings=128,
+                      tie_word_embeddings=False)
     values.update(overrides)
     return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-            "smollm3": SmolLM3Config, "mistral": MistralConfig}[family](**values)
+            "smollm3": SmolLM3Config, "mistral": MistralConfig,
+            "phi3": Phi3Config}[family](**values)
 
 
 def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 400,
@@ -119,6 +125,7 @@ def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 4
         GenerationConfig,
         LlamaForCausalLM,
         MistralForCausalLM,
+        Phi3ForCausalLM,
         Qwen2ForCausalLM,
         Qwen3ForCausalLM,
         SmolLM3ForCausalLM,
@@ -129,7 +136,8 @@ def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 4
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-             "smollm3": SmolLM3ForCausalLM, "mistral": MistralForCausalLM}[family](config)
+             "smollm3": SmolLM3ForCausalLM, "mistral": MistralForCausalLM,
+             "phi3": Phi3ForCausalLM}[family](config)
     randomise(model, seed)
     model.eval()
     model.save_pretrained(str(out), safe_serialization=True)

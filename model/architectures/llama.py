@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                    "mistral": "MistralForCausalLM"}
+                    "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 # llama.cpp's smollm3 graph leaves rotary out of every fourth layer (a fixed step, no key)
 SMOLLM3_NOPE_STEP = 4
 # transformers' names inside a layer → ours (same layouts).
@@ -122,10 +122,12 @@ class Llama(Architecture):
     an RMSNorm on each head's query and key before rotary (``qk_norm``), its heads often
     wider than d_model / n_heads; SmolLM3 is Llama with no rotary in some layers
     (``nope_layers``: every fourth); Mistral is Llama whose layers see the last
-    ``sliding_window`` positions only."""
+    ``sliding_window`` positions only; Phi-3 is Llama (with a window, in its 4k models)
+    whose checkpoints fuse Q/K/V and the SwiGLU gate and up projections
+    (``fused_projections``: split on import, fused again by ``--format hf``)."""
 
     name = "llama"
-    hf_model_types = ("llama", "qwen2", "qwen3", "smollm3", "mistral")
+    hf_model_types = ("llama", "qwen2", "qwen3", "smollm3", "mistral", "phi3")
     gguf_names = ("llama", "qwen2", "qwen3", "smollm3")
     positions = ("rope",)
     activations = ("silu",)
@@ -135,7 +137,7 @@ class Llama(Architecture):
     head_options = True
     default_preset = "llama-small"
     hf_class = ("LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / SmolLM3ForCausalLM / "
-                "MistralForCausalLM")
+                "MistralForCausalLM / Phi3ForCausalLM")
     hf_tokenizer_json_only = True
     hf_ignored_suffixes = (".rotary_emb.inv_freq",)
     # llama.cpp's llama / qwen2 tensors (rope_freqs goes into the config).
@@ -185,7 +187,7 @@ class Llama(Architecture):
             head_dim = int(hf.get("head_dim") or d_model // n_heads)
             wide = head_dim * n_heads != d_model
             n_kv = hf.get("num_key_value_heads")
-            llama = model_type in ("llama", "smollm3", "mistral")  # Qwen2: Q/K/V biases, no others
+            llama = model_type in ("llama", "smollm3", "mistral", "phi3")  # Qwen2: Q/K/V biases
             qwen3 = model_type == "qwen3"  # Qwen3: attention_bias on all four, q/k norms
             nope = _nope_layers(hf, int(hf.get("num_hidden_layers", 32)), refuse) \
                 if model_type == "smollm3" else ()
@@ -212,6 +214,7 @@ class Llama(Architecture):
                 qk_norm=qwen3,
                 nope_layers=nope,
                 sliding_window=_sliding_window(hf, model_type),
+                fused_projections=model_type == "phi3",
             )
         except (TypeError, ValueError) as exc:
             raise refuse(f"unsupported configuration: {exc}") from exc
@@ -231,12 +234,19 @@ class Llama(Architecture):
         if config.nope_layers and (config.qk_norm or qwen2):
             raise ValueError("layers without rotary beside Qwen's biases or query/key norms "
                              "have no transformers equivalent (SmolLM3 is Llama's body)")
-        if config.sliding_window is not None and (config.nope_layers or config.qk_norm or qwen2
-                                                  or config.attn_bias or config.mlp_bias):
+        if config.fused_projections and (config.nope_layers or config.qk_norm or qwen2
+                                         or config.attn_bias or config.mlp_bias):
+            raise ValueError("fused projections beside biases, query/key norms or layers "
+                             "without rotary have no transformers equivalent (Phi-3 is "
+                             "Llama's body without biases)")
+        if config.sliding_window is not None and not config.fused_projections and (
+                config.nope_layers or config.qk_norm or qwen2 or config.attn_bias
+                or config.mlp_bias):
             raise ValueError("a sliding window beside biases, query/key norms or layers "
                              "without rotary has no transformers equivalent (Mistral is "
                              "Llama's body without biases)")
-        model_type = ("mistral" if config.sliding_window is not None else "smollm3"
+        model_type = ("phi3" if config.fused_projections else "mistral"
+                      if config.sliding_window is not None else "smollm3"
                       if config.nope_layers else "qwen3" if config.qk_norm
                       else "qwen2" if qwen2 else "llama")
         values: dict[str, Any] = {
@@ -261,6 +271,10 @@ class Llama(Architecture):
             values.update(head_dim=config.head_dim, attention_bias=config.attn_bias)
         elif model_type == "mistral":
             values.update(sliding_window=config.sliding_window, head_dim=config.head_dim)
+        elif model_type == "phi3":
+            values.update(sliding_window=config.sliding_window,
+                          original_max_position_embeddings=config.max_seq_len,
+                          partial_rotary_factor=1.0)
         elif model_type == "smollm3":
             values.update(attention_bias=config.attn_bias, mlp_bias=config.mlp_bias,
                           no_rope_layers=[int(config.rotates(i))
@@ -327,6 +341,12 @@ class Llama(Architecture):
                 f"{p}.mlp.gate_proj.weight": (f, d), f"{p}.mlp.up_proj.weight": (f, d),
                 f"{p}.mlp.down_proj.weight": (d, f),
             })
+            if config.fused_projections:  # Phi-3's checkpoint layout
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    del shapes[f"{p}.self_attn.{name}.weight"]
+                del shapes[f"{p}.mlp.gate_proj.weight"], shapes[f"{p}.mlp.up_proj.weight"]
+                shapes.update({f"{p}.self_attn.qkv_proj.weight": (w + 2 * kv, d),
+                               f"{p}.mlp.gate_up_proj.weight": (2 * f, d)})
             if config.qk_norm:
                 shapes.update({f"{p}.self_attn.q_norm.weight": (hs,),
                                f"{p}.self_attn.k_norm.weight": (hs,)})
@@ -343,6 +363,8 @@ class Llama(Architecture):
 
     def state_dict_from_hf(self, raw: dict[str, Tensor], config: ModelConfig
                            ) -> dict[str, Tensor]:
+        if config.fused_projections:
+            raw = _unfused(raw, config)
         out: dict[str, Tensor] = {"tok_emb.weight": raw["model.embed_tokens.weight"],  # (V, d)
                                   "ln_f.weight": raw["model.norm.weight"]}  # (d,)
         for name, tensor in raw.items():
@@ -369,7 +391,7 @@ class Llama(Architecture):
             out[theirs] = tensor
         if not config.tie_weights:
             out["lm_head.weight"] = state["lm_head.weight"]
-        return out
+        return _fused(out, config) if config.fused_projections else out
 
     def gguf_config_tensors(self, family: str) -> tuple[str, ...]:
         return (ROPE_FREQS,) if family in ("llama", "smollm3") else ()
@@ -481,10 +503,46 @@ class Llama(Architecture):
                                      float(config.layer_norm_eps), next_name, f"{p}.res2")
 
 
+_FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+          ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
+
+
+def _fused_rows(config: ModelConfig) -> dict[str, list[int]]:
+    """Rows of each part of Phi-3's fused projections: q | k | v and gate | up."""
+    kv = config.kv_heads * config.head_dim
+    return {"self_attn.qkv_proj": [config.attention_width, kv, kv],
+            "mlp.gate_up_proj": [config.d_ff, config.d_ff]}
+
+
+def _unfused(raw: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Phi-3's qkv_proj and gate_up_proj cut by rows into Llama's names (each its own
+    tensor: a checkpoint saves no views of a larger storage)."""
+    rows = _fused_rows(config)
+    out = dict(raw)
+    for name, tensor in raw.items():
+        for fused, parts in _FUSED:
+            if name.endswith(f"{fused}.weight"):
+                del out[name]
+                for part, piece in zip(parts, tensor.split(rows[fused]), strict=True):
+                    out[name.replace(fused, part)] = piece.clone()
+    return out
+
+
+def _fused(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Llama's names joined back into Phi-3's qkv_proj and gate_up_proj."""
+    out = dict(state)
+    for i in range(config.n_layers):
+        p = f"{HF_LAYER}{i}."
+        for fused, parts in _FUSED:
+            out[f"{p}{fused}.weight"] = torch.cat([out.pop(f"{p}{part}.weight")
+                                                   for part in parts])
+    return out
+
+
 def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
     """Mistral's window (a Llama GGUF file may carry one too), None where it covers the
     whole context (Mistral 7B v0.2 and later write null)."""
-    window = hf.get("sliding_window") if model_type in ("mistral", "llama") else None
+    window = hf.get("sliding_window") if model_type in ("mistral", "llama", "phi3") else None
     if window is None or int(window) >= int(hf.get("max_position_embeddings", 1 << 30)):
         return None
     return int(window)

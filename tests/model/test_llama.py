@@ -34,7 +34,8 @@ def one_thread() -> Any:
         yield
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "mistral"])
+@pytest.fixture(scope="module",
+                params=["llama", "qwen2", "qwen3", "smollm3", "mistral", "phi3"])
 def imported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> tuple[str, Any, Any, Path]:
     """(family, transformers model, our imported GPT, HF directory)."""
@@ -69,6 +70,8 @@ def test_logits_and_attention_equal_transformers(imported: tuple[str, Any, Any, 
         weights = out.intermediates[0].weights  # (B, nh, T, T)
         assert float(weights[:, :, 10, :6].abs().max()) == 0.0 and bool(
             (weights[:, :, 10, 6:11] > 0).all())
+    if family == "phi3":  # fused on disk, split in the model; a window of 6
+        assert ours.config.fused_projections and ours.config.sliding_window == 6
     if family == "smollm3":  # the second layer attends without rotary
         assert ours.config.nope_layers == (1,) and not ours.config.rotates(1)
     if family == "qwen3":  # per-head norms, heads wider than d_model / n_heads, no biases
@@ -113,7 +116,7 @@ def test_import_copies_chat_template_and_generation_config(
     assert meta["training"]["imported_from"]["architecture"] == {
         "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-        "mistral": "MistralForCausalLM"}[family]
+        "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}[family]
 
 
 @torch.no_grad()

@@ -33,7 +33,8 @@ NEW_TOKENS = 20
                                         ("qwen3", "engine_mixed.onnx"),
                                         ("smollm3", "engine_mixed.onnx"),
                                         ("mistral", "engine_mixed.onnx"),
-                                        ("mistral", "model.onnx")],
+                                        ("mistral", "model.onnx"),
+                                        ("phi3", "engine_mixed.onnx")],
                 ids=lambda p: "-".join(p))
 def served(request: pytest.FixtureRequest, llama_artifacts: Any) -> tuple[Any, str]:
     """(build, decode graph): the families through both of the service's decode paths."""
