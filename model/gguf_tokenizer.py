@@ -13,7 +13,16 @@ GPT-2's regex (so SmolLM2's digit splitting and Llama 3's 1-3 digit groups are l
 prepends bos whatever ``add_bos_token`` says, and it adds no USER_DEFINED tokens; for
 ``qwen2`` it adds only the three ChatML specials. Qwen2's NFC normalisation is kept, as
 in Qwen2's tokenizer.json and transformers (llama.cpp does not normalise).
-Only byte-level BPE is built; anything else is refused with one line. Torch-free.
+
+``model = llama`` is SentencePiece (Llama 2, Mistral, Phi-3, Gemma): llama.cpp's
+llm_tokenizer_spm escapes spaces as U+2581, prepends one to every run of text that starts
+the input or follows a special token (``add_space_prefix``, on unless the file says
+otherwise), and merges, over and over, the adjacent pair whose joined piece has the highest
+score, spelling pieces the vocabulary lacks as their UTF-8 bytes (``<0xNN>`` tokens). That
+is a BPE whose merges are ranked by the joined piece's score (as transformers' and
+SentencePiece's own converters build it), with byte fallback; the space prefix becomes a
+normaliser, which the ``tokenizers`` library applies to each run between added tokens, as
+llama.cpp does. Other models are refused with one line. Torch-free.
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 
 # llama.cpp's token types (gguf.TokenType): CONTROL tokens are special (<|im_start|>),
 # USER_DEFINED ones are matched whole in text but are not special.
-NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
+SPACE = "\u2581"  # SentencePiece's visible space
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,7 @@ class GGUFVocab:
 
     tokens: list[str]
     token_types: list[int]
-    merges: list[tuple[str, str]]
+    merges: list[tuple[str, str]]  # byte-level BPE; empty for SentencePiece
     pre_name: str
     pre: PreTokenizer
     special: dict[str, int | None]  # bos/eos/pad/unk_token_id
@@ -78,6 +88,8 @@ class GGUFVocab:
     add_bos: bool
     add_eos: bool
     chat_template: str | None
+    scores: list[float] | None = None  # SentencePiece: each piece's score (merge priority)
+    add_space_prefix: bool = True  # SentencePiece: a U+2581 before each run of text
 
     def token(self, key: str) -> str | None:
         token_id = self.special.get(key)
@@ -105,14 +117,12 @@ def read_vocab(meta: Mapping[str, Any], where: str) -> GGUFVocab:
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         raise refuse("has no tokenizer (tokenizer.ggml.model is missing)")
-    if kind == "llama":
-        raise refuse("SentencePiece tokenizers are not supported yet (tokenizer.ggml.model "
-                     "'llama'); only byte-level BPE ('gpt2') is")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise refuse(f"tokenizer.ggml.model {kind!r} is not supported; only byte-level BPE "
-                     "('gpt2') is")
+                     "('gpt2') and SentencePiece ('llama') are")
+    spm = kind == "llama"
     pre_name = str(meta.get("tokenizer.ggml.pre", DEFAULT_PRE))
-    pre_name = DEFAULT_PRE if pre_name == "default" else pre_name
+    pre_name = DEFAULT_PRE if pre_name == "default" or spm else pre_name
     if pre_name not in PRE_TOKENIZERS:
         raise refuse(f"tokenizer.ggml.pre {pre_name!r} is not supported (one of "
                      f"{sorted(PRE_TOKENIZERS)})")
@@ -124,8 +134,12 @@ def read_vocab(meta: Mapping[str, Any], where: str) -> GGUFVocab:
         raise refuse(f"{len(types)} token types for {len(tokens)} tokens")
     merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or []]
     bad = [" ".join(m) for m in merges if len(m) != 2]
-    if not merges or bad:
+    if not spm and (not merges or bad):
         raise refuse(f"tokenizer.ggml.merges is missing or malformed ({bad[:2]})")
+    scores = meta.get("tokenizer.ggml.scores")
+    if spm and (not isinstance(scores, list) or len(scores) != len(tokens)):
+        raise refuse("a SentencePiece vocabulary needs a score per token "
+                     "(tokenizer.ggml.scores)")
     ids = _special_ids(meta, len(tokens), refuse)
     # llama.cpp stops at any end-of-generation token: eos, end of turn, end of message.
     stops = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None))
@@ -137,9 +151,12 @@ def read_vocab(meta: Mapping[str, Any], where: str) -> GGUFVocab:
         special={"bos_token_id": ids["bos"], "eos_token_id": stops[0] if stops else None,
                  "pad_token_id": ids["padding"], "unk_token_id": ids["unknown"]},
         stop_ids=stops,
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", pre_tokenizer.add_bos)),
+        # llama.cpp: SentencePiece vocabularies add bos unless the file says not to
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", spm or pre_tokenizer.add_bos)),
         add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        chat_template=template if isinstance(template, str) else None)
+        chat_template=template if isinstance(template, str) else None,
+        scores=[float(s) for s in scores] if spm and isinstance(scores, list) else None,
+        add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
 
 
 def _post_processor(vocab: GGUFVocab) -> Any:
@@ -148,7 +165,7 @@ def _post_processor(vocab: GGUFVocab) -> Any:
     head = [bos] if vocab.add_bos and bos is not None else []
     tail = [eos] if vocab.add_eos and eos is not None else []
     if not head and not tail:
-        return processors.ByteLevel(trim_offsets=False)
+        return None if vocab.scores is not None else processors.ByteLevel(trim_offsets=False)
 
     def spell(ids: list[int], seq: int) -> list[str]:
         return [f"{vocab.tokens[i]}:{seq}" for i in ids]
@@ -160,19 +177,58 @@ def _post_processor(vocab: GGUFVocab) -> Any:
         special_tokens=[(vocab.tokens[i], i) for i in dict.fromkeys(head + tail)])
 
 
+def spm_merges(vocab: GGUFVocab) -> list[tuple[str, str]]:
+    """SentencePiece's merge order as BPE merges: every split of a NORMAL piece into two
+    pieces of the vocabulary, the joined piece's score first (highest first), then the
+    halves' ids, as transformers' SentencePieceExtractor orders them."""
+    assert vocab.scores is not None
+    ids = {t: i for i, t in enumerate(vocab.tokens)}
+    ranked = []
+    for token, score, kind in zip(vocab.tokens, vocab.scores, vocab.token_types, strict=True):
+        if kind != NORMAL:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ids and right in ids:
+                ranked.append((-score, ids[left], ids[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _spm_tokenizer(vocab: GGUFVocab, ids: dict[str, int], unk: str | None) -> Tokenizer:
+    """llama.cpp's SentencePiece (module docstring) as a ``tokenizers`` BPE."""
+    tokenizer = Tokenizer(models.BPE(ids, spm_merges(vocab), unk_token=unk, fuse_unk=True,
+                                     byte_fallback=True))
+    escape = [normalizers.Replace(" ", SPACE)]
+    if vocab.add_space_prefix:
+        escape.insert(0, normalizers.Prepend(SPACE))
+    tokenizer.normalizer = normalizers.Sequence(escape)
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if vocab.add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
-    """Byte-level BPE with llama.cpp's pre-tokenizer; CONTROL/USER_DEFINED as added tokens."""
+    """Byte-level BPE with llama.cpp's pre-tokenizer, or SentencePiece; CONTROL and
+    USER_DEFINED tokens as added tokens."""
     ids = {token: i for i, token in enumerate(vocab.tokens)}  # duplicates: the last id wins
     unk = vocab.token("unk_token_id")
-    tokenizer = Tokenizer(models.BPE(ids, vocab.merges, unk_token=unk,
-                                     ignore_merges=vocab.pre.ignore_merges))
-    if vocab.pre.nfc:
-        tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre.Sequence(
-        [pre.Split(Regex(r), behavior="isolated") for r in vocab.pre.splits]
-        + [pre.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = _post_processor(vocab)
+    if vocab.scores is not None:
+        tokenizer = _spm_tokenizer(vocab, ids, unk)
+    else:
+        tokenizer = Tokenizer(models.BPE(ids, vocab.merges, unk_token=unk,
+                                         ignore_merges=vocab.pre.ignore_merges))
+        if vocab.pre.nfc:
+            tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = pre.Sequence(
+            [pre.Split(Regex(r), behavior="isolated") for r in vocab.pre.splits]
+            + [pre.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tokenizer.decoder = decoders.ByteLevel()
+    post = _post_processor(vocab)
+    if post is not None:
+        tokenizer.post_processor = post
     tokenizer.add_special_tokens([
         AddedToken(t, special=True, normalized=False)
         for t, kind in zip(vocab.tokens, vocab.token_types, strict=True) if kind == CONTROL])

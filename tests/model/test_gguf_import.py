@@ -400,8 +400,8 @@ def _variant(built: Callable[[str], Built], tmp_path: Path, **kwargs: Any) -> Pa
 
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"architecture": "phi3"}, "general.architecture 'phi3' is not supported"),
-    ({"tokenizer": TokenizerSpec(model="llama", pre="default")},
-     "SentencePiece tokenizers are not supported yet"),
+    ({"tokenizer": TokenizerSpec(model="bert", pre="default")},
+     "tokenizer.ggml.model 'bert' is not supported"),
     ({"tokenizer": TokenizerSpec(pre="deepseek-coder")}, "tokenizer.ggml.pre 'deepseek-coder'"),
     ({"drop": ["blk.1.ffn_up.weight"]}, "missing ['blocks.1.ffn.up.weight']"),
     ({"metadata": {"llama.feed_forward_length": 64}},
