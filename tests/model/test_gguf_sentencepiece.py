@@ -105,7 +105,7 @@ def test_scores_are_required(spm: Any) -> None:
 
     meta = spm_metadata(spm)
     del meta["tokenizer.ggml.scores"]
-    with pytest.raises(ImportRefused, match="tokenizer.ggml.scores"):
+    with pytest.raises(ImportRefused, match=r"tokenizer\.ggml\.scores"):
         read_vocab(meta, "t.gguf")
 
 
