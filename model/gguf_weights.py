@@ -137,7 +137,7 @@ def plan_tensors(tensors: list[gguf.ReaderTensor], expected: dict[str, tuple[int
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise refuse(f"tensor {tensor.name} has type {tensor.tensor_type.name}, which is not "
                          f"supported (one of {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})")
-        targets = arch.gguf_targets(tensor.name)
+        targets = arch.gguf_targets(tensor.name, family)
         if targets is None or any(t not in expected for t in targets):
             unexpected.append(tensor.name)
             continue
@@ -204,8 +204,9 @@ def _dequantized_state(plan: list[tuple[gguf.ReaderTensor, list[str]]], arch: Ar
         if len(targets) == 1:
             out[targets[0]] = w.contiguous()
             continue
-        for target, part in zip(targets, w.chunk(len(targets)), strict=True):
-            out[target] = part.clone()  # gpt2's attn_qkv (Q, K, V rows): own storage each
+        rows = arch.split_rows(targets, cfg, w.shape[0])
+        for target, part in zip(targets, w.split(rows), strict=True):
+            out[target] = part.clone()  # a fused tensor's rows (Q, K, V): own storage each
     if cfg.tie_weights:
         out["lm_head.weight"] = out["tok_emb.weight"]
     return out

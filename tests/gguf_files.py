@@ -180,8 +180,10 @@ def _llama_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     writer.add_head_count_kv(hp.get("num_key_value_heads") or heads)
     writer.add_rope_freq_base(hp["rope_theta"])
     writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    if hp["model_type"] in ("llama", "smollm3", "mistral"):
+    if hp["model_type"] in ("llama", "smollm3", "mistral", "phi3"):
         writer.add_rope_dimension_count(hp["hidden_size"] // heads)
+    if hp["model_type"] == "phi3":  # Phi3MiniModel.set_gguf_parameters
+        writer.add_rope_scaling_orig_ctx_len(hp["original_max_position_embeddings"])
     if hp.get("sliding_window") is not None:
         writer.add_sliding_window(hp["sliding_window"])
     if hp.get("head_dim") is not None:  # convert_hf_to_gguf.py's TextModel writes both
@@ -211,7 +213,7 @@ def _gguf_tensors(hf_dir: Path, hp: dict[str, Any]) -> dict[str, np.ndarray]:
     names = gguf.get_tensor_name_map(
         {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
          "qwen3": gguf.MODEL_ARCH.QWEN3, "smollm3": gguf.MODEL_ARCH.SMOLLM3,
-         "mistral": gguf.MODEL_ARCH.LLAMA,
+         "mistral": gguf.MODEL_ARCH.LLAMA, "phi3": gguf.MODEL_ARCH.PHI3,
          "gpt2": gguf.MODEL_ARCH.GPT2}[arch], n_layers)
     out: dict[str, np.ndarray] = {}
     for name, data in load_file(str(hf_dir / "model.safetensors")).items():

@@ -221,7 +221,17 @@ class Architecture:
         """model.gpt.GPT's tensors → transformers' names and layouts (float32 copies)."""
         raise NotImplementedError
 
-    def gguf_targets(self, name: str) -> list[str] | None:
+    def gguf_layer_map(self, family: str) -> Mapping[str, tuple[str, ...]]:
+        """llama.cpp's per-block tensor names → ours, for files of ``family`` (default:
+        ``gguf_layers``; a family whose files fuse other tensors overrides this)."""
+        return self.gguf_layers
+
+    def split_rows(self, targets: list[str], config: ModelConfig, rows: int) -> list[int]:
+        """The rows of each of ``targets`` in the GGUF tensor of ``rows`` rows holding them,
+        in order (default: equal parts, as GPT-2's attn_qkv)."""
+        return [rows // len(targets)] * len(targets)
+
+    def gguf_targets(self, name: str, family: str = "") -> list[str] | None:
         """Our parameter name(s) for a GGUF tensor, or None when it has none."""
         base, _, suffix = name.rpartition(".")
         if suffix not in ("weight", "bias"):
@@ -232,7 +242,7 @@ class Architecture:
         if match is None:
             return None
         block, part = match.groups()
-        ours = self.gguf_layers.get(part)
+        ours = self.gguf_layer_map(family).get(part)
         return None if ours is None else [f"blocks.{block}.{o}.{suffix}" for o in ours]
 
     def gguf_config_tensors(self, family: str) -> tuple[str, ...]:
@@ -257,12 +267,14 @@ class Architecture:
         skip = self.gguf_config_tensors(family)
         out: dict[str, GGUFRows] = {}
         for tensor, n in rows.items():
-            targets = self.gguf_targets(tensor)
+            targets = self.gguf_targets(tensor, family)
             if targets is None or tensor in skip:
                 continue
             order = self.from_gguf_layout(torch.arange(n), targets[0], family, config)  # (n,)
-            for target, part in zip(targets, np.split(order.numpy(), len(targets)),
-                                    strict=True):  # a fused tensor: equal row blocks
+            sizes = self.split_rows(targets, config, n) if len(targets) > 1 else [n]
+            cuts = np.cumsum(sizes)[:-1]  # where each part's rows end
+            for target, part in zip(targets, np.split(order.numpy(), cuts),
+                                    strict=True):  # a fused tensor: its parts' rows
                 out[target] = GGUFRows(tensor, part)
         if config.tie_weights and "tok_emb.weight" in out:
             out["lm_head.weight"] = out["tok_emb.weight"]

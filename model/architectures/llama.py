@@ -128,7 +128,7 @@ class Llama(Architecture):
 
     name = "llama"
     hf_model_types = ("llama", "qwen2", "qwen3", "smollm3", "mistral", "phi3")
-    gguf_names = ("llama", "qwen2", "qwen3", "smollm3")
+    gguf_names = ("llama", "qwen2", "qwen3", "smollm3", "phi3")
     positions = ("rope",)
     activations = ("silu",)
     fixed: ClassVar[Mapping[str, Any]] = {"position": "rope", "activation": "silu"}
@@ -148,6 +148,21 @@ class Llama(Architecture):
         "attn_k": ("attn.w_k",), "attn_v": ("attn.w_v",), "attn_output": ("attn.w_o",),
         "attn_q_norm": ("attn.q_norm",), "attn_k_norm": ("attn.k_norm",),
         "ffn_gate": ("ffn.gate",), "ffn_up": ("ffn.up",), "ffn_down": ("ffn.down",)}
+
+    def gguf_layer_map(self, family: str) -> Mapping[str, tuple[str, ...]]:
+        if family != "phi3":
+            return self.gguf_layers
+        # Phi-3's files fuse Q/K/V (attn_qkv) and the gate and up projections (ffn_up)
+        layers = {k: v for k, v in self.gguf_layers.items() if k != "ffn_gate"}
+        return {**layers, "attn_qkv": ("attn.w_q", "attn.w_k", "attn.w_v"),
+                "ffn_up": ("ffn.gate", "ffn.up")}
+
+    def split_rows(self, targets: list[str], config: ModelConfig, rows: int) -> list[int]:
+        sizes = {"attn.w_q": config.attention_width,
+                 "attn.w_k": config.kv_heads * config.head_dim,
+                 "attn.w_v": config.kv_heads * config.head_dim,
+                 "ffn.gate": config.d_ff, "ffn.up": config.d_ff}
+        return [sizes[t.split(".", 2)[2].rsplit(".", 1)[0]] for t in targets]
 
     # -- configuration -------------------------------------------------------------------
     def num_params(self, config: ModelConfig) -> int:
@@ -303,6 +318,9 @@ class Llama(Architecture):
                 raise refuse(f"{family}.{name} {value} ≠ head width {head_dim} is not "
                              "supported (partial rotary, or values of another width)")
         theta = float(meta.get(f"{family}.rope.freq_base", 10000.0))
+        if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+            raise refuse("LongRoPE (rope_factors_long / rope_factors_short) is not supported: "
+                         "its rotary angles depend on the sequence's length")
         biased = family in ("llama", "qwen3", "smollm3")  # their biases load when present
         layers = int(key("block_count"))
         nope = {"no_rope_layers": [int((i + 1) % SMOLLM3_NOPE_STEP != 0) for i in range(layers)]
@@ -320,7 +338,10 @@ class Llama(Architecture):
             "attention_bias": biased and "blk.0.attn_q.bias" in tensors,
             "mlp_bias": family in ("llama", "smollm3") and "blk.0.ffn_gate.bias" in tensors,
             "head_dim": head_dim,
-            "sliding_window": meta.get(f"{family}.attention.sliding_window"),
+            # llama.cpp runs phi3 files without their window ("Phi SWA is currently
+            # disabled", src/models/phi3.cpp); a file is served as llama.cpp runs it
+            "sliding_window": (None if family == "phi3"
+                               else meta.get(f"{family}.attention.sliding_window")),
         }
 
     # -- weights -------------------------------------------------------------------------
@@ -543,7 +564,8 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
     """Mistral's window (a Llama GGUF file may carry one too), None where it covers the
     whole context (Mistral 7B v0.2 and later write null)."""
     window = hf.get("sliding_window") if model_type in ("mistral", "llama", "phi3") else None
-    if window is None or int(window) >= int(hf.get("max_position_embeddings", 1 << 30)):
+    # llama.cpp's converter writes 0 for none (Phi-4)
+    if not window or int(window) >= int(hf.get("max_position_embeddings", 1 << 30)):
         return None
     return int(window)
 

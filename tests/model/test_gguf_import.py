@@ -89,6 +89,11 @@ CASES = {
                                               "no_rope_layers": [1, 1, 1, 0]}),
     # a llama file with llama.attention.sliding_window (Mistral's window of 5)
     "mistral-f32": Case("mistral", (Q.F32,), SMALL),
+    # Phi-3: attn_qkv and ffn_up (gate | up) fused, GQA so Q/K/V are of unequal rows; no
+    # window here (transformers' GGUF loader ignores phi3.attention.sliding_window) ...
+    "phi3-blocks": Case("phi3", (Q.Q8_0, Q.Q4_1, Q.F16), {**SMALL, "sliding_window": None}),
+    # ... and a file with a window of 6, which llama.cpp runs without it: so do we
+    "phi3-f32-window": Case("phi3", (Q.F32,), SMALL),
     "gpt2-f32": Case("gpt2", (Q.F32,)),
     # transformers reads GGUF GPT-2 with n_positions 1024 whatever the file says.
     "gpt2-quants-untied": Case("gpt2", (Q.Q8_0, Q.Q5_0, Q.BF16),
@@ -184,9 +189,9 @@ def assert_same_greedy(ours: Any, theirs: Any, ids: torch.Tensor, n: int,
 
 
 # files transformers' GGUF loader (4.57) cannot read: Qwen3 heads of another width than 128
-# (it ignores qwen3.attention.key_length), SmolLM3 (no loader) and a llama file's sliding
-# window (ignored)
-SOURCE_CHECKED = ("qwen3-f32-wide", "smollm3-f32", "mistral-f32")
+# (it ignores qwen3.attention.key_length), SmolLM3 (no loader) and a llama or phi3 file's
+# sliding window (ignored)
+SOURCE_CHECKED = ("qwen3-f32-wide", "smollm3-f32", "mistral-f32", "phi3-f32-window")
 
 
 @pytest.mark.parametrize("name", [name for name in CASES if name not in SOURCE_CHECKED])
@@ -213,12 +218,15 @@ def test_files_transformers_cannot_load_match_their_source_model(
 
     b = built(name)
     ours, theirs = load_checkpoint(b.ckpt).model, load_hf_model(b.hf_dir)
+    if name == "phi3-f32-window":  # llama.cpp's src/models/phi3.cpp disables Phi's window
+        assert theirs.config.sliding_window == 6 and ours.config.sliding_window is None
+        theirs.config.sliding_window = None
     if name == "qwen3-f32-wide":
         assert (ours.config.head_dim, ours.config.attention_width, ours.config.d_model) == (
             64, 256, 128)
     elif name == "smollm3-f32":
         assert ours.config.nope_layers == (3,)
-    else:
+    elif name == "mistral-f32":
         assert ours.config.sliding_window == 5
     ids = torch.randint(0, ours.config.vocab_size, (2, 20),
                         generator=torch.Generator().manual_seed(0))
@@ -234,19 +242,22 @@ BLOCK = {"attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_q": "attn.w_q", "attn_k"
          "attn_k_norm": "attn.k_norm"}
 
 
-def our_names(gguf_name: str) -> list[str]:
-    """GGUF tensor name → model.gpt.GPT's (gpt2's attn_qkv holds Q, K and V)."""
+def our_names(gguf_name: str, family: str = "") -> list[str]:
+    """GGUF tensor name → model.gpt.GPT's (gpt2's and phi3's attn_qkv hold Q, K and V,
+    phi3's ffn_up the gate and up projections)."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in GLOBAL:
         return [f"{GLOBAL[base]}.{suffix}"]
     _, layer, part = base.split(".")
     if part == "attn_qkv":
         return [f"blocks.{layer}.attn.{w}.{suffix}" for w in ("w_q", "w_k", "w_v")]
+    if family == "phi3" and part == "ffn_up":
+        return [f"blocks.{layer}.ffn.{w}.{suffix}" for w in ("gate", "up")]
     return [f"blocks.{layer}.{BLOCK[part]}.{suffix}"]
 
 
 @pytest.mark.parametrize("name", ["llama-blocks", "llama-kquants-tied", "qwen2-kquants-untied",
-                                  "qwen3-blocks", "gpt2-quants-untied"])
+                                  "qwen3-blocks", "phi3-blocks", "gpt2-quants-untied"])
 def test_weights_are_llamacpps_dequantisation_of_the_raw_blocks(
         built: Callable[[str], Built], name: str) -> None:
     """Our tensors, put back in llama.cpp's layout, equal gguf.quants.dequantize exactly."""
@@ -254,7 +265,7 @@ def test_weights_are_llamacpps_dequantisation_of_the_raw_blocks(
     model = load_checkpoint(b.ckpt).model
     state, cfg = model.state_dict(), model.config
     for t in gguf.GGUFReader(b.gguf).tensors:
-        ours = np.concatenate([state[n].numpy() for n in our_names(t.name)])
+        ours = np.concatenate([state[n].numpy() for n in our_names(t.name, family)])
         if family == "llama" and ".attn_q." in t.name:
             ours = llamacpp_permute(ours, cfg.n_heads)
         if family == "llama" and ".attn_k." in t.name:
@@ -399,7 +410,7 @@ def _variant(built: Callable[[str], Built], tmp_path: Path, **kwargs: Any) -> Pa
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
-    ({"architecture": "phi3"}, "general.architecture 'phi3' is not supported"),
+    ({"architecture": "gemma3"}, "general.architecture 'gemma3' is not supported"),
     ({"tokenizer": TokenizerSpec(model="bert", pre="default")},
      "tokenizer.ggml.model 'bert' is not supported"),
     ({"tokenizer": TokenizerSpec(pre="deepseek-coder")}, "tokenizer.ggml.pre 'deepseek-coder'"),
