@@ -142,7 +142,12 @@ class DecoderBuilder:
                               g.const("rope.inv_freq", inv_freq)], "rope.freqs")  # (B, T, hs/2)
         emb = g.one("Unsqueeze", [g.one("Concat", [freqs, freqs], "rope.emb", axis=-1),
                                   "axis1"], "rope.emb4")  # (B, 1, T, hs)
-        return g.one("Cos", [emb], "rope.cos"), g.one("Sin", [emb], "rope.sin")
+        cos, sin = g.one("Cos", [emb], "rope.cos"), g.one("Sin", [emb], "rope.sin")
+        if gpt.rotary.scale != 1.0:  # LongRoPE's attention factor (model/rotary.py)
+            scale = g.const("rope.scale", np.array(gpt.rotary.scale, np.float32))
+            cos = g.one("Mul", [cos, scale], "rope.cos_scaled")
+            sin = g.one("Mul", [sin, scale], "rope.sin_scaled")
+        return cos, sin
 
     # -- the block -----------------------------------------------------------------------
     def _attention(self, i: int, h: str, bias: str, rotary: tuple[str, str] | None) -> str:

@@ -3,8 +3,11 @@
 A query or key at position p is rotated pairwise, (x_i, x_{i+hs/2}) by the angle
 p·θ_i with θ_i = rope_theta^(-2i/hs): the "rotate half" layout of transformers (not the
 interleaved one of the original paper), so imported weights need no permutation. The
-scalings below only change θ; anything else (dynamic NTK, YaRN, LongRoPE ...) depends on
-the sequence length or rescales the attention, and is refused.
+scalings below only change θ, and LongRoPE (Phi-3.5, Phi-3-128k) also scales cos and sin
+by its attention factor; LongRoPE's θ changes once a sequence passes the pretrained length,
+so a LongRoPE model is served with the short factors up to that length only (its
+``max_seq_len`` capped there at import, model/architectures/llama.py). Anything else
+(dynamic NTK, YaRN ...) depends on the sequence length throughout, and is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import Tensor, nn
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings")
+LONGROPE_KEYS = ("short_factor", "long_factor", "attention_factor")
 
 
 def rope_kind(scaling: dict[str, Any]) -> str:
@@ -40,8 +44,20 @@ def check_rope_scaling(scaling: dict[str, Any]) -> None:
             raise ValueError(f"rope_scaling {scaling}: high_freq_factor must differ from "
                              "low_freq_factor")
         return
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (only default, linear "
-                     "and llama3)")
+    if kind == "longrope":
+        missing = [k for k in LONGROPE_KEYS if scaling.get(k) is None]
+        if missing:
+            raise ValueError(f"rope_scaling {scaling}: longrope scaling needs {missing}")
+        return
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (only default, linear, "
+                     "llama3 and longrope)")
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by (LongRoPE's attention factor; 1 otherwise)."""
+    if scaling is None or rope_kind(scaling) != "longrope":
+        return 1.0
+    return float(scaling["attention_factor"])
 
 
 def inverse_frequencies(head_dim: int, theta: float,
@@ -52,6 +68,9 @@ def inverse_frequencies(head_dim: int, theta: float,
     if scaling is None or rope_kind(scaling) == "default":
         return inv_freq
     check_rope_scaling(scaling)
+    if rope_kind(scaling) == "longrope":  # the short factors: up to the pretrained length
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32)  # (hs/2,)
+        return 1.0 / (short * theta ** exponents)
     factor = float(scaling["factor"])
     if rope_kind(scaling) == "linear":
         return inv_freq / factor
@@ -74,11 +93,14 @@ class Rotary(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling),
                              persistent=False)
+        self.scale = attention_factor(scaling)
 
     def forward(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         inv_freq: Tensor = self.inv_freq  # type: ignore[assignment]
         freqs = position_ids[..., None].float() * inv_freq  # (B, T, hs/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hs)
+        if self.scale != 1.0:
+            return emb.cos() * self.scale, emb.sin() * self.scale
         return emb.cos(), emb.sin()
 
 

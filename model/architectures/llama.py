@@ -17,6 +17,7 @@ hidden/heads, rope scalings other than linear and llama3) are refused with one l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -212,7 +213,7 @@ class Llama(Architecture):
                 n_heads=n_heads,
                 n_layers=int(hf.get("num_hidden_layers", 32)),
                 d_ff=int(hf.get("intermediate_size", 11008)),
-                max_seq_len=int(hf.get("max_position_embeddings", 2048 if llama else 32768)),
+                max_seq_len=_context(hf, 2048 if llama else 32768),
                 position="rope",
                 activation="silu",
                 # absent, transformers takes the class default: SmolLM3Config's ties
@@ -222,7 +223,7 @@ class Llama(Architecture):
                 arch="llama",
                 n_kv_heads=int(n_kv) if n_kv is not None else None,
                 rope_theta=float(hf.get("rope_theta", 10000.0)),
-                rope_scaling=dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None,
+                rope_scaling=_scaling(hf),
                 qkv_bias=model_type == "qwen2",
                 mlp_bias=bool(hf.get("mlp_bias", False)) if llama else False,
                 head_size=head_dim if wide else None,
@@ -468,8 +469,9 @@ class Llama(Architecture):
         inv_freq: Tensor = gpt.rotary.inv_freq
         with torch.no_grad():
             angles = torch.arange(gpt.config.max_seq_len)[:, None].float() * inv_freq  # (L, hs/2)
-        return (g.const("rope.cos", f32(angles.cos())),  # (L, hs/2)
-                g.const("rope.sin", f32(angles.sin())))  # (L, hs/2)
+        scale = gpt.rotary.scale  # LongRoPE's attention factor, else 1
+        return (g.const("rope.cos", f32(angles.cos() * scale)),  # (L, hs/2)
+                g.const("rope.sin", f32(angles.sin() * scale)))  # (L, hs/2)
 
     def engine_embed(self, g: GraphWriter, gpt: Any, input_ids: str, position_ids: str) -> str:
         return g.op("Gather", [g.const("tok_emb", f32(gpt.tok_emb.weight)), input_ids],
@@ -558,6 +560,37 @@ def _fused(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
             out[f"{p}{fused}.weight"] = torch.cat([out.pop(f"{p}{part}.weight")
                                                    for part in parts])
     return out
+
+
+def _longrope(hf: dict[str, Any]) -> bool:
+    scaling = hf.get("rope_scaling") or {}
+    return str(scaling.get("rope_type", scaling.get("type"))) in ("longrope", "su")
+
+
+def _context(hf: dict[str, Any], default: int) -> int:
+    """max_position_embeddings, or a LongRoPE model's pretrained length: past it
+    transformers switches to the long factors, which static rotary tables cannot follow."""
+    if _longrope(hf) and hf.get("original_max_position_embeddings"):
+        return int(hf["original_max_position_embeddings"])
+    return int(hf.get("max_position_embeddings", default))
+
+
+def _scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
+    """rope_scaling as transformers applies it; for LongRoPE with the attention factor it
+    computes from the configured and pretrained lengths (transformers'
+    _compute_longrope_parameters) written in, so the checkpoint states it."""
+    scaling = dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None
+    if scaling is None or not _longrope(hf):
+        return scaling
+    scaling["rope_type"] = "longrope"
+    scaling.pop("type", None)
+    if scaling.get("attention_factor") is None:
+        length = int(hf.get("max_position_embeddings", 4096))
+        pretrained = int(hf.get("original_max_position_embeddings") or length)
+        factor = length / pretrained
+        scaling["attention_factor"] = (1.0 if factor <= 1.0 else math.sqrt(
+            1 + math.log(factor) / math.log(pretrained)))
+    return scaling
 
 
 def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:

@@ -9,9 +9,11 @@ refusals of configurations the importer cannot convert exactly.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -292,3 +294,30 @@ def test_export_format_hf_gives_back_the_same_model(imported: tuple[str, Any, An
     assert type(again) is type(hf)
     x = torch.randint(0, 400, (1, 15), generator=torch.Generator().manual_seed(6))
     assert torch.equal(again(x).logits, hf(x).logits)
+
+
+@torch.no_grad()
+def test_longrope_up_to_the_pretrained_length_equals_transformers() -> None:
+    """Phi-3.5's LongRoPE: the short factors and the attention factor sqrt(1 + ln(L/L0) /
+    ln L0) scaling cos and sin, served up to the pretrained length L0 (past it transformers
+    switches to the long factors, which the static tables cannot follow: the context is
+    capped there)."""
+    from transformers import Phi3ForCausalLM
+
+    ids = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    rng = np.random.default_rng(0)
+    scaling = {"type": "longrope", "short_factor": (1 + rng.random(8)).tolist(),
+               "long_factor": (4 + 8 * rng.random(8)).tolist()}
+    cfg = hf_config("phi3", 64, ids, rope_scaling=scaling, max_position_embeddings=256,
+                    original_max_position_embeddings=32, sliding_window=None)
+    cfg._attn_implementation = "eager"
+    hf = Phi3ForCausalLM(cfg).eval()
+    randomise(hf, 6)
+    config = LLAMA.config_from_hf(cfg.to_dict(), ValueError)
+    assert config.max_seq_len == 32 and config.rope_scaling is not None
+    assert config.rope_scaling["attention_factor"] == pytest.approx(
+        math.sqrt(1 + math.log(256 / 32) / math.log(32)))
+    ours = GPT(config).eval()
+    ours.load_state_dict(LLAMA.state_dict_from_hf(hf.state_dict(), config))
+    x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
+    assert (ours(x).logits - hf(x).logits).abs().max() <= 1e-4
