@@ -94,14 +94,22 @@ class DecoderBuilder:
         return g.one("Transpose", [shaped], name, perm=[0, 2, 1, 3])
 
     def _rotate(self, x: str, cos: str, sin: str, name: str) -> str:
-        """x·cos + rotate_half(x)·sin (model/rotary.py's layout)."""
-        g, half = self.g, self.cfg.head_dim // 2
+        """x·cos + rotate_half(x)·sin (model/rotary.py's layout), over the first rd
+        dimensions of each head (all of them but under partial rotary)."""
+        g, rd, hs = self.g, self.cfg.rotary_dims, self.cfg.head_dim
+        kept = None
+        if rd < hs:  # (…, rd) turn, (…, hs − rd) pass
+            x, kept = g.op("Split", [x, g.ints("split_rotary", [rd, hs - rd])],
+                           f"{name}.parts", n_out=2, axis=-1)
+        half = rd // 2
         x1, x2 = g.op("Split", [x, g.ints("split_half", [half, half])], f"{name}.halves",
                       n_out=2, axis=-1)
         rotated = g.one("Concat", [g.one("Neg", [x2], f"{name}.neg"), x1], f"{name}.rot",
                         axis=-1)
-        return g.one("Add", [g.one("Mul", [x, cos], f"{name}.xcos"),
-                             g.one("Mul", [rotated, sin], f"{name}.rsin")], name)
+        out = g.one("Add", [g.one("Mul", [x, cos], f"{name}.xcos"),
+                            g.one("Mul", [rotated, sin], f"{name}.rsin")],
+                    name if kept is None else f"{name}.turned")
+        return out if kept is None else g.one("Concat", [out, kept], name, axis=-1)
 
     # -- shared inputs -------------------------------------------------------------------
     def _mask_bias(self) -> str:

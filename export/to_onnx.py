@@ -264,11 +264,12 @@ def export_artifact(
 
         open_source(ckpt.meta.training)
     model_cfg = ckpt.meta.model
-    if engine_graph and model_cfg.position == "rope" and model_cfg.head_dim % 16:
-        raise ValueError(f"--engine-graph needs a head_dim that is a multiple of 16 for "
-                         f"GroupQueryAttention's rotary kernel; this model's is "
-                         f"{model_cfg.head_dim}: export without it (the service then decodes "
-                         "with model.onnx)")
+    if engine_graph and model_cfg.position == "rope" and (
+            model_cfg.head_dim % 16 or model_cfg.rotary_dims % 16):
+        raise ValueError(f"--engine-graph needs a head_dim (and rotary dimensions) that are "
+                         f"multiples of 16 for GroupQueryAttention's rotary kernel; this "
+                         f"model's are {model_cfg.head_dim} ({model_cfg.rotary_dims}): export "
+                         "without it (the service then decodes with model.onnx)")
     gpt = ckpt.model.eval()
     # a quantised engine graph also gets its float32 build, for wide passes
     twin = engine_graph and quantize in FLOAT32_PASS_TOKENS and float32_twin

@@ -59,6 +59,9 @@ class GPTConfig:
     # the Hugging Face checkpoint's layout fuses Q/K/V (qkv_proj) and the SwiGLU gate and
     # up projections (gate_up_proj), as Phi-3 stores them; what is computed is Llama's
     fused_projections: bool = False
+    # dimensions of each head the rotary angles turn (the first ones; Phi-4-mini: 96 of
+    # 128); None: all of them
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         arch = architecture(self.arch)  # UnknownArchitecture lists the registered ones
@@ -69,6 +72,8 @@ class GPTConfig:
                                              or self.d_model % max(self.n_heads, 1) == 0),
             "head_size": self.head_size is None or self.head_size > 0,
             "sliding_window": self.sliding_window is None or self.sliding_window > 0,
+            "rotary_dim": self.rotary_dim is None or (
+                0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0),
             "nope_layers": all(0 <= i < self.n_layers for i in self.nope_layers) and (
                 not self.nope_layers or self.position == "rope"),
             "n_layers": self.n_layers > 0,
@@ -96,6 +101,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.head_size if self.head_size is not None else self.d_model // self.n_heads
+
+    @property
+    def rotary_dims(self) -> int:
+        """The dimensions of a head the rotary angles turn: its first ``rotary_dim``."""
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
 
     @property
     def attention_width(self) -> int:

@@ -63,7 +63,7 @@ class GPT(nn.Module):
         if config.position == "learned":
             self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
         elif config.position == "rope":
-            self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+            self.rotary = Rotary(config.rotary_dims, config.rope_theta, config.rope_scaling)
         else:
             self.register_buffer(
                 "pos_table", sinusoidal_table(config.max_seq_len, config.d_model),
@@ -83,7 +83,7 @@ class GPT(nn.Module):
         GGUF file: model/gguf_weights.py)."""
         cfg = self.config
         if self.rotary is not None:
-            self.rotary.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta,
+            self.rotary.inv_freq = inverse_frequencies(cfg.rotary_dims, cfg.rope_theta,
                                                        cfg.rope_scaling)
         elif self.pos_emb is None:
             self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model)

@@ -110,5 +110,10 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x (B, heads, T, hs) by the angles of its positions; cos/sin (B, T, hs)."""
+    """Rotate x (B, heads, T, hs) by the angles of its positions; cos/sin (B, T, rd): the
+    first rd dimensions turn, the rest pass (partial rotary, Phi-4-mini)."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        turned, kept = x[..., :rd], x[..., rd:]  # (B, heads, T, rd), (B, heads, T, hs − rd)
+        return torch.cat((apply_rotary(turned, cos, sin), kept), dim=-1)
     return x * cos[:, None] + rotate_half(x) * sin[:, None]  # (B, heads, T, hs)

@@ -180,8 +180,9 @@ def _llama_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     writer.add_head_count_kv(hp.get("num_key_value_heads") or heads)
     writer.add_rope_freq_base(hp["rope_theta"])
     writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    if hp["model_type"] in ("llama", "smollm3", "mistral", "phi3"):
-        writer.add_rope_dimension_count(hp["hidden_size"] // heads)
+    if hp["model_type"] in ("llama", "smollm3", "mistral", "phi3"):  # Phi3MiniModel: partial
+        rotary = float(hp.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(int(rotary * hp["hidden_size"]) // heads)
     if hp["model_type"] == "phi3":  # Phi3MiniModel.set_gguf_parameters
         writer.add_rope_scaling_orig_ctx_len(hp["original_max_position_embeddings"])
     if hp.get("sliding_window") is not None:

@@ -81,6 +81,8 @@ class ModelConfig(Protocol):
     def sliding_window(self) -> int | None: ...
     @property
     def fused_projections(self) -> bool: ...
+    @property
+    def rotary_dims(self) -> int: ...
     def rotates(self, layer: int) -> bool: ...
     @property
     def kv_heads(self) -> int: ...
@@ -177,9 +179,10 @@ class Architecture:
             ("activation", config.activation in self.activations),
             ("n_kv_heads", grouped_ok or self.grouped_kv),
             ("qkv_bias/mlp_bias", self.split_biases or not (config.qkv_bias or config.mlp_bias)),
-            ("head_size/qk_norm/nope_layers/sliding_window", self.head_options or not (
+            ("head_size/qk_norm/nope_layers/sliding_window/rotary_dim", self.head_options or not (
                 config.qk_norm or config.nope_layers or config.sliding_window
-                or config.attention_width != config.d_model)),
+                or config.attention_width != config.d_model
+                or config.rotary_dims != config.head_dim)),
         ) if not ok]
 
     def num_params(self, config: ModelConfig) -> int:

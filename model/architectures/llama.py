@@ -194,7 +194,8 @@ class Llama(Architecture):
             raise refuse(f"hidden_act {act!r} is not supported (only silu: SwiGLU)")
         if model_type in ("qwen2", "qwen3", "smollm3") and hf.get("use_sliding_window", False):
             raise refuse("use_sliding_window=true is not supported (full attention only)")
-        if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        partial = float(hf.get("partial_rotary_factor", 1.0))
+        if partial != 1.0 and model_type != "phi3":
             raise refuse(f"partial_rotary_factor {hf['partial_rotary_factor']} is not "
                          "supported (rotary over the whole head only)")
         try:
@@ -231,6 +232,7 @@ class Llama(Architecture):
                 nope_layers=nope,
                 sliding_window=_sliding_window(hf, model_type),
                 fused_projections=model_type == "phi3",
+                rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             )
         except (TypeError, ValueError) as exc:
             raise refuse(f"unsupported configuration: {exc}") from exc
@@ -290,7 +292,7 @@ class Llama(Architecture):
         elif model_type == "phi3":
             values.update(sliding_window=config.sliding_window,
                           original_max_position_embeddings=config.max_seq_len,
-                          partial_rotary_factor=1.0)
+                          partial_rotary_factor=config.rotary_dims / config.head_dim)
         elif model_type == "smollm3":
             values.update(attention_bias=config.attn_bias, mlp_bias=config.mlp_bias,
                           no_rope_layers=[int(config.rotates(i))
@@ -313,7 +315,14 @@ class Llama(Architecture):
                              "not supported")
             kv_heads = kv_heads[0]
         head_dim = int(meta.get(f"{family}.attention.key_length", d // heads))
+        # phi3's rotary is NEOX-style, the first rope.dimension_count dimensions of a head
+        # in halves, as transformers' partial rotary (Phi-4-mini); llama's is permuted
+        partial = 1.0
+        if family == "phi3" and meta.get(f"{family}.rope.dimension_count") is not None:
+            partial = int(meta[f"{family}.rope.dimension_count"]) / head_dim
         for name in ("rope.dimension_count", "attention.value_length"):
+            if name == "rope.dimension_count" and family == "phi3":
+                continue
             value = meta.get(f"{family}.{name}")
             if value is not None and int(value) != head_dim:
                 raise refuse(f"{family}.{name} {value} ≠ head width {head_dim} is not "
@@ -338,7 +347,7 @@ class Llama(Architecture):
             "hidden_act": "silu",
             "attention_bias": biased and "blk.0.attn_q.bias" in tensors,
             "mlp_bias": family in ("llama", "smollm3") and "blk.0.ffn_gate.bias" in tensors,
-            "head_dim": head_dim,
+            "head_dim": head_dim, "partial_rotary_factor": partial,
             # llama.cpp runs phi3 files without their window ("Phi SWA is currently
             # disabled", src/models/phi3.cpp); a file is served as llama.cpp runs it
             "sliding_window": (None if family == "phi3"

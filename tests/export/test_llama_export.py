@@ -126,7 +126,8 @@ def test_engine_graph_refuses_a_head_dim_the_kernel_cannot_rotate(
     save_checkpoint(tmp_path / "ckpt", GPT(config), CheckpointMeta(config, meta.tokenizer),
                     (built.checkpoint / "tokenizer.json").read_text("utf-8"))
     out = tmp_path / "art"
-    with pytest.raises(ValueError, match="head_dim that is a multiple of 16"):
+    with pytest.raises(ValueError,
+                       match=r"head_dim \(and rotary dimensions\) that are multiples of 16"):
         export_artifact(tmp_path / "ckpt", out, engine_graph=True)
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
@@ -191,3 +192,33 @@ def test_quantized_llama_engine_graph_verifies(llama_artifacts: Any, tmp_path: P
     kv_heads = {d.dim_value for v in graph.input if v.name.startswith("past_key_values")
                 for d in v.type.tensor_type.shape.dim[1:2]}
     assert kv_heads == {2}
+
+
+def test_partial_rotary_as_phi4_mini_equals_transformers(tmp_path: Path) -> None:
+    """Phi-4-mini's partial rotary (the first half of each 32-wide head turns here; 96 of
+    128 there) with LongRoPE: import, export (verified against PyTorch, engine graphs
+    included), model.onnx by names against transformers."""
+    from model.hf_import import import_hf_checkpoint
+    from tests.hf_llama import build_hf_model
+
+    rng = np.random.default_rng(1)
+    scaling = {"type": "longrope", "short_factor": (1 + rng.random(8)).tolist(),
+               "long_factor": (4 + 8 * rng.random(8)).tolist()}
+    hf = build_hf_model(tmp_path / "hf", "phi3", seed=5, hidden_size=128,
+                        partial_rotary_factor=0.5, rope_scaling=scaling,
+                        max_position_embeddings=512, original_max_position_embeddings=96)
+    import_hf_checkpoint(tmp_path / "hf", tmp_path / "ckpt")
+    art = export_artifact(tmp_path / "ckpt", tmp_path / "art", engine_graph=True)
+    config = io.ArtifactConfig.load(art)
+    assert (config.head_dim, config.max_seq_len) == (32, 96)
+    ids = np.random.default_rng(2).integers(0, config.vocab_size, (2, 40)).astype(np.int64)
+    empty = np.zeros((2, config.kv_heads, 0, config.head_dim), np.float32)
+    feed = {io.INPUT_IDS: ids, io.ATTENTION_MASK: np.ones_like(ids),
+            io.POSITION_IDS: np.tile(np.arange(40), (2, 1)),
+            **{name: empty for name in io.past_names(config.n_layers)}}
+    logits = _session(art / io.MODEL_FILE).run([io.LOGITS], feed)[0]
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(logits - ref).max() <= 1e-4
+    manifest = json.loads((art / io.MANIFEST_FILE).read_text())
+    assert manifest["verification"]["engine"]["greedy_equal"]

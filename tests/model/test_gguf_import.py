@@ -94,6 +94,9 @@ CASES = {
     "phi3-blocks": Case("phi3", (Q.Q8_0, Q.Q4_1, Q.F16), {**SMALL, "sliding_window": None}),
     # ... and a file with a window of 6, which llama.cpp runs without it: so do we
     "phi3-f32-window": Case("phi3", (Q.F32,), SMALL),
+    # Phi-4-mini's partial rotary: rope.dimension_count 16 of heads of 32
+    "phi3-f32-partial": Case("phi3", (Q.F32,), {**SMALL, "partial_rotary_factor": 0.5,
+                                                "sliding_window": None}),
     "gpt2-f32": Case("gpt2", (Q.F32,)),
     # transformers reads GGUF GPT-2 with n_positions 1024 whatever the file says.
     "gpt2-quants-untied": Case("gpt2", (Q.Q8_0, Q.Q5_0, Q.BF16),
@@ -191,7 +194,8 @@ def assert_same_greedy(ours: Any, theirs: Any, ids: torch.Tensor, n: int,
 # files transformers' GGUF loader (4.57) cannot read: Qwen3 heads of another width than 128
 # (it ignores qwen3.attention.key_length), SmolLM3 (no loader) and a llama or phi3 file's
 # sliding window (ignored)
-SOURCE_CHECKED = ("qwen3-f32-wide", "smollm3-f32", "mistral-f32", "phi3-f32-window")
+SOURCE_CHECKED = ("qwen3-f32-wide", "smollm3-f32", "mistral-f32", "phi3-f32-window",
+                  "phi3-f32-partial")
 
 
 @pytest.mark.parametrize("name", [name for name in CASES if name not in SOURCE_CHECKED])
@@ -228,6 +232,8 @@ def test_files_transformers_cannot_load_match_their_source_model(
         assert ours.config.nope_layers == (3,)
     elif name == "mistral-f32":
         assert ours.config.sliding_window == 5
+    elif name == "phi3-f32-partial":
+        assert (ours.config.rotary_dims, ours.config.head_dim) == (16, 32)
     ids = torch.randint(0, ours.config.vocab_size, (2, 20),
                         generator=torch.Generator().manual_seed(0))
     assert_same_logits(ours, theirs, ids)
