@@ -129,3 +129,100 @@ def test_raise_exception_and_sandbox_violations_are_template_errors(tmp_path: Pa
         mutate.render([{"role": "user", "content": "a"}])
     with pytest.raises(ChatTemplateError, match="does not compile"):
         ChatTemplate.load(write_config(tmp_path / "broken", chat_template="{% for %}"), {})
+
+
+# Written for these tests in the manner of Qwen3's and Gemma 3's templates: namespace(),
+# a reversed loop, tool calls and tool turns, reasoning split off at </think>, the
+# enable_thinking switch (vLLM's chat_template_kwargs), and Gemma's alternation check and
+# system text folded into the first user turn.
+THINKING = """{%- set ns = namespace(last_query=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if message.role == "user" and message.content is string %}
+        {%- set ns.last_query = index %}{% break %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == "assistant" %}
+        {%- set reasoning = '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {{- '<|im_start|>assistant\\n' }}
+        {%- if loop.index0 > ns.last_query and reasoning %}
+            {{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}
+        {%- endif %}
+        {{- content }}
+        {%- for call in message.tool_calls or [] %}
+            {{- '\\n<tool_call>\\n' + call.function | tojson + '\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or messages[loop.index0 - 1].role != "tool" %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}"""  # noqa: E501
+
+GEMMA_STYLE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] | trim + '\\n\\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- set role = "model" if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+    {{- message['content'] | trim }}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"""
+
+AGENT_TURNS: list[dict[str, Any]] = [
+    {"role": "system", "content": "Use tools."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "<think>\nneed a tool\n</think>\n\n", "tool_calls": [
+        {"function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "18 °C, sun"},
+    {"role": "tool", "content": "wind 5 km/h"},
+    {"role": "assistant", "content": "<think>\nsummarise\n</think>\n\nSunny, 18 °C."},
+    {"role": "user", "content": "And tomorrow?"},
+]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+def test_thinking_and_tool_turns_render_as_transformers(kwargs: dict[str, Any],
+                                                        tmp_path: Path) -> None:
+    tokenizer = hf_tokenizer(THINKING)
+    ours = ChatTemplate.load(write_config(tmp_path, chat_template=THINKING), {})
+    for messages in [*CONVERSATIONS, AGENT_TURNS, AGENT_TURNS[:6]]:
+        expected = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True, **kwargs)
+        assert ours.render(messages, extra=kwargs) == expected
+
+
+def test_gemma_style_alternation_and_system_folding_render_as_transformers(
+        tmp_path: Path) -> None:
+    tokenizer = hf_tokenizer(GEMMA_STYLE)
+    ours = ChatTemplate.load(write_config(tmp_path, bos_token="<s>", chat_template=GEMMA_STYLE),
+                             {})
+    for messages in CONVERSATIONS:
+        for add in (True, False):
+            expected = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=add)
+            assert ours.render(messages, add_generation_prompt=add) == expected
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        ours.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
