@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.engine.device import SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.request import (
     FinishInfo,
@@ -52,6 +53,9 @@ class SequenceState:
     def cached_tokens(self) -> int:
         """Tokens of this row in the KV cache (the newest sampled one is not fed yet)."""
         return len(self.request.prompt_ids) + max(self.generated - 1, 0)
+
+
+BELOW_ONE = np.float32(1.0) - np.float32(2.0 ** -24)  # the largest float32 below 1
 
 
 class Batch:
@@ -174,6 +178,9 @@ class Batch:
             last = np.stack([rows[-1] for rows in logits])  # (B, V)
         elif self._argmax_only():  # token ids are all the step needs from the graph
             return self._emit(runner.decode_greedy(self.slots, self.next_tokens))  # (B,)
+        elif runner.samples_on_device and self._plain_draws():  # drawn on the GPU
+            return self._emit(runner.decode_sample(self.slots, self.next_tokens,
+                                                   self._sampled_rows(runner.vocab_size)))
         else:
             last = runner.decode(self.slots, self.next_tokens)  # (B, V)
         return self._sample(last)
@@ -182,6 +189,29 @@ class Batch:
         """Every row takes the raw logits' argmax and reports no log-probability."""
         return all(s.sampler.params.is_plain_greedy and not s.request.token_logprobs
                    and not s.request.sampling.top_n_logprobs for s in self.sequences)
+
+    def _plain_draws(self) -> bool:
+        """Every row greedy or sampling with temperature, top-k and top-p alone, none
+        reporting a log-probability: what a sampler beside the logits computes."""
+        return all((s.sampler.params.is_plain_greedy or s.sampler.params.is_plain_sampling)
+                   and not s.request.token_logprobs and not s.request.sampling.top_n_logprobs
+                   for s in self.sequences)
+
+    def _sampled_rows(self, vocab: int) -> SampledRows:
+        """Each row's parameters and this step's draw from its own generator (one, as the
+        host sampler takes); greedy rows top-k 1."""
+        params = [s.sampler for s in self.sequences]
+        sampling = [p.params.do_sample for p in params]
+        return SampledRows(
+            temperature=np.array([p.params.temperature if d else 1.0
+                                  for p, d in zip(params, sampling, strict=True)], np.float32),
+            top_k=np.array([(p.params.top_k or vocab) if d else 1
+                            for p, d in zip(params, sampling, strict=True)], np.int64),
+            top_p=np.array([p.params.top_p if d and p.params.top_p < 1.0 else 2.0
+                            for p, d in zip(params, sampling, strict=True)], np.float32),
+            u=np.minimum(np.array([p.rng.random() if d and p.rng is not None else 0.0
+                                   for p, d in zip(params, sampling, strict=True)],
+                                  np.float32), BELOW_ONE))  # [0, 1) in float32 too
 
     def _emit(self, tokens: np.ndarray) -> list[TokenEvent]:
         """Each row's next token, chosen by the runner (``decode_greedy``): ``_sample``

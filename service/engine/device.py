@@ -21,15 +21,21 @@ with model.onnx there: portable.py). Three things keep a decode step on the devi
   sizes its work by the buffer's length M, so ``total_sequence_length`` (read on the host,
   hence frozen at capture) is fed as M. Prefill, prompt chunks and any other pass run
   uncaptured (``gpu_graph_id`` −1).
-- **Only token ids come back for greedy rows**: the float16 graph also returns
-  ``greedy_ids`` (export/half.py), so a step whose rows all decode greedily without
-  log-probabilities copies B int64s to the host (``decode_greedy``), not (B, V) logits.
+- **Only token ids come back**: the float16 graph also returns ``greedy_ids``
+  (export/half.py), so a step whose rows all decode greedily without log-probabilities
+  copies B int64s to the host (``decode_greedy``), not (B, V) logits; and a step whose rows
+  also sample, with temperature, top-k and top-p alone, has a small second graph draw them
+  beside the logits (``DeviceSampler``, ``decode_sample``), from one number per row that
+  the row's own seeded generator gives on the host, as the host sampler would use it.
+  Logits come back only for a row that asks for log-probabilities, a grammar, penalties or
+  the other filters.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -177,6 +183,22 @@ class CapturedDecode:
         """One decode step of ``rows`` rows replayed in bucket ``self.bucket_for``'s graph:
         (logits (n, V) float32 or None when ``greedy_only``, greedy ids (n,))."""
         n = len(ids)
+        bucket = self._replay(rows, ids, seqlens)
+        greedy = bucket.greedy.numpy()[:n, 0]  # (n,) the only copy a greedy step makes
+        if greedy_only:
+            return None, greedy
+        return bucket.logits.numpy()[:n, 0], greedy  # (n, V)
+
+    def sample(self, rows: int, ids: np.ndarray, seqlens: np.ndarray,
+               sampler: DeviceSampler, sampled: SampledRows) -> np.ndarray:
+        """One replayed decode step whose tokens ``sampler`` draws from the logits where
+        the graph left them: (n,) ids, the only copy the step makes."""
+        bucket = self._replay(rows, ids, seqlens)
+        b, vocab = bucket.rows, self.vocab_size
+        return sampler.sample_bound(bucket.logits.data_ptr(), (b, vocab), sampled)
+
+    def _replay(self, rows: int, ids: np.ndarray, seqlens: np.ndarray) -> _Bucket:
+        n = len(ids)
         bucket = self._bucket(rows)
         host = bucket.host
         host["ids"][:n, 0] = ids
@@ -193,10 +215,7 @@ class CapturedDecode:
         self.session.run_with_iobinding(bucket.binding, options)
         bucket.captured = True
         self.replays += 1
-        greedy = bucket.greedy.numpy()[:n, 0]  # (n,) the only copy a greedy step makes
-        if greedy_only:
-            return None, greedy
-        return bucket.logits.numpy()[:n, 0], greedy  # (n, V)
+        return bucket
 
     def _bucket(self, rows: int) -> _Bucket:
         if rows in self._made:
@@ -231,3 +250,107 @@ class CapturedDecode:
         self._made[rows] = bucket
         log.info("decode steps of up to %d rows: graph %s on %s", b, bucket.graph_id, where)
         return bucket
+
+
+class DeviceSampler:
+    """Temperature, top-k and top-p sampling of a (B, V) float32 logits buffer where it
+    lies (the decode graph's output on the GPU), as service/engine/sampling.py samples on
+    the host: the same filters, then one draw u ∈ [0, 1) per row from the row's own seeded
+    generator, taken where the cumulative distribution over the token ids, in id order,
+    first exceeds u times its total. So a seeded request draws the same tokens on either
+    device, but where float32 and float64 round a boundary of the cumulative sum apart.
+    Greedy rows in the same batch take top-k 1. One small graph (TopK over the vocabulary,
+    Softmax, CumSum, ScatterElements, ArgMax), B int64s back."""
+
+    def __init__(self, device: str = DEVICE, device_id: int = 0) -> None:
+        from onnx import TensorProto, helper  # the gpu extra's, as DeviceCopier's
+
+        def value(name: str, kind: int, dims: list[Any]) -> Any:
+            return helper.make_tensor_value_info(name, kind, dims)
+
+        f, i64 = TensorProto.FLOAT, TensorProto.INT64
+        const = helper.make_tensor
+        nodes = [
+            helper.make_node("Div", ["logits", "temperature"], ["x"]),  # (B, V)
+            helper.make_node("Shape", ["logits"], ["shape"]),
+            helper.make_node("Gather", ["shape", "one"], ["vocab"], axis=0),  # (1,)
+            helper.make_node("TopK", ["x", "vocab"], ["sorted", "order"], axis=-1),  # desc
+            # the k-th largest value; ties with it stay, as the host's threshold keeps them
+            helper.make_node("Sub", ["top_k", "one"], ["kth_at"]),  # (B, 1)
+            helper.make_node("GatherElements", ["sorted", "kth_at"], ["kth"], axis=-1),
+            helper.make_node("GreaterOrEqual", ["sorted", "kth"], ["in_k"]),  # (B, V)
+            helper.make_node("Where", ["in_k", "sorted", "minus_inf"], ["kept"]),
+            helper.make_node("Softmax", ["kept"], ["probs"], axis=-1),  # (B, V) sorted
+            helper.make_node("CumSum", ["probs", "axis_last"], ["before"], exclusive=1),
+            helper.make_node("Less", ["before", "top_p"], ["in_p"]),  # smallest set ≥ p
+            helper.make_node("And", ["in_k", "in_p"], ["keep"]),
+            helper.make_node("Where", ["keep", "probs", "zero_f"], ["chosen"]),
+            helper.make_node("ConstantOfShape", ["shape"], ["zeros"],
+                             value=const("zero_v", f, [1], [0.0])),  # (B, V)
+            helper.make_node("ScatterElements", ["zeros", "order", "chosen"], ["by_id"],
+                             axis=-1),  # back in id order, as the host draws
+            helper.make_node("CumSum", ["by_id", "axis_last"], ["cdf"]),
+            # the cumulative sum's own last element, as the host draws against cdf[-1]
+            helper.make_node("Gather", ["cdf", "last"], ["total"], axis=-1),  # (B, 1)
+            helper.make_node("Mul", ["u", "total"], ["target"]),  # (B, 1)
+            helper.make_node("Greater", ["cdf", "target"], ["past"]),
+            helper.make_node("Cast", ["past"], ["past_i"], to=TensorProto.INT32),
+            helper.make_node("ArgMax", ["past_i"], ["ids"], axis=-1, keepdims=0),  # first
+        ]
+        inits = [const("one", i64, [1], [1]), const("axis_last", i64, [], [-1]),
+                 const("last", i64, [1], [-1]),
+                 const("minus_inf", f, [], [float("-inf")]), const("zero_f", f, [], [0.0])]
+        graph = helper.make_graph(
+            nodes, "sampler",
+            [value("logits", f, ["B", "V"]), value("temperature", f, ["B", 1]),
+             value("top_k", i64, ["B", 1]), value("top_p", f, ["B", 1]),
+             value("u", f, ["B", 1])],
+            [value("ids", i64, ["B"])], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = min(model.ir_version, 9)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        providers: list[Any] = (["CPUExecutionProvider"] if device == "cpu" else
+                                [("CUDAExecutionProvider", {"device_id": str(device_id)})])
+        self.session = ort.InferenceSession(model.SerializeToString(), options,
+                                            providers=providers)
+        self.device = device
+
+    def sample(self, logits: np.ndarray, rows: SampledRows) -> np.ndarray:
+        """(n,) int64 token ids of ``rows``' first n rows of the host's ``logits`` (b, V)
+        (b ≥ n; rows past n, padding, are drawn greedily and dropped)."""
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("logits", np.ascontiguousarray(logits, np.float32))
+        return self._draw(binding, logits.shape[0], rows)
+
+    def sample_bound(self, pointer: int, shape: tuple[int, int], rows: SampledRows
+                     ) -> np.ndarray:
+        """``sample`` of a (b, V) float32 buffer at ``pointer`` on this sampler's device
+        (a decode graph's logits, never copied)."""
+        binding = self.session.io_binding()
+        binding.bind_input("logits", self.device, 0, np.float32, list(shape), pointer)
+        return self._draw(binding, shape[0], rows)
+
+    def _draw(self, binding: ort.IOBinding, b: int, rows: SampledRows) -> np.ndarray:
+        n = len(rows.temperature)
+        for name, values, fill, dtype in (("temperature", rows.temperature, 1.0, np.float32),
+                                          ("top_k", rows.top_k, 1, np.int64),
+                                          ("top_p", rows.top_p, 2.0, np.float32),
+                                          ("u", rows.u, 0.0, np.float32)):
+            column = np.full((b, 1), fill, dtype)  # (b, 1)
+            column[:n, 0] = values
+            binding.bind_cpu_input(name, column)
+        binding.bind_output("ids", "cpu")
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()[:n].astype(np.int64)
+
+
+@dataclass(frozen=True)
+class SampledRows:
+    """Each row's sampling parameters and its draw, as DeviceSampler takes them: greedy
+    rows have top_k 1; ``top_k`` V (the vocabulary) and ``top_p`` above 1 are off."""
+
+    temperature: np.ndarray  # (n,) float32
+    top_k: np.ndarray  # (n,) int64
+    top_p: np.ndarray  # (n,) float32
+    u: np.ndarray  # (n,) float32 in [0, 1)

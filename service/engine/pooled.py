@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from service.contract import io_spec as io
+from service.engine.device import SampledRows
 from service.engine.kv_pool import KVPool, PoolShape, Slot, ensure_memory
 from service.engine.prefix_cache import PrefixCache
 from service.engine.runner import PoolConfig
@@ -35,6 +36,7 @@ class PooledRunner:
     provider: str
     device: str
     mixes_chunks: bool = False  # decode_with_chunk is one pass over the weights
+    samples_on_device: bool = False  # decode_sample draws on the logits' device
 
     def __init__(self, config: io.ArtifactConfig, pool: PoolConfig, dtype: np.dtype,
                  device: str = "cpu") -> None:
@@ -186,6 +188,11 @@ class PooledRunner:
 
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         raise NotImplementedError
+
+    def decode_sample(self, slots: Sequence[Slot], tokens: np.ndarray,
+                      sampled: SampledRows) -> np.ndarray:
+        """Tokens drawn where the logits are (``samples_on_device`` runners only)."""
+        raise ValueError(f"{type(self).__name__} samples on the host")
 
     def decode_greedy(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         """``decode``'s argmax per row, (B,) int64: a runner whose graph picks the tokens

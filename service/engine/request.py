@@ -57,6 +57,15 @@ class SamplingParams:
     constraint: ConstraintFactory | None = None  # structured output (a grammar)
 
     @property
+    def is_plain_sampling(self) -> bool:
+        """Sampling with temperature, top-k and top-p alone on the raw logits: what a
+        sampler on the GPU computes (service/engine/device.py)."""
+        return (self.do_sample and self.typical_p == 1.0 and self.min_p == 0.0
+                and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0 and not self.logit_bias
+                and self.min_tokens == 0 and self.constraint is None)
+
+    @property
     def is_plain_greedy(self) -> bool:
         """Greedy on the raw logits: the whole batch's argmax is the answer for this row."""
         return (not self.do_sample and self.repetition_penalty == 1.0

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from service.engine.device import SampledRows
 from service.engine.kv_pool import KVPool, Slot
 from service.engine.stats import KVStats, PrefixCacheStats
 
@@ -44,6 +45,7 @@ class ModelRunner(Protocol):
     device: str  # "cpu" or "cuda": where the session runs
     pool: KVPool
     mixes_chunks: bool  # decode_with_chunk runs as one pass over the weights
+    samples_on_device: bool  # decode_sample draws tokens where the logits are
 
     @property
     def capacity(self) -> int:
@@ -68,6 +70,13 @@ class ModelRunner(Protocol):
 
     def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         """One token per row (tokens (B,)) after each row's cache; logits (B, V)."""
+        ...
+
+    def decode_sample(self, slots: Sequence[Slot], tokens: np.ndarray,
+                      sampled: SampledRows) -> np.ndarray:
+        """``decode`` with each row's token drawn from its plain temperature/top-k/top-p
+        distribution (``sampled``: parameters and the row's own draw) where the logits
+        lie; (B,) int64. Only a runner with ``samples_on_device``."""
         ...
 
     def decode_greedy(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:

@@ -57,7 +57,7 @@ import onnxruntime as ort
 
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
-from service.engine.device import UNCAPTURED, CapturedDecode
+from service.engine.device import UNCAPTURED, CapturedDecode, DeviceSampler, SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.pooled import PooledRunner
 from service.engine.runner import PoolConfig
@@ -124,9 +124,12 @@ class EngineGraphRunner(PooledRunner):
         self._scratch = [np.zeros(scratch, self.shape.dtype) for _ in self._past]
         self._scratch_pointers = [a.ctypes.data for a in self._scratch]
         self._captured: CapturedDecode | None = None
+        self._sampler: DeviceSampler | None = None
         if cuda_graphs:  # on the CPU (tests): the same bindings, never captured
             self._captured = CapturedDecode(session, self.pool, n, self.vocab_size,
                                             device=device)
+            self._sampler = DeviceSampler(device)
+        self.samples_on_device = self._sampler is not None
 
     @property
     def has_float32_twin(self) -> bool:
@@ -239,6 +242,32 @@ class EngineGraphRunner(PooledRunner):
         if order is None:
             return ids.astype(np.int64)
         out = np.empty_like(ids, np.int64)
+        out[order] = ids
+        return out
+
+    def decode_sample(self, slots: Sequence[Slot], tokens: np.ndarray,
+                      sampled: SampledRows) -> np.ndarray:
+        """``decode`` with each row's token drawn by the sampler on the logits' device
+        (device.py): (B,) int64 in batch order, the only copy a replayed step makes."""
+        sampler = self._sampler
+        if sampler is None:
+            raise ValueError("this runner samples on the host")
+        rows, order = self._decode_rows(slots, tokens)
+        if order is not None:  # bound row j is batch row order[j]
+            sampled = SampledRows(*(column[order] for column in (
+                sampled.temperature, sampled.top_k, sampled.top_p, sampled.u)))
+        captured = self._captured
+        bucket = captured.bucket_for(rows.lo, len(rows.ids)) if captured is not None else None
+        if captured is not None and bucket is not None:
+            ids = captured.sample(bucket, rows.ids[:, 0], rows.seqlens.astype(np.int32),
+                                  sampler, sampled)
+        else:
+            logits, _ = self._run(rows)  # (n, 1, V)
+            ids = sampler.sample(logits[:, 0], sampled)
+        self._decoded(rows, order, np.empty((len(ids), 1, 0), np.float32))
+        if order is None:
+            return ids
+        out = np.empty_like(ids)
         out[order] = ids
         return out
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from service.engine.device import SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.runner import ModelRunner
 from service.engine.stats import (
@@ -104,7 +105,8 @@ class FifoGate(Gate):
 class ControlledRunner:
     """The real runner behind a gate and a poison token; everything else passes through.
 
-    Every forward pass (``prefill``, ``decode``, ``decode_greedy``, ``decode_with_chunk``,
+    Every forward pass (``prefill``, ``decode``, ``decode_greedy``, ``decode_sample``,
+    ``decode_with_chunk``,
     ``extend``)
     waits at the gate.
     """
@@ -121,6 +123,7 @@ class ControlledRunner:
         self.device = runner.device
         self.pool = runner.pool
         self.mixes_chunks = runner.mixes_chunks
+        self.samples_on_device = runner.samples_on_device
 
     def _pass(self, prompts: Sequence[np.ndarray] = ()) -> None:
         if self.gate is not None and not self.gate.next():
@@ -142,6 +145,11 @@ class ControlledRunner:
     def decode_greedy(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         self._pass()
         return self.runner.decode_greedy(slots, tokens)
+
+    def decode_sample(self, slots: Sequence[Slot], tokens: np.ndarray,
+                      sampled: SampledRows) -> np.ndarray:
+        self._pass()
+        return self.runner.decode_sample(slots, tokens, sampled)
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
                           chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -90,6 +90,37 @@ def test_batches_joining_and_leaving_decode_the_plain_passes_tokens(half_artifac
     assert replayed.graph_replays > 0
 
 
+def test_seeded_sampling_drawn_beside_the_logits_equals_the_hosts(half_artifact: Path
+                                                                 ) -> None:
+    """Seeded temperature/top-k/top-p requests (and a greedy one) through joins and leaves:
+    the runner that draws on the logits' device (the sampler graph, run on the CPU here)
+    gives the tokens the host sampler draws from the same replayed steps' logits (a batch
+    of another size may round float16 logits apart, which a draw can notice)."""
+    codec = TextCodec.from_file(half_artifact / io.TOKENIZER_FILE)
+    config = io.ArtifactConfig.load(half_artifact)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 3, 8, 4, 6)]
+    params = [SamplingParams(do_sample=True, seed=11),
+              SamplingParams(do_sample=True, temperature=0.6, top_k=20, seed=12),
+              SamplingParams(),
+              SamplingParams(do_sample=True, top_p=0.7, seed=13),
+              SamplingParams(do_sample=True, temperature=1.4, top_k=50, top_p=0.95, seed=14)]
+
+    def waves() -> list[list[GenerationRequest]]:
+        requests = [GenerationRequest(p, s, StoppingCriteria(n, (), None), token_logprobs=False)
+                    for p, s, n in zip(prompts, params, (10, 6, 12, 7, 9), strict=True)]
+        return [requests[:3], requests[3:]]
+
+    device = runner_for(half_artifact, True)
+    assert device.samples_on_device
+    got = run_with_joins(device, codec, waves(), join_every=3)
+    host = runner_for(half_artifact, True)
+    host.samples_on_device = False  # the same replays, their logits sampled on the host
+    want = run_with_joins(host, codec, waves(), join_every=3)
+    assert list(got.values()) == list(want.values())
+    assert device.graph_replays > 0 and host.graph_replays > 0
+
+
 def test_buckets_need_slot_zero_and_free_padding(half_artifact: Path) -> None:
     runner = runner_for(half_artifact, True)
     captured = runner._captured
