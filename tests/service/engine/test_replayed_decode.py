@@ -166,3 +166,14 @@ def test_on_cuda_the_device_pool_and_captured_graphs_decode_the_cpus_tokens(
     want = run_with_joins(runner_for(half_artifact, False), codec, waves(), join_every=3)
     assert sorted(got.values()) == sorted(want.values())
     assert cuda.graph_replays > 0 and cuda.pool.moves > 0
+    # seeded sampling drawn on the GPU: the host sampler's draws from the same logits
+    sampled = [GenerationRequest(p, SamplingParams(do_sample=True, top_k=30, top_p=0.9,
+                                                   temperature=0.8, seed=40 + i),
+                                 StoppingCriteria(8, (), None), token_logprobs=False)
+               for i, p in enumerate(prompts[:3])]
+    on_gpu = run_with_joins(cuda, codec, [sampled], join_every=1)
+    cuda.samples_on_device = False
+    again = [GenerationRequest(r.prompt_ids, r.sampling, r.stopping, token_logprobs=False)
+             for r in sampled]
+    on_host = run_with_joins(cuda, codec, [again], join_every=1)
+    assert list(on_gpu.values()) == list(on_host.values())
