@@ -116,10 +116,10 @@ def test_ids_equal_llamacpps_own_tokenizer(spm: Any, ours: Tokenizer, tmp_path: 
 
     from benchmarks.llamacpp_tools import tool_path
 
-    server = tool_path("llama-server")
-    if not server.is_file():
-        pytest.skip("llama.cpp's tools are not built (python -m benchmarks.llamacpp_tools "
-                    "--build)")
+    try:
+        server = tool_path("llama-server")
+    except FileNotFoundError as exc:  # not built on this machine (CI builds none)
+        pytest.skip(str(exc))
     path = tmp_path / "spm.gguf"
     write_tiny_llama(path, spm_metadata(spm))
     port = _free_port()
