@@ -185,6 +185,10 @@ def _llama_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
         writer.add_rope_dimension_count(int(rotary * hp["hidden_size"]) // heads)
     if hp["model_type"] == "phi3":  # Phi3MiniModel.set_gguf_parameters
         writer.add_rope_scaling_orig_ctx_len(hp["original_max_position_embeddings"])
+        if (hp.get("rope_scaling") or {}).get("long_factor"):  # its LongRoPE attn factor
+            scale = hp["max_position_embeddings"] / hp["original_max_position_embeddings"]
+            writer.add_rope_scaling_attn_factors(math.sqrt(
+                1 + math.log(scale) / math.log(hp["original_max_position_embeddings"])))
     if hp.get("sliding_window") is not None:
         writer.add_sliding_window(hp["sliding_window"])
     if hp.get("head_dim") is not None:  # convert_hf_to_gguf.py's TextModel writes both
@@ -234,6 +238,10 @@ def _gguf_tensors(hf_dir: Path, hp: dict[str, Any]) -> dict[str, np.ndarray]:
         out[new] = np.ascontiguousarray(data, dtype=np.float32)
     if arch == "llama" and (hp.get("rope_scaling") or {}).get("rope_type") == "llama3":
         out["rope_freqs.weight"] = _llama3_rope_factors(hp)
+    scaling = hp.get("rope_scaling") or {}
+    if arch == "phi3" and scaling.get("long_factor"):  # Phi3MiniModel.generate_extra_tensors
+        out["rope_factors_long.weight"] = np.asarray(scaling["long_factor"], np.float32)
+        out["rope_factors_short.weight"] = np.asarray(scaling["short_factor"], np.float32)
     return out
 
 

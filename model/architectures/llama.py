@@ -61,6 +61,8 @@ RENAMES = (("self_attn.q_proj", "attn.w_q"), ("self_attn.k_proj", "attn.w_k"),
            ("self_attn.k_norm", "attn.k_norm"))
 HF_LAYER, OUR_LAYER = "model.layers.", "blocks."
 ROPE_FREQS = "rope_freqs.weight"
+# LongRoPE's factors as llama.cpp's converter writes them for phi3 (long, short)
+PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp permutes Q/K rows for these GGUF architectures only (qwen2 files are not).
 GGUF_PERMUTED = ("llama", "smollm3")
 # Llama 3's rope_scaling as llama.cpp's converter assumes it when writing rope_freqs.
@@ -328,9 +330,10 @@ class Llama(Architecture):
                 raise refuse(f"{family}.{name} {value} ≠ head width {head_dim} is not "
                              "supported (partial rotary, or values of another width)")
         theta = float(meta.get(f"{family}.rope.freq_base", 10000.0))
-        if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
-            raise refuse("LongRoPE (rope_factors_long / rope_factors_short) is not supported: "
-                         "its rotary angles depend on the sequence's length")
+        longrope = any(t in tensors for t in PHI3_ROPE_FACTORS)
+        if longrope and family != "phi3":
+            raise refuse("rope_factors_long / rope_factors_short are supported in phi3 files "
+                         f"only, not {family}")
         biased = family in ("llama", "qwen3", "smollm3")  # their biases load when present
         layers = int(key("block_count"))
         nope = {"no_rope_layers": [int((i + 1) % SMOLLM3_NOPE_STEP != 0) for i in range(layers)]
@@ -342,8 +345,11 @@ class Llama(Architecture):
             "intermediate_size": key("feed_forward_length"),
             "max_position_embeddings": key("context_length"),
             "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "rope_theta": theta,
-            "rope_scaling": _rope_scaling(meta, family, tensors, head_dim, theta, refuse,
-                                          dequantize),
+            "rope_scaling": (_phi3_longrope(meta, tensors, refuse, dequantize) if longrope
+                             else _rope_scaling(meta, family, tensors, head_dim, theta, refuse,
+                                                dequantize)),
+            "original_max_position_embeddings": meta.get(
+                f"{family}.rope.scaling.original_context_length"),
             "hidden_act": "silu",
             "attention_bias": biased and "blk.0.attn_q.bias" in tensors,
             "mlp_bias": family in ("llama", "smollm3") and "blk.0.ffn_gate.bias" in tensors,
@@ -425,6 +431,8 @@ class Llama(Architecture):
         return _fused(out, config) if config.fused_projections else out
 
     def gguf_config_tensors(self, family: str) -> tuple[str, ...]:
+        if family == "phi3":
+            return PHI3_ROPE_FACTORS
         return (ROPE_FREQS,) if family in ("llama", "smollm3") else ()
 
     def from_gguf_layout(self, w: Tensor, target: str, family: str,
@@ -622,6 +630,21 @@ def _nope_layers(hf: dict[str, Any], n_layers: int, refuse: Refuse) -> tuple[int
     if len(flags) != n_layers:
         raise refuse(f"no_rope_layers has {len(flags)} entries for {n_layers} layers")
     return tuple(i for i, rotary in enumerate(flags) if not rotary)
+
+
+def _phi3_longrope(meta: dict[str, Any], tensors: Mapping[str, gguf.ReaderTensor],
+                   refuse: Refuse, dequantize: Callable[[gguf.ReaderTensor], Tensor]
+                   ) -> dict[str, Any]:
+    """transformers' LongRoPE scaling from a phi3 file's factor tensors and the attention
+    factor the converter computed (``rope.scaling.attn_factor``); served with the short
+    factors, up to ``rope.scaling.original_context_length`` (model/rotary.py)."""
+    missing = [t for t in PHI3_ROPE_FACTORS if t not in tensors]
+    if missing:
+        raise refuse(f"LongRoPE needs both factor tensors; {missing} is missing")
+    long, short = (dequantize(tensors[t]).tolist() for t in PHI3_ROPE_FACTORS)
+    factor = meta.get("phi3.rope.scaling.attn_factor")
+    return {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+            "attention_factor": None if factor is None else float(factor)}
 
 
 def _rope_scaling(meta: dict[str, Any], family: str, tensors: Mapping[str, gguf.ReaderTensor],

@@ -94,6 +94,12 @@ CASES = {
     "phi3-blocks": Case("phi3", (Q.Q8_0, Q.Q4_1, Q.F16), {**SMALL, "sliding_window": None}),
     # ... and a file with a window of 6, which llama.cpp runs without it: so do we
     "phi3-f32-window": Case("phi3", (Q.F32,), SMALL),
+    # Phi-3.5's LongRoPE: rope_factors_long / _short tensors and the attention factor
+    "phi3-f32-longrope": Case("phi3", (Q.F32,), {
+        **SMALL, "sliding_window": None, "max_position_embeddings": 512,
+        "original_max_position_embeddings": 64,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 16 for i in range(16)],
+                         "long_factor": [4.0 + i for i in range(16)]}}),
     # Phi-4-mini's partial rotary: rope.dimension_count 16 of heads of 32
     "phi3-f32-partial": Case("phi3", (Q.F32,), {**SMALL, "partial_rotary_factor": 0.5,
                                                 "sliding_window": None}),
@@ -195,7 +201,7 @@ def assert_same_greedy(ours: Any, theirs: Any, ids: torch.Tensor, n: int,
 # (it ignores qwen3.attention.key_length), SmolLM3 (no loader) and a llama or phi3 file's
 # sliding window (ignored)
 SOURCE_CHECKED = ("qwen3-f32-wide", "smollm3-f32", "mistral-f32", "phi3-f32-window",
-                  "phi3-f32-partial")
+                  "phi3-f32-partial", "phi3-f32-longrope")
 
 
 @pytest.mark.parametrize("name", [name for name in CASES if name not in SOURCE_CHECKED])
@@ -234,6 +240,8 @@ def test_files_transformers_cannot_load_match_their_source_model(
         assert ours.config.sliding_window == 5
     elif name == "phi3-f32-partial":
         assert (ours.config.rotary_dims, ours.config.head_dim) == (16, 32)
+    elif name == "phi3-f32-longrope":  # served with the short factors up to 64 positions
+        assert ours.config.max_seq_len == 64 and ours.config.rope_scaling is not None
     ids = torch.randint(0, ours.config.vocab_size, (2, 20),
                         generator=torch.Generator().manual_seed(0))
     assert_same_logits(ours, theirs, ids)
