@@ -177,10 +177,10 @@ class Batch:
                 self._record_prompt_logprobs(logits)
             last = np.stack([rows[-1] for rows in logits])  # (B, V)
         elif self._argmax_only():  # token ids are all the step needs from the graph
-            return self._emit(runner.decode_greedy(self.slots, self.next_tokens))  # (B,)
+            return self._emit(runner.decode_ids(self.slots, self.next_tokens))  # (B,)
         elif runner.samples_on_device and self._plain_draws():  # drawn on the GPU
-            return self._emit(runner.decode_sample(self.slots, self.next_tokens,
-                                                   self._sampled_rows(runner.vocab_size)))
+            return self._emit(runner.decode_ids(self.slots, self.next_tokens,
+                                                self._sampled_rows(runner.vocab_size)))
         else:
             last = runner.decode(self.slots, self.next_tokens)  # (B, V)
         return self._sample(last)
@@ -214,7 +214,7 @@ class Batch:
                                   np.float32), BELOW_ONE))  # [0, 1) in float32 too
 
     def _emit(self, tokens: np.ndarray) -> list[TokenEvent]:
-        """Each row's next token, chosen by the runner (``decode_greedy``): ``_sample``
+        """Each row's next token, chosen by the runner (``decode_ids``): ``_sample``
         without logits."""
         for seq, token in zip(self.sequences, tokens, strict=True):
             seq.sampler.observe(int(token))

@@ -23,10 +23,11 @@ with model.onnx there: portable.py). Three things keep a decode step on the devi
   uncaptured (``gpu_graph_id`` −1).
 - **Only token ids come back**: the float16 graph also returns ``greedy_ids``
   (export/half.py), so a step whose rows all decode greedily without log-probabilities
-  copies B int64s to the host (``decode_greedy``), not (B, V) logits; and a step whose rows
+  copies B int64s to the host (``decode_ids``), not (B, V) logits; and a step whose rows
   also sample, with temperature, top-k and top-p alone, has a small second graph draw them
-  beside the logits (``DeviceSampler``, ``decode_sample``), from one number per row that
-  the row's own seeded generator gives on the host, as the host sampler would use it.
+  beside the logits (``DeviceSampler``; ``decode_ids`` with draws), from one number per
+  row that the row's own seeded generator gives on the host, as the host sampler would
+  use it.
   Logits come back only for a row that asks for log-probabilities, a grammar, penalties or
   the other filters.
 """

@@ -36,7 +36,7 @@ class PooledRunner:
     provider: str
     device: str
     mixes_chunks: bool = False  # decode_with_chunk is one pass over the weights
-    samples_on_device: bool = False  # decode_sample draws on the logits' device
+    samples_on_device: bool = False  # decode_ids draws sampled tokens beside the logits
 
     def __init__(self, config: io.ArtifactConfig, pool: PoolConfig, dtype: np.dtype,
                  device: str = "cpu") -> None:
@@ -189,14 +189,13 @@ class PooledRunner:
     def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def decode_sample(self, slots: Sequence[Slot], tokens: np.ndarray,
-                      sampled: SampledRows) -> np.ndarray:
-        """Tokens drawn where the logits are (``samples_on_device`` runners only)."""
-        raise ValueError(f"{type(self).__name__} samples on the host")
-
-    def decode_greedy(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
-        """``decode``'s argmax per row, (B,) int64: a runner whose graph picks the tokens
-        itself (a float16 engine graph on the GPU) copies only those."""
+    def decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
+                   sampled: SampledRows | None = None) -> np.ndarray:
+        """``decode``'s argmax per row, (B,) int64 (draws: ``samples_on_device`` runners
+        only): a runner whose graph picks the tokens itself (a float16 engine graph on the
+        GPU) copies only those."""
+        if sampled is not None:
+            raise ValueError(f"{type(self).__name__} samples on the host")
         return self.decode(slots, tokens).argmax(-1)
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,

@@ -45,7 +45,7 @@ class ModelRunner(Protocol):
     device: str  # "cpu" or "cuda": where the session runs
     pool: KVPool
     mixes_chunks: bool  # decode_with_chunk runs as one pass over the weights
-    samples_on_device: bool  # decode_sample draws tokens where the logits are
+    samples_on_device: bool  # decode_ids draws sampled tokens where the logits are
 
     @property
     def capacity(self) -> int:
@@ -72,16 +72,12 @@ class ModelRunner(Protocol):
         """One token per row (tokens (B,)) after each row's cache; logits (B, V)."""
         ...
 
-    def decode_sample(self, slots: Sequence[Slot], tokens: np.ndarray,
-                      sampled: SampledRows) -> np.ndarray:
-        """``decode`` with each row's token drawn from its plain temperature/top-k/top-p
-        distribution (``sampled``: parameters and the row's own draw) where the logits
-        lie; (B,) int64. Only a runner with ``samples_on_device``."""
-        ...
-
-    def decode_greedy(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
-        """``decode`` for rows that all take the argmax: (B,) int64 token ids, which is
-        all a graph that picks them on the GPU copies back."""
+    def decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
+                   sampled: SampledRows | None = None) -> np.ndarray:
+        """``decode`` with the next tokens chosen where the logits are: (B,) int64, which
+        is all a graph that picks them on the GPU copies back. Without ``sampled`` every
+        row takes the argmax; with it (``samples_on_device`` runners only) each row's
+        plain temperature/top-k/top-p draw from its own number."""
         ...
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,

@@ -229,47 +229,45 @@ class EngineGraphRunner(PooledRunner):
             logits, _ = self._run(rows)  # (n, 1, V)
         return self._decoded(rows, order, logits)
 
-    def decode_greedy(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
-        """``decode``'s argmax per row, (B,) int64 in batch order: on a captured graph the
-        graph's own ``greedy_ids``, the only copy the step makes (device.py)."""
+    def decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
+                   sampled: SampledRows | None = None) -> np.ndarray:
+        """``decode`` with each row's next token chosen beside the logits: (B,) int64 in
+        batch order, on a captured graph the only copy the step makes (device.py). Without
+        ``sampled`` the argmax (the graph's own ``greedy_ids`` where it has them); with
+        it, the sampler's draws."""
         rows, order = self._decode_rows(slots, tokens)
-        replayed = self._replay(rows, greedy_only=True)
-        if replayed is None:
-            logits, _ = self._run(rows)  # (n, 1, V)
-            return self._decoded(rows, order, logits).argmax(-1)
-        ids = replayed[1]  # (n,) in slot order
-        self._decoded(rows, order, np.empty((len(ids), 1, 0), np.float32))
-        if order is None:
-            return ids.astype(np.int64)
-        out = np.empty_like(ids, np.int64)
-        out[order] = ids
-        return out
-
-    def decode_sample(self, slots: Sequence[Slot], tokens: np.ndarray,
-                      sampled: SampledRows) -> np.ndarray:
-        """``decode`` with each row's token drawn by the sampler on the logits' device
-        (device.py): (B,) int64 in batch order, the only copy a replayed step makes."""
-        sampler = self._sampler
-        if sampler is None:
-            raise ValueError("this runner samples on the host")
-        rows, order = self._decode_rows(slots, tokens)
-        if order is not None:  # bound row j is batch row order[j]
-            sampled = SampledRows(*(column[order] for column in (
-                sampled.temperature, sampled.top_k, sampled.top_p, sampled.u)))
-        captured = self._captured
-        bucket = captured.bucket_for(rows.lo, len(rows.ids)) if captured is not None else None
-        if captured is not None and bucket is not None:
-            ids = captured.sample(bucket, rows.ids[:, 0], rows.seqlens.astype(np.int32),
-                                  sampler, sampled)
+        if sampled is not None:
+            ids = self._sampled_ids(rows, order, sampled)
         else:
-            logits, _ = self._run(rows)  # (n, 1, V)
-            ids = sampler.sample(logits[:, 0], sampled)
+            replayed = self._replay(rows, greedy_only=True)
+            if replayed is None:
+                logits, _ = self._run(rows)  # (n, 1, V)
+                return self._decoded(rows, order, logits).argmax(-1)
+            ids = replayed[1].astype(np.int64)  # (n,) in slot order
         self._decoded(rows, order, np.empty((len(ids), 1, 0), np.float32))
         if order is None:
             return ids
         out = np.empty_like(ids)
         out[order] = ids
         return out
+
+    def _sampled_ids(self, rows: _Rows, order: np.ndarray | None, sampled: SampledRows
+                     ) -> np.ndarray:
+        """The sampler's draws (n,) in slot order, from the replayed step's logits on the
+        device, or from a plain pass's where no graph fits."""
+        sampler = self._sampler
+        if sampler is None:
+            raise ValueError("this runner samples on the host")
+        if order is not None:  # bound row j is batch row order[j]
+            sampled = SampledRows(*(column[order] for column in (
+                sampled.temperature, sampled.top_k, sampled.top_p, sampled.u)))
+        captured = self._captured
+        bucket = captured.bucket_for(rows.lo, len(rows.ids)) if captured is not None else None
+        if captured is not None and bucket is not None:
+            return captured.sample(bucket, rows.ids[:, 0], rows.seqlens.astype(np.int32),
+                                   sampler, sampled)
+        logits, _ = self._run(rows)  # (n, 1, V)
+        return sampler.sample(logits[:, 0], sampled)
 
     def _replay(self, rows: _Rows, greedy_only: bool
                 ) -> tuple[np.ndarray | None, np.ndarray] | None:

@@ -105,8 +105,7 @@ class FifoGate(Gate):
 class ControlledRunner:
     """The real runner behind a gate and a poison token; everything else passes through.
 
-    Every forward pass (``prefill``, ``decode``, ``decode_greedy``, ``decode_sample``,
-    ``decode_with_chunk``,
+    Every forward pass (``prefill``, ``decode``, ``decode_ids``, ``decode_with_chunk``,
     ``extend``)
     waits at the gate.
     """
@@ -142,14 +141,10 @@ class ControlledRunner:
         self._pass()
         return self.runner.decode(slots, tokens)
 
-    def decode_greedy(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+    def decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
+                   sampled: SampledRows | None = None) -> np.ndarray:
         self._pass()
-        return self.runner.decode_greedy(slots, tokens)
-
-    def decode_sample(self, slots: Sequence[Slot], tokens: np.ndarray,
-                      sampled: SampledRows) -> np.ndarray:
-        self._pass()
-        return self.runner.decode_sample(slots, tokens, sampled)
+        return self.runner.decode_ids(slots, tokens, sampled)
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
                           chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

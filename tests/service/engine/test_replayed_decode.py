@@ -54,7 +54,7 @@ def test_replayed_steps_equal_plain_passes(half_artifact: Path) -> None:
         assert (pt == rt).all()
         want = plain.decode(ps, pt)  # (3, V)
         if step % 2:  # token ids only: the graph's greedy_ids
-            got_ids = replayed.decode_greedy(rs, rt)
+            got_ids = replayed.decode_ids(rs, rt)
             assert (got_ids == want.argmax(-1)).all()
         else:
             got = replayed.decode(rs, rt)
