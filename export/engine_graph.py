@@ -128,6 +128,7 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
     eps = float(cfg.layer_norm_eps)
     g = Graph(weights)
     rotary = arch.engine_tables(g, gpt)  # (cos, sin) for GroupQueryAttention, or None
+    rotary_local = arch.engine_local_tables(g, gpt)  # Gemma 3's window layers', or None
     minus1 = g.const("minus1", np.array([-1], np.int64))
     flat = g.const("shape_flat", np.array([-1, d], np.int64))  # [N, d]
     shapes_btc = []  # per group: [B, T, -1]
@@ -155,14 +156,16 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
     h = arch.engine_norm(g, x, blocks[0].ln_1, eps, "l0.ln1")  # (N, d)
     # a sliding window of W positions, the query's own included, is the kernel's
     # local_window_size W (checked against PyTorch by the export's verification)
-    window = ({"local_window_size": cfg.sliding_window}
-              if cfg.sliding_window is not None else {})
     for i, block in enumerate(blocks):
         a, p = block.attn, f"l{i}"
+        window: dict[str, int] = ({"local_window_size": int(cfg.sliding_window)}
+                                  if cfg.sliding_window is not None and cfg.windowed(i) else {})
         rope: dict[str, int] = {"do_rotary": 0}
         tables: tuple[str, ...] = ()
         if rotary is not None and cfg.rotates(i):  # the kernel rotates Q and K by each
-            rope, tables = {"do_rotary": 1, "rotary_interleaved": 0}, rotary  # row's position
+            rope = {"do_rotary": 1, "rotary_interleaved": 0}  # row's position
+            tables = rotary_local if rotary_local is not None and cfg.local_rotary(i) \
+                else rotary
         qkv = arch.engine_qkv(g, h, a, p, matmul_only)  # (N, nh·hs + 2·kv): q | k | v
         if a.q_norm is not None:  # Qwen3: each head's query and key RMS-normalised first
             qkv = _normed_qk(g, arch, qkv, a, cfg, eps, p)
@@ -181,7 +184,8 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
                 f"{p}.gqa{r.tag}", outputs=[f"{p}.attn{r.tag}", r.present[2 * i],
                                             r.present[2 * i + 1]],
                 domain=CONTRIB, num_heads=nh, kv_num_heads=cfg.kv_heads,
-                scale=float(1.0 / np.sqrt(hs)), **rope, **window)[0]  # (B, T, d)
+                scale=float(1.0 / np.sqrt(hs)) if cfg.attn_scale is None else cfg.attn_scale,
+                **rope, **window)[0]  # (B, T, d)
             if r.tag:
                 attn = chunk.unpad(attn, f"{p}.attn_unpadded{r.tag}")  # (B, T, d)
             attns.append(g.op("Reshape", [attn, flat_attn],
@@ -189,13 +193,18 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
         attn = g.op("Concat", attns, f"{p}.attn_all", axis=0)[0] if mixed else attns[0]
         o = g.op("MatMul", [attn, g.const(f"{p}.w_o", f32(a.w_o.weight).T)], f"{p}.o")[0]
         o_bias = [g.const(f"{p}.b_o", f32(a.w_o.bias))] if a.w_o.bias is not None else []
+        if block.post_attn is not None:  # Gemma 3: attention's output normed first
+            if o_bias:
+                o = g.op("Add", [o, o_bias[0]], f"{p}.o_b")[0]
+            o, o_bias = arch.engine_norm(g, o, block.post_attn, eps, f"{p}.post_attn"), []
         # x + o (+ b_o) → x;  norm_2(x) → h
         h, x = arch.engine_skip_norm(g, x, o, block.ln_2, o_bias, eps, f"{p}.ln2",
                                      f"{p}.res1")
         # x + mlp(h) → x;  the next block's norm_1(x) (the final norm after the last) → h
         last = i + 1 == len(blocks)
         h, x = arch.engine_mlp(g, cfg, x, h, block.ffn, gpt.ln_f if last else blocks[i + 1].ln_1,
-                               p, "ln_f" if last else f"l{i + 1}.ln1", matmul_only)
+                               p, "ln_f" if last else f"l{i + 1}.ln1", matmul_only,
+                               post_norm=block.post_ffn)
     if not logits_index:
         logits = lm_head(g, gpt, h, matmul_only)  # (B·T, V)
         g.op("Reshape", [logits, shapes_btc[0]], "logits_bkv", outputs=[io.LOGITS])

@@ -112,8 +112,9 @@ class DecoderBuilder:
         return out if kept is None else g.one("Concat", [out, kept], name, axis=-1)
 
     # -- shared inputs -------------------------------------------------------------------
-    def _mask_bias(self) -> str:
-        """0 where a query may attend, -inf elsewhere, (B, 1, T, S): attention_allowed."""
+    def _mask_biases(self) -> tuple[str, str]:
+        """0 where a query may attend, -inf elsewhere, (B, 1, T, S), as attention_allowed:
+        (every layer's, the window layers'); the same one twice without layers apart."""
         g = self.g
         t = g.one("Gather", [g.one("Shape", [io.INPUT_IDS], "ids_shape"),
                              g.const("one_i", np.array(1, np.int64))], "T", axis=0)
@@ -125,36 +126,44 @@ class DecoderBuilder:
         key = g.one("Unsqueeze", [g.one("Range", [zero, s, step], "key_pos"),
                                   g.ints("axis0", [0])], "key_row")  # (1, S)
         causal = g.one("LessOrEqual", [key, query], "causal")  # (T, S)
-        if self.cfg.sliding_window is not None:  # only the last W positions (Mistral)
-            near = g.one("Less", [g.one("Sub", [query, key], "distance"),
-                                  g.const("window", np.array(self.cfg.sliding_window,
-                                                             np.int64))], "in_window")
-            causal = g.one("And", [causal, near], "causal_window")  # (T, S)
         diagonal = g.one("Equal", [key, query], "diagonal")  # (T, S)
         real = g.one("Unsqueeze", [g.one("Cast", [io.ATTENTION_MASK], "mask_bool",
                                          to=TensorProto.BOOL), g.ints("axes12", [1, 2])],
                      "not_padding")  # (B, 1, 1, S)
-        allowed = g.one("Or", [g.one("And", [causal, real], "causal_real"), diagonal],
-                        "allowed")  # (B, 1, T, S)
-        return g.one("Where", [allowed, g.const("zero_f", np.array(0.0, np.float32)),
-                               g.const("neg_inf", np.array(-np.inf, np.float32))], "mask_bias")
 
-    def _rotary(self) -> tuple[str, str]:
-        """cos, sin (B, 1, T, hs) from position_ids, as Rotary.forward forms them."""
-        g, gpt = self.g, self.gpt
-        assert gpt.rotary is not None
-        inv_freq = f32(gpt.rotary.inv_freq)  # (hs/2,)
-        freqs = g.one("Mul", [g.one("Unsqueeze", [g.one("Cast", [io.POSITION_IDS], "pos_f",
-                                                        to=TensorProto.FLOAT),
-                                                  g.ints("axis_last", [-1])], "pos_col"),
-                              g.const("rope.inv_freq", inv_freq)], "rope.freqs")  # (B, T, hs/2)
-        emb = g.one("Unsqueeze", [g.one("Concat", [freqs, freqs], "rope.emb", axis=-1),
-                                  "axis1"], "rope.emb4")  # (B, 1, T, hs)
-        cos, sin = g.one("Cos", [emb], "rope.cos"), g.one("Sin", [emb], "rope.sin")
-        if gpt.rotary.scale != 1.0:  # LongRoPE's attention factor (model/rotary.py)
-            scale = g.const("rope.scale", np.array(gpt.rotary.scale, np.float32))
-            cos = g.one("Mul", [cos, scale], "rope.cos_scaled")
-            sin = g.one("Mul", [sin, scale], "rope.sin_scaled")
+        def bias(seen: str, tag: str) -> str:
+            allowed = g.one("Or", [g.one("And", [seen, real], f"causal_real{tag}"), diagonal],
+                            f"allowed{tag}")  # (B, 1, T, S)
+            return g.one("Where", [allowed, g.const("zero_f", np.array(0.0, np.float32)),
+                                   g.const("neg_inf", np.array(-np.inf, np.float32))],
+                         f"mask_bias{tag}")
+
+        cfg = self.cfg
+        if cfg.sliding_window is None:
+            every = bias(causal, "")
+            return every, every
+        # only the last W positions (Mistral's layers, Gemma 3's window layers)
+        near = g.one("Less", [g.one("Sub", [query, key], "distance"),
+                              g.const("window", np.array(cfg.sliding_window, np.int64))],
+                     "in_window")
+        local = bias(g.one("And", [causal, near], "causal_window"), "_window")  # (T, S)
+        return (local if not cfg.window_layers else bias(causal, "")), local
+
+    def _rotary(self, rotary: Any, pos: str, p: str = "rope") -> tuple[str, str]:
+        """cos, sin (B, 1, T, hs) from the positions ``pos`` (B, T, 1), as ``rotary``
+        (model/rotary.py's Rotary: gpt.rotary, or Gemma 3's window layers'
+        gpt.rotary_local) forms them."""
+        g = self.g
+        inv_freq = f32(rotary.inv_freq)  # (hs/2,)
+        freqs = g.one("Mul", [pos, g.const(f"{p}.inv_freq", inv_freq)],
+                      f"{p}.freqs")  # (B, T, hs/2)
+        emb = g.one("Unsqueeze", [g.one("Concat", [freqs, freqs], f"{p}.emb", axis=-1),
+                                  "axis1"], f"{p}.emb4")  # (B, 1, T, hs)
+        cos, sin = g.one("Cos", [emb], f"{p}.cos"), g.one("Sin", [emb], f"{p}.sin")
+        if rotary.scale != 1.0:  # LongRoPE's attention factor (model/rotary.py)
+            scale = g.const(f"{p}.scale", np.array(rotary.scale, np.float32))
+            cos = g.one("Mul", [cos, scale], f"{p}.cos_scaled")
+            sin = g.one("Mul", [sin, scale], f"{p}.sin_scaled")
         return cos, sin
 
     # -- the block -----------------------------------------------------------------------
@@ -191,8 +200,13 @@ class DecoderBuilder:
         kt = g.one("Transpose", [k], f"{p}.kt", perm=[0, 1, 3, 2])  # (B, nkv, hs, S)
         scores = g.one("Reshape", [g.one("MatMul", [qg, kt], f"{p}.qk"), by_head],
                        f"{p}.scores")  # (B, nh, T, S)
-        scaled = g.one("Add", [g.one("Div", [scores, g.const(f"sqrt_hs{hs}", np.array(
-            math.sqrt(hs), np.float32))], f"{p}.scaled_raw"), bias], f"{p}.scaled")
+        if cfg.attn_scale is None:  # QKᵀ/√hs, as PyTorch's attention divides
+            raw = g.one("Div", [scores, g.const(f"sqrt_hs{hs}", np.array(
+                math.sqrt(hs), np.float32))], f"{p}.scaled_raw")
+        else:  # Gemma 3's query_pre_attn_scalar^-1/2, multiplied as transformers does
+            raw = g.one("Mul", [scores, g.const("attn_scale", np.array(
+                cfg.attn_scale, np.float32))], f"{p}.scaled_raw")
+        scaled = g.one("Add", [raw, bias], f"{p}.scaled")
         weights = g.one("Softmax", [scaled], f"{p}.weights", axis=-1)  # (B, nh, T, S)
         ctx = g.one("MatMul", [g.one("Reshape", [weights, g.ints("shape_grouped_s",
                                                                    [0, nkv, -1, 0])],
@@ -234,25 +248,38 @@ class DecoderBuilder:
         g.op("Reshape", [logits, shape], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
 
     def build(self) -> None:
-        g, gpt = self.g, self.gpt
-        bias = self._mask_bias()
+        g, gpt, cfg = self.g, self.gpt, self.cfg
+        every, local = self._mask_biases()
         x = g.one("Gather", [g.const("tok_emb", f32(gpt.tok_emb.weight)), io.INPUT_IDS],
                   "tok_gather")  # (B, T, d)
-        rotary = None
+        rotary = rotary_local = None
         if gpt.rotary is not None:
-            rotary = self._rotary()
+            pos = g.one("Unsqueeze", [g.one("Cast", [io.POSITION_IDS], "pos_f",
+                                            to=TensorProto.FLOAT), g.ints("axis_last", [-1])],
+                        "pos_col")  # (B, T, 1)
+            rotary = self._rotary(gpt.rotary, pos)
+            if gpt.rotary_local is not None:
+                rotary_local = self._rotary(gpt.rotary_local, pos, "rope_local")
+            if cfg.embed_scale:  # Gemma: √d in float32
+                x = g.one("Mul", [x, g.const("embed_scale", np.array(cfg.d_model ** 0.5,
+                                                                     np.float32))], "embed")
         else:
             table: Any = gpt.pos_emb.weight if gpt.pos_emb is not None else gpt.pos_table
             x = g.one("Add", [x, g.one("Gather", [g.const("pos_emb", f32(table)),
                                                  io.POSITION_IDS], "pos_gather")], "embed")
         for i, block in enumerate(gpt.blocks):
-            a = self._attention(i, self._norm(x, block.ln_1, f"l{i}.ln1"), bias,
-                                rotary if self.cfg.rotates(i) else None)
+            turn = (rotary_local if cfg.local_rotary(i) else rotary) if cfg.rotates(i) else None
+            a = self._attention(i, self._norm(x, block.ln_1, f"l{i}.ln1"),
+                                local if cfg.windowed(i) else every, turn)
             if self.introspect and i == len(gpt.blocks) - 1:
                 break  # nothing after the last layer's attention is an output
+            if block.post_attn is not None:  # Gemma 3's sandwich
+                a = self._norm(a, block.post_attn, f"l{i}.post_attn")
             x = g.one("Add", [x, a], f"l{i}.res1")
-            x = g.one("Add", [x, self._ffn(i, self._norm(x, block.ln_2, f"l{i}.ln2"))],
-                      f"l{i}.res2")  # (B, T, d)
+            f = self._ffn(i, self._norm(x, block.ln_2, f"l{i}.ln2"))
+            if block.post_ffn is not None:
+                f = self._norm(f, block.post_ffn, f"l{i}.post_ffn")
+            x = g.one("Add", [x, f], f"l{i}.res2")  # (B, T, d)
         if not self.introspect:
             self._logits(x)
 

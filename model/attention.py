@@ -83,6 +83,7 @@ class CausalSelfAttention(nn.Module):
         self.k_norm: nn.Module | None = None
         self.dropout = config.dropout
         self.use_sdpa = True  # see GPT.set_attention_impl
+        self.scale = config.attn_scale  # None: 1/√head_dim
 
     def _split_heads(self, x: Tensor, heads: int) -> Tensor:
         b, t, _ = x.shape
@@ -119,7 +120,8 @@ class CausalSelfAttention(nn.Module):
             rep = nh // nkv
             qg = q.reshape(b, nkv, rep * t, self.head_dim)  # (B, nkv, rep·T, hs)
             scores = (qg @ k.transpose(-2, -1)).view(b, nh, t, total)  # (B, nh, T, T_total)
-            scaled = scores / math.sqrt(self.head_dim)
+            scaled = (scores / math.sqrt(self.head_dim) if self.scale is None
+                      else scores * self.scale)
             if allowed is None:
                 allowed = torch.ones(t, total, dtype=torch.bool, device=x.device).tril(
                     diagonal=total - t)  # (T, T_total)
@@ -133,12 +135,14 @@ class CausalSelfAttention(nn.Module):
                 inter = AttentionIntermediates(q, k_q, v_q, scores, scaled, weights)
         elif allowed is None and past is None:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                 scale=self.scale,
                                                  enable_gqa=nkv != nh)
         else:
             if allowed is None:
                 allowed = torch.ones(t, total, dtype=torch.bool, device=x.device).tril(
                     diagonal=total - t)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
+                                                 scale=self.scale,
                                                  enable_gqa=nkv != nh)
         out = out.transpose(1, 2).contiguous().view(b, t, nh * self.head_dim)  # (B, T, nh·hs)
         return self.w_o(out), present, inter

@@ -62,6 +62,15 @@ class GPTConfig:
     # dimensions of each head the rotary angles turn (the first ones; Phi-4-mini: 96 of
     # 128); None: all of them
     rotary_dim: int | None = None
+    # Gemma 3: the embedding times √d_model; a norm after attention and after the MLP as
+    # well as before (sandwich); the query scale (query_pre_attn_scalar^-1/2; None:
+    # 1/√head_dim); the sliding window on these layers only (empty: every layer); their
+    # own rotary base
+    embed_scale: bool = False
+    post_norms: bool = False
+    attn_scale: float | None = None
+    window_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         arch = architecture(self.arch)  # UnknownArchitecture lists the registered ones
@@ -122,6 +131,21 @@ class GPTConfig:
         """The key/value head query head ``head`` reads (transformers' repeat_kv order)."""
         return head // (self.n_heads // self.kv_heads)
 
+    def windowed(self, layer: int) -> bool:
+        """Whether layer ``layer`` sees the last ``sliding_window`` positions only."""
+        return self.sliding_window is not None and (
+            not self.window_layers or layer in self.window_layers)
+
+    def local_rotary(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates with ``local_rope_theta`` (Gemma 3's window
+        layers) rather than ``rope_theta`` and its scaling."""
+        return self.local_rope_theta is not None and self.windowed(layer)
+
+    @property
+    def query_scale(self) -> float:
+        """What attention multiplies Q·K by."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
     def rotates(self, layer: int) -> bool:
         """Whether layer ``layer`` rotates its queries and keys (rotary models but their
         NoPE layers)."""
@@ -137,8 +161,9 @@ class GPTConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown GPTConfig keys: {unknown}")
-        if "nope_layers" in data:  # a JSON list
-            data = {**data, "nope_layers": tuple(data["nope_layers"])}
+        for name in ("nope_layers", "window_layers"):  # JSON lists
+            if name in data:
+                data = {**data, name: tuple(data[name])}
         return cls(**data)
 
     def num_params_closed_form(self) -> int:

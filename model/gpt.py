@@ -60,10 +60,13 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb: nn.Embedding | None = None
         self.rotary: Rotary | None = None
+        self.rotary_local: Rotary | None = None  # Gemma 3's window layers' own base
         if config.position == "learned":
             self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
         elif config.position == "rope":
             self.rotary = Rotary(config.rotary_dims, config.rope_theta, config.rope_scaling)
+            if config.local_rope_theta is not None:
+                self.rotary_local = Rotary(config.rotary_dims, config.local_rope_theta)
         else:
             self.register_buffer(
                 "pos_table", sinusoidal_table(config.max_seq_len, config.d_model),
@@ -85,6 +88,9 @@ class GPT(nn.Module):
         if self.rotary is not None:
             self.rotary.inv_freq = inverse_frequencies(cfg.rotary_dims, cfg.rope_theta,
                                                        cfg.rope_scaling)
+            if self.rotary_local is not None and cfg.local_rope_theta is not None:
+                self.rotary_local.inv_freq = inverse_frequencies(cfg.rotary_dims,
+                                                                 cfg.local_rope_theta)
         elif self.pos_emb is None:
             self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model)
 
@@ -147,26 +153,36 @@ class GPT(nn.Module):
             else:
                 position_ids = torch.arange(past_len, past_len + t, device=input_ids.device)
                 position_ids = position_ids.unsqueeze(0).expand(b, t)
-        allowed = None
-        window = self.config.sliding_window
+        allowed, local = None, None  # (B, 1, T, T_total): every layer's, the window layers'
+        cfg = self.config
+        window = cfg.sliding_window
         if attention_mask is None and window is not None:  # a window needs a mask
             attention_mask = torch.ones(b, past_len + t, dtype=torch.long,
                                         device=input_ids.device)
         if attention_mask is not None:
-            allowed = attention_allowed(attention_mask, past_len, t, window)  # (B,1,T,T_total)
+            everywhere = window is not None and not cfg.window_layers
+            allowed = attention_allowed(attention_mask, past_len, t,
+                                        window if everywhere else None)
+            if window is not None and not everywhere:
+                local = attention_allowed(attention_mask, past_len, t, window)
 
-        rotary = None
+        rotary, rotary_local = None, None
         if self.rotary is not None:
             rotary = self.rotary(position_ids)  # cos, sin (B, T, hs)
+            if self.rotary_local is not None:
+                rotary_local = self.rotary_local(position_ids)
             x = self.drop(self.tok_emb(input_ids))  # (B, T, d)
+            if cfg.embed_scale:  # Gemma: √d in float32, as transformers scales it
+                x = x * torch.tensor(cfg.d_model ** 0.5, dtype=x.dtype)
         else:
             x = self.drop(self.tok_emb(input_ids) + self.positions(position_ids))  # (B, T, d)
         present: KVCache = []
         intermediates: list[AttentionIntermediates] = []
         for i, block in enumerate(self.blocks):
             past = past_key_values[i] if past_key_values else None
-            x, layer_present, inter = block(x, allowed, past, return_intermediates,
-                                            rotary if self.config.rotates(i) else None)
+            turn = (rotary_local if cfg.local_rotary(i) else rotary) if cfg.rotates(i) else None
+            mask = local if local is not None and cfg.windowed(i) else allowed
+            x, layer_present, inter = block(x, mask, past, return_intermediates, turn)
             present.append(layer_present)
             if inter is not None:
                 intermediates.append(inter)

@@ -31,7 +31,7 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-Family = Literal["llama", "qwen2", "qwen3", "smollm3", "mistral", "phi3"]
+Family = Literal["llama", "qwen2", "qwen3", "smollm3", "mistral", "phi3", "gemma3"]
 QWEN = ("qwen2", "qwen3")  # Qwen2's tokenizer layout; the others Llama's
 
 
@@ -86,6 +86,7 @@ def hf_config(family: Family, vocab_size: int, ids: dict[str, int], **overrides:
     heads of 16 dimensions: the smallest GroupQueryAttention's rotary kernel takes; Qwen3's
     heads 32 wide, Q twice d_model)."""
     from transformers import (
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         Phi3Config,
@@ -108,13 +109,18 @@ def hf_config(family: Family, vocab_size: int, ids: dict[str, int], **overrides:
         values["no_rope_layers"] = [1, 0]
     if family == "mistral":  # each layer sees its last 5 positions: shorter than the prompts
         values["sliding_window"] = 5
+    if family == "gemma3":  # a window layer then a global one; heads of 32; Gemma's scale
+        values.update(head_dim=32, sliding_window=5, query_pre_attn_scalar=24,
+                      layer_types=["sliding_attention", "full_attention"],
+                      rope_local_base_freq=10000.0, rope_theta=1000000.0,
+                      hidden_activation="gelu_pytorch_tanh")
     if family == "phi3":  # fused projections, a window as the 4k models have (2,047 there)
         values.update(sliding_window=6, original_max_position_embeddings=128,
                       tie_word_embeddings=False)
     values.update(overrides)
     return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
             "smollm3": SmolLM3Config, "mistral": MistralConfig,
-            "phi3": Phi3Config}[family](**values)
+            "phi3": Phi3Config, "gemma3": Gemma3TextConfig}[family](**values)
 
 
 def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 400,
@@ -122,6 +128,7 @@ def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 4
     """Write a complete model directory; return the eval-mode transformers model (eager)."""
     import torch
     from transformers import (
+        Gemma3ForCausalLM,
         GenerationConfig,
         LlamaForCausalLM,
         MistralForCausalLM,
@@ -137,7 +144,7 @@ def build_hf_model(out: Path, family: Family, seed: int = 0, vocab_size: int = 4
     torch.manual_seed(seed)
     model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
              "smollm3": SmolLM3ForCausalLM, "mistral": MistralForCausalLM,
-             "phi3": Phi3ForCausalLM}[family](config)
+             "phi3": Phi3ForCausalLM, "gemma3": Gemma3ForCausalLM}[family](config)
     randomise(model, seed)
     model.eval()
     model.save_pretrained(str(out), safe_serialization=True)

@@ -18,6 +18,7 @@ read-only :class:`ModelConfig` view that model.config.GPTConfig satisfies.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -83,6 +84,20 @@ class ModelConfig(Protocol):
     def fused_projections(self) -> bool: ...
     @property
     def rotary_dims(self) -> int: ...
+    @property
+    def embed_scale(self) -> bool: ...
+    @property
+    def post_norms(self) -> bool: ...
+    @property
+    def query_scale(self) -> float: ...
+    @property
+    def attn_scale(self) -> float | None: ...
+    @property
+    def local_rope_theta(self) -> float | None: ...
+    @property
+    def window_layers(self) -> tuple[int, ...]: ...
+    def windowed(self, layer: int) -> bool: ...
+    def local_rotary(self, layer: int) -> bool: ...
     def rotates(self, layer: int) -> bool: ...
     @property
     def kv_heads(self) -> int: ...
@@ -179,10 +194,12 @@ class Architecture:
             ("activation", config.activation in self.activations),
             ("n_kv_heads", grouped_ok or self.grouped_kv),
             ("qkv_bias/mlp_bias", self.split_biases or not (config.qkv_bias or config.mlp_bias)),
-            ("head_size/qk_norm/nope_layers/sliding_window/rotary_dim", self.head_options or not (
+            ("head_size/qk_norm/nope_layers/sliding_window/rotary_dim/Gemma's",
+             self.head_options or not (
                 config.qk_norm or config.nope_layers or config.sliding_window
                 or config.attention_width != config.d_model
-                or config.rotary_dims != config.head_dim)),
+                or config.rotary_dims != config.head_dim or config.embed_scale
+                or config.post_norms or config.attn_scale is not None)),
         ) if not ok]
 
     def num_params(self, config: ModelConfig) -> int:
@@ -297,6 +314,27 @@ class Architecture:
                    name: str) -> str:
         raise NotImplementedError
 
+    def graph_activation(self, g: GraphWriter, x: str, kind: str, name: str) -> str:
+        """relu, gelu (exact) or gelu_tanh of ``x`` in standard ONNX operators."""
+        if kind == "relu":
+            return g.one("Relu", [x], name)
+        half, one = g.const("half", np.array(0.5, np.float32)), g.const("one", np.array(
+            1.0, np.float32))
+        if kind == "gelu":  # x · ½(1 + erf(x/√2)), exact
+            erf = g.one("Erf", [g.one("Div", [x, g.const("sqrt2", np.array(
+                math.sqrt(2.0), np.float32))], f"{name}.scaled")], f"{name}.erf")
+        else:  # gelu_tanh: x · ½(1 + tanh(√(2/π)(x + 0.044715x³)))
+            cube = g.one("Mul", [g.one("Pow", [x, g.const("three", np.array(3.0, np.float32))],
+                                       f"{name}.cube_raw"),
+                                 g.const("gelu_c", np.array(0.044715, np.float32))],
+                         f"{name}.cube")
+            inner = g.one("Mul", [g.one("Add", [x, cube], f"{name}.poly"),
+                                  g.const("gelu_k", np.array(math.sqrt(2 / math.pi),
+                                                             np.float32))], f"{name}.inner")
+            erf = g.one("Tanh", [inner], f"{name}.tanh")
+        gate = g.one("Add", [erf, one], f"{name}.gate")
+        return g.one("Mul", [g.one("Mul", [x, gate], f"{name}.xg"), half], name)
+
     def graph_mlp(self, g: GraphWriter, h: str, mlp: Any, config: ModelConfig, prefix: str,
                   linear: Linear) -> str:
         """The feed-forward layer of hidden states (B, T, d) → (B, T, d)."""
@@ -329,8 +367,13 @@ class Architecture:
         raise NotImplementedError
 
     def engine_mlp(self, g: GraphWriter, config: ModelConfig, x: str, h: str, mlp: Any,
-                   next_norm: Any, prefix: str, next_name: str, matmul_only: bool
-                   ) -> tuple[str, str]:
+                   next_norm: Any, prefix: str, next_name: str, matmul_only: bool,
+                   post_norm: Any = None) -> tuple[str, str]:
         """The feed-forward layer of ``h`` added to the residual ``x``, then the next norm
-        (the next block's first, or the final one): (normed, residual)."""
+        (the next block's first, or the final one): (normed, residual); ``post_norm``:
+        a norm of the layer's output before the residual (Gemma 3's sandwich)."""
         raise NotImplementedError
+
+    def engine_local_tables(self, g: GraphWriter, gpt: Any) -> tuple[str, str] | None:
+        """The window layers' own rotary tables (Gemma 3), or None."""
+        return None

@@ -12,11 +12,9 @@ split them, which is exact, so an import exported back is bit-identical.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -294,26 +292,6 @@ class Gpt2(Architecture):
         return g.one("LayerNormalization", [x, w, g.const(f"{name}.b", f32(norm.bias))],
                      name, axis=-1, epsilon=eps)
 
-    def graph_activation(self, g: GraphWriter, x: str, kind: str, name: str) -> str:
-        if kind == "relu":
-            return g.one("Relu", [x], name)
-        half, one = g.const("half", np.array(0.5, np.float32)), g.const("one", np.array(
-            1.0, np.float32))
-        if kind == "gelu":  # x · ½(1 + erf(x/√2)), exact
-            erf = g.one("Erf", [g.one("Div", [x, g.const("sqrt2", np.array(
-                math.sqrt(2.0), np.float32))], f"{name}.scaled")], f"{name}.erf")
-        else:  # gelu_tanh: x · ½(1 + tanh(√(2/π)(x + 0.044715x³)))
-            cube = g.one("Mul", [g.one("Pow", [x, g.const("three", np.array(3.0, np.float32))],
-                                       f"{name}.cube_raw"),
-                                 g.const("gelu_c", np.array(0.044715, np.float32))],
-                         f"{name}.cube")
-            inner = g.one("Mul", [g.one("Add", [x, cube], f"{name}.poly"),
-                                  g.const("gelu_k", np.array(math.sqrt(2 / math.pi),
-                                                             np.float32))], f"{name}.inner")
-            erf = g.one("Tanh", [inner], f"{name}.tanh")
-        gate = g.one("Add", [erf, one], f"{name}.gate")
-        return g.one("Mul", [g.one("Mul", [x, gate], f"{name}.xg"), half], name)
-
     def graph_mlp(self, g: GraphWriter, h: str, mlp: Any, config: ModelConfig,
                   prefix: str, linear: Linear) -> str:
         up = linear(h, f32(mlp.up.weight).T, bias_of(mlp.up), f"{prefix}.up")
@@ -378,8 +356,8 @@ class Gpt2(Architecture):
         return g.op("BiasGelu", [up, up_b], f"{p}.act", domain=CONTRIB)[0]  # exact (erf)
 
     def engine_mlp(self, g: GraphWriter, config: ModelConfig, x: str, h: str, mlp: Any,
-                   next_norm: Any, prefix: str, next_name: str, matmul_only: bool
-                   ) -> tuple[str, str]:
+                   next_norm: Any, prefix: str, next_name: str, matmul_only: bool,
+                   post_norm: Any = None) -> tuple[str, str]:
         p, q, eps = prefix, next_name, float(config.layer_norm_eps)
         up_w = g.const(f"{p}.up.w", f32(mlp.up.weight).T)
         up_b = g.const(f"{p}.up.b", f32(mlp.up.bias))

@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                    "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+                    "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
+                    "gemma3_text": "Gemma3ForCausalLM"}
 # llama.cpp's smollm3 graph leaves rotary out of every fourth layer (a fixed step, no key)
 SMOLLM3_NOPE_STEP = 4
 # transformers' names inside a layer → ours (same layouts).
@@ -60,6 +61,10 @@ RENAMES = (("self_attn.q_proj", "attn.w_q"), ("self_attn.k_proj", "attn.w_k"),
            ("post_attention_layernorm", "ln_2"), ("self_attn.q_norm", "attn.q_norm"),
            ("self_attn.k_norm", "attn.k_norm"))
 HF_LAYER, OUR_LAYER = "model.layers.", "blocks."
+# Gemma 3's four norms a layer: post_attention_layernorm is the attention output's
+GEMMA_RENAMES = (*(pair for pair in RENAMES if pair[0] != "post_attention_layernorm"),
+                 ("post_attention_layernorm", "post_attn"), ("pre_feedforward_layernorm", "ln_2"),
+                 ("post_feedforward_layernorm", "post_ffn"))
 ROPE_FREQS = "rope_freqs.weight"
 # LongRoPE's factors as llama.cpp's converter writes them for phi3 (long, short)
 PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -94,8 +99,12 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(f, d, bias=bias)
         self.dropout = nn.Dropout(config.dropout)
 
+        self.gelu = config.activation == "gelu_tanh"  # GeGLU (Gemma), else SwiGLU
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.down(F.silu(self.gate(x)) * self.up(x)))  # (B, T, d)
+        gate = self.gate(x)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.dropout(self.down(act * self.up(x)))  # (B, T, d)
 
 
 def _rename_layer(name: str, src: str, dst: str, pairs: Sequence[tuple[str, str]]
@@ -127,20 +136,23 @@ class Llama(Architecture):
     (``nope_layers``: every fourth); Mistral is Llama whose layers see the last
     ``sliding_window`` positions only; Phi-3 is Llama (with a window, in its 4k models)
     whose checkpoints fuse Q/K/V and the SwiGLU gate and up projections
-    (``fused_projections``: split on import, fused again by ``--format hf``)."""
+    (``fused_projections``: split on import, fused again by ``--format hf``); Gemma 3's
+    text model adds a scaled embedding, norms after attention and the MLP, GeGLU, its own
+    query scale, and window layers with their own rotary base (its (1 + w) norms folded on
+    import)."""
 
     name = "llama"
-    hf_model_types = ("llama", "qwen2", "qwen3", "smollm3", "mistral", "phi3")
+    hf_model_types = ("llama", "qwen2", "qwen3", "smollm3", "mistral", "phi3", "gemma3_text")
     gguf_names = ("llama", "qwen2", "qwen3", "smollm3", "phi3")
     positions = ("rope",)
-    activations = ("silu",)
+    activations = ("silu", "gelu_tanh")  # SwiGLU, or Gemma's GeGLU
     fixed: ClassVar[Mapping[str, Any]] = {"position": "rope", "activation": "silu"}
     grouped_kv = True
     split_biases = True
     head_options = True
     default_preset = "llama-small"
     hf_class = ("LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / SmolLM3ForCausalLM / "
-                "MistralForCausalLM / Phi3ForCausalLM")
+                "MistralForCausalLM / Phi3ForCausalLM / Gemma3ForCausalLM")
     hf_tokenizer_json_only = True
     hf_ignored_suffixes = (".rotary_emb.inv_freq",)
     # llama.cpp's llama / qwen2 tensors (rope_freqs goes into the config).
@@ -191,9 +203,16 @@ class Llama(Architecture):
         if hf.get("quantization_config"):
             raise refuse("quantized checkpoints (quantization_config) are not supported; "
                          "import the float weights")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise refuse(f"hidden_act {act!r} is not supported (only silu: SwiGLU)")
+        gemma = model_type == "gemma3_text"
+        act = hf.get("hidden_activation" if gemma else "hidden_act", "silu")
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise refuse(f"hidden_act {act!r} is not supported (SwiGLU's silu; Gemma's "
+                         "gelu_pytorch_tanh)")
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if hf.get(cap) is not None:
+                raise refuse(f"{cap} {hf[cap]} is not supported")
+        if hf.get("use_bidirectional_attention"):
+            raise refuse("use_bidirectional_attention is not supported (a causal decoder)")
         if model_type in ("qwen2", "qwen3", "smollm3") and hf.get("use_sliding_window", False):
             raise refuse("use_sliding_window=true is not supported (full attention only)")
         partial = float(hf.get("partial_rotary_factor", 1.0))
@@ -206,8 +225,8 @@ class Llama(Architecture):
             head_dim = int(hf.get("head_dim") or d_model // n_heads)
             wide = head_dim * n_heads != d_model
             n_kv = hf.get("num_key_value_heads")
-            llama = model_type in ("llama", "smollm3", "mistral", "phi3")  # Qwen2: Q/K/V biases
-            qwen3 = model_type == "qwen3"  # Qwen3: attention_bias on all four, q/k norms
+            llama = model_type in ("llama", "smollm3", "mistral", "phi3", "gemma3_text")
+            qwen3 = model_type in ("qwen3", "gemma3_text")  # attention_bias on all four, q/k norms
             nope = _nope_layers(hf, int(hf.get("num_hidden_layers", 32)), refuse) \
                 if model_type == "smollm3" else ()
             return GPTConfig(
@@ -218,9 +237,10 @@ class Llama(Architecture):
                 d_ff=int(hf.get("intermediate_size", 11008)),
                 max_seq_len=_context(hf, 2048 if llama else 32768),
                 position="rope",
-                activation="silu",
+                activation="gelu_tanh" if gemma else "silu",
                 # absent, transformers takes the class default: SmolLM3Config's ties
-                tie_weights=bool(hf.get("tie_word_embeddings", model_type == "smollm3")),
+                tie_weights=bool(hf.get("tie_word_embeddings",
+                                        model_type in ("smollm3", "gemma3_text"))),
                 layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 attn_bias=bool(hf.get("attention_bias", False)) if llama or qwen3 else False,
                 arch="llama",
@@ -232,9 +252,10 @@ class Llama(Architecture):
                 head_size=head_dim if wide else None,
                 qk_norm=qwen3,
                 nope_layers=nope,
-                sliding_window=_sliding_window(hf, model_type),
+                **({} if gemma else _window(hf, model_type)),
                 fused_projections=model_type == "phi3",
                 rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+                **(_gemma3(hf, refuse) if gemma else {}),
             )
         except (TypeError, ValueError) as exc:
             raise refuse(f"unsupported configuration: {exc}") from exc
@@ -259,13 +280,15 @@ class Llama(Architecture):
             raise ValueError("fused projections beside biases, query/key norms or layers "
                              "without rotary have no transformers equivalent (Phi-3 is "
                              "Llama's body without biases)")
-        if config.sliding_window is not None and not config.fused_projections and (
+        if config.sliding_window is not None and not config.fused_projections \
+                and not config.post_norms and (
                 config.nope_layers or config.qk_norm or qwen2 or config.attn_bias
                 or config.mlp_bias):
             raise ValueError("a sliding window beside biases, query/key norms or layers "
                              "without rotary has no transformers equivalent (Mistral is "
                              "Llama's body without biases)")
-        model_type = ("phi3" if config.fused_projections else "mistral"
+        model_type = ("gemma3_text" if config.post_norms else "phi3"
+                      if config.fused_projections else "mistral"
                       if config.sliding_window is not None else "smollm3"
                       if config.nope_layers else "qwen3" if config.qk_norm
                       else "qwen2" if qwen2 else "llama")
@@ -289,6 +312,18 @@ class Llama(Architecture):
                           max_window_layers=config.n_layers)
         if model_type == "qwen3":
             values.update(head_dim=config.head_dim, attention_bias=config.attn_bias)
+        elif model_type == "gemma3_text":
+            scale = config.attn_scale if config.attn_scale is not None else \
+                config.head_dim ** -0.5
+            values.update(
+                head_dim=config.head_dim, attention_bias=config.attn_bias,
+                query_pre_attn_scalar=round(scale ** -2, 6),
+                sliding_window=config.sliding_window or config.max_seq_len,
+                layer_types=["sliding_attention" if config.windowed(i) else "full_attention"
+                             for i in range(config.n_layers)],
+                rope_local_base_freq=config.local_rope_theta,
+                hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
+                attn_logit_softcapping=None)
         elif model_type == "mistral":
             values.update(sliding_window=config.sliding_window, head_dim=config.head_dim)
         elif model_type == "phi3":
@@ -378,6 +413,9 @@ class Llama(Architecture):
                 f"{p}.mlp.gate_proj.weight": (f, d), f"{p}.mlp.up_proj.weight": (f, d),
                 f"{p}.mlp.down_proj.weight": (d, f),
             })
+            if config.post_norms:  # Gemma 3: a norm after attention and around the MLP
+                shapes.update({f"{p}.pre_feedforward_layernorm.weight": (d,),
+                               f"{p}.post_feedforward_layernorm.weight": (d,)})
             if config.fused_projections:  # Phi-3's checkpoint layout
                 for name in ("q_proj", "k_proj", "v_proj"):
                     del shapes[f"{p}.self_attn.{name}.weight"]
@@ -402,11 +440,16 @@ class Llama(Architecture):
                            ) -> dict[str, Tensor]:
         if config.fused_projections:
             raw = _unfused(raw, config)
+        renames = GEMMA_RENAMES if config.post_norms else RENAMES
         out: dict[str, Tensor] = {"tok_emb.weight": raw["model.embed_tokens.weight"],  # (V, d)
                                   "ln_f.weight": raw["model.norm.weight"]}  # (d,)
         for name, tensor in raw.items():
-            if (ours := _rename_layer(name, HF_LAYER, OUR_LAYER, RENAMES)) is not None:
+            if (ours := _rename_layer(name, HF_LAYER, OUR_LAYER, renames)) is not None:
                 out[ours] = tensor
+        if config.post_norms:  # Gemma's norms scale by (1 + w): folded, in float32 as it adds
+            for name in [n for n in out if n.endswith("norm.weight") or ".ln_" in n
+                         or n.startswith("ln_f") or ".post_" in n]:
+                out[name] = 1.0 + out[name].float()
         # Tied: the head is the embedding whatever lm_head.weight a file may also hold.
         out["lm_head.weight"] = (raw["model.embed_tokens.weight"] if config.tie_weights
                                  else raw["lm_head.weight"])
@@ -418,7 +461,8 @@ class Llama(Architecture):
                  for k, v in model.state_dict().items()}
         out: dict[str, Tensor] = {"model.embed_tokens.weight": state["tok_emb.weight"],
                                   "model.norm.weight": state["ln_f.weight"]}
-        back = [(ours, theirs) for theirs, ours in RENAMES]
+        back = [(ours, theirs) for theirs, ours in (GEMMA_RENAMES if config.post_norms
+                                                    else RENAMES)]
         for name, tensor in state.items():
             if not name.startswith(OUR_LAYER):
                 continue
@@ -426,6 +470,9 @@ class Llama(Architecture):
             if theirs is None:
                 raise ValueError(f"no transformers name for {name}")
             out[theirs] = tensor
+        if config.post_norms:  # Gemma's norms store w of (1 + w)
+            for name in [n for n in out if n.endswith(("norm.weight", "layernorm.weight"))]:
+                out[name] = out[name] - 1.0
         if not config.tie_weights:
             out["lm_head.weight"] = state["lm_head.weight"]
         return _fused(out, config) if config.fused_projections else out
@@ -452,8 +499,9 @@ class Llama(Architecture):
         attn = CausalSelfAttention(config)
         if config.qk_norm:  # Qwen3: each head's query and key, over head_dim
             attn.q_norm, attn.k_norm = RMSNorm(config.head_dim, eps), RMSNorm(config.head_dim, eps)
+        post = ((RMSNorm(d, eps), RMSNorm(d, eps)) if config.post_norms else (None, None))
         return PreNormBlock(RMSNorm(d, eps), attn, RMSNorm(d, eps), SwiGLU(config),
-                            config.dropout)
+                            config.dropout, *post)
 
     def final_norm(self, config: ModelConfig) -> nn.Module:
         return RMSNorm(config.d_model, config.layer_norm_eps)
@@ -471,10 +519,13 @@ class Llama(Architecture):
 
     def graph_mlp(self, g: GraphWriter, h: str, mlp: Any, config: ModelConfig, prefix: str,
                   linear: Linear) -> str:
-        """SwiGLU: down(silu(gate(h)) ⊙ up(h))."""
+        """SwiGLU: down(silu(gate(h)) ⊙ up(h)); GeGLU with gelu_tanh (Gemma)."""
         p = prefix
         gate = linear(h, f32(mlp.gate.weight).T, bias_of(mlp.gate), f"{p}.gate")
-        silu = g.one("Mul", [gate, g.one("Sigmoid", [gate], f"{p}.sig")], f"{p}.silu")
+        if config.activation == "gelu_tanh":
+            silu = self.graph_activation(g, gate, "gelu_tanh", f"{p}.gelu")
+        else:
+            silu = g.one("Mul", [gate, g.one("Sigmoid", [gate], f"{p}.sig")], f"{p}.silu")
         up = linear(h, f32(mlp.up.weight).T, bias_of(mlp.up), f"{p}.up")
         act = g.one("Mul", [silu, up], f"{p}.glu")
         return linear(act, f32(mlp.down.weight).T, bias_of(mlp.down), f"{p}.down")
@@ -483,16 +534,21 @@ class Llama(Architecture):
     def engine_tables(self, g: GraphWriter, gpt: Any) -> tuple[str, str] | None:
         """cos/sin of max_seq_len rows as model/rotary.py computes them, (L, hs/2) each:
         GroupQueryAttention rotates Q and K itself (``do_rotary``)."""
-        inv_freq: Tensor = gpt.rotary.inv_freq
-        with torch.no_grad():
-            angles = torch.arange(gpt.config.max_seq_len)[:, None].float() * inv_freq  # (L, hs/2)
-        scale = gpt.rotary.scale  # LongRoPE's attention factor, else 1
-        return (g.const("rope.cos", f32(angles.cos() * scale)),  # (L, hs/2)
-                g.const("rope.sin", f32(angles.sin() * scale)))  # (L, hs/2)
+        return _tables(g, gpt.rotary, gpt.config.max_seq_len, "rope")
+
+    def engine_local_tables(self, g: GraphWriter, gpt: Any) -> tuple[str, str] | None:
+        """Gemma 3's window layers' tables, of their own rotary base; None elsewhere."""
+        if gpt.rotary_local is None:
+            return None
+        return _tables(g, gpt.rotary_local, gpt.config.max_seq_len, "rope_local")
 
     def engine_embed(self, g: GraphWriter, gpt: Any, input_ids: str, position_ids: str) -> str:
-        return g.op("Gather", [g.const("tok_emb", f32(gpt.tok_emb.weight)), input_ids],
-                    "tok_gather")[0]  # (B, T, d)
+        x = g.op("Gather", [g.const("tok_emb", f32(gpt.tok_emb.weight)), input_ids],
+                 "tok_gather")[0]  # (B, T, d)
+        if gpt.config.embed_scale:  # Gemma: √d in float32
+            x = g.op("Mul", [x, g.const("embed_scale", np.array(gpt.config.d_model ** 0.5,
+                                                                np.float32))], "embed")[0]
+        return x
 
     def engine_norm(self, g: GraphWriter, x: str, norm: Any, eps: float, name: str) -> str:
         return g.op("SimplifiedLayerNormalization", [x, g.const(f"{name}.w", f32(norm.weight))],
@@ -529,18 +585,37 @@ class Llama(Architecture):
                             f"{prefix}.qkv", matmul_only)  # (N, d + 2·kv)
 
     def engine_mlp(self, g: GraphWriter, config: ModelConfig, x: str, h: str, mlp: Any,
-                   next_norm: Any, prefix: str, next_name: str, matmul_only: bool
-                   ) -> tuple[str, str]:
+                   next_norm: Any, prefix: str, next_name: str, matmul_only: bool,
+                   post_norm: Any = None) -> tuple[str, str]:
         p, bias = prefix, config.mlp_bias
         gate = self._linear(g, h, mlp.gate, f"{p}.gate", bias, matmul_only)  # (N, d_ff)
-        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sig")[0]], f"{p}.silu")[0]
+        if config.activation == "gelu_tanh":  # GeGLU: ONNX Runtime's tanh-approximate GELU
+            silu = g.op("FastGelu", [gate], f"{p}.gelu", domain=CONTRIB)[0]
+        else:
+            silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sig")[0]], f"{p}.silu")[0]
         act = g.op("Mul", [silu, self._linear(g, h, mlp.up, f"{p}.up", bias, matmul_only)],
                    f"{p}.glu")[0]
         down = g.op("MatMul", [act, g.const(f"{p}.down.w", f32(mlp.down.weight).T)],
                     f"{p}.down")[0]  # (N, d)
         down_bias = [g.const(f"{p}.down.b", f32(mlp.down.bias))] if bias else []
+        if post_norm is not None:  # Gemma 3: the MLP's output normed before the residual
+            if down_bias:
+                down = g.op("Add", [down, down_bias[0]], f"{p}.down_b")[0]
+            down = self.engine_norm(g, down, post_norm, float(config.layer_norm_eps),
+                                    f"{p}.post_ffn")
+            down_bias = []
         return self.engine_skip_norm(g, x, down, next_norm, down_bias,
                                      float(config.layer_norm_eps), next_name, f"{p}.res2")
+
+
+def _tables(g: GraphWriter, rotary: Any, length: int, name: str) -> tuple[str, str]:
+    """cos/sin of ``length`` rows as model/rotary.py computes them, (L, rd/2) each, times
+    LongRoPE's attention factor (1 elsewhere): GroupQueryAttention's rotary caches."""
+    inv_freq: Tensor = rotary.inv_freq
+    with torch.no_grad():
+        angles = torch.arange(length)[:, None].float() * inv_freq  # (L, rd/2)
+    return (g.const(f"{name}.cos", f32(angles.cos() * rotary.scale)),  # (L, rd/2)
+            g.const(f"{name}.sin", f32(angles.sin() * rotary.scale)))  # (L, rd/2)
 
 
 _FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -577,6 +652,29 @@ def _fused(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
             out[f"{p}{fused}.weight"] = torch.cat([out.pop(f"{p}{part}.weight")
                                                    for part in parts])
     return out
+
+
+def _window(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    return {"sliding_window": _sliding_window(hf, model_type)}
+
+
+def _gemma3(hf: dict[str, Any], refuse: Refuse) -> dict[str, Any]:
+    """Gemma 3's fields beyond Llama's: the scaled embedding, the sandwich norms, the query
+    scale, its window layers (layer_types) and their rotary base."""
+    layers = int(hf.get("num_hidden_layers", 26))
+    kinds = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % int(hf.get("sliding_window_pattern", 6)) == 0
+        else "sliding_attention" for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise refuse(f"layer_types {kinds} are not {layers} of sliding_attention / "
+                     "full_attention")
+    local = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    window = hf.get("sliding_window")
+    return {"embed_scale": True, "post_norms": True,
+            "attn_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "sliding_window": int(window) if window and local else None,
+            "window_layers": local if window and local else (),
+            "local_rope_theta": float(hf.get("rope_local_base_freq", 10000.0))}
 
 
 def _longrope(hf: dict[str, Any]) -> bool:

@@ -21,7 +21,7 @@ from export.to_onnx import export_artifact
 from service.contract import io_spec as io
 from tests.hf_llama import load_hf_model
 
-FAMILIES = ["llama", "qwen2", "qwen3", "smollm3", "mistral", "phi3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "smollm3", "mistral", "phi3", "gemma3"]
 
 
 def _session(path: Path) -> ort.InferenceSession:

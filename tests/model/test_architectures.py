@@ -33,6 +33,7 @@ def test_lookups_by_name_model_type_and_gguf_architecture() -> None:
     assert for_hf_model_type("smollm3") is for_gguf("smollm3") is architecture("llama")
     assert for_hf_model_type("mistral") is architecture("llama")
     assert for_hf_model_type("phi3") is architecture("llama")
+    assert for_hf_model_type("gemma3_text") is architecture("llama")
     assert for_hf_model_type("gemma3") is None and for_gguf("gemma3") is None
     with pytest.raises(UnknownArchitecture, match=r"'rwkv'; registered: gpt, llama"):
         GPTConfig(vocab_size=8, arch="rwkv")

@@ -1,7 +1,8 @@
-"""Sliding-window attention in the engine (Mistral's: each position sees its last 5), where
+"""Sliding-window attention in the engine (Mistral's and Gemma 3's window layers: each
+position sees its last 5), where
 it is easiest to get wrong: prompt chunks riding in decode steps over a cache longer than
 the window, and prompts resumed from the prefix cache; greedy tokens against transformers'
-own MistralForCausalLM."""
+own MistralForCausalLM and Gemma3ForCausalLM."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ from tests.hf_llama import load_hf_model
 from tests.service.helpers import run_with_joins
 
 
-@pytest.fixture(scope="module")
-def mistral(llama_artifacts: Any) -> Any:
-    build = llama_artifacts("mistral")
+@pytest.fixture(scope="module", params=["mistral", "gemma3"])
+def mistral(request: pytest.FixtureRequest, llama_artifacts: Any) -> Any:
+    """Mistral (every layer windowed) and Gemma 3 (a window layer, then a global one)."""
+    build = llama_artifacts(request.param)
     assert io.ArtifactConfig.load(build.artifact).n_layers == 2
     return build
 

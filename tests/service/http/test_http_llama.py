@@ -34,7 +34,9 @@ NEW_TOKENS = 20
                                         ("smollm3", "engine_mixed.onnx"),
                                         ("mistral", "engine_mixed.onnx"),
                                         ("mistral", "model.onnx"),
-                                        ("phi3", "engine_mixed.onnx")],
+                                        ("phi3", "engine_mixed.onnx"),
+                                        ("gemma3", "engine_mixed.onnx"),
+                                        ("gemma3", "model.onnx")],
                 ids=lambda p: "-".join(p))
 def served(request: pytest.FixtureRequest, llama_artifacts: Any) -> tuple[Any, str]:
     """(build, decode graph): the families through both of the service's decode paths."""
