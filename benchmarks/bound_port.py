@@ -58,9 +58,10 @@ def wait_bound_port(proc: subprocess.Popen[bytes], port_file: Path, timeout: flo
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float,
-               log: Path | None = None, interval: float = 0.2) -> None:
-    """Until ``url``'s /ready answers 200 (bounded; fails early, with the log's tail, if
-    ``proc`` exits): the one readiness wait of the benchmarks and the tests."""
+               log: Path | None = None, interval: float = 0.2, probe: str = "/ready") -> None:
+    """Until ``url`` + ``probe`` answers 200 (bounded; fails early, with the log's tail, if
+    ``proc`` exits): the one readiness wait of the benchmarks and the tests (``probe``
+    "/health" for llama-server)."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -69,7 +70,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float,
             tail = f":\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
             raise RuntimeError(f"the server exited with {proc.returncode} before ready{tail}")
         try:
-            if httpx.get(f"{url}/ready", timeout=2.0).status_code == 200:
+            if httpx.get(f"{url}{probe}", timeout=2.0).status_code == 200:
                 return
         except httpx.TransportError:
             pass

@@ -141,11 +141,6 @@ class GPTConfig:
         layers) rather than ``rope_theta`` and its scaling."""
         return self.local_rope_theta is not None and self.windowed(layer)
 
-    @property
-    def query_scale(self) -> float:
-        """What attention multiplies Q·K by."""
-        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
-
     def rotates(self, layer: int) -> bool:
         """Whether layer ``layer`` rotates its queries and keys (rotary models but their
         NoPE layers)."""

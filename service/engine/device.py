@@ -144,7 +144,6 @@ class _Bucket:
     greedy: ort.OrtValue  # (b, 1) int64
     index: ort.OrtValue  # (b, 1) int64 zeros: a decode step's one position per row
     host: dict[str, np.ndarray] = field(default_factory=dict)  # staging for update_inplace
-    captured: bool = False
 
 
 class CapturedDecode:
@@ -214,7 +213,6 @@ class CapturedDecode:
         options = ort.RunOptions()
         options.add_run_config_entry("gpu_graph_id", bucket.graph_id)
         self.session.run_with_iobinding(bucket.binding, options)
-        bucket.captured = True
         self.replays += 1
         return bucket
 
@@ -315,7 +313,7 @@ class DeviceSampler:
                                 [("CUDAExecutionProvider", {"device_id": str(device_id)})])
         self.session = ort.InferenceSession(model.SerializeToString(), options,
                                             providers=providers)
-        self.device = device
+        self.device, self.device_id = device, device_id
 
     def sample(self, logits: np.ndarray, rows: SampledRows) -> np.ndarray:
         """(n,) int64 token ids of ``rows``' first n rows of the host's ``logits`` (b, V)
@@ -329,7 +327,8 @@ class DeviceSampler:
         """``sample`` of a (b, V) float32 buffer at ``pointer`` on this sampler's device
         (a decode graph's logits, never copied)."""
         binding = self.session.io_binding()
-        binding.bind_input("logits", self.device, 0, np.float32, list(shape), pointer)
+        binding.bind_input("logits", self.device, self.device_id, np.float32, list(shape),
+                           pointer)
         return self._draw(binding, shape[0], rows)
 
     def _draw(self, binding: ort.IOBinding, b: int, rows: SampledRows) -> np.ndarray:

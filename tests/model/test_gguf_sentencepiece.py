@@ -114,6 +114,7 @@ def test_ids_equal_llamacpps_own_tokenizer(spm: Any, ours: Tokenizer, tmp_path: 
     weights): its /tokenize gives our ids, bos included."""
     import httpx
 
+    from benchmarks.bound_port import wait_ready
     from benchmarks.llamacpp_tools import tool_path
 
     try:
@@ -127,7 +128,7 @@ def test_ids_equal_llamacpps_own_tokenizer(spm: Any, ours: Tokenizer, tmp_path: 
                              "127.0.0.1", "-c", "256", "-t", "1"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        _wait_healthy(proc, f"http://127.0.0.1:{port}")
+        wait_ready(f"http://127.0.0.1:{port}", proc, 60.0, interval=0.1, probe="/health")
         for text in SPM_TEXTS:
             theirs = httpx.post(f"http://127.0.0.1:{port}/tokenize",
                                 json={"content": text, "add_special": True},
@@ -144,25 +145,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout: float = 60.0) -> None:
-    """Until llama-server's /health answers 200 (bounded; fails if it exits)."""
-    import time
-
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"llama-server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"llama-server not healthy after {timeout:.0f} s")
 
 
 def write_tiny_llama(path: Path, tokenizer: dict[str, Any]) -> None:
