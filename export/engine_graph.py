@@ -346,7 +346,7 @@ def export_engine(gpt: GPT, path: Path, matmul_only: bool = False,
 def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None = None,
                   prompts: list[list[int]] | None = None,
                   reference: TorchReference | None = None,
-                  dtype: io.KvDtype = "float32") -> dict[str, object]:
+                  dtype: io.KvDtype = "float32", threads: int = 1) -> dict[str, object]:
     """Greedy-decode ragged rows through engine.onnx, teacher-forced with PyTorch's tokens;
     logits within tolerance, greedy choices equal wherever PyTorch's choice is clear.
     ``dtype``: the graph's cache (and, float16, its arithmetic: the bound of
@@ -368,7 +368,7 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
     steps = max(1, min(steps, cfg.max_seq_len - max(len(p) for p in prompts)))
     reference = reference or TorchReference(gpt)
     seqs, refs = zip(*(reference.greedy(p, steps) for p in prompts), strict=True)
-    session = create_session(path)
+    session = create_session(path, threads=threads)
     idle = es.idle_chunk_inputs(_input_names(session), n, cfg.kv_heads, cfg.head_dim, dtype)
     lens = [len(p) for p in prompts]
     # as long as the check needs: GroupQueryAttention reads each row's first seqlens_k + 1

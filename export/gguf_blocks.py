@@ -58,6 +58,7 @@ from onnx import numpy_helper
 
 from export.gguf_codes import DIRECT, Blocks, join, read_blocks
 from export.gguf_source import GGUFFile, Part, SourceRefused
+from export.onnx_build import is_placeholder
 
 ACCURACY_LEVEL = 4  # int8 activations, as --quantize int8/int4
 Q4_1_MODES = ("exact", "float-zp")
@@ -67,36 +68,46 @@ CHECK_ROWS = 4096  # rows of a weight dequantised at a time to check it (dequant
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``start``:``start`` + N of one graph weight, all of one MatMulNBits format."""
+    """Rows ``start``:``start`` + ``rows`` of one graph weight, all of one MatMulNBits
+    format. Its blocks are read from the file each time :attr:`blocks` is asked for, so
+    that a rewrite holds one product's blocks at a time, not the model's (a 1B model's
+    codes unpacked are 1 GB)."""
 
     start: int
-    blocks: Blocks
+    rows: int
+    format: tuple[int, int]  # (bits, block size)
     whole: bool  # the weight's only piece
+    parts: tuple[tuple[Part, gguf.ReaderTensor], ...]
+
+    @property
+    def blocks(self) -> Blocks:
+        # the import's row order (llama's Q/K unpermuted)
+        return join([read_blocks(tensor).take(part.rows) for part, tensor in self.parts])
 
     def label(self, base: str) -> str:
         """``base`` (the weight's, its node's or its output's name) for this piece's rows."""
-        stop = self.start + self.blocks.scales.shape[0]
-        return base if self.whole else f"{base}.rows{self.start}-{stop}"
+        return base if self.whole else f"{base}.rows{self.start}-{self.start + self.rows}"
 
 
 def weight_pieces(src: GGUFFile, parts: list[Part]) -> list[Piece] | None:
     """The blocks of one graph weight, rows as the checkpoint has them, one piece per run of
     rows of one format (Q4_K beside Q4_0 rows: one piece; Q4_K | Q6_K: two); None: the
-    weight falls back (a tensor of a type not kept)."""
+    weight falls back (a tensor of a type not kept). Reads no block (:attr:`Piece.blocks`)."""
     tensors = [src.tensors[p.tensor] for p in parts]
     if any(t.tensor_type not in DIRECT for t in tensors):
         return None
-    runs: list[list[Blocks]] = []
+    runs: list[list[tuple[Part, gguf.ReaderTensor]]] = []
     for part, tensor in zip(parts, tensors, strict=True):
-        b = read_blocks(tensor).take(part.rows)  # the import's order (llama's Q/K unpermuted)
-        if runs and runs[-1][0].format == b.format:
-            runs[-1].append(b)
+        if runs and DIRECT[runs[-1][0][1].tensor_type] == DIRECT[tensor.tensor_type]:
+            runs[-1].append((part, tensor))
         else:
-            runs.append([b])
+            runs.append([(part, tensor)])
     pieces, start = [], 0
     for run in runs:
-        pieces.append(Piece(start, join(run), len(runs) == 1))
-        start += pieces[-1].blocks.scales.shape[0]
+        rows = sum(len(part.rows) for part, _ in run)
+        pieces.append(Piece(start, rows, DIRECT[run[0][1].tensor_type], len(runs) == 1,
+                            tuple(run)))
+        start += rows
     return pieces
 
 
@@ -142,12 +153,16 @@ def centred(blocks: Blocks) -> tuple[np.ndarray, np.ndarray]:
     d, m = blocks.scales.astype(np.float64), blocks.mins.astype(np.float64)
     top = (1 << blocks.bits) - 1
     z = np.where(d == 0, 0.0, np.clip(np.rint(-m / np.where(d == 0, 1.0, d)), 0, top))
-    codes = blocks.codes.astype(np.int64)
     room = np.left_shift(1, 24 - significant_bits(blocks.scales))  # |k| < room: k·d exact
-    if (codes.max(-1) >= room).any():
-        raise ValueError("codes times scales would round in float32: not an exact form")
-    span = np.maximum(z - codes.min(-1), codes.max(-1) - z)  # max |q − z| a block
-    exact = span < room
+    exact = np.ones(d.shape, bool)
+    if (room <= top).any():  # else no code (nor |q − z|) can reach room: all exact
+        # each block's extreme codes, reduced as bytes (as int64 they were most of a 1B
+        # model's rewrite time)
+        high = blocks.codes.max(-1).astype(np.int64)
+        low_code = blocks.codes.min(-1).astype(np.int64)
+        if (high >= room).any():
+            raise ValueError("codes times scales would round in float32: not an exact form")
+        exact = np.maximum(z - low_code, high - z) < room  # max |q − z| a block
     zd = z * d  # exact in float64: ≤ 8 bits times ≤ 24
     low = m + zd
     back = low - m  # TwoSum: the error of m + zd, 0 when the sum is exact
@@ -417,8 +432,8 @@ def dequantises_to(pieces: list[Piece], weight: np.ndarray, transposed: bool) ->
     never exists in float32 beside its copies (the same values as dequantising whole:
     :meth:`Blocks.dequantize` is elementwise)."""
     view = weight.T if transposed else weight  # (N, K): a view, nothing copied
-    if view.shape != (sum(p.blocks.codes.shape[0] for p in pieces),
-                      pieces[0].blocks.codes[0].size):
+    columns = int(pieces[0].parts[0][1].shape[0])  # ne[0]: the file's row length
+    if view.shape != (sum(p.rows for p in pieces), columns):
         return False
     for piece in pieces:
         b = piece.blocks
@@ -463,7 +478,10 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
             fallback[node.name] = {"weight": name, "types": types,
                                    "bits": fallback_bits(src, parts)}
             continue
-        if not dequantises_to(pieces, _weight_array(inits[name], base), transposed):
+        # A placeholder has no values to compare: the checkpoint's weight is the file's
+        # blocks by construction (a model loaded with them left, model/gguf_weights.py).
+        if not is_placeholder(inits[name]) and not dequantises_to(
+                pieces, _weight_array(inits[name], base), transposed):
             raise SourceRefused(
                 f"--quantize gguf: {src.path} changed since the import (or the checkpoint "
                 f"was trained further): the blocks of {', '.join(p.tensor for p in parts)} "
@@ -498,6 +516,9 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
     graph.node.extend(writer.nodes)
     used = {i for n in graph.node for i in n.input}
     keep = [t for t in graph.initializer if t.name in used]
+    if missing := [t.name for t in keep if is_placeholder(t)]:
+        raise SourceRefused(f"--quantize gguf: {', '.join(missing[:4])} of {src.path} could "
+                            "not be kept as blocks and the checkpoint holds no float copy")
     del graph.initializer[:]
     graph.initializer.extend(keep)
     for name in list(writer.inits):  # moved one by one: each copied, then let go
@@ -526,7 +547,7 @@ def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],
     groups: dict[tuple[int, int], list[tuple[onnx.NodeProto, Piece]]] = {}
     for node in products:
         for piece in pieces_of[node.name][1]:
-            groups.setdefault(piece.blocks.format, []).append((node, piece))
+            groups.setdefault(piece.format, []).append((node, piece))
     joined = 0
     for members in groups.values():
         weights = "+".join(p.label(pieces_of[n.name][0]) for n, p in members)

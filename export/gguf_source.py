@@ -59,8 +59,10 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
     return None if field is None else field.contents()
 
 
-def open_source(training: dict[str, Any]) -> GGUFFile:
-    """The GGUF file of a checkpoint's ``training`` record, or SourceRefused (one line)."""
+def open_source(training: dict[str, Any], reader: gguf.GGUFReader | None = None) -> GGUFFile:
+    """The GGUF file of a checkpoint's ``training`` record, or SourceRefused (one line).
+    ``reader``: that file already open (a second memory map of it would count its pages
+    in the process's resident set twice)."""
     from model.gguf_weights import file_sha256, open_gguf, read_config
 
     record = training.get("imported_from")
@@ -73,7 +75,7 @@ def open_source(training: dict[str, Any]) -> GGUFFile:
                             "(re-import it, or export with --quantize int4/int8)")
     _check_recorded(record, "size", path.stat().st_size, path)
     try:
-        reader = open_gguf(path)
+        reader = reader if reader is not None else open_gguf(path)
     except ValueError as exc:
         raise SourceRefused(f"--quantize gguf: {exc}") from exc
     if "sha256" in record:
@@ -102,6 +104,17 @@ def _check_recorded(record: dict[str, Any], field: str, found: int | str, path: 
         raise SourceRefused(f"--quantize gguf: {path} changed since the import: its {field} "
                             f"is {found}, training.imported_from.{field} recorded "
                             f"{record[field]} (re-import it)")
+
+
+BLOCK_PARAMS = re.compile(r"blocks\.\d+\.(attn\.w_[qkvo]|ffn\.\w+)\.weight|tok_emb\.weight"
+                          r"|lm_head\.weight")
+
+
+def read_as_blocks(param: str) -> bool:
+    """Whether the graphs read our parameter ``param`` as blocks when its tensor's type is
+    kept (:func:`weight_map`'s parameters: the projections, the embedding and the head);
+    any other (GPT-2's position table, the norms) is a float32 initializer."""
+    return BLOCK_PARAMS.fullmatch(param) is not None
 
 
 def weight_map(n_layers: int, sources: dict[str, GGUFRows]) -> dict[str, list[Part]]:

@@ -26,6 +26,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from model.architectures.base import StandIn
+from model.architectures.base import f32 as base_f32
+
 WEIGHTS_FILE = "weights.bin"
 # Tensors below this many bytes (shape constants, scalars, norm scales of small models)
 # stay inside the graph file; larger ones go to weights.bin.
@@ -34,6 +37,8 @@ EXTERNAL_MIN_BYTES = 1024
 # allocation granularity (4 KiB on Linux, 64 KiB on Windows).
 ALIGNMENT = 64 * 1024
 ALIGN_MIN_BYTES = 1 << 20
+# where a placeholder initializer's values would be (:func:`placeholder`): no file
+PLACEHOLDER = "<from the GGUF file's blocks>"
 
 
 class Graph:
@@ -55,6 +60,9 @@ class Graph:
         """An initializer; a name already given returns the existing one (shared weights)."""
         if name not in self._names:
             self._names.add(name)
+            if isinstance(array, StandIn):
+                self.inits.append(placeholder(name, array))
+                return name
             array = np.ascontiguousarray(array)
             if self._weights is not None and array.nbytes >= EXTERNAL_MIN_BYTES:
                 self.inits.append(self._weights.store(name, array))
@@ -79,10 +87,27 @@ class Graph:
 
 
 def f32(tensor: Any) -> np.ndarray:
-    """A torch tensor (or array) as contiguous float32 numpy."""
+    """A torch tensor (or array) as contiguous float32 numpy; a StandIn for a tensor on the
+    meta device (model/architectures/base.py)."""
     if hasattr(tensor, "detach"):
-        tensor = tensor.detach().float().cpu().numpy()
+        return base_f32(tensor)
     return np.ascontiguousarray(tensor, dtype=np.float32)
+
+
+def placeholder(name: str, array: StandIn) -> onnx.TensorProto:
+    """An initializer with ``array``'s shape and no values: a weight that
+    export/gguf_blocks.py builds from the GGUF file's blocks. Its data points at
+    :data:`PLACEHOLDER`, which no file is named, so a graph that still holds one cannot
+    load (and :meth:`WeightsWriter.add` refuses it once the graphs are final)."""
+    tensor = onnx.TensorProto(name=name, dims=array.shape, data_type=TensorProto.FLOAT,
+                              data_location=TensorProto.EXTERNAL)
+    entry = tensor.external_data.add()
+    entry.key, entry.value = "location", PLACEHOLDER
+    return tensor
+
+
+def is_placeholder(tensor: onnx.TensorProto) -> bool:
+    return _location(tensor) == PLACEHOLDER
 
 
 def make_model(graph: Graph, name: str, inputs: list[onnx.ValueInfoProto],
@@ -200,6 +225,11 @@ class WeightsWriter:
         """Store ``model``'s large initializers (the proto is changed to point at them)
         and write it, under a temporary name until the block ends."""
         for tensor in model.graph.initializer:
+            if is_placeholder(tensor):  # replaced by the file's blocks after this add
+                if self.base is not None:  # the final pass: every graph complete
+                    raise ValueError(f"{file_name}: weight {tensor.name} was never built "
+                                     "from the GGUF file's blocks")
+                continue
             if _location(tensor) == self._tmp.name:  # stored while the graph was built
                 info = {e.key: e.value for e in tensor.external_data}
                 self._point(tensor, WEIGHTS_FILE, int(info["offset"]), int(info["length"]))
@@ -258,7 +288,9 @@ def weight_bytes(path: Path) -> int:
     """Bytes of a graph's initializers, wherever they are stored."""
     total = 0
     for tensor in load_graph(path).graph.initializer:
-        if tensor.data_location == TensorProto.EXTERNAL:
+        if is_placeholder(tensor):  # float32 values, were they written
+            total += 4 * int(np.prod(tensor.dims))
+        elif tensor.data_location == TensorProto.EXTERNAL:
             total += int({e.key: e.value for e in tensor.external_data}["length"])
         else:
             total += len(_tensor_bytes(tensor, None))

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from export.gguf_source import open_source
 from export.memory import release
 from export.verify import decoder_for
 from model.gpt import GPT
@@ -205,14 +206,16 @@ def compare_decoders(gpt: GPT, reference: Callable[[], Decoder],
 def quantize_weights(src: Path, dst: Path, method: str = "int8",
                      training: dict[str, Any] | None = None,
                      flat: bool = False, level: int = ACCURACY_LEVEL,
-                     halves: bool | None = None) -> dict[str, Any]:
+                     halves: bool | None = None, source: Any = None) -> dict[str, Any]:
     """Write ``src`` with its MatMul weights quantised by ``method`` to ``dst``.
 
     ``training`` is the checkpoint's training record: ``gguf`` finds its source file there.
     ``flat``: the graph's activations are (tokens, features) matrices, as in the engine
     graphs (``gguf`` then writes each Q4_1 remainder as one Gemm). ``level``: MatMulNBits'
     accuracy level (4: int8 activations; 0: float); ``halves``: gguf's 8-bit blocks as
-    two 4-bit products (default: at level 0; export/gguf_blocks.py).
+    two 4-bit products (default: at level 0; export/gguf_blocks.py); ``source``: gguf's
+    file already opened and checked (export/gguf_source.py ``open_source``), for an export
+    that rewrites several graphs.
     """
     if method not in METHODS:
         raise ValueError(f"unsupported quantization {method!r}; choose one of {list(METHODS)}")
@@ -224,7 +227,8 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
         lg.setLevel(logging.ERROR)
     try:
         if method == "gguf":
-            figures = _gguf_blocks(src, dst, training or {}, flat, level, halves)
+            figures = _gguf_blocks(src, dst, source or open_source(training or {}), flat,
+                                   level, halves)
         elif method in NBITS:
             figures = _matmul_nbits(src, dst, *NBITS[method], level)
         else:
@@ -259,7 +263,7 @@ def _nbits_quantizer(model: Any, bits: int, symmetric: bool,
     return quantizer.model.model
 
 
-def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
+def _gguf_blocks(src: Path, dst: Path, source: Any,
                  flat: bool, level: int, halves: bool | None) -> dict[str, Any]:
     """The source GGUF file's blocks where they map onto MatMulNBits; our int4/int8 for
     the weights of other types (``fallback``, by node)."""
@@ -267,9 +271,8 @@ def _gguf_blocks(src: Path, dst: Path, training: dict[str, Any],
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
     from export.gguf_blocks import rewrite_file
-    from export.gguf_source import open_source
 
-    model, figures = rewrite_file(src, open_source(training), flat=flat, external=True,
+    model, figures = rewrite_file(src, source, flat=flat, external=True,
                                   level=level, halves=halves)
     fallback = figures["fallback"]
     if fallback:  # ORT's quantiser reads the weights it rewrites from the proto

@@ -93,14 +93,15 @@ def check_options(opset: int, dtype: str, quantize: str | None) -> None:
                          "(quantised weights, float32 cache)")
 
 
-def load_source(ckpt_dir: Path) -> tuple[Any, Any]:
-    """Load the checkpoint and check its tokenizer against the model; (Checkpoint, Tokenizer)."""
+def load_source(ckpt_dir: Path, leave: frozenset[Any] = frozenset()) -> tuple[Any, Any]:
+    """Load the checkpoint and check its tokenizer against the model; (Checkpoint, Tokenizer).
+    ``leave``: the GGUF types whose weights stay on the meta device (load_checkpoint)."""
     from tokenizers import Tokenizer
 
     from model.checkpoint import CheckpointError, load_checkpoint
     from model.tokenizer import checkpoint_special_ids
 
-    ckpt = load_checkpoint(ckpt_dir)
+    ckpt = load_checkpoint(ckpt_dir, leave=leave)
     try:
         tok = Tokenizer.from_file(str(ckpt.tokenizer_path))
     except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
@@ -215,16 +216,16 @@ def export_artifact(
     # Everything heavy is imported before the staging directory exists, so a SIGTERM
     # never lands inside an extension module's initialisation.
     from export.engine_graph import build_engine_graph, verify_engine
+    from export.from_blocks import builds_from_blocks, export_from_blocks
+    from export.gguf_codes import DIRECT
     from export.graphs import (
         DEFAULT_OPSET,
-        attention_io_shapes,
         build_attention,
         build_decoder,
-        grouped_kv,
     )
     from export.half import halve_artifact
     from export.memory import release
-    from export.onnx_build import WEIGHTS_FILE, WeightsWriter, load_graph
+    from export.onnx_build import WeightsWriter, load_graph
     from export.quantize import ACTIVATION_LEVELS, SIDE_DATA, gguf_advice, quantize_model
     from export.verify import TorchReference, check_prompts, verify_artifact
     from export.widen_codes import compare_widened, widen_4bit_codes
@@ -258,7 +259,9 @@ def export_artifact(
                          "int4/int8 are requantised for int8 activations)")
     level = ACTIVATION_LEVELS[activations]
     check_target(out, force)
-    ckpt, tok = load_source(Path(ckpt_dir))
+    from_blocks = builds_from_blocks(Path(ckpt_dir), quantize, float32_twin)
+    # built from the blocks: the kept types' matrices stay on the meta device
+    ckpt, tok = load_source(Path(ckpt_dir), leave=frozenset(DIRECT) if from_blocks else frozenset())
     if quantize == "gguf":  # refuse before writing anything: no source file, or another one
         from export.gguf_source import open_source
 
@@ -276,6 +279,15 @@ def export_artifact(
     widen = engine_graph and quantize in CODES8_PASS_ROWS and codes8
     codes8_weights = 0  # 4-bit weights widened to 8-bit codes (engine_codes8.onnx), if any
     with staged_directory(out) as tmp:
+        if from_blocks:
+            done = export_from_blocks(ckpt, tok, tmp, opset=opset, engine_graph=engine_graph,
+                                      mixed_steps=mixed_steps, codes8=widen, level=level,
+                                      verify=verify, say=say)
+            _write_rest(tmp, ckpt, tok, Path(ckpt_dir), out, model_name, dtype, opset, quantize,
+                        engine_graph, mixed_steps, False, done["codes8_weights"],
+                        done["storage"], done["parameter_bytes"], done["build_seconds"],
+                        done["verification"], say)
+            return out
         started = time.perf_counter()
         model_path, attention_path = tmp / io.MODEL_FILE, tmp / io.ATTENTION_FILE
         engine_path, mixed_path = tmp / ENGINE_FILE, tmp / ENGINE_MIXED_FILE
@@ -409,44 +421,58 @@ def export_artifact(
                     f"{verification['engine_codes8_plain']['max_abs_diff']:.2e}")
             for stale in [*tmp.glob(".*.fp32"), *tmp.glob(f"*.onnx{SIDE_DATA}")]:
                 stale.unlink()  # the float32 graphs, and quantised weights now in weights.bin
-        shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
-        for name in io.OPTIONAL_HF_FILES:  # chat template and friends, when the checkpoint has them
-            if (Path(ckpt_dir) / name).is_file():
-                shutil.copyfile(Path(ckpt_dir) / name, tmp / name)
-        config = artifact_config(ckpt, model_name or out.name, dtype, tok)
-        (tmp / io.CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n", "utf-8")
-        files = describe_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
-        storage.update(artifact_bytes=sum(e.size for e in files.values()),
-                       parameter_bytes=parameter_bytes)
-        say(f"artifact {storage['artifact_bytes'] / 1e6:.1f} MB for "
-            f"{parameter_bytes / 1e6:.1f} MB of weights ({WEIGHTS_FILE}: "
-            f"{storage['weights_bytes'] / 1e6:.1f} MB, shared by every graph)")
-        source = ckpt.meta.training.get("imported_from")
-        if quantize == "gguf" and isinstance(source, dict) and source.get("size"):
-            storage["source_bytes"] = int(source["size"])
-            say(f"{WEIGHTS_FILE} is {storage['weights_bytes'] / storage['source_bytes']:.2f}× "
-                f"the GGUF file ({storage['source_bytes'] / 1e6:.1f} MB)")
-        manifest = Manifest(
-            files=files,
-            source_checkpoint=checkpoint_fingerprint(ckpt_dir),
-            exporter={"name": "attnserve graph builder", "method": "direct (export/graphs.py, "
-                      "export/engine_graph.py)", "build_seconds": round(build_seconds, 3),
-                      **({"engine_mixed_steps": mixed_steps} if engine_graph else {}),
-                      **({"float32_pass_tokens": FLOAT32_PASS_TOKENS[quantize]}
-                         if twin and quantize else {}),
-                      **({"codes8_pass_rows": CODES8_PASS_ROWS[str(quantize)],
-                          "codes8_prompt_tokens": CODES8_PROMPT_TOKENS}
-                         if codes8_weights else {}),
-                      "storage": storage, "versions": _versions()},
-            opset=opset, kv_dtype=dtype, quantization=quantize,
-            io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,
-                                            grouped_kv(ckpt.meta.model)),
-                "attention": attention_io_shapes(ckpt.meta.model.n_layers),
-                "logits_dtype": "float32", "kv_dtype": dtype},
-            verification=verification,
-            optimization={"offline": False, "note": "ONNX Runtime optimises each graph when "
-                          "a session loads it; an optimised copy would store the weights again"},
-            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        )
-        manifest.write(tmp)
+        _write_rest(tmp, ckpt, tok, Path(ckpt_dir), out, model_name, dtype, opset, quantize,
+                    engine_graph, mixed_steps, twin, codes8_weights, storage, parameter_bytes,
+                    build_seconds, verification, say)
     return out
+
+
+def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
+                model_name: str | None, dtype: io.KvDtype, opset: int, quantize: str | None,
+                engine_graph: bool, mixed_steps: bool, twin: bool, codes8_weights: int,
+                storage: dict[str, Any], parameter_bytes: int, build_seconds: float,
+                verification: dict[str, Any], say: Any) -> None:
+    """The tokenizer and chat files, config.json and manifest.json beside the graphs."""
+    from export.graphs import attention_io_shapes, grouped_kv
+    from export.onnx_build import WEIGHTS_FILE
+
+    shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
+    for name in io.OPTIONAL_HF_FILES:  # chat template and friends, when the checkpoint has them
+        if (Path(ckpt_dir) / name).is_file():
+            shutil.copyfile(Path(ckpt_dir) / name, tmp / name)
+    config = artifact_config(ckpt, model_name or out.name, dtype, tok)
+    (tmp / io.CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n", "utf-8")
+    files = describe_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
+    storage.update(artifact_bytes=sum(e.size for e in files.values()),
+                   parameter_bytes=parameter_bytes)
+    say(f"artifact {storage['artifact_bytes'] / 1e6:.1f} MB for "
+        f"{parameter_bytes / 1e6:.1f} MB of weights ({WEIGHTS_FILE}: "
+        f"{storage['weights_bytes'] / 1e6:.1f} MB, shared by every graph)")
+    source = ckpt.meta.training.get("imported_from")
+    if quantize == "gguf" and isinstance(source, dict) and source.get("size"):
+        storage["source_bytes"] = int(source["size"])
+        say(f"{WEIGHTS_FILE} is {storage['weights_bytes'] / storage['source_bytes']:.2f}× "
+            f"the GGUF file ({storage['source_bytes'] / 1e6:.1f} MB)")
+    manifest = Manifest(
+        files=files,
+        source_checkpoint=checkpoint_fingerprint(ckpt_dir),
+        exporter={"name": "attnserve graph builder", "method": "direct (export/graphs.py, "
+                  "export/engine_graph.py)", "build_seconds": round(build_seconds, 3),
+                  **({"engine_mixed_steps": mixed_steps} if engine_graph else {}),
+                  **({"float32_pass_tokens": FLOAT32_PASS_TOKENS[quantize]}
+                     if twin and quantize else {}),
+                  **({"codes8_pass_rows": CODES8_PASS_ROWS[str(quantize)],
+                      "codes8_prompt_tokens": CODES8_PROMPT_TOKENS}
+                     if codes8_weights else {}),
+                  "storage": storage, "versions": _versions()},
+        opset=opset, kv_dtype=dtype, quantization=quantize,
+        io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,
+                                        grouped_kv(ckpt.meta.model)),
+            "attention": attention_io_shapes(ckpt.meta.model.n_layers),
+            "logits_dtype": "float32", "kv_dtype": dtype},
+        verification=verification,
+        optimization={"offline": False, "note": "ONNX Runtime optimises each graph when "
+                      "a session loads it; an optimised copy would store the weights again"},
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    manifest.write(tmp)

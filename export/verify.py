@@ -16,6 +16,7 @@ ORT is driven only through the names in service/contract/io_spec.py, as any clie
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,15 +113,27 @@ DECODE_STEPS = 64
 PREFILL_BATCH, PREFILL_LENGTH = 4, 16
 RAGGED_LENGTHS, RAGGED_STEPS = (3, 11, 6), 8
 ATTENTION_SEED, ATTENTION_LENGTHS = 1, (12, 7)
+CHECKS_ALONE = 50_000_000  # parameters below which checks run on one thread
 
 
 class VerificationError(ValueError):
     """The exported graph disagrees with PyTorch beyond the tolerance."""
 
 
-def decoder_for(path: str | Path, gpt: GPT, kv_dtype: io.KvDtype) -> OrtDecoder:
+def decoder_for(path: str | Path, gpt: GPT, kv_dtype: io.KvDtype, threads: int = 1
+                ) -> OrtDecoder:
     cfg = gpt.config
-    return OrtDecoder.from_file(path, cfg.n_layers, cfg.kv_heads, cfg.head_dim, kv_dtype)
+    return OrtDecoder.from_file(path, cfg.n_layers, cfg.kv_heads, cfg.head_dim, kv_dtype,
+                                threads)
+
+
+def check_threads(gpt: GPT) -> int:
+    """Threads for a check's sessions: one for a model under ``CHECKS_ALONE`` parameters
+    (its checks take seconds, and exact figures are easiest to compare from run to run),
+    every core this process may use for a larger one, whose checks are most of an
+    export's time (a 1B model's, minutes). The bounds hold whatever the count."""
+    params = sum(p.numel() for p in gpt.parameters())
+    return 1 if params < CHECKS_ALONE else len(os.sched_getaffinity(0))
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, ...]:
@@ -320,10 +333,11 @@ def check_ragged(gpt: GPT, dec: OrtDecoder, prompts: list[list[int]],
 
 @torch.no_grad()
 def check_attention(gpt: GPT, path: str | Path, prompts: list[list[int]],
-                    reference: TorchReference | None = None) -> dict[str, Any]:
+                    reference: TorchReference | None = None, threads: int = 1
+                    ) -> dict[str, Any]:
     """attention.onnx's outputs for ``prompts``, left-padded, vs GPT's intermediates."""
     reference = reference or TorchReference(gpt)
-    sess = create_session(path)
+    sess = create_session(path, threads=threads)
     n = gpt.config.n_layers
     ids, mask, pos = left_pad(prompts)
     outs = dict(zip(io.attention_output_names(n),
@@ -361,14 +375,15 @@ def check_attention(gpt: GPT, path: str | Path, prompts: list[list[int]],
 
 def verify_decoder(gpt: GPT, model_path: Path, kv_dtype: io.KvDtype = "float32",
                    seed: int = 0, decode_steps: int = DECODE_STEPS,
-                   reference: TorchReference | None = None) -> dict[str, Any]:
+                   reference: TorchReference | None = None, threads: int = 1
+                   ) -> dict[str, Any]:
     """model.onnx checks only (prefill, cached decode, ragged batch); raise on a violation.
 
     Pass the same ``reference`` to re-verify another graph of the same model cheaply.
     """
     gpt.eval()
     prompts = check_prompts(gpt.config, seed, decode_steps)
-    dec = decoder_for(model_path, gpt, kv_dtype)
+    dec = decoder_for(model_path, gpt, kv_dtype, threads)
     reference = reference or TorchReference(gpt)
     figures: dict[str, Any] = {
         "prefill": check_prefill(gpt, dec, prompts.prefill, reference),
@@ -394,10 +409,11 @@ def verify_decoder(gpt: GPT, model_path: Path, kv_dtype: io.KvDtype = "float32",
 
 
 def verify_attention(gpt: GPT, attention_path: Path, seed: int = ATTENTION_SEED,
-                     reference: TorchReference | None = None) -> dict[str, Any]:
+                     reference: TorchReference | None = None, threads: int = 1
+                     ) -> dict[str, Any]:
     """attention.onnx checks; raise on a violation."""
     prompts = check_prompts(gpt.config, attention_seed=seed).attention
-    att = check_attention(gpt, attention_path, prompts, reference)
+    att = check_attention(gpt, attention_path, prompts, reference, threads)
     tol = att["tolerance"] = attention_tolerance(gpt.config, att["qk_scale"])
     problems = []
     if not att["weights_max_abs_diff"] <= tol:
@@ -416,13 +432,15 @@ def verify_attention(gpt: GPT, attention_path: Path, seed: int = ATTENTION_SEED,
 def verify_artifact(gpt: GPT, model_path: Path, attention_path: Path,
                     kv_dtype: io.KvDtype = "float32", seed: int = 0,
                     decode_steps: int = DECODE_STEPS,
-                    reference: TorchReference | None = None) -> dict[str, Any]:
+                    reference: TorchReference | None = None, threads: int = 1
+                    ) -> dict[str, Any]:
     """Run every check; raise VerificationError on a violation, else return the figures.
 
     ``reference``: PyTorch's side, shared with later checks; prepared from
     ``check_prompts(gpt.config, seed, decode_steps)``, it needs PyTorch's weights no more."""
-    figures = verify_decoder(gpt, model_path, kv_dtype, seed, decode_steps, reference)
-    figures["attention"] = verify_attention(gpt, attention_path, reference=reference)
+    figures = verify_decoder(gpt, model_path, kv_dtype, seed, decode_steps, reference, threads)
+    figures["attention"] = verify_attention(gpt, attention_path, reference=reference,
+                                            threads=threads)
     figures["tolerance"] = {"logits": figures["tolerance"],
                             "attention_weights": figures["attention"]["tolerance"]}
     figures["passed"] = True

@@ -132,6 +132,9 @@ class Checkpoint:
     model: Any  # model.gpt.GPT
     meta: CheckpointMeta
     path: Path
+    # the GGUF file it holds as a source of dequantised weights (model/gguf_weights.py's
+    # HeldWeights), for a model loaded with some of them left out; None otherwise
+    held: Any = None
 
     @property
     def tokenizer_path(self) -> Path:
@@ -145,8 +148,13 @@ def weights_path(ckpt_dir: str | os.PathLike[str]) -> Path:
     return held if held.is_file() and not (path / WEIGHTS_FILE).is_file() else path / WEIGHTS_FILE
 
 
-def load_checkpoint(ckpt_dir: str | os.PathLike[str], device: str = "cpu") -> Checkpoint:
-    """Rebuild ``GPT(GPTConfig(**config))`` and load its safetensors weights strictly."""
+def load_checkpoint(ckpt_dir: str | os.PathLike[str], device: str = "cpu",
+                    leave: frozenset[Any] = frozenset()) -> Checkpoint:
+    """Rebuild ``GPT(GPTConfig(**config))`` and load its safetensors weights strictly.
+
+    ``leave``: for a checkpoint that holds its GGUF file, the GGUF tensor types whose
+    weights stay on the meta device (``export --quantize gguf`` builds those from the
+    file's blocks; ``Checkpoint.held`` gives their values on demand)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_model
 
@@ -155,7 +163,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike[str], device: str = "cpu") -> Ch
     meta = read_meta(ckpt_dir)
     path = Path(ckpt_dir)
     if weights_path(path).name == GGUF_WEIGHTS_FILE:
-        return _load_held_gguf(path, meta, device)
+        return _load_held_gguf(path, meta, device, leave)
     model = GPT(meta.model)
     try:
         missing, unexpected = load_model(model, str(path / WEIGHTS_FILE), strict=False,
@@ -171,22 +179,26 @@ def load_checkpoint(ckpt_dir: str | os.PathLike[str], device: str = "cpu") -> Ch
     return Checkpoint(model=model, meta=meta, path=path)
 
 
-def _load_held_gguf(path: Path, meta: CheckpointMeta, device: str) -> Checkpoint:
+def _load_held_gguf(path: Path, meta: CheckpointMeta, device: str,
+                    leave: frozenset[Any]) -> Checkpoint:
     """A checkpoint holding its GGUF file: the weights dequantised from it, once. Its
     ``imported_from`` record points at the held file (the one ``--quantize gguf`` reads:
     the same bytes as the imported one, which may since have moved)."""
-    from model.gguf_weights import load_gguf_model
+    from model.gguf_weights import HeldWeights
     from model.hf_config import ImportRefused
 
     try:
-        model = load_gguf_model(path / GGUF_WEIGHTS_FILE, meta.model)
+        held = HeldWeights(path / GGUF_WEIGHTS_FILE, meta.model)
+        model = held.model(leave)
     except ImportRefused as exc:
         raise CheckpointError(f"{path / GGUF_WEIGHTS_FILE} does not match config.json: "
                               f"{exc}") from exc
     record = meta.training.get("imported_from")
     if isinstance(record, dict):
         meta.training["imported_from"] = {**record, "path": str(path / GGUF_WEIGHTS_FILE)}
-    return Checkpoint(model=model.to(device), meta=meta, path=path)
+    if not leave:
+        return Checkpoint(model=model.to(device), meta=meta, path=path)
+    return Checkpoint(model=model, meta=meta, path=path, held=held)
 
 
 def read_metrics(ckpt_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

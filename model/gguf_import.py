@@ -5,7 +5,7 @@ Usage (through the CLI):
 
 The file's metadata and tensors are read by model/gguf_weights.py. The checkpoint holds
 the file itself as its weights (model.gguf): the quantised blocks, which ``--quantize
-gguf`` keeps, and which loading the checkpoint dequantises (``load_gguf_model``);
+gguf`` keeps, and which loading the checkpoint dequantises (``HeldWeights``);
 ``float32=True`` (``--float32``) writes the dequantised float32 weights as
 model.safetensors instead.
 The tokenizer comes from the metadata (model/gguf_tokenizer.py), with the chat template,

@@ -16,7 +16,8 @@ permutation for its interleaved rotary) the architecture undoes.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -195,21 +196,111 @@ def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
 
 
+def _dequantized_entry(tensor: gguf.ReaderTensor, targets: list[str], arch: Architecture,
+                       family: str, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """One GGUF tensor dequantised, in our layout, as the parameters it fills."""
+    w = dequantize(tensor)  # (out, in) or (n,)
+    w = arch.from_gguf_layout(w, targets[0], family, cfg)  # (out, in)
+    if len(targets) == 1:
+        return {targets[0]: w.contiguous()}
+    rows = arch.split_rows(targets, cfg, w.shape[0])
+    # a fused tensor's rows (Q, K, V): own storage each
+    return {t: part.clone() for t, part in zip(targets, w.split(rows), strict=True)}
+
+
 def _dequantized_state(plan: list[tuple[gguf.ReaderTensor, list[str]]], arch: Architecture,
                        family: str, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for tensor, targets in plan:
-        w = dequantize(tensor)  # (out, in) or (n,)
-        w = arch.from_gguf_layout(w, targets[0], family, cfg)  # (out, in)
-        if len(targets) == 1:
-            out[targets[0]] = w.contiguous()
-            continue
-        rows = arch.split_rows(targets, cfg, w.shape[0])
-        for target, part in zip(targets, w.split(rows), strict=True):
-            out[target] = part.clone()  # a fused tensor's rows (Q, K, V): own storage each
+        out.update(_dequantized_entry(tensor, targets, arch, family, cfg))
     if cfg.tie_weights:
         out["lm_head.weight"] = out["tok_emb.weight"]
     return out
+
+
+class HeldWeights:
+    """A checkpoint's GGUF file as a source of its parameters, dequantised on demand.
+
+    What a model of 1-3 B parameters needs so that no step holds all its weights in float32
+    (a 1B model's are 4.3 GB): :meth:`model` with ``leave`` fills the model's
+    small tensors and leaves the matrices of those GGUF types on the meta device, the
+    export builds its graphs from the file's blocks (export/gguf_blocks.py), and a
+    reference that needs the values runs the layers one at a time, each one's weights
+    dequantised for it and dropped after (:meth:`filled`; export/layerwise.py).
+    """
+
+    def __init__(self, path: Path, config: GPTConfig) -> None:
+        from model.gpt import GPT
+
+        def refuse(reason: str) -> ImportRefused:
+            return ImportRefused(f"{path}: {reason}")
+
+        self.path, self.config = path, config
+        self.reader = open_gguf(path)
+        _, self.family, self.arch, found = read_config(self.reader, path)
+        if found.to_dict() != config.to_dict():
+            raise refuse("its metadata computes another model than the checkpoint's config.json")
+        with torch.device("meta"):
+            self.skeleton = GPT(config)
+        expected = {k: tuple(v.shape) for k, v in self.skeleton.state_dict().items()}
+        self.plan = plan_tensors(self.reader.tensors, expected, config.tie_weights, self.arch,
+                                 self.family, refuse)
+
+    def state(self, prefix: str = "", leave: frozenset[Any] = frozenset(),
+              where: Callable[[str], bool] = lambda _: True) -> dict[str, torch.Tensor]:
+        """The parameters whose names start with ``prefix`` and satisfy ``where``,
+        dequantised one tensor at a time, but for those of tensors of the GGUF types in
+        ``leave``; a tied head's weight is the embedding's."""
+        def wanted(name: str) -> bool:
+            return name.startswith(prefix) and where(name)
+
+        out: dict[str, torch.Tensor] = {}
+        for tensor, targets in self.plan:
+            if tensor.tensor_type in leave or not any(map(wanted, targets)):
+                continue
+            out.update(_dequantized_entry(tensor, targets, self.arch, self.family,
+                                          self.config))
+        if self.config.tie_weights and "tok_emb.weight" in out:
+            out["lm_head.weight"] = out["tok_emb.weight"]
+        return {k: v for k, v in out.items() if wanted(k)}
+
+    def model(self, leave: frozenset[Any] = frozenset()) -> Any:
+        """The model.gpt.GPT with every weight dequantised into it, but for the tensors of
+        the GGUF types in ``leave``, which stay on the meta device (no storage)."""
+        model = self.skeleton
+        model.load_state_dict(self.state(leave=leave), strict=False, assign=True)
+        if self.config.tie_weights:
+            model.lm_head.weight = model.tok_emb.weight  # assign=True untied them
+        model.fill_buffers()
+        return model.eval()
+
+    def fill(self, model: Any, prefix: str, where: Callable[[str], bool] = lambda _: True
+             ) -> list[str]:
+        """Give ``model``'s parameters under ``prefix`` that are on the meta device and
+        satisfy ``where`` their values; the names of those filled."""
+        state = self.state(prefix, where=lambda k: model.get_parameter(k).is_meta and where(k))
+        model.load_state_dict(state, strict=False, assign=True)
+        if self.config.tie_weights:
+            model.lm_head.weight = model.tok_emb.weight
+        return list(state)
+
+    @contextmanager
+    def filled(self, model: Any, prefix: str) -> Iterator[None]:
+        """Within the block, ``model``'s parameters under ``prefix`` (e.g. ``blocks.3.``)
+        hold their values; after it, those that came from a left tensor are on the meta
+        device again (their memory given back)."""
+        state = self.fill(model, prefix)
+        try:
+            yield
+        finally:
+            for name in state:
+                module_name, _, attr = name.rpartition(".")
+                module = model.get_submodule(module_name)
+                setattr(module, attr, torch.nn.Parameter(
+                    torch.empty_like(getattr(module, attr), device="meta"),
+                    requires_grad=False))
+            if self.config.tie_weights:
+                model.lm_head.weight = model.tok_emb.weight
 
 
 def _filled(skeleton: Any, state: dict[str, torch.Tensor], tied: bool) -> Any:
@@ -219,27 +310,6 @@ def _filled(skeleton: Any, state: dict[str, torch.Tensor], tied: bool) -> Any:
         skeleton.lm_head.weight = skeleton.tok_emb.weight  # assign=True untied them
     skeleton.fill_buffers()
     return skeleton.eval()
-
-
-def load_gguf_model(path: Path, config: GPTConfig) -> Any:
-    """The model.gpt.GPT of ``config`` with the weights of the GGUF file ``path``
-    dequantised into it, one tensor at a time (the weights held once: a checkpoint that
-    holds its GGUF file, model/checkpoint.py). Raises ImportRefused when the file does not
-    compute ``config`` (another file put in its place)."""
-    from model.gpt import GPT
-
-    def refuse(reason: str) -> ImportRefused:
-        return ImportRefused(f"{path}: {reason}")
-
-    reader = open_gguf(path)
-    _, family, arch, found = read_config(reader, path)
-    if found.to_dict() != config.to_dict():
-        raise refuse("its metadata computes another model than the checkpoint's config.json")
-    with torch.device("meta"):
-        skeleton = GPT(config)
-    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-    plan = plan_tensors(reader.tensors, expected, config.tie_weights, arch, family, refuse)
-    return _filled(skeleton, _dequantized_state(plan, arch, family, config), config.tie_weights)
 
 
 def file_sha256(reader: gguf.GGUFReader) -> str:

@@ -141,8 +141,39 @@ class GPT(nn.Module):
     ) -> GPTOutput:
         """``last_logits_only`` returns logits (B, 1, vocab) for the last position: all a
         decoding step needs, and at GPT-2's 50,257 tokens the head is the largest matmul."""
-        b, t = input_ids.shape
         past_len = past_key_values[0][0].shape[2] if past_key_values else 0
+        x, context = self.embed(input_ids, attention_mask, position_ids, past_len)
+        present: KVCache = []
+        intermediates: list[AttentionIntermediates] = []
+        for i in range(len(self.blocks)):
+            past = past_key_values[i] if past_key_values else None
+            x, layer_present, inter = self.layer(i, x, context, past, return_intermediates)
+            present.append(layer_present)
+            if inter is not None:
+                intermediates.append(inter)
+        if last_logits_only:
+            if targets is not None:
+                raise ValueError("last_logits_only cannot compute a loss over the sequence")
+            x = x[:, -1:]  # (B, 1, d)
+        logits = self.head(x)  # (B, T, vocab)
+
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return GPTOutput(
+            logits=logits,
+            present=present,
+            intermediates=intermediates if return_intermediates else None,
+            loss=loss,
+        )
+
+    def embed(self, input_ids: Tensor, attention_mask: Tensor | None,
+              position_ids: Tensor | None, past_len: int) -> tuple[Tensor, LayerContext]:
+        """The embedded tokens (B, T, d) and what every layer reads beside them: the first
+        part of :meth:`forward`, apart so that a reference can run the layers one at a
+        time over several inputs (export/layerwise.py)."""
+        b, t = input_ids.shape
         if past_len + t > self.config.max_seq_len:
             raise ValueError(
                 f"sequence of {past_len + t} tokens exceeds max_seq_len {self.config.max_seq_len}")
@@ -176,29 +207,34 @@ class GPT(nn.Module):
                 x = x * torch.tensor(cfg.d_model ** 0.5, dtype=x.dtype)
         else:
             x = self.drop(self.tok_emb(input_ids) + self.positions(position_ids))  # (B, T, d)
-        present: KVCache = []
-        intermediates: list[AttentionIntermediates] = []
-        for i, block in enumerate(self.blocks):
-            past = past_key_values[i] if past_key_values else None
-            turn = (rotary_local if cfg.local_rotary(i) else rotary) if cfg.rotates(i) else None
-            mask = local if local is not None and cfg.windowed(i) else allowed
-            x, layer_present, inter = block(x, mask, past, return_intermediates, turn)
-            present.append(layer_present)
-            if inter is not None:
-                intermediates.append(inter)
-        if last_logits_only:
-            if targets is not None:
-                raise ValueError("last_logits_only cannot compute a loss over the sequence")
-            x = x[:, -1:]  # (B, 1, d)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        return x, LayerContext(allowed, local, rotary, rotary_local)
 
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
-        return GPTOutput(
-            logits=logits,
-            present=present,
-            intermediates=intermediates if return_intermediates else None,
-            loss=loss,
-        )
+    def layer(self, i: int, x: Tensor, context: LayerContext, past: tuple[Tensor, Tensor] | None,
+              return_intermediates: bool = False
+              ) -> tuple[Tensor, tuple[Tensor, Tensor], AttentionIntermediates | None]:
+        """Block ``i`` over ``x`` (B, T, d): (x, its keys and values, its intermediates)."""
+        cfg = self.config
+        turn = (context.rotary_local if cfg.local_rotary(i) else context.rotary
+                ) if cfg.rotates(i) else None
+        mask = context.local if context.local is not None and cfg.windowed(i) \
+            else context.allowed
+        out: tuple[Tensor, tuple[Tensor, Tensor], AttentionIntermediates | None] = \
+            self.blocks[i](x, mask, past, return_intermediates, turn)
+        return out
+
+    def head(self, x: Tensor) -> Tensor:
+        """The final norm and the LM head: (B, T, d) → logits (B, T, vocab)."""
+        logits: Tensor = self.lm_head(self.ln_f(x))
+        return logits
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What each layer of one forward reads besides the hidden states: the attention masks
+    (B, 1, T, T_total; every layer's and the window layers') and the rotary cos/sin
+    (B, T, hs; the global and the window layers' tables)."""
+
+    allowed: Tensor | None
+    local: Tensor | None
+    rotary: tuple[Tensor, Tensor] | None
+    rotary_local: tuple[Tensor, Tensor] | None

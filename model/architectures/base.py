@@ -119,8 +119,22 @@ Linear = Callable[[str, np.ndarray, "np.ndarray | None", str], str]  # x, (in, o
 CONTRIB = "com.microsoft"  # ONNX Runtime's fused operators, for engine.onnx only
 
 
+class StandIn(np.ndarray):
+    """The shape of a weight whose values are not in memory: a parameter left on the meta
+    device because the export builds it from a GGUF file's blocks (model/gguf_weights.py
+    HeldWeights). A read-only view of one float32 zero; ``.T`` is one too; a graph builder
+    stores it as a placeholder that export/gguf_blocks.py replaces (export/onnx_build.py)."""
+
+
+def stand_in(shape: tuple[int, ...]) -> StandIn:
+    return np.broadcast_to(np.zeros((), np.float32), shape).view(StandIn)
+
+
 def f32(tensor: Any) -> np.ndarray:
-    """A torch tensor as contiguous float32 numpy (what every graph initializer is)."""
+    """A torch tensor as contiguous float32 numpy (what every graph initializer is); a
+    :class:`StandIn` for one on the meta device."""
+    if getattr(tensor, "is_meta", False):
+        return stand_in(tuple(tensor.shape))
     return np.ascontiguousarray(tensor.detach().float().cpu().numpy(), dtype=np.float32)
 
 
@@ -131,6 +145,9 @@ def bias_of(layer: Any) -> np.ndarray | None:
 
 def qkv_weight(attn: Any) -> np.ndarray:
     """Q | K | V projections side by side, (d, d + 2·kv): one MatMul for all three."""
+    parts = [attn.w_q.weight, attn.w_k.weight, attn.w_v.weight]
+    if any(p.is_meta for p in parts):  # from the file's blocks, all three (one tensor type)
+        return stand_in((parts[0].shape[1], sum(p.shape[0] for p in parts)))
     return np.concatenate([f32(attn.w_q.weight).T, f32(attn.w_k.weight).T,
                            f32(attn.w_v.weight).T], axis=1)
 

@@ -1,0 +1,213 @@
+"""``--quantize gguf`` of a checkpoint that holds its GGUF file, built from the blocks.
+
+The general export (export/to_onnx.py) builds float32 graphs from the PyTorch model,
+verifies them against PyTorch, then swaps each weight for the file's blocks and judges
+the result against the float32 graph. At 135 M that was cheap; at 1 B it held 4.3 GB of
+float32 weights in PyTorch and again in each float32 ONNX Runtime session (5.6 GB peak,
+about 590 s on 2 cores), and a 3B model (12 GB of float32) took 14 GB.
+
+Here no weight matrix is ever in float32 whole:
+
+1. The model is loaded with the matrices of kept block types left on the meta device
+   (model/gguf_weights.py ``HeldWeights``); the graph builders write a placeholder for
+   each (export/onnx_build.py), and export/gguf_blocks.py fills them with the file's
+   blocks, tensor by tensor.
+2. The graphs are verified by the float32 rule against PyTorch, as before, in the form
+   whose arithmetic is float32's: the blocks at float activations (MatMulNBits accuracy
+   level 0, 8-bit blocks as two exact 4-bit products). Blocks dequantise exactly to the
+   checkpoint's weights, so these graphs compute the float32 model up to summation order.
+   PyTorch's side is computed layer by layer (export/layerwise.py).
+3. The served graphs (int8 activations, the default) are judged against those
+   float-activation graphs as a quantised graph is judged against its float32 one
+   (token agreement and perplexity, export/quantize.py).
+
+Used when every weight matrix of the file is of a kept type (what llama.cpp's quantiser
+writes: Q4_0, Q4_K_M, Q8_0 …) and no float32 twin is asked for; otherwise the general
+export runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from export.gguf_codes import DIRECT
+from export.gguf_source import read_as_blocks
+from model.checkpoint import GGUF_WEIGHTS_FILE, weights_path
+from model.gguf_weights import open_gguf
+
+# the copies of the graphs verified at float activations, until the export ends
+CHECK_SUFFIX = ".check"
+PLACEHOLDER_SUFFIX = ".placeholders"  # a graph as built, before its blocks are in
+
+
+def builds_from_blocks(ckpt_dir: Path, quantize: str | None, float32_twin: bool) -> bool:
+    """Whether this export takes the path of this module (see its docstring)."""
+    if quantize != "gguf" or float32_twin:
+        return False
+    held = weights_path(ckpt_dir)
+    if held.name != GGUF_WEIGHTS_FILE:
+        return False
+    reader = open_gguf(held)
+    return all(t.tensor_type in DIRECT for t in reader.tensors if len(t.shape) > 1)
+
+
+def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_graph: bool,
+                       mixed_steps: bool, codes8: bool, level: int, verify: bool,
+                       say: Callable[[str], None]) -> dict[str, Any]:
+    """Write the served graphs and weights.bin into ``tmp``; return the manifest's
+    figures: verification, storage, build_seconds, parameter_bytes, codes8_weights."""
+    from export.engine_graph import EngineDecoder, build_engine_graph, verify_engine
+    from export.gguf_source import open_source
+    from export.graphs import build_attention, build_decoder
+    from export.layerwise import LayerwiseReference
+    from export.memory import release
+    from export.onnx_build import WeightsWriter, load_graph
+    from export.quantize import (
+        ATTENTION_ACCURACY_LEVEL,
+        SIDE_DATA,
+        compare_decoders,
+        quantize_weights,
+    )
+    from export.verify import check_prompts, check_threads, decoder_for, verify_artifact
+    from export.widen_codes import compare_widened, widen_4bit_codes
+    from service.contract import io_spec as io
+    from service.contract.engine_spec import (
+        ENGINE_CODES8_FILE,
+        ENGINE_CODES8_PLAIN_FILE,
+        ENGINE_FILE,
+        ENGINE_MIXED_FILE,
+    )
+
+    gpt, training = ckpt.model, ckpt.meta.training
+    threads = check_threads(gpt)
+    # what the graphs read as float32 (GPT-2's position table) is filled now
+    ckpt.held.fill(gpt, "", lambda name: not read_as_blocks(name))
+    started = time.perf_counter()
+    graphs = [io.MODEL_FILE, *([ENGINE_FILE] if engine_graph else []),
+              *([ENGINE_MIXED_FILE] if engine_graph and mixed_steps else [])]
+    with WeightsWriter(tmp) as weights:  # the small tensors; placeholders for the blocks
+        weights.add(io.MODEL_FILE, build_decoder(gpt, opset, "float32", weights=weights,
+                                                 matmul_head=True))
+        weights.add(io.ATTENTION_FILE, build_attention(gpt, opset, weights=weights))
+        if engine_graph:
+            weights.add(ENGINE_FILE, build_engine_graph(gpt, matmul_only=True,
+                                                        weights=weights))
+        if engine_graph and mixed_steps:
+            weights.add(ENGINE_MIXED_FILE, build_engine_graph(gpt, matmul_only=True,
+                                                              mixed=True, weights=weights))
+    built = {name: tmp / f".{name}{PLACEHOLDER_SUFFIX}" for name in (*graphs, io.ATTENTION_FILE)}
+    for name, path in built.items():
+        os.replace(tmp / name, path)
+    check = {name: tmp / f".{name}{CHECK_SUFFIX}" for name in graphs}
+
+    # checked once for every rewrite, through the reader the weights come from (the held
+    # file, which the import record points at)
+    source = open_source(training, ckpt.held.reader)
+
+    def blocks(name: str, dst: Path, at: int, halves: bool) -> dict[str, Any]:
+        figures = quantize_weights(built[name], dst, "gguf", training, level=at,
+                                   halves=halves, source=source,
+                                   flat=name in (ENGINE_FILE, ENGINE_MIXED_FILE))
+        release()  # the rewrite's buffers, before the next stage
+        return figures
+
+    # attention.onnx: the served codes at float activations (split in halves only where
+    # the served graphs run at float activations too, so weights.bin holds them once)
+    attention = blocks(io.ATTENTION_FILE, tmp / io.ATTENTION_FILE, ATTENTION_ACCURACY_LEVEL,
+                       halves=level == 0)
+    rewritten = {name: blocks(name, check[name], 0, halves=True) for name in graphs}
+    build_seconds = time.perf_counter() - started
+    say(f"built {', '.join(sorted((*graphs, io.ATTENTION_FILE)))} from the file's blocks in "
+        f"{build_seconds:.1f}s")
+    verification: dict[str, Any] = {"skipped": True}
+    if verify:
+        prompts = check_prompts(gpt.config)
+        reference = LayerwiseReference(
+            gpt, ckpt.held, lambda: decoder_for(check[io.MODEL_FILE], gpt, "float32", threads)
+        ).prepare(prompts)
+        release()
+        say(f"PyTorch's logits computed layer by layer (checks on {threads} thread"
+            f"{'s' if threads > 1 else ''})")
+        verification = {**verify_artifact(gpt, check[io.MODEL_FILE], tmp / io.ATTENTION_FILE,
+                                          reference=reference, threads=threads),
+                        "reference": "PyTorch layer by layer (export/layerwise.py); graphs "
+                                     "checked with the file's blocks at float activations"}
+        say(f"verified at float activations: prefill "
+            f"{verification['prefill']['max_abs_diff']:.2e}, decode "
+            f"{verification['decode']['max_abs_diff']:.2e} over "
+            f"{verification['decode']['steps']} steps (tolerance "
+            f"{verification['tolerance']['logits']:.2e}); attention.onnx "
+            f"{verification['attention']['weights_max_abs_diff']:.2e}")
+        verification["attention_quantized"] = {**attention, "verified": True,
+                                               **verification["attention"]}
+        for name, key in ((ENGINE_FILE, "engine"), (ENGINE_MIXED_FILE, "engine_mixed")):
+            if name in graphs:
+                verification[key] = verify_engine(gpt, check[name], reference=reference,
+                                                  prompts=verification["decode"]["prompts"],
+                                                  threads=threads)
+                say(f"verified {name} at float activations: "
+                    f"{verification[key]['max_abs_diff']:.2e}")
+    # the served graphs: the float-activation ones themselves, or the blocks at int8
+    # activations judged against them
+    final = {name: check[name] if level == 0 else tmp / name for name in graphs}
+    for name in graphs:
+        if level != 0:
+            rewritten[name] = blocks(name, tmp / name, level, halves=False)
+    # Judged once, on the graph the service decodes with (engine.onnx; model.onnx without
+    # engine graphs): the others run the same products at the same accuracy level.
+    judged = ENGINE_FILE if engine_graph else io.MODEL_FILE
+    keys = {io.MODEL_FILE: "quantized", ENGINE_FILE: "engine_quantized",
+            ENGINE_MIXED_FILE: "engine_mixed_quantized"}
+    for name in graphs:
+        verification[keys[name]] = {**rewritten[name], "judged_on": judged}
+    if verify and level != 0:
+        def decoder(path: Path) -> Any:
+            if engine_graph:
+                return EngineDecoder(path, gpt, threads=threads)
+            return decoder_for(path, gpt, "float32", threads)
+
+        figures = compare_decoders(gpt, lambda: decoder(check[judged]),
+                                   lambda: decoder(tmp / judged), tok, training, "gguf")
+        verification[keys[judged]].update(
+            figures, reference="the file's blocks at float activations")
+        say(f"{judged} at int8 activations: token agreement {figures['token_agreement']}, "
+            f"perplexity change {figures['perplexity_relative_change']}")
+    served = ENGINE_MIXED_FILE if mixed_steps and engine_graph else ENGINE_FILE
+    codes8_weights = 0
+    with WeightsWriter(tmp, base=tmp) as weights:  # the final weights.bin: the blocks once
+        for name in sorted([*graphs, io.ATTENTION_FILE]):
+            weights.add(name, load_graph(final.get(name, tmp / name)))
+        if codes8 and engine_graph:
+            widened, codes8_weights = widen_4bit_codes(load_graph(final[served]), tmp)
+            if codes8_weights:
+                weights.add(ENGINE_CODES8_FILE, widened)
+            del widened
+        if codes8_weights and served != ENGINE_FILE:
+            weights.add(ENGINE_CODES8_PLAIN_FILE,
+                        widen_4bit_codes(load_graph(final[ENGINE_FILE]), tmp)[0])
+    storage = weights.figures
+    added = {name: weights.added.get(name, 0) for name in (
+        ENGINE_CODES8_FILE, ENGINE_CODES8_PLAIN_FILE) if (tmp / name).is_file()}
+    if added:
+        storage["opt_in_bytes"] = added
+        say("opt-in copies: " + ", ".join(f"{name} +{size / 1e6:.1f} MB"
+                                          for name, size in added.items()))
+    if codes8_weights and verify:
+        verification["engine_codes8"] = compare_widened(
+            gpt, tmp / served, tmp / ENGINE_CODES8_FILE,
+            prompts=verification["decode"]["prompts"][:2])
+        if served != ENGINE_FILE:
+            verification["engine_codes8_plain"] = compare_widened(
+                gpt, tmp / ENGINE_FILE, tmp / ENGINE_CODES8_PLAIN_FILE,
+                prompts=verification["decode"]["prompts"][:2])
+    for stale in [*built.values(), *tmp.glob(f".*{CHECK_SUFFIX}"),
+                  *tmp.glob(f".*{CHECK_SUFFIX}{SIDE_DATA}"), *tmp.glob(f"*.onnx{SIDE_DATA}")]:
+        stale.unlink(missing_ok=True)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
+    return {"verification": verification, "storage": storage,
+            "build_seconds": build_seconds, "parameter_bytes": parameter_bytes,
+            "codes8_weights": codes8_weights}
