@@ -61,7 +61,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     """Write the served graphs and weights.bin into ``tmp``; return the manifest's
     figures: verification, storage, build_seconds, parameter_bytes, codes8_weights."""
     from export.engine_graph import EngineDecoder, build_engine_graph, verify_engine
-    from export.gguf_source import open_source
+    from export.gguf_source import GGUFFile, open_source
     from export.graphs import build_attention, build_decoder
     from export.layerwise import LayerwiseReference
     from export.memory import release
@@ -106,9 +106,10 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
 
     # checked once for every rewrite, through the reader the weights come from (the held
     # file, which the import record points at)
-    source = open_source(training, ckpt.held.reader)
+    source: GGUFFile | None = open_source(training, ckpt.held.reader)
 
     def blocks(name: str, dst: Path, at: int, halves: bool) -> dict[str, Any]:
+        assert source is not None, "the file was closed"
         figures = quantize_weights(built[name], dst, "gguf", training, level=at,
                                    halves=halves, source=source,
                                    flat=name in (ENGINE_FILE, ENGINE_MIXED_FILE))
@@ -119,16 +120,22 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     # the served graphs run at float activations too, so weights.bin holds them once)
     attention = blocks(io.ATTENTION_FILE, tmp / io.ATTENTION_FILE, ATTENTION_ACCURACY_LEVEL,
                        halves=level == 0)
-    rewritten = {name: blocks(name, check[name], 0, halves=True) for name in graphs}
+    # the float-activation graphs: what the checks verify (and, at level 0, what is served)
+    rewritten = {name: blocks(name, check[name], 0, halves=True)
+                 for name in graphs if verify or level == 0}
     build_seconds = time.perf_counter() - started
     say(f"built {', '.join(sorted((*graphs, io.ATTENTION_FILE)))} from the file's blocks in "
         f"{build_seconds:.1f}s")
     verification: dict[str, Any] = {"skipped": True}
     if verify:
         prompts = check_prompts(gpt.config)
-        reference = LayerwiseReference(
-            gpt, ckpt.held, lambda: decoder_for(check[io.MODEL_FILE], gpt, "float32", threads)
-        ).prepare(prompts)
+
+        def continuing() -> Any:  # the graph whose greedy choices PyTorch is fed
+            if engine_graph:  # the fastest: its cache written in place
+                return EngineDecoder(check[ENGINE_FILE], gpt, threads=threads)
+            return decoder_for(check[io.MODEL_FILE], gpt, "float32", threads)
+
+        reference = LayerwiseReference(gpt, ckpt.held, continuing).prepare(prompts)
         release()
         say(f"PyTorch's logits computed layer by layer (checks on {threads} thread"
             f"{'s' if threads > 1 else ''})")
@@ -151,15 +158,24 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
                                                   threads=threads)
                 say(f"verified {name} at float activations: "
                     f"{verification[key]['max_abs_diff']:.2e}")
-    # the served graphs: the float-activation ones themselves, or the blocks at int8
-    # activations judged against them
-    final = {name: check[name] if level == 0 else tmp / name for name in graphs}
-    for name in graphs:
-        if level != 0:
-            rewritten[name] = blocks(name, tmp / name, level, halves=False)
+        del reference
+        release()
     # Judged once, on the graph the service decodes with (engine.onnx; model.onnx without
     # engine graphs): the others run the same products at the same accuracy level.
     judged = ENGINE_FILE if engine_graph else io.MODEL_FILE
+    # the served graphs: the float-activation ones themselves, or the blocks at int8
+    # activations judged against them (each rewrite's blocks are a side file the size of
+    # the artifact until the final weights.bin: the checked copies go first, on disk)
+    final = {name: check[name] if level == 0 else tmp / name for name in graphs}
+    if level != 0:
+        for name in graphs:
+            if name != judged or not verify:
+                _remove(check[name], SIDE_DATA)
+            rewritten[name] = blocks(name, tmp / name, level, halves=False)
+    # every block read: the file's memory map goes before the sessions that judge them
+    source = None
+    ckpt.held.close()
+    release()
     keys = {io.MODEL_FILE: "quantized", ENGINE_FILE: "engine_quantized",
             ENGINE_MIXED_FILE: "engine_mixed_quantized"}
     for name in graphs:
@@ -174,6 +190,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
                                    lambda: decoder(tmp / judged), tok, training, "gguf")
         verification[keys[judged]].update(
             figures, reference="the file's blocks at float activations")
+        _remove(check[judged], SIDE_DATA)
         say(f"{judged} at int8 activations: token agreement {figures['token_agreement']}, "
             f"perplexity change {figures['perplexity_relative_change']}")
     served = ENGINE_MIXED_FILE if mixed_steps and engine_graph else ENGINE_FILE
@@ -211,3 +228,9 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     return {"verification": verification, "storage": storage,
             "build_seconds": build_seconds, "parameter_bytes": parameter_bytes,
             "codes8_weights": codes8_weights}
+
+
+def _remove(graph: Path, side_data: str) -> None:
+    """A graph file and its side file of weights (export/quantize.py), if there."""
+    graph.unlink(missing_ok=True)
+    graph.with_name(graph.name + side_data).unlink(missing_ok=True)

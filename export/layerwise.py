@@ -28,7 +28,7 @@ import torch
 
 from export.verify import RAGGED_STEPS, CheckPrompts, TorchReference, decode_steps, left_pad
 from model.gpt import GPT
-from service.contract.reference import OrtDecoder, greedy
+from service.contract.reference import greedy
 
 
 @dataclass
@@ -49,11 +49,12 @@ class LayerwiseReference(TorchReference):
 
     ``gpt``: the model with its large weights on the meta device; ``held``: the source of
     their values (``Checkpoint.held``); ``decoder``: makes the graph whose greedy choices
-    continue the decode and ragged prompts. Everything is computed by :meth:`prepare`; a
-    question it did not prepare raises.
+    continue the decode and ragged prompts (OrtDecoder's call shape: model.onnx's, or
+    engine.onnx's through export/engine_graph.py's EngineDecoder). Everything is computed
+    by :meth:`prepare`; a question it did not prepare raises.
     """
 
-    def __init__(self, gpt: GPT, held: Any, decoder: Callable[[], OrtDecoder]) -> None:
+    def __init__(self, gpt: GPT, held: Any, decoder: Callable[[], Any]) -> None:
         super().__init__(gpt)
         self.held = held
         self.decoder = decoder

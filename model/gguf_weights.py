@@ -284,6 +284,12 @@ class HeldWeights:
             model.lm_head.weight = model.tok_emb.weight
         return list(state)
 
+    def close(self) -> None:
+        """Let the file's memory map go (the tensors read from it hold views of it): its
+        pages stop counting in the process's resident set. Nothing can be read after."""
+        self.plan.clear()
+        del self.reader
+
     @contextmanager
     def filled(self, model: Any, prefix: str) -> Iterator[None]:
         """Within the block, ``model``'s parameters under ``prefix`` (e.g. ``blocks.3.``)

@@ -613,9 +613,13 @@ def _tables(g: GraphWriter, rotary: Any, length: int, name: str) -> tuple[str, s
     LongRoPE's attention factor (1 elsewhere): GroupQueryAttention's rotary caches."""
     inv_freq: Tensor = rotary.inv_freq
     with torch.no_grad():
-        angles = torch.arange(length)[:, None].float() * inv_freq  # (L, rd/2)
-    return (g.const(f"{name}.cos", f32(angles.cos() * rotary.scale)),  # (L, rd/2)
-            g.const(f"{name}.sin", f32(angles.sin() * rotary.scale)))  # (L, rd/2)
+        angles = (torch.arange(length)[:, None].float() * inv_freq).numpy()  # (L, rd/2)
+    # numpy's cos and sin, on one thread: once, an export's engine.onnx got a cos table
+    # whose rows past 4096 (the second of PyTorch's two threads' halves) were up to 1.5e-4
+    # off, its engine_mixed.onnx the right one; not seen again in thousands of calls
+    scale = np.float32(rotary.scale)
+    return (g.const(f"{name}.cos", np.cos(angles) * scale),  # (L, rd/2)
+            g.const(f"{name}.sin", np.sin(angles) * scale))  # (L, rd/2)
 
 
 _FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
