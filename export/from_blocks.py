@@ -60,10 +60,9 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
                        say: Callable[[str], None]) -> dict[str, Any]:
     """Write the served graphs and weights.bin into ``tmp``; return the manifest's
     figures: verification, storage, build_seconds, parameter_bytes, codes8_weights."""
-    from export.engine_graph import EngineDecoder, build_engine_graph, verify_engine
+    from export.engine_graph import EngineDecoder, build_engine_graph
     from export.gguf_source import GGUFFile, open_source
     from export.graphs import build_attention, build_decoder
-    from export.layerwise import LayerwiseReference
     from export.memory import release
     from export.onnx_build import WeightsWriter, load_graph
     from export.quantize import (
@@ -72,7 +71,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         compare_decoders,
         quantize_weights,
     )
-    from export.verify import check_prompts, check_threads, decoder_for, verify_artifact
+    from export.verify import check_threads, decoder_for
     from export.widen_codes import compare_widened, widen_4bit_codes
     from service.contract import io_spec as io
     from service.contract.engine_spec import (
@@ -128,38 +127,8 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         f"{build_seconds:.1f}s")
     verification: dict[str, Any] = {"skipped": True}
     if verify:
-        prompts = check_prompts(gpt.config)
-
-        def continuing() -> Any:  # the graph whose greedy choices PyTorch is fed
-            if engine_graph:  # the fastest: its cache written in place
-                return EngineDecoder(check[ENGINE_FILE], gpt, threads=threads)
-            return decoder_for(check[io.MODEL_FILE], gpt, "float32", threads)
-
-        reference = LayerwiseReference(gpt, ckpt.held, continuing).prepare(prompts)
-        release()
-        say(f"PyTorch's logits computed layer by layer (checks on {threads} thread"
-            f"{'s' if threads > 1 else ''})")
-        verification = {**verify_artifact(gpt, check[io.MODEL_FILE], tmp / io.ATTENTION_FILE,
-                                          reference=reference, threads=threads),
-                        "reference": "PyTorch layer by layer (export/layerwise.py); graphs "
-                                     "checked with the file's blocks at float activations"}
-        say(f"verified at float activations: prefill "
-            f"{verification['prefill']['max_abs_diff']:.2e}, decode "
-            f"{verification['decode']['max_abs_diff']:.2e} over "
-            f"{verification['decode']['steps']} steps (tolerance "
-            f"{verification['tolerance']['logits']:.2e}); attention.onnx "
-            f"{verification['attention']['weights_max_abs_diff']:.2e}")
-        verification["attention_quantized"] = {**attention, "verified": True,
-                                               **verification["attention"]}
-        for name, key in ((ENGINE_FILE, "engine"), (ENGINE_MIXED_FILE, "engine_mixed")):
-            if name in graphs:
-                verification[key] = verify_engine(gpt, check[name], reference=reference,
-                                                  prompts=verification["decode"]["prompts"],
-                                                  threads=threads)
-                say(f"verified {name} at float activations: "
-                    f"{verification[key]['max_abs_diff']:.2e}")
-        del reference
-        release()
+        verification = _verify_float_activations(ckpt, tmp, check, graphs, attention, threads,
+                                                 say)
     # Judged once, on the graph the service decodes with (engine.onnx; model.onnx without
     # engine graphs): the others run the same products at the same accuracy level.
     judged = ENGINE_FILE if engine_graph else io.MODEL_FILE
@@ -234,3 +203,51 @@ def _remove(graph: Path, side_data: str) -> None:
     """A graph file and its side file of weights (export/quantize.py), if there."""
     graph.unlink(missing_ok=True)
     graph.with_name(graph.name + side_data).unlink(missing_ok=True)
+
+
+def _verify_float_activations(ckpt: Any, tmp: Path, check: dict[str, Path], graphs: list[str],
+                              attention: dict[str, Any], threads: int,
+                              say: Callable[[str], None]) -> dict[str, Any]:
+    """The float-activation graphs (``check``) and attention.onnx against PyTorch run
+    layer by layer, by the float32 rule (export/verify.py); the manifest's figures."""
+    from export.engine_graph import EngineDecoder, verify_engine
+    from export.layerwise import LayerwiseReference
+    from export.memory import release
+    from export.verify import check_prompts, decoder_for, verify_artifact
+    from service.contract import io_spec as io
+    from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
+
+    gpt = ckpt.model
+
+    def continuing() -> Any:  # the graph whose greedy choices PyTorch is fed
+        if ENGINE_FILE in graphs:  # the fastest: its cache written in place
+            return EngineDecoder(check[ENGINE_FILE], gpt, threads=threads)
+        return decoder_for(check[io.MODEL_FILE], gpt, "float32", threads)
+
+    reference = LayerwiseReference(gpt, ckpt.held, continuing).prepare(
+        check_prompts(gpt.config))
+    release()
+    say(f"PyTorch's logits computed layer by layer (checks on {threads} thread"
+        f"{'s' if threads > 1 else ''})")
+    verification = {**verify_artifact(gpt, check[io.MODEL_FILE], tmp / io.ATTENTION_FILE,
+                                      reference=reference, threads=threads),
+                    "reference": "PyTorch layer by layer (export/layerwise.py); graphs "
+                                 "checked with the file's blocks at float activations"}
+    say(f"verified at float activations: prefill "
+        f"{verification['prefill']['max_abs_diff']:.2e}, decode "
+        f"{verification['decode']['max_abs_diff']:.2e} over "
+        f"{verification['decode']['steps']} steps (tolerance "
+        f"{verification['tolerance']['logits']:.2e}); attention.onnx "
+        f"{verification['attention']['weights_max_abs_diff']:.2e}")
+    verification["attention_quantized"] = {**attention, "verified": True,
+                                           **verification["attention"]}
+    for name, key in ((ENGINE_FILE, "engine"), (ENGINE_MIXED_FILE, "engine_mixed")):
+        if name in graphs:
+            verification[key] = verify_engine(gpt, check[name], reference=reference,
+                                              prompts=verification["decode"]["prompts"],
+                                              threads=threads)
+            say(f"verified {name} at float activations: "
+                f"{verification[key]['max_abs_diff']:.2e}")
+    del reference
+    release()
+    return verification

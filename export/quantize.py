@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from export.gguf_source import open_source
+from export.gguf_source import GGUFFile, open_source
 from export.memory import release
 from export.verify import decoder_for
 from model.gpt import GPT
@@ -206,7 +206,8 @@ def compare_decoders(gpt: GPT, reference: Callable[[], Decoder],
 def quantize_weights(src: Path, dst: Path, method: str = "int8",
                      training: dict[str, Any] | None = None,
                      flat: bool = False, level: int = ACCURACY_LEVEL,
-                     halves: bool | None = None, source: Any = None) -> dict[str, Any]:
+                     halves: bool | None = None, source: GGUFFile | None = None
+                     ) -> dict[str, Any]:
     """Write ``src`` with its MatMul weights quantised by ``method`` to ``dst``.
 
     ``training`` is the checkpoint's training record: ``gguf`` finds its source file there.
@@ -263,7 +264,7 @@ def _nbits_quantizer(model: Any, bits: int, symmetric: bool,
     return quantizer.model.model
 
 
-def _gguf_blocks(src: Path, dst: Path, source: Any,
+def _gguf_blocks(src: Path, dst: Path, source: GGUFFile,
                  flat: bool, level: int, halves: bool | None) -> dict[str, Any]:
     """The source GGUF file's blocks where they map onto MatMulNBits; our int4/int8 for
     the weights of other types (``fallback``, by node)."""

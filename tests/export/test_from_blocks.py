@@ -185,3 +185,20 @@ def test_engine_graph_at_float_activations_answers_as_the_whole_model(
     with torch.no_grad():
         want = whole(torch.from_numpy(prompt)).logits.numpy()
     np.testing.assert_allclose(logits, want, atol=1e-4, rtol=0)
+
+
+def test_8bit_codes_are_the_general_paths(tmp_path: Path) -> None:
+    """--codes8 from the blocks: the widened graphs verified against the served ones and
+    byte for byte the general path's."""
+    path = write_file(tmp_path, CASES["kquants"])
+    held = import_gguf_checkpoint(path, tmp_path / "held")
+    float32 = import_gguf_checkpoint(path, tmp_path / "float32", float32=True)
+    ours = export_artifact(held, tmp_path / "ours", quantize="gguf", engine_graph=True,
+                           codes8=True)
+    general = export_artifact(float32, tmp_path / "general", quantize="gguf",
+                              engine_graph=True, codes8=True)
+    for name in (*GRAPHS, "engine_codes8.onnx", "engine_codes8_plain.onnx"):
+        assert (ours / name).read_bytes() == (general / name).read_bytes(), name
+    verification = json.loads((ours / "manifest.json").read_text("utf-8"))["verification"]
+    assert verification["engine_codes8"]["greedy_equal"]
+    assert verification["engine_codes8_plain"]["greedy_equal"]
