@@ -37,8 +37,9 @@ def register(subparsers: Any) -> None:
                         "(block 32, a zero point per block; works with --engine-graph); "
                         "int8-dynamic: ORT quantize_dynamic (per-channel weights, "
                         "activations per call); gguf: a checkpoint imported from GGUF keeps "
-                        "the file's own Q4_0/Q4_1/Q8_0 blocks (MatMulNBits, not requantised; "
-                        "works with --engine-graph)")
+                        "the file's own Q4_0/Q4_1/Q8_0 and K-quant blocks (MatMulNBits, not "
+                        "requantised; works with --engine-graph), built from the file "
+                        "without a float32 copy of the model when the checkpoint holds it")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="KV cache dtype; logits and arithmetic stay float32")
     p.add_argument("--no-verify", action="store_true",
