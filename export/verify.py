@@ -132,8 +132,11 @@ def check_threads(gpt: GPT) -> int:
     (its checks take seconds, and exact figures are easiest to compare from run to run),
     every core this process may use for a larger one, whose checks are most of an
     export's time (a 1B model's, minutes). The bounds hold whatever the count."""
-    params = sum(p.numel() for p in gpt.parameters())
-    return 1 if params < CHECKS_ALONE else len(os.sched_getaffinity(0))
+    if sum(p.numel() for p in gpt.parameters()) < CHECKS_ALONE:
+        return 1
+    if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process may run on
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, ...]:

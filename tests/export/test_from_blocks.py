@@ -58,7 +58,8 @@ def kquants(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_the_artifact_is_the_float32_checkpoints_byte_for_byte(case: str,
                                                                 tmp_path: Path) -> None:
     """Tied and untied heads, GPT-2's fused Q|K|V and quantised position table, 8-bit and
-    K-quant blocks: the same graphs and weights.bin as the general export writes."""
+    K-quant blocks: the same graphs and weights.bin as the general export writes (the
+    K-quants with --codes8 too: the widened graphs, checked against the served ones)."""
     path = write_file(tmp_path, CASES[case])
     held = import_gguf_checkpoint(path, tmp_path / "held")
     float32 = import_gguf_checkpoint(path, tmp_path / "float32", float32=True)
@@ -66,12 +67,17 @@ def test_the_artifact_is_the_float32_checkpoints_byte_for_byte(case: str,
     assert not builds_from_blocks(float32, "gguf", False)
     assert not builds_from_blocks(held, "gguf", True)  # a float32 twin needs the weights
     assert not builds_from_blocks(held, "int4", False)
-    ours = export_artifact(held, tmp_path / "ours", quantize="gguf", engine_graph=True)
+    codes8 = case == "kquants"
+    ours = export_artifact(held, tmp_path / "ours", quantize="gguf", engine_graph=True,
+                           codes8=codes8)
     general = export_artifact(float32, tmp_path / "general", quantize="gguf",
-                              engine_graph=True)
-    for name in GRAPHS:
+                              engine_graph=True, codes8=codes8, verify=False)
+    widened = ("engine_codes8.onnx", "engine_codes8_plain.onnx") if codes8 else ()
+    for name in (*GRAPHS, *widened):
         assert (ours / name).read_bytes() == (general / name).read_bytes(), name
     manifest = json.loads((ours / "manifest.json").read_text("utf-8"))["verification"]
+    for key in ("engine_codes8", "engine_codes8_plain") if codes8 else ():
+        assert manifest[key]["greedy_equal"], key
     assert manifest["passed"] and "layer by layer" in manifest["reference"]
     for key in ("engine", "engine_mixed"):
         assert manifest[key]["greedy_equal"] and manifest[key]["in_place"]
@@ -187,18 +193,14 @@ def test_engine_graph_at_float_activations_answers_as_the_whole_model(
     np.testing.assert_allclose(logits, want, atol=1e-4, rtol=0)
 
 
-def test_8bit_codes_are_the_general_paths(tmp_path: Path) -> None:
-    """--codes8 from the blocks: the widened graphs verified against the served ones and
-    byte for byte the general path's."""
-    path = write_file(tmp_path, CASES["kquants"])
-    held = import_gguf_checkpoint(path, tmp_path / "held")
-    float32 = import_gguf_checkpoint(path, tmp_path / "float32", float32=True)
-    ours = export_artifact(held, tmp_path / "ours", quantize="gguf", engine_graph=True,
-                           codes8=True)
-    general = export_artifact(float32, tmp_path / "general", quantize="gguf",
-                              engine_graph=True, codes8=True)
-    for name in (*GRAPHS, "engine_codes8.onnx", "engine_codes8_plain.onnx"):
-        assert (ours / name).read_bytes() == (general / name).read_bytes(), name
-    verification = json.loads((ours / "manifest.json").read_text("utf-8"))["verification"]
-    assert verification["engine_codes8"]["greedy_equal"]
-    assert verification["engine_codes8_plain"]["greedy_equal"]
+def test_without_engine_graphs_model_onnx_is_judged(kquants: tuple[Path, Path],
+                                                   tmp_path: Path) -> None:
+    """No engine graph: model.onnx is the served graph, judged at int8 activations against
+    its float-activation self, and no checked copy is left behind."""
+    art = export_artifact(kquants[1], tmp_path / "art", quantize="gguf")
+    verification = json.loads((art / "manifest.json").read_text("utf-8"))["verification"]
+    judged = verification["quantized"]
+    assert judged["judged_on"] == "model.onnx"
+    assert judged["token_agreement"] >= judged["agreement_target"]
+    assert judged["perplexity_relative_change"] < 0.05
+    assert sorted(p.name for p in art.glob("*.onnx")) == ["attention.onnx", "model.onnx"]
