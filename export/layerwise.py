@@ -103,10 +103,6 @@ class LayerwiseReference(TorchReference):
         with held.filled(gpt, head):
             return [gpt.head(x) for x, _ in states]
 
-    @staticmethod
-    def _logits_key(ids: np.ndarray) -> bytes:
-        return repr(ids.shape).encode() + ids.astype(np.int64).tobytes()
-
     def logits(self, ids: np.ndarray) -> np.ndarray:
         return self._prepared(self._logits, self._logits_key(ids), "logits")
 

@@ -265,7 +265,7 @@ def export_artifact(
     if quantize == "gguf":  # refuse before writing anything: no source file, or another one
         from export.gguf_source import open_source
 
-        open_source(ckpt.meta.training)
+        open_source(ckpt.meta.training, ckpt.held.reader if from_blocks else None)
     model_cfg = ckpt.meta.model
     if engine_graph and model_cfg.position == "rope" and (
             model_cfg.head_dim % 16 or model_cfg.rotary_dims % 16):

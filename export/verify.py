@@ -182,10 +182,14 @@ class TorchReference:
         self.intermediates(prompts.attention)
         return self
 
+    @staticmethod
+    def _logits_key(ids: np.ndarray) -> bytes:
+        return repr(ids.shape).encode() + ids.astype(np.int64).tobytes()
+
     @torch.no_grad()
     def logits(self, ids: np.ndarray) -> np.ndarray:
         """GPT.forward's logits (B, T, V) for unpadded prompts ``ids`` (B, T)."""
-        key = repr(ids.shape).encode() + ids.astype(np.int64).tobytes()
+        key = self._logits_key(ids)
         if key not in self._logits:
             self._logits[key] = self.gpt(torch.from_numpy(ids)).logits.numpy()
         return self._logits[key]

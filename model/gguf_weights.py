@@ -209,13 +209,19 @@ def _dequantized_entry(tensor: gguf.ReaderTensor, targets: list[str], arch: Arch
 
 
 def _dequantized_state(plan: list[tuple[gguf.ReaderTensor, list[str]]], arch: Architecture,
-                       family: str, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+                       family: str, cfg: GPTConfig,
+                       wanted: Callable[[str], bool] = lambda _: True
+                       ) -> dict[str, torch.Tensor]:
+    """The ``wanted`` parameters of ``plan``, dequantised one tensor at a time (a tensor
+    none of whose parameters is wanted is not read); a tied head's weight is the
+    embedding's."""
     out: dict[str, torch.Tensor] = {}
     for tensor, targets in plan:
-        out.update(_dequantized_entry(tensor, targets, arch, family, cfg))
-    if cfg.tie_weights:
+        if any(map(wanted, targets)):
+            out.update(_dequantized_entry(tensor, targets, arch, family, cfg))
+    if cfg.tie_weights and "tok_emb.weight" in out:
         out["lm_head.weight"] = out["tok_emb.weight"]
-    return out
+    return {k: v for k, v in out.items() if wanted(k)}
 
 
 class HeldWeights:
@@ -251,28 +257,16 @@ class HeldWeights:
         """The parameters whose names start with ``prefix`` and satisfy ``where``,
         dequantised one tensor at a time, but for those of tensors of the GGUF types in
         ``leave``; a tied head's weight is the embedding's."""
-        def wanted(name: str) -> bool:
-            return name.startswith(prefix) and where(name)
-
-        out: dict[str, torch.Tensor] = {}
-        for tensor, targets in self.plan:
-            if tensor.tensor_type in leave or not any(map(wanted, targets)):
-                continue
-            out.update(_dequantized_entry(tensor, targets, self.arch, self.family,
-                                          self.config))
-        if self.config.tie_weights and "tok_emb.weight" in out:
-            out["lm_head.weight"] = out["tok_emb.weight"]
-        return {k: v for k, v in out.items() if wanted(k)}
+        plan = [(tensor, targets) for tensor, targets in self.plan
+                if tensor.tensor_type not in leave]
+        return _dequantized_state(plan, self.arch, self.family, self.config,
+                                  lambda name: name.startswith(prefix) and where(name))
 
     def model(self, leave: frozenset[Any] = frozenset()) -> Any:
         """The model.gpt.GPT with every weight dequantised into it, but for the tensors of
         the GGUF types in ``leave``, which stay on the meta device (no storage)."""
-        model = self.skeleton
-        model.load_state_dict(self.state(leave=leave), strict=False, assign=True)
-        if self.config.tie_weights:
-            model.lm_head.weight = model.tok_emb.weight  # assign=True untied them
-        model.fill_buffers()
-        return model.eval()
+        return _filled(self.skeleton, self.state(leave=leave), self.config.tie_weights,
+                       strict=not leave)
 
     def fill(self, model: Any, prefix: str, where: Callable[[str], bool] = lambda _: True
              ) -> list[str]:
@@ -309,9 +303,11 @@ class HeldWeights:
                 model.lm_head.weight = model.tok_emb.weight
 
 
-def _filled(skeleton: Any, state: dict[str, torch.Tensor], tied: bool) -> Any:
-    """The meta-device GPT with ``state`` as its parameters (no copy), tied again."""
-    skeleton.load_state_dict(state, strict=True, assign=True)
+def _filled(skeleton: Any, state: dict[str, torch.Tensor], tied: bool,
+            strict: bool = True) -> Any:
+    """The meta-device GPT with ``state`` as its parameters (no copy), tied again;
+    ``strict=False``: those missing from ``state`` stay on the meta device."""
+    skeleton.load_state_dict(state, strict=strict, assign=True)
     if tied:
         skeleton.lm_head.weight = skeleton.tok_emb.weight  # assign=True untied them
     skeleton.fill_buffers()
