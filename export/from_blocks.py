@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         SIDE_DATA,
         compare_decoders,
         quantize_weights,
+        quiet_ort_logs,
     )
     from export.verify import check_threads, decoder_for
     from export.widen_codes import compare_widened, widen_4bit_codes
@@ -107,21 +109,31 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     # file, which the import record points at)
     source: GGUFFile | None = open_source(training, ckpt.held.reader)
 
-    def blocks(name: str, dst: Path, at: int, halves: bool) -> dict[str, Any]:
+    def blocks(jobs: dict[str, tuple[Path, int, bool]]) -> dict[str, dict[str, Any]]:
+        """Each graph ``name`` → (its rewrite, accuracy level, 8-bit blocks as halves),
+        rewritten on ``threads`` threads: a rewrite is numpy over one product's blocks at a
+        time, mostly outside the GIL, and on one thread left the other cores idle."""
         assert source is not None, "the file was closed"
-        figures = quantize_weights(built[name], dst, "gguf", training, level=at,
-                                   halves=halves, source=source,
-                                   flat=name in (ENGINE_FILE, ENGINE_MIXED_FILE))
-        release()  # the rewrite's buffers, before the next stage
-        return figures
+
+        def rewrite(name: str, dst: Path, at: int, halves: bool) -> dict[str, Any]:
+            figures = quantize_weights(built[name], dst, "gguf", training, level=at,
+                                       halves=halves, source=source,
+                                       flat=name in (ENGINE_FILE, ENGINE_MIXED_FILE))
+            release()  # the rewrite's buffers, before the next
+            return figures
+
+        with quiet_ort_logs(), ThreadPoolExecutor(max_workers=threads) as pool:
+            futures = {name: pool.submit(rewrite, name, *job) for name, job in jobs.items()}
+            return {name: future.result() for name, future in futures.items()}
 
     # attention.onnx: the served codes at float activations (split in halves only where
-    # the served graphs run at float activations too, so weights.bin holds them once)
-    attention = blocks(io.ATTENTION_FILE, tmp / io.ATTENTION_FILE, ATTENTION_ACCURACY_LEVEL,
-                       halves=level == 0)
+    # the served graphs run at float activations too, so weights.bin holds them once);
     # the float-activation graphs: what the checks verify (and, at level 0, what is served)
-    rewritten = {name: blocks(name, check[name], 0, halves=True)
-                 for name in graphs if verify or level == 0}
+    rewritten = blocks({io.ATTENTION_FILE: (tmp / io.ATTENTION_FILE, ATTENTION_ACCURACY_LEVEL,
+                                            level == 0),
+                        **{name: (check[name], 0, True)
+                           for name in graphs if verify or level == 0}})
+    attention = rewritten.pop(io.ATTENTION_FILE)
     build_seconds = time.perf_counter() - started
     say(f"built {', '.join(sorted((*graphs, io.ATTENTION_FILE)))} from the file's blocks in "
         f"{build_seconds:.1f}s")
@@ -140,7 +152,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         for name in graphs:
             if name != judged or not verify:
                 _remove(check[name], SIDE_DATA)
-            rewritten[name] = blocks(name, tmp / name, level, halves=False)
+        rewritten.update(blocks({name: (tmp / name, level, False) for name in graphs}))
     # every block read: the file's memory map goes before the sessions that judge them
     source = None
     ckpt.held.close()

@@ -64,6 +64,9 @@ ACCURACY_LEVEL = 4  # int8 activations, as --quantize int8/int4
 Q4_1_MODES = ("exact", "float-zp")
 Q4_1_MODE = "exact"
 CHECK_ROWS = 4096  # rows of a weight dequantised at a time to check it (dequantises_to)
+# initializers smaller than this stay in the graph (as onnx.save leaves them): shapes, which
+# ONNX Runtime's shape inference reads from the graph itself
+INLINE_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -183,15 +186,43 @@ def pack_zero_points(z: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
 
 
+class SideFile:
+    """A graph's side file of weights, written as each new initializer is made: a rewrite
+    then holds one product's blocks at a time instead of every one until the graph is saved
+    (a 1B model's are 950 MB; two rewrites at once held both). The tensors point at it as
+    ONNX's external data does (location, offset, length), and ``onnx.save`` appends the
+    tensors still held in memory after them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = open(path, "wb")  # noqa: SIM115 (closed by close(), after the rewrite)
+
+    def tensor(self, array: np.ndarray, name: str) -> onnx.TensorProto:
+        """``array`` (C-contiguous, little-endian) written; its initializer pointing here."""
+        offset = self.file.tell()
+        self.file.write(memoryview(array).cast("B"))
+        tensor = onnx.TensorProto(name=name, dims=array.shape,
+                                  data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype),
+                                  data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (("location", self.path.name), ("offset", str(offset)),
+                           ("length", str(array.nbytes))):
+            tensor.external_data.add(key=key, value=value)
+        return tensor
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class BlockWriter:
     """New nodes and initializers for one graph, with the per-input block sums shared.
 
     ``flat``: the graph's activations are (tokens, features) matrices, so a remainder and
-    its Add can be one Gemm (whose inputs must be matrices)."""
+    its Add can be one Gemm (whose inputs must be matrices). ``side``: the new initializers
+    go there as they are made (else they are held in memory)."""
 
     def __init__(self, mode: str, level: int, flat: bool = False,
-                 halves: bool | None = None) -> None:
-        self.mode, self.level, self.flat = mode, level, flat
+                 halves: bool | None = None, side: SideFile | None = None) -> None:
+        self.mode, self.level, self.flat, self.side = mode, level, flat, side
         # 8-bit blocks as two 4-bit products (:meth:`_byte_halves`): by default where the
         # activations are float; attention.onnx of an int8-activation artifact runs at
         # float ones on the 8-bit codes the engine graphs hold (stored once, run rarely)
@@ -210,7 +241,9 @@ class BlockWriter:
         array = np.ascontiguousarray(array)
         key = (array.dtype.str, array.shape, hashlib.sha256(array.tobytes()).digest())
         if key not in self.by_content:
-            self.inits[name] = numpy_helper.from_array(array, name)
+            self.inits[name] = (numpy_helper.from_array(array, name)
+                                if self.side is None or array.nbytes < INLINE_BYTES
+                                else self.side.tensor(array, name))
             self.by_content[key] = name
         return self.by_content[key]
 
@@ -449,13 +482,14 @@ def dequantises_to(pieces: list[Piece], weight: np.ndarray, transposed: bool) ->
 
 def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
                   level: int = ACCURACY_LEVEL, flat: bool = False,
-                  base: Path | None = None, halves: bool | None = None) -> dict[str, Any]:
+                  base: Path | None = None, halves: bool | None = None,
+                  side: SideFile | None = None) -> dict[str, Any]:
     """Replace, in place, every weight product whose tensors are of ``DIRECT`` types in
     ``src`` by MatMulNBits over the file's blocks; return the figures (``fallback``: the
     nodes left for our quantiser, with the bits it should use). ``model`` holds its
     weights, or with ``base`` leaves them in that directory (external data), each read
-    when its blocks are checked; ``flat``: its activations are (tokens, features) matrices
-    (see :class:`BlockWriter`)."""
+    when its blocks are checked; ``flat``: its activations are (tokens, features) matrices,
+    ``side``: where the new initializers are written (see :class:`BlockWriter`)."""
     if mode not in Q4_1_MODES:
         raise ValueError(f"unknown Q4_1 mode {mode!r}; choose one of {list(Q4_1_MODES)}")
     graph = model.graph
@@ -495,7 +529,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
     for node in graph.node:
         if node.name in pieces_of and node.op_type != "Gather":
             readers.setdefault(node.input[0], []).append(node)
-    writer = BlockWriter(mode, level, flat, halves)
+    writer = BlockWriter(mode, level, flat, halves, side)
     joined = split = 0
     embeddings: list[tuple[int, onnx.NodeProto]] = []  # (where in writer.nodes, Gather)
     for node in graph.node:
@@ -570,10 +604,12 @@ def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],
 
 def rewrite_file(path: Path, src: GGUFFile, mode: str = Q4_1_MODE,
                  level: int = ACCURACY_LEVEL, flat: bool = False, external: bool = False,
-                 halves: bool | None = None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+                 halves: bool | None = None, side: SideFile | None = None
+                 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """``path`` rewritten by :func:`rewrite_graph`: its external weights loaded, or with
     ``external`` left where they are (the model's tensors still point at them; each weight
-    is read when it is checked), so that the float32 graph is never held whole."""
+    is read when it is checked), so that the float32 graph is never held whole; the new
+    weights written to ``side`` as they are made, where given."""
     model = onnx.load(str(path), load_external_data=not external)
     return model, rewrite_graph(model, src, mode, level, flat, halves=halves,
-                                base=path.parent if external else None)
+                                base=path.parent if external else None, side=side)

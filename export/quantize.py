@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -203,6 +204,24 @@ def compare_decoders(gpt: GPT, reference: Callable[[], Decoder],
     }
 
 
+@contextmanager
+def quiet_ort_logs() -> Iterator[None]:
+    """ORT's quantiser's per-node INFO lines and its shape-inference pre-processing advice
+    silenced, the levels put back after. Rewrites on several threads run inside one of
+    these (export/from_blocks.py): theirs then save and put back ERROR, never a level one
+    of them set."""
+    loggers = [logging.getLogger(), logging.getLogger(
+        "onnxruntime.quantization.matmul_nbits_quantizer")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels, strict=True):
+            lg.setLevel(lv)
+
+
 def quantize_weights(src: Path, dst: Path, method: str = "int8",
                      training: dict[str, Any] | None = None,
                      flat: bool = False, level: int = ACCURACY_LEVEL,
@@ -220,13 +239,7 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
     """
     if method not in METHODS:
         raise ValueError(f"unsupported quantization {method!r}; choose one of {list(METHODS)}")
-    # quiet ORT's per-node INFO lines and its shape-inference pre-processing advice
-    loggers = [logging.getLogger(), logging.getLogger(
-        "onnxruntime.quantization.matmul_nbits_quantizer")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
+    with quiet_ort_logs():
         if method == "gguf":
             figures = _gguf_blocks(src, dst, source or open_source(training or {}), flat,
                                    level, halves)
@@ -239,9 +252,6 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
                              op_types_to_quantize=["MatMul"], per_channel=True)
             figures = {"method": "onnxruntime.quantization.quantize_dynamic",
                        "weight_type": "QInt8", "per_channel": True, "op_types": ["MatMul"]}
-    finally:
-        for lg, lv in zip(loggers, levels, strict=True):
-            lg.setLevel(lv)
     from export.onnx_build import weight_bytes
 
     return {"quantization": method, **figures, "fp32_bytes": weight_bytes(src),
@@ -271,10 +281,17 @@ def _gguf_blocks(src: Path, dst: Path, source: GGUFFile,
     import onnx
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-    from export.gguf_blocks import rewrite_file
+    from export.gguf_blocks import SideFile, rewrite_file
 
-    model, figures = rewrite_file(src, source, flat=flat, external=True,
-                                  level=level, halves=halves)
+    # the new weights written as they are made, where the source graph's external data is
+    # in the same directory (see _save)
+    side = SideFile(_side_data(dst)) if src.parent.resolve() == dst.parent.resolve() else None
+    try:
+        model, figures = rewrite_file(src, source, flat=flat, external=True,
+                                      level=level, halves=halves, side=side)
+    finally:
+        if side is not None:
+            side.close()
     fallback = figures["fallback"]
     if fallback:  # ORT's quantiser reads the weights it rewrites from the proto
         wanted = {f["weight"] for f in fallback.values()}
@@ -297,22 +314,29 @@ def _gguf_blocks(src: Path, dst: Path, source: GGUFFile,
         and ".gguf_block_sums" not in n.output[0] for n in model.graph.node)
     if figures["quantized_matmuls"] == 0:
         raise ValueError(f"{src.name}: no weight of the GGUF file to keep or quantise")
-    _save(model, dst, src.parent)
+    _save(model, dst, src.parent, written=side is not None)
     return figures
 
 
-def _save(model: Any, dst: Path, base: Path | None = None) -> None:
+def _side_data(graph: Path) -> Path:
+    return graph.with_name(graph.name + SIDE_DATA)
+
+
+def _save(model: Any, dst: Path, base: Path | None = None, written: bool = False) -> None:
     """Topologically sorted, its new weights in a side file (``dst`` + ".data": a graph
     of over 2 GB, a 3B model's blocks, cannot be one protobuf); export_artifact moves
     them into weights.bin afterwards and deletes the side files. Tensors left in
     ``base``'s external data keep pointing there when ``dst`` is in that directory, and
-    are copied into the side file otherwise."""
+    are copied into the side file otherwise. ``written``: the side file holds the new
+    weights already (export/gguf_blocks.py ``SideFile``); those still in memory go after
+    them."""
     import onnx
     from onnxruntime.quantization.onnx_model import ONNXModel
 
     if base is not None and base.resolve() != dst.parent.resolve():
         onnx.load_external_data_for_model(model, str(base))
-    dst.with_name(dst.name + SIDE_DATA).unlink(missing_ok=True)  # onnx appends to it
+    if not written:
+        _side_data(dst).unlink(missing_ok=True)  # onnx appends to it
     ONNXModel(model).save_model_to_file(str(dst), use_external_data_format=True)
 
 

@@ -33,7 +33,12 @@ from model.architectures import architecture
 from model.architectures.base import Architecture
 from model.checkpoint import CheckpointMeta, save_checkpoint
 from model.config import GPTConfig
-from model.hf_config import ImportRefused, gpt_config_from_hf
+from model.hf_config import (
+    ImportRefused,
+    gpt_config_from_hf,
+    text_model_config,
+    text_weight_name,
+)
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -96,11 +101,13 @@ class HFSource:
     """What an import reads, checked and ready to write."""
 
     config: GPTConfig
-    hf_config: dict[str, Any]
+    hf_config: dict[str, Any]  # a multimodal model's: its text model's
     weight_files: dict[str, Path]  # HF tensor name → safetensors file holding it
     prefix: str  # "transformer." or "" (checkpoints saved from GPT2Model)
     tokenizer_json: str
     special: dict[str, int | None]
+    # a multimodal model's text weights: the causal LM's name → the name in the file
+    stored_names: dict[str, str]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -148,7 +155,20 @@ def _weight_files(src: Path) -> dict[str, Path]:
         raise ImportRefused(f"{single} is not a readable safetensors file: {exc}") from exc
 
 
-def _check_weights(files: dict[str, Path], config: GPTConfig, where: Path) -> str:
+def _text_weights(files: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]]:
+    """A multimodal model's files by its text model's tensor names (the other towers' left
+    out), and those names → the names in the files."""
+    text: dict[str, Path] = {}
+    stored: dict[str, str] = {}
+    for name, path in files.items():
+        ours = text_weight_name(name)
+        if ours is not None:
+            text[ours], stored[ours] = path, name
+    return text, stored
+
+
+def _check_weights(files: dict[str, Path], config: GPTConfig, where: Path,
+                   stored: dict[str, str]) -> str:
     """Check names and shapes against the config (headers only); return the name prefix."""
     from safetensors import safe_open
 
@@ -173,7 +193,7 @@ def _check_weights(files: dict[str, Path], config: GPTConfig, where: Path) -> st
     for path, tensor_names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for name in tensor_names:
-                sl = f.get_slice(name)
+                sl = f.get_slice(stored.get(name, name))
                 shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
                 want = expected.get(name, (config.vocab_size, config.d_model))
                 if shape != want:
@@ -272,10 +292,13 @@ def read_hf_source(src: Path) -> HFSource:
                             "directory with config.json and model.safetensors)")
     if not (src / HF_CONFIG).is_file():
         raise ImportRefused(f"{src} has no {HF_CONFIG}")
-    hf = _read_json(src / HF_CONFIG)
+    hf, multimodal = text_model_config(_read_json(src / HF_CONFIG), src / HF_CONFIG)
     config = gpt_config_from_hf(hf, src / HF_CONFIG)
     files = _weight_files(src)
-    prefix = _check_weights(files, config, src)
+    stored: dict[str, str] = {}  # the file's own names where they differ
+    if multimodal:
+        files, stored = _text_weights(files)
+    prefix = _check_weights(files, config, src, stored)
     names = _special_token_names(src)
     tokenizer = _load_tokenizer(src, names, architecture(config.arch))
     if tokenizer.get_vocab_size() > config.vocab_size:
@@ -286,7 +309,7 @@ def read_hf_source(src: Path) -> HFSource:
         checkpoint_special_ids(tokenizer, special)
     except ValueError as exc:
         raise ImportRefused(f"{src}: special token ids: {exc}") from exc
-    return HFSource(config, hf, files, prefix, tokenizer.to_str(), special)
+    return HFSource(config, hf, files, prefix, tokenizer.to_str(), special, stored)
 
 
 def state_dict_from_hf(source: HFSource) -> dict[str, Any]:
@@ -303,7 +326,8 @@ def state_dict_from_hf(source: HFSource) -> dict[str, Any]:
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for name in names:
-                raw[name.removeprefix(source.prefix)] = f.get_tensor(name).to(torch.float32)
+                raw[name.removeprefix(source.prefix)] = f.get_tensor(
+                    source.stored_names.get(name, name)).to(torch.float32)
     out = arch.state_dict_from_hf(raw, source.config)
     return {k: v.contiguous() for k, v in out.items()}
 

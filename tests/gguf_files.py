@@ -167,7 +167,8 @@ def _llama3_rope_factors(hp: dict[str, Any]) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-GGUF_ARCH = {"mistral": "llama"}  # transformers' model_type → general.architecture
+# transformers' model_type → general.architecture
+GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}
 
 
 def _llama_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
@@ -191,6 +192,8 @@ def _llama_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
                 1 + math.log(scale) / math.log(hp["original_max_position_embeddings"])))
     if hp.get("sliding_window") is not None:
         writer.add_sliding_window(hp["sliding_window"])
+    if hp["model_type"] == "gemma3_text":  # TextModel's rope_theta of the window layers
+        writer.add_rope_freq_base_swa(hp["rope_local_base_freq"])
     if hp.get("head_dim") is not None:  # convert_hf_to_gguf.py's TextModel writes both
         writer.add_key_length(hp["head_dim"])
         writer.add_value_length(hp["head_dim"])
@@ -219,7 +222,7 @@ def _gguf_tensors(hf_dir: Path, hp: dict[str, Any]) -> dict[str, np.ndarray]:
         {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
          "qwen3": gguf.MODEL_ARCH.QWEN3, "smollm3": gguf.MODEL_ARCH.SMOLLM3,
          "mistral": gguf.MODEL_ARCH.LLAMA, "phi3": gguf.MODEL_ARCH.PHI3,
-         "gpt2": gguf.MODEL_ARCH.GPT2}[arch], n_layers)
+         "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "gpt2": gguf.MODEL_ARCH.GPT2}[arch], n_layers)
     out: dict[str, np.ndarray] = {}
     for name, data in load_file(str(hf_dir / "model.safetensors")).items():
         if name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):
@@ -232,6 +235,8 @@ def _gguf_tensors(hf_dir: Path, hp: dict[str, Any]) -> dict[str, np.ndarray]:
             data = llamacpp_permute(data, hp["num_attention_heads"])
         if arch in ("llama", "smollm3", "mistral") and ".k_proj." in name:
             data = llamacpp_permute(data, hp["num_attention_heads"], hp["num_key_value_heads"])
+        if arch == "gemma3_text" and name.endswith("norm.weight"):  # Gemma3Model.norm_shift
+            data = data + np.float32(1.0)
         new = names.get_name(name.removeprefix("transformer."), try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ValueError(f"no GGUF name for {name}")

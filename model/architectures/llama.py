@@ -70,6 +70,12 @@ ROPE_FREQS = "rope_freqs.weight"
 PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp permutes Q/K rows for these GGUF architectures only (qwen2 files are not).
 GGUF_PERMUTED = ("llama", "smollm3")
+# general.architecture → transformers' model_type, where they differ
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# llama.cpp's gemma3: of every 6 layers the first 5 are window layers, unless the file
+# says otherwise (attention.sliding_window_pattern), and their rotary base is 10,000
+GEMMA3_WINDOW_PERIOD, GEMMA3_LOCAL_THETA = 6, 10000.0
+GEMMA3_27B_LAYERS = 62  # whose query scale llama.cpp takes from d_model / n_heads
 # Llama 3's rope_scaling as llama.cpp's converter assumes it when writing rope_freqs.
 LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -143,7 +149,7 @@ class Llama(Architecture):
 
     name = "llama"
     hf_model_types = ("llama", "qwen2", "qwen3", "smollm3", "mistral", "phi3", "gemma3_text")
-    gguf_names = ("llama", "qwen2", "qwen3", "smollm3", "phi3")
+    gguf_names = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma3")
     positions = ("rope",)
     activations = ("silu", "gelu_tanh")  # SwiGLU, or Gemma's GeGLU
     fixed: ClassVar[Mapping[str, Any]] = {"position": "rope", "activation": "silu"}
@@ -162,7 +168,10 @@ class Llama(Architecture):
         "attn_norm": ("ln_1",), "ffn_norm": ("ln_2",), "attn_q": ("attn.w_q",),
         "attn_k": ("attn.w_k",), "attn_v": ("attn.w_v",), "attn_output": ("attn.w_o",),
         "attn_q_norm": ("attn.q_norm",), "attn_k_norm": ("attn.k_norm",),
-        "ffn_gate": ("ffn.gate",), "ffn_up": ("ffn.up",), "ffn_down": ("ffn.down",)}
+        "ffn_gate": ("ffn.gate",), "ffn_up": ("ffn.up",), "ffn_down": ("ffn.down",),
+        # Gemma 3's norms of the attention's and the MLP's outputs (ffn_norm is the one
+        # before the MLP, as in Llama)
+        "post_attention_norm": ("post_attn",), "post_ffw_norm": ("post_ffn",)}
 
     def gguf_layer_map(self, family: str) -> Mapping[str, tuple[str, ...]]:
         if family != "phi3":
@@ -373,8 +382,11 @@ class Llama(Architecture):
         layers = int(key("block_count"))
         nope = {"no_rope_layers": [int((i + 1) % SMOLLM3_NOPE_STEP != 0) for i in range(layers)]
                 } if family == "smollm3" else {}
+        model_type = GGUF_MODEL_TYPES.get(family, family)
+        gemma = _gemma3_from_gguf(meta, layers, d, heads, head_dim, refuse) \
+            if family == "gemma3" else {}
         return {**nope,
-            "model_type": family, "architectures": [HF_ARCHITECTURES[family]],
+            "model_type": model_type, "architectures": [HF_ARCHITECTURES[model_type]],
             "hidden_size": d, "num_attention_heads": heads,
             "num_key_value_heads": int(kv_heads), "num_hidden_layers": key("block_count"),
             "intermediate_size": key("feed_forward_length"),
@@ -393,6 +405,7 @@ class Llama(Architecture):
             # disabled", src/models/phi3.cpp); a file is served as llama.cpp runs it
             "sliding_window": (None if family == "phi3"
                                else meta.get(f"{family}.attention.sliding_window")),
+            **gemma,
         }
 
     # -- weights -------------------------------------------------------------------------
@@ -679,6 +692,34 @@ def _gemma3(hf: dict[str, Any], refuse: Refuse) -> dict[str, Any]:
             "sliding_window": int(window) if window and local else None,
             "window_layers": local if window and local else (),
             "local_rope_theta": float(hf.get("rope_local_base_freq", 10000.0))}
+
+
+def _gemma3_from_gguf(meta: dict[str, Any], layers: int, d: int, heads: int, head_dim: int,
+                      refuse: Refuse) -> dict[str, Any]:
+    """A gemma3 file's config as llama.cpp runs it (src/models/gemma3.cpp), which differs
+    from transformers' GGUF loader where the file is silent: the window pattern (a period,
+    5 window layers then a global one, or a per-layer list), the window layers' rotary base
+    (rope.freq_base_swa, else 10,000) and the query scale, which the file does not hold:
+    1/√head_dim (the 27B: 1/√(d/heads)), not transformers' default query_pre_attn_scalar.
+    The norms hold (1 + w) already (the converter adds the 1), as we keep them."""
+    window = meta.get("gemma3.attention.sliding_window")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", GEMMA3_WINDOW_PERIOD)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise refuse(f"gemma3.attention.sliding_window_pattern has {len(pattern)} entries "
+                         f"for {layers} layers")
+        local = [bool(flag) for flag in pattern]
+    else:
+        period = int(pattern)
+        local = [period == 0 or i % period < period - 1 for i in range(layers)]
+    return {"hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": int(window) if window else None,
+            "layer_types": ["sliding_attention" if window and flag else "full_attention"
+                            for flag in local],
+            "query_pre_attn_scalar": d // heads if layers == GEMMA3_27B_LAYERS else head_dim,
+            "rope_local_base_freq": float(meta.get("gemma3.rope.freq_base_swa",
+                                                   GEMMA3_LOCAL_THETA)),
+            "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping")}
 
 
 def _longrope(hf: dict[str, Any]) -> bool:

@@ -70,6 +70,8 @@ class Case:
 # Block quants need inner dims that are multiples of 32, K-quants of 256.
 SMALL = {"hidden_size": 128, "intermediate_size": 96}  # 4 heads of 32, 2 KV heads
 K_SIZED = {"hidden_size": 256, "intermediate_size": 512}  # 4 heads of 64
+GEMMA3_LAYERS = {"num_hidden_layers": 6, "sliding_window": 5,
+                 "layer_types": [*["sliding_attention"] * 5, "full_attention"]}
 CASES = {
     "llama-f32": Case("llama", (Q.F32,), SMALL),
     "llama-f16-bf16": Case("llama", (Q.F16, Q.BF16), SMALL),
@@ -103,6 +105,17 @@ CASES = {
     # Phi-4-mini's partial rotary: rope.dimension_count 16 of heads of 32
     "phi3-f32-partial": Case("phi3", (Q.F32,), {**SMALL, "partial_rotary_factor": 0.5,
                                                 "sliding_window": None}),
+    # Gemma 3 as llama.cpp runs a file: of 6 layers the first 5 windowed (its fixed period),
+    # the query scale 1/√head_dim (the file holds none), the window layers' own rotary base
+    # (rope.freq_base_swa); the norms hold (1 + w). Heads of 256, transformers' default
+    # query_pre_attn_scalar, so that its GGUF loader computes what llama.cpp does ...
+    "gemma3-blocks": Case("gemma3", (Q.Q8_0, Q.Q4_1, Q.F16), {
+        **SMALL, **GEMMA3_LAYERS, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "rope_local_base_freq": 10000.0}),
+    # ... and heads of 32 with another local base, checked against the source model
+    "gemma3-f32": Case("gemma3", (Q.F32,), {
+        **SMALL, **GEMMA3_LAYERS, "head_dim": 32, "query_pre_attn_scalar": 32,
+        "rope_local_base_freq": 500.0}),
     "gpt2-f32": Case("gpt2", (Q.F32,)),
     # transformers reads GGUF GPT-2 with n_positions 1024 whatever the file says.
     "gpt2-quants-untied": Case("gpt2", (Q.Q8_0, Q.Q5_0, Q.BF16),
@@ -201,7 +214,7 @@ def assert_same_greedy(ours: Any, theirs: Any, ids: torch.Tensor, n: int,
 # (it ignores qwen3.attention.key_length), SmolLM3 (no loader) and a llama or phi3 file's
 # sliding window (ignored)
 SOURCE_CHECKED = ("qwen3-f32-wide", "smollm3-f32", "mistral-f32", "phi3-f32-window",
-                  "phi3-f32-partial", "phi3-f32-longrope")
+                  "phi3-f32-partial", "phi3-f32-longrope", "gemma3-f32")
 
 
 @pytest.mark.parametrize("name", [name for name in CASES if name not in SOURCE_CHECKED])
@@ -242,6 +255,10 @@ def test_files_transformers_cannot_load_match_their_source_model(
         assert (ours.config.rotary_dims, ours.config.head_dim) == (16, 32)
     elif name == "phi3-f32-longrope":  # served with the short factors up to 64 positions
         assert ours.config.max_seq_len == 64 and ours.config.rope_scaling is not None
+    elif name == "gemma3-f32":
+        assert (ours.config.window_layers, ours.config.sliding_window,
+                ours.config.local_rope_theta, ours.config.attn_scale) == (
+            (0, 1, 2, 3, 4), 5, 500.0, 32 ** -0.5)
     ids = torch.randint(0, ours.config.vocab_size, (2, 20),
                         generator=torch.Generator().manual_seed(0))
     assert_same_logits(ours, theirs, ids)
@@ -253,7 +270,8 @@ GLOBAL = {"token_embd": "tok_emb", "position_embd": "pos_emb", "output_norm": "l
 BLOCK = {"attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_q": "attn.w_q", "attn_k": "attn.w_k",
          "attn_v": "attn.w_v", "attn_output": "attn.w_o", "ffn_gate": "ffn.gate",
          "ffn_up": "ffn.up", "ffn_down": "ffn.down", "attn_q_norm": "attn.q_norm",
-         "attn_k_norm": "attn.k_norm"}
+         "attn_k_norm": "attn.k_norm", "post_attention_norm": "post_attn",
+         "post_ffw_norm": "post_ffn"}
 
 
 def our_names(gguf_name: str, family: str = "") -> list[str]:
@@ -271,7 +289,8 @@ def our_names(gguf_name: str, family: str = "") -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["llama-blocks", "llama-kquants-tied", "qwen2-kquants-untied",
-                                  "qwen3-blocks", "phi3-blocks", "gpt2-quants-untied"])
+                                  "qwen3-blocks", "phi3-blocks", "gemma3-blocks",
+                                  "gpt2-quants-untied"])
 def test_weights_are_llamacpps_dequantisation_of_the_raw_blocks(
         built: Callable[[str], Built], name: str) -> None:
     """Our tensors, put back in llama.cpp's layout, equal gguf.quants.dequantize exactly."""
@@ -415,16 +434,18 @@ def _refused(capsys: pytest.CaptureFixture[str], src: Path, out: Path) -> str:
     return err
 
 
-def _variant(built: Callable[[str], Built], tmp_path: Path, **kwargs: Any) -> Path:
-    """The llama-blocks model written again with write_gguf options changed."""
-    b = built("llama-blocks")
-    spec = kwargs.pop("tokenizer", tokenizer_spec("llama"))
-    return write_gguf(b.hf_dir, tmp_path / "variant.gguf", CASES["llama-blocks"].types, spec,
-                      **kwargs)
+def _variant(built: Callable[[str], Built], tmp_path: Path, case: str = "llama-blocks",
+             **kwargs: Any) -> Path:
+    """A case's model (llama-blocks) written again with write_gguf options changed."""
+    b = built(case)
+    spec = kwargs.pop("tokenizer", tokenizer_spec(CASES[case].family))
+    return write_gguf(b.hf_dir, tmp_path / "variant.gguf", CASES[case].types, spec, **kwargs)
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
-    ({"architecture": "gemma3"}, "general.architecture 'gemma3' is not supported"),
+    ({"architecture": "mamba"}, "general.architecture 'mamba' is not supported"),
+    ({"metadata": {"gemma3.final_logit_softcapping": 30.0}, "case": "gemma3-f32"},
+     "final_logit_softcapping 30.0 is not supported"),
     ({"tokenizer": TokenizerSpec(model="bert", pre="default")},
      "tokenizer.ggml.model 'bert' is not supported"),
     ({"tokenizer": TokenizerSpec(pre="deepseek-coder")}, "tokenizer.ggml.pre 'deepseek-coder'"),

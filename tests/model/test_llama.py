@@ -333,3 +333,44 @@ def test_longrope_up_to_the_pretrained_length_equals_transformers() -> None:
     ours.load_state_dict(LLAMA.state_dict_from_hf(hf.state_dict(), config))
     x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
     assert (ours(x).logits - hf(x).logits).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("layout", ["as saved", "model.language_model."])
+def test_multimodal_gemma3_imports_its_text_model(tmp_path: Path, layout: str) -> None:
+    """A Gemma3ForConditionalGeneration directory (model_type gemma3, its text model under
+    text_config) imports as its text model, the vision tower left out: logits and greedy
+    tokens equal transformers' multimodal model on text. transformers 4.57 saves the
+    weights as language_model.model.* (the hub's Gemma 3 files' names); later ones as
+    model.language_model.*, written here by renaming."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from model.sample import generate
+    from tests.hf_llama import write_tokenizer
+
+    ids = write_tokenizer(tmp_path / "hf", "gemma3")
+    text = hf_config("gemma3", 400, ids).to_dict()
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                       image_token_index=399, boi_token_index=397, eoi_token_index=398)
+    cfg._attn_implementation = "eager"
+    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    randomise(hf, 7)
+    hf.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    weights = tmp_path / "hf" / "model.safetensors"
+    assert any(name.startswith("language_model.model.") for name in load_file(weights))
+    if layout == "model.language_model.":
+        save_file({"model." + name.replace("language_model.model.", "language_model.")
+                   if not name.startswith("lm_head") else name: tensor
+                   for name, tensor in load_file(weights).items()}, weights,
+                  metadata={"format": "pt"})
+    ours = load_checkpoint(import_hf_checkpoint(tmp_path / "hf", tmp_path / "ckpt")).model
+    assert ours.config.post_norms and ours.config.window_layers == (0,)
+    x = torch.randint(0, 397, (2, 23), generator=torch.Generator().manual_seed(4))
+    assert (ours(x).logits - hf(input_ids=x).logits).abs().max() <= 1e-4
+    mine = generate(ours, x[:1, :8], 8, greedy=True).new_tokens(8)
+    theirs = hf.generate(input_ids=x[:1, :8], max_new_tokens=8, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    assert mine[0].tolist() == theirs[0, 8:].tolist()
