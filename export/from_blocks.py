@@ -82,6 +82,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         ENGINE_FILE,
         ENGINE_MIXED_FILE,
     )
+    from service.contract.pages import release_file_pages
 
     gpt, training = ckpt.model, ckpt.meta.training
     threads = check_threads(gpt)
@@ -163,9 +164,10 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         verification[keys[name]] = {**rewritten[name], "judged_on": judged}
     if verify and level != 0:
         def decoder(path: Path) -> Any:
-            if engine_graph:
-                return EngineDecoder(path, gpt, threads=threads)
-            return decoder_for(path, gpt, "float32", threads)
+            made = (EngineDecoder(path, gpt, threads=threads) if engine_graph
+                    else decoder_for(path, gpt, "float32", threads))
+            release_file_pages(tmp)  # the weights its packing read, mapped beside the copy
+            return made
 
         figures = compare_decoders(gpt, lambda: decoder(check[judged]),
                                    lambda: decoder(tmp / judged), tok, training, "gguf")

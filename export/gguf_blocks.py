@@ -200,7 +200,7 @@ class SideFile:
     def tensor(self, array: np.ndarray, name: str) -> onnx.TensorProto:
         """``array`` (C-contiguous, little-endian) written; its initializer pointing here."""
         offset = self.file.tell()
-        self.file.write(memoryview(array).cast("B"))
+        self.file.write(array.data)  # C-contiguous (BlockWriter.const): its bytes in order
         tensor = onnx.TensorProto(name=name, dims=array.shape,
                                   data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype),
                                   data_location=onnx.TensorProto.EXTERNAL)

@@ -32,37 +32,29 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
-import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ (\S+)\s*(.*)$")
+from service.contract.pages import MADVISE as _MADVISE
+from service.contract.pages import (
+    Mapping,
+    file_mappings,
+    libc_function,
+    regions,
+    release_file_pages,
+)
+
+__all__ = ["Mapping", "anonymous_mappings", "can_release", "collapse_to_huge_pages",
+           "file_mappings", "release_file_pages", "release_freed_heap", "resident_pages"]
+
 MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)  # Linux 6.1+; Python 3.11 lacks the name
 HUGE_PAGE = 2 << 20
 COLLAPSE_MIN_RESIDENT = 0.9  # share of a 2 MiB range in RAM: never fill a sparse one
 
 
-def _libc_function(name: str, argtypes: list[type], restype: type) -> Callable[..., int] | None:
-    try:
-        process = ctypes.CDLL(None, use_errno=True)  # the symbols loaded: libc among them
-    except OSError:
-        return None
-    function = getattr(process, name, None)
-    if function is None:
-        return None
-    function.argtypes = argtypes
-    function.restype = restype
-    return function
-
-
-_MALLOC_TRIM = _libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
-_MADVISE = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
-                          ctypes.c_int)
-_MINCORE = _libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
+_MALLOC_TRIM = libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+_MINCORE = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
                           ctypes.c_int)
 
 
@@ -78,70 +70,9 @@ def release_freed_heap() -> bool:
     return bool(_MALLOC_TRIM(0))
 
 
-@dataclass(frozen=True)
-class Mapping:
-    """One mapping in this process, with its resident and written sizes."""
-
-    start: int
-    end: int
-    resident_bytes: int
-    written_bytes: int  # private pages written (copied on write, or anonymous memory)
-
-
-@dataclass(frozen=True)
-class _Region:
-    mapping: Mapping
-    permissions: str  # e.g. rw-p
-    inode: str  # "0": not a file
-    name: str  # the file, [heap], [stack]..., or "" for anonymous memory
-
-
-def _regions(smaps: Path) -> list[_Region]:
-    """Every mapping in ``smaps`` (none where /proc is not there)."""
-    try:
-        lines = smaps.read_text().splitlines()
-    except OSError:
-        return []
-    headers: list[tuple[tuple[str, ...], dict[str, int]]] = []  # (fields, sizes in bytes)
-    for line in lines:
-        match = _HEADER.match(line)
-        if match:
-            headers.append((match.groups(), {"Rss:": 0, "Anonymous:": 0}))
-        elif headers and line.startswith(("Rss:", "Anonymous:")):
-            key, kib = line.split()[:2]
-            headers[-1][1][key] = int(kib) * 1024
-    return [_Region(Mapping(int(start, 16), int(end, 16), sizes["Rss:"], sizes["Anonymous:"]),
-                    permissions, inode, name)
-            for (start, end, permissions, inode, name), sizes in headers]
-
-
-def file_mappings(path: Path, smaps: Path = Path("/proc/self/smaps")) -> list[Mapping]:
-    """This process's mappings of the file ``path`` or of files under the directory
-    ``path`` (none where /proc is not there)."""
-    target = os.path.realpath(path)
-    inside = target.rstrip(os.sep) + os.sep
-    return [r.mapping for r in _regions(smaps)
-            if r.name == target or r.name.startswith(inside)]
-
-
-def release_file_pages(path: Path) -> int:
-    """Drop this process's resident pages of the file ``path`` (or of the files under the
-    directory ``path``) in every mapping where none was written; the bytes that were
-    resident in the mappings dropped. Later reads fault pages back in."""
-    if _MADVISE is None:
-        return 0
-    released = 0
-    for mapping in file_mappings(path):
-        if mapping.written_bytes or not mapping.resident_bytes:
-            continue  # a written private page exists only here: never drop it
-        if _MADVISE(mapping.start, mapping.end - mapping.start, mmap.MADV_DONTNEED) == 0:
-            released += mapping.resident_bytes
-    return released
-
-
 def anonymous_mappings(smaps: Path = Path("/proc/self/smaps")) -> list[Mapping]:
     """This process's private anonymous memory: malloc's own mappings and its heap."""
-    return [r.mapping for r in _regions(smaps)
+    return [r.mapping for r in regions(smaps)
             if r.inode == "0" and r.permissions == "rw-p" and r.name in ("", "[heap]")]
 
 
