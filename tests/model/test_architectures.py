@@ -34,7 +34,8 @@ def test_lookups_by_name_model_type_and_gguf_architecture() -> None:
     assert for_hf_model_type("mistral") is architecture("llama")
     assert for_hf_model_type("phi3") is architecture("llama")
     assert for_hf_model_type("gemma3_text") is architecture("llama")
-    assert for_hf_model_type("gemma3") is None and for_gguf("gemma3") is None
+    # a multimodal Gemma 3 config is read through its text_config (model/hf_config.py)
+    assert for_hf_model_type("gemma3") is None and for_gguf("gemma3") is architecture("llama")
     with pytest.raises(UnknownArchitecture, match=r"'rwkv'; registered: gpt, llama"):
         GPTConfig(vocab_size=8, arch="rwkv")
 
