@@ -138,8 +138,8 @@ def measure_device(artifact_dir: Path, device: str, threads: int, prompts: list[
     through the host at every step (as before the cache stayed on the device);
     ``cuda_graphs=False``: every kernel of a float16 artifact's decode steps launched."""
     from benchmarks.runner_engine import EngineRunner
-    from service.engine.portable import ModelGraphRunner
-    from service.engine.static_cache import EngineGraphRunner
+    from service.engine.engine_graph_runner import EngineGraphRunner
+    from service.engine.model_graph_runner import ModelGraphRunner
 
     runner = EngineRunner(artifact_dir, threads, name=f"engine-{device}",
                           max_len=len(prompt) + new + 8,

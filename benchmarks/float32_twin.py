@@ -45,7 +45,7 @@ def passes(args: argparse.Namespace) -> dict[str, Any]:
     """Prefill passes of ``rows`` × prompt-len tokens, twin against quantised graph."""
     from service.contract import io_spec as io
     from service.engine.engine import EngineConfig, create_runner
-    from service.engine.static_cache import EngineGraphRunner
+    from service.engine.engine_graph_runner import EngineGraphRunner
 
     rng = np.random.default_rng(0)
     report: dict[str, Any] = {"prompt_len": args.prompt_len, "threads": args.threads,
@@ -81,7 +81,7 @@ def passes(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.runner_engine import EngineRunner
-    from service.engine.static_cache import EngineGraphRunner
+    from service.engine.engine_graph_runner import EngineGraphRunner
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 10000, args.prompt_len).tolist() for _ in range(args.batch)]

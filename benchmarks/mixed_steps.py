@@ -89,9 +89,9 @@ def main() -> None:
     build(args.ckpt, work, args.quantize)
 
     from service.contract import io_spec as io
+    from service.engine.engine_graph_runner import EngineGraphRunner
+    from service.engine.providers import create_session
     from service.engine.runner import PoolConfig
-    from service.engine.session import create_session
-    from service.engine.static_cache import EngineGraphRunner
 
     config = io.ArtifactConfig.load(work)
     runners = {name: EngineGraphRunner(create_session(work / f"{name}.onnx", "cpu",

@@ -13,7 +13,7 @@ fastest at one row with 4-bit codes, and with 8-bit codes at many. Measured on
 SmolLM2-135M-Instruct (2 threads, `python -m benchmarks.quant_blocks --engine ...`), a
 decode step: 4-bit 11.1 / 20.9 / 64.2 ms at 1 / 8 / 32 rows, the same weights as 8-bit
 codes 14.6 / 22.0 / 58.7 ms, float32 22.7 / 33.7 / 64.9 ms. The runner picks the graph by
-the number of tokens in a pass (service/engine/static_cache.py). The cost is the 8-bit
+the number of tokens in a pass (service/engine/engine_graph_runner.py). The cost is the 8-bit
 codes' bytes: twice the 4-bit ones, in weights.bin and packed in memory.
 """
 

@@ -47,7 +47,7 @@ ENGINE_MIXED_FILE = "engine_mixed.onnx"  # the same decoder with a second group 
 # A quantised artifact's engine graph before quantisation (engine_mixed.onnx's when the
 # artifact has one, else engine.onnx's): float32 weights already in weights.bin, for passes
 # of many tokens, where MatMulNBits is slower than a float32 GEMM (service/engine/
-# static_cache.py).
+# engine_graph_runner.py).
 ENGINE_FLOAT32_FILE = "engine_float32.onnx"
 # A 4-bit artifact's served engine graph with its codes widened to bytes (export/
 # widen_codes.py): the same dequantised weights, ONNX Runtime's 8-bit kernel, which beats

@@ -2,11 +2,11 @@
 
 A float16 artifact's engine graph runs wholly on ONNX Runtime's CUDA provider (its
 GroupQueryAttention takes float16 or bfloat16 only, which is why a float32 artifact decodes
-with model.onnx there: portable.py). Three things keep a decode step on the device:
+with model.onnx there: model_graph_runner.py). Three things keep a decode step on the device:
 
 - **The KV pool lives there** (``DeviceKVPool``): one device buffer per layer's keys and
   values, allocated once, bound by pointer as every pass's past and present exactly as the
-  host pool is (static_cache.py), so GroupQueryAttention writes each new column in place
+  host pool is (engine_graph_runner.py), so GroupQueryAttention writes each new column in place
   and no cache crosses the bus. A row moved by compaction is copied device to device by a
   one-node ONNX Runtime graph (``DeviceCopier``): no CUDA library beyond ONNX Runtime's.
 - **Decode steps are CUDA graphs** (``CapturedDecode``): the kernels of a step, about a

@@ -140,7 +140,7 @@ class PooledRunner:
                             new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
                             ) -> tuple[np.ndarray, list[np.ndarray]]:
         """Two passes here (a graph with one group of rows); engine_mixed.onnx prefills
-        the plain prompts in the decode step's pass (static_cache.py)."""
+        the plain prompts in the decode step's pass (engine_graph_runner.py)."""
         return self.decode(slots, tokens), self.prefill(new_slots, prompts)
 
     def _split_prompts(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
@@ -201,7 +201,7 @@ class PooledRunner:
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
                           chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Two passes here (a graph with one group of rows); engine_mixed.onnx makes it
-        one (static_cache.py)."""
+        one (engine_graph_runner.py)."""
         logits = self.decode(slots, tokens), self.extend_last(slot, chunk)
         self._save_prefix([slot])
         return logits

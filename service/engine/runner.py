@@ -8,8 +8,8 @@ writes their keys and values back, so the batch holds no cache and no padding. E
 runner lays out its own inputs (engine.onnx right-pads, model.onnx left-pads).
 
 Two runners implement it: ``EngineGraphRunner`` (engine.onnx, pool slots bound in place;
-static_cache.py) and ``ModelGraphRunner`` (model.onnx, the portable graph, past gathered
-from the pool every step; portable.py), both over ``PooledRunner`` (pooled.py).
+engine_graph_runner.py) and ``ModelGraphRunner`` (model.onnx, the portable graph, past gathered
+from the pool every step; model_graph_runner.py), both over ``PooledRunner`` (pooled.py).
 """
 
 from __future__ import annotations

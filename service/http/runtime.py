@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.engine.engine import Engine, EngineConfig
+from service.engine.providers import create_session
 from service.engine.scheduler import Scheduler
-from service.engine.session import create_session
 from service.http.admission import AdmissionGate
 from service.http.metrics import Metrics
 from service.http.validation import Validator

@@ -2,7 +2,7 @@
 
 What it measures needs a CUDA GPU (results/cuda/ holds the one run); CI has none, so only
 its refusals are tested here. The device-resident decode it times is tested on CPU in
-tests/service/engine/test_static_cache.py.
+tests/service/engine/test_engine_graph_runner.py.
 """
 
 from __future__ import annotations

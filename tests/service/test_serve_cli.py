@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from service.contract import io_spec as io
-from service.engine import session
+from service.engine import providers
 from service.settings import Limits, Settings
 
 
@@ -58,22 +58,22 @@ def test_a_blank_api_key_is_refused_at_start(artifact: Path, key: str) -> None:
 
 
 def test_device_cuda_without_cuda_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(session.ort, "get_available_providers",
+    monkeypatch.setattr(providers.ort, "get_available_providers",
                         lambda: ["CPUExecutionProvider"])
-    with pytest.raises(session.DeviceError, match="CUDAExecutionProvider"):
-        session.select_providers("cuda")
-    assert session.select_providers("auto") == ["CPUExecutionProvider"]
-    monkeypatch.setattr(session.ort, "get_available_providers",
+    with pytest.raises(providers.DeviceError, match="CUDAExecutionProvider"):
+        providers.select_providers("cuda")
+    assert providers.select_providers("auto") == ["CPUExecutionProvider"]
+    monkeypatch.setattr(providers.ort, "get_available_providers",
                         lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
-    assert session.select_providers("auto") == ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    assert session.select_providers("cpu") == ["CPUExecutionProvider"]
+    assert providers.select_providers("auto") == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert providers.select_providers("cpu") == ["CPUExecutionProvider"]
 
 
 def test_device_cuda_on_this_machine_exits_2_or_runs_on_cuda(artifact: Path) -> None:
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
-        assert session.select_providers("cuda")[0] == "CUDAExecutionProvider"
+        assert providers.select_providers("cuda")[0] == "CUDAExecutionProvider"
         return
     result = serve("--model", str(artifact), "--device", "cuda", "--port", "0")
     assert result.returncode == 2

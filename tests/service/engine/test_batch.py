@@ -1,7 +1,7 @@
 """The Batch on the tiny model: batched greedy equals the plain loop, whoever joins or leaves.
 
-The runner is model.onnx through the KV pool (portable.py); engine.onnx drives the same
-Batch in test_static_cache.py.
+The runner is model.onnx through the KV pool (model_graph_runner.py); engine.onnx drives the same
+Batch in test_engine_graph_runner.py.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 from service.contract import io_spec as io
 from service.contract.reference import OrtDecoder
 from service.engine.batch import Batch
-from service.engine.portable import ModelGraphRunner
+from service.engine.model_graph_runner import ModelGraphRunner
+from service.engine.providers import create_session
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
 from service.engine.sampling import log_softmax
-from service.engine.session import create_session
 from service.engine.text import TextCodec
 from tests.service.helpers import run_with_joins
 

@@ -26,8 +26,8 @@ from service.contract.engine_spec import (
     ENGINE_MIXED_FILE,
 )
 from service.engine.engine import EngineConfig, create_runner
+from service.engine.engine_graph_runner import EngineGraphRunner
 from service.engine.kv_pool import Slot
-from service.engine.static_cache import EngineGraphRunner
 from tests.service.helpers import ServerProcess
 
 ROWS = 4  # rows from which a pass runs on the 8-bit codes, in these tests

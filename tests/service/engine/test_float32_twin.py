@@ -2,7 +2,7 @@
 
 MatMulNBits loses to a float32 GEMM once a pass carries a few dozen rows, so export keeps
 the engine graph's float32 build beside the quantised one and the runner sends passes of at
-least ``float32_pass_tokens`` tokens to it (service/engine/static_cache.py). Checked here
+least ``float32_pass_tokens`` tokens to it (service/engine/engine_graph_runner.py). Checked here
 against PyTorch's float32 model: a wide pass computes its logits, a narrow one does not.
 """
 
@@ -20,7 +20,7 @@ from model.checkpoint import load_checkpoint
 from service.contract import io_spec as io
 from service.contract.engine_spec import ENGINE_FILE, ENGINE_FLOAT32_FILE, ENGINE_MIXED_FILE
 from service.engine.engine import EngineConfig, create_runner
-from service.engine.static_cache import EngineGraphRunner
+from service.engine.engine_graph_runner import EngineGraphRunner
 from tests.conftest import torch_threads
 
 WIDE = 24  # tokens from which a pass runs on the twin, in these tests

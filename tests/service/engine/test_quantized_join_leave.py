@@ -15,7 +15,7 @@ import pytest
 
 from service.contract import io_spec as io
 from service.engine.engine import EngineConfig, create_runner
-from service.engine.portable import ModelGraphRunner
+from service.engine.model_graph_runner import ModelGraphRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.text import TextCodec
 from tests.service.helpers import greedy_loop, run_with_joins

@@ -28,6 +28,8 @@ from service.contract import io_spec as io
 from service.engine import resident as resident_module
 from service.engine import scheduler as scheduler_module
 from service.engine.engine import Engine, EngineConfig
+from service.engine.engine_graph_runner import EngineGraphRunner
+from service.engine.providers import create_session
 from service.engine.request import (
     GenerationRequest,
     SamplingParams,
@@ -36,8 +38,6 @@ from service.engine.request import (
 )
 from service.engine.runner import PoolConfig
 from service.engine.scheduler import Scheduler, SchedulerLimits
-from service.engine.session import create_session
-from service.engine.static_cache import EngineGraphRunner
 from service.engine.text import TextCodec
 from service.settings import Settings
 

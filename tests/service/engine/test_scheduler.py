@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from service.contract import io_spec as io
-from service.engine.portable import ModelGraphRunner
+from service.engine.engine_graph_runner import EngineGraphRunner
+from service.engine.model_graph_runner import ModelGraphRunner
+from service.engine.providers import create_session
 from service.engine.request import (
     ErrorEvent,
     GenerationRequest,
@@ -26,8 +28,6 @@ from service.engine.request import (
 )
 from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerLimits
-from service.engine.session import create_session
-from service.engine.static_cache import EngineGraphRunner
 from service.engine.stats import LoadStats, RequestStats
 from service.engine.text import TextCodec
 from tests.service.fault_runner import ControlledRunner, QueueGate, Recorder

@@ -22,13 +22,13 @@ from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE, LOGITS_
 from service.contract.reference import OrtDecoder
 from service.engine.batch import Batch
 from service.engine.engine import EngineConfig, create_runner
+from service.engine.engine_graph_runner import EngineGraphRunner
+from service.engine.model_graph_runner import ModelGraphRunner
 from service.engine.pooled import PooledRunner
-from service.engine.portable import ModelGraphRunner
+from service.engine.providers import create_session
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
 from service.engine.sampling import log_softmax
-from service.engine.session import create_session
-from service.engine.static_cache import EngineGraphRunner
 from service.engine.text import TextCodec
 from tests.service.helpers import run_with_joins
 
