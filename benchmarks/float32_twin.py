@@ -55,7 +55,7 @@ def passes(args: argparse.Namespace) -> dict[str, Any]:
             intra_op_threads=args.threads, max_batch_size=max(args.passes),
             max_total_tokens=args.prompt_len + 8, prefix_caching=False, float32_pass_tokens=1,
             codes8_pass_rows=0))
-        if not (isinstance(runner, EngineGraphRunner) and runner.has_float32_twin):
+        if not isinstance(runner, EngineGraphRunner) or runner.float32_twin_tokens is None:
             raise SystemExit(f"float32_twin: {path} has no engine_float32.onnx "
                              "(export it again with --quantize int4|gguf --engine-graph --codes8)")
         for rows in args.passes:
@@ -93,13 +93,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, path in args.quantized:
         runner = EngineRunner(path, args.threads, max_len=max_len)
         model = runner.engine.runner
-        if not (isinstance(model, EngineGraphRunner) and model.has_float32_twin):
+        if not isinstance(model, EngineGraphRunner) or model.float32_twin_tokens is None:
             raise SystemExit(f"float32_twin: {path} has no engine_float32.onnx "
                              "(export it again with --quantize ... --engine-graph --float32-twin)")
         runners[name] = runner
         wide[name] = args.wide or model.float32_pass_tokens
         variants[name] = {f"{name} twin on": (wide[name], 0), f"{name} twin off": (0, 0)}
-        if model.has_codes8:
+        if model.codes8_rows is not None:
             variants[name] = {f"{name} as served": (wide[name], model.codes8_pass_rows),
                               **variants[name]}
     rounds: dict[str, list[dict[str, float]]] = {}

@@ -46,11 +46,11 @@ class DrainingServer(uvicorn.Server):
     def abort_in_flight(self) -> None:
         """Drain timeout reached: the engine fails what is left, with a proper error."""
         runtime = getattr(self.config.app.state, "runtime", None)  # type: ignore[union-attr]
-        if runtime is not None and runtime.scheduler is not None:
+        if runtime is not None and runtime.engine is not None:
             logging.getLogger("attnserve").warning(
                 "drain timeout of %ss reached: failing the requests still in flight",
                 self.drain_timeout)
-            runtime.scheduler.stop(0)  # non-blocking: flags the loop, which fails the rest
+            runtime.engine.stop(0)  # non-blocking: flags the loop, which fails the rest
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         runtime = getattr(self.config.app.state, "runtime", None)  # type: ignore[union-attr]

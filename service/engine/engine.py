@@ -328,19 +328,13 @@ class Engine:
     @property
     def float32_pass_tokens(self) -> int | None:
         """Passes of this many tokens or more run on engine_float32.onnx; None: no twin."""
-        runner = self.runner
-        if isinstance(runner, EngineGraphRunner) and runner.has_float32_twin:
-            return runner.float32_pass_tokens
-        return None
+        return self.runner.float32_twin_tokens
 
     @property
     def codes8_pass_rows(self) -> int | None:
         """Passes of this many rows or more (below ``float32_pass_tokens`` tokens) run on
         engine_codes8.onnx; None: the artifact has no such graph, or it is off."""
-        runner = self.runner
-        if isinstance(runner, EngineGraphRunner) and runner.has_codes8:
-            return runner.codes8_pass_rows
-        return None
+        return self.runner.codes8_rows
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.scheduler.start(loop)

@@ -132,12 +132,17 @@ class EngineGraphRunner(PooledRunner):
         self.samples_on_device = self._sampler is not None
 
     @property
-    def has_float32_twin(self) -> bool:
-        return self._twin is not None and self.float32_pass_tokens > 0
+    def float32_twin_tokens(self) -> int | None:
+        """Passes of this many tokens or more run on engine_float32.onnx; None: no twin."""
+        return self.float32_pass_tokens if (self._twin is not None
+                                            and self.float32_pass_tokens > 0) else None
 
     @property
-    def has_codes8(self) -> bool:
-        return self._codes8 is not None and self.codes8_pass_rows > 0
+    def codes8_rows(self) -> int | None:
+        """Passes of this many rows or more (below the twin's tokens) run on
+        engine_codes8.onnx; None: no such graph, or it is off."""
+        return self.codes8_pass_rows if (self._codes8 is not None
+                                         and self.codes8_pass_rows > 0) else None
 
     def _graph_for(self, rows: int, tokens: int) -> _Graph:
         """The graph for a pass of ``rows`` sequences and ``tokens`` tokens (rows × padded

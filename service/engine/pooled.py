@@ -38,6 +38,16 @@ class PooledRunner:
     mixes_chunks: bool = False  # decode_with_chunk is one pass over the weights
     samples_on_device: bool = False  # decode_ids draws sampled tokens beside the logits
 
+    @property
+    def float32_twin_tokens(self) -> int | None:
+        """No engine_float32.onnx here (EngineGraphRunner may have one)."""
+        return None
+
+    @property
+    def codes8_rows(self) -> int | None:
+        """No engine_codes8.onnx here (EngineGraphRunner may have one)."""
+        return None
+
     def __init__(self, config: io.ArtifactConfig, pool: PoolConfig, dtype: np.dtype,
                  device: str = "cpu") -> None:
         """``device`` "cuda": the pool in GPU memory (device.py), no prefix cache."""

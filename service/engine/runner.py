@@ -48,6 +48,17 @@ class ModelRunner(Protocol):
     samples_on_device: bool  # decode_ids draws sampled tokens where the logits are
 
     @property
+    def float32_twin_tokens(self) -> int | None:
+        """Passes of this many tokens or more run on engine_float32.onnx; None: no twin."""
+        ...
+
+    @property
+    def codes8_rows(self) -> int | None:
+        """Passes of this many rows or more (below the float32 twin's tokens) run on
+        engine_codes8.onnx; None: no such graph, or it is off."""
+        ...
+
+    @property
     def capacity(self) -> int:
         """Rows the runner can hold at once (the pool's slots)."""
         ...

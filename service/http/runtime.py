@@ -15,7 +15,6 @@ from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.engine.engine import Engine, EngineConfig
 from service.engine.providers import create_session
-from service.engine.scheduler import Scheduler
 from service.http.admission import AdmissionGate
 from service.http.metrics import Metrics
 from service.http.validation import Validator
@@ -54,11 +53,6 @@ class Runtime:
         # attention.onnx runs here, below the decode loop's priority (offload.py).
         self.attention_threads = low_priority_threads(self.settings.attention_max_concurrent,
                                                       "attnserve-attention")
-
-    @property
-    def scheduler(self) -> Scheduler | None:
-        """The engine's request loop: what the routes submit to."""
-        return self.engine.scheduler if self.engine is not None else None
 
     @property
     def provider(self) -> str | None:

@@ -123,6 +123,8 @@ class ControlledRunner:
         self.pool = runner.pool
         self.mixes_chunks = runner.mixes_chunks
         self.samples_on_device = runner.samples_on_device
+        self.float32_twin_tokens = runner.float32_twin_tokens
+        self.codes8_rows = runner.codes8_rows
 
     def _pass(self, prompts: Sequence[np.ndarray] = ()) -> None:
         if self.gate is not None and not self.gate.next():

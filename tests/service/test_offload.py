@@ -42,9 +42,9 @@ def test_the_attention_session_has_its_own_thread_count(artifact: Path) -> None:
         opened.codec, opened.limits, opened.config.eos_token_id,
         opened.config.generation.max_new_tokens))
     load_engine(runtime)
-    assert runtime.attention is not None and runtime.scheduler is not None
+    assert runtime.attention is not None and runtime.engine is not None
     assert runtime.attention.session.get_session_options().intra_op_num_threads == 1
-    decode = runtime.scheduler.runner.session  # type: ignore[attr-defined]
+    decode = runtime.engine.runner.session  # type: ignore[attr-defined]
     assert decode.get_session_options().intra_op_num_threads == 2
     gate = runtime.attention_gate
     assert (gate.max_running, gate.max_waiting, runtime.attention_encoder.workers) == (3, 2, 3)

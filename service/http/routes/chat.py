@@ -83,8 +83,8 @@ def logprobs_json(tokens: list[TokenEvent]) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            runtime: ReadyRuntime) -> Any:
     requests = chat_requests(body, runtime)
-    assert runtime.scheduler is not None
-    handles = runtime.scheduler.submit(requests)
+    assert runtime.engine is not None
+    handles = runtime.engine.submit(requests)
     chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         return StreamingResponse(stream(body, runtime, handles, chat_id, created),

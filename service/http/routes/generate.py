@@ -112,8 +112,8 @@ async def generate(body: GenerateRequest, request: Request, runtime: ReadyRuntim
     sampling = sampling_params(runtime, params)
     requests = [build_request(runtime, t, params, sampling, f, stream=False)
                 for t, f in zip(texts, fields, strict=True)]
-    assert runtime.scheduler is not None
-    results = await collect(runtime.scheduler.submit(requests), request)
+    assert runtime.engine is not None
+    results = await collect(runtime.engine.submit(requests), request)
     outputs = []
     for text, result in zip(texts, results, strict=True):
         item: dict[str, Any] = {"generated_text": output_text(text, result.finish, params)}
@@ -134,8 +134,8 @@ async def generate_stream(body: StreamRequest, runtime: ReadyRuntime) -> Streami
     request = build_request(runtime, body.inputs, params, sampling_params(runtime, params),
                             "inputs", stream=True)
     special = runtime.artifact.codec.special_ids
-    assert runtime.scheduler is not None
-    (handle,) = runtime.scheduler.submit([request])
+    assert runtime.engine is not None
+    (handle,) = runtime.engine.submit([request])
 
     async def events() -> AsyncIterator[bytes]:
         try:

@@ -165,8 +165,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 async def completions(body: CompletionRequest, request: Request,
                       runtime: ReadyRuntime) -> Any:
     requests = completion_requests(body, runtime)
-    assert runtime.scheduler is not None
-    handles = runtime.scheduler.submit(requests)
+    assert runtime.engine is not None
+    handles = runtime.engine.submit(requests)
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompts = [body.prompts[i // body.n] for i in range(len(requests))]
     if body.stream:

@@ -135,7 +135,7 @@ def test_each_pass_runs_on_the_graph_its_size_calls_for(int4_artifact: Path,
 
 def test_codes_off_load_nothing(int4_artifact: Path) -> None:
     runner = runner_for(int4_artifact, 0)
-    assert not runner.has_codes8 and runner._codes8 is None
+    assert runner.codes8_rows is None and runner._codes8 is None
 
 
 def test_the_server_says_which_passes_run_where(

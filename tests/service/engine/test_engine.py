@@ -120,7 +120,7 @@ def test_load_engine_builds_the_engine_from_the_settings(engine_artifact: Path) 
         artifact.codec, artifact.limits, artifact.config.eos_token_id, 16))
     load_engine(runtime)
     engine = runtime.engine
-    assert engine is not None and runtime.scheduler is engine.scheduler
+    assert engine is not None
     assert runtime.decode_graph == "engine.onnx" and runtime.provider == engine.provider
     config = artifact.config
     budget = 2**20 // config.kv_bytes_per_token()  # tokens of 1 MiB

@@ -132,4 +132,4 @@ def test_each_artifact_carries_its_own_threshold(int4_artifact: Path,
         assert manifest["exporter"]["float32_pass_tokens"] == expected
         assert runner_for(artifact, None).float32_pass_tokens == expected
         assert runner_for(artifact, 64).float32_pass_tokens == 64
-        assert not runner_for(artifact, 0).has_float32_twin
+        assert runner_for(artifact, 0).float32_twin_tokens is None
