@@ -359,7 +359,7 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
     """
     import onnxruntime as ort
 
-    from service.contract.sessions import create_session
+    from export.verify import check_session
 
     cfg = gpt.config
     n = cfg.n_layers
@@ -368,7 +368,7 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
     steps = max(1, min(steps, cfg.max_seq_len - max(len(p) for p in prompts)))
     reference = reference or TorchReference(gpt)
     seqs, refs = zip(*(reference.greedy(p, steps) for p in prompts), strict=True)
-    session = create_session(path, threads=threads)
+    session = check_session(path, threads)
     idle = es.idle_chunk_inputs(_input_names(session), n, cfg.kv_heads, cfg.head_dim, dtype)
     lens = [len(p) for p in prompts]
     # as long as the check needs: GroupQueryAttention reads each row's first seqlens_k + 1
@@ -456,9 +456,9 @@ class EngineDecoder:
     """
 
     def __init__(self, path: Path, gpt: GPT, threads: int = 1, capacity: int = 256) -> None:
-        from service.contract.sessions import create_session
+        from export.verify import check_session
 
-        self.session = create_session(path, threads=threads)
+        self.session = check_session(path, threads)
         self.config = gpt.config
         self.capacity = min(capacity, gpt.config.max_seq_len)
         self._gathers = LOGITS_INDEX in {i.name for i in self.session.get_inputs()}

@@ -125,7 +125,9 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
 
         with quiet_ort_logs(), ThreadPoolExecutor(max_workers=threads) as pool:
             futures = {name: pool.submit(rewrite, name, *job) for name, job in jobs.items()}
-            return {name: future.result() for name, future in futures.items()}
+            done = {name: future.result() for name, future in futures.items()}
+        release_file_pages(ckpt.held.path)  # every block read: the file's pages can go
+        return done
 
     # attention.onnx: the served codes at float activations (split in halves only where
     # the served graphs run at float activations too, so weights.bin holds them once);
@@ -164,10 +166,9 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         verification[keys[name]] = {**rewritten[name], "judged_on": judged}
     if verify and level != 0:
         def decoder(path: Path) -> Any:
-            made = (EngineDecoder(path, gpt, threads=threads) if engine_graph
-                    else decoder_for(path, gpt, "float32", threads))
-            release_file_pages(tmp)  # the weights its packing read, mapped beside the copy
-            return made
+            if engine_graph:
+                return EngineDecoder(path, gpt, threads=threads)
+            return decoder_for(path, gpt, "float32", threads)
 
         figures = compare_decoders(gpt, lambda: decoder(check[judged]),
                                    lambda: decoder(tmp / judged), tok, training, "gguf")
@@ -230,6 +231,7 @@ def _verify_float_activations(ckpt: Any, tmp: Path, check: dict[str, Path], grap
     from export.verify import check_prompts, decoder_for, verify_artifact
     from service.contract import io_spec as io
     from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
+    from service.contract.pages import release_file_pages
 
     gpt = ckpt.model
 
@@ -241,6 +243,7 @@ def _verify_float_activations(ckpt: Any, tmp: Path, check: dict[str, Path], grap
     reference = LayerwiseReference(gpt, ckpt.held, continuing).prepare(
         check_prompts(gpt.config))
     release()
+    release_file_pages(ckpt.held.path)  # the blocks each layer was filled from
     say(f"PyTorch's logits computed layer by layer (checks on {threads} thread"
         f"{'s' if threads > 1 else ''})")
     verification = {**verify_artifact(gpt, check[io.MODEL_FILE], tmp / io.ATTENTION_FILE,
