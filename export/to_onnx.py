@@ -34,30 +34,18 @@ from typing import Any
 
 from model.staging import staged_directory
 from service.contract import io_spec as io
-from service.contract.manifest import Manifest, checkpoint_fingerprint, describe_files
+from service.contract.manifest import (
+    MEASURED_THRESHOLDS,
+    Manifest,
+    PassThresholds,
+    checkpoint_fingerprint,
+    describe_files,
+)
 
 DTYPES = ("float32", "float16")
 QUANTIZATIONS = ("int8", "int4", "int8-dynamic", "gguf")  # export/quantize.py METHODS
 ENGINE_QUANTIZATIONS = (None, "int8", "int4", "gguf")  # MatMulNBits: what engine.onnx can take
 ATTENTION_QUANTIZATIONS = ("int8", "int4", "gguf")  # attention.onnx then reads them too
-# From how many tokens a pass runs faster on engine_float32.onnx than on MatMulNBits
-# (`python -m benchmarks.float32_twin --passes`, SmolLM2, 2 threads): 4-bit from about 200
-# (a 2,048-token pass 20-29 % faster), 8-bit from about 1,000 (5 %; 27 % slower at 128).
-# int4's 8-bit codes (below) hold out longer: one prefill pass of 256 / 512 / 2,048 tokens
-# took 289 / 546 / 2,188 ms on them, 306 / 525 / 2,003 on the twin; gguf's (Q4_1, with its
-# minimums) 366 / 666 / 2,569 against 319 / 545 / 2,005. Recorded in the manifest
-# (exporter.float32_pass_tokens); --float32-pass-tokens overrides.
-FLOAT32_PASS_TOKENS = {"int4": 512, "gguf": 256, "int8": 1024}
-# From how many rows a pass runs faster on a 4-bit graph's weights as 8-bit codes
-# (export/widen_codes.py; `python -m benchmarks.quant_blocks --engine ...`, SmolLM2, 2
-# threads, decode steps: 4-bit 28.9 / 36.0 / 50.2 ms at 12 / 16 / 24 rows, as 8-bit codes
-# 29.0 / 35.6 / 47.4); and from how many tokens a pass of fewer rows does, counting the
-# cost of bringing the codes into a cache that held the 4-bit weights: one prompt pass of
-# 64 / 128 / 256 tokens took 100 / 167 / 289 ms on the codes from cold, 87 / 165 / 327 on
-# the 4-bit graph warm. Recorded in the manifest (exporter.codes8_pass_rows and
-# codes8_prompt_tokens).
-CODES8_PASS_ROWS = {"int4": 16, "gguf": 16}
-CODES8_PROMPT_TOKENS = 128
 
 
 def _versions() -> dict[str, str]:
@@ -275,8 +263,9 @@ def export_artifact(
                          "without it (the service then decodes with model.onnx)")
     gpt = ckpt.model.eval()
     # a quantised engine graph also gets its float32 build, for wide passes
-    twin = engine_graph and quantize in FLOAT32_PASS_TOKENS and float32_twin
-    widen = engine_graph and quantize in CODES8_PASS_ROWS and codes8
+    measured = MEASURED_THRESHOLDS.get(str(quantize), PassThresholds())
+    twin = engine_graph and measured.float32_pass_tokens > 0 and float32_twin
+    widen = engine_graph and measured.codes8_pass_rows > 0 and codes8
     codes8_weights = 0  # 4-bit weights widened to 8-bit codes (engine_codes8.onnx), if any
     with staged_directory(out) as tmp:
         if from_blocks:
@@ -436,6 +425,7 @@ def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
     from export.graphs import attention_io_shapes, grouped_kv
     from export.onnx_build import WEIGHTS_FILE
 
+    measured = MEASURED_THRESHOLDS.get(str(quantize), PassThresholds())
     shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
     for name in io.OPTIONAL_HF_FILES:  # chat template and friends, when the checkpoint has them
         if (Path(ckpt_dir) / name).is_file():
@@ -459,11 +449,11 @@ def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
         exporter={"name": "attnserve graph builder", "method": "direct (export/graphs.py, "
                   "export/engine_graph.py)", "build_seconds": round(build_seconds, 3),
                   **({"engine_mixed_steps": mixed_steps} if engine_graph else {}),
-                  **({"float32_pass_tokens": FLOAT32_PASS_TOKENS[quantize]}
-                     if twin and quantize else {}),
-                  **({"codes8_pass_rows": CODES8_PASS_ROWS[str(quantize)],
-                      "codes8_prompt_tokens": CODES8_PROMPT_TOKENS}
-                     if codes8_weights else {}),
+                  **PassThresholds(  # those of the opt-in graphs written
+                      float32_pass_tokens=measured.float32_pass_tokens if twin else 0,
+                      codes8_pass_rows=measured.codes8_pass_rows if codes8_weights else 0,
+                      codes8_prompt_tokens=measured.codes8_prompt_tokens if codes8_weights
+                      else 0).recorded(),
                   "storage": storage, "versions": _versions()},
         opset=opset, kv_dtype=dtype, quantization=quantize,
         io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,

@@ -7,53 +7,25 @@ first token; each later one feeds every row's newest token. ``filter`` drops fin
 rows and ``concatenate`` merges a freshly prefilled batch into the running one (the
 runner arranges the slots). A one-row batch can also be prefilled in chunks before its
 first ``step``: each a pass of its own (``prefill_chunk``), or riding along with the
-running batch's decode step (``step_with_chunk``).
+running batch's decode step (``step_with_chunk``). The batch chooses each row's tokens;
+its sequence (service/engine/sequence.py) turns them into text, events and the finish.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from service.engine.device import SampledRows
 from service.engine.kv_pool import Slot
-from service.engine.request import (
-    FinishInfo,
-    FinishReason,
-    GenerationRequest,
-    TokenEvent,
-    TokenInfo,
-)
+from service.engine.request import GenerationRequest, TokenEvent, TokenInfo
 from service.engine.runner import ModelRunner
 from service.engine.sampling import RowSampler, choose_tokens, log_softmax, top_logprobs
+from service.engine.sequence import SequenceState
 from service.engine.speculative import Speculator, accept
-from service.engine.text import IncrementalDecoder, TextCodec
-
-
-@dataclass
-class SequenceState:
-    """One request inside a batch: its sampler, detokenizer, counters and timings."""
-
-    request: GenerationRequest
-    sampler: RowSampler
-    decoder: IncrementalDecoder
-    generated: int = 0
-    prefill_start: float = 0.0
-    first_token_time: float | None = None
-    last_token_time: float = 0.0
-    inter_token_latencies: list[float] = field(default_factory=list)
-    prefill: tuple[TokenInfo, ...] = ()
-    finish: FinishInfo | None = None
-    output_ids: list[int] = field(default_factory=list)  # generated so far (speculation's history)
-
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens of this row in the KV cache (the newest sampled one is not fed yet)."""
-        return len(self.request.prompt_ids) + max(self.generated - 1, 0)
-
+from service.engine.text import TextCodec
 
 BELOW_ONE = np.float32(1.0) - np.float32(2.0 ** -24)  # the largest float32 below 1
 
@@ -230,7 +202,7 @@ class Batch:
                                          [s.request.token_logprobs for s in self.sequences])
         self.next_tokens = np.asarray(tokens, np.int64)  # (B,) fed at the next step
         now = time.perf_counter()
-        return [self._advance(i, seq, int(tokens[i]), _reported(seq, logprobs[i]), last, now)
+        return [self._advance(i, seq, int(tokens[i]), seq.reported(logprobs[i]), last, now)
                 for i, seq in enumerate(self.sequences)]
 
     def speculate(self, runner: ModelRunner, speculator: Speculator) -> list[list[TokenEvent]]:
@@ -262,21 +234,21 @@ class Batch:
             now = time.perf_counter()
             for j, i in enumerate(plain):
                 seq = self.sequences[i]
-                events[i] = [self._advance(j, seq, int(tokens[j]), _reported(seq, logprobs[j]),
+                events[i] = [self._advance(j, seq, int(tokens[j]), seq.reported(logprobs[j]),
                                            last, now)]
                 next_tokens[i] = tokens[j]
         for i, proposal in enumerate(proposals):
             if proposal is None:
                 continue
             seq, slot = self.sequences[i], self.slots[i]
-            cached = int(runner.pool.lengths[slot.index])
+            cached = runner.cached_length(slot)
             row_tokens = np.concatenate([fed[i:i + 1], proposal.tokens])  # (k + 1,)
             started = time.perf_counter()
             logits = np.ascontiguousarray(runner.extend(slot, row_tokens),
                                           np.float32)  # (k + 1, V)
             verify_seconds = time.perf_counter() - started
             verdict = accept(proposal.tokens.tolist(), logits, seq.sampler, proposal.probs,
-                             _stop_ids(seq.request))
+                             seq.stop_ids)
             runner.truncate(slot, cached + 1 + verdict.accepted)  # fed token + kept drafts
             speculator.record(seq.request.id, verdict, verify_seconds)
             logprobs_all = log_softmax(logits) if seq.request.token_logprobs else None  # (k+1, V)
@@ -297,7 +269,7 @@ class Batch:
         of a pass is the target's own) and its slot."""
         seq = self.sequences[row]
         left = seq.request.stopping.max_new_tokens - seq.generated - 1
-        room = runner.pool.shape.max_len - int(runner.pool.lengths[self.slots[row].index]) - 1
+        room = runner.max_len - runner.cached_length(self.slots[row]) - 1
         return max(0, min(left, room))
 
     def _record_prompt_logprobs(self, logits: list[np.ndarray]) -> None:
@@ -313,58 +285,13 @@ class Batch:
 
     def _advance(self, row: int, seq: SequenceState, token: int, logprob: float | None,
                  logits: np.ndarray | None, now: float) -> TokenEvent:
-        req = seq.request
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        else:
-            seq.inter_token_latencies.append(now - seq.last_token_time)
-        seq.last_token_time = now
-        seq.generated += 1
-        seq.output_ids.append(token)
-        special = token in self.codec.special_ids
-        text = self.codec.token_text(token) if special else seq.decoder.push(token)
-
-        reason: FinishReason | None = None
-        stop, stop_offset = None, None
-        if req.stopping.eos_token_id is not None and (
-                token == req.stopping.eos_token_id or token in req.stopping.extra_eos_ids):
-            reason = "eos_token"
-        elif token in req.stopping.stop_token_ids:  # vLLM: left out of the text
-            reason = "stop_sequence"
-            stop_offset = len(seq.decoder.text) - (0 if special else len(text))
-        else:
-            if seq.generated >= req.stopping.min_tokens:
-                stop, stop_offset = self._match_stop(seq, len(text))
-            if stop is not None:
-                reason = "stop_sequence"
-            elif seq.generated >= req.stopping.max_new_tokens:
-                reason = "length"
+        """Row ``row``'s sequence takes ``token``; its top logprobs from ``logits`` (B, V)
+        where the request asks for them."""
         top: tuple[tuple[int, str, float], ...] = ()
-        if req.sampling.top_n_logprobs and logits is not None:
-            top = tuple((t, self.codec.token_text(t), lp)
-                        for t, lp in top_logprobs(logits[row], req.sampling.top_n_logprobs))
-        if reason is not None:
-            if not special:
-                text += seq.decoder.flush()
-            generated_text = seq.decoder.text
-            if stop is not None and stop_offset is not None:
-                generated_text = generated_text[:stop_offset + len(stop)]
-            seq.finish = FinishInfo(
-                reason=reason, generated_text=generated_text, generated_tokens=seq.generated,
-                seed=seq.sampler.seed, stop_sequence=stop, stop_offset=stop_offset,
-                prefill=seq.prefill, queue_time=seq.prefill_start - req.arrival,
-                inference_time=now - seq.prefill_start)
-        info = TokenInfo(token, text, logprob, special, top)
-        return TokenEvent(info, seq.generated - 1, seq.finish)
-
-    @staticmethod
-    def _match_stop(seq: SequenceState, new_chars: int) -> tuple[str | None, int | None]:
-        text = seq.decoder.text
-        for stop in seq.request.stopping.stop_sequences:
-            at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
-            if at >= 0:
-                return stop, at
-        return None, None
+        n = seq.request.sampling.top_n_logprobs
+        if n and logits is not None:
+            top = tuple((t, self.codec.token_text(t), lp) for t, lp in top_logprobs(logits[row], n))
+        return seq.advance(token, logprob, top, self.codec, now)
 
     def filter(self, keep: Sequence[int], runner: ModelRunner) -> None:
         """Keep only the rows ``keep``; the others' slots go back to the runner."""
@@ -387,17 +314,3 @@ class Batch:
         return cls(sequences=[s for b in batches for s in b.sequences], codec=batches[0].codec,
                    slots=runner.join([b.slots for b in batches]),
                    next_tokens=np.concatenate([t for t in tokens if t is not None]))
-
-
-def _stop_ids(request: GenerationRequest) -> frozenset[int]:
-    """Tokens that end the sequence: verification keeps nothing after one."""
-    stop = request.stopping
-    ends = set(stop.stop_token_ids)
-    if stop.eos_token_id is not None:
-        ends |= {stop.eos_token_id, *stop.extra_eos_ids}
-    return frozenset(ends)
-
-
-def _reported(seq: SequenceState, logprob: float) -> float | None:
-    """The token's logprob where the request reports one (choose_tokens skips the rest)."""
-    return float(logprob) if seq.request.token_logprobs else None

@@ -46,7 +46,7 @@ class DraftModel:
         token last), or an empty proposal when the draft's pool or context is full."""
         row = self._rows.get(key)
         if row is None:
-            if self.runner.pool.used >= self.runner.capacity:
+            if self.runner.rows_used >= self.runner.capacity:
                 return _EMPTY
             row = self._rows[key] = _DraftRow(self.runner.reserve(1)[0], rng=(
                 np.random.default_rng([seed or 0, 1]) if params.do_sample else None))

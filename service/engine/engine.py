@@ -15,11 +15,10 @@ could hold.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,7 @@ from service.contract.engine_spec import (
     ENGINE_FLOAT32_FILE,
     ENGINE_MIXED_FILE,
 )
-from service.contract.manifest import verify_manifest
+from service.contract.manifest import PassThresholds, load_manifest, verify_manifest
 from service.engine.draft import DraftModel
 from service.engine.engine_graph_runner import EngineGraphRunner, twin_fits
 from service.engine.model_graph_runner import ModelGraphRunner
@@ -79,23 +78,13 @@ class EngineConfig:
 
     @classmethod
     def from_settings(cls, settings: Settings, limits: Limits) -> EngineConfig:
-        return cls(device=settings.device, intra_op_threads=settings.intra_op_threads,
-                   engine_graph=settings.engine_graph, cuda_graphs=settings.cuda_graphs,
-                   mixed_steps=settings.mixed_steps,
-                   max_batch_size=limits.max_batch_size,
-                   max_batch_tokens=limits.max_batch_tokens,
-                   max_queued_requests=limits.max_queued_requests,
-                   max_total_tokens=limits.max_total_tokens,
-                   kv_cache_memory_mb=settings.kv_cache_memory_mb,
-                   prefix_caching=settings.prefix_caching,
-                   prefix_cache_memory_mb=settings.prefix_cache_memory_mb,
-                   prefix_block_size=settings.prefix_block_size,
-                   prefill_chunk_tokens=settings.prefill_chunk_tokens,
-                   float32_pass_tokens=settings.float32_pass_tokens,
-                   codes8_pass_rows=settings.codes8_pass_rows,
-                   adaptive_prefill_chunks=settings.adaptive_prefill_chunks,
-                   huge_pages=settings.huge_pages,
-                   speculative=speculative_config(settings),
+        """Every field of the Settings field's name, the batch limits as resolved for the
+        artifact (``limits``), and the speculation built from its flags."""
+        derived = {"speculative", "speculative_model"}
+        resolved = {f.name for f in fields(Limits)}
+        values = {f.name: getattr(limits if f.name in resolved else settings, f.name)
+                  for f in fields(cls) if f.name not in derived}
+        return cls(**values, speculative=speculative_config(settings),
                    speculative_model=None if settings.speculative_model in (None, "ngram")
                    else Path(str(settings.speculative_model)))
 
@@ -177,18 +166,6 @@ def pool_config(engine: EngineConfig, model: io.ArtifactConfig, token_bytes: int
                       prefix_cache_blocks=blocks, max_len=max_len, budget_tokens=budget)
 
 
-# What a pass-size threshold is where an older manifest does not record it.
-RECORDED_DEFAULTS = {"float32_pass_tokens": 256, "codes8_pass_rows": 16, "codes8_prompt_tokens": 0}
-
-
-def recorded_thresholds(artifact_dir: Path) -> dict[str, int]:
-    """The pass-size thresholds export measured for this artifact's graphs (its manifest's
-    ``exporter``: float32_pass_tokens, codes8_pass_rows, codes8_prompt_tokens)."""
-    manifest = json.loads((artifact_dir / io.MANIFEST_FILE).read_text("utf-8"))
-    exporter = manifest.get("exporter", {})
-    return {key: int(exporter.get(key, default)) for key, default in RECORDED_DEFAULTS.items()}
-
-
 def _extra_graph(path: Path, threshold: int, session: ort.InferenceSession,
                  engine: EngineConfig, prepack: bool, spin_wait: bool
                  ) -> tuple[ort.InferenceSession | None, int]:
@@ -245,19 +222,20 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
                                  spin_wait=spin_wait)
         extras = (artifact_dir / ENGINE_FLOAT32_FILE,
                   artifact_dir / codes8_file(artifact_dir, engine_path.name))
-        recorded = (recorded_thresholds(artifact_dir) if any(p.is_file() for p in extras)
-                    else RECORDED_DEFAULTS)  # the manifest is read only when it matters
-        twin, wide = _extra_graph(extras[0], recorded["float32_pass_tokens"]
+        recorded = (PassThresholds.of(load_manifest(artifact_dir))
+                    if any(p.is_file() for p in extras)  # read only when it matters
+                    else PassThresholds())
+        twin, wide = _extra_graph(extras[0], recorded.float32_pass_tokens
                                   if engine.float32_pass_tokens is None
                                   else engine.float32_pass_tokens,
                                   session, engine, prepack=False, spin_wait=spin_wait)
-        codes8, many = _extra_graph(extras[1], recorded["codes8_pass_rows"]
+        codes8, many = _extra_graph(extras[1], recorded.codes8_pass_rows
                                     if engine.codes8_pass_rows is None
                                     else engine.codes8_pass_rows,
                                     session, engine, prepack=True, spin_wait=spin_wait)
         return EngineGraphRunner(
             session, model, pool, float32_twin=twin, float32_pass_tokens=wide, codes8=codes8,
-            codes8_pass_rows=many, codes8_prompt_tokens=recorded["codes8_prompt_tokens"])
+            codes8_pass_rows=many, codes8_prompt_tokens=recorded.codes8_prompt_tokens)
     pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
     return ModelGraphRunner(create_session(artifact_dir / io.MODEL_FILE, engine.device,
                                            engine.intra_op_threads, spin_wait=spin_wait),
@@ -282,8 +260,8 @@ class Engine:
         log.info("decoding with %s: KV pool of %d slots x up to %d tokens, budget %d tokens "
                  "(%.1f MiB)%s", runner.graph_file, kv.slots,
                  min(config.max_total_tokens or model.max_seq_len, model.max_seq_len),
-                 kv.capacity_tokens, kv.capacity_tokens * model.kv_bytes_per_token(
-                     runner.pool.shape.dtype.itemsize) / 2**20,
+                 kv.capacity_tokens,  # bytes a token: the pool's reserved bytes over its tokens
+                 kv.capacity_tokens * kv.bytes_allocated / (kv.slots * runner.max_len) / 2**20,
                  f", prefix cache of {p.capacity_blocks} blocks x {p.block_size} tokens"
                  if (p := runner.prefix_stats()) else "")
         limits = SchedulerLimits(config.max_batch_size, config.max_batch_tokens,

@@ -86,6 +86,16 @@ class PooledRunner:
     def budget_tokens(self) -> int:
         return self._budget
 
+    @property
+    def rows_used(self) -> int:
+        return self.pool.used
+
+    def cached_length(self, slot: Slot) -> int:
+        return int(self.pool.lengths[slot.index])
+
+    def kv_resident_bytes(self) -> int:
+        return self.pool.resident_bytes
+
     # -- rows ------------------------------------------------------------------------
 
     def reserve(self, rows: int, top: bool = False) -> list[Slot]:

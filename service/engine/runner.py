@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from service.engine.device import SampledRows
-from service.engine.kv_pool import KVPool, Slot
+from service.engine.kv_pool import Slot
 from service.engine.stats import KVStats, PrefixCacheStats
 
 
@@ -43,7 +43,6 @@ class ModelRunner(Protocol):
     graph_file: str  # model.onnx or engine.onnx
     provider: str  # ONNX Runtime's active execution provider
     device: str  # "cpu" or "cuda": where the session runs
-    pool: KVPool
     mixes_chunks: bool  # decode_with_chunk runs as one pass over the weights
     samples_on_device: bool  # decode_ids draws sampled tokens where the logits are
 
@@ -66,6 +65,24 @@ class ModelRunner(Protocol):
     @property
     def budget_tokens(self) -> int:
         """Tokens the pool may hold at once, over all rows (the KV memory budget)."""
+        ...
+
+    @property
+    def max_len(self) -> int:
+        """Tokens one row can hold."""
+        ...
+
+    @property
+    def rows_used(self) -> int:
+        """Rows holding a sequence now."""
+        ...
+
+    def cached_length(self, slot: Slot) -> int:
+        """Tokens of row ``slot`` in the cache."""
+        ...
+
+    def kv_resident_bytes(self) -> int:
+        """Bytes of the KV cache in RAM now (the pool's touched pages)."""
         ...
 
     def reserve(self, rows: int, top: bool = False) -> list[Slot]:

@@ -32,11 +32,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from service.engine.batch import Batch, SequenceState
+from service.engine.batch import Batch
 from service.engine.chunking import ChunkBudget
 from service.engine.request import ErrorEvent, Event, GenerationRequest, TokenEvent
 from service.engine.resident import release_freed_heap
 from service.engine.runner import ModelRunner
+from service.engine.sequence import SequenceState
 from service.engine.speculative import Speculator
 from service.engine.stats import LoadStats, NullStats, RequestStats, StatsSink, StepStats
 from service.engine.text import TextCodec

@@ -95,6 +95,5 @@ def load_engine(runtime: Runtime) -> None:
     log.info("model %s on %s (%s), loaded and warmed up in %.0f ms", artifact.name,
              engine.provider, engine.graph_file, (time.perf_counter() - started) * 1000)
     runtime.metrics.set_model_info(artifact.name, engine.provider, artifact.sha256)
-    pool = engine.runner.pool
-    runtime.metrics.watch_kv_resident(lambda: pool.resident_bytes)
+    runtime.metrics.watch_kv_resident(engine.runner.kv_resident_bytes)
     runtime.engine, runtime.attention = engine, attention

@@ -11,7 +11,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from service.contract.io_spec import ATTENTION_KINDS
-from service.engine.request import SamplingParams
 
 
 def _integral(value: Any) -> Any:
@@ -74,21 +73,6 @@ class GenerateParameters(Strict):
     # Sent by TGI's own client; accepted at their neutral values only.
     best_of: Annotated[int, Field(ge=1, le=1), Integral] | None = None
     watermark: Annotated[Literal[False], BeforeValidator(_bool_only)] = False
-
-    def to_sampling_params(self) -> SamplingParams:
-        warped = ((self.temperature not in (None, 1.0)) or bool(self.top_k)
-                  or (self.top_p not in (None, 1.0)) or (self.typical_p not in (None, 1.0)))
-        return SamplingParams(
-            do_sample=self.do_sample or warped,
-            temperature=self.temperature or 1.0,
-            top_k=self.top_k or 0,
-            top_p=self.top_p or 1.0,
-            typical_p=self.typical_p or 1.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            seed=self.seed,
-            top_n_logprobs=self.top_n_tokens or 0,
-        )
 
 
 class GenerateRequest(Strict):

@@ -120,7 +120,6 @@ class ControlledRunner:
         self.graph_file = runner.graph_file
         self.provider = runner.provider
         self.device = runner.device
-        self.pool = runner.pool
         self.mixes_chunks = runner.mixes_chunks
         self.samples_on_device = runner.samples_on_device
         self.float32_twin_tokens = runner.float32_twin_tokens
@@ -174,6 +173,20 @@ class ControlledRunner:
     @property
     def budget_tokens(self) -> int:
         return self.runner.budget_tokens
+
+    @property
+    def max_len(self) -> int:
+        return self.runner.max_len
+
+    @property
+    def rows_used(self) -> int:
+        return self.runner.rows_used
+
+    def cached_length(self, slot: Slot) -> int:
+        return self.runner.cached_length(slot)
+
+    def kv_resident_bytes(self) -> int:
+        return self.runner.kv_resident_bytes()
 
     def reserve(self, rows: int, top: bool = False) -> list[Slot]:
         return self.runner.reserve(rows, top)

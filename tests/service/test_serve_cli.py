@@ -184,3 +184,27 @@ def test_the_engine_configs_take_their_defaults_from_settings() -> None:
                 assert getattr(config, f.name) == Settings.model_fields[name].get_default(), name
                 shared += 1
         assert shared >= 5
+
+
+def test_every_engine_setting_reaches_the_engine_config() -> None:
+    """EngineConfig.from_settings carries every engine field from the Settings field of its
+    name (the batch limits as resolved for the model): each given a value other than its
+    default arrives as that value."""
+    import dataclasses
+
+    from service.engine.engine import EngineConfig
+
+    changed: dict[str, object] = {
+        "device": "cpu", "intra_op_threads": 3, "engine_graph": False, "cuda_graphs": False,
+        "mixed_steps": False, "max_batch_size": 5, "max_batch_tokens": 4000,
+        "max_queued_requests": 7, "max_total_tokens": 1000, "kv_cache_memory_mb": 12.5,
+        "prefix_caching": False, "prefix_cache_memory_mb": 9.0, "prefix_block_size": 32,
+        "prefill_chunk_tokens": 48, "float32_pass_tokens": 99, "codes8_pass_rows": 11,
+        "adaptive_prefill_chunks": False, "huge_pages": True}
+    derived = {"speculative", "speculative_model"}
+    assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)} - derived
+    settings = Settings(model=Path("m"), **changed)  # type: ignore[arg-type]
+    config = EngineConfig.from_settings(settings, Limits.resolve(settings, 2048))
+    for name, value in changed.items():
+        assert getattr(config, name) == value, name
+    assert config.speculative is None and config.speculative_model is None

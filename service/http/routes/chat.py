@@ -19,17 +19,19 @@ from service.artifact.chat_template import ChatTemplateError
 from service.engine.request import GenerationRequest, TokenEvent, TokenInfo
 from service.http.deps import ReadyRuntime, require_api_key
 from service.http.errors import ApiError
-from service.http.openai_schemas import ChatCompletionRequest, ChatMessage
-from service.http.responses import ChatCompletion, json_or_sse
-from service.http.routes.openai import (
+from service.http.openai_requests import (
     OPENAI_ERRORS,
     build_requests,
     check_model,
+    error_chunk,
     final_text,
     finish_reason,
+    stream_pieces,
     usage,
 )
-from service.http.routes.relay import collect, merge, sse
+from service.http.openai_schemas import ChatCompletionRequest, ChatMessage
+from service.http.relay import collect, sse
+from service.http.responses import ChatCompletion, json_or_sse
 from service.http.runtime import Runtime
 from service.http.validation import InputError
 
@@ -108,10 +110,6 @@ async def stream(body: ChatCompletionRequest, runtime: Runtime, handles: list[An
                  chat_id: str, created: int) -> AsyncIterator[bytes]:
     """OpenAI's chunk sequence: a role delta per choice, content deltas, a last delta with
     finish_reason, then (stream_options.include_usage) a usage chunk with no choices."""
-    hold = max((len(s) for s in body.stop_sequences), default=1) - 1
-    texts = ["" for _ in handles]
-    sent = [0 for _ in handles]
-
     def chunk(index: int, delta: dict[str, Any], event: TokenEvent | None,
               reason: str | None) -> bytes:
         payload: dict[str, Any] = {
@@ -129,24 +127,16 @@ async def stream(body: ChatCompletionRequest, runtime: Runtime, handles: list[An
     try:
         for i in range(len(handles)):
             yield chunk(i, {"role": "assistant", "content": ""}, None, None)
-        async for i, event in merge(handles):
-            texts[i] += "" if event.token.special else event.token.text
-            if event.finish is None:
-                ready = len(texts[i]) - hold
-                out = texts[i][sent[i]:ready] if ready > sent[i] else ""
-                sent[i] += len(out)
-                yield chunk(i, {"content": out}, event, None)
-            else:
-                completion_tokens += event.finish.generated_tokens
-                rest = final_text(event.finish)[sent[i]:]
-                sent[i] += len(rest)
-                yield chunk(i, {"content": rest} if rest else {}, event,
-                            finish_reason(event.finish))
+        async for piece in stream_pieces(handles, body.stop_sequences):
+            if piece.event.finish is not None:
+                completion_tokens += piece.event.finish.generated_tokens
+            last = piece.reason is not None
+            yield chunk(piece.index, {"content": piece.text} if piece.text or not last else {},
+                        piece.event, piece.reason)
         if body.include_usage:
             yield sse({"id": chat_id, "object": "chat.completion.chunk", "created": created,
                        "model": runtime.artifact.name, "choices": [],
                        "usage": usage(len(handles[0].request.prompt_ids), completion_tokens)})
         yield sse("[DONE]")
     except ApiError as exc:
-        yield sse({"error": {"message": exc.message, "type": exc.error_type,
-                             "code": exc.code, "param": None}})
+        yield error_chunk(exc)

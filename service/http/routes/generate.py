@@ -1,56 +1,24 @@
-"""TGI-compatible generation: POST /generate and POST /generate_stream (SSE)."""
+"""TGI-compatible generation: POST /generate and POST /generate_stream (SSE); the requests
+are built in service/http/tgi_requests.py."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenInfo
+from service.engine.request import FinishInfo, TokenInfo
 from service.http.deps import ReadyRuntime, require_api_key
 from service.http.errors import ApiError
+from service.http.relay import Completed, collect, merge, sse
 from service.http.responses import SSE_NOTE, GenerateResponse, sse_content, tgi_errors
-from service.http.routes.relay import Completed, collect, merge, sse
-from service.http.schemas import (
-    CompatRequest,
-    GenerateParameters,
-    GenerateRequest,
-    JsonGrammar,
-    StreamRequest,
-)
+from service.http.schemas import CompatRequest, GenerateParameters, GenerateRequest, StreamRequest
+from service.http.tgi_requests import build_request, sampling_params
 
 router = APIRouter(tags=["generate"], dependencies=[Depends(require_api_key)])
 TGI_ERRORS = tgi_errors(401, 413, 422, 424, 429, 503)
-
-
-def sampling_params(runtime: ReadyRuntime, params: GenerateParameters) -> SamplingParams:
-    sampling = params.to_sampling_params()
-    grammar = params.grammar
-    if grammar is None:
-        return sampling
-    if isinstance(grammar, JsonGrammar):
-        constraint = runtime.validator.grammar("json_schema", grammar.value,
-                                               "parameters.grammar.value")
-    else:
-        constraint = runtime.validator.grammar("regex", grammar.value,
-                                               "parameters.grammar.value")
-    return replace(sampling, constraint=constraint)
-
-
-def build_request(runtime: ReadyRuntime, text: str, params: GenerateParameters,
-                  sampling: SamplingParams, field: str, stream: bool) -> GenerationRequest:
-    """A stream reports every token's logprob (TGI's token object); /generate only in its
-    details."""
-    validator = runtime.validator
-    ids = validator.tokenize(text, field, params.truncate)
-    return validator.build(ids, sampling, params.max_new_tokens,
-                           params.stop, "parameters.max_new_tokens",
-                           prompt_logprobs=params.decoder_input_details,
-                           token_logprobs=(stream or params.details
-                                           or params.decoder_input_details))
 
 
 def token_json(token: TokenInfo, with_special: bool = True) -> dict[str, Any]:

@@ -144,6 +144,24 @@ def test_chat_streaming_with_the_openai_client_gives_the_same_text_and_usage(
     assert chunks[-1].usage.total_tokens == plain.usage.total_tokens
 
 
+def test_streamed_completion_logprobs_carry_the_plain_responses_offsets(
+        client: httpx.Client) -> None:
+    """Streamed with logprobs, each chunk's token starts where the plain response says
+    (text_offset: the characters before it), and the chunks' texts make the plain text."""
+    body = {"model": NAME, "prompt": " Return the ", "max_tokens": 12, "temperature": 0,
+            "logprobs": 1}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    choices = [e["choices"][0] for e in events]
+    assert "".join(c["text"] for c in choices) == plain["text"]
+    streamed = [c["logprobs"] for c in choices]
+    assert [lp["tokens"][0] for lp in streamed] == plain["logprobs"]["tokens"]
+    assert [lp["text_offset"][0] for lp in streamed] == plain["logprobs"]["text_offset"]
+    assert plain["logprobs"]["text_offset"][1:] != plain["logprobs"]["text_offset"][:-1]
+
+
 def test_chat_n_seed_and_stop(api: openai.OpenAI) -> None:
     kw: dict[str, Any] = {"model": NAME, "messages": CONVERSATION, "max_tokens": 20,
                           "temperature": 1.0, "seed": 5, "n": 3}

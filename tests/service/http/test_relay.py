@@ -24,7 +24,7 @@ from service.engine.request import (
 )
 from service.engine.scheduler import RequestHandle
 from service.http.errors import ApiError, ClientDisconnected
-from service.http.routes.relay import collect, merge, sse
+from service.http.relay import collect, merge, sse
 
 
 class Wakes:

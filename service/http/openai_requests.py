@@ -1,0 +1,148 @@
+"""OpenAI's two generation routes (completions and chat) on the engine: the request fields
+turned into GenerationRequests, and what both send back (the text up to a stop sequence,
+the finish reason, usage, and one streaming loop).
+
+OpenAI leaves a matched stop sequence out of the text. While streaming, the last
+``len(longest stop) - 1`` characters are held back until they cannot begin a stop
+sequence, so no part of one is ever sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+
+from service.engine.grammar import Grammar
+from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenEvent
+from service.engine.scheduler import RequestHandle
+from service.http.errors import ApiError
+from service.http.openai_schemas import JsonSchemaFormat, OpenAISampling
+from service.http.relay import merge, sse
+from service.http.responses import openai_errors
+from service.http.runtime import Runtime
+from service.http.schemas import SEED_BOUND
+from service.http.validation import Validator
+
+OPENAI_ERRORS = openai_errors(401, 404, 413, 422, 424, 429, 503)
+
+
+def check_model(model: str | None, runtime: Runtime) -> None:
+    if model is not None and model != runtime.artifact.name:
+        raise ApiError(404, f"model {model!r} not found; this server serves "
+                            f"{runtime.artifact.name!r}", "not_found", param="model",
+                       code="model_not_found")
+
+
+def response_constraint(body: OpenAISampling, validator: Validator) -> Grammar | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return validator.grammar("json_schema", {"type": "object"}, "response_format")
+    assert isinstance(fmt, JsonSchemaFormat)
+    return validator.grammar("json_schema", fmt.json_schema.json_schema,
+                             "response_format.json_schema.schema")
+
+
+def sampling_params(body: OpenAISampling, validator: Validator, top_n: int) -> SamplingParams:
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        validator.check_token_id(int(key), f"logit_bias.{key}")
+        bias.append((int(key), value))
+    return SamplingParams(
+        do_sample=body.temperature > 0,
+        temperature=body.temperature if body.temperature > 0 else 1.0,
+        top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        logit_bias=tuple(bias), seed=body.seed, top_n_logprobs=top_n,
+        constraint=response_constraint(body, validator))
+
+
+def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
+    """The n choices of a seeded request use seeds seed, seed+1, ...: reproducible, yet
+    not n copies of one sample."""
+    if sampling.seed is None or choice == 0:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + choice) % SEED_BOUND)
+
+
+def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[str, list[int]]],
+                   max_new_tokens: int | None, top_n: int, prompt_logprobs: bool = False,
+                   max_field: str = "max_tokens", token_logprobs: bool = True
+                   ) -> list[GenerationRequest]:
+    """n requests per prompt; ``prompts`` are (field, token ids); ``token_logprobs``: the
+    client asked for logprobs."""
+    validator = runtime.validator
+    validator.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
+    defaults = runtime.artifact.generation_defaults
+    body = defaults.fill(body)
+    length_given = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
+    if defaults.max_new_tokens is not None and not length_given:
+        max_new_tokens = None  # the author's length, shortened to fit like the server's own
+    stop_ids = tuple(body.stop_token_ids or ())
+    validator.check_token_ids(stop_ids, "stop_token_ids")
+    sampling = sampling_params(body, validator, top_n)
+    requests = []
+    for _, ids in prompts:
+        for j in range(body.n):
+            requests.append(validator.build(
+                ids, choice_sampling(sampling, j), max_new_tokens, body.stop_sequences,
+                max_field, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_ids,
+                default_max_new_tokens=defaults.max_new_tokens,
+                ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                token_logprobs=token_logprobs))
+    return requests
+
+
+def final_text(finish: FinishInfo) -> str:
+    if finish.stop_offset is not None:
+        return finish.generated_text[:finish.stop_offset]
+    return finish.generated_text
+
+
+def finish_reason(finish: FinishInfo) -> str:
+    return "length" if finish.reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one engine event lets a stream send for choice ``index``: ``text`` starting at
+    character ``offset`` of that choice's output, and the finish reason on its last."""
+
+    index: int
+    text: str
+    offset: int
+    event: TokenEvent
+    reason: str | None
+
+
+async def stream_pieces(handles: Sequence[RequestHandle],
+                        stop_sequences: Sequence[str]) -> AsyncIterator[Piece]:
+    """The one streaming loop of both routes: each choice's text as it may be sent, the
+    last ``len(longest stop) - 1`` characters held back until they cannot begin a stop
+    sequence, and at the finish the rest up to the stop."""
+    hold = max((len(s) for s in stop_sequences), default=1) - 1
+    texts = ["" for _ in handles]  # generated so far, per choice
+    sent = [0 for _ in handles]  # characters already sent, per choice
+    async for i, event in merge(handles):
+        texts[i] += "" if event.token.special else event.token.text
+        if event.finish is None:
+            ready = len(texts[i]) - hold
+            out, reason = texts[i][sent[i]:ready] if ready > sent[i] else "", None
+        else:
+            out, reason = final_text(event.finish)[sent[i]:], finish_reason(event.finish)
+        yield Piece(i, out, sent[i], event, reason)
+        sent[i] += len(out)
+
+
+def error_chunk(exc: ApiError) -> bytes:
+    """The error that ends a stream after its first bytes were sent (the status is gone)."""
+    return sse({"error": {"message": exc.message, "type": exc.error_type, "code": exc.code,
+                          "param": None}})
+

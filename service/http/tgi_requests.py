@@ -1,0 +1,51 @@
+"""TGI's generation routes (/generate, /generate_stream, and / for TGI's clients) on the
+engine: the request's parameters turned into a GenerationRequest."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from service.engine.request import GenerationRequest, SamplingParams
+from service.http.runtime import Runtime
+from service.http.schemas import GenerateParameters, JsonGrammar
+
+
+def sampling_params(runtime: Runtime, params: GenerateParameters) -> SamplingParams:
+    """TGI's sampling: temperature, top_k, top_p or typical_p other than neutral turn it on;
+    a grammar constrains it."""
+    warped = ((params.temperature not in (None, 1.0)) or bool(params.top_k)
+              or (params.top_p not in (None, 1.0)) or (params.typical_p not in (None, 1.0)))
+    sampling = SamplingParams(
+        do_sample=params.do_sample or warped,
+        temperature=params.temperature or 1.0,
+        top_k=params.top_k or 0,
+        top_p=params.top_p or 1.0,
+        typical_p=params.typical_p or 1.0,
+        repetition_penalty=params.repetition_penalty or 1.0,
+        frequency_penalty=params.frequency_penalty or 0.0,
+        seed=params.seed,
+        top_n_logprobs=params.top_n_tokens or 0,
+    )
+    grammar = params.grammar
+    if grammar is None:
+        return sampling
+    if isinstance(grammar, JsonGrammar):
+        constraint = runtime.validator.grammar("json_schema", grammar.value,
+                                               "parameters.grammar.value")
+    else:
+        constraint = runtime.validator.grammar("regex", grammar.value,
+                                               "parameters.grammar.value")
+    return replace(sampling, constraint=constraint)
+
+
+def build_request(runtime: Runtime, text: str, params: GenerateParameters,
+                  sampling: SamplingParams, field: str, stream: bool) -> GenerationRequest:
+    """A stream reports every token's logprob (TGI's token object); /generate only in its
+    details."""
+    validator = runtime.validator
+    ids = validator.tokenize(text, field, params.truncate)
+    return validator.build(ids, sampling, params.max_new_tokens,
+                           params.stop, "parameters.max_new_tokens",
+                           prompt_logprobs=params.decoder_input_details,
+                           token_logprobs=(stream or params.details
+                                           or params.decoder_input_details))
