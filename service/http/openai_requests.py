@@ -10,7 +10,8 @@ sequence, so no part of one is ever sent.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import NamedTuple
 
 from service.engine.grammar import Grammar
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenEvent
@@ -110,12 +111,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-@dataclass(frozen=True)
-class Piece:
-    """What one engine event lets a stream send for choice ``index``: ``text`` starting at
+class Piece(NamedTuple):
+    """What one engine event lets a stream send for choice ``choice``: ``text`` starting at
     character ``offset`` of that choice's output, and the finish reason on its last."""
 
-    index: int
+    choice: int
     text: str
     offset: int
     event: TokenEvent

@@ -131,7 +131,7 @@ async def stream(body: ChatCompletionRequest, runtime: Runtime, handles: list[An
             if piece.event.finish is not None:
                 completion_tokens += piece.event.finish.generated_tokens
             last = piece.reason is not None
-            yield chunk(piece.index, {"content": piece.text} if piece.text or not last else {},
+            yield chunk(piece.choice, {"content": piece.text} if piece.text or not last else {},
                         piece.event, piece.reason)
         if body.include_usage:
             yield sse({"id": chat_id, "object": "chat.completion.chunk", "created": created,

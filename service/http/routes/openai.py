@@ -127,7 +127,7 @@ async def stream(body: CompletionRequest, runtime: Runtime, handles: list[Any],
         async for piece in stream_pieces(handles, body.stop_sequences):
             if piece.event.finish is not None:
                 completion_tokens += piece.event.finish.generated_tokens
-            yield chunk(piece.index, piece.text,
+            yield chunk(piece.choice, piece.text,
                         logprobs_json([piece.event], piece.offset, None, False)
                         if body.logprobs is not None else None, piece.reason)
         if body.include_usage:
