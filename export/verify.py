@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from model.gpt import GPT
+from model.sample import generate
 from service.contract import io_spec as io
 from service.contract.pages import release_file_pages
 from service.contract.reference import OrtDecoder
@@ -227,14 +228,9 @@ class TorchReference:
         """(prompt + ``steps`` greedy tokens, full-recompute logits (len − 1, V) of every
         position but the last): row i holds the next-token logits after tokens[: i + 1]."""
         key = (tuple(prompt), steps)
-        if key not in self._greedy:
-            tokens = list(prompt)
-            out = self.gpt(torch.tensor([prompt]), last_logits_only=True)
-            for step in range(steps):
-                tokens.append(int(out.logits[0, -1].argmax()))
-                if step < steps - 1:
-                    out = self.gpt(torch.tensor([tokens[-1:]]), past_key_values=out.present,
-                                   last_logits_only=True)
+        if key not in self._greedy:  # model/sample.py's decode loop, greedy
+            tokens = generate(self.gpt, torch.tensor([prompt]), steps,
+                              greedy=True).sequences[0].tolist()
             full = self.gpt(torch.tensor([tokens[:-1]])).logits[0]  # (len - 1, V)
             self._greedy[key] = (tokens, full.float().numpy())
         return self._greedy[key]
