@@ -444,8 +444,9 @@ class EngineDecoder:
     engine graph the way it judges model.onnx.
 
     The past is opaque here: (B, nkv, length, hs) buffers (key/value heads, as the service's
-    KV pool holds them) and each row's length. Rows must be unpadded and of equal length (the
-    quantisation checks are); every fed position gets its logits. The buffers are bound as
+    KV pool holds them) and each row's length. A pass's new tokens may be right-padded
+    (prompts of different lengths: the mask's zeros at the end of a row), each row's cache
+    then holding its own length; every fed position gets its logits. The buffers are bound as
     both past and present, so the kernel writes each step's keys and values in place (the
     past passed in is updated, as the service's pool is), and they hold ``capacity``
     positions, grown when a pass needs more, never more than ``max_seq_len``:
@@ -491,15 +492,19 @@ class EngineDecoder:
                  ) -> tuple[np.ndarray, tuple[list[np.ndarray], np.ndarray]]:
         import onnxruntime as ort
 
-        if not mask.all():
-            raise ValueError("EngineDecoder takes unpadded rows only")
         buffers, lengths = past
-        total = lengths + ids.shape[1]  # (B,)
-        buffers = self._room(buffers, int(total.max()))
+        width = ids.shape[1]
+        fed = mask[:, -width:].sum(1)  # (B,) this pass's tokens of each row
+        if not (mask[:, -width:] == (np.arange(width)[None] < fed[:, None])).all():
+            raise ValueError("EngineDecoder takes rows whose new tokens are right-padded at "
+                             "most")
+        total = lengths + fed  # (B,)
+        reach = int((lengths + width).max())  # the padding's keys and values are written too
+        buffers = self._room(buffers, reach)
         n = self.config.n_layers
         feed = {io.INPUT_IDS: ids, io.POSITION_IDS: pos,
                 SEQLENS_K: (total - 1).astype(np.int32),
-                TOTAL_SEQUENCE_LENGTH: np.array([int(total.max())], np.int32), **self._idle}
+                TOTAL_SEQUENCE_LENGTH: np.array([reach], np.int32), **self._idle}
         if self._gathers:  # every position's logits, as model.onnx gives them
             feed[LOGITS_INDEX] = np.tile(np.arange(ids.shape[1], dtype=np.int64), (len(ids), 1))
         binding = self.session.io_binding()

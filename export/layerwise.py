@@ -65,8 +65,11 @@ class LayerwiseReference(TorchReference):
         continued = [(p, steps) for p in prompts.decode] + [(p, RAGGED_STEPS)
                                                             for p in prompts.ragged]
         dec = self.decoder()
-        sequences = {(tuple(p), n): [*p, *greedy(dec, np.asarray([p], np.int64), n)[0].tolist()]
-                     for p, n in continued}
+        groups: dict[int, list[list[int]]] = {}  # steps → its prompts, decoded as one batch
+        for p, n in continued:
+            groups.setdefault(n, []).append(p)
+        sequences = {(tuple(p), n): [*p, *chosen.tolist()] for n, group in groups.items()
+                     for p, chosen in zip(group, greedy(dec, group, n), strict=True)}
         del dec
         passes = [_Pass(("logits", prompts.prefill.shape, prompts.prefill.tobytes()),
                         torch.from_numpy(prompts.prefill.astype(np.int64)))]

@@ -8,7 +8,7 @@ tests use it as the independent reference the engine must reproduce.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -58,31 +58,41 @@ class OrtDecoder:
         return outs[0], outs[1:]  # logits (B, T, V); presents (B, nkv, T_past + T, hs)
 
 
-def greedy_steps(dec: OrtDecoder, prompts: np.ndarray,
+def greedy_steps(dec: OrtDecoder, prompts: np.ndarray | Sequence[Sequence[int]],
                  forced: np.ndarray | None = None) -> Iterator[np.ndarray]:
-    """The one greedy loop: equal-length prompts (B, T) through the KV cache, the whole
-    past fed back every step; yields the argmax (B,) of each step, for as long as the
-    caller reads. With ``forced`` (B, steps), those tokens are fed instead of the argmax
-    (teacher forcing); what is yielded is still the argmax."""
-    b, t = prompts.shape
-    mask = np.ones((b, t), np.int64)
+    """The one greedy loop: prompts through the KV cache, the whole past fed back every
+    step; yields the argmax (B,) of each step, for as long as the caller reads. Prompts of
+    different lengths are right-padded: each row's first choice is read at its own last
+    token and its later tokens go at its own length (the padding stays masked). With
+    ``forced`` (B, steps), those tokens are fed instead of the argmax (teacher forcing);
+    what is yielded is still the argmax."""
+    lengths = np.array([len(p) for p in prompts], np.int64)  # (B,)
+    b, t = len(lengths), int(lengths.max())
+    ids = np.zeros((b, t), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = prompt
+    mask = (np.arange(t)[None] < lengths[:, None]).astype(np.int64)  # (B, T)
     pos = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
-    logits, past = dec(prompts.astype(np.int64), mask, pos, dec.empty_past(b))
+    logits, past = dec(ids, mask, pos, dec.empty_past(b))
+    last = logits[np.arange(b), lengths - 1]  # (B, V): each row's own last token
+    pos = lengths[:, None]  # (B, 1): where each row's next token goes
     step = 0
     while True:
-        chosen = logits[:, -1].argmax(-1).astype(np.int64)  # (B,)
+        chosen = last.argmax(-1).astype(np.int64)  # (B,)
         yield chosen
         nxt = (forced[:, step] if forced is not None else chosen)[:, None]  # (B, 1)
         mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)  # (B, T_past + 1)
-        pos = pos[:, -1:] + 1
         logits, past = dec(nxt, mask, pos, past)
+        last = logits[:, -1]
+        pos = pos + 1
         step += 1
 
 
-def greedy(dec: OrtDecoder, prompts: np.ndarray, steps: int,
+def greedy(dec: OrtDecoder, prompts: np.ndarray | Sequence[Sequence[int]], steps: int,
            forced: np.ndarray | None = None) -> np.ndarray:
-    """Greedy decode of equal-length prompts (B, T): the argmax of ``steps`` steps (B, steps)."""
-    chosen = np.zeros((prompts.shape[0], steps), np.int64)
+    """Greedy decode of prompts (B, T), or of any lengths (:func:`greedy_steps`): the argmax
+    of ``steps`` steps (B, steps)."""
+    chosen = np.zeros((len(prompts), steps), np.int64)
     for step, tokens in enumerate(islice(greedy_steps(dec, prompts, forced), steps)):
         chosen[:, step] = tokens
     return chosen
