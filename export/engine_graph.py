@@ -506,7 +506,7 @@ class EngineDecoder:
                 SEQLENS_K: (total - 1).astype(np.int32),
                 TOTAL_SEQUENCE_LENGTH: np.array([reach], np.int32), **self._idle}
         if self._gathers:  # every position's logits, as model.onnx gives them
-            feed[LOGITS_INDEX] = np.tile(np.arange(ids.shape[1], dtype=np.int64), (len(ids), 1))
+            feed[LOGITS_INDEX] = np.tile(np.arange(width, dtype=np.int64), (len(ids), 1))
         binding = self.session.io_binding()
         binding.bind_output(io.LOGITS, "cpu")  # first: get_outputs()[0]
         for name, value in feed.items():

@@ -273,7 +273,8 @@ def export_artifact(
                                       mixed_steps=mixed_steps, codes8=widen, level=level,
                                       verify=verify, say=say)
             _write_rest(tmp, ckpt, tok, Path(ckpt_dir), out, model_name, dtype, opset, quantize,
-                        engine_graph, mixed_steps, False, done["codes8_weights"],
+                        engine_graph, mixed_steps,
+                        measured.held(False, bool(done["codes8_weights"])),
                         done["storage"], done["parameter_bytes"], done["build_seconds"],
                         done["verification"], say)
             return out
@@ -411,21 +412,21 @@ def export_artifact(
             for stale in [*tmp.glob(".*.fp32"), *tmp.glob(f"*.onnx{SIDE_DATA}")]:
                 stale.unlink()  # the float32 graphs, and quantised weights now in weights.bin
         _write_rest(tmp, ckpt, tok, Path(ckpt_dir), out, model_name, dtype, opset, quantize,
-                    engine_graph, mixed_steps, twin, codes8_weights, storage, parameter_bytes,
-                    build_seconds, verification, say)
+                    engine_graph, mixed_steps, measured.held(twin, bool(codes8_weights)),
+                    storage, parameter_bytes, build_seconds, verification, say)
     return out
 
 
 def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
                 model_name: str | None, dtype: io.KvDtype, opset: int, quantize: str | None,
-                engine_graph: bool, mixed_steps: bool, twin: bool, codes8_weights: int,
+                engine_graph: bool, mixed_steps: bool, thresholds: PassThresholds,
                 storage: dict[str, Any], parameter_bytes: int, build_seconds: float,
                 verification: dict[str, Any], say: Any) -> None:
-    """The tokenizer and chat files, config.json and manifest.json beside the graphs."""
+    """The tokenizer and chat files, config.json and manifest.json beside the graphs
+    (``thresholds``: those of the opt-in graphs written, recorded in the manifest)."""
     from export.graphs import attention_io_shapes, grouped_kv
     from export.onnx_build import WEIGHTS_FILE
 
-    measured = MEASURED_THRESHOLDS.get(str(quantize), PassThresholds())
     shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
     for name in io.OPTIONAL_HF_FILES:  # chat template and friends, when the checkpoint has them
         if (Path(ckpt_dir) / name).is_file():
@@ -449,11 +450,7 @@ def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
         exporter={"name": "attnserve graph builder", "method": "direct (export/graphs.py, "
                   "export/engine_graph.py)", "build_seconds": round(build_seconds, 3),
                   **({"engine_mixed_steps": mixed_steps} if engine_graph else {}),
-                  **PassThresholds(  # those of the opt-in graphs written
-                      float32_pass_tokens=measured.float32_pass_tokens if twin else 0,
-                      codes8_pass_rows=measured.codes8_pass_rows if codes8_weights else 0,
-                      codes8_prompt_tokens=measured.codes8_prompt_tokens if codes8_weights
-                      else 0).recorded(),
+                  **thresholds.recorded(),
                   "storage": storage, "versions": _versions()},
         opset=opset, kv_dtype=dtype, quantization=quantize,
         io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,

@@ -38,6 +38,12 @@ class PassThresholds:
     codes8_pass_rows: int = 0  # passes of at least this many rows: the 8-bit codes' graph
     codes8_prompt_tokens: int = 0  # ... or of this many tokens (0: the rows alone decide)
 
+    def held(self, float32_twin: bool, codes8: bool) -> PassThresholds:
+        """These thresholds for the opt-in graphs an artifact holds (0 for the others)."""
+        return PassThresholds(self.float32_pass_tokens if float32_twin else 0,
+                              self.codes8_pass_rows if codes8 else 0,
+                              self.codes8_prompt_tokens if codes8 else 0)
+
     def recorded(self) -> dict[str, int]:
         """The manifest's ``exporter`` entries: the thresholds of the graphs written."""
         return {name: value for name, value in asdict(self).items() if value}
