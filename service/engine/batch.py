@@ -1,14 +1,14 @@
-"""A batch of sequences decoding together: the unit the scheduler steps (TGI's CausalLMBatch).
+"""A batch of sequences decoding together: the rows the scheduler steps (TGI's CausalLMBatch).
 
 A row is a slot of the runner's KV pool and nothing more: the pool holds its keys,
 values and cached length, so the batch keeps no cache and no padding, and each runner
-lays out its own inputs. The first ``step`` prefills every row's prompt and samples its
-first token; each later one feeds every row's newest token. ``filter`` drops finished
-rows and ``concatenate`` merges a freshly prefilled batch into the running one (the
-runner arranges the slots). A one-row batch can also be prefilled in chunks before its
-first ``step``: each a pass of its own (``prefill_chunk``), or riding along with the
-running batch's decode step (``step_with_chunk``). The batch chooses each row's tokens;
-its sequence (service/engine/sequence.py) turns them into text, events and the finish.
+lays out its own inputs. A batch states its part of a step's plan (``prompt_work`` for a
+fresh batch's prompts, ``chunk_work`` for the next chunk of a long one, ``decode_work``
+for the running rows' newest tokens; service/engine/step.py assembles them) and chooses
+its rows' tokens from what the runner returned (``take_*``); each row's sequence
+(service/engine/sequence.py) turns a token into text, an event and the finish.
+``filter`` drops finished rows and ``concatenate`` merges a freshly prefilled batch into
+the running one (the runner arranges the slots).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from service.engine.request import GenerationRequest, TokenEvent, TokenInfo
 from service.engine.runner import ModelRunner
 from service.engine.sampling import RowSampler, choose_tokens, log_softmax, top_logprobs
 from service.engine.sequence import SequenceState
-from service.engine.speculative import Speculator, accept
+from service.engine.speculative import Verdict
+from service.engine.step_plan import ChunkWork, DecodeWork, PromptWork
 from service.engine.text import TextCodec
 
 BELOW_ONE = np.float32(1.0) - np.float32(2.0 ** -24)  # the largest float32 below 1
@@ -39,7 +40,7 @@ class Batch:
         self.slots: list[Slot] = slots or []  # row i's place in the runner's KV pool
         # (B,) each row's newest token, fed at the next step; None before prefill
         self.next_tokens = next_tokens
-        self.prompt_done = 0  # prompt tokens already fed by prefill_chunk (one row)
+        self.prompt_done = 0  # prompt tokens already fed in chunks (one row)
 
     @classmethod
     def from_requests(cls, requests: Sequence[GenerationRequest], codec: TextCodec,
@@ -68,63 +69,6 @@ class Batch:
         if not self.slots:
             self.slots = runner.reserve(len(self), top)
 
-    def prefill_chunk(self, runner: ModelRunner, size: int) -> None:
-        """Feed the next ``size`` prompt tokens of a one-row batch, sampling nothing.
-
-        The last part of the prompt is left to ``step``, which samples the first token.
-        """
-        if size >= self.prompt_left:
-            raise ValueError("prefill_chunk needs more than one chunk of prompt left")
-        chunk = self._next_chunk(runner, size)
-        runner.extend_last(self.slots[0], chunk)
-        self.prompt_done += len(chunk)
-
-    def _next_chunk(self, runner: ModelRunner, size: int) -> np.ndarray:
-        """The next ``size`` (at most) prompt tokens of a one-row batch, its slot taken."""
-        if len(self) != 1 or self.is_prefilled:
-            raise ValueError("prompt chunks are fed to a one-row batch before its first step")
-        seq = self.sequences[0]
-        seq.prefill_start = seq.prefill_start or time.perf_counter()
-        self.reserve(runner)
-        return np.asarray(seq.request.prompt_ids[self.prompt_done:self.prompt_done + size],
-                          np.int64)  # (size,)
-
-    def step_with_chunk(self, runner: ModelRunner, partial: Batch, size: int
-                        ) -> tuple[list[TokenEvent], list[TokenEvent]]:
-        """One decode step of this batch with the next ``size`` prompt tokens of the
-        one-row ``partial`` in the same pass (``runner.decode_with_chunk``): this batch's
-        events, and the partial's first token once its whole prompt is in (else none)."""
-        if self.next_tokens is None:
-            raise ValueError("step_with_chunk needs a prefilled batch")
-        chunk = partial._next_chunk(runner, size)
-        completes = len(chunk) == partial.prompt_left
-        last, chunk_last = runner.decode_with_chunk(self.slots, self.next_tokens,
-                                                    partial.slots[0], chunk)
-        partial.prompt_done += len(chunk)
-        events = self._sample(last)  # (B, V)
-        return events, partial._sample(chunk_last) if completes else []  # (1, V)
-
-    def step_with_prompts(self, runner: ModelRunner, fresh: Batch
-                          ) -> tuple[list[TokenEvent], list[TokenEvent]]:
-        """One decode step of this batch with the newcomers of ``fresh`` prefilled in the
-        same pass where the runner can (``runner.decode_with_prompts``): this batch's
-        events, and each newcomer's first token."""
-        if self.next_tokens is None or fresh.is_prefilled:
-            raise ValueError("step_with_prompts needs a prefilled batch and a fresh one")
-        prompts = fresh._start_prefill(runner)  # takes fresh's slots
-        last, firsts = runner.decode_with_prompts(self.slots, self.next_tokens, fresh.slots,
-                                                  prompts)
-        events = self._sample(last)  # (B, V)
-        return events, fresh._sample(np.stack([rows[-1] for rows in firsts]))  # (P, V)
-
-    def _start_prefill(self, runner: ModelRunner) -> list[np.ndarray]:
-        """Stamp the rows' prefill start, take their slots; their prompts (T_i,)."""
-        start = time.perf_counter()
-        for seq in self.sequences:
-            seq.prefill_start = seq.prefill_start or start
-        self.reserve(runner)
-        return [np.asarray(s.request.prompt_ids, np.int64) for s in self.sequences]
-
     def release(self, runner: ModelRunner) -> None:
         """Give the rows' slots back to the runner."""
         if self.slots:
@@ -139,132 +83,101 @@ class Batch:
     def cached_tokens(self) -> int:
         return sum(s.cached_tokens for s in self.sequences)
 
-    def step(self, runner: ModelRunner) -> list[TokenEvent]:
-        """Run prefill (first call) or one decode step; one new token for every row."""
+    # -- this batch's part of a step's plan (service/engine/step.py) ------------------
+
+    def decode_work(self, runner: ModelRunner, rows: Sequence[int] | None = None
+                    ) -> DecodeWork:
+        """Rows ``rows`` (default: all) feed their newest token. Where those rows need
+        nothing but token ids (greedy without logprobs, or plain draws on a runner that
+        samples beside the logits), the runner picks the tokens itself."""
         if self.next_tokens is None:
-            want_prompt = any(s.request.prompt_logprobs for s in self.sequences)
-            prompts = self._start_prefill(runner)
-            logits = runner.prefill(self.slots, prompts, want_prompt)  # (T_i or 1, V) each
-            if want_prompt:
-                self._record_prompt_logprobs(logits)
-            last = np.stack([rows[-1] for rows in logits])  # (B, V)
-        elif self._argmax_only():  # token ids are all the step needs from the graph
-            return self._emit(runner.decode_ids(self.slots, self.next_tokens))  # (B,)
-        elif runner.samples_on_device and self._plain_draws():  # drawn on the GPU
-            return self._emit(runner.decode_ids(self.slots, self.next_tokens,
-                                                self._sampled_rows(runner.vocab_size)))
-        else:
-            last = runner.decode(self.slots, self.next_tokens)  # (B, V)
-        return self._sample(last)
+            raise ValueError("decoding needs a prefilled batch")
+        seqs = self.sequences if rows is None else [self.sequences[i] for i in rows]
+        slots = self.slots if rows is None else [self.slots[i] for i in rows]
+        tokens = self.next_tokens if rows is None else self.next_tokens[list(rows)]  # (R,)
+        if _argmax_only(seqs):
+            return DecodeWork(slots, tokens, "argmax")
+        if runner.samples_on_device and _plain_draws(seqs):
+            return DecodeWork(slots, tokens, "sampled", _sampled_rows(seqs, runner.vocab_size))
+        return DecodeWork(slots, tokens)
 
-    def _argmax_only(self) -> bool:
-        """Every row takes the raw logits' argmax and reports no log-probability."""
-        return all(s.sampler.params.is_plain_greedy and not s.request.token_logprobs
-                   and not s.request.sampling.top_n_logprobs for s in self.sequences)
+    def prompt_work(self, runner: ModelRunner) -> PromptWork:
+        """Every row's whole prompt (a fresh batch): the rows take their slots now."""
+        if self.is_prefilled:
+            raise ValueError("the prompts of a prefilled batch are in already")
+        start = time.perf_counter()
+        for seq in self.sequences:
+            seq.prefill_start = seq.prefill_start or start
+        self.reserve(runner)
+        return PromptWork(self.slots,
+                          [np.asarray(s.request.prompt_ids, np.int64) for s in self.sequences],
+                          any(s.request.prompt_logprobs for s in self.sequences))
 
-    def _plain_draws(self) -> bool:
-        """Every row greedy or sampling with temperature, top-k and top-p alone, none
-        reporting a log-probability: what a sampler beside the logits computes."""
-        return all((s.sampler.params.is_plain_greedy or s.sampler.params.is_plain_sampling)
-                   and not s.request.token_logprobs and not s.request.sampling.top_n_logprobs
-                   for s in self.sequences)
+    def chunk_work(self, runner: ModelRunner, size: int) -> ChunkWork:
+        """The next ``size`` (at most) prompt tokens of a one-row batch before its first
+        token; the row takes its slot now if it has none."""
+        if len(self) != 1 or self.is_prefilled:
+            raise ValueError("prompt chunks are fed to a one-row batch before its first token")
+        seq = self.sequences[0]
+        seq.prefill_start = seq.prefill_start or time.perf_counter()
+        self.reserve(runner)
+        return ChunkWork(self.slots[0], np.asarray(
+            seq.request.prompt_ids[self.prompt_done:self.prompt_done + size], np.int64))
 
-    def _sampled_rows(self, vocab: int) -> SampledRows:
-        """Each row's parameters and this step's draw from its own generator (one, as the
-        host sampler takes); greedy rows top-k 1."""
-        params = [s.sampler for s in self.sequences]
-        sampling = [p.params.do_sample for p in params]
-        return SampledRows(
-            temperature=np.array([p.params.temperature if d else 1.0
-                                  for p, d in zip(params, sampling, strict=True)], np.float32),
-            top_k=np.array([(p.params.top_k or vocab) if d else 1
-                            for p, d in zip(params, sampling, strict=True)], np.int64),
-            top_p=np.array([p.params.top_p if d and p.params.top_p < 1.0 else 2.0
-                            for p, d in zip(params, sampling, strict=True)], np.float32),
-            u=np.minimum(np.array([p.rng.random() if d and p.rng is not None else 0.0
-                                   for p, d in zip(params, sampling, strict=True)],
-                                  np.float32), BELOW_ONE))  # [0, 1) in float32 too
+    # -- choosing tokens from a step's result ------------------------------------------
 
-    def _emit(self, tokens: np.ndarray) -> list[TokenEvent]:
-        """Each row's next token, chosen by the runner (``decode_ids``): ``_sample``
-        without logits."""
-        for seq, token in zip(self.sequences, tokens, strict=True):
-            seq.sampler.observe(int(token))
-        self.next_tokens = np.asarray(tokens, np.int64)  # (B,) fed at the next step
+    def take_ids(self, tokens: np.ndarray, rows: Sequence[int] | None = None
+                 ) -> list[TokenEvent]:
+        """Rows ``rows`` (default: all) take the tokens (R,) the runner chose."""
+        rows = range(len(self)) if rows is None else rows
         now = time.perf_counter()
-        return [self._advance(i, seq, int(tokens[i]), None, None, now)
-                for i, seq in enumerate(self.sequences)]
-
-    def _sample(self, last: np.ndarray) -> list[TokenEvent]:
-        """Each row's next token from its logits ``last`` (B, V)."""
-        last = np.ascontiguousarray(last, np.float32)
-        tokens, logprobs = choose_tokens(last, [s.sampler for s in self.sequences],
-                                         [s.request.token_logprobs for s in self.sequences])
-        self.next_tokens = np.asarray(tokens, np.int64)  # (B,) fed at the next step
-        now = time.perf_counter()
-        return [self._advance(i, seq, int(tokens[i]), seq.reported(logprobs[i]), last, now)
-                for i, seq in enumerate(self.sequences)]
-
-    def speculate(self, runner: ModelRunner, speculator: Speculator) -> list[list[TokenEvent]]:
-        """One decode step with speculation: the events of each row (one or more tokens).
-
-        A row with a proposal feeds its newest token and the drafted ones in one pass
-        (``runner.extend``), keeps what verification accepts plus the target's own next
-        token, and rolls its cache back past the rest (``runner.truncate``). Rows without
-        a proposal decode one token together, as in ``step``.
-        """
-        if self.next_tokens is None:
-            raise ValueError("speculate needs a prefilled batch")
-        fed = self.next_tokens
-        proposals = [speculator.propose(seq.request.id,
-                                        [*seq.request.prompt_ids, *seq.output_ids],
-                                        seq.sampler, self._draft_room(runner, i))
-                     for i, seq in enumerate(self.sequences)]
-        events: list[list[TokenEvent]] = [[] for _ in self.sequences]
-        next_tokens = fed.copy()
-        plain = [i for i, p in enumerate(proposals) if p is None]
-        if plain:
-            started = time.perf_counter()
-            last = np.ascontiguousarray(runner.decode([self.slots[i] for i in plain],
-                                                      fed[plain]), np.float32)  # (P, V)
-            speculator.observe_plain(time.perf_counter() - started)
-            tokens, logprobs = choose_tokens(
-                last, [self.sequences[i].sampler for i in plain],
-                [self.sequences[i].request.token_logprobs for i in plain])
-            now = time.perf_counter()
-            for j, i in enumerate(plain):
-                seq = self.sequences[i]
-                events[i] = [self._advance(j, seq, int(tokens[j]), seq.reported(logprobs[j]),
-                                           last, now)]
-                next_tokens[i] = tokens[j]
-        for i, proposal in enumerate(proposals):
-            if proposal is None:
-                continue
-            seq, slot = self.sequences[i], self.slots[i]
-            cached = runner.cached_length(slot)
-            row_tokens = np.concatenate([fed[i:i + 1], proposal.tokens])  # (k + 1,)
-            started = time.perf_counter()
-            logits = np.ascontiguousarray(runner.extend(slot, row_tokens),
-                                          np.float32)  # (k + 1, V)
-            verify_seconds = time.perf_counter() - started
-            verdict = accept(proposal.tokens.tolist(), logits, seq.sampler, proposal.probs,
-                             seq.stop_ids)
-            runner.truncate(slot, cached + 1 + verdict.accepted)  # fed token + kept drafts
-            speculator.record(seq.request.id, verdict, verify_seconds)
-            logprobs_all = log_softmax(logits) if seq.request.token_logprobs else None  # (k+1, V)
-            now = time.perf_counter()
-            for token, position in zip(verdict.tokens, verdict.positions, strict=True):
-                events[i].append(self._advance(
-                    position, seq, token,
-                    None if logprobs_all is None else float(logprobs_all[position, token]),
-                    logits, now))
-                if seq.finish is not None:
-                    break
-            next_tokens[i] = verdict.tokens[-1]
-        self.next_tokens = next_tokens
+        events = []
+        for j, i in enumerate(rows):
+            seq, token = self.sequences[i], int(tokens[j])
+            seq.sampler.observe(token)
+            events.append(self._advance(j, seq, token, None, None, now))
+        self._set_next(tokens, rows)
         return events
 
-    def _draft_room(self, runner: ModelRunner, row: int) -> int:
+    def take_logits(self, last: np.ndarray, rows: Sequence[int] | None = None
+                    ) -> list[TokenEvent]:
+        """Rows ``rows`` (default: all) choose their next token from their logits (R, V)."""
+        rows = range(len(self)) if rows is None else rows
+        seqs = [self.sequences[i] for i in rows]
+        last = np.ascontiguousarray(last, np.float32)
+        tokens, logprobs = choose_tokens(last, [s.sampler for s in seqs],
+                                         [s.request.token_logprobs for s in seqs])
+        now = time.perf_counter()
+        events = [self._advance(j, seq, int(tokens[j]), seq.reported(logprobs[j]), last, now)
+                  for j, seq in enumerate(seqs)]
+        self._set_next(tokens, rows)
+        return events
+
+    def take_prompt_logits(self, logits: Sequence[np.ndarray]) -> list[TokenEvent]:
+        """A fresh batch's first tokens from its prompts' logits, (T_i or 1, V) per row;
+        the prompt logprobs of the rows that asked for them."""
+        if any(s.request.prompt_logprobs for s in self.sequences):
+            self._record_prompt_logprobs(logits)
+        return self.take_logits(np.stack([rows[-1] for rows in logits]))  # (B, V)
+
+    def take_verified(self, row: int, verdict: Verdict, logits: np.ndarray
+                      ) -> list[TokenEvent]:
+        """Row ``row`` takes what verification kept, judged on its logits (k + 1, V)."""
+        seq = self.sequences[row]
+        logprobs = log_softmax(logits) if seq.request.token_logprobs else None  # (k+1, V)
+        now = time.perf_counter()
+        events = []
+        for token, position in zip(verdict.tokens, verdict.positions, strict=True):
+            events.append(self._advance(
+                position, seq, token,
+                None if logprobs is None else float(logprobs[position, token]), logits, now))
+            if seq.finish is not None:
+                break
+        assert self.next_tokens is not None
+        self.next_tokens[row] = verdict.tokens[-1]
+        return events
+
+    def draft_room(self, runner: ModelRunner, row: int) -> int:
         """Drafted tokens row ``row`` may verify: within its max_new_tokens (the last token
         of a pass is the target's own) and its slot."""
         seq = self.sequences[row]
@@ -272,7 +185,14 @@ class Batch:
         room = runner.max_len - runner.cached_length(self.slots[row]) - 1
         return max(0, min(left, room))
 
-    def _record_prompt_logprobs(self, logits: list[np.ndarray]) -> None:
+    def _set_next(self, tokens: np.ndarray, rows: Sequence[int]) -> None:
+        """The tokens rows ``rows`` feed at the next step."""
+        if self.next_tokens is None or len(rows) == len(self):
+            self.next_tokens = np.asarray(tokens, np.int64)  # (B,)
+        else:
+            self.next_tokens[list(rows)] = tokens
+
+    def _record_prompt_logprobs(self, logits: Sequence[np.ndarray]) -> None:
         for seq, rows in zip(self.sequences, logits, strict=True):
             if not seq.request.prompt_logprobs:
                 continue
@@ -314,3 +234,34 @@ class Batch:
         return cls(sequences=[s for b in batches for s in b.sequences], codec=batches[0].codec,
                    slots=runner.join([b.slots for b in batches]),
                    next_tokens=np.concatenate([t for t in tokens if t is not None]))
+
+
+def _argmax_only(seqs: Sequence[SequenceState]) -> bool:
+    """Every row takes the raw logits' argmax and reports no log-probability."""
+    return all(s.sampler.params.is_plain_greedy and not s.request.token_logprobs
+               and not s.request.sampling.top_n_logprobs for s in seqs)
+
+
+def _plain_draws(seqs: Sequence[SequenceState]) -> bool:
+    """Every row greedy or sampling with temperature, top-k and top-p alone, none
+    reporting a log-probability: what a sampler beside the logits computes."""
+    return all((s.sampler.params.is_plain_greedy or s.sampler.params.is_plain_sampling)
+               and not s.request.token_logprobs and not s.request.sampling.top_n_logprobs
+               for s in seqs)
+
+
+def _sampled_rows(seqs: Sequence[SequenceState], vocab: int) -> SampledRows:
+    """Each row's parameters and this step's draw from its own generator (one, as the
+    host sampler takes); greedy rows top-k 1."""
+    params = [s.sampler for s in seqs]
+    sampling = [p.params.do_sample for p in params]
+    return SampledRows(
+        temperature=np.array([p.params.temperature if d else 1.0
+                              for p, d in zip(params, sampling, strict=True)], np.float32),
+        top_k=np.array([(p.params.top_k or vocab) if d else 1
+                        for p, d in zip(params, sampling, strict=True)], np.int64),
+        top_p=np.array([p.params.top_p if d and p.params.top_p < 1.0 else 2.0
+                        for p, d in zip(params, sampling, strict=True)], np.float32),
+        u=np.minimum(np.array([p.rng.random() if d and p.rng is not None else 0.0
+                               for p, d in zip(params, sampling, strict=True)],
+                              np.float32), BELOW_ONE))  # [0, 1) in float32 too

@@ -256,6 +256,12 @@ class EngineGraphRunner(PooledRunner):
         out[order] = ids
         return out
 
+    def _draw(self, logits: np.ndarray, sampled: SampledRows) -> np.ndarray:
+        """The sampler's draws (B,) from a mixed pass's logits (B, V), in batch order."""
+        if self._sampler is None:
+            raise ValueError("this runner samples on the host")
+        return self._sampler.sample(logits, sampled)
+
     def _sampled_ids(self, rows: _Rows, order: np.ndarray | None, sampled: SampledRows
                      ) -> np.ndarray:
         """The sampler's draws (n,) in slot order, from the replayed step's logits on the
@@ -293,8 +299,6 @@ class EngineGraphRunner(PooledRunner):
 
     def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
                           chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if not self.mixes_chunks:
-            return super().decode_with_chunk(slots, tokens, slot, chunk)
         if slot in slots:
             raise ValueError("the chunk's row cannot also decode in the same pass")
         rows, order = self._decode_rows(slots, tokens)
@@ -344,8 +348,6 @@ class EngineGraphRunner(PooledRunner):
     def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
                             new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
                             ) -> tuple[np.ndarray, list[np.ndarray]]:
-        if not self.mixes_chunks:
-            return super().decode_with_prompts(slots, tokens, new_slots, prompts)
         if {s.index for s in slots} & {s.index for s in new_slots}:
             raise ValueError("a row cannot decode and be prefilled in the same pass")
         plain, out = self._split_prompts(new_slots, prompts, False)

@@ -6,17 +6,20 @@ rolling a row back (``truncate``) is setting it lower. The pool's memory is chec
 against the token budget (``PoolConfig.budget_tokens``), not slots x max_len: the
 scheduler's admission never lets more tokens in than the budget.
 
-Subclasses supply the graph: ``_prefill_rows`` (empty slots, whole prompts, batched),
+``run`` executes a step's plan (step_plan.py) with the passes below, which subclasses
+supply for their graph: ``_prefill_rows`` (empty slots, whole prompts, batched),
 ``decode`` (one token per row) and ``extend`` (several tokens after one row's cache;
-``extend_last`` when only the last token's logits are needed); ``decode_with_chunk`` is
-those two in turn unless the graph runs them in one pass.
+``extend_last`` when only the last token's logits are needed), and, where the graph takes
+a second group of rows, ``decode_with_chunk`` and ``decode_with_prompts`` (one pass).
 ``_arrange`` lays a batch's slots out as the graph needs them (engine.onnx binds one run
 of consecutive slots; model.onnx gathers, so anything goes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -26,6 +29,7 @@ from service.engine.kv_pool import KVPool, PoolShape, Slot, ensure_memory
 from service.engine.prefix_cache import PrefixCache
 from service.engine.runner import PoolConfig
 from service.engine.stats import KVStats, PrefixCacheStats
+from service.engine.step_plan import DecodeWork, PassKind, StepPlan, StepResult
 
 
 class PooledRunner:
@@ -140,6 +144,77 @@ class PooledRunner:
         a steady batch's newest columns elsewhere (model.onnx under CUDA) writes them back
         here and before any call that reads or moves rows; the default has none."""
 
+    # -- a step --------------------------------------------------------------------
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """Execute a step's plan (runner.py). Where the graph takes a second group of rows
+        (``mixes_chunks``), the chunk, or else the newcomers' prompts, ride in the decode
+        step's pass; every other part is a pass of its own: prompts, the chunk, the
+        decode step, then each verified row."""
+        out = StepResult()
+        decode, prompts, chunk = plan.decode, plan.prompts, plan.chunk
+        rides = chunk is not None or (prompts is not None and not prompts.all_logits)
+        if decode is not None and self.mixes_chunks and rides:
+            with _timed(out.seconds, "mixed"):
+                if chunk is not None:
+                    logits, out.chunk = self.decode_with_chunk(decode.slots, decode.tokens,
+                                                               chunk.slot, chunk.tokens)
+                    chunk = None
+                else:
+                    assert prompts is not None
+                    logits, out.prompts = self.decode_with_prompts(
+                        decode.slots, decode.tokens, prompts.slots, prompts.prompts)
+                    prompts = None
+                self._pick(out, decode, logits)
+            decode = None
+        if prompts is not None:
+            with _timed(out.seconds, "prompts"):
+                out.prompts = self.prefill(prompts.slots, prompts.prompts, prompts.all_logits)
+        if chunk is not None:
+            with _timed(out.seconds, "chunk"):
+                out.chunk = self.extend_last(chunk.slot, chunk.tokens)  # (1, V)
+                self._save_prefix([chunk.slot])
+        if decode is not None:
+            with _timed(out.seconds, "decode"):
+                if decode.pick == "logits":
+                    out.decode_logits = self.decode(decode.slots, decode.tokens)  # (B, V)
+                else:
+                    out.decode_ids = self.decode_ids(decode.slots, decode.tokens,
+                                                     decode.sampled)  # (B,)
+        for work in plan.verify:
+            started = time.perf_counter()
+            out.verify.append(self.extend(work.slot, work.tokens))  # (k + 1, V)
+            out.verify_seconds.append(time.perf_counter() - started)
+        return out
+
+    def _pick(self, out: StepResult, work: DecodeWork, logits: np.ndarray) -> None:
+        """A mixed pass's decode logits (B, V) as the plan asked for them."""
+        if work.pick == "logits":
+            out.decode_logits = logits
+        elif work.pick == "argmax":
+            out.decode_ids = logits.argmax(-1)
+        else:
+            assert work.sampled is not None
+            out.decode_ids = self._draw(logits, work.sampled)
+
+    def _draw(self, logits: np.ndarray, sampled: SampledRows) -> np.ndarray:
+        """Each row's draw (B,) from its logits (B, V): runners that sample beside the
+        logits (``samples_on_device``) only."""
+        raise ValueError(f"{type(self).__name__} samples on the host")
+
+    def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
+                          chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A decode step and a prompt chunk in one pass: (B, V) and (1, V) (graphs that
+        take a second group of rows only: ``mixes_chunks``)."""
+        raise ValueError(f"{type(self).__name__} runs one group of rows a pass")
+
+    def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
+                            new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
+                            ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """A decode step and newcomers' whole prompts in one pass: (B, V) and each
+        newcomer's (1, V) (``mixes_chunks`` graphs only)."""
+        raise ValueError(f"{type(self).__name__} runs one group of rows a pass")
+
     # -- prompts ---------------------------------------------------------------------
 
     def prefill(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
@@ -155,13 +230,6 @@ class PooledRunner:
                 out[r] = rows
         self._save_prefix(slots)
         return out
-
-    def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
-                            new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
-                            ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Two passes here (a graph with one group of rows); engine_mixed.onnx prefills
-        the plain prompts in the decode step's pass (engine_graph_runner.py)."""
-        return self.decode(slots, tokens), self.prefill(new_slots, prompts)
 
     def _split_prompts(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
                        all_logits: bool) -> tuple[list[int], list[np.ndarray]]:
@@ -218,14 +286,6 @@ class PooledRunner:
             raise ValueError(f"{type(self).__name__} samples on the host")
         return self.decode(slots, tokens).argmax(-1)
 
-    def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
-                          chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Two passes here (a graph with one group of rows); engine_mixed.onnx makes it
-        one (engine_graph_runner.py)."""
-        logits = self.decode(slots, tokens), self.extend_last(slot, chunk)
-        self._save_prefix([slot])
-        return logits
-
     def extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
         """``extend`` when only the last token's logits (1, V) are wanted (a prompt chunk,
         the rest of a prompt, a draft catching up): a graph that can compute just those
@@ -259,3 +319,11 @@ class PooledRunner:
                                 block_size=self.prefix.block_size,
                                 bytes_allocated=self.prefix.bytes_allocated,
                                 evictions=c.evicted)
+
+
+@contextmanager
+def _timed(seconds: dict[PassKind, float], kind: PassKind) -> Iterator[None]:
+    """Record what the block took as the pass ``kind``."""
+    started = time.perf_counter()
+    yield
+    seconds[kind] = time.perf_counter() - started

@@ -1,11 +1,13 @@
 """The one interface between the scheduler and a decoder graph: ``ModelRunner``.
 
 Everything the batch and the scheduler ask of a model is stated here, typed, so nothing
-probes a runner for optional features. A row of a batch is a ``Slot`` of the runner's
-``KVPool`` (service/engine/kv_pool.py), which is the only owner of keys and values: the
-runner reads a row's cached length from the pool, feeds the new tokens after it and
-writes their keys and values back, so the batch holds no cache and no padding. Each
-runner lays out its own inputs (engine.onnx right-pads, model.onnx left-pads).
+probes a runner for optional features: one method runs a step (``run``, whatever the step
+carries: service/engine/step_plan.py), the others manage rows. A row of a batch is a
+``Slot`` of the runner's ``KVPool`` (service/engine/kv_pool.py), which is the only owner
+of keys and values: the runner reads a row's cached length from the pool, feeds the new
+tokens after it and writes their keys and values back, so the batch holds no cache and
+no padding. Each runner lays out its own inputs (engine.onnx right-pads, model.onnx
+left-pads).
 
 Two runners implement it: ``EngineGraphRunner`` (engine.onnx, pool slots bound in place;
 engine_graph_runner.py) and ``ModelGraphRunner`` (model.onnx, the portable graph, past gathered
@@ -18,11 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
-from service.engine.device import SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.stats import KVStats, PrefixCacheStats
+from service.engine.step_plan import StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ class ModelRunner(Protocol):
     graph_file: str  # model.onnx or engine.onnx
     provider: str  # ONNX Runtime's active execution provider
     device: str  # "cpu" or "cuda": where the session runs
-    mixes_chunks: bool  # decode_with_chunk runs as one pass over the weights
-    samples_on_device: bool  # decode_ids draws sampled tokens where the logits are
+    mixes_chunks: bool  # a chunk or new prompts ride in the decode step's pass
+    samples_on_device: bool  # a decode step may ask for draws (``DecodeWork.pick``)
 
     @property
     def float32_twin_tokens(self) -> int | None:
@@ -89,51 +89,11 @@ class ModelRunner(Protocol):
         """Empty slots for new rows (``top``: away from the running rows)."""
         ...
 
-    def prefill(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                all_logits: bool = False) -> list[np.ndarray]:
-        """Feed each empty slot its whole prompt (reusing cached prefixes unless
-        ``all_logits``); per row the logits (T_i, V) of every prompt token, or (1, V) of
-        the last one."""
-        ...
-
-    def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
-        """One token per row (tokens (B,)) after each row's cache; logits (B, V)."""
-        ...
-
-    def decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
-                   sampled: SampledRows | None = None) -> np.ndarray:
-        """``decode`` with the next tokens chosen where the logits are: (B,) int64, which
-        is all a graph that picks them on the GPU copies back. Without ``sampled`` every
-        row takes the argmax; with it (``samples_on_device`` runners only) each row's
-        plain temperature/top-k/top-p draw from its own number."""
-        ...
-
-    def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
-                          chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``decode(slots, tokens)`` and ``extend_last(slot, chunk)`` (a prompt chunk of a
-        row that is not decoding): logits (B, V) and (1, V). engine_mixed.onnx computes
-        both in one pass, so the chunk costs its tokens' arithmetic, not another read of
-        the weights (``mixes_chunks``). The prompt's full blocks go to the prefix cache
-        chunk by chunk, as after ``prefill``."""
-        ...
-
-    def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
-                            new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
-                            ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """``decode(slots, tokens)`` and ``prefill(new_slots, prompts)`` (newcomers joining
-        the batch): logits (B, V) and each newcomer's last (1, V). engine_mixed.onnx
-        feeds the prompts without a cached prefix in the decode step's pass."""
-        ...
-
-    def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
-        """Feed ``tokens`` (T,) to one row after what its slot holds (a prompt chunk, the
-        rest of a prompt after a reused prefix, drafted tokens to verify); logits (T, V)
-        for every fed token."""
-        ...
-
-    def extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
-        """``extend`` when only the last fed token's logits (1, V) are needed: a graph that
-        gathers positions before the LM head computes just that one."""
+    def run(self, plan: StepPlan) -> StepResult:
+        """Execute one step's plan (step_plan.py): every part of it, in as few passes as
+        the runner's graphs allow, choosing the graph for each pass itself. The rows'
+        cached lengths and tokens are up to date when it returns; each part's logits, or
+        the tokens the runner picked, come back with what each pass took."""
         ...
 
     def truncate(self, slot: Slot, length: int) -> None:

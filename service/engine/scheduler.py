@@ -1,19 +1,21 @@
 """The engine loop: one background thread per process drives a single running batch.
 
 Routes call ``submit`` on the event loop and read events from a per-request asyncio
-queue. The loop thread admits waiting requests at every step (their prefill runs, then
-they decode with the rest), retires finished and cancelled rows at once, and hands each
-step's events back to the event loop with one ``call_soon_threadsafe``, once the step's
-stats and the load after it are recorded (so a response is in /metrics before it
-completes). Each time it runs out of work it gives the C heap's freed pages back to the OS
-(service/engine/resident.py), so the server's memory after a busy period returns to what it
-holds. A prompt longer
-than ``prefill_chunk_tokens`` is prefilled one chunk per loop iteration, between decode
-steps of the running rows, so they keep their pace.
+queue. Each loop iteration is one step (service/engine/step.py) carrying everything there
+is to do: the running rows' decode tokens, the prompts of the requests admitted at this
+step, the next chunk of a prompt longer than ``prefill_chunk_tokens`` (one chunk a step,
+so the running rows keep their pace), drafts to verify; the runner runs it in one call
+and chooses the passes. Finished and cancelled rows retire at once, and each step's
+events go back to the event loop with one ``call_soon_threadsafe``, once the step's stats
+and the load after it are recorded (so a response is in /metrics before it completes).
+Each time it runs out of work it gives the C heap's freed pages back to the OS
+(service/engine/resident.py), so the server's memory after a busy period returns to what
+it holds.
 
-Faults stay local: a failed prefill is retried request by request, and only the requests
-that fail alone get an error (424 over HTTP); a failed decode step fails the rows of that
-step, frees their cache, and the loop goes on with the next requests. Admission is
+Faults stay local: when a step with newcomers fails, the rest of it runs again without
+them and each newcomer is prefilled alone, so only a request that fails alone gets an
+error (424 over HTTP); a failed step without newcomers fails its rows, frees their cache,
+and the loop goes on with the next requests. Admission is
 bounded: when ``max_queued_requests`` are already waiting, ``submit`` raises QueueFull.
 A batch never holds more than ``max_batch_size`` rows (at most the runner's pool slots),
 nor more than ``max_batch_tokens`` reserved (prompt plus max_new_tokens per row; at most
@@ -34,12 +36,14 @@ from typing import Literal
 
 from service.engine.batch import Batch
 from service.engine.chunking import ChunkBudget
-from service.engine.request import ErrorEvent, Event, GenerationRequest, TokenEvent
+from service.engine.request import ErrorEvent, Event, GenerationRequest
 from service.engine.resident import release_freed_heap
 from service.engine.runner import ModelRunner
 from service.engine.sequence import SequenceState
 from service.engine.speculative import Speculator
 from service.engine.stats import LoadStats, NullStats, RequestStats, StatsSink, StepStats
+from service.engine.step import StepEvents, run_step, step_alone
+from service.engine.step_plan import StepResult
 from service.engine.text import TextCodec
 
 log = logging.getLogger("attnserve.engine")
@@ -183,10 +187,8 @@ class Scheduler:
         """Run one request to completion on the calling thread (before ``start``)."""
         batch = Batch.from_requests([request], self.codec, self.runner.vocab_size)
         try:
-            while True:
-                events = batch.step(self.runner)
-                if events[0].finish is not None:
-                    return
+            while step_alone(self.runner, batch)[0][-1].finish is None:
+                pass
         finally:
             batch.release(self.runner)
 
@@ -226,89 +228,96 @@ class Scheduler:
         self._publish(None)
 
     def _iterate(self, batch: Batch | None, admitted: list[RequestHandle]) -> Batch | None:
-        """One loop iteration: newcomers join, a chunk of a long prompt, one decode step
-        (the chunk rides in the decode step's pass where the runner mixes them)."""
+        """One loop iteration: one step carrying everything there is to do (the running
+        rows' decode, the newcomers' prompts, the next chunk of a long prompt)."""
         if batch is not None:
             batch = self._retire(batch)  # rows cancelled while the step ran
-        if admitted and batch is not None and self._partial is None and self._mixes(batch) \
-                and not any(h.request.prompt_logprobs for h in admitted):
-            return self._decode_with_prompts(batch, admitted)
-        if admitted:
-            batch = self._join(batch, self._prefill(admitted))
-            self._publish(batch)
         if self._partial is not None and self._drop_cancelled_partial():
             self._publish(batch)
-        if self._partial is not None:
-            if batch is not None and self._mixes(batch):
-                return self._decode_with_chunk(batch)
-            batch = self._join(batch, self._advance_partial(running=batch is not None))
-            self._publish(batch)
-        if batch is not None:
-            batch = self._decode(batch)
-        return batch
-
-    def _mixes(self, batch: Batch) -> bool:
-        """Whether the next chunk can share the batch's decode pass: the runner's graph
-        takes both, and the step is not speculative (whose passes are per row)."""
-        speculating = self.speculator is not None and self.speculator.applies(len(batch))
-        return self.runner.mixes_chunks and not speculating
-
-    def _decode_with_chunk(self, batch: Batch) -> Batch | None:
-        """One decode step with the next chunk of the partly prefilled prompt in the same
-        pass; that row joins the batch once its prompt is in and its first token sampled.
-        If the pass fails, the rows of both fail, as any failed step's do."""
-        partial = self._partial
-        assert partial is not None
-        size = min(self.chunks.next_chunk(True, partial.prompt_left), partial.prompt_left)
-        start = time.perf_counter()
-        try:
-            events, first = batch.step_with_chunk(self.runner, partial, size)
-        except Exception as exc:
-            self._partial = None
-            for failed in (batch, partial):
-                failed.release(self.runner)
-                self._fail_step(failed, exc)
+        fresh = self._new_batch([h.request for h in admitted]) if admitted else None
+        if batch is None and fresh is None and self._partial is None:
             return None
-        took = time.perf_counter() - start
-        self.chunks.observe_mixed(size, took)
-        self.stats.record_step(StepStats("decode", took, len(batch), len(batch)))
-        self.stats.record_step(StepStats("prefill", took, len(first), size))
-        self._deliver((batch, events), (partial, first))
-        batch_left = self._retire(batch)
-        if not first:
-            return batch_left
-        self._partial = None
-        return self._join(batch_left, self._retire(partial))
+        return self._step(batch, fresh, self._partial)
 
-    def _decode_with_prompts(self, batch: Batch, admitted: list[RequestHandle]
-                             ) -> Batch | None:
-        """One decode step with the newcomers' prompts in the same pass; they join the
-        batch with their first tokens. If that pass fails, the newcomers go the separate
-        way (a prefill of their own, each alone if need be, so a bad prompt fails alone)
-        and the batch decodes on its own."""
-        fresh = self._new_batch([h.request for h in admitted])
-        prompt_tokens = fresh.prompt_left
-        start = time.perf_counter()
+    def _step(self, batch: Batch | None, fresh: Batch | None, partial: Batch | None
+              ) -> Batch | None:
+        """One step (service/engine/step.py); the running batch after it, the rows that
+        came in joined, those that finished gone.
+
+        If the runner fails, newcomers are not failed with the step: the rest of the step
+        runs again without them and each is prefilled alone, so only a prompt that fails
+        alone gets the error. A step without newcomers fails its rows (424 over HTTP),
+        frees their cache, and the loop goes on."""
+        chunk = 0
+        if partial is not None:
+            running = batch is not None
+            chunk = min(self.chunks.next_chunk(running, partial.prompt_left),
+                        partial.prompt_left)
+        prompt_tokens = fresh.prompt_left if fresh is not None else 0
         try:
-            events, firsts = batch.step_with_prompts(self.runner, fresh)
+            events, result = run_step(self.runner, batch, fresh, partial, chunk,
+                                      self.speculator)
         except Exception as exc:
-            log.warning("decode step with %d newcomers' prompts failed (%s); prefilling them "
-                        "on their own", len(admitted), exc)
-            fresh.release(self.runner)
-            joined = self._join(batch, self._prefill(admitted))
-            self._publish(joined)
-            return self._decode(joined) if joined is not None else None
-        took = time.perf_counter() - start
-        self.stats.record_step(StepStats("decode", took, len(batch), len(batch)))
-        self.stats.record_step(StepStats("prefill", took, len(fresh), prompt_tokens))
-        self._deliver((batch, events), (fresh, firsts))
-        return self._join(self._retire(batch), self._retire(fresh))
+            return self._after_failure(batch, fresh, partial, exc)
+        self._record(result, batch, events, fresh, prompt_tokens, partial, chunk)
+        if events.partial:  # its prompt is in: it joins the batch
+            self._partial = None
+        self._send([(self._handles[s.request.id], e) for b, rows in (
+            (batch, events.running), (fresh, [[e] for e in events.fresh]),
+            (partial, [[e] for e in events.partial])) if b is not None
+            for s, row in zip(b.sequences, rows, strict=False) for e in row])
+        done = [self._retire(b) for b in (batch, fresh) if b is not None]
+        if events.partial and partial is not None:
+            done.append(self._retire(partial))
+        kept = [b for b in done if b is not None]
+        return Batch.concatenate(kept, self.runner) if kept else None
 
-    def _deliver(self, *batches: tuple[Batch, list[TokenEvent]]) -> None:
-        """Send each batch's events, one per row in row order (a row may have none: a
-        partial prefill's before its last chunk)."""
-        self._send([(self._handles[s.request.id], e) for batch, events in batches
-                    for s, e in zip(batch.sequences, events, strict=False)])
+    def _after_failure(self, batch: Batch | None, fresh: Batch | None,
+                       partial: Batch | None, exc: Exception) -> Batch | None:
+        if fresh is None or (batch is None and partial is None and len(fresh) == 1):
+            for failed in (batch, fresh, partial):
+                if failed is not None:
+                    failed.release(self.runner)
+                    self._fail_step(failed, exc)
+            if partial is not None:
+                self._partial = None
+            return None
+        log.warning("a step with %d newcomers' prompts failed (%s); prefilling them one by "
+                    "one", len(fresh), exc)
+        fresh.release(self.runner)
+        rest = self._step(batch, None, partial) if batch or partial else None
+        self._publish(rest)
+        for seq in fresh.sequences:
+            alone = self._step(None, self._new_batch([seq.request]), None)
+            rest = self._join(rest, alone)
+            self._publish(rest)
+        return rest
+
+    def _record(self, result: StepResult, batch: Batch | None, events: StepEvents,
+                fresh: Batch | None, prompt_tokens: int, partial: Batch | None,
+                chunk: int) -> None:
+        """The step's stats: a decode step for the running rows, a prefill for the
+        newcomers and for the chunk (with no token until the prompt is in); and what the
+        chunk budget and the speculator learn from the passes' times."""
+        took = result.seconds
+        mixed = took.get("mixed")
+        if batch is not None:
+            seconds = mixed if mixed is not None else (
+                took.get("decode", 0.0) + sum(result.verify_seconds))
+            if mixed is None:
+                self.chunks.observe_decode(seconds)
+            self.stats.record_step(StepStats("decode", seconds, len(batch),
+                                             sum(len(e) for e in events.running)))
+        if fresh is not None:
+            seconds = took.get("prompts", mixed or 0.0)
+            self.stats.record_step(StepStats("prefill", seconds, len(fresh), prompt_tokens))
+        if partial is not None:
+            if "chunk" in took:
+                self.chunks.observe_chunk(chunk, took["chunk"])
+            elif mixed is not None:
+                self.chunks.observe_mixed(chunk, mixed)
+            self.stats.record_step(StepStats("prefill", took.get("chunk", mixed or 0.0),
+                                             len(events.partial), chunk))
 
     def _drop_cancelled_partial(self) -> bool:
         """Drop the partly prefilled request if it was cancelled; whether it was."""
@@ -361,34 +370,6 @@ class Scheduler:
             reserved += need
         return admitted
 
-    def _prefill(self, admitted: list[RequestHandle]) -> Batch | None:
-        """Prefill the newcomers together; if that fails, each alone, so a request whose
-        prefill fails is the only one that gets the error."""
-        fresh = self._new_batch([h.request for h in admitted])
-        try:
-            return self._step(fresh, "prefill")
-        except Exception as exc:
-            fresh.release(self.runner)
-            if len(admitted) == 1:
-                self._fail_step(fresh, exc)
-                return None
-            log.warning("prefill of %d requests failed (%s); retrying one by one",
-                        len(admitted), exc)
-        survivors = []
-        for handle in admitted:
-            alone = self._new_batch([handle.request])
-            try:
-                done = self._step(alone, "prefill")
-            except Exception as exc:
-                alone.release(self.runner)
-                self._fail_step(alone, exc)
-                continue
-            if done is not None:
-                survivors.append(done)
-        if not survivors:
-            return None
-        return Batch.concatenate(survivors, self.runner)
-
     def _start_partial(self, handle: RequestHandle) -> None:
         batch = self._new_batch([handle.request])
         try:
@@ -403,28 +384,6 @@ class Scheduler:
             return
         self._partial = batch
 
-    def _advance_partial(self, running: bool) -> Batch | None:
-        """One chunk of the partly prefilled request; the batch once its prompt is in.
-        ``running``: rows are decoding, and wait for this chunk."""
-        partial = self._partial
-        assert partial is not None
-        size = self.chunks.next_chunk(running, partial.prompt_left)
-        try:
-            if partial.prompt_left > size:
-                started = time.perf_counter()
-                partial.prefill_chunk(self.runner, size)
-                took = time.perf_counter() - started
-                self.chunks.observe_chunk(size, took)
-                self.stats.record_step(StepStats("prefill", took, 0, size))  # no token
-                return None
-            self._partial = None
-            return self._step(partial, "prefill")
-        except Exception as exc:
-            self._partial = None
-            partial.release(self.runner)
-            self._fail_step(partial, exc)
-            return None
-
     def _join(self, batch: Batch | None, fresh: Batch | None) -> Batch | None:
         if fresh is None:
             return batch
@@ -432,36 +391,8 @@ class Scheduler:
             return fresh
         return Batch.concatenate([batch, fresh], self.runner)
 
-    def _decode(self, batch: Batch) -> Batch | None:
-        """One decode step; if it fails, its rows fail (424) and the engine goes on."""
-        try:
-            return self._step(batch, "decode")
-        except Exception as exc:
-            batch.release(self.runner)
-            self._fail_step(batch, exc)
-            return None
-
     def _new_batch(self, requests: list[GenerationRequest]) -> Batch:
         return Batch.from_requests(requests, self.codec, self.runner.vocab_size)
-
-    def _step(self, batch: Batch, phase: str) -> Batch | None:
-        start = time.perf_counter()
-        # prompt tokens this pass feeds (after any chunks), or one token per row
-        tokens = len(batch) if batch.is_prefilled else batch.prompt_left
-        if (phase == "decode" and self.speculator is not None
-                and self.speculator.applies(len(batch))):
-            events = batch.speculate(self.runner, self.speculator)
-            tokens = sum(len(e) for e in events)
-        else:
-            events = [[e] for e in batch.step(self.runner)]
-        duration = time.perf_counter() - start
-        if phase == "decode":
-            self.chunks.observe_decode(duration)
-        self.stats.record_step(StepStats("prefill" if phase == "prefill" else "decode",
-                                         duration, len(batch), tokens))
-        self._send([(self._handles[s.request.id], e)
-                    for s, row in zip(batch.sequences, events, strict=True) for e in row])
-        return self._retire(batch)
 
     def _retire(self, batch: Batch) -> Batch | None:
         """Drop finished and cancelled rows at once, freeing their slots."""

@@ -1,16 +1,16 @@
-"""A ModelRunner wrapper the tests drive: forward passes wait at a gate and fail on command.
+"""A ModelRunner wrapper the tests drive: steps wait at a gate and fail on command.
 
-Tests act while a request is provably mid-decode, or make exactly one forward pass fail,
-without sleeping: the engine thread blocks inside a forward pass (prefill, decode or
-extend) until the test lets it through. The gate reads one-character commands, in order:
+Tests act while a request is provably mid-decode, or make exactly one step fail, without
+sleeping: the engine thread blocks inside a step (``ModelRunner.run``) until the test lets
+it through. The gate reads one-character commands, in order:
 
-    "."  let one forward pass run          "!"  make the next forward pass raise
-    "+"  open: run freely                  "-"  closed: every pass waits for "." or "!"
+    "."  let one step run                  "!"  make the next step raise
+    "+"  open: run freely                  "-"  closed: every step waits for "." or "!"
 
 In process the commands go through a queue (``QueueGate``); for a server subprocess they
 go through a FIFO the test writes (``FifoGate``; end of file opens the gate for good).
-``poison`` makes every prompt pass (a prefill or a prompt chunk) that contains that token
-id raise, so one request's prefill fails whatever else is prefilled with it.
+``poison`` makes every step that feeds a prompt (or a prompt chunk) containing that token
+id raise, so one request's prefill fails whatever else is in its step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from service.engine.device import SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.runner import ModelRunner
 from service.engine.stats import (
@@ -33,6 +32,7 @@ from service.engine.stats import (
     RequestStats,
     StepStats,
 )
+from service.engine.step_plan import StepPlan, StepResult
 
 
 class InjectedFault(RuntimeError):
@@ -105,9 +105,8 @@ class FifoGate(Gate):
 class ControlledRunner:
     """The real runner behind a gate and a poison token; everything else passes through.
 
-    Every forward pass (``prefill``, ``decode``, ``decode_ids``, ``decode_with_chunk``,
-    ``extend``)
-    waits at the gate.
+    Every step (``run``: one plan, however many passes the runner makes of it) waits at
+    the gate.
     """
 
     def __init__(self, runner: ModelRunner, gate: Gate | None = None,
@@ -116,6 +115,7 @@ class ControlledRunner:
         self.gate = gate
         self.poison = poison
         self.forwards = 0
+        self.plans: list[StepPlan] = []  # every step that ran, in order
         self.vocab_size = runner.vocab_size
         self.graph_file = runner.graph_file
         self.provider = runner.provider
@@ -133,38 +133,10 @@ class ControlledRunner:
             raise InjectedFault(f"injected fault: prompt holds poison token {self.poison}")
         self.forwards += 1
 
-    def prefill(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                all_logits: bool = False) -> list[np.ndarray]:
-        self._pass(prompts)
-        return self.runner.prefill(slots, prompts, all_logits)
-
-    def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
-        self._pass()
-        return self.runner.decode(slots, tokens)
-
-    def decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
-                   sampled: SampledRows | None = None) -> np.ndarray:
-        self._pass()
-        return self.runner.decode_ids(slots, tokens, sampled)
-
-    def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
-                          chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        self._pass([chunk] if len(chunk) > 1 else [])
-        return self.runner.decode_with_chunk(slots, tokens, slot, chunk)
-
-    def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
-                            new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
-                            ) -> tuple[np.ndarray, list[np.ndarray]]:
-        self._pass(prompts)
-        return self.runner.decode_with_prompts(slots, tokens, new_slots, prompts)
-
-    def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
-        self._pass([tokens] if len(tokens) > 1 else [])
-        return self.runner.extend(slot, tokens)
-
-    def extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
-        self._pass([tokens] if len(tokens) > 1 else [])
-        return self.runner.extend_last(slot, tokens)
+    def run(self, plan: StepPlan) -> StepResult:
+        self._pass([p for p in plan.prompt_tokens() if len(p) > 1])
+        self.plans.append(plan)
+        return self.runner.run(plan)
 
     @property
     def capacity(self) -> int:

@@ -24,8 +24,9 @@ from benchmarks.bound_port import wait_ready
 from service.contract import io_spec as io
 from service.contract.reference import OrtDecoder, greedy_until
 from service.engine.batch import Batch
-from service.engine.request import GenerationRequest
+from service.engine.request import GenerationRequest, TokenEvent
 from service.engine.runner import ModelRunner
+from service.engine.step import step_alone
 from service.engine.text import TextCodec
 
 HERE = Path(__file__).resolve().parent
@@ -155,6 +156,13 @@ def serving(artifact: Path, log_path: Path, args: tuple[str, ...] = (),
         proc.stop()
 
 
+def one_step(runner: ModelRunner, batch: Batch) -> list[TokenEvent]:
+    """One step of ``batch`` on its own (its prefill, then decode steps): each row's token."""
+    events = step_alone(runner, batch)
+    assert all(len(row) == 1 for row in events)
+    return [row[0] for row in events]
+
+
 def run_with_joins(model: ModelRunner, codec: TextCodec, waves: list[list[GenerationRequest]],
                    join_every: int) -> dict[int, list[int]]:
     """Decode, adding one wave of requests every `join_every` steps; tokens by request id.
@@ -169,12 +177,12 @@ def run_with_joins(model: ModelRunner, codec: TextCodec, waves: list[list[Genera
     while waves or batch is not None:
         if waves and step % join_every == 0:
             fresh = Batch.from_requests(waves.pop(0), codec, model.vocab_size)
-            for seq, event in zip(fresh.sequences, fresh.step(model), strict=True):
+            for seq, event in zip(fresh.sequences, one_step(model, fresh), strict=True):
                 tokens.setdefault(seq.request.id, []).append(event.token.id)
             batch = fresh if batch is None else Batch.concatenate([batch, fresh], model)
         else:
             assert batch is not None
-            for seq, event in zip(batch.sequences, batch.step(model), strict=True):
+            for seq, event in zip(batch.sequences, one_step(model, batch), strict=True):
                 tokens.setdefault(seq.request.id, []).append(event.token.id)
         assert batch is not None
         keep = [i for i, s in enumerate(batch.sequences) if s.finish is None]

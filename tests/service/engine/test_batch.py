@@ -22,7 +22,7 @@ from service.engine.request import GenerationRequest, SamplingParams, StoppingCr
 from service.engine.runner import PoolConfig
 from service.engine.sampling import log_softmax
 from service.engine.text import TextCodec
-from tests.service.helpers import run_with_joins
+from tests.service.helpers import one_step, run_with_joins
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O"]
@@ -70,7 +70,7 @@ def test_filter_frees_the_leaving_rows_and_keeps_the_others_cache(
         model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
     long_ids, short_ids = encode(PROMPTS[1]), encode(PROMPTS[2])
     batch = new_batch([request(long_ids, 3), request(short_ids, 10)], codec, model)
-    generated = [[e.token.id for e in batch.step(model)] for _ in range(3)]
+    generated = [[e.token.id for e in one_step(model, batch)] for _ in range(3)]
     pool = model.pool
     assert pool.used == 2 and pool.tokens_held == len(long_ids) + len(short_ids) + 4
     short = batch.slots[1]
@@ -97,7 +97,7 @@ def test_stop_sequence_and_eos_end_generation(
                        request(ids, 2)], codec, model)
     finishes = {}
     while len(finishes) < 3:
-        for i, event in enumerate(batch.step(model)):
+        for i, event in enumerate(one_step(model, batch)):
             if event.finish is not None and i not in finishes:
                 finishes[i] = event.finish
     at = text.find(stop)
@@ -115,7 +115,7 @@ def test_prompt_logprobs_match_a_full_forward(
     ids = encode(PROMPTS[1])
     short = encode(PROMPTS[2])  # shares the batch, so the long prompt's row is unpadded
     batch = new_batch([request(short, 1), request(ids, 1, prompt_logprobs=True)], codec, model)
-    batch.step(model)
+    one_step(model, batch)
     prefill = batch.sequences[1].prefill
     dec = OrtDecoder.from_artifact(artifact)  # the plain loop: model.onnx by its names
     ones = np.ones((1, len(ids)), np.int64)

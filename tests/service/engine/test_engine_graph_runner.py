@@ -29,8 +29,10 @@ from service.engine.providers import create_session
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
 from service.engine.sampling import log_softmax
+from service.engine.step import run_step
+from service.engine.step_plan import ChunkWork, DecodeWork, PromptWork, StepPlan
 from service.engine.text import TextCodec
-from tests.service.helpers import run_with_joins
+from tests.service.helpers import one_step, run_with_joins
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O"]
@@ -200,7 +202,7 @@ def test_a_leave_moves_at_most_one_row_and_only_its_tokens(
         engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]]) -> None:
     reqs = [request(encode(p), 40) for p in PROMPTS[:4]]
     batch = Batch.from_requests(reqs, codec, engine.vocab_size)
-    batch.step(engine)
+    one_step(engine, batch)
     pool = engine.pool
     assert [s.index for s in batch.slots] == [0, 1, 2, 3] and pool.used == 4
     before = [a[3, :, :pool.lengths[3]].copy() for a in pool.arrays]  # row 3's cache
@@ -219,7 +221,7 @@ def test_a_leave_moves_at_most_one_row_and_only_its_tokens(
     assert pool.used == 0 and pool.tokens_held == 0
     # A leave at the bottom refills the bottom slot: the batch never drifts up the pool.
     batch = Batch.from_requests(reqs[:3], codec, engine.vocab_size)
-    batch.step(engine)
+    one_step(engine, batch)
     batch.filter([1, 2], engine)
     assert sorted(s.index for s in batch.slots) == [0, 1] and pool.moves == 3
     batch.release(engine)
@@ -274,35 +276,28 @@ def test_prefix_cache_memory_is_bounded_with_lru_eviction(
     assert prefix.match(np.asarray(a.prompt_ids)) < full_a
 
 
-@pytest.mark.parametrize("riding", [False, True], ids=["chunk passes", "riding chunks"])
 def test_chunked_prefill_equals_the_reference_loop(
-        runner: PooledRunner, riding: bool, codec: TextCodec,
-        encode: Callable[[str], list[int]],
+        runner: PooledRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    """A long prompt fed in chunks of 5 while another row decodes: each chunk a pass of
-    its own between decode steps, or riding in them (``step_with_chunk``, the last chunk
-    bringing the first token); both requests get the reference loop's tokens."""
+    """A long prompt fed in chunks of 5 while another row decodes, one chunk a step (on
+    engine_mixed.onnx riding in the decode pass, elsewhere a pass of its own), the last
+    chunk bringing the first token; both requests get the reference loop's tokens."""
     ids = encode(PROMPTS[1] + " " + PROMPTS[3])
     running = Batch.from_requests([request(encode(PROMPTS[0]), 30)], codec, runner.vocab_size)
-    tokens = [running.step(runner)[0].token.id]
+    tokens = [one_step(runner, running)[0].token.id]
     long = Batch.from_requests([request(ids, 12)], codec, runner.vocab_size)
     long.reserve(runner, top=True)
     chunks, out = 0, []
-    while long.prompt_left > (0 if riding else 5):
-        if riding:
-            events, first = running.step_with_chunk(runner, long, 5)
-            out = [e.token.id for e in first]
-        else:
-            long.prefill_chunk(runner, 5)
-            events = running.step(runner)
+    while long.prompt_left > 0:
+        events, _ = run_step(runner, running=running, partial=long, chunk=5)
+        out = [e.token.id for e in events.partial]
+        assert bool(out) == (long.prompt_left == 0)
         chunks += 1
-        tokens.append(events[0].token.id)
-    assert chunks == (-(-len(ids) // 5) if riding else (len(ids) - 1) // 5)
-    if not riding:
-        out = [long.step(runner)[0].token.id]
+        tokens.append(events.running[0][0].token.id)
+    assert chunks == -(-len(ids) // 5)
     merged = Batch.concatenate([running, long], runner)
     while len(out) < 12:
-        events = merged.step(runner)
+        events = one_step(runner, merged)
         tokens.append(events[0].token.id)
         out.append(events[1].token.id)
     assert out == reference_greedy(ids, 12)
@@ -399,7 +394,7 @@ def test_prompt_logprobs_through_the_batch_match_the_plain_loop(
         encode: Callable[[str], list[int]]) -> None:
     reqs = [request(encode(PROMPTS[2]), 1), request(encode(PROMPTS[1]), 1, prompt_logprobs=True)]
     batch = Batch.from_requests(reqs, codec, runner.vocab_size)
-    batch.step(runner)
+    one_step(runner, batch)
     got = batch.sequences[1].prefill
     ids = reqs[1].prompt_ids
     lp = log_softmax(full_forward(plain, ids)[0])  # (T, V)
@@ -463,9 +458,9 @@ def test_the_gathered_graph_gives_the_legacy_graphs_logits_for_each_pass(
 
 def test_a_chunk_riding_in_a_decode_step_equals_the_plain_loop(
         runner: PooledRunner, plain: OrtDecoder, encode: Callable[[str], list[int]]) -> None:
-    """decode_with_chunk: the decode rows' logits, the chunk's last logits and the chunk
-    row's keys and values are those of the plain loop, whether the graph runs them in one
-    pass (engine_mixed.onnx) or two."""
+    """A step of decode rows and a prompt chunk (``run``): the decode rows' logits, the
+    chunk's last logits and the chunk row's keys and values are those of the plain loop,
+    whether the graph runs them in one pass (engine_mixed.onnx) or two."""
     prompts = [encode(PROMPTS[0]), encode(PROMPTS[2])]
     slots = runner.reserve(2)
     runner.prefill(slots, [np.asarray(p) for p in prompts])
@@ -478,8 +473,10 @@ def test_a_chunk_riding_in_a_decode_step_equals_the_plain_loop(
         nxt = np.asarray([int(full_forward(plain, s)[0][-1].argmax()) for s in seqs])  # (B,)
         for s, t in zip(seqs, nxt, strict=True):
             s.append(int(t))
-        logits, chunk = runner.decode_with_chunk(slots, nxt, slot,
-                                                 np.asarray(long[fed:fed + size]))
+        result = runner.run(StepPlan(decode=DecodeWork(slots, nxt), chunk=ChunkWork(
+            slot, np.asarray(long[fed:fed + size]))))
+        logits, chunk = result.decode_logits, result.chunk
+        assert ("mixed" in result.seconds) == runner.mixes_chunks
         fed += size
         want = np.stack([full_forward(plain, s)[0][-1] for s in seqs])  # (B, V)
         np.testing.assert_allclose(logits, want, atol=1e-4)
@@ -494,9 +491,9 @@ def test_a_chunk_riding_in_a_decode_step_equals_the_plain_loop(
 
 def test_newcomers_prompts_riding_in_a_decode_step_equal_the_plain_loop(
         runner: PooledRunner, plain: OrtDecoder, encode: Callable[[str], list[int]]) -> None:
-    """decode_with_prompts: two rows decode while two newcomers' whole prompts (ragged)
-    are prefilled, in one pass where the graph mixes them; logits and the newcomers' keys
-    and values are the plain loop's."""
+    """A step of two decode rows and two newcomers' whole prompts (ragged), one pass where
+    the graph mixes them (``run``); logits and the newcomers' keys and values are the
+    plain loop's."""
     prompts = [encode(PROMPTS[0]), encode(PROMPTS[2])]
     slots = runner.reserve(2)
     runner.prefill(slots, [np.asarray(p) for p in prompts])
@@ -506,8 +503,10 @@ def test_newcomers_prompts_riding_in_a_decode_step_equal_the_plain_loop(
         s.append(int(t))
     newcomers = [encode(PROMPTS[3]), encode(PROMPTS[1])]
     fresh = runner.reserve(2)
-    logits, firsts = runner.decode_with_prompts(slots, nxt, fresh,
-                                                [np.asarray(p) for p in newcomers])
+    result = runner.run(StepPlan(decode=DecodeWork(slots, nxt), prompts=PromptWork(
+        fresh, [np.asarray(p) for p in newcomers])))
+    logits, firsts = result.decode_logits, result.prompts
+    assert ("mixed" in result.seconds) == runner.mixes_chunks
     want = np.stack([full_forward(plain, s)[0][-1] for s in seqs])  # (B, V)
     np.testing.assert_allclose(logits, want, atol=1e-4)
     for got, p, slot in zip(firsts, newcomers, fresh, strict=True):

@@ -28,6 +28,7 @@ from service.engine.request import (
 )
 from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerLimits
+from service.engine.speculative import SpeculativeConfig, Speculator
 from service.engine.stats import LoadStats, RequestStats
 from service.engine.text import TextCodec
 from tests.service.fault_runner import ControlledRunner, QueueGate, Recorder
@@ -506,3 +507,36 @@ def test_a_request_is_in_the_stats_before_its_last_event_is_sent(
     assert [s.outcome for s in stats.requests] == ["finished", "finished", "error"]
     assert stats.stats_after_response == [False, False, False]
     assert stats.idle_load_after_response == [False, False, False]
+
+
+def test_verified_drafts_and_a_riding_chunk_share_steps(
+        mixed: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    """With prompt lookup on and engine_mixed.onnx, one step carries a row verifying its
+    drafts, the rows decoding one token with a long prompt's chunk riding in their pass,
+    and that chunk: every request still gets the plain loop's tokens."""
+    runner = ControlledRunner(mixed, QueueGate(is_open=True))
+    repetitive = encode("To be, or not to be. To be, or not")
+    free = encode(PROMPTS[0])
+    long = encode(" ".join(PROMPTS * 2))
+    chunk = len(repetitive) + 1  # the two short prompts go in whole, the long one in chunks
+    assert len(long) > 3 * chunk
+    speculator = Speculator(SpeculativeConfig(adaptive=False, max_batch_rows=8))
+    scheduler = Scheduler(runner, codec, SchedulerLimits(8, 4096, 16, chunk), Recorder(),
+                          speculator)
+    requests = [greedy(repetitive, 24), greedy(free, 24), greedy(long, 8)]
+
+    async def main() -> list[list[int]]:
+        scheduler.start(asyncio.get_running_loop())
+        return list(await asyncio.gather(*(tokens_of(h) for h in scheduler.submit(requests))))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop(5)
+    for r, got in zip(requests, results, strict=True):
+        assert got == reference_greedy(r.prompt_ids, r.stopping.max_new_tokens)
+    shared = [p for p in runner.plans if p.verify and p.chunk is not None]
+    assert shared and any(p.decode is not None for p in shared)
+    assert speculator.counters.accepted_tokens > 0
+    assert mixed.pool.used == 0

@@ -19,9 +19,10 @@ from service.engine.engine_graph_runner import EngineGraphRunner
 from service.engine.providers import create_session
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
+from service.engine.step import run_step
 from service.engine.text import TextCodec
 from tests.hf_llama import load_hf_model
-from tests.service.helpers import run_with_joins
+from tests.service.helpers import one_step, run_with_joins
 
 
 @pytest.fixture(scope="module", params=["mistral", "gemma3"])
@@ -68,17 +69,17 @@ def test_prompt_chunks_riding_in_decode_steps_see_only_the_window(mistral: Any,
     assert runner.mixes_chunks
     short, long = prompt(1, 7), prompt(2, 23)
     running = Batch.from_requests([request(short, 24)], codec, runner.vocab_size)
-    tokens = [running.step(runner)[0].token.id]
+    tokens = [one_step(runner, running)[0].token.id]
     chunked = Batch.from_requests([request(long, 10)], codec, runner.vocab_size)
     chunked.reserve(runner, top=True)
     out: list[int] = []
     while chunked.prompt_left > 0:  # chunks of 4 tokens: each over a cache past the window
-        events, first = running.step_with_chunk(runner, chunked, 4)
-        out = [e.token.id for e in first]
-        tokens.append(events[0].token.id)
+        events, _ = run_step(runner, running=running, partial=chunked, chunk=4)
+        out = [e.token.id for e in events.partial]
+        tokens.append(events.running[0][0].token.id)
     merged = Batch.concatenate([running, chunked], runner)
     while len(out) < 10:
-        events = merged.step(runner)
+        events = one_step(runner, merged)
         tokens.append(events[0].token.id)
         out.append(events[1].token.id)
     assert out == reference(long, 10)

@@ -21,6 +21,7 @@ from service.engine.request import GenerationRequest, SamplingParams, StoppingCr
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler, SchedulerLimits
 from service.engine.speculative import SpeculativeConfig, Speculator
+from service.engine.step import step_alone
 from service.engine.text import TextCodec
 
 # Code repeats itself: prompt lookup finds what comes next in the prompt.
@@ -47,10 +48,10 @@ def decode_alone(runner: ModelRunner, codec: TextCodec, prompt: list[int], max_n
     request = GenerationRequest(prompt, sampling or SamplingParams(),
                                 StoppingCriteria(max_new, eos_token_id=None))
     batch = Batch.from_requests([request], codec, runner.vocab_size)
-    out = [batch.step(runner)[0].token.id]
+    out = [step_alone(runner, batch)[0][0].token.id]
     try:
         while batch.sequences[0].finish is None:
-            out += [e.token.id for e in batch.speculate(runner, speculator)[0]]
+            out += [e.token.id for e in step_alone(runner, batch, speculator)[0]]
             slot = batch.slots[0]
             cached = int(runner.pool.lengths[slot.index])
             # The cache holds the prompt and every token but the newest (not fed yet).
