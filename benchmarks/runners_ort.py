@@ -9,64 +9,34 @@ scores the int8 artifact against the fp32 one with the project's one agreement m
 from __future__ import annotations
 
 import time
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from benchmarks.measure import GenResult
-from service.contract import io_spec as io
-
-
-def ort_session(model_path: Path, threads: int) -> Any:
-    from service.contract.sessions import create_session
-
-    return create_session(model_path, threads=threads)
 
 
 class PlainORT:
-    """A greedy loop over model.onnx driven by the I/O names of the contract only."""
+    """A greedy loop over model.onnx driven by the I/O names of the contract only: the
+    contract's one greedy loop (service/contract/reference.py ``greedy_steps``), timed."""
 
     name = "ort_plain"
 
     def __init__(self, artifact_dir: Path, threads: int) -> None:
-        self.config = io.ArtifactConfig.load(artifact_dir)
-        self.session = ort_session(artifact_dir / io.MODEL_FILE, threads)
-        self.kv_dtype = np.float16 if self.config.kv_dtype == "float16" else np.float32
-        self.past_names = io.past_names(self.config.n_layers)
-        self.output_names = io.model_output_names(self.config.n_layers)
+        from service.contract.reference import OrtDecoder
 
-    def _empty_past(self, batch: int) -> dict[str, np.ndarray]:
-        c = self.config
-        shape = (batch, c.kv_heads, 0, c.head_dim)  # (B, nkv, 0, hs)
-        return {n: np.zeros(shape, dtype=self.kv_dtype) for n in self.past_names}
+        self.decoder = OrtDecoder.from_artifact(artifact_dir, threads)
 
     def generate(self, prompts: list[list[int]], n_new: int) -> GenResult:
+        from service.contract.reference import greedy_steps
+
         t0 = time.perf_counter()
-        ids = np.asarray(prompts, dtype=np.int64)  # (B, T)
-        b, t = ids.shape
-        feed: dict[str, np.ndarray] = {
-            io.INPUT_IDS: ids,
-            io.ATTENTION_MASK: np.ones((b, t), dtype=np.int64),
-            io.POSITION_IDS: np.tile(np.arange(t, dtype=np.int64), (b, 1)),
-            **self._empty_past(b),
-        }
-        out: list[np.ndarray] = []
-        ttft = 0.0
-        length = t
-        for step in range(n_new):
-            logits, *present = self.session.run(self.output_names, feed)  # (B, T, V)
-            nxt = logits[:, -1].argmax(-1).astype(np.int64)  # (B,)
-            out.append(nxt)
-            if step == 0:
-                ttft = time.perf_counter() - t0
-            feed = {
-                io.INPUT_IDS: nxt[:, None],  # (B, 1)
-                io.ATTENTION_MASK: np.ones((b, length + 1), dtype=np.int64),
-                io.POSITION_IDS: np.full((b, 1), length, dtype=np.int64),
-                **dict(zip(self.past_names, present, strict=True)),
-            }
-            length += 1
+        steps = greedy_steps(self.decoder, np.asarray(prompts, dtype=np.int64))  # (B, T)
+        out = [next(steps)]  # (B,) each
+        ttft = time.perf_counter() - t0
+        out += islice(steps, n_new - 1)
         total = time.perf_counter() - t0
         return GenResult(np.stack(out, axis=1).tolist(), ttft, total)
 

@@ -14,8 +14,16 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.contract.manifest import MEASURED_THRESHOLDS
+
 Device = Literal["auto", "cpu", "cuda"]
 
+
+
+def _measured(threshold: str) -> str:
+    """A pass threshold's measured values by quantisation, for help text."""
+    return ", ".join(f"{getattr(t, threshold)} for {q}" for q, t in MEASURED_THRESHOLDS.items()
+                     if getattr(t, threshold))
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ATTNSERVE_", extra="ignore",
@@ -89,14 +97,14 @@ class Settings(BaseSettings):
                                 "of at least this many tokens (prompts, chunks) on that "
                                 "float32 twin, its weights memory-mapped from weights.bin; "
                                 "0: always the quantised graph; default: the artifact's "
-                                "(512 for int4, 256 for gguf, 1024 for int8)")
+                                f"({_measured('float32_pass_tokens')})")
     codes8_pass_rows: int | None = Field(
         None, ge=0, description="a 4-bit artifact with engine_codes8.onnx runs passes of at "
                                 "least this many rows (sequences; and of fewer than "
                                 "float32_pass_tokens tokens) on its weights widened to 8-bit "
                                 "codes: the same values, the faster kernel for many rows; 0: "
                                 "never (and not loaded: its packed codes cost memory); "
-                                "default: the artifact's (16)")
+                                f"default: the artifact's ({_measured('codes8_pass_rows')})")
     prefill_chunk_tokens: int = Field(
         256, ge=0, description="prompts longer than this are prefilled in chunks of at most "
                                "this size between decode steps; 0: one pass")
