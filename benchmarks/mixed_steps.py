@@ -90,8 +90,8 @@ def main() -> None:
 
     from service.contract import io_spec as io
     from service.engine.engine_graph_runner import EngineGraphRunner
-    from service.engine.providers import create_session
     from service.engine.runner import PoolConfig
+    from service.providers import create_session
 
     config = io.ArtifactConfig.load(work)
     runners = {name: EngineGraphRunner(create_session(work / f"{name}.onnx", "cpu",

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import bound_port
+from service.artifact.text import TextCodec
 from service.contract import io_spec as io
-from service.engine.text import TextCodec
 
 CHROMIUM = "/usr/bin/chromium"
 READY = "#status[data-state=ready]"

@@ -84,6 +84,18 @@ def test_the_contract_stands_alone(graph: dict[str, set[str]]) -> None:
     assert leaks == []
 
 
+def test_the_service_layers_depend_one_way(graph: dict[str, set[str]]) -> None:
+    """Routes over the engine over the artifact: the engine never imports the HTTP layer,
+    and reading an artifact needs neither."""
+    def leaks(package: str, forbidden: tuple[str, ...]) -> list[str]:
+        return sorted(f"{src} imports {dst}" for src, dsts in graph.items()
+                      if src.startswith(package)
+                      for dst in dsts if dst.startswith(forbidden))
+
+    assert leaks("service.engine", ("service.http",)) == []
+    assert leaks("service.artifact", ("service.engine", "service.http")) == []
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1 on the stack, 2 done
     stack: list[str] = []

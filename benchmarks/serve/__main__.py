@@ -190,7 +190,7 @@ def _tokenizer_path(args: argparse.Namespace) -> Path:
 
 
 def build_requests(args: argparse.Namespace, tokenizer: Path) -> list[SampleRequest]:
-    from service.engine.text import TextCodec
+    from service.artifact.text import TextCodec
 
     codec = TextCodec.from_file(tokenizer)
     if args.workload == "random":
@@ -220,7 +220,7 @@ def _chat_renderer(args: argparse.Namespace, tokenizer: Path, codec: Any
 
 
 def _attention_text(tokenizer: Path, n_tokens: int, seed: int) -> str:
-    from service.engine.text import TextCodec
+    from service.artifact.text import TextCodec
 
     codec = TextCodec.from_file(tokenizer)
     return random_requests(codec, 1, n_tokens, 1, 0.0, seed + 1)[0].prompt
@@ -242,7 +242,7 @@ async def _served_model(client: aiohttp.ClientSession) -> tuple[str, dict[str, A
 def _long_prompts(args: argparse.Namespace, info: dict[str, Any]) -> list[str]:
     """--long-join-count distinct prompts of --long-join-len tokens (else as long as the
     server takes), made before the run so that making them times nothing."""
-    from service.engine.text import TextCodec
+    from service.artifact.text import TextCodec
 
     n = args.long_join_len or info.get("limits", {}).get("max_input_tokens")
     if not n:

@@ -32,7 +32,7 @@ class StaticBaseline:
     def __init__(self, artifact: Path, requests: list[SampleRequest], batch: int,
                  threads: int, ignore_eos: bool) -> None:
         from benchmarks.runner_engine import EngineRunner
-        from service.engine.text import TextCodec
+        from service.artifact.text import TextCodec
 
         codec = TextCodec.from_file(artifact / "tokenizer.json")
         # The server's tokenization of a raw prompt (/generate and /v1/completions).

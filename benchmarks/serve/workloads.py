@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.engine.text import REPLACEMENT, TextCodec
+from service.artifact.text import REPLACEMENT, TextCodec
 
 FIT_TRIES = 16
 

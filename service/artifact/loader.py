@@ -16,10 +16,10 @@ from typing import Any
 
 from service.artifact.chat_template import ChatTemplate
 from service.artifact.generation_defaults import GenerationDefaults, parse_generation_defaults
+from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.contract.manifest import verify_manifest
-from service.engine.providers import select_providers
-from service.engine.text import TextCodec
+from service.providers import select_providers
 from service.settings import Limits, Settings
 
 

@@ -2,7 +2,7 @@
 
 Every session in the project is built here so thread counts, optimisation level and log
 noise are set the same way everywhere. Provider *choice* (CPU or CUDA for a ``--device``)
-is the service's business (service/engine/providers.py); this only applies it.
+is the service's business (service/providers.py); this only applies it.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from service.artifact.text import TextCodec
 from service.engine.device import SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.request import GenerationRequest, TokenEvent, TokenInfo
@@ -26,7 +27,6 @@ from service.engine.sampling import RowSampler, choose_tokens, log_softmax, top_
 from service.engine.sequence import SequenceState
 from service.engine.speculative import Verdict
 from service.engine.step_plan import ChunkWork, DecodeWork, PromptWork
-from service.engine.text import TextCodec
 
 BELOW_ONE = np.float32(1.0) - np.float32(2.0 ** -24)  # the largest float32 below 1
 

@@ -37,13 +37,13 @@ from service.contract.manifest import PassThresholds, load_manifest, verify_mani
 from service.engine.draft import DraftModel
 from service.engine.engine_graph_runner import EngineGraphRunner, twin_fits
 from service.engine.model_graph_runner import ModelGraphRunner
-from service.engine.providers import CPU, CUDA, create_session, select_providers
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.resident import collapse_to_huge_pages, release_file_pages
 from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import RequestHandle, Scheduler, SchedulerLimits
 from service.engine.speculative import SpeculativeConfig, Speculator
 from service.engine.stats import KVStats, PrefixCacheStats, StatsSink
+from service.providers import CPU, CUDA, create_session, select_providers
 from service.settings import Device, Limits, Settings, default_of
 
 log = logging.getLogger("attnserve.engine")

@@ -38,8 +38,8 @@ import onnxruntime as ort
 from service.contract import io_spec as io
 from service.engine.kv_pool import Slot
 from service.engine.pooled import PooledRunner
-from service.engine.providers import CUDA
 from service.engine.runner import PoolConfig
+from service.providers import CUDA
 
 Shape = tuple[int, int, int, int]
 Past: TypeAlias = "np.ndarray | ort.OrtValue"  # (B, nkv, T_past, hs): host or ONNX Runtime

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from service.artifact.text import TextCodec
 from service.engine.batch import Batch
 from service.engine.chunking import ChunkBudget
 from service.engine.request import ErrorEvent, Event, GenerationRequest
@@ -44,7 +45,6 @@ from service.engine.speculative import Speculator
 from service.engine.stats import LoadStats, NullStats, RequestStats, StatsSink, StepStats
 from service.engine.step import StepEvents, run_step, step_alone
 from service.engine.step_plan import StepResult
-from service.engine.text import TextCodec
 
 log = logging.getLogger("attnserve.engine")
 

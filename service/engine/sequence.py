@@ -3,13 +3,14 @@ timings, and the rules that end it (end of sequence, stop ids, stop sequences, l
 
 The batch chooses the tokens (service/engine/batch.py); a sequence turns each into the
 event the request's stream gets: the text it adds (held until it decodes whole, see
-service/engine/text.py), and, on the last, the finish.
+service/artifact/text.py), and, on the last, the finish.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service.artifact.text import IncrementalDecoder, TextCodec
 from service.engine.request import (
     FinishInfo,
     FinishReason,
@@ -18,7 +19,6 @@ from service.engine.request import (
     TokenInfo,
 )
 from service.engine.sampling import RowSampler
-from service.engine.text import IncrementalDecoder, TextCodec
 
 
 @dataclass

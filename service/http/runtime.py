@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.engine.engine import Engine, EngineConfig
-from service.engine.providers import create_session
 from service.http.admission import AdmissionGate
 from service.http.metrics import Metrics
 from service.http.validation import Validator
 from service.offload import Offload, low_priority_threads
+from service.providers import create_session
 from service.settings import Settings
 from service.viz.attention_model import AttentionModel
 

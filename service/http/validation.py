@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from service.artifact.text import TextCodec
 from service.engine.grammar import Grammar, GrammarCompiler, GrammarError, GrammarKind
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
-from service.engine.text import TextCodec
 from service.settings import Limits
 
 

@@ -192,7 +192,7 @@ def test_chat_workload_renders_the_models_template_and_shares_its_prefix(
     """Two-turn chats: one system prompt for all, second turns extend their first turns,
     and over HTTP the server's prefix cache reuses the shared part."""
     from benchmarks.serve.workloads import chat_requests
-    from service.engine.text import TextCodec
+    from service.artifact.text import TextCodec
 
     codec = TextCodec.from_file(tiny_artifact / "tokenizer.json")
     rendered: list[list[dict[str, str]]] = []

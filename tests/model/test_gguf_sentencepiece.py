@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from model.gguf_tokenizer import build_tokenizer, read_vocab
-from service.engine.text import TextCodec
+from service.artifact.text import TextCodec
 from tests.model.test_gguf_import import MIXED
 
 SPM_TEXTS = [*[t for t in MIXED if "<|" not in t],  # special tokens are the other tests'

@@ -21,13 +21,13 @@ from typing import Any
 import httpx
 
 from benchmarks.bound_port import wait_ready
+from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.contract.reference import OrtDecoder, greedy_until
 from service.engine.batch import Batch
 from service.engine.request import GenerationRequest, TokenEvent
 from service.engine.runner import ModelRunner
 from service.engine.step import step_alone
-from service.engine.text import TextCodec
 
 HERE = Path(__file__).resolve().parent
 NO_TORCH = HERE / "no_torch"

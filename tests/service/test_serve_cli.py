@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from service import providers
 from service.contract import io_spec as io
-from service.engine import providers
 from service.settings import Limits, Settings
 
 

@@ -13,15 +13,15 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.contract.reference import OrtDecoder
 from service.engine.batch import Batch
 from service.engine.model_graph_runner import ModelGraphRunner
-from service.engine.providers import create_session
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
 from service.engine.sampling import log_softmax
-from service.engine.text import TextCodec
+from service.providers import create_session
 from tests.service.helpers import one_step, run_with_joins
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",

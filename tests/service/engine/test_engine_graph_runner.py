@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE, LOGITS_INDEX
 from service.contract.reference import OrtDecoder
@@ -25,13 +26,12 @@ from service.engine.engine import EngineConfig, create_runner
 from service.engine.engine_graph_runner import EngineGraphRunner
 from service.engine.model_graph_runner import ModelGraphRunner
 from service.engine.pooled import PooledRunner
-from service.engine.providers import create_session
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
 from service.engine.sampling import log_softmax
 from service.engine.step import run_step
 from service.engine.step_plan import ChunkWork, DecodeWork, PromptWork, StepPlan
-from service.engine.text import TextCodec
+from service.providers import create_session
 from tests.service.helpers import one_step, run_with_joins
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",

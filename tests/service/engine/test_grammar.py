@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.engine.grammar import GrammarCompiler, GrammarError, GrammarState
-from service.engine.text import TextCodec
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "color": {"enum": ["red", "green"]}},

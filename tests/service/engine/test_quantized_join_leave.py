@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.engine.engine import EngineConfig, create_runner
 from service.engine.model_graph_runner import ModelGraphRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
-from service.engine.text import TextCodec
 from tests.service.helpers import greedy_loop, run_with_joins
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",

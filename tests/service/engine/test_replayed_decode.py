@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from export.to_onnx import export_artifact
+from service.artifact.text import TextCodec
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
 from service.engine.device import CapturedDecode
 from service.engine.engine_graph_runner import EngineGraphRunner
-from service.engine.providers import create_session
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
-from service.engine.text import TextCodec
+from service.providers import create_session
 from tests.service.helpers import run_with_joins
 
 SLOTS, MAX_LEN = 8, 48

@@ -24,12 +24,12 @@ import pytest
 
 import service.engine.engine as engine_module
 from service.artifact.loader import open_artifact
+from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.engine import resident as resident_module
 from service.engine import scheduler as scheduler_module
 from service.engine.engine import Engine, EngineConfig
 from service.engine.engine_graph_runner import EngineGraphRunner
-from service.engine.providers import create_session
 from service.engine.request import (
     GenerationRequest,
     SamplingParams,
@@ -38,7 +38,7 @@ from service.engine.request import (
 )
 from service.engine.runner import PoolConfig
 from service.engine.scheduler import Scheduler, SchedulerLimits
-from service.engine.text import TextCodec
+from service.providers import create_session
 from service.settings import Settings
 
 pytestmark = pytest.mark.skipif(not resident_module.can_release(),

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.engine.engine_graph_runner import EngineGraphRunner
 from service.engine.model_graph_runner import ModelGraphRunner
-from service.engine.providers import create_session
 from service.engine.request import (
     ErrorEvent,
     GenerationRequest,
@@ -30,7 +30,7 @@ from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerLimits
 from service.engine.speculative import SpeculativeConfig, Speculator
 from service.engine.stats import LoadStats, RequestStats
-from service.engine.text import TextCodec
+from service.providers import create_session
 from tests.service.fault_runner import ControlledRunner, QueueGate, Recorder
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "To be", "What say you, my lord?"]

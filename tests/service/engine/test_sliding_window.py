@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
+from service.artifact.text import TextCodec
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
 from service.engine.batch import Batch
 from service.engine.engine_graph_runner import EngineGraphRunner
-from service.engine.providers import create_session
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
 from service.engine.step import run_step
-from service.engine.text import TextCodec
+from service.providers import create_session
 from tests.hf_llama import load_hf_model
 from tests.service.helpers import one_step, run_with_joins
 

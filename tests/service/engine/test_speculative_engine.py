@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.contract.engine_spec import ENGINE_FILE
 from service.engine.batch import Batch
@@ -22,7 +23,6 @@ from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler, SchedulerLimits
 from service.engine.speculative import SpeculativeConfig, Speculator
 from service.engine.step import step_alone
-from service.engine.text import TextCodec
 
 # Code repeats itself: prompt lookup finds what comes next in the prompt.
 REPETITIVE = ("def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\n"

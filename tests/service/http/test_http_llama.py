@@ -158,7 +158,7 @@ def test_prompts_get_what_the_tokenizer_post_processor_adds(tmp_path: Path) -> N
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    from service.engine.text import TextCodec
+    from service.artifact.text import TextCodec
     from tests.hf_llama import IM_START, write_tokenizer
 
     ids = write_tokenizer(tmp_path, "llama")

@@ -17,7 +17,7 @@ import pytest
 
 from service.contract import io_spec as io
 from service.contract import sessions
-from service.engine.providers import create_session
+from service.providers import create_session
 from service.viz.attention_model import CUT_SESSIONS, AttentionModel
 from service.viz.graph_cut import cut
 
