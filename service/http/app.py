@@ -16,7 +16,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service.artifact.loader import Artifact, open_artifact
-from service.contract import io_spec as io
 from service.engine.grammar import GrammarCompiler
 from service.http.errors import install_error_handlers
 from service.http.metrics import Metrics
@@ -37,14 +36,13 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         opened = artifact or open_artifact(settings)
         metrics = Metrics(opened.limits.max_batch_tokens)
-        gen = opened.config.generation
         config = opened.config
         # A grammar ends by emitting eos; a tokenizer without one gets no structured output.
         grammars = None if config.eos_token_id is None else GrammarCompiler(
             opened.codec.tokenizer.to_str(), config.vocab_size, config.eos_token_id)
         runtime = Runtime(settings, opened, metrics, Validator(
             opened.codec, opened.limits, config.eos_token_id,
-            gen.max_new_tokens or io.DEFAULT_MAX_NEW_TOKENS,
+            opened.default_max_new_tokens,
             vocab_size=config.vocab_size, extra_eos_ids=opened.extra_eos_ids,
             grammars=grammars))
         app.state.runtime = runtime
