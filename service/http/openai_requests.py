@@ -11,18 +11,25 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from service.artifact.chat_template import ChatTemplateError
 from service.engine.grammar import Grammar
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenEvent
 from service.engine.scheduler import RequestHandle
 from service.http.errors import ApiError
-from service.http.openai_schemas import JsonSchemaFormat, OpenAISampling
+from service.http.openai_schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    JsonSchemaFormat,
+    OpenAISampling,
+)
 from service.http.relay import merge, sse
 from service.http.responses import openai_errors
 from service.http.runtime import Runtime
 from service.http.schemas import SEED_BOUND
-from service.http.validation import Validator
+from service.http.validation import InputError, Validator
 
 OPENAI_ERRORS = openai_errors(401, 404, 413, 422, 424, 429, 503)
 
@@ -94,6 +101,44 @@ def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[s
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                 token_logprobs=token_logprobs))
     return requests
+
+
+def completion_requests(body: CompletionRequest, runtime: Runtime) -> list[GenerationRequest]:
+    check_model(body.model, runtime)
+    prompts = []
+    for i, prompt in enumerate(body.prompts):
+        field = "prompt" if isinstance(body.prompt, str) else f"prompt.{i}"
+        prompts.append((field, runtime.validator.tokenize(prompt, field)))
+    return build_requests(body, runtime, prompts, body.max_tokens, body.top_n_logprobs,
+                          prompt_logprobs=body.echo and body.logprobs is not None,
+                          token_logprobs=body.logprobs is not None)
+
+
+def render_messages(runtime: Runtime, messages: list[ChatMessage], add_generation_prompt: bool,
+                    extra: dict[str, Any] | None) -> str:
+    try:
+        return runtime.artifact.chat_template.render(
+            [m.to_template() for m in messages], add_generation_prompt, extra)
+    except ChatTemplateError as exc:
+        raise InputError("messages", f"the chat template refused them: {exc}") from exc
+
+
+def chat_requests(body: ChatCompletionRequest, runtime: Runtime) -> list[GenerationRequest]:
+    check_model(body.model, runtime)
+    if body.top_logprobs and not body.logprobs:
+        raise InputError("top_logprobs", "needs logprobs: true")
+    text = render_messages(runtime, body.messages, body.add_generation_prompt,
+                           body.chat_template_kwargs)
+    # The rendering holds its special tokens already (apply_chat_template's way).
+    ids = runtime.validator.tokenize(text, "messages", add_special_tokens=False)
+    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    bound = runtime.artifact.limits.max_new_tokens
+    if body.max_tokens is not None and body.max_tokens > bound:  # set beside the other
+        raise InputError("max_tokens", f"{body.max_tokens} exceeds the server's bound "
+                                       f"max_new_tokens {bound}")
+    return build_requests(body, runtime, [("messages", ids)], body.max_new_tokens,
+                          body.top_n_logprobs, max_field=field,
+                          token_logprobs=bool(body.logprobs))
 
 
 def final_text(finish: FinishInfo) -> str:

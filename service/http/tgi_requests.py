@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from service.engine.request import GenerationRequest, SamplingParams
 from service.http.runtime import Runtime
-from service.http.schemas import GenerateParameters, JsonGrammar
+from service.http.schemas import GenerateParameters, GenerateRequest, JsonGrammar, StreamRequest
 
 
 def sampling_params(runtime: Runtime, params: GenerateParameters) -> SamplingParams:
@@ -49,3 +49,21 @@ def build_request(runtime: Runtime, text: str, params: GenerateParameters,
                            prompt_logprobs=params.decoder_input_details,
                            token_logprobs=(stream or params.details
                                            or params.decoder_input_details))
+
+
+def generate_requests(body: GenerateRequest, runtime: Runtime) -> list[GenerationRequest]:
+    """/generate's requests: one per input (TGI takes a string; a list is ours)."""
+    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    fields = ["inputs"] if isinstance(body.inputs, str) else [f"inputs.{i}" for i in
+                                                              range(len(texts))]
+    runtime.validator.check_count(len(texts), "inputs")
+    sampling = sampling_params(runtime, body.parameters)
+    return [build_request(runtime, t, body.parameters, sampling, f, stream=False)
+            for t, f in zip(texts, fields, strict=True)]
+
+
+def stream_request(body: StreamRequest, runtime: Runtime) -> GenerationRequest:
+    """/generate_stream's request."""
+    params = body.parameters
+    return build_request(runtime, body.inputs, params, sampling_params(runtime, params),
+                         "inputs", stream=True)

@@ -15,54 +15,24 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.artifact.chat_template import ChatTemplateError
-from service.engine.request import GenerationRequest, TokenEvent, TokenInfo
+from service.engine.request import TokenEvent, TokenInfo
 from service.http.deps import ReadyRuntime, require_api_key
 from service.http.errors import ApiError
 from service.http.openai_requests import (
     OPENAI_ERRORS,
-    build_requests,
-    check_model,
+    chat_requests,
     error_chunk,
     final_text,
     finish_reason,
     stream_pieces,
     usage,
 )
-from service.http.openai_schemas import ChatCompletionRequest, ChatMessage
+from service.http.openai_schemas import ChatCompletionRequest
 from service.http.relay import collect, sse
 from service.http.responses import ChatCompletion, json_or_sse
 from service.http.runtime import Runtime
-from service.http.validation import InputError
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
-
-
-def render_messages(runtime: Runtime, messages: list[ChatMessage], add_generation_prompt: bool,
-                    extra: dict[str, Any] | None) -> str:
-    try:
-        return runtime.artifact.chat_template.render(
-            [m.to_template() for m in messages], add_generation_prompt, extra)
-    except ChatTemplateError as exc:
-        raise InputError("messages", f"the chat template refused them: {exc}") from exc
-
-
-def chat_requests(body: ChatCompletionRequest, runtime: Runtime) -> list[GenerationRequest]:
-    check_model(body.model, runtime)
-    if body.top_logprobs and not body.logprobs:
-        raise InputError("top_logprobs", "needs logprobs: true")
-    text = render_messages(runtime, body.messages, body.add_generation_prompt,
-                           body.chat_template_kwargs)
-    # The rendering holds its special tokens already (apply_chat_template's way).
-    ids = runtime.validator.tokenize(text, "messages", add_special_tokens=False)
-    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    bound = runtime.artifact.limits.max_new_tokens
-    if body.max_tokens is not None and body.max_tokens > bound:  # set beside the other
-        raise InputError("max_tokens", f"{body.max_tokens} exceeds the server's bound "
-                                       f"max_new_tokens {bound}")
-    return build_requests(body, runtime, [("messages", ids)], body.max_new_tokens,
-                          body.top_n_logprobs, max_field=field,
-                          token_logprobs=bool(body.logprobs))
 
 
 def token_logprob(info: TokenInfo, top: bool) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from service.http.errors import ApiError
 from service.http.relay import Completed, collect, merge, sse
 from service.http.responses import SSE_NOTE, GenerateResponse, sse_content, tgi_errors
 from service.http.schemas import CompatRequest, GenerateParameters, GenerateRequest, StreamRequest
-from service.http.tgi_requests import build_request, sampling_params
+from service.http.tgi_requests import generate_requests, stream_request
 
 router = APIRouter(tags=["generate"], dependencies=[Depends(require_api_key)])
 TGI_ERRORS = tgi_errors(401, 413, 422, 424, 429, 503)
@@ -74,12 +74,7 @@ def timing_headers(results: list[Completed]) -> dict[str, str]:
 async def generate(body: GenerateRequest, request: Request, runtime: ReadyRuntime) -> JSONResponse:
     params = body.parameters
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    fields = ["inputs"] if isinstance(body.inputs, str) else [f"inputs.{i}" for i in
-                                                              range(len(texts))]
-    runtime.validator.check_count(len(texts), "inputs")
-    sampling = sampling_params(runtime, params)
-    requests = [build_request(runtime, t, params, sampling, f, stream=False)
-                for t, f in zip(texts, fields, strict=True)]
+    requests = generate_requests(body, runtime)
     assert runtime.engine is not None
     results = await collect(runtime.engine.submit(requests), request)
     outputs = []
@@ -99,8 +94,7 @@ async def generate(body: GenerateRequest, request: Request, runtime: ReadyRuntim
                         **TGI_ERRORS})
 async def generate_stream(body: StreamRequest, runtime: ReadyRuntime) -> StreamingResponse:
     params = body.parameters
-    request = build_request(runtime, body.inputs, params, sampling_params(runtime, params),
-                            "inputs", stream=True)
+    request = stream_request(body, runtime)
     special = runtime.artifact.codec.special_ids
     assert runtime.engine is not None
     (handle,) = runtime.engine.submit([request])

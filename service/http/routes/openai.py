@@ -14,13 +14,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.engine.request import FinishInfo, GenerationRequest, TokenEvent
+from service.engine.request import FinishInfo, TokenEvent
 from service.http.deps import ReadyRuntime, RuntimeDep, require_api_key
 from service.http.errors import ApiError
 from service.http.openai_requests import (
     OPENAI_ERRORS,
-    build_requests,
-    check_model,
+    completion_requests,
     error_chunk,
     final_text,
     finish_reason,
@@ -53,17 +52,6 @@ async def get_model(model_id: str, runtime: RuntimeDep) -> dict[str, Any]:
         raise ApiError(404, f"model {model_id!r} not found", "not_found", param="model",
                        code="model_not_found")
     return model_card(runtime)
-
-
-def completion_requests(body: CompletionRequest, runtime: Runtime) -> list[GenerationRequest]:
-    check_model(body.model, runtime)
-    prompts = []
-    for i, prompt in enumerate(body.prompts):
-        field = "prompt" if isinstance(body.prompt, str) else f"prompt.{i}"
-        prompts.append((field, runtime.validator.tokenize(prompt, field)))
-    return build_requests(body, runtime, prompts, body.max_tokens, body.top_n_logprobs,
-                          prompt_logprobs=body.echo and body.logprobs is not None,
-                          token_logprobs=body.logprobs is not None)
 
 
 def logprobs_json(tokens: list[TokenEvent], offset: int, finish: FinishInfo | None,

@@ -12,10 +12,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends
 
 from service.http.deps import RuntimeDep, require_api_key
-from service.http.openai_requests import check_model
+from service.http.openai_requests import check_model, render_messages
 from service.http.openai_schemas import ChatTokenizeRequest
 from service.http.responses import DetokenizeResponse, TgiToken, TokenizeResponse, tgi_errors
-from service.http.routes.chat import render_messages
 from service.http.schemas import DetokenizeRequest, PromptTokenizeRequest, TgiTokenizeRequest
 
 router = APIRouter(tags=["tokenize"], dependencies=[Depends(require_api_key)])
