@@ -79,10 +79,6 @@ class Batch:
     def reserved_tokens(self) -> int:
         return sum(s.request.reserved_tokens for s in self.sequences)
 
-    @property
-    def cached_tokens(self) -> int:
-        return sum(s.cached_tokens for s in self.sequences)
-
     # -- this batch's part of a step's plan (service/engine/step.py) ------------------
 
     def decode_work(self, runner: ModelRunner, rows: Sequence[int] | None = None

@@ -38,11 +38,6 @@ class SequenceState:
     output_ids: list[int] = field(default_factory=list)  # generated so far (speculation's history)
 
     @property
-    def cached_tokens(self) -> int:
-        """Tokens of this row in the KV cache (the newest sampled one is not fed yet)."""
-        return len(self.request.prompt_ids) + max(self.generated - 1, 0)
-
-    @property
     def stop_ids(self) -> frozenset[int]:
         """Tokens that end the sequence: speculation's verification keeps nothing after one."""
         stop = self.request.stopping
