@@ -298,7 +298,7 @@ class Scheduler:
                 chunk: int) -> None:
         """The step's stats: a decode step for the running rows, a prefill for the
         newcomers and for the chunk (with no token until the prompt is in); and what the
-        chunk budget and the speculator learn from the passes' times."""
+        chunk budget learns from the passes' times."""
         took = result.seconds
         mixed = took.get("mixed")
         if batch is not None:

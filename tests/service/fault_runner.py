@@ -110,12 +110,13 @@ class ControlledRunner:
     """
 
     def __init__(self, runner: ModelRunner, gate: Gate | None = None,
-                 poison: int | None = None) -> None:
+                 poison: int | None = None, keep_plans: bool = False) -> None:
+        """``keep_plans``: keep every step's plan (``plans``) for the test to inspect."""
         self.runner = runner
         self.gate = gate
         self.poison = poison
         self.forwards = 0
-        self.plans: list[StepPlan] = []  # every step that ran, in order
+        self.plans: list[StepPlan] | None = [] if keep_plans else None  # in order
         self.vocab_size = runner.vocab_size
         self.graph_file = runner.graph_file
         self.provider = runner.provider
@@ -135,7 +136,8 @@ class ControlledRunner:
 
     def run(self, plan: StepPlan) -> StepResult:
         self._pass([p for p in plan.prompt_tokens() if len(p) > 1])
-        self.plans.append(plan)
+        if self.plans is not None:
+            self.plans.append(plan)
         return self.runner.run(plan)
 
     @property

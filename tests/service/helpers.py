@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.bound_port import wait_ready
+from benchmarks.bound_port import wait_bound_port, wait_ready
 from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.contract.reference import OrtDecoder, greedy_until
@@ -101,31 +101,21 @@ class ServerProcess:
     def port(self) -> int:
         """The port the server listens on, once it has bound one (waits up to 120 s)."""
         if self._port is None:
-            self._port = self._wait_port(time.monotonic() + 120.0)
+            self._port = wait_bound_port(self.proc, self.port_file, 120.0, self.log_path)
         return self._port
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _wait_port(self, deadline: float) -> int:
-        while not self.port_file.exists():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode} before "
-                                     f"listening:\n{self.log()}")
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"server reported no port in time:\n{self.log()}")
-            time.sleep(0.05)
-        return int(self.port_file.read_text())
-
     def log(self) -> str:
         return self.log_path.read_text("utf-8", errors="replace")
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
-        if self._port is None:
-            self._port = self._wait_port(deadline)
         try:
+            if self._port is None:
+                self._port = wait_bound_port(self.proc, self.port_file, timeout, self.log_path)
             wait_ready(self.url, self.proc, max(0.0, deadline - time.monotonic()),
                        self.log_path, interval=0.1)
         except RuntimeError as exc:

@@ -515,7 +515,7 @@ def test_verified_drafts_and_a_riding_chunk_share_steps(
     """With prompt lookup on and engine_mixed.onnx, one step carries a row verifying its
     drafts, the rows decoding one token with a long prompt's chunk riding in their pass,
     and that chunk: every request still gets the plain loop's tokens."""
-    runner = ControlledRunner(mixed, QueueGate(is_open=True))
+    runner = ControlledRunner(mixed, QueueGate(is_open=True), keep_plans=True)
     repetitive = encode("To be, or not to be. To be, or not")
     free = encode(PROMPTS[0])
     long = encode(" ".join(PROMPTS * 2))
@@ -536,6 +536,7 @@ def test_verified_drafts_and_a_riding_chunk_share_steps(
         scheduler.stop(5)
     for r, got in zip(requests, results, strict=True):
         assert got == reference_greedy(r.prompt_ids, r.stopping.max_new_tokens)
+    assert runner.plans is not None
     shared = [p for p in runner.plans if p.verify and p.chunk is not None]
     assert shared and any(p.decode is not None for p in shared)
     assert speculator.counters.accepted_tokens > 0
