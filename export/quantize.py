@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from export.gguf_source import GGUFFile, open_source
 from export.memory import release
 from export.verify import decoder_for
 from model.gpt import GPT
-from service.contract.reference import agreement_with, greedy
+from service.contract.reference import Decoder, agreement_with, greedy
 
 METHODS = ("int8", "int4", "int8-dynamic", "gguf")
 # Block-wise 8-bit weights lose ~10x less than per-channel dynamic int8, so they are held
@@ -119,15 +119,6 @@ def held_out_text(training: dict[str, Any]) -> tuple[str, str]:
         return FALLBACK_TEXT, "built-in fixed prompt text"
 
 
-class Decoder(Protocol):
-    """OrtDecoder's call shape, which engine.onnx's EngineDecoder shares."""
-
-    def empty_past(self, batch: int) -> Any: ...
-
-    def __call__(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
-                 past: Any) -> tuple[np.ndarray, Any]: ...
-
-
 def _run_all(dec: Decoder, ids: np.ndarray) -> np.ndarray:
     b, t = ids.shape
     pos = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
@@ -178,13 +169,12 @@ def compare_decoders(gpt: GPT, reference: Callable[[], Decoder],
 
     release()  # what quantising left behind, before a float32 session comes
     dec = reference()
-    # duck-typed: greedy and agreement_with only call empty_past() and the decoder itself
-    expected = greedy(dec, prompts, steps)  # type: ignore[arg-type]
+    expected = greedy(dec, prompts, steps)
     ppl_ref = perplexity(dec, windows)
     del dec
     release()
     dec = candidate()
-    agreement = agreement_with(dec, prompts, expected)  # type: ignore[arg-type]
+    agreement = agreement_with(dec, prompts, expected)
     ppl_q = perplexity(dec, windows)
     del dec
     release()

@@ -19,12 +19,15 @@ codes' bytes: twice the 4-bit ones, in weights.bin and packed in memory.
 
 from __future__ import annotations
 
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+from service.contract.reference import decode_steps
 
 DEFAULT_4BIT_ZERO_POINT = 8  # MatMulNBits' zero point for 4-bit codes without an input
 
@@ -92,28 +95,24 @@ def widen_4bit_codes(model: onnx.ModelProto, base: Path) -> tuple[onnx.ModelProt
 def compare_widened(gpt: Any, served: Path, widened: Path, prompts: list[list[int]],
                     steps: int = 16) -> dict[str, Any]:
     """Both graphs fed the same tokens (each prompt, then the served graph's greedy choices
-    for ``steps`` steps, one row at a time): the largest logit difference, the logits'
-    scale, and whether every greedy choice agreed. Raises when a choice differs or the
-    logits differ by more than 1e-4 of their scale: the weights are the same values, so
-    only the kernels' summation order may differ."""
+    for ``steps`` steps, one row at a time, through the contract's greedy loop): the
+    largest difference of the logits each step reads, the logits' scale, and whether every
+    greedy choice agreed. Raises when a choice differs or the logits differ by more than
+    1e-4 of their scale: the weights are the same values, so only the kernels' summation
+    order may differ."""
     from export.engine_graph import EngineDecoder
 
-    decoders = EngineDecoder(served, gpt), EngineDecoder(widened, gpt)
+    mine, theirs = EngineDecoder(served, gpt), EngineDecoder(widened, gpt)
     worst = scale = 0.0
     agreed = True
     for prompt in prompts:
-        ids = np.asarray([prompt], np.int64)  # (1, T)
-        pos = np.arange(ids.shape[1], dtype=np.int64)[None]  # (1, T)
-        pasts = [d.empty_past(1) for d in decoders]
-        for _ in range(steps):
-            outputs = [d(ids, np.ones_like(ids), pos, p) for d, p in zip(decoders, pasts,
-                                                                            strict=True)]
-            (mine, pasts[0]), (theirs, pasts[1]) = outputs
-            worst = max(worst, float(np.abs(mine - theirs).max()))
-            scale = max(scale, float(np.abs(mine).max()))
-            agreed &= bool((mine[:, -1].argmax(-1) == theirs[:, -1].argmax(-1)).all())
-            ids = mine[:, -1].argmax(-1)[:, None].astype(np.int64)  # (1, 1)
-            pos = pos[:, -1:] + 1
+        reference = list(islice(decode_steps(mine, [prompt]), steps))  # (1, V), (1,) each
+        chosen = np.stack([c for _, c in reference], axis=1)  # (1, steps)
+        for (want, picked), (got, their_pick) in zip(
+                reference, decode_steps(theirs, [prompt], forced=chosen), strict=False):
+            worst = max(worst, float(np.abs(want - got).max()))
+            scale = max(scale, float(np.abs(want).max()))
+            agreed &= bool((picked == their_pick).all())
     result = {"max_abs_diff": worst, "logit_scale": scale, "greedy_equal": agreed,
               "steps": steps, "prompts": len(prompts)}
     if not agreed or worst > 1e-4 * scale:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from model.architectures import architecture
+from service.contract.heads import HeadGeometry
 
 PositionKind = Literal["learned", "sinusoidal", "rope"]
 # Rotary scalings computed exactly (model/rotary.py); anything else is refused.
@@ -20,7 +21,7 @@ ROPE_SCALINGS = ("linear", "llama3")
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(HeadGeometry):
     """Dimensions and switches of the decoder-only transformer."""
 
     vocab_size: int
@@ -108,10 +109,6 @@ class GPTConfig:
             check_rope_scaling(self.rope_scaling)
 
     @property
-    def head_dim(self) -> int:
-        return self.head_size if self.head_size is not None else self.d_model // self.n_heads
-
-    @property
     def rotary_dims(self) -> int:
         """The dimensions of a head the rotary angles turn: its first ``rotary_dim``."""
         return self.rotary_dim if self.rotary_dim is not None else self.head_dim
@@ -121,15 +118,6 @@ class GPTConfig:
         """Q's and the attention output's width: n_heads · head_dim (d_model unless
         ``head_size`` sets another)."""
         return self.n_heads * self.head_dim
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads: fewer than query heads under grouped-query attention."""
-        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-
-    def kv_head_of(self, head: int) -> int:
-        """The key/value head query head ``head`` reads (transformers' repeat_kv order)."""
-        return head // (self.n_heads // self.kv_heads)
 
     def windowed(self, layer: int) -> bool:
         """Whether layer ``layer`` sees the last ``sliding_window`` positions only."""

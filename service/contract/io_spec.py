@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from service.contract.heads import HeadGeometry
+
 if TYPE_CHECKING:  # the service's request bodies; the contract itself needs no pydantic
     from pydantic import BaseModel
 
@@ -167,7 +169,7 @@ class GenerationDefaults:
 
 
 @dataclass(frozen=True)
-class ArtifactConfig:
+class ArtifactConfig(HeadGeometry):
     """config.json of an artifact: all the service needs to know about the model."""
 
     model_name: str
@@ -191,21 +193,8 @@ class ArtifactConfig:
     # a head's width where it is not d_model / n_heads (Qwen3); written only then
     head_size: int | None = None
 
-    @property
-    def head_dim(self) -> int:
-        return self.head_size if self.head_size is not None else self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """Heads of the KV cache: n_kv_heads under grouped-query attention, else n_heads."""
-        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-
     def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
         return kv_bytes_per_token(self.n_layers, self.kv_heads, self.head_dim, bytes_per_value)
-
-    def kv_head_of(self, head: int) -> int:
-        """The key/value head query head ``head`` shares (transformers' repeat_kv order)."""
-        return head // (self.n_heads // self.kv_heads)
 
     @property
     def fill_token_id(self) -> int:

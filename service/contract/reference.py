@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -22,6 +22,16 @@ from service.contract.sessions import create_session
 
 def np_kv_dtype(kv_dtype: io.KvDtype) -> type[np.floating[Any]]:
     return np.float16 if kv_dtype == "float16" else np.float32
+
+
+class Decoder(Protocol):
+    """What the greedy loop drives: model.onnx (:class:`OrtDecoder`) or an engine graph
+    behind the same call (export/engine_graph.py ``EngineDecoder``); the past is opaque."""
+
+    def empty_past(self, batch: int) -> Any: ...
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
+                 past: Any) -> tuple[np.ndarray, Any]: ...
 
 
 @dataclass
@@ -58,14 +68,14 @@ class OrtDecoder:
         return outs[0], outs[1:]  # logits (B, T, V); presents (B, nkv, T_past + T, hs)
 
 
-def greedy_steps(dec: OrtDecoder, prompts: np.ndarray | Sequence[Sequence[int]],
-                 forced: np.ndarray | None = None) -> Iterator[np.ndarray]:
+def decode_steps(dec: Decoder, prompts: np.ndarray | Sequence[Sequence[int]],
+                 forced: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The one greedy loop: prompts through the KV cache, the whole past fed back every
-    step; yields the argmax (B,) of each step, for as long as the caller reads. Prompts of
-    different lengths are right-padded: each row's first choice is read at its own last
-    token and its later tokens go at its own length (the padding stays masked). With
-    ``forced`` (B, steps), those tokens are fed instead of the argmax (teacher forcing);
-    what is yielded is still the argmax."""
+    step; yields each step's logits (B, V) and their argmax (B,), for as long as the
+    caller reads. Prompts of different lengths are right-padded: each row's first choice
+    is read at its own last token and its later tokens go at its own length (the padding
+    stays masked). With ``forced`` (B, steps), those tokens are fed instead of the argmax
+    (teacher forcing); what is yielded is still the argmax."""
     lengths = np.array([len(p) for p in prompts], np.int64)  # (B,)
     b, t = len(lengths), int(lengths.max())
     ids = np.zeros((b, t), np.int64)
@@ -79,7 +89,7 @@ def greedy_steps(dec: OrtDecoder, prompts: np.ndarray | Sequence[Sequence[int]],
     step = 0
     while True:
         chosen = last.argmax(-1).astype(np.int64)  # (B,)
-        yield chosen
+        yield last, chosen
         nxt = (forced[:, step] if forced is not None else chosen)[:, None]  # (B, 1)
         mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)  # (B, T_past + 1)
         logits, past = dec(nxt, mask, pos, past)
@@ -88,7 +98,13 @@ def greedy_steps(dec: OrtDecoder, prompts: np.ndarray | Sequence[Sequence[int]],
         step += 1
 
 
-def greedy(dec: OrtDecoder, prompts: np.ndarray | Sequence[Sequence[int]], steps: int,
+def greedy_steps(dec: Decoder, prompts: np.ndarray | Sequence[Sequence[int]],
+                 forced: np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """:func:`decode_steps`' argmax (B,) of each step."""
+    return (chosen for _, chosen in decode_steps(dec, prompts, forced))
+
+
+def greedy(dec: Decoder, prompts: np.ndarray | Sequence[Sequence[int]], steps: int,
            forced: np.ndarray | None = None) -> np.ndarray:
     """Greedy decode of prompts (B, T), or of any lengths (:func:`greedy_steps`): the argmax
     of ``steps`` steps (B, steps)."""
@@ -98,7 +114,7 @@ def greedy(dec: OrtDecoder, prompts: np.ndarray | Sequence[Sequence[int]], steps
     return chosen
 
 
-def greedy_until(dec: OrtDecoder, prompt: list[int], max_new: int,
+def greedy_until(dec: Decoder, prompt: list[int], max_new: int,
                  eos_token_id: int | None) -> list[int]:
     """One prompt, greedy, stopping after ``max_new`` tokens or right after end-of-sequence
     (the engine's stopping rule)."""
@@ -110,7 +126,7 @@ def greedy_until(dec: OrtDecoder, prompt: list[int], max_new: int,
     return out
 
 
-def int8_agreement(reference: OrtDecoder, candidate: OrtDecoder, prompts: np.ndarray,
+def int8_agreement(reference: Decoder, candidate: Decoder, prompts: np.ndarray,
                    steps: int) -> dict[str, Any]:
     """How often ``candidate`` (int8) picks ``reference``'s (fp32) greedy token.
 
@@ -121,7 +137,7 @@ def int8_agreement(reference: OrtDecoder, candidate: OrtDecoder, prompts: np.nda
     return agreement_with(candidate, prompts, greedy(reference, prompts, steps))
 
 
-def agreement_with(candidate: OrtDecoder, prompts: np.ndarray,
+def agreement_with(candidate: Decoder, prompts: np.ndarray,
                    expected: np.ndarray) -> dict[str, Any]:
     """:func:`int8_agreement` given the reference's greedy tokens ``expected`` (P, steps),
     so that the reference's session can be gone before the candidate's is made."""

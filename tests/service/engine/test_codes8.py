@@ -23,6 +23,7 @@ from service.contract.engine_spec import (
     ENGINE_CODES8_FILE,
     ENGINE_CODES8_PLAIN_FILE,
     ENGINE_FILE,
+    ENGINE_FLOAT32_FILE,
     ENGINE_MIXED_FILE,
 )
 from service.engine.engine import EngineConfig, create_runner
@@ -82,6 +83,18 @@ def test_the_codes_agree_with_the_four_bit_graph(int4_artifact: Path,
                              int4_artifact / ENGINE_CODES8_FILE,
                              [[5, 17, 9, 31, 2], [40, 41, 42]], steps=6)
     assert result["greedy_equal"] and result["max_abs_diff"] <= 1e-4 * result["logit_scale"]
+
+
+def test_the_comparison_refuses_other_weights(int4_artifact: Path,
+                                              tiny_checkpoint: Path) -> None:
+    """The float32 twin computes the same model from unrounded weights: its logits are
+    further than 1e-4 of their scale from the 4-bit graph's, so it is not the same graph."""
+    from export.widen_codes import compare_widened
+
+    gpt = load_checkpoint(tiny_checkpoint).model.eval()
+    with pytest.raises(ValueError, match="disagrees with"):
+        compare_widened(gpt, int4_artifact / ENGINE_MIXED_FILE,
+                        int4_artifact / ENGINE_FLOAT32_FILE, [[5, 17, 9, 31, 2]], steps=3)
 
 
 @pytest.mark.parametrize("mixed_steps", [True, False])
