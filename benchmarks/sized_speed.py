@@ -1,4 +1,5 @@
-"""Decode speed on one GGUF file, beside llama.cpp's own `llama-batched-bench`, in one run.
+"""Decode and prefill speed on one GGUF file, beside llama.cpp's own `llama-batched-bench`,
+in one run.
 
 Usage (from the repository root, in the dev venv; the tools from
 `python -m benchmarks.llamacpp_tools --build`, the artifact exported from that file with
@@ -10,9 +11,11 @@ Each round runs both engines in turn at every batch size, so a busy machine slow
 alike: ours through the engine itself (`benchmarks/runner_engine.py`: one static batch of
 random prompts, greedy, end-of-sequence no stop), llama.cpp's `llama-batched-bench -npp
 PROMPT -ntg NEW -npl B -t THREADS` (its S_TG column: B·NEW tokens over the generation
-time). Decode tok/s of ours: B·(NEW − 1) tokens after every row's first, over the time
-after it. Prints the median of the rounds per engine and batch size and their ratio;
-``--json`` also writes every round. Timings depend on the machine and what else runs on
+time; its S_PP column: B·PROMPT prompt tokens over their processing time). Decode tok/s of
+ours: B·(NEW − 1) tokens after every row's first, over the time after it; prefill tok/s:
+B·PROMPT over the time to every row's first token. Prints the median of the rounds per
+engine and batch size and their ratio, decode and prefill; ``--json`` also writes every
+round. Timings depend on the machine and what else runs on
 it, so compare engines only within one run.
 """
 
@@ -25,33 +28,40 @@ import re
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|(.*)\|\s*$")
 
 
-def batched_bench_tg(output: str) -> dict[int, float]:
-    """llama-batched-bench's table → {B: S_TG t/s} (columns PP, TG, B, N_KV, T_PP s,
-    S_PP t/s, T_TG s, S_TG t/s, T s, S t/s)."""
-    found: dict[int, float] = {}
+@dataclass(frozen=True)
+class Speeds:
+    prefill: float  # prompt tokens a second
+    decode: float  # generated tokens a second
+
+
+def batched_bench_speeds(output: str) -> dict[int, Speeds]:
+    """llama-batched-bench's table → {B: (S_PP, S_TG) t/s} (columns PP, TG, B, N_KV,
+    T_PP s, S_PP t/s, T_TG s, S_TG t/s, T s, S t/s)."""
+    found: dict[int, Speeds] = {}
     for line in output.splitlines():
         match = ROW.match(line.strip())
         if match is None:
             continue
         cells = [c.strip() for c in match[4].split("|")]
         if len(cells) >= 5:
-            found[int(match[3])] = float(cells[4])
+            found[int(match[3])] = Speeds(prefill=float(cells[2]), decode=float(cells[4]))
     return found
 
 
-def llamacpp_tg(tool: Path, gguf: Path, batch: int, prompt: int, new: int,
-                threads: int) -> float:
+def llamacpp_speeds(tool: Path, gguf: Path, batch: int, prompt: int, new: int,
+                    threads: int) -> Speeds:
     argv = [str(tool), "-m", str(gguf), "-c", str(batch * (prompt + new) + 64),
             "-b", "2048", "-ub", "512", "-npp", str(prompt), "-ntg", str(new),
             "-npl", str(batch), "-t", str(threads), "-tb", str(threads)]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    table = batched_bench_tg(done.stdout)
+    table = batched_bench_speeds(done.stdout)
     if done.returncode != 0 or batch not in table:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise SystemExit(f"sized_speed: llama-batched-bench failed ({done.returncode}): "
@@ -59,13 +69,15 @@ def llamacpp_tg(tool: Path, gguf: Path, batch: int, prompt: int, new: int,
     return table[batch]
 
 
-def ours_tg(runner: Any, vocab: int, batch: int, prompt: int, new: int, seed: int) -> float:
+def ours_speeds(runner: Any, vocab: int, batch: int, prompt: int, new: int,
+                seed: int) -> Speeds:
     import numpy as np
 
     rng = np.random.default_rng(seed)
     prompts = rng.integers(3, vocab, (batch, prompt)).tolist()
     result = runner.generate(prompts, new)
-    return batch * (new - 1) / (result.total_s - result.ttft_s)
+    return Speeds(prefill=batch * prompt / result.ttft_s,
+                  decode=batch * (new - 1) / (result.total_s - result.ttft_s))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,29 +112,33 @@ def main(argv: list[str] | None = None) -> int:
     vocab = io.ArtifactConfig.load(args.artifact).vocab_size
     runner = EngineRunner(args.artifact, args.threads,
                           max_len=args.prompt + args.new + 8)
-    ours_tg(runner, vocab, 1, 8, 4, seed=0)  # warm-up: sessions' first runs
+    ours_speeds(runner, vocab, 1, 8, 4, seed=0)  # warm-up: sessions' first runs
     rounds: list[dict[str, Any]] = []
     try:
         for r in range(args.rounds):
             for batch in batches:
-                row = {"round": r, "batch": batch,
-                       "ours": ours_tg(runner, vocab, batch, args.prompt, args.new, seed=r),
-                       "llamacpp": llamacpp_tg(tool, args.gguf, batch, args.prompt,
-                                               args.new, args.threads)}
-                rounds.append(row)
-                print(f"round {r} batch {batch:3d}: ours {row['ours']:8.1f} tok/s, "
-                      f"llama.cpp {row['llamacpp']:8.1f} tok/s", flush=True)
+                ours = ours_speeds(runner, vocab, batch, args.prompt, args.new, seed=r)
+                theirs = llamacpp_speeds(tool, args.gguf, batch, args.prompt, args.new,
+                                         args.threads)
+                rounds.append({"round": r, "batch": batch, "ours": ours.decode,
+                               "llamacpp": theirs.decode, "ours_prefill": ours.prefill,
+                               "llamacpp_prefill": theirs.prefill})
+                print(f"round {r} batch {batch:3d}: decode ours {ours.decode:8.1f} tok/s, "
+                      f"llama.cpp {theirs.decode:8.1f} tok/s; prefill ours "
+                      f"{ours.prefill:8.1f}, llama.cpp {theirs.prefill:8.1f}", flush=True)
     finally:
         runner.close()
-    print(f"\ndecode tok/s, prompt {args.prompt} -> {args.new}, {args.threads} threads, "
-          f"median of {args.rounds} rounds ({args.gguf.name})")
-    summary = {}
-    for batch in batches:
-        ours = statistics.median(r["ours"] for r in rounds if r["batch"] == batch)
-        theirs = statistics.median(r["llamacpp"] for r in rounds if r["batch"] == batch)
-        summary[batch] = {"ours": ours, "llamacpp": theirs, "ratio": ours / theirs}
-        print(f"batch {batch:3d}: ours {ours:8.1f}  llama.cpp {theirs:8.1f}  "
-              f"ratio {ours / theirs:.2f}")
+    summary: dict[str, dict[int, dict[str, float]]] = {"decode": {}, "prefill": {}}
+    for phase, suffix in (("decode", ""), ("prefill", "_prefill")):
+        print(f"\n{phase} tok/s, prompt {args.prompt} -> {args.new}, {args.threads} threads, "
+              f"median of {args.rounds} rounds ({args.gguf.name})")
+        for batch in batches:
+            mine = statistics.median(r["ours" + suffix] for r in rounds if r["batch"] == batch)
+            peer = statistics.median(r["llamacpp" + suffix] for r in rounds
+                                     if r["batch"] == batch)
+            summary[phase][batch] = {"ours": mine, "llamacpp": peer, "ratio": mine / peer}
+            print(f"batch {batch:3d}: ours {mine:8.1f}  llama.cpp {peer:8.1f}  "
+                  f"ratio {mine / peer:.2f}")
     if args.json is not None:
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

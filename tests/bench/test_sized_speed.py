@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.sized_speed import batched_bench_tg
+from benchmarks.sized_speed import Speeds, batched_bench_speeds
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,9 +23,10 @@ is_pp_shared = 0, is_tg_separate = 0, n_gpu_layers = -1, n_threads = 2, n_thread
 """
 
 
-def test_the_generation_column_is_read_per_batch() -> None:
-    assert batched_bench_tg(OUTPUT) == {1: 60.01, 2: 18.95}
-    assert batched_bench_tg("no table here\n|  PP | TG |\n") == {}
+def test_the_prompt_and_generation_columns_are_read_per_batch() -> None:
+    assert batched_bench_speeds(OUTPUT) == {1: Speeds(prefill=116.16, decode=60.01),
+                                            2: Speeds(prefill=78.05, decode=18.95)}
+    assert batched_bench_speeds("no table here\n|  PP | TG |\n") == {}
 
 
 def test_a_missing_file_is_refused_in_one_line(tmp_path: Path) -> None:
