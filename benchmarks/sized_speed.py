@@ -15,8 +15,8 @@ time; its S_PP column: B·PROMPT prompt tokens over their processing time). Deco
 ours: B·(NEW − 1) tokens after every row's first, over the time after it; prefill tok/s:
 B·PROMPT over the time to every row's first token. Prints the median of the rounds per
 engine and batch size and their ratio, decode and prefill; ``--json`` also writes every
-round. Timings depend on the machine and what else runs on
-it, so compare engines only within one run.
+round. Timings depend on the machine and what else runs on it, so compare engines only
+within one run.
 """
 
 from __future__ import annotations
