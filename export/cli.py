@@ -36,8 +36,9 @@ def register(subparsers: Any) -> None:
                         "activations; works with --engine-graph); int4: 4-bit MatMulNBits "
                         "(block 32, a zero point per block; works with --engine-graph); "
                         "int8-dynamic: ORT quantize_dynamic (per-channel weights, "
-                        "activations per call); gguf: a checkpoint imported from GGUF keeps "
-                        "the file's own Q4_0/Q4_1/Q8_0 and K-quant blocks (MatMulNBits, not "
+                        "int8 activations with a scale per row); gguf: a checkpoint "
+                        "imported from GGUF keeps the file's own Q4_0/Q4_1/Q8_0 and K-quant "
+                        "blocks (MatMulNBits, not "
                         "requantised; works with --engine-graph), built from the file "
                         "without a float32 copy of the model when the checkpoint holds it")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",

@@ -14,7 +14,8 @@ so the I/O contract is unchanged:
   activations to int8 per block and run an int8 dot product. The weights are read once,
   packed, at session start; nothing is re-quantised per call except one activation row.
 - ``int8-dynamic``: ``quantize_dynamic`` (per-output-channel int8 weights, activations
-  quantised per tensor on the fly through DynamicQuantizeLinear + MatMulInteger).
+  quantised on the fly for MatMulInteger), its activation scales then made one per row
+  (export/dynamic_rows.py) so that a row's logits do not depend on its batch.
 - ``gguf``: for a checkpoint imported from a GGUF file, that file's own Q4_0 / Q4_1 /
   Q5_0 / Q5_1 / Q8_0 and K-quant (Q2_K-Q6_K) blocks as MatMulNBits, not requantised
   (export/gguf_blocks.py); weights with float tensors (F16, BF16) fall back to ``int8``
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -241,11 +243,28 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
             quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8,
                              op_types_to_quantize=["MatMul"], per_channel=True)
             figures = {"method": "onnxruntime.quantization.quantize_dynamic",
-                       "weight_type": "QInt8", "per_channel": True, "op_types": ["MatMul"]}
+                       "weight_type": "QInt8", "per_channel": True, "op_types": ["MatMul"],
+                       "activation_scales": "per row",
+                       "rows_requantised": _activations_per_row(dst)}
     from export.onnx_build import weight_bytes
 
     return {"quantization": method, **figures, "fp32_bytes": weight_bytes(src),
             "quantized_bytes": weight_bytes(dst)}
+
+
+def _activations_per_row(path: Path) -> int:
+    """``quantize_dynamic``'s graph at ``path`` with its activations quantised per row
+    (export/dynamic_rows.py), rewritten through a temporary file; the inputs rewritten."""
+    import onnx
+
+    from export.dynamic_rows import per_row_activations
+
+    model = onnx.load(str(path), load_external_data=False)  # weights stay where they are
+    count = per_row_activations(model)
+    tmp = path.with_name(f"{path.name}.rows.tmp")
+    onnx.save(model, str(tmp))
+    os.replace(tmp, path)
+    return count
 
 
 def _nbits_quantizer(model: Any, bits: int, symmetric: bool,

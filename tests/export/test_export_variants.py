@@ -71,11 +71,17 @@ def test_int8_dynamic_export_keeps_quantize_dynamic(tiny_checkpoint: Path,
     manifest = verify_manifest(out)
     assert manifest.quantization == "int8-dynamic"
     figures = manifest.verification["quantized"]
-    # the weaker method (per-tensor activation scales): ~92% on the tiny checkpoint
     assert figures["agreement_target"] == 0.95 and figures["token_agreement"] >= 0.9
     assert abs(figures["perplexity_relative_change"]) < 0.05
-    ops = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
-    assert {"MatMulInteger", "DynamicQuantizeLinear"} & ops
+    graph = onnx.load(str(out / "model.onnx")).graph
+    ops = [n.op_type for n in graph.node]
+    weights = {t.name for t in graph.initializer}
+    # every weight MatMul quantised (attention's products stay float); the activations by a
+    # scale per row, not per tensor
+    assert not [n.name for n in graph.node if n.op_type == "MatMul" and set(n.input) & weights]
+    assert "DynamicQuantizeLinear" not in ops
+    assert figures["rows_requantised"] >= 1
+    assert ops.count("MatMulInteger") >= figures["rows_requantised"]
 
 
 @torch.no_grad()
