@@ -112,6 +112,12 @@ class Settings(BaseSettings):
         True, description="size each chunk to cost about one decode step of the running "
                           "rows (at least 16 tokens), and prefill in one pass when no row "
                           "is running; false: every chunk is prefill_chunk_tokens")
+    max_batch_prefill_tokens: int = Field(
+        0, ge=0, description="while rows are decoding, the most prompt tokens the "
+                             "newcomers admitted at one step bring (TGI's option of this "
+                             "name): the rest wait for the next step, so a burst of prompts "
+                             "holds the running rows for a bounded pass; the first newcomer "
+                             "always goes, and an idle engine takes them all; 0: no bound")
     speculative_model: str | None = Field(
         None, description="speculative decoding: 'ngram' (prompt lookup, no second model) "
                           "or a smaller model's artifact directory with the same tokenizer; "

@@ -72,6 +72,7 @@ class EngineConfig:
     float32_pass_tokens: int | None = default_of("float32_pass_tokens")  # None: artifact's
     codes8_pass_rows: int | None = default_of("codes8_pass_rows")  # None: artifact's
     adaptive_prefill_chunks: bool = default_of("adaptive_prefill_chunks")
+    max_batch_prefill_tokens: int = default_of("max_batch_prefill_tokens")  # 0: no bound
     huge_pages: bool = default_of("huge_pages")  # packed weights moved into 2 MiB pages
     speculative: SpeculativeConfig | None = None  # None: one token per row per step
     speculative_model: Path | None = None  # the draft's artifact (method "draft")
@@ -266,7 +267,8 @@ class Engine:
                  if (p := runner.prefix_stats()) else "")
         limits = SchedulerLimits(config.max_batch_size, config.max_batch_tokens,
                                  config.max_queued_requests, config.prefill_chunk_tokens,
-                                 config.adaptive_prefill_chunks)
+                                 config.adaptive_prefill_chunks,
+                                 config.max_batch_prefill_tokens)
         speculator = create_speculator(artifact, config)
         engine = cls(runner, Scheduler(runner, artifact.codec, limits, stats, speculator))
         if engine.float32_pass_tokens is not None:

@@ -12,6 +12,11 @@ Each time it runs out of work it gives the C heap's freed pages back to the OS
 (service/engine/resident.py), so the server's memory after a busy period returns to what
 it holds.
 
+With ``max_batch_prefill_tokens``, newcomers that arrive while rows decode join a step
+only up to that many prompt tokens (the first always goes; TGI's option of the name), so
+a burst of prompts is spread over steps instead of holding the running rows for one long
+pass.
+
 Faults stay local: when a step with newcomers fails, the rest of it runs again without
 them and each newcomer is prefilled alone, so only a request that fails alone gets an
 error (424 over HTTP); a failed step without newcomers fails its rows, frees their cache,
@@ -66,6 +71,9 @@ class SchedulerLimits:
     max_queued_requests: int
     prefill_chunk_tokens: int = 0  # 0: prompts are prefilled in one pass
     adaptive_chunks: bool = False  # chunks cost about a decode step (chunking.py)
+    # while rows decode, the newcomers' prompt tokens one step takes (the first always
+    # goes); 0: every newcomer that fits the batch
+    max_batch_prefill_tokens: int = 0
 
 
 def _is_last(event: Event) -> bool:
@@ -341,6 +349,8 @@ class Scheduler:
         if self._partial is not None:
             reserved += self._partial.reserved_tokens
         admitted: list[RequestHandle] = []
+        prompt_tokens = 0  # the admitted newcomers' prompts, prefilled at this step
+        prefill_cap = self.limits.max_batch_prefill_tokens if rows else 0  # idle: no cap
         while self._waiting:
             head = self._waiting[0]
             if head.request.cancelled.is_set():
@@ -366,7 +376,11 @@ class Scheduler:
                 self._start_partial(head)
                 rows += 1
             else:
+                prompt = len(head.request.prompt_ids)
+                if prefill_cap and admitted and prompt_tokens + prompt > prefill_cap:
+                    break  # the next step takes it: the running rows wait one pass at most
                 admitted.append(self._waiting.popleft())
+                prompt_tokens += prompt
             reserved += need
         return admitted
 

@@ -129,6 +129,51 @@ def test_requests_join_a_running_batch_and_match_the_reference(
     assert stats.loads[-1].kv_cache_tokens == 0
 
 
+@pytest.mark.parametrize("bounded", [False, True])
+def test_a_prefill_budget_spreads_a_burst_of_newcomers_over_steps(
+        model: ModelGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
+        reference_greedy: Callable[[list[int], int], list[int]], bounded: bool) -> None:
+    """Three newcomers arrive at once beside a decoding row. With max_batch_prefill_tokens
+    the size of the longest prompt, no step beside that row prefills more prompt tokens
+    than that (the first newcomer always goes), so they join over several steps; with 0
+    all three join in one. Every request gets the plain loop's tokens either way."""
+    gate = QueueGate()
+    runner = ControlledRunner(model, gate, keep_plans=True)
+    late = [encode(p) for p in PROMPTS[1:]]
+    budget = max(len(p) for p in late) if bounded else 0
+    assert sum(len(p) for p in late) > budget  # the burst does not fit one step's budget
+    scheduler = Scheduler(runner, codec, SchedulerLimits(8, 4096, 16, 0, False, budget),
+                          Recorder())
+
+    async def main() -> list[list[int]]:
+        scheduler.start(asyncio.get_running_loop())
+        (first,) = scheduler.submit([greedy(encode(PROMPTS[0]), 40)])
+        gate.send("...")  # prefill and two decode steps; the third waits at the gate
+        events = first.events()
+        head = [(await anext(events)).token.id for _ in range(3)]  # type: ignore[union-attr]
+        handles = scheduler.submit([greedy(p, 12) for p in late])  # all waiting at once
+        gate.send("+")
+        rest = [e.token.id async for e in events]  # type: ignore[union-attr]
+        return [head + rest, *await asyncio.gather(*(tokens_of(h) for h in handles))]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop(5)
+    assert results[0] == reference_greedy(encode(PROMPTS[0]), 40)
+    for prompt, got in zip(late, results[1:], strict=True):
+        assert got == reference_greedy(prompt, 12)
+    assert runner.plans is not None
+    joined = [[len(p) for p in plan.prompts.prompts] for plan in runner.plans
+              if plan.prompts is not None and plan.decode is not None]  # beside the row
+    assert sorted(n for step in joined for n in step) == sorted(len(p) for p in late)
+    if bounded:
+        assert len(joined) >= 2
+        assert all(len(step) == 1 or sum(step) <= budget for step in joined), joined
+    else:
+        assert len(joined) == 1
+
+
 def test_newcomers_ride_in_the_decode_step_of_a_mixed_engine(
         mixed: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
