@@ -378,7 +378,7 @@ class Scheduler:
             else:
                 prompt = len(head.request.prompt_ids)
                 if prefill_cap and admitted and prompt_tokens + prompt > prefill_cap:
-                    break  # the next step takes it: the running rows wait one pass at most
+                    break  # it and the rest join at the next steps
                 admitted.append(self._waiting.popleft())
                 prompt_tokens += prompt
             reserved += need
