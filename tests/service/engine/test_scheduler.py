@@ -67,11 +67,11 @@ def mixed(engine_artifact: Path, mixed_engine_path: Path) -> EngineGraphRunner:
 
 
 def make(runner: ModelRunner, codec: TextCodec, batch: int = 8, queued: int = 16,
-         tokens: int = 4096, chunk: int = 0, adaptive: bool = False
+         tokens: int = 4096, chunk: int = 0, adaptive: bool = False, prefill_budget: int = 0
          ) -> tuple[Scheduler, Recorder]:
     stats = Recorder()
-    return Scheduler(runner, codec, SchedulerLimits(batch, tokens, queued, chunk, adaptive),
-                     stats), stats
+    return Scheduler(runner, codec, SchedulerLimits(batch, tokens, queued, chunk, adaptive,
+                                                    prefill_budget), stats), stats
 
 
 def greedy(ids: list[int], n: int, **sampling: Any) -> GenerationRequest:
@@ -87,10 +87,12 @@ async def tokens_of(handle: RequestHandle) -> list[int]:
 
 
 def join_three(runner: ModelRunner, codec: TextCodec, encode: Callable[[str], list[int]],
-               reference_greedy: Callable[[list[int], int], list[int]]) -> Recorder:
-    """Three requests join one that has decoded two steps; every request must get the
-    plain loop's greedy tokens. The engine's step stats, for the caller to check."""
-    scheduler, stats = make(runner, codec)
+               reference_greedy: Callable[[list[int], int], list[int]],
+               prefill_budget: int = 0) -> Recorder:
+    """Three requests, submitted at once, join one that has decoded two steps; every
+    request must get the plain loop's greedy tokens. The engine's step stats, for the
+    caller to check."""
+    scheduler, stats = make(runner, codec, prefill_budget=prefill_budget)
     assert isinstance(runner, ControlledRunner) and isinstance(runner.gate, QueueGate)
     gate = runner.gate
 
@@ -137,32 +139,11 @@ def test_a_prefill_budget_spreads_a_burst_of_newcomers_over_steps(
     the size of the longest prompt, no step beside that row prefills more prompt tokens
     than that (the first newcomer always goes), so they join over several steps; with 0
     all three join in one. Every request gets the plain loop's tokens either way."""
-    gate = QueueGate()
-    runner = ControlledRunner(model, gate, keep_plans=True)
+    runner = ControlledRunner(model, QueueGate(), keep_plans=True)
     late = [encode(p) for p in PROMPTS[1:]]
     budget = max(len(p) for p in late) if bounded else 0
     assert sum(len(p) for p in late) > budget  # the burst does not fit one step's budget
-    scheduler = Scheduler(runner, codec, SchedulerLimits(8, 4096, 16, 0, False, budget),
-                          Recorder())
-
-    async def main() -> list[list[int]]:
-        scheduler.start(asyncio.get_running_loop())
-        (first,) = scheduler.submit([greedy(encode(PROMPTS[0]), 40)])
-        gate.send("...")  # prefill and two decode steps; the third waits at the gate
-        events = first.events()
-        head = [(await anext(events)).token.id for _ in range(3)]  # type: ignore[union-attr]
-        handles = scheduler.submit([greedy(p, 12) for p in late])  # all waiting at once
-        gate.send("+")
-        rest = [e.token.id async for e in events]  # type: ignore[union-attr]
-        return [head + rest, *await asyncio.gather(*(tokens_of(h) for h in handles))]
-
-    try:
-        results = asyncio.run(main())
-    finally:
-        scheduler.stop(5)
-    assert results[0] == reference_greedy(encode(PROMPTS[0]), 40)
-    for prompt, got in zip(late, results[1:], strict=True):
-        assert got == reference_greedy(prompt, 12)
+    join_three(runner, codec, encode, reference_greedy, prefill_budget=budget)
     assert runner.plans is not None
     joined = [[len(p) for p in plan.prompts.prompts] for plan in runner.plans
               if plan.prompts is not None and plan.decode is not None]  # beside the row
