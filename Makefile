@@ -34,9 +34,15 @@ SERVE_ARGS ?= --max-total-tokens 4096
 PRESET ?= small
 DEMO_CKPT ?= checkpoints/demo
 DEMO_ARTIFACT ?= artifacts/demo
+# `make finetune-demo`: the default model taught invented facts (model/finetune/demo/).
+FINETUNE_DATA ?= model/finetune/demo/train.jsonl
+FINETUNE_ADAPTER ?= adapters/$(NAME)-demo
+FINETUNE_CKPT ?= checkpoints/$(NAME)-demo
+FINETUNE_ARTIFACT ?= artifacts/$(NAME)-demo
+FINETUNE_ARGS ?=
 
 .PHONY: run test test-stress venv checkpoint artifact lint typecheck clean system-deps deploy-check \
-	deploy-smoke default-model train-demo
+	deploy-smoke default-model train-demo finetune-demo
 
 ## venv: create .venv and install attnserve with every extra the tests need
 venv: $(VENV)/.installed
@@ -83,6 +89,20 @@ train-demo: | $(VENV)/.installed
 		$(BIN)/attnserve export --ckpt $(DEMO_CKPT) --out $(DEMO_ARTIFACT) --engine-graph --force
 	$(BIN)/attnserve sample --ckpt $(DEMO_CKPT) --prompt "Return the" --max-new-tokens 40 --seed 0
 	exec $(BIN)/attnserve serve --model $(DEMO_ARTIFACT) --host $(HOST) --port $(PORT)
+
+## finetune-demo: LoRA-fine-tune the default model on model/finetune/demo/train.jsonl (a few
+## minutes on 2 cores), merge, export, serve, and ask it held-out paraphrases and general
+## questions; each step is skipped when its output exists (delete adapters/ to retrain)
+finetune-demo: checkpoint
+	test -f $(FINETUNE_ADAPTER)/adapter_config.json || \
+		$(BIN)/attnserve finetune --ckpt $(CKPT) --data $(FINETUNE_DATA) \
+			--out $(FINETUNE_ADAPTER) $(FINETUNE_ARGS)
+	test -f $(FINETUNE_CKPT)/config.json || \
+		$(BIN)/attnserve merge --ckpt $(CKPT) --adapter $(FINETUNE_ADAPTER) --out $(FINETUNE_CKPT)
+	test -f $(FINETUNE_ARTIFACT)/manifest.json || \
+		$(BIN)/attnserve export --ckpt $(FINETUNE_CKPT) --out $(FINETUNE_ARTIFACT) --engine-graph
+	exec $(BIN)/python -m model.finetune.demo.ask --model $(FINETUNE_ARTIFACT) \
+		--host $(HOST) --port $(PORT)
 
 ## test: the whole suite (CI runs exactly this), in file order
 test: venv system-deps default-model

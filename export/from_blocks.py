@@ -35,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from export.gguf_codes import DIRECT
 from export.gguf_source import read_as_blocks
 from model.checkpoint import GGUF_WEIGHTS_FILE, weights_path
+from model.gguf_codes import DIRECT
 from model.gguf_weights import open_gguf
 
 # the copies of the graphs verified at float activations, until the export ends

@@ -2,7 +2,7 @@
 
 A GGUF block is 16 or 32 consecutive input weights of one output row with one scale,
 exactly ONNX Runtime's ``com.microsoft.MatMulNBits`` layout at that block size (B is
-(N, K/block, bytes), one scale per block). So the blocks are repacked (export/gguf_codes.py
+(N, K/block, bytes), one scale per block). So the blocks are repacked (model/gguf_codes.py
 reads them), and ORT's dequantised weights are gguf's (``gguf.quants.dequantize``) bit for
 bit:
 
@@ -56,9 +56,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from export.gguf_codes import DIRECT, Blocks, join, read_blocks
 from export.gguf_source import GGUFFile, Part, SourceRefused
 from export.onnx_build import is_placeholder
+from model.gguf_codes import DIRECT, Blocks, join, read_blocks
 
 ACCURACY_LEVEL = 4  # int8 activations, as --quantize int8/int4
 Q4_1_MODES = ("exact", "float-zp")

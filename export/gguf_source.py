@@ -66,6 +66,11 @@ def open_source(training: dict[str, Any], reader: gguf.GGUFReader | None = None)
     from model.gguf_weights import file_sha256, open_gguf, read_config
 
     record = training.get("imported_from")
+    derived = training.get("merged_from") or training.get("finetuned_from")
+    if isinstance(derived, dict):
+        raise SourceRefused("--quantize gguf keeps a GGUF file's own blocks, and this "
+                            "checkpoint's weights are a fine-tune's, not the file's; use "
+                            "--quantize int8 or int4")
     if not isinstance(record, dict) or record.get("format") != "gguf":
         raise SourceRefused("--quantize gguf needs a checkpoint imported from a GGUF file "
                             "(attnserve import --gguf); this one was not")

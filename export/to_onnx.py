@@ -86,7 +86,7 @@ def load_source(ckpt_dir: Path, leave: frozenset[Any] = frozenset()) -> tuple[An
     ``leave``: the GGUF types whose weights stay on the meta device (load_checkpoint)."""
     from tokenizers import Tokenizer
 
-    from model.checkpoint import CheckpointError, load_checkpoint
+    from model.checkpoint import CheckpointError, descends_from_import, load_checkpoint
     from model.tokenizer import checkpoint_special_ids
 
     ckpt = load_checkpoint(ckpt_dir, leave=leave)
@@ -98,7 +98,7 @@ def load_source(ckpt_dir: Path, leave: frozenset[Any] = frozenset()) -> tuple[An
     # A trained checkpoint's vocab_size is its tokenizer's size, so any difference means the
     # wrong tokenizer.json; an imported model may have more embedding rows than tokens
     # (vocabularies padded for speed), never fewer.
-    size, imported = tok.get_vocab_size(), "imported_from" in ckpt.meta.training
+    size, imported = tok.get_vocab_size(), descends_from_import(ckpt.meta.training)
     if size > vocab or (size < vocab and not imported):
         raise CheckpointError(
             f"tokenizer {ckpt.tokenizer_path} has {tok.get_vocab_size()} tokens but the model's "
@@ -205,7 +205,6 @@ def export_artifact(
     # never lands inside an extension module's initialisation.
     from export.engine_graph import build_engine_graph, verify_engine
     from export.from_blocks import builds_from_blocks, export_from_blocks
-    from export.gguf_codes import DIRECT
     from export.graphs import (
         DEFAULT_OPSET,
         build_attention,
@@ -217,6 +216,7 @@ def export_artifact(
     from export.quantize import ACTIVATION_LEVELS, SIDE_DATA, gguf_advice, quantize_model
     from export.verify import TorchReference, check_prompts, verify_artifact
     from export.widen_codes import compare_widened, widen_4bit_codes
+    from model.gguf_codes import DIRECT
     from service.contract.engine_spec import (
         ENGINE_CODES8_FILE,
         ENGINE_CODES8_PLAIN_FILE,

@@ -27,6 +27,8 @@ WEIGHTS_FILE = "model.safetensors"
 GGUF_WEIGHTS_FILE = "model.gguf"  # an imported GGUF file, held as the weights
 TOKENIZER_FILE = "tokenizer.json"
 METRICS_FILE = "metrics.jsonl"
+TRAIN_STATE_FILE = "train_state.safetensors"  # AdamW's moments, for --resume
+FINETUNE_RUN_FILE = "finetune.json"  # a fine-tune's options, data hash and step
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
 
 
@@ -199,6 +201,29 @@ def _load_held_gguf(path: Path, meta: CheckpointMeta, device: str,
     if not leave:
         return Checkpoint(model=model.to(device), meta=meta, path=path)
     return Checkpoint(model=model, meta=meta, path=path, held=held)
+
+
+def carried_files(ckpt_dir: str | os.PathLike[str]) -> dict[str, bytes]:
+    """The files a checkpoint holds beside its config, weights, tokenizer and metrics (an
+    import's chat template, tokenizer_config.json, generation_config.json): what a
+    checkpoint derived from it (a fine-tune, a merge) carries on."""
+    own = {CONFIG_FILE, WEIGHTS_FILE, GGUF_WEIGHTS_FILE, TOKENIZER_FILE, METRICS_FILE,
+           TRAIN_STATE_FILE, FINETUNE_RUN_FILE}
+    return {p.name: p.read_bytes() for p in sorted(Path(ckpt_dir).iterdir())
+            if p.is_file() and p.name not in own and not p.name.startswith(".")}
+
+
+def descends_from_import(training: dict[str, Any]) -> bool:
+    """Whether the weights come from an imported model, directly or through fine-tunes and
+    merges (``finetuned_from`` / ``merged_from`` keep the base's record): such a model's
+    vocabulary may be padded beyond its tokenizer's."""
+    record: Any = training
+    while isinstance(record, dict):
+        if "imported_from" in record:
+            return True
+        parent = record.get("finetuned_from") or record.get("merged_from")
+        record = parent.get("base_training") if isinstance(parent, dict) else None
+    return False
 
 
 def read_metrics(ckpt_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""`attnserve train`, `attnserve sample` and `attnserve import`.
+"""`attnserve train`, `attnserve sample`, `attnserve import` (and, from model/finetune/cli.py,
+`attnserve finetune` and `attnserve merge`).
 
 Usage:
     attnserve train --data stdlib --preset small --out checkpoints/default
@@ -18,6 +19,11 @@ import sys
 from model.architectures import architecture_names
 from model.config import PRESETS
 
+# Every family the importers read, for the help texts (the registry would import torch to
+# list them; tests/model/finetune/test_cli.py checks these against it).
+FAMILIES = "GPT-2, Llama, Qwen2, Qwen3, SmolLM3, Mistral, Phi-3, Gemma 3"
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma3", "gpt2")
+
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show defaults, except the uninformative None/False ones."""
@@ -29,24 +35,30 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from model.finetune import cli as finetune_cli
+
     _register_train(subparsers)
     _register_sample(subparsers)
     _register_import(subparsers)
+    finetune_cli.register(subparsers, _HelpFormatter)
 
 
 def _register_import(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "import", help="convert a local Hugging Face directory or a GGUF file (GPT-2, Llama, "
-                       "Qwen2) into a checkpoint",
-        description="Read a local Hugging Face GPT2LMHeadModel, LlamaForCausalLM (SmolLM2, "
-                    "TinyLlama, Llama 3) or Qwen2ForCausalLM (Qwen2.5) directory (config.json, "
+        "import", help=f"convert a local Hugging Face directory or a GGUF file ({FAMILIES}) "
+                       "into a checkpoint",
+        description=f"Import a model of one of the families {FAMILIES}. "
+                    "Read a local Hugging Face directory of GPT2LMHeadModel, LlamaForCausalLM "
+                    "(SmolLM2, TinyLlama, Llama 3), Qwen2ForCausalLM (Qwen2.5), "
+                    "Qwen3ForCausalLM, SmolLM3ForCausalLM, MistralForCausalLM, "
+                    "Phi3ForCausalLM (Phi-3, Phi-4-mini) or Gemma3ForCausalLM (config.json, "
                     "model.safetensors or its sharded index, tokenizer.json (or, for GPT-2, "
                     "vocab.json + merges.txt), generation_config.json), or a llama.cpp GGUF "
-                    "file of the llama, qwen2 or gpt2 architecture (F32/F16/BF16, Q4_0, Q4_1, "
-                    "Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K, held as they are and "
-                    "dequantised to float32 on load; "
-                    "byte-level BPE tokenizer), and write an attnserve checkpoint directory "
-                    "(atomically), with the chat template, tokenizer_config.json and "
+                    f"file of the {', '.join(GGUF_FAMILIES)} architecture (F32/F16/BF16, "
+                    "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K, held as they "
+                    "are and dequantised to float32 on load; byte-level BPE or SentencePiece "
+                    "tokenizer), and write an attnserve checkpoint directory (atomically), "
+                    "with the chat template, tokenizer_config.json and "
                     "generation_config.json beside it. Nothing is downloaded; pickled weights "
                     "(pytorch_model.bin), other tensor types and configuration options the "
                     "model does not compute are refused.",

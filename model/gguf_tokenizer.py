@@ -245,7 +245,7 @@ def checkpoint_special_ids(vocab: GGUFVocab) -> dict[str, int | None]:
 
 def side_files(vocab: GGUFVocab, context_length: int) -> dict[str, bytes]:
     """chat_template.jinja, tokenizer_config.json and generation_config.json: the files the
-    chat route and the stop logic read from an artifact (service/artifact/chat_template.py,
+    chat route and the stop logic read from an artifact (service/contract/chat_template.py,
     service/artifact/loader.py), as a Hugging Face snapshot of the model would have them."""
     tokenizer_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",

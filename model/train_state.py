@@ -11,13 +11,12 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from model.gpt import GPT
-
-TRAIN_STATE_FILE = "train_state.safetensors"
+from model.checkpoint import TRAIN_STATE_FILE
 
 
-def make_optimizer(model: GPT, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """Decay matrices and embeddings; leave biases and LayerNorm gains alone (nanoGPT)."""
     decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.dim() < 2]
@@ -26,27 +25,41 @@ def make_optimizer(model: GPT, lr: float, weight_decay: float) -> torch.optim.Ad
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-def _param_names(model: GPT, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
     names = {id(p): n for n, p in model.named_parameters()}
     ordered = [p for group in optimizer.param_groups for p in group["params"]]
     return {i: names[id(p)] for i, p in enumerate(ordered)}
 
 
-def save_train_state(out: Path, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> None:
-    """AdamW moments as safetensors (keys ``<param>.<moment>``), written atomically."""
+def _moments(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    names = _param_names(model, optimizer)
+    return {f"{names[i]}.{key}": value.detach().cpu().contiguous().reshape(-1)
+            if key == "step" else value.detach().cpu().contiguous()
+            for i, state in optimizer.state_dict()["state"].items()
+            for key, value in state.items()}
+
+
+def train_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bytes:
+    """AdamW moments as a safetensors file's bytes, for a writer that stages it with the
+    rest of a directory (an adapter's: a few MB)."""
+    from safetensors.torch import save
+
+    return bytes(save(_moments(model, optimizer), metadata={"step": str(step)}))
+
+
+def save_train_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     step: int) -> None:
+    """AdamW moments as ``train_state.safetensors`` in ``out`` (keys ``<param>.<moment>``),
+    written atomically and straight from the tensors (no copy of a model's 1 GB)."""
     from safetensors.torch import save_file
 
-    names = _param_names(model, optimizer)
-    tensors = {f"{names[i]}.{key}": value.detach().cpu().contiguous().reshape(-1)
-               if key == "step" else value.detach().cpu().contiguous()
-               for i, state in optimizer.state_dict()["state"].items()
-               for key, value in state.items()}
     tmp = out / f".{TRAIN_STATE_FILE}.tmp-{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"step": str(step)})
+    save_file(_moments(model, optimizer), str(tmp), metadata={"step": str(step)})
     os.replace(tmp, out / TRAIN_STATE_FILE)
 
 
-def load_train_state(out: Path, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> bool:
+def load_train_state(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     step: int) -> bool:
     """Restore AdamW moments saved at ``step``; False when absent or from another step."""
     from safetensors import safe_open
 

@@ -39,7 +39,9 @@ Handler = Callable[[argparse.Namespace], int]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnserve",
-        description="Train a small GPT, export it to ONNX with a KV cache, and serve it.",
+        description="Import a model (GGUF or Hugging Face: GPT-2, Llama, Qwen2, Qwen3, "
+                    "SmolLM3, Mistral, Phi-3, Gemma 3) or train a small GPT, fine-tune it "
+                    "(LoRA or full), export it to ONNX with a KV cache, and serve it.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for entry in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: COMMAND_ORDER.get(

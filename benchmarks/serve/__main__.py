@@ -207,8 +207,8 @@ def build_requests(args: argparse.Namespace, tokenizer: Path) -> list[SampleRequ
 def _chat_renderer(args: argparse.Namespace, tokenizer: Path, codec: Any
                    ) -> Callable[[list[dict[str, str]]], str]:
     """The served artifact's chat template, as the chat route renders it."""
-    from service.artifact.chat_template import ChatTemplate
     from service.contract import io_spec as io
+    from service.contract.chat_template import ChatTemplate
 
     directory = args.model or tokenizer.parent
     config = io.ArtifactConfig.load(directory)

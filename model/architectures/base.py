@@ -177,6 +177,23 @@ class GGUFRows:
     rows: np.ndarray  # (our rows,) int64 indices into the file tensor's rows
 
 
+@dataclass(frozen=True)
+class LoRATarget:
+    """One module a LoRA adapter may adapt, by transformers' name, and the linear layers of
+    ours it adds to: several, in row order, where transformers fuses them (Phi-3's
+    ``qkv_proj``, GPT-2's ``c_attn``), which then share A and cut B by rows. PEFT keys an
+    adapter's tensors by these names, so the name is what makes an adapter portable."""
+
+    module: str  # e.g. model.layers.0.self_attn.q_proj
+    ours: tuple[str, ...]  # e.g. ("blocks.0.attn.w_q",)
+    conv1d: bool = False  # GPT-2's Conv1D (in, out) weights: PEFT's fan_in_fan_out
+
+    @property
+    def kind(self) -> str:
+        """What PEFT's ``target_modules`` names it: q_proj, c_attn, ..."""
+        return self.module.rpartition(".")[2]
+
+
 class Architecture:
     """One model family. Subclasses set the class attributes and override the methods;
     the defaults here are the parts families share or the table lookups they fill in."""
@@ -314,6 +331,11 @@ class Architecture:
         if config.tie_weights and "tok_emb.weight" in out:
             out["lm_head.weight"] = out["tok_emb.weight"]
         return out
+
+    def lora_targets(self, config: ModelConfig) -> list[LoRATarget]:
+        """Every projection a LoRA adapter may adapt, layer by layer, in transformers'
+        names (model/finetune/)."""
+        raise NotImplementedError
 
     # -- PyTorch -------------------------------------------------------------------------
     def block(self, config: ModelConfig) -> nn.Module:

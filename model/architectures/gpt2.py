@@ -23,6 +23,7 @@ from model.architectures.base import (
     Architecture,
     GraphWriter,
     Linear,
+    LoRATarget,
     ModelConfig,
     Refuse,
     bias_of,
@@ -268,6 +269,15 @@ class Gpt2(Architecture):
         if not config.tie_weights:
             put("lm_head.weight", model.lm_head.weight)  # (V, d)
         return out
+
+    def lora_targets(self, config: ModelConfig) -> list[LoRATarget]:
+        """GPT-2's Conv1D layers: c_attn (Q | K | V), attn.c_proj, mlp.c_fc, mlp.c_proj."""
+        parts = (("attn.c_attn", ("attn.w_q", "attn.w_k", "attn.w_v")),
+                 ("attn.c_proj", ("attn.w_o",)), ("mlp.c_fc", ("ffn.up",)),
+                 ("mlp.c_proj", ("ffn.down",)))
+        return [LoRATarget(f"transformer.h.{i}.{theirs}",
+                           tuple(f"blocks.{i}.{o}" for o in ours), conv1d=True)
+                for i in range(config.n_layers) for theirs, ours in parts]
 
     # -- PyTorch -------------------------------------------------------------------------
     def activation(self, config: ModelConfig) -> nn.Module:

@@ -31,6 +31,7 @@ from model.architectures.base import (
     Architecture,
     GraphWriter,
     Linear,
+    LoRATarget,
     ModelConfig,
     Refuse,
     bias_of,
@@ -489,6 +490,19 @@ class Llama(Architecture):
         if not config.tie_weights:
             out["lm_head.weight"] = state["lm_head.weight"]
         return _fused(out, config) if config.fused_projections else out
+
+    def lora_targets(self, config: ModelConfig) -> list[LoRATarget]:
+        """q/k/v/o_proj and gate/up/down_proj of every layer; Phi-3's fused qkv_proj and
+        gate_up_proj where its checkpoints fuse them."""
+        if config.fused_projections:
+            parts: Sequence[tuple[str, tuple[str, ...]]] = (
+                ("self_attn.qkv_proj", ("attn.w_q", "attn.w_k", "attn.w_v")),
+                ("self_attn.o_proj", ("attn.w_o",)),
+                ("mlp.gate_up_proj", ("ffn.gate", "ffn.up")), ("mlp.down_proj", ("ffn.down",)))
+        else:
+            parts = [(theirs, (ours,)) for theirs, ours in RENAMES if theirs.endswith("_proj")]
+        return [LoRATarget(f"{HF_LAYER}{i}.{theirs}", tuple(f"{OUR_LAYER}{i}.{o}" for o in ours))
+                for i in range(config.n_layers) for theirs, ours in parts]
 
     def gguf_config_tensors(self, family: str) -> tuple[str, ...]:
         if family == "phi3":

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.artifact.chat_template import ChatTemplate
 from service.artifact.generation_defaults import GenerationDefaults, parse_generation_defaults
 from service.artifact.text import TextCodec
 from service.contract import io_spec as io
+from service.contract.chat_template import ChatTemplate
 from service.contract.manifest import verify_manifest
 from service.providers import select_providers
 from service.settings import Limits, Settings

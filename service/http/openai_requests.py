@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from service.artifact.chat_template import ChatTemplateError
+from service.contract.chat_template import ChatTemplateError
 from service.engine.grammar import Grammar
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenEvent
 from service.engine.scheduler import RequestHandle

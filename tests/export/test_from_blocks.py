@@ -22,13 +22,13 @@ import torch
 
 from export.engine_graph import EngineDecoder
 from export.from_blocks import builds_from_blocks
-from export.gguf_codes import DIRECT
 from export.layerwise import LayerwiseReference
 from export.onnx_build import Graph, WeightsWriter, is_placeholder, make_model
 from export.to_onnx import export_artifact
 from export.verify import VerificationError, check_prompts, decoder_for
 from model.architectures.base import StandIn, f32
 from model.checkpoint import load_checkpoint
+from model.gguf_codes import DIRECT
 from model.gguf_import import import_gguf_checkpoint
 from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 from tests.conftest import torch_threads

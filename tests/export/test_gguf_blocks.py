@@ -357,7 +357,7 @@ def test_byte_codes_at_float_activations_are_two_exact_nibble_products(minimums:
     kernel there): their sum, on an identity input, is the blocks' dequantised weight
     exactly without minimums, and within one rounding of it with them."""
     from export.gguf_blocks import BlockWriter
-    from export.gguf_codes import Blocks
+    from model.gguf_codes import Blocks
 
     rng = np.random.default_rng(0)
     n, nb, block = 24, 4, 16

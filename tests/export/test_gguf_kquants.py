@@ -1,5 +1,5 @@
 """K-quant blocks (Q2_K-Q6_K), and the Q5_0 / Q5_1 that llama.cpp's K-quant mixes use for
-rows not a multiple of 256, kept exactly by --quantize gguf (export/gguf_codes.py).
+rows not a multiple of 256, kept exactly by --quantize gguf (model/gguf_codes.py).
 
 gguf-py has no quantiser for the K-quants, so each tensor is random block bytes (every
 byte pattern is a valid block) with chosen fp16 (super-)block scales, or gguf's quantiser's
@@ -115,7 +115,7 @@ def written(tensor: gguf.ReaderTensor, mode: str = "exact", level: int = 0,
 def test_blocks_dequantise_to_ggufs_values(qtype: Q, kind: str,
                                            tensors: dict[str, gguf.ReaderTensor]) -> None:
     """Codes, scales and minimums in the float32 operations gguf uses give its values."""
-    from export.gguf_codes import DIRECT, read_blocks
+    from model.gguf_codes import DIRECT, read_blocks
 
     tensor = tensors[f"{qtype.name}.{kind}"]
     blocks = read_blocks(tensor)
@@ -175,7 +175,7 @@ def test_centred_keeps_a_zero_point_only_where_exact() -> None:
     a scale's significand leaves no room for q − z, or where m + z·d would round in float64
     already (its float64 sum looking exact); refused where even q·d would round."""
     from export.gguf_blocks import centred
-    from export.gguf_codes import Blocks
+    from model.gguf_codes import Blocks
 
     codes = np.stack([np.tile(np.arange(16), 2), np.tile(np.arange(4), 8),
                       np.tile(np.arange(16), 2)]).astype(np.uint8)[None]  # (1, 3, 32)

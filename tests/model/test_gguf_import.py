@@ -352,7 +352,7 @@ def test_added_tokens_bos_and_eos_follow_the_file(built: Callable[[str], Built],
 
 def test_side_files_give_the_chat_route_its_template_and_stops(
         built: Callable[[str], Built]) -> None:
-    from service.artifact.chat_template import ChatTemplate
+    from service.contract.chat_template import ChatTemplate
 
     ckpt = built("qwen2-blocks").ckpt
     assert (ckpt / "chat_template.jinja").read_text("utf-8") == CHATML

@@ -1,6 +1,6 @@
 """OpenAI chat completions: POST /v1/chat/completions, plain or streamed.
 
-The conversation is rendered with the model's chat template (service/artifact/chat_template.py)
+The conversation is rendered with the model's chat template (service/contract/chat_template.py)
 and tokenized without adding special tokens (the template places them), as vLLM does;
 from there a chat request is a completion request with chat-shaped output.
 """

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from service.artifact.chat_template import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError
+from service.contract.chat_template import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError
 
 CHATML = (
     "{% for message in messages %}"

@@ -1,0 +1,1 @@
+"""Supervised fine-tuning of the models we serve (attnserve finetune / merge)."""

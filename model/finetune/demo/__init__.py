@@ -1,0 +1,1 @@
+"""The fine-tuning demo's data (invented facts) and its client, `make finetune-demo`."""

@@ -1,0 +1,207 @@
+"""LoRA adapters on disk in PEFT's format: what PEFT, vLLM, TGI and we all read.
+
+``adapter_config.json`` (PEFT's LoraConfig: peft_type LORA, r, lora_alpha, use_rslora,
+target_modules, base_model_name_or_path ...) and ``adapter_model.safetensors`` with one
+A and one B per adapted module, keyed by transformers' module names:
+``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (r, in) and
+``....lora_B.weight`` (out, r). Reading refuses, with one line, what an adapter may hold
+that a LoRA merge cannot reproduce exactly: DoRA's magnitudes, ``modules_to_save``, bias
+training, embedding or other non-projection targets, shapes of another model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from model.finetune.lora import Adapter, LoRA, LoRASettings, targets_of
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+KEY_PREFIX = "base_model.model."
+PICKLED_WEIGHTS = "adapter_model.bin"
+# LoraConfig fields whose non-default values change what the adapter computes beyond
+# s·B·A (or add trained tensors besides A and B): refused, each with its reason.
+UNSUPPORTED = {
+    "use_dora": "DoRA (weight-decomposed LoRA) is not supported",
+    "modules_to_save": "modules_to_save (fully trained copies of modules) is not supported",
+    "lora_bias": "trained LoRA biases (lora_bias) are not supported",
+    "trainable_token_indices": "trainable token embeddings are not supported",
+    "use_qalora": "QA-LoRA (pooled inputs) is not supported",
+    "alora_invocation_tokens": "activated LoRA (aLoRA) is not supported",
+    "target_parameters": "LoRA on parameters (target_parameters) is not supported",
+    "layer_replication": "layer replication is not supported",
+}
+
+
+class AdapterError(ValueError):
+    """An adapter directory that is missing, malformed, or not one we can apply exactly."""
+
+
+def adapter_files(adapter: Adapter, base_model: str) -> dict[str, bytes]:
+    """adapter_config.json and adapter_model.safetensors of ``adapter`` (name → bytes);
+    ``base_model``: the path of the checkpoint it was trained over."""
+    from safetensors.torch import save
+
+    s = adapter.settings
+    targets = list(dict.fromkeys(lora.target.kind for lora in adapter.each()))
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": s.rank, "lora_alpha": s.alpha, "lora_dropout": s.dropout,
+        "use_rslora": s.rslora, "target_modules": targets, "fan_in_fan_out": any(
+            lora.target.conv1d for lora in adapter.each()),
+        "bias": "none", "use_dora": False, "modules_to_save": None,
+        "init_lora_weights": True, "inference_mode": True, "rank_pattern": {},
+        "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
+        "revision": None,
+    }
+    tensors: dict[str, Tensor] = {}
+    for lora in adapter.each():
+        key = f"{KEY_PREFIX}{lora.target.module}"
+        tensors[f"{key}.lora_A.weight"] = lora.lora_A.detach().float().cpu().contiguous()
+        tensors[f"{key}.lora_B.weight"] = lora.lora_B.detach().float().cpu().contiguous()
+    return {CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode(),
+            WEIGHTS_FILE: save(tensors, metadata={"format": "pt"})}
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What of adapter_config.json decides the computation."""
+
+    rank: int
+    alpha: float
+    rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    dropout: float
+    base_model: str | None
+
+    def scale(self, module: str, rank: int) -> float:
+        """PEFT's scaling of one module: its alpha_pattern's alpha (the first pattern
+        matching the module name's tail, as PEFT's get_pattern_key), over r or √r."""
+        alpha = next((float(a) for pattern, a in self.alpha_pattern.items()
+                      if re.match(rf"(.*\.)?({pattern})$", module)), self.alpha)
+        return alpha / (rank ** 0.5 if self.rslora else rank)
+
+
+def read_config(directory: Path) -> AdapterConfig:
+    """adapter_config.json, checked; AdapterError with one line otherwise."""
+    path = directory / CONFIG_FILE
+    if not directory.is_dir():
+        raise AdapterError(f"adapter directory {directory} does not exist")
+    if not path.is_file():
+        raise AdapterError(f"{directory} is not a PEFT adapter: {CONFIG_FILE} is missing")
+    try:
+        raw = json.loads(path.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"{path} is not readable JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{path}: expected a JSON object")
+    if raw.get("peft_type") != "LORA":
+        raise AdapterError(f"{path}: peft_type {raw.get('peft_type')!r}; only LORA adapters "
+                           "are supported")
+    for field, reason in UNSUPPORTED.items():
+        if raw.get(field) not in (None, False, [], {}, ""):
+            raise AdapterError(f"{path}: {reason} ({field} = {raw[field]!r})")
+    if raw.get("bias", "none") != "none":
+        raise AdapterError(f"{path}: bias {raw['bias']!r}: trained biases are not supported "
+                           "(bias must be 'none')")
+    try:
+        config = AdapterConfig(
+            rank=int(raw.get("r", 8)), alpha=float(raw.get("lora_alpha", 8)),
+            rslora=bool(raw.get("use_rslora", False)),
+            rank_pattern={str(k): int(v) for k, v in (raw.get("rank_pattern") or {}).items()},
+            alpha_pattern={str(k): float(v)
+                           for k, v in (raw.get("alpha_pattern") or {}).items()},
+            dropout=float(raw.get("lora_dropout", 0.0)),
+            base_model=raw.get("base_model_name_or_path"))
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise AdapterError(f"{path}: malformed LoRA settings: {exc}") from exc
+    if config.rank <= 0:
+        raise AdapterError(f"{path}: r must be positive, got {config.rank}")
+    return config
+
+
+def read_adapter(directory: Path, model_config: Any) -> Adapter:
+    """The adapter in ``directory`` as an :class:`Adapter` for a model of
+    ``model_config`` (GPTConfig), every tensor checked against the model's shapes."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config = read_config(directory)
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        hint = (f" ({PICKLED_WEIGHTS} is pickle, which attnserve does not load; save with "
+                "safe_serialization=True)") if (directory / PICKLED_WEIGHTS).is_file() else ""
+        raise AdapterError(f"{directory}: {WEIGHTS_FILE} is missing{hint}")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise AdapterError(f"{path} is not a readable safetensors file: {exc}") from exc
+    targets = {t.module: t for t in targets_of(model_config)}
+    pairs: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = re.fullmatch(rf"{re.escape(KEY_PREFIX)}(.+)\.(lora_A|lora_B)(?:\.\w+)?\.weight",
+                             key)
+        if match is None:
+            raise AdapterError(f"{path}: tensor {key} is not a LoRA A or B of a module "
+                               "(DoRA magnitudes, embeddings and biases are not supported)")
+        module, part = match.groups()
+        if module not in targets:
+            kinds = sorted({t.kind for t in targets.values()})
+            raise AdapterError(f"{path}: {key} adapts {module}, which this {model_config.arch} "
+                               f"model of {model_config.n_layers} layers does not have (its "
+                               f"LoRA targets: {', '.join(kinds)} in model layers)")
+        pairs.setdefault(module, {})[part] = tensor
+    if not pairs:
+        raise AdapterError(f"{path} holds no LoRA tensors")
+    loras = [_lora(path, targets[module], pair, config, model_config)
+             for module, pair in sorted(pairs.items(), key=lambda kv: _order(targets, kv[0]))]
+    settings = LoRASettings(rank=config.rank, alpha=config.alpha, dropout=0.0,
+                            rslora=config.rslora,
+                            targets=tuple(dict.fromkeys(lora.target.module.rpartition(".")[2]
+                                                        for lora in loras)))
+    return Adapter(loras, settings)
+
+
+def _order(targets: dict[str, Any], module: str) -> int:
+    return list(targets).index(module)
+
+
+def _lora(path: Path, target: Any, pair: dict[str, Tensor], config: AdapterConfig,
+          model_config: Any) -> LoRA:
+    """One module's LoRA, its shapes checked against the model's layers."""
+    if set(pair) != {"lora_A", "lora_B"}:
+        raise AdapterError(f"{path}: {target.module} has {sorted(pair)} but not both "
+                           "lora_A and lora_B")
+    a, b = pair["lora_A"], pair["lora_B"]
+    widths = _layer_widths(target, model_config)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        raise AdapterError(f"{path}: {target.module} has A {list(a.shape)} and B "
+                           f"{list(b.shape)}, not (r, in) and (out, r)")
+    if (a.shape[1], b.shape[0]) != widths:
+        raise AdapterError(f"{path}: {target.module} maps {a.shape[1]} → {b.shape[0]} "
+                           f"features; this model's maps {widths[0]} → {widths[1]} (an "
+                           "adapter for another base model?)")
+    rank = int(a.shape[0])
+    lora = LoRA(target, widths[0], widths[1], rank, config.scale(target.module, rank), 0.0)
+    with torch.no_grad():
+        lora.lora_A.copy_(a.float())
+        lora.lora_B.copy_(b.float())
+    return lora
+
+
+def _layer_widths(target: Any, config: Any) -> tuple[int, int]:
+    """(in, out) of a LoRA target: its layers' input width and their summed rows."""
+    d, f = config.d_model, config.d_ff
+    kv, width = config.kv_heads * config.head_dim, config.attention_width
+    rows = {"attn.w_q": (d, width), "attn.w_k": (d, kv), "attn.w_v": (d, kv),
+            "attn.w_o": (width, d), "ffn.gate": (d, f), "ffn.up": (d, f), "ffn.down": (f, d)}
+    parts = [rows[name.split(".", 2)[2]] for name in target.ours]
+    return parts[0][0], sum(out for _, out in parts)
