@@ -240,10 +240,15 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
         else:
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
+            # 7-bit weights (reduce_range): ONNX Runtime's u8·s8 kernel on AVX2 / AVX-512
+            # without VNNI sums two products in int16 (vpmaddubsw), which 255·127·2
+            # overflows; 255·63·2 does not, so every x86 host computes the same products
             quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8,
-                             op_types_to_quantize=["MatMul"], per_channel=True)
+                             op_types_to_quantize=["MatMul"], per_channel=True,
+                             reduce_range=True)
             figures = {"method": "onnxruntime.quantization.quantize_dynamic",
-                       "weight_type": "QInt8", "per_channel": True, "op_types": ["MatMul"],
+                       "weight_type": "QInt8", "per_channel": True, "reduce_range": True,
+                       "op_types": ["MatMul"],
                        "activation_scales": "per row",
                        "rows_requantised": _activations_per_row(dst)}
     from export.onnx_build import weight_bytes

@@ -15,6 +15,13 @@ decode step: 4-bit 11.1 / 20.9 / 64.2 ms at 1 / 8 / 32 rows, the same weights as
 codes 14.6 / 22.0 / 58.7 ms, float32 22.7 / 33.7 / 64.9 ms. The runner picks the graph by
 the number of tokens in a pass (service/engine/engine_graph_runner.py). The cost is the 8-bit
 codes' bytes: twice the 4-bit ones, in weights.bin and packed in memory.
+
+The two graphs compute the same numbers only where the 8-bit kernel's products are exact:
+on x86 without VNNI (AVX2, AVX-512 without its VNNI extension) MLAS multiplies unsigned
+codes by signed activations with ``vpmaddubsw``, which sums each pair of products in
+saturating int16 (2·143·127 for a widened 4-bit code already overflows): there the
+comparison below may find the graphs apart, and the export then refuses them, saying why
+(:func:`exact_int8_products`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,21 @@ import onnx
 from onnx import numpy_helper
 
 from service.contract.reference import decode_steps
+
+# /proc/cpuinfo flags of the x86 extensions whose u8·s8 dot products accumulate in int32
+VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def exact_int8_products(cpuinfo: str | None = None) -> bool:
+    """Whether ONNX Runtime's int8-activation kernels multiply exactly on this CPU: not on
+    x86 without VNNI (see the module docstring); anything else (ARM, or no /proc/cpuinfo)
+    is taken to. ``cpuinfo``: that file's text (read when None)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text(errors="replace") if path.is_file() else ""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                  if line.startswith("flags")), None)
+    return flags is None or bool(VNNI_FLAGS & set(flags))
 
 DEFAULT_4BIT_ZERO_POINT = 8  # MatMulNBits' zero point for 4-bit codes without an input
 
@@ -116,5 +138,8 @@ def compare_widened(gpt: Any, served: Path, widened: Path, prompts: list[list[in
     result = {"max_abs_diff": worst, "logit_scale": scale, "greedy_equal": agreed,
               "steps": steps, "prompts": len(prompts)}
     if not agreed or worst > 1e-4 * scale:
-        raise ValueError(f"{widened.name} disagrees with {served.name}: {result}")
+        why = "" if exact_int8_products() else (
+            " (this CPU, x86 without AVX-VNNI or AVX-512 VNNI, sums int8 products in "
+            "saturating int16: export without --codes8, or with --activations float)")
+        raise ValueError(f"{widened.name} disagrees with {served.name}: {result}{why}")
     return result

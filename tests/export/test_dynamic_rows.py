@@ -15,7 +15,8 @@ from export.dynamic_rows import per_row_activations
 
 
 def quantized_matmul(tmp_path: Path, opset: int) -> tuple[onnx.ModelProto, np.ndarray]:
-    """quantize_dynamic's output for one MatMul (B, T, 64) x (64, 32), and its weights."""
+    """quantize_dynamic's output for one MatMul (B, T, 64) x (64, 32), and its weights, as
+    export/quantize.py calls it (7-bit weights: exact products on every x86 host)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     weights = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
@@ -29,7 +30,7 @@ def quantized_matmul(tmp_path: Path, opset: int) -> tuple[onnx.ModelProto, np.nd
     src, dst = tmp_path / "float.onnx", tmp_path / "dynamic.onnx"
     onnx.save(model, str(src))
     quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8,
-                     op_types_to_quantize=["MatMul"], per_channel=True)
+                     op_types_to_quantize=["MatMul"], per_channel=True, reduce_range=True)
     return onnx.load(str(dst)), weights
 
 

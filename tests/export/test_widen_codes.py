@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from export.widen_codes import widen_4bit_codes
+from export.widen_codes import exact_int8_products, widen_4bit_codes
 
 K, N, BLOCK = 96, 40, 32  # three blocks a row: the packed zero points end in a pad nibble
 BLOCKS = K // BLOCK
@@ -105,3 +105,16 @@ def test_a_graph_without_four_bit_nodes_is_left_alone(tmp_path: Path) -> None:
     widened, count = widen_4bit_codes(model, tmp_path)
     assert count == 0
     assert widened.graph.initializer[0].name == "w_q4"
+
+
+@pytest.mark.parametrize(("flags", "exact"), [
+    ("fpu sse2 avx2 fma", False),                 # AVX2 only: vpmaddubsw saturates
+    ("fpu avx2 avx512f avx512bw", False),         # AVX-512 without its VNNI
+    ("fpu avx2 avx512f avx512_vnni", True),
+    ("fpu avx2 avx_vnni", True),                  # Alder Lake's AVX-VNNI
+    (None, True),                                 # ARM's cpuinfo has "Features", not "flags"
+])
+def test_exact_int8_products_reads_the_vnni_flags(flags: str | None, exact: bool) -> None:
+    cpuinfo = ("processor\t: 0\nmodel name\t: some cpu\n"
+               + (f"flags\t\t: {flags}\n" if flags else "Features\t: fp asimd\n"))
+    assert exact_int8_products(cpuinfo) is exact
