@@ -5,6 +5,8 @@ Usage:
     attnserve export --ckpt CKPT --out ART --quantize int8 --engine-graph --force
     attnserve export --ckpt CKPT --out ART --dtype float16 --opset 20
     attnserve export --ckpt CKPT --out HF_DIR --format hf
+    attnserve export --ckpt CKPT --out model.gguf --format gguf [--outtype q8_0]
+    attnserve export --adapter ADAPTER --ckpt CKPT --out lora.gguf --format gguf
     attnserve export --ckpt CKPT --out ART --engine-graph   # + engine.onnx for the service
     attnserve eval --model ART --data stdlib                # perplexity (export/eval_cli.py)
 
@@ -25,7 +27,10 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "export", help="export a checkpoint to ONNX (KV cache) and verify it against PyTorch",
         description="Export a checkpoint to an artifact directory: model.onnx (KV cache), "
-                    "attention.onnx, tokenizer.json, config.json, manifest.json.")
+                    "attention.onnx, tokenizer.json, config.json, manifest.json; or, with "
+                    "--format hf, a Hugging Face directory; or, with --format gguf, a "
+                    "llama.cpp GGUF file (for llama.cpp, ollama, LM Studio), of the model or, "
+                    "with --adapter, of a LoRA adapter.")
     p.add_argument("--ckpt", required=True, help="checkpoint directory (config.json, "
                    "model.safetensors, tokenizer.json)")
     p.add_argument("--out", required=True, help="artifact directory to create")
@@ -46,8 +51,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-verify", action="store_true",
                    help="skip the parity checks against PyTorch (not recommended)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
-    p.add_argument("--format", choices=["onnx", "hf"], default="onnx",
-                   help="onnx: the attnserve artifact; hf: a Hugging Face transformers model")
+    p.add_argument("--format", choices=["onnx", "hf", "gguf"], default="onnx",
+                   help="onnx: the attnserve artifact; hf: a Hugging Face transformers model; "
+                        "gguf: a llama.cpp file (--out FILE.gguf)")
+    p.add_argument("--outtype", default=None,
+                   choices=["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"],
+                   help="with --format gguf: re-encode every matrix as this type (gguf's "
+                        "own quantisers; the output head stays q8_0 under the 4- and 5-bit "
+                        "ones); default: a checkpoint holding its GGUF file keeps "
+                        "the file's blocks byte for byte, any other is written as f32 (an "
+                        "adapter: f32, f16 or bf16)")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="with --format gguf: write this PEFT LoRA adapter of --ckpt as "
+                        "llama.cpp's adapter file (llama-server --lora FILE)")
     p.add_argument("--engine-graph", action="store_true",
                    help="also write engine.onnx: the service's own decoder graph "
                         "(GroupQueryAttention, KV cache updated in place); float32 or "
@@ -86,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
     # descheduled stalls every parallel region. SmolLM2's PyTorch checks, 2 threads on 2
     # loaded cores: 75 s spinning, 15 s asleep, the same logits bit for bit.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.format != "gguf" and (args.outtype or args.adapter):
+        print("attnserve export: --outtype and --adapter apply to --format gguf",
+              file=sys.stderr)
+        return 2
+    if args.format == "gguf":
+        return _gguf(args, started)
     if args.format == "hf":
         from export.hf import export_hf
 
@@ -102,4 +124,22 @@ def run(args: argparse.Namespace) -> int:
         log=lambda msg: print(f"  [{time.perf_counter() - started:6.1f} s] {msg}",
                               file=sys.stderr))
     print(f"exported {args.ckpt} → {out} in {time.perf_counter() - started:.1f}s")
+    return 0
+
+
+def _gguf(args: argparse.Namespace, started: float) -> int:
+    if args.adapter is not None:
+        from export.gguf_adapter import export_gguf_adapter
+
+        out = export_gguf_adapter(args.adapter, args.ckpt, args.out, args.outtype, args.force)
+        print(f"exported adapter {args.adapter} (base {args.ckpt}) → {out} (llama.cpp LoRA) "
+              f"in {time.perf_counter() - started:.1f}s")
+        return 0
+    from export.gguf_out import export_gguf
+
+    out = export_gguf(args.ckpt, args.out, args.outtype, args.force,
+                      log=lambda msg: print(f"  [{time.perf_counter() - started:6.1f} s] {msg}",
+                                            file=sys.stderr))
+    print(f"exported {args.ckpt} → {out} (GGUF, {out.stat().st_size / 2**20:,.1f} MiB) in "
+          f"{time.perf_counter() - started:.1f}s")
     return 0

@@ -80,7 +80,7 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
                             f"{reason}") from exc
 
 
-def _field_value(field: gguf.ReaderField) -> Any:
+def field_value(field: gguf.ReaderField) -> Any:
     """A metadata value as Python: str, int/float/bool, or a list of them."""
     types = field.types
     parts = [field.parts[i] for i in field.data]
@@ -99,7 +99,7 @@ def _field_value(field: gguf.ReaderField) -> Any:
 
 def read_metadata(reader: gguf.GGUFReader, where: Path) -> dict[str, Any]:
     try:
-        return {key: _field_value(field) for key, field in reader.fields.items()}
+        return {key: field_value(field) for key, field in reader.fields.items()}
     except (UnicodeDecodeError, IndexError, ValueError) as exc:
         raise ImportRefused(f"{where}: corrupt metadata: {exc}") from exc
 
