@@ -10,6 +10,7 @@ those of PEFT's own merge.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -70,16 +71,15 @@ def greedy(model: Any, ids: torch.Tensor, steps: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_adapter_loads_in_peft_over_transformers_gguf(smollm2_checkpoint, tmp_path):
+def test_smollm2_gguf_adapter_loads_in_peft_over_transformers_gguf(
+        smollm2_checkpoint, smollm2_transformers, tmp_path):
     """The real model, its base held as the file's Q4_1 blocks: PEFT over transformers'
     model of the same GGUF gives our logits and our greedy tokens."""
-    from transformers import AutoModelForCausalLM
-
     with torch_threads(2):
         ours, adapter = ours_with(smollm2_checkpoint, LoRASettings(), seed=3)
         out = write(adapter, tmp_path / "adapter", smollm2_checkpoint)
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(smollm2_checkpoint), gguf_file="model.gguf", dtype=torch.float32).eval()
+        # a copy: PEFT wraps the model it is given, and the session's is shared
+        hf = copy.deepcopy(smollm2_transformers[0])
         ids = torch.tensor([[1, 9690, 198, 2683, 314, 253, 5356, 2, 198, 1, 520, 9531, 198]])
         base = logits_of(hf, ids)
         theirs = peft_model(hf, out)

@@ -273,17 +273,13 @@ def test_show_masks_colours_each_line_of_a_span_apart(tmp_path: Path) -> None:
         "user\nHi\nassistant\n\x1b[42mHello !\x1b[0m\n")
 
 
-def test_smollm2_chat_matches_transformers(smollm2_checkpoint: Path, tmp_path: Path) -> None:
+def test_smollm2_chat_matches_transformers(smollm2_checkpoint: Path,
+                                          smollm2_transformers: tuple[Any, Any],
+                                          tmp_path: Path) -> None:
     """The real checkpoint: our ids are what transformers' apply_chat_template gives for the
     same GGUF, the prompt before each answer is what the server would send, and the
     supervised tokens are each answer followed by <|im_end|>."""
-    pytest.importorskip("transformers")
-    from transformers import AutoTokenizer
-
-    from model.default_model import default_gguf_path
-
-    gguf = default_gguf_path()
-    reference = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    _, reference = smollm2_transformers  # transformers' tokenizer of the same GGUF file
     tokenizer = Tokenizer.from_file(str(smollm2_checkpoint / "tokenizer.json"))
     token_ids = json.loads((smollm2_checkpoint / "config.json").read_text("utf-8"))["tokenizer"]
     template = checkpoint_template(smollm2_checkpoint, tokenizer, token_ids)
