@@ -54,7 +54,7 @@ def run_ours(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         ckpt=args.ckpt, data=args.data, out=str(out), eval_fraction=0.0, full=args.full,
         steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
         gradient_checkpointing=args.gradient_checkpointing, progress=False, verbose=False,
-        force=True))
+        force=True, rehearsal=0))  # the same examples as the PEFT run
     assert result is not None
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["train_loss"] for r in rows if "train_loss" in r]
@@ -92,7 +92,7 @@ def run_peft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     opts = FinetuneOptions(ckpt=args.ckpt, data=args.data, out=str(work / "unused"),
                            eval_fraction=0.0, full=args.full, steps=args.steps, lr=args.lr,
-                           batch_size=args.batch_size, seed=args.seed)
+                           batch_size=args.batch_size, seed=args.seed, rehearsal=0)
     data = prepare(opts)
     torch.manual_seed(args.seed)
     model = _transformers_model(Path(args.ckpt), work)

@@ -51,9 +51,8 @@ def kind_for(name: str, kind: Q, names: Collection[str]) -> Q:
     """The type tensor ``name`` is written as under ``--outtype`` ``kind``: the output head
     (the token embedding, where the head is tied to it) stays Q8_0 under the 4- and 5-bit
     types, as llama-quantize keeps it (its Q6_K where rows are multiples of 256, Q8_0
-    otherwise; gguf's quantisers have no Q6_K). SmolLM2's own Q4_1 file holds its tied
-    embedding as Q8_0; quantised to Q5_1 with the rest, our merged demo's perplexity went
-    from 19.6 to 39.9."""
+    otherwise; gguf's quantisers have no Q6_K), as SmolLM2's own Q4_1 file holds its tied
+    embedding."""
     head = "output.weight" if "output.weight" in names else "token_embd.weight"
     return HEAD_KIND if kind in NARROW and name == head else kind
 

@@ -33,7 +33,9 @@ def _register_finetune(subparsers: argparse._SubParsersAction,
                     "on the completion, {\"text\"} trained on everything. A bad line is "
                     "refused with its line number before anything is written. By default a "
                     "LoRA adapter (r 16, alpha 32, dropout 0.05 on every projection) is "
-                    "trained over the frozen base, a GGUF file's blocks staying blocks, and "
+                    "trained over the frozen base, a GGUF file's blocks staying blocks (with "
+                    "chat data, beside the base's own answers to general prompts, so other "
+                    "answers stay as they were: --rehearsal), and "
                     "written to --out in PEFT's format (adapter_config.json + "
                     "adapter_model.safetensors), loadable by PEFT, vLLM and TGI; `attnserve "
                     "merge` folds it into a checkpoint. --full trains every weight and writes "
@@ -84,6 +86,10 @@ def _register_finetune(subparsers: argparse._SubParsersAction,
     p.add_argument("--max-length", type=int, default=d.max_length, metavar="N",
                    help="tokens an example keeps (capped by the model's context); an "
                         "example left with nothing to learn is skipped and counted")
+    p.add_argument("--rehearsal", type=int, default=d.rehearsal, metavar="N",
+                   help="with chat data, also train on the base model's own answers to N "
+                        "general prompts (model/finetune/rehearsal_prompts.txt), so answers "
+                        "outside the new data stay as they were; 0: off")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="keep only each layer's input and recompute the layer in the "
                         "backward: far less memory for about a third more time")
@@ -135,6 +141,7 @@ def _finetune(args: argparse.Namespace) -> int:
         steps=args.steps, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         batch_size=args.batch_size, accumulation=args.accumulation,
         max_length=args.max_length, gradient_checkpointing=args.gradient_checkpointing,
+        rehearsal=args.rehearsal,
         seed=args.seed, device=args.device, resume=args.resume, force=args.force,
         show_masks=args.show_masks, progress=not args.no_progress))
     return 0

@@ -14,7 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from model.checkpoint import TOKENIZER_FILE, CheckpointMeta, read_meta
-from model.finetune.examples import load_examples
+from model.finetune.examples import Example, load_examples
 from model.finetune.options import MIN_EVAL_EXAMPLES, FinetuneOptions
 from model.finetune.supervision import (
     Supervised,
@@ -23,6 +23,7 @@ from model.finetune.supervision import (
     stop_ids_of,
     supervise,
 )
+from service.contract.chat_template import ChatTemplate
 
 DEFAULT_EVAL_FRACTION = 0.1
 
@@ -37,6 +38,11 @@ class Prepared:
     eval_counts: SupervisionCounts | None
     data_sha256: str
     max_length: int
+    template: ChatTemplate
+    stop_ids: frozenset[int]
+    eos_id: int | None
+    chat: bool  # the training data is conversations (what rehearsal adds to)
+    asked: frozenset[str]  # the user turns of the training data
 
     @property
     def pad_id(self) -> int:
@@ -67,12 +73,16 @@ def prepare(opts: FinetuneOptions) -> Prepared:
     stops = stop_ids_of(ckpt, eos if isinstance(eos, int) else None)
     max_length = min(opts.max_length, meta.model.max_seq_len)
 
-    def tokenized(path: str) -> tuple[list[Supervised], SupervisionCounts]:
-        return supervise(load_examples(path), tokenizer, template, stops,
-                         eos if isinstance(eos, int) else None, max_length)
+    eos_id = eos if isinstance(eos, int) else None
 
-    train, counts = tokenized(opts.data)
-    evaluated, eval_counts = ([], None) if opts.eval_data is None else tokenized(opts.eval_data)
+    def tokenized(examples: list[Example]) -> tuple[list[Supervised], SupervisionCounts]:
+        return supervise(examples, tokenizer, template, stops, eos_id, max_length)
+
+    examples = load_examples(opts.data)
+    chat = all(e.kind == "messages" for e in examples)  # one format a file
+    train, counts = tokenized(examples)
+    evaluated, eval_counts = ([], None) if opts.eval_data is None else tokenized(
+        load_examples(opts.eval_data))
     if opts.eval_data is None and opts.show_masks is None:
         fraction = opts.eval_fraction
         if fraction is None:
@@ -82,7 +92,9 @@ def prepare(opts: FinetuneOptions) -> Prepared:
         raise ValueError(f"{opts.data}: no example has a supervised token to train on "
                          f"({counts.summary()})")
     return Prepared(meta, tokenizer, train, evaluated, counts, eval_counts,
-                    file_sha256(opts.data, opts.eval_data), max_length)
+                    file_sha256(opts.data, opts.eval_data), max_length, template, stops,
+                    eos_id, chat, frozenset(m.content.strip() for e in examples
+                                            for m in e.messages if m.role == "user"))
 
 
 def split(examples: list[Supervised], fraction: float,

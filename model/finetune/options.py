@@ -44,6 +44,7 @@ class FinetuneOptions:
     accumulation: int = 1  # micro-batches per optimizer step
     max_length: int = 1024  # tokens an example may have (capped by the model's context)
     gradient_checkpointing: bool = False
+    rehearsal: int = 48  # general prompts whose base answers train beside chat data; 0: off
     seed: int = 0
     device: str = "auto"
     resume: bool = False
@@ -73,6 +74,8 @@ def check_options(opts: FinetuneOptions) -> None:
     for name, value in positive.items():
         if value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if opts.rehearsal < 0:
+        raise ValueError(f"--rehearsal must be 0 (off) or more, got {opts.rehearsal}")
     if opts.steps is not None and opts.steps <= 0:
         raise ValueError(f"--steps must be positive, got {opts.steps}")
     if opts.lr is not None and not opts.lr > 0:

@@ -165,6 +165,8 @@ class _Run:
         self.tuned: TunedModel = TunedModel(model, self.adapter,
                                             opts.gradient_checkpointing).to(device)
         self.trained: torch.nn.Module = self.adapter if self.adapter is not None else model
+        if opts.rehearsal and data.chat:
+            self._rehearse(model)
         self.params = [p for p in self.trained.parameters() if p.requires_grad]
         self.optimizer = self._optimizer()
         if opts.resume:
@@ -194,6 +196,30 @@ class _Run:
             m for m in self.record.get("metrics", []) if int(m.get("step", 0)) <= self.start]
 
     # -- setup ---------------------------------------------------------------------------
+    def _rehearse(self, model: torch.nn.Module) -> None:
+        """Add the base's own answers to the general prompts to the training examples
+        (model/finetune/rehearsal.py); before any step, so the adapter is still zero."""
+        from model.finetune.rehearsal import (
+            MAX_NEW_TOKENS,
+            rehearsal_examples,
+            rehearsal_prompts,
+        )
+        from model.finetune.supervision import supervise
+
+        d = self.data
+        # a question the data asks is the data's to answer
+        listed = rehearsal_prompts(self.opts.rehearsal)
+        prompts = [p for p in listed if p not in d.asked]
+        examples, unfinished = rehearsal_examples(model, d.tokenizer, d.template, d.stop_ids,
+                                                  d.eos_id, d.pad_id, prompts)
+        items, _ = supervise(examples, d.tokenizer, d.template, d.stop_ids, d.eos_id,
+                             d.max_length)
+        d.train = d.train + items
+        self._say(f"rehearsal: the base's own answers to {len(items)} of {len(prompts)} "
+                  f"general prompts train beside the data ({unfinished} not finished within "
+                  f"{MAX_NEW_TOKENS} tokens and {len(listed) - len(prompts)} the data "
+                  "asks itself left out; --rehearsal 0: off)")
+
     def _optimizer(self) -> torch.optim.AdamW:
         """AdamW, fused (one kernel over every tensor: four times faster than the loop on
         a CPU at 135 M parameters; transformers' Trainer's default too); weight decay, when
