@@ -391,13 +391,11 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
     for step in range(steps):
         binding = session.io_binding()
         binding.bind_output(io.LOGITS, "cpu")
-        binding.bind_cpu_input(io.INPUT_IDS, ids)
-        binding.bind_cpu_input(io.POSITION_IDS, pos)
-        binding.bind_cpu_input(SEQLENS_K, (total - 1).astype(np.int32))
-        binding.bind_cpu_input(TOTAL_SEQUENCE_LENGTH,
-                               np.array([t if step == 0 else int(total.max())], np.int32))
         last_fed = total - 1 if step == 0 else np.zeros_like(total)  # (B,) prompt end, then 0
-        binding.bind_cpu_input(LOGITS_INDEX, last_fed[:, None])  # (B, 1)
+        for name, value in es.engine_feed(ids, pos, total - 1,
+                                          t if step == 0 else int(total.max()),
+                                          last_fed[:, None]).items():  # logits (B, 1)
+            binding.bind_cpu_input(name, value)
         for name, value in zip(io.past_names(n), buffers, strict=True):
             binding.bind_ortvalue_input(name, value)
         for name, value in zip(io.present_names(n), buffers, strict=True):
@@ -502,11 +500,9 @@ class EngineDecoder:
         reach = int((lengths + width).max())  # the padding's keys and values are written too
         buffers = self._room(buffers, reach)
         n = self.config.n_layers
-        feed = {io.INPUT_IDS: ids, io.POSITION_IDS: pos,
-                SEQLENS_K: (total - 1).astype(np.int32),
-                TOTAL_SEQUENCE_LENGTH: np.array([reach], np.int32), **self._idle}
-        if self._gathers:  # every position's logits, as model.onnx gives them
-            feed[LOGITS_INDEX] = np.tile(np.arange(width, dtype=np.int64), (len(ids), 1))
+        every = np.tile(np.arange(width, dtype=np.int64), (len(ids), 1))  # (B, T)
+        feed = {**es.engine_feed(ids, pos, total - 1, reach,  # every position's logits
+                                 every if self._gathers else None), **self._idle}
         binding = self.session.io_binding()
         binding.bind_output(io.LOGITS, "cpu")  # first: get_outputs()[0]
         for name, value in feed.items():

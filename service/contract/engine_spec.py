@@ -85,6 +85,24 @@ def engine_output_names(n_layers: int) -> list[str]:
     return [io.LOGITS, *io.present_names(n_layers)]
 
 
+def engine_feed(ids: np.ndarray, pos: np.ndarray, seqlens: np.ndarray, total: int,
+                logits_index: np.ndarray | None, prefix: str = "") -> dict[str, np.ndarray]:
+    """One group of rows' inputs to engine.onnx by name, all but the caches (bound
+    by the caller, in place): every place that runs the graph feeds it through here.
+    ``ids`` and ``pos`` (B, T) right-padded, ``seqlens`` (B,) each row's total length − 1
+    after the pass, ``total`` the longest row's total length, ``logits_index`` (B, K) the
+    positions whose logits are wanted (None: a graph of before it, every position's);
+    ``prefix``: the mixed graph's second group (``CHUNK_PREFIX``)."""
+    feed: dict[str, np.ndarray] = {
+            io.INPUT_IDS: np.ascontiguousarray(ids, np.int64),
+            io.POSITION_IDS: np.ascontiguousarray(pos, np.int64),
+            SEQLENS_K: np.ascontiguousarray(seqlens, np.int32),
+            TOTAL_SEQUENCE_LENGTH: np.array([total], np.int32)}
+    if logits_index is not None:
+        feed[LOGITS_INDEX] = np.ascontiguousarray(logits_index, np.int64)
+    return {prefix + name: value for name, value in feed.items()}
+
+
 def idle_chunk_inputs(input_names: Collection[str], n_layers: int, kv_heads: int,
                       head_dim: int, dtype: str = "float32") -> dict[str, np.ndarray]:
     """The inputs of a mixed graph's second group when it feeds no token: one row of none,
@@ -95,8 +113,6 @@ def idle_chunk_inputs(input_names: Collection[str], n_layers: int, kv_heads: int
         return {}
     none = np.zeros((1, 0), np.int64)  # (1, 0): no token, no logits
     scratch = (1, kv_heads, 1, head_dim)  # (1, nkv, 1, hs)
-    return {chunk_name(io.INPUT_IDS): none, chunk_name(io.POSITION_IDS): none,
-            chunk_name(LOGITS_INDEX): none, chunk_name(SEQLENS_K): np.zeros(1, np.int32),
-            chunk_name(TOTAL_SEQUENCE_LENGTH): np.ones(1, np.int32),
+    return {**engine_feed(none, none, np.zeros(1), 1, none, CHUNK_PREFIX),
             **{chunk_name(name): np.zeros(scratch, np.dtype(dtype))
                for name in io.past_names(n_layers)}}

@@ -2,10 +2,10 @@
 
 A row is a slot of the runner's KV pool and nothing more: the pool holds its keys,
 values and cached length, so the batch keeps no cache and no padding, and each runner
-lays out its own inputs. A batch states its part of a step's plan (``prompt_work`` for a
-fresh batch's prompts, ``chunk_work`` for the next chunk of a long one, ``decode_work``
-for the running rows' newest tokens; service/engine/step.py assembles them) and chooses
-its rows' tokens from what the runner returned (``take_*``); each row's sequence
+lays out its own inputs. A batch says what each of its rows feeds a step (``work``: the
+next part of its prompt until the prompt is in, then its newest token, and the drafts to
+verify where the speculator proposes some) and chooses its rows' tokens from what the
+runner returned (``take``, and ``take_verified`` for drafts); each row's sequence
 (service/engine/sequence.py) turns a token into text, an event and the finish.
 ``filter`` drops finished rows and ``concatenate`` merges a freshly prefilled batch into
 the running one (the runner arranges the slots).
@@ -14,19 +14,18 @@ the running one (the runner arranges the slots).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from service.artifact.text import TextCodec
-from service.engine.device import SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.request import GenerationRequest, TokenEvent, TokenInfo
 from service.engine.runner import ModelRunner
 from service.engine.sampling import RowSampler, choose_tokens, log_softmax, top_logprobs
 from service.engine.sequence import SequenceState
 from service.engine.speculative import Verdict
-from service.engine.step_plan import ChunkWork, DecodeWork, PromptWork
+from service.engine.step_plan import RowDraw, RowWork, Want
 
 BELOW_ONE = np.float32(1.0) - np.float32(2.0 ** -24)  # the largest float32 below 1
 
@@ -40,7 +39,7 @@ class Batch:
         self.slots: list[Slot] = slots or []  # row i's place in the runner's KV pool
         # (B,) each row's newest token, fed at the next step; None before prefill
         self.next_tokens = next_tokens
-        self.prompt_done = 0  # prompt tokens already fed in chunks (one row)
+        self.prompt_done = [0] * len(sequences)  # each row's prompt tokens in its slot
 
     @classmethod
     def from_requests(cls, requests: Sequence[GenerationRequest], codec: TextCodec,
@@ -62,12 +61,20 @@ class Batch:
         """Prompt tokens not fed yet (before the first step), over all rows."""
         if self.is_prefilled:
             return 0
-        return sum(len(s.request.prompt_ids) for s in self.sequences) - self.prompt_done
+        return sum(len(s.request.prompt_ids) for s in self.sequences) - sum(self.prompt_done)
 
     def reserve(self, runner: ModelRunner, top: bool = False) -> None:
-        """Take empty slots for the rows now (``top``: away from the running rows)."""
-        if not self.slots:
-            self.slots = runner.reserve(len(self), top)
+        """Take empty slots for the rows now (``top``: away from the running rows), each
+        holding its prompt's cached prefix where the prefix cache has one (not for rows
+        that want their prompt's logprobs: those need every position computed)."""
+        if self.slots:
+            return
+        prompts = None if self.is_prefilled else [
+            None if s.request.prompt_logprobs else np.asarray(s.request.prompt_ids, np.int64)
+            for s in self.sequences]
+        self.slots = runner.reserve(len(self), top, prompts)
+        if prompts is not None:
+            self.prompt_done = [runner.cached_length(s) for s in self.slots]
 
     def release(self, runner: ModelRunner) -> None:
         """Give the rows' slots back to the runner."""
@@ -79,53 +86,72 @@ class Batch:
     def reserved_tokens(self) -> int:
         return sum(s.request.reserved_tokens for s in self.sequences)
 
-    # -- this batch's part of a step's plan (service/engine/step.py) ------------------
+    # -- this batch's rows of a step (service/engine/step.py) --------------------------
 
-    def decode_work(self, runner: ModelRunner, rows: Sequence[int] | None = None
-                    ) -> DecodeWork:
-        """Rows ``rows`` (default: all) feed their newest token. Where those rows need
-        nothing but token ids (greedy without logprobs, or plain draws on a runner that
-        samples beside the logits), the runner picks the tokens itself."""
-        if self.next_tokens is None:
-            raise ValueError("decoding needs a prefilled batch")
-        seqs = self.sequences if rows is None else [self.sequences[i] for i in rows]
-        slots = self.slots if rows is None else [self.slots[i] for i in rows]
-        tokens = self.next_tokens if rows is None else self.next_tokens[list(rows)]  # (R,)
+    def work(self, runner: ModelRunner, chunk: int = 0,
+             drafts: Mapping[int, np.ndarray] | None = None) -> list[RowWork]:
+        """What each row feeds this step. Before the first token: the rest of its prompt,
+        or at most ``chunk`` tokens of it (the rows take their slots now). After it: its
+        newest token, and the drafts to verify for rows in ``drafts`` (row → (k,) ids).
+        Where the decoding rows need nothing but token ids (greedy without logprobs, or
+        plain draws on a runner that samples beside the logits), the runner picks them."""
+        if not self.is_prefilled:
+            start = time.perf_counter()
+            for seq in self.sequences:
+                seq.prefill_start = seq.prefill_start or start
+            self.reserve(runner)
+            return [RowWork(slot, np.asarray(seq.request.prompt_ids[done:done + chunk if chunk
+                                                                     else None], np.int64),
+                            "every" if seq.request.prompt_logprobs else "last")
+                    for seq, slot, done in zip(self.sequences, self.slots, self.prompt_done,
+                                               strict=True)]
+        tokens = self.next_tokens
+        assert tokens is not None
+        drafts = drafts or {}
+        plain = [i for i in range(len(self)) if i not in drafts]
+        want, draws = self._decode_want(runner, plain)
+        rows = []
+        for i, slot in enumerate(self.slots):
+            if i in drafts:
+                rows.append(RowWork(slot, np.concatenate([tokens[i:i + 1], drafts[i]]),
+                                    "every", drafted=True))  # (k + 1,)
+            else:
+                rows.append(RowWork(slot, tokens[i:i + 1], want, draws.get(i)))
+        return rows
+
+    def _decode_want(self, runner: ModelRunner, rows: Sequence[int]
+                     ) -> tuple[Want, dict[int, RowDraw]]:
+        """What the decoding ``rows`` want back, and each one's draw where the runner
+        samples: one choice for them all, so the runner's pass returns one kind."""
+        seqs = [self.sequences[i] for i in rows]
         if _argmax_only(seqs):
-            return DecodeWork(slots, tokens, "argmax")
+            return "argmax", {}
         if runner.samples_on_device and _plain_draws(seqs):
-            return DecodeWork(slots, tokens, "sampled", _sampled_rows(seqs, runner.vocab_size))
-        return DecodeWork(slots, tokens)
+            return "draw", {i: _row_draw(self.sequences[i], runner.vocab_size) for i in rows}
+        return "last", {}
 
-    def prompt_work(self, runner: ModelRunner) -> PromptWork:
-        """Every row's whole prompt (a fresh batch): the rows take their slots now."""
-        if self.is_prefilled:
-            raise ValueError("the prompts of a prefilled batch are in already")
-        start = time.perf_counter()
-        for seq in self.sequences:
-            seq.prefill_start = seq.prefill_start or start
-        self.reserve(runner)
-        return PromptWork(self.slots,
-                          [np.asarray(s.request.prompt_ids, np.int64) for s in self.sequences],
-                          any(s.request.prompt_logprobs for s in self.sequences))
-
-    def chunk_work(self, runner: ModelRunner, size: int) -> ChunkWork:
-        """The next ``size`` (at most) prompt tokens of a one-row batch before its first
-        token; the row takes its slot now if it has none."""
-        if len(self) != 1 or self.is_prefilled:
-            raise ValueError("prompt chunks are fed to a one-row batch before its first token")
-        seq = self.sequences[0]
-        seq.prefill_start = seq.prefill_start or time.perf_counter()
-        self.reserve(runner)
-        return ChunkWork(self.slots[0], np.asarray(
-            seq.request.prompt_ids[self.prompt_done:self.prompt_done + size], np.int64))
+    def take(self, work: Sequence[RowWork], outputs: Sequence[np.ndarray],
+             rows: Sequence[int] | None = None) -> list[TokenEvent]:
+        """Rows ``rows`` (default: all) take what the runner returned for their ``work``
+        (one each, in order): the prompt's next part is in (its first token once the whole
+        prompt is), or the next token, the runner's pick or chosen here from the logits."""
+        rows = range(len(self)) if rows is None else rows
+        if not self.is_prefilled:
+            for i, fed in zip(rows, work, strict=True):
+                self.prompt_done[i] += len(fed.tokens)
+            if self.prompt_left:
+                return []
+            if any(s.request.prompt_logprobs for s in self.sequences):
+                self._record_prompt_logprobs(outputs)
+            return self._take_logits(np.stack([o[-1] for o in outputs]), rows)  # (B, V)
+        if work and work[0].want in ("argmax", "draw"):
+            return self._take_ids(np.concatenate(list(outputs)), rows)  # (R,)
+        return self._take_logits(np.concatenate(list(outputs)), rows)  # (R, V)
 
     # -- choosing tokens from a step's result ------------------------------------------
 
-    def take_ids(self, tokens: np.ndarray, rows: Sequence[int] | None = None
-                 ) -> list[TokenEvent]:
-        """Rows ``rows`` (default: all) take the tokens (R,) the runner chose."""
-        rows = range(len(self)) if rows is None else rows
+    def _take_ids(self, tokens: np.ndarray, rows: Sequence[int]) -> list[TokenEvent]:
+        """Rows ``rows`` take the tokens (R,) the runner chose."""
         now = time.perf_counter()
         events = []
         for j, i in enumerate(rows):
@@ -135,10 +161,8 @@ class Batch:
         self._set_next(tokens, rows)
         return events
 
-    def take_logits(self, last: np.ndarray, rows: Sequence[int] | None = None
-                    ) -> list[TokenEvent]:
-        """Rows ``rows`` (default: all) choose their next token from their logits (R, V)."""
-        rows = range(len(self)) if rows is None else rows
+    def _take_logits(self, last: np.ndarray, rows: Sequence[int]) -> list[TokenEvent]:
+        """Rows ``rows`` choose their next token from their logits (R, V)."""
         seqs = [self.sequences[i] for i in rows]
         last = np.ascontiguousarray(last, np.float32)
         tokens, logprobs = choose_tokens(last, [s.sampler for s in seqs],
@@ -148,13 +172,6 @@ class Batch:
                   for j, seq in enumerate(seqs)]
         self._set_next(tokens, rows)
         return events
-
-    def take_prompt_logits(self, logits: Sequence[np.ndarray]) -> list[TokenEvent]:
-        """A fresh batch's first tokens from its prompts' logits, (T_i or 1, V) per row;
-        the prompt logprobs of the rows that asked for them."""
-        if any(s.request.prompt_logprobs for s in self.sequences):
-            self._record_prompt_logprobs(logits)
-        return self.take_logits(np.stack([rows[-1] for rows in logits]))  # (B, V)
 
     def take_verified(self, row: int, verdict: Verdict, logits: np.ndarray
                       ) -> list[TokenEvent]:
@@ -246,18 +263,14 @@ def _plain_draws(seqs: Sequence[SequenceState]) -> bool:
                for s in seqs)
 
 
-def _sampled_rows(seqs: Sequence[SequenceState], vocab: int) -> SampledRows:
-    """Each row's parameters and this step's draw from its own generator (one, as the
-    host sampler takes); greedy rows top-k 1."""
-    params = [s.sampler for s in seqs]
-    sampling = [p.params.do_sample for p in params]
-    return SampledRows(
-        temperature=np.array([p.params.temperature if d else 1.0
-                              for p, d in zip(params, sampling, strict=True)], np.float32),
-        top_k=np.array([(p.params.top_k or vocab) if d else 1
-                        for p, d in zip(params, sampling, strict=True)], np.int64),
-        top_p=np.array([p.params.top_p if d and p.params.top_p < 1.0 else 2.0
-                        for p, d in zip(params, sampling, strict=True)], np.float32),
-        u=np.minimum(np.array([p.rng.random() if d and p.rng is not None else 0.0
-                               for p, d in zip(params, sampling, strict=True)],
-                              np.float32), BELOW_ONE))  # [0, 1) in float32 too
+def _row_draw(seq: SequenceState, vocab: int) -> RowDraw:
+    """The row's parameters and this step's draw from its own generator (one, as the
+    host sampler takes); a greedy row top-k 1."""
+    sampler = seq.sampler
+    params = sampler.params
+    if not params.do_sample:
+        return RowDraw(temperature=1.0, top_k=1, top_p=2.0, u=0.0)
+    u = sampler.rng.random() if sampler.rng is not None else 0.0
+    return RowDraw(temperature=params.temperature, top_k=params.top_k or vocab,
+                   top_p=params.top_p if params.top_p < 1.0 else 2.0,
+                   u=float(min(np.float32(u), BELOW_ONE)))  # [0, 1) in float32 too

@@ -23,9 +23,9 @@ with model.onnx there: model_graph_runner.py). Three things keep a decode step o
   uncaptured (``gpu_graph_id`` −1).
 - **Only token ids come back**: the float16 graph also returns ``greedy_ids``
   (export/half.py), so a step whose rows all decode greedily without log-probabilities
-  copies B int64s to the host (``decode_ids``), not (B, V) logits; and a step whose rows
+  copies B int64s to the host (rows wanting "argmax"), not (B, V) logits; and a step whose rows
   also sample, with temperature, top-k and top-p alone, has a small second graph draw them
-  beside the logits (``DeviceSampler``; ``decode_ids`` with draws), from one number per
+  beside the logits (``DeviceSampler``; rows wanting "draw"), from one number per
   row that the row's own seeded generator gives on the host, as the host sampler would
   use it.
   Logits come back only for a row that asks for log-probabilities, a grammar, penalties or
@@ -35,7 +35,7 @@ with model.onnx there: model_graph_runner.py). Three things keep a decode step o
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -130,6 +130,12 @@ class DeviceKVPool(KVPool):
                               self.row_bytes)
 
 
+# A captured step's inputs that never change: total_sequence_length is the buffer's
+# length (GroupQueryAttention sizes its work by it), and a decode step's one logits
+# position is 0.
+_FROZEN = frozenset({es.TOTAL_SEQUENCE_LENGTH, es.LOGITS_INDEX})
+
+
 @dataclass
 class _Bucket:
     """One batch size's captured decode graph: its device inputs, outputs and binding."""
@@ -137,13 +143,9 @@ class _Bucket:
     rows: int
     graph_id: str
     binding: ort.IOBinding
-    ids: ort.OrtValue  # (b, 1) int64
-    pos: ort.OrtValue  # (b, 1) int64
-    seqlens: ort.OrtValue  # (b,) int32
+    inputs: dict[str, ort.OrtValue]  # engine.onnx's inputs by name, on the device
     logits: ort.OrtValue  # (b, 1, V) float32
     greedy: ort.OrtValue  # (b, 1) int64
-    index: ort.OrtValue  # (b, 1) int64 zeros: a decode step's one position per row
-    host: dict[str, np.ndarray] = field(default_factory=dict)  # staging for update_inplace
 
 
 class CapturedDecode:
@@ -162,9 +164,6 @@ class CapturedDecode:
         self.vocab_size = vocab_size
         self._past, self._present = io.past_names(n_layers), io.present_names(n_layers)
         self._made: dict[int, _Bucket] = {}
-        # frozen at capture: the buffer's length, which GroupQueryAttention sizes its work by
-        self._total = ort.OrtValue.ortvalue_from_numpy(
-            np.array([pool.shape.max_len], np.int32))
         self.replays = 0  # decode steps run from a captured graph (a stat)
 
     def bucket_for(self, lo: int, n: int) -> int | None:
@@ -198,23 +197,24 @@ class CapturedDecode:
         return sampler.sample_bound(bucket.logits.data_ptr(), (b, vocab), sampled)
 
     def _replay(self, rows: int, ids: np.ndarray, seqlens: np.ndarray) -> _Bucket:
-        n = len(ids)
         bucket = self._bucket(rows)
-        host = bucket.host
-        host["ids"][:n, 0] = ids
-        host["ids"][n:] = 0
-        host["pos"][:n, 0] = seqlens
-        host["pos"][n:] = 0
-        host["seqlens"][:n] = seqlens
-        host["seqlens"][n:] = 0
-        bucket.ids.update_inplace(host["ids"])
-        bucket.pos.update_inplace(host["pos"])
-        bucket.seqlens.update_inplace(host["seqlens"])
+        padded_ids = np.zeros((rows, 1), np.int64)  # (b, 1): padding rows feed token 0
+        padded_ids[:len(ids), 0] = ids
+        lengths = np.zeros(rows, np.int32)  # (b,) each row's cached length
+        lengths[:len(seqlens)] = seqlens
+        for name, value in self._feed(padded_ids, lengths).items():
+            if name not in _FROZEN:
+                bucket.inputs[name].update_inplace(value)
         options = ort.RunOptions()
         options.add_run_config_entry("gpu_graph_id", bucket.graph_id)
         self.session.run_with_iobinding(bucket.binding, options)
         self.replays += 1
         return bucket
+
+    def _feed(self, ids: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+        """A decode step's inputs: one token (b, 1) per row at its cached length (b,)."""
+        return es.engine_feed(ids, lengths[:, None], lengths, self.pool.shape.max_len,
+                              np.zeros((len(ids), 1), np.int64))  # position 0's logits
 
     def _bucket(self, rows: int) -> _Bucket:
         if rows in self._made:
@@ -224,20 +224,18 @@ class CapturedDecode:
         def device(shape: list[int], dtype: type) -> ort.OrtValue:
             return ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, where, device_id)
 
-        bucket = _Bucket(
-            rows=b, graph_id=str(len(self._made) + 1), binding=self.session.io_binding(),
-            ids=device([b, 1], np.int64), pos=device([b, 1], np.int64),
-            seqlens=device([b], np.int32), logits=device([b, 1, self.vocab_size], np.float32),
-            greedy=device([b, 1], np.int64), index=device([b, 1], np.int64),
-            host={"ids": np.zeros((b, 1), np.int64), "pos": np.zeros((b, 1), np.int64),
-                  "seqlens": np.zeros(b, np.int32)})
-        bucket.index.update_inplace(np.zeros((b, 1), np.int64))
+        feed = self._feed(np.zeros((b, 1), np.int64), np.zeros(b, np.int32))
+        inputs = {name: ort.OrtValue.ortvalue_from_numpy(value, where, device_id)
+                  for name, value in feed.items() if name != es.TOTAL_SEQUENCE_LENGTH}
+        inputs[es.TOTAL_SEQUENCE_LENGTH] = ort.OrtValue.ortvalue_from_numpy(
+            feed[es.TOTAL_SEQUENCE_LENGTH])  # read on the host
+        bucket = _Bucket(rows=b, graph_id=str(len(self._made) + 1),
+                         binding=self.session.io_binding(), inputs=inputs,
+                         logits=device([b, 1, self.vocab_size], np.float32),
+                         greedy=device([b, 1], np.int64))
         binding = bucket.binding
-        binding.bind_ortvalue_input(io.INPUT_IDS, bucket.ids)
-        binding.bind_ortvalue_input(io.POSITION_IDS, bucket.pos)
-        binding.bind_ortvalue_input(es.SEQLENS_K, bucket.seqlens)
-        binding.bind_ortvalue_input(es.TOTAL_SEQUENCE_LENGTH, self._total)
-        binding.bind_ortvalue_input(es.LOGITS_INDEX, bucket.index)
+        for name, value in inputs.items():
+            binding.bind_ortvalue_input(name, value)
         shape = [b, self.pool.shape.heads, self.pool.shape.max_len, self.pool.shape.head_dim]
         dtype = self.pool.shape.dtype
         for past, present, ptr in zip(self._past, self._present, self.pool.pointers(0),

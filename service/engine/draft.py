@@ -22,7 +22,7 @@ from service.engine.request import SamplingParams
 from service.engine.runner import ModelRunner
 from service.engine.sampling import warp
 from service.engine.speculative import Proposal
-from service.engine.step_plan import ChunkWork, DecodeWork, StepPlan
+from service.engine.step_plan import RowWork, StepPlan
 
 
 @dataclass
@@ -60,9 +60,7 @@ class DraftModel:
             self.runner.truncate(row.slot, keep)
             del row.cached[keep:]
         feed = np.asarray(history[keep:], np.int64)  # (T,) what the draft has not seen
-        fed = self.runner.run(StepPlan(chunk=ChunkWork(row.slot, feed))).chunk
-        assert fed is not None
-        logits = fed[0]  # (V,)
+        logits = self.runner.run(StepPlan((RowWork(row.slot, feed),))).outputs[0][0]  # (V,)
         row.cached.extend(int(t) for t in feed)
         tokens, probs = [], []
         for i in range(self.k):
@@ -70,10 +68,8 @@ class DraftModel:
             tokens.append(token)
             probs.append(q)
             if i + 1 < self.k:
-                step = self.runner.run(StepPlan(decode=DecodeWork(
-                    [row.slot], np.asarray([token], np.int64))))
-                assert step.decode_logits is not None
-                logits = step.decode_logits[0]  # (V,)
+                fed_one = RowWork(row.slot, np.asarray([token], np.int64))
+                logits = self.runner.run(StepPlan((fed_one,))).outputs[0][0]  # (V,)
                 row.cached.append(token)
         return Proposal(np.asarray(tokens, np.int64),
                         None if row.rng is None else np.stack(probs))  # (k, V)

@@ -61,6 +61,7 @@ from service.engine.device import UNCAPTURED, CapturedDecode, DeviceSampler, Sam
 from service.engine.kv_pool import Slot
 from service.engine.pooled import PooledRunner
 from service.engine.runner import PoolConfig
+from service.engine.step_plan import RowWork, StepResult
 
 
 class EngineGraphRunner(PooledRunner):
@@ -206,14 +207,9 @@ class EngineGraphRunner(PooledRunner):
                                 list(logits.shape), logits.ctypes.data)
         else:  # no position wanted (the mixed graph's idle group): nothing to write
             binding.bind_output(prefix + io.LOGITS, "cpu")
-        if self._gathers:
-            binding.bind_cpu_input(prefix + es.LOGITS_INDEX, index)
-        binding.bind_cpu_input(prefix + io.INPUT_IDS, np.ascontiguousarray(rows.ids, np.int64))
-        binding.bind_cpu_input(prefix + io.POSITION_IDS,
-                               np.ascontiguousarray(rows.pos, np.int64))
-        binding.bind_cpu_input(prefix + es.SEQLENS_K, rows.seqlens.astype(np.int32))
-        binding.bind_cpu_input(prefix + es.TOTAL_SEQUENCE_LENGTH,
-                               np.array([rows.total], np.int32))
+        for name, value in es.engine_feed(rows.ids, rows.pos, rows.seqlens, rows.total,
+                                          index if self._gathers else None, prefix).items():
+            binding.bind_cpu_input(name, value)
         shape = [n, self.shape.heads, length, self.shape.head_dim]
         if graph.kv_bound.get(prefix) != (pointers[0], n, length):
             where = "cpu" if prefix else self.device  # the idle group's scratch: the host's
@@ -225,7 +221,7 @@ class EngineGraphRunner(PooledRunner):
             binding.bind_output(es.GREEDY_IDS, "cpu")
         return logits
 
-    def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+    def _decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         rows, order = self._decode_rows(slots, tokens)
         replayed = self._replay(rows, greedy_only=False)
         if replayed is not None and replayed[0] is not None:
@@ -234,9 +230,9 @@ class EngineGraphRunner(PooledRunner):
             logits, _ = self._run(rows)  # (n, 1, V)
         return self._decoded(rows, order, logits)
 
-    def decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
-                   sampled: SampledRows | None = None) -> np.ndarray:
-        """``decode`` with each row's next token chosen beside the logits: (B,) int64 in
+    def _decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
+                    sampled: SampledRows | None) -> np.ndarray:
+        """``_decode`` with each row's next token chosen beside the logits: (B,) int64 in
         batch order, on a captured graph the only copy the step makes (device.py). Without
         ``sampled`` the argmax (the graph's own ``greedy_ids`` where it has them); with
         it, the sampler's draws."""
@@ -297,17 +293,31 @@ class EngineGraphRunner(PooledRunner):
         """Decode steps run from a captured CUDA graph so far."""
         return self._captured.replays if self._captured is not None else 0
 
-    def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
-                          chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if slot in slots:
-            raise ValueError("the chunk's row cannot also decode in the same pass")
-        rows, order = self._decode_rows(slots, tokens)
-        fed = self._extend_rows(slot, chunk, np.array([len(chunk) - 1], np.int64))
-        logits, chunk_logits = self._run(rows, fed)  # (n, 1, V), (1, 1, V)
-        assert chunk_logits is not None
-        self._record(slot.index, fed.total - len(chunk), chunk)
-        self._save_prefix([slot])
-        return self._decoded(rows, order, logits), chunk_logits[0]
+    def _mixed_pass(self, rows: Sequence[RowWork], decode: list[int], rider: list[int],
+                    out: StepResult) -> None:
+        slots = [rows[i].slot for i in decode]
+        tokens = np.fromiter((rows[i].tokens[0] for i in decode), np.int64, len(decode))
+        group, order = self._decode_rows(slots, tokens)
+        riding = [rows[i] for i in rider]
+        if self.cached_length(riding[0].slot):  # one row after its cache
+            (work,) = riding
+            fed = self._extend_rows(work.slot, work.tokens,
+                                    np.array([len(work.tokens) - 1], np.int64))
+            logits, second = self._run(group, fed)  # (n, 1, V), (1, 1, V)
+            assert second is not None
+            self._record(work.slot.index, fed.total - len(work.tokens), work.tokens)
+            out.outputs[rider[0]] = second[0]  # (1, V)
+        else:  # first prompts into empty slots, one consecutive run
+            fresh = [r.slot for r in riding]
+            self.pool.assign(fresh, sorted(s.index for s in fresh))
+            prompts = [r.tokens for r in riding]
+            logits, second = self._run(group, self._prompt_rows(fresh, prompts, False))
+            assert second is not None
+            for i, last in zip(rider, self._prompted(fresh, prompts, second, False),
+                               strict=True):
+                out.outputs[i] = last  # (1, V)
+        self._save_prefix([r.slot for r in riding])
+        self._deliver_decoded(rows, decode, self._decoded(group, order, logits), out)
 
     def _decode_rows(self, slots: Sequence[Slot], tokens: np.ndarray
                      ) -> tuple[_Rows, np.ndarray | None]:
@@ -340,33 +350,13 @@ class EngineGraphRunner(PooledRunner):
         return out
 
     def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                      all_logits: bool) -> list[np.ndarray]:
-        rows = self._prompt_rows(slots, prompts, all_logits)
+                      every: bool) -> list[np.ndarray]:
+        rows = self._prompt_rows(slots, prompts, every)
         logits, _ = self._run(rows)  # (P, W or 1, V)
-        return self._prompted(slots, prompts, logits, all_logits)
-
-    def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
-                            new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
-                            ) -> tuple[np.ndarray, list[np.ndarray]]:
-        if {s.index for s in slots} & {s.index for s in new_slots}:
-            raise ValueError("a row cannot decode and be prefilled in the same pass")
-        plain, out = self._split_prompts(new_slots, prompts, False)
-        rows, order = self._decode_rows(slots, tokens)
-        if plain:  # the newcomers' whole prompts ride in the decode step's pass
-            fresh = [new_slots[r] for r in plain]
-            texts = [prompts[r] for r in plain]
-            logits, prompt_logits = self._run(rows, self._prompt_rows(fresh, texts, False))
-            assert prompt_logits is not None
-            for r, last in zip(plain, self._prompted(fresh, texts, prompt_logits, False),
-                               strict=True):
-                out[r] = last
-        else:
-            logits, _ = self._run(rows)
-        self._save_prefix(new_slots)
-        return self._decoded(rows, order, logits), out
+        return self._prompted(slots, prompts, logits, every)
 
     def _prompt_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                     all_logits: bool) -> _Rows:
+                     every: bool) -> _Rows:
         """Whole prompts into a run of consecutive empty slots, right-padded."""
         lo, consecutive = self.pool.span(slots)
         if not consecutive or [s.index for s in slots] != list(range(lo, lo + len(slots))):
@@ -379,31 +369,28 @@ class EngineGraphRunner(PooledRunner):
         for j, p in enumerate(prompts):
             ids[j, :len(p)] = p
             pos[j, :len(p)] = np.arange(len(p))
-        if all_logits:  # every position: (P, W), the padding's rows dropped below
+        if every:  # every position: (P, W), the padding's rows dropped below
             index = np.tile(np.arange(width, dtype=np.int64), (len(prompts), 1))
         else:  # each row's last real token: (P, 1)
             index = (lengths - 1)[:, None]
         return _Rows(lo, ids, pos, lengths - 1, width, index)
 
     def _prompted(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                  logits: np.ndarray, all_logits: bool) -> list[np.ndarray]:
+                  logits: np.ndarray, every: bool) -> list[np.ndarray]:
         """Record prefilled prompts in the pool; each row's logits (T_i or 1, V)."""
         width = max(len(p) for p in prompts)
         for s, p in zip(slots, prompts, strict=True):
             self._record(s.index, 0, p)
             if len(p) < width:  # the kernel wrote the padding's keys too: give those back
                 self.pool.truncate(s, len(p))
-        return [logits[j, :len(p)] if all_logits else logits[j]
+        return [logits[j, :len(p)] if every else logits[j]
                 for j, p in enumerate(prompts)]
 
-    def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
-        return self._extend(slot, tokens, np.arange(len(tokens), dtype=np.int64))  # (T, V)
-
-    def extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
-        return self._extend(slot, tokens, np.array([len(tokens) - 1], np.int64))  # (1, V)
-
-    def _extend(self, slot: Slot, tokens: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """Feed ``tokens`` (T,) after the row's cache; logits (K, V) of positions ``index``."""
+    def _extend(self, slot: Slot, tokens: np.ndarray, every: bool) -> np.ndarray:
+        """Feed ``tokens`` (T,) after the row's cache: logits (T, V) of every position,
+        or (1, V) of the last."""
+        index = (np.arange(len(tokens), dtype=np.int64) if every
+                 else np.array([len(tokens) - 1], np.int64))
         rows = self._extend_rows(slot, tokens, index)
         logits, _ = self._run(rows)  # (1, K, V)
         self._record(slot.index, rows.total - len(tokens), tokens)

@@ -161,7 +161,7 @@ class ModelGraphRunner(PooledRunner):
 
     # -- the protocol ----------------------------------------------------------------
 
-    def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+    def _decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         b = len(slots)
         index = np.fromiter((s.index for s in slots), np.int64, b)  # (B,)
         lengths = self.pool.lengths[index]  # (B,) a copy
@@ -189,7 +189,7 @@ class ModelGraphRunner(PooledRunner):
 
     def _decode_resident(self, index: np.ndarray, lengths: np.ndarray, key: tuple[int, ...],
                          ids: np.ndarray, mask: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """``decode`` with the cache kept on the device: the past is the last step's
+        """``_decode`` with the cache kept on the device: the past is the last step's
         presents when the rows are the same, else gathered from the (settled) pool."""
         width = mask.shape[1] - 1  # the past's length
         carry = self._device_carry
@@ -221,7 +221,7 @@ class ModelGraphRunner(PooledRunner):
                 array[index, :, first + j] = new[:, :, j]  # (B, nkv, hs)
 
     def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                      all_logits: bool) -> list[np.ndarray]:
+                      every: bool) -> list[np.ndarray]:
         self.settle()
         b = len(slots)
         index = np.fromiter((s.index for s in slots), np.int64, b)  # (B,)
@@ -241,10 +241,10 @@ class ModelGraphRunner(PooledRunner):
                 array[slot, :, :n] = new[i, :, width - n:]  # (nkv, n, hs): the real columns
         for s, p in zip(slots, prompts, strict=True):
             self._record(s.index, 0, p)
-        return [logits[i, width - n:] if all_logits else logits[i, width - 1:]
+        return [logits[i, width - n:] if every else logits[i, width - 1:]
                 for i, n in enumerate(lengths.tolist())]
 
-    def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
+    def _extend(self, slot: Slot, tokens: np.ndarray, every: bool) -> np.ndarray:
         self.settle()
         start = int(self.pool.lengths[slot.index])
         total = start + len(tokens)
@@ -258,15 +258,16 @@ class ModelGraphRunner(PooledRunner):
         for array, new in zip(self.pool.arrays, present, strict=True):
             array[slot.index, :, start:total] = new[0, :, start:]  # (nkv, T, hs)
         self._record(slot.index, start, tokens)
-        return np.asarray(logits[0])  # (T, V)
+        return np.asarray(logits[0] if every else logits[0, -1:])  # (T or 1, V)
 
     def truncate(self, slot: Slot, length: int) -> None:
         self.settle()
         super().truncate(slot, length)
 
-    def reuse_prefix(self, slot: Slot, prompt: Sequence[int]) -> int:
+    def reserve(self, rows: int, top: bool = False,
+                prompts: Sequence[np.ndarray | None] | None = None) -> list[Slot]:
         self.settle()
-        return super().reuse_prefix(slot, prompt)
+        return super().reserve(rows, top, prompts)
 
     def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
         self.settle()

@@ -6,13 +6,14 @@ rolling a row back (``truncate``) is setting it lower. The pool's memory is chec
 against the token budget (``PoolConfig.budget_tokens``), not slots x max_len: the
 scheduler's admission never lets more tokens in than the budget.
 
-``run`` executes a step's plan (step_plan.py) with the passes below, which subclasses
-supply for their graph: ``_prefill_rows`` (empty slots, whole prompts, batched),
-``decode`` (one token per row) and ``extend`` (several tokens after one row's cache;
-``extend_last`` when only the last token's logits are needed), and, where the graph takes
-a second group of rows, ``decode_with_chunk`` and ``decode_with_prompts`` (one pass).
-``_arrange`` lays a batch's slots out as the graph needs them (engine.onnx binds one run
-of consecutive slots; model.onnx gathers, so anything goes).
+``run`` executes a step's plan (step_plan.py): it packs the plan's rows into passes by
+what GroupQueryAttention takes and calls the passes subclasses supply for their graph,
+all private: ``_prefill_rows`` (whole prompts into empty slots, batched), ``_decode``
+(one token a row), ``_extend`` (several tokens after one row's cache) and, where the
+graph takes a second group of rows, ``_mixed_pass`` (the decode rows and one more group
+in one pass). ``reserve`` is where rows take KV memory: empty slots, loaded with each
+prompt's cached prefix. ``_arrange`` lays a batch's slots out as the graph needs them
+(engine.onnx binds one run of consecutive slots; model.onnx gathers, so anything goes).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from service.engine.kv_pool import KVPool, PoolShape, Slot, ensure_memory
 from service.engine.prefix_cache import PrefixCache
 from service.engine.runner import PoolConfig
 from service.engine.stats import KVStats, PrefixCacheStats
-from service.engine.step_plan import DecodeWork, PassKind, StepPlan, StepResult
+from service.engine.step_plan import PassTime, RowDraw, RowWork, StepPlan, StepResult
 
 
 class PooledRunner:
@@ -39,8 +40,8 @@ class PooledRunner:
     graph_file: str
     provider: str
     device: str
-    mixes_chunks: bool = False  # decode_with_chunk is one pass over the weights
-    samples_on_device: bool = False  # decode_ids draws sampled tokens beside the logits
+    mixes_chunks: bool = False  # a second group of rows rides in the decode pass
+    samples_on_device: bool = False  # decoding rows may want draws made beside the logits
 
     @property
     def float32_twin_tokens(self) -> int | None:
@@ -102,16 +103,22 @@ class PooledRunner:
 
     # -- rows ------------------------------------------------------------------------
 
-    def reserve(self, rows: int, top: bool = False) -> list[Slot]:
-        return self.pool.allocate(rows, top)
-
-    def reuse_prefix(self, slot: Slot, prompt: Sequence[int]) -> int:
-        if self.prefix is None:
-            return 0
-        ids = np.asarray(prompt, np.int64)
-        if not self.prefix.match(ids):
-            return 0
-        return self.prefix.load(ids, slot.index)
+    def reserve(self, rows: int, top: bool = False,
+                prompts: Sequence[np.ndarray | None] | None = None) -> list[Slot]:
+        slots = self.pool.allocate(rows, top)
+        if prompts is None or self.prefix is None:
+            return slots
+        if len(prompts) != rows:
+            raise ValueError(f"{len(prompts)} prompts for {rows} rows")
+        hits = [0 if p is None else self.prefix.match(np.asarray(p, np.int64)) for p in prompts]
+        # the rows that reuse nothing first, in order: engine.onnx prefills one run of them
+        order = sorted(range(rows), key=lambda r: bool(hits[r]))
+        self.pool.assign([slots[r] for r in order], sorted(s.index for s in slots))
+        for r in range(rows):
+            prompt = prompts[r]
+            if hits[r] and prompt is not None:
+                self.prefix.load(np.asarray(prompt, np.int64), slots[r].index)
+        return slots
 
     def truncate(self, slot: Slot, length: int) -> None:
         self.pool.truncate(slot, length)  # pages past ``length`` go back to the OS
@@ -147,150 +154,147 @@ class PooledRunner:
     # -- a step --------------------------------------------------------------------
 
     def run(self, plan: StepPlan) -> StepResult:
-        """Execute a step's plan (runner.py). Where the graph takes a second group of rows
-        (``mixes_chunks``), the chunk, or else the newcomers' prompts, ride in the decode
-        step's pass; every other part is a pass of its own: prompts, the chunk, the
-        decode step, then each verified row."""
-        out = StepResult()
-        decode, prompts, chunk = plan.decode, plan.prompts, plan.chunk
-        rides = chunk is not None or (prompts is not None and not prompts.all_logits)
-        if decode is not None and self.mixes_chunks and rides:
-            with _timed(out.seconds, "mixed"):
-                if chunk is not None:
-                    logits, out.chunk = self.decode_with_chunk(decode.slots, decode.tokens,
-                                                               chunk.slot, chunk.tokens)
-                    chunk = None
-                else:
-                    assert prompts is not None
-                    logits, out.prompts = self.decode_with_prompts(
-                        decode.slots, decode.tokens, prompts.slots, prompts.prompts)
-                    prompts = None
-                self._pick(out, decode, logits)
-            decode = None
-        if prompts is not None:
-            with _timed(out.seconds, "prompts"):
-                out.prompts = self.prefill(prompts.slots, prompts.prompts, prompts.all_logits)
-        if chunk is not None:
-            with _timed(out.seconds, "chunk"):
-                out.chunk = self.extend_last(chunk.slot, chunk.tokens)  # (1, V)
-                self._save_prefix([chunk.slot])
-        if decode is not None:
-            with _timed(out.seconds, "decode"):
-                if decode.pick == "logits":
-                    out.decode_logits = self.decode(decode.slots, decode.tokens)  # (B, V)
-                else:
-                    out.decode_ids = self.decode_ids(decode.slots, decode.tokens,
-                                                     decode.sampled)  # (B,)
-        for work in plan.verify:
-            started = time.perf_counter()
-            out.verify.append(self.extend(work.slot, work.tokens))  # (k + 1, V)
-            out.verify_seconds.append(time.perf_counter() - started)
+        """Execute a step's plan (runner.py), packing its rows into passes by what the
+        graph takes: rows of one token after their cache decode together; rows into empty
+        slots (first prompts) prefill together; a row of several tokens after its cache (a
+        chunk, the rest of a prompt after a cached prefix, drafts to verify) is a pass of
+        its own, as GroupQueryAttention runs such a row only alone. Where the graph takes
+        a second group of rows (``mixes_chunks``), one such row, or else the first
+        prompts, ride in the decode rows' pass. The order: that pass, first prompts, the
+        other rows of several tokens, the decode rows, then the drafted rows."""
+        rows = plan.rows
+        if len({r.slot.index for r in rows}) != len(rows):
+            raise ValueError("a row appears twice in one step")
+        if any(len(r.tokens) == 0 for r in rows):
+            raise ValueError("every row of a step feeds at least one token")
+        out = StepResult([np.empty(0)] * len(rows))
+        cached = [self.cached_length(r.slot) for r in rows]
+        decode = [i for i, r in enumerate(rows) if cached[i] and len(r.tokens) == 1]
+        first = [i for i in range(len(rows)) if not cached[i]]
+        after = [i for i, r in enumerate(rows) if cached[i] and len(r.tokens) > 1]
+        rider: list[int] = []
+        if decode and self.mixes_chunks:
+            rider = next(([i] for i in after if not rows[i].drafted), [])
+            if not rider and first and all(rows[i].want != "every" for i in first):
+                rider = first
+        if rider:
+            with _timed(out, decode + rider):
+                self._mixed_pass(rows, decode, rider, out)
+            decode = []
+        if first and rider != first:
+            with _timed(out, first):
+                self._first_prompts(rows, first, out)
+        for i in [i for i in after if not rows[i].drafted and i not in rider]:
+            with _timed(out, [i]):
+                self._extend_row(rows[i], i, out)
+        if decode:
+            with _timed(out, decode):
+                self._decode_pass(rows, decode, out)
+        for i in [i for i in after if rows[i].drafted]:
+            with _timed(out, [i]):
+                self._extend_row(rows[i], i, out)
         return out
 
-    def _pick(self, out: StepResult, work: DecodeWork, logits: np.ndarray) -> None:
-        """A mixed pass's decode logits (B, V) as the plan asked for them."""
-        if work.pick == "logits":
-            out.decode_logits = logits
-        elif work.pick == "argmax":
-            out.decode_ids = logits.argmax(-1)
-        else:
-            assert work.sampled is not None
-            out.decode_ids = self._draw(logits, work.sampled)
+    def _extend_row(self, work: RowWork, i: int, out: StepResult) -> None:
+        """A row of several tokens after its cache, alone."""
+        logits = self._extend(work.slot, work.tokens, every=work.want == "every")
+        out.outputs[i] = self._delivered(work, logits)
+        if not work.drafted:
+            self._save_prefix([work.slot])
+
+    def _first_prompts(self, rows: Sequence[RowWork], first: list[int], out: StepResult
+                       ) -> None:
+        """Rows into empty slots, prefilled together in one consecutive run of slots."""
+        slots = [rows[i].slot for i in first]
+        self.pool.assign(slots, sorted(s.index for s in slots))
+        every = any(rows[i].want == "every" for i in first)
+        logits = self._prefill_rows(slots, [rows[i].tokens for i in first], every)
+        for i, got in zip(first, logits, strict=True):
+            out.outputs[i] = self._delivered(rows[i], got)
+        self._save_prefix(slots)
+
+    def _decode_pass(self, rows: Sequence[RowWork], decode: list[int], out: StepResult
+                     ) -> None:
+        """One token a row; the tokens themselves where every row wants only those."""
+        slots = [rows[i].slot for i in decode]
+        tokens = np.fromiter((rows[i].tokens[0] for i in decode), np.int64, len(decode))
+        wants = {rows[i].want for i in decode}
+        if wants <= {"argmax", "draw"}:
+            ids = self._decode_ids(slots, tokens, _draws([rows[i] for i in decode])
+                                   if "draw" in wants else None)  # (B,)
+            for j, i in enumerate(decode):
+                out.outputs[i] = ids[j:j + 1]
+            return
+        self._deliver_decoded(rows, decode, self._decode(slots, tokens), out)  # (B, V)
+
+    def _deliver_decoded(self, rows: Sequence[RowWork], decode: list[int],
+                         logits: np.ndarray, out: StepResult) -> None:
+        """The decode rows' outputs from their logits (B, V)."""
+        drawn = [i for i in decode if rows[i].want == "draw"]
+        draws = self._draw(logits[[decode.index(i) for i in drawn]],
+                           _draws([rows[i] for i in drawn])) if drawn else None
+        for j, i in enumerate(decode):
+            if rows[i].want == "draw":
+                assert draws is not None
+                out.outputs[i] = draws[drawn.index(i):drawn.index(i) + 1]
+            else:
+                out.outputs[i] = self._delivered(rows[i], logits[j:j + 1])
+
+    @staticmethod
+    def _delivered(work: RowWork, logits: np.ndarray) -> np.ndarray:
+        """What the row wants of its logits (T or 1, V)."""
+        if work.want == "every":
+            return logits
+        if work.want == "argmax":
+            return logits[-1:].argmax(-1)  # (1,)
+        if work.want == "draw":
+            raise ValueError("draws come from a decode pass on a runner that samples")
+        return logits[-1:]  # (1, V)
+
+    def _mixed_pass(self, rows: Sequence[RowWork], decode: list[int], rider: list[int],
+                    out: StepResult) -> None:
+        """The decode rows and ``rider`` (one row after its cache, or first prompts) in
+        one pass over the weights (graphs that take a second group of rows only)."""
+        raise ValueError(f"{type(self).__name__} runs one group of rows a pass")
 
     def _draw(self, logits: np.ndarray, sampled: SampledRows) -> np.ndarray:
         """Each row's draw (B,) from its logits (B, V): runners that sample beside the
         logits (``samples_on_device``) only."""
         raise ValueError(f"{type(self).__name__} samples on the host")
 
-    def decode_with_chunk(self, slots: Sequence[Slot], tokens: np.ndarray, slot: Slot,
-                          chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """A decode step and a prompt chunk in one pass: (B, V) and (1, V) (graphs that
-        take a second group of rows only: ``mixes_chunks``)."""
-        raise ValueError(f"{type(self).__name__} runs one group of rows a pass")
-
-    def decode_with_prompts(self, slots: Sequence[Slot], tokens: np.ndarray,
-                            new_slots: Sequence[Slot], prompts: Sequence[np.ndarray]
-                            ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """A decode step and newcomers' whole prompts in one pass: (B, V) and each
-        newcomer's (1, V) (``mixes_chunks`` graphs only)."""
-        raise ValueError(f"{type(self).__name__} runs one group of rows a pass")
-
-    # -- prompts ---------------------------------------------------------------------
-
-    def prefill(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                all_logits: bool = False) -> list[np.ndarray]:
-        """Rows with an empty slot and no cached prefix are prefilled together; a row
-        whose prompt starts with a cached prefix, or whose slot already holds part of its
-        prompt (chunked prefill), computes only the rest, alone (``extend``)."""
-        plain, out = self._split_prompts(slots, prompts, all_logits)
-        if plain:
-            logits = self._prefill_rows([slots[r] for r in plain], [prompts[r] for r in plain],
-                                        all_logits)
-            for r, rows in zip(plain, logits, strict=True):
-                out[r] = rows
-        self._save_prefix(slots)
-        return out
-
-    def _split_prompts(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                       all_logits: bool) -> tuple[list[int], list[np.ndarray]]:
-        """Give the plain rows (empty slot, no cached prefix) consecutive slots in order
-        and feed every other row the rest of its prompt, alone; (the plain rows, each
-        row's logits so far: (1, V) for the others, empty for the plain ones)."""
-        n = len(slots)
-        if len(prompts) != n:
-            raise ValueError(f"{len(prompts)} prompts for {n} slots")
-        starts = [int(self.pool.lengths[s.index]) for s in slots]
-        if all_logits and any(starts):
-            raise ValueError("prompt logits need the whole prompt in one pass")
-        hits = [0] * n
-        if self.prefix is not None and not all_logits:
-            hits = [0 if starts[r] else self.prefix.match(prompts[r]) for r in range(n)]
-        plain = [r for r in range(n) if not starts[r] and not hits[r]]
-        rest = [r for r in range(n) if starts[r] or hits[r]]
-        # Empty slots, plain rows first in slot order: engine.onnx binds those as one run.
-        empty = [r for r in plain + rest if not starts[r]]
-        self.pool.assign([slots[r] for r in empty], sorted(slots[r].index for r in empty))
-        out: list[np.ndarray] = [np.empty(0)] * n
-        for r in rest:
-            done = starts[r]
-            if hits[r]:
-                assert self.prefix is not None
-                done = self.prefix.load(prompts[r], slots[r].index)
-            out[r] = self.extend_last(slots[r], prompts[r][done:])  # (1, V)
-        return plain, out
-
     def _save_prefix(self, slots: Sequence[Slot]) -> None:
-        """The rows' full blocks not cached yet go to the prefix cache: after a prefill,
-        and after each chunk of a chunked prompt (a chunk's worth at a time, not a long
-        prompt's whole copy in the step that ends it)."""
+        """The rows' full blocks not cached yet go to the prefix cache: after a prompt
+        pass, and after each chunk of a chunked prompt (a chunk's worth at a time, not a
+        long prompt's whole copy in the step that ends it)."""
         if self.prefix is not None:
             for s in slots:
                 self.prefix.save(s.index)
 
+    # -- the passes a graph supplies ---------------------------------------------------
+
     def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                      all_logits: bool) -> list[np.ndarray]:
+                      every: bool) -> list[np.ndarray]:
+        """Whole prompts into empty slots: each row's logits, (T_i, V) with ``every``,
+        else (1, V)."""
         raise NotImplementedError
 
-    def decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+    def _decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
+        """One token (B,) after each row's cache: logits (B, V)."""
         raise NotImplementedError
 
-    def extend(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
-
-    def decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
-                   sampled: SampledRows | None = None) -> np.ndarray:
-        """``decode``'s argmax per row, (B,) int64 (draws: ``samples_on_device`` runners
-        only): a runner whose graph picks the tokens itself (a float16 engine graph on the
-        GPU) copies only those."""
+    def _decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
+                    sampled: SampledRows | None) -> np.ndarray:
+        """``_decode``'s next token per row, (B,) int64: the argmax, or the draws of
+        ``sampled`` (``samples_on_device`` runners only). A runner whose graph picks the
+        tokens itself (a float16 engine graph on the GPU) copies only those."""
         if sampled is not None:
             raise ValueError(f"{type(self).__name__} samples on the host")
-        return self.decode(slots, tokens).argmax(-1)
+        return self._decode(slots, tokens).argmax(-1)
 
-    def extend_last(self, slot: Slot, tokens: np.ndarray) -> np.ndarray:
-        """``extend`` when only the last token's logits (1, V) are wanted (a prompt chunk,
-        the rest of a prompt, a draft catching up): a graph that can compute just those
-        overrides this."""
-        return self.extend(slot, tokens)[-1:]
+    def _extend(self, slot: Slot, tokens: np.ndarray, every: bool) -> np.ndarray:
+        """``tokens`` (T,) after one row's cache: logits (T, V) with ``every``, else the
+        last token's (1, V)."""
+        raise NotImplementedError
 
     def _check_room(self, total: int) -> None:
         if total > self.max_len:
@@ -322,8 +326,20 @@ class PooledRunner:
 
 
 @contextmanager
-def _timed(seconds: dict[PassKind, float], kind: PassKind) -> Iterator[None]:
-    """Record what the block took as the pass ``kind``."""
+def _timed(out: StepResult, rows: Sequence[int]) -> Iterator[None]:
+    """Record what the block took as one pass carrying the plan's ``rows``."""
     started = time.perf_counter()
     yield
-    seconds[kind] = time.perf_counter() - started
+    out.passes.append(PassTime(tuple(rows), time.perf_counter() - started))
+
+
+def _draws(rows: Sequence[RowWork]) -> SampledRows:
+    """The rows' draws as the device sampler takes them (greedy rows: top-k 1)."""
+    draws = [r.draw or GREEDY_DRAW for r in rows]
+    return SampledRows(temperature=np.array([d.temperature for d in draws], np.float32),
+                       top_k=np.array([d.top_k for d in draws], np.int64),
+                       top_p=np.array([d.top_p for d in draws], np.float32),
+                       u=np.array([d.u for d in draws], np.float32))
+
+
+GREEDY_DRAW = RowDraw(temperature=1.0, top_k=1, top_p=2.0, u=0.0)

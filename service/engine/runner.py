@@ -1,8 +1,9 @@
 """The one interface between the scheduler and a decoder graph: ``ModelRunner``.
 
 Everything the batch and the scheduler ask of a model is stated here, typed, so nothing
-probes a runner for optional features: one method runs a step (``run``, whatever the step
-carries: service/engine/step_plan.py), the others manage rows. A row of a batch is a
+probes a runner for optional features: one method runs a step (``run``: a flat list of
+rows, each feeding tokens after its cache, service/engine/step_plan.py), the others
+manage rows. A row of a batch is a
 ``Slot`` of the runner's ``KVPool`` (service/engine/kv_pool.py), which is the only owner
 of keys and values: the runner reads a row's cached length from the pool, feeds the new
 tokens after it and writes their keys and values back, so the batch holds no cache and
@@ -19,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from service.engine.kv_pool import Slot
 from service.engine.stats import KVStats, PrefixCacheStats
@@ -43,8 +46,8 @@ class ModelRunner(Protocol):
     graph_file: str  # model.onnx or engine.onnx
     provider: str  # ONNX Runtime's active execution provider
     device: str  # "cpu" or "cuda": where the session runs
-    mixes_chunks: bool  # a chunk or new prompts ride in the decode step's pass
-    samples_on_device: bool  # a decode step may ask for draws (``DecodeWork.pick``)
+    mixes_chunks: bool  # a row after its cache, or first prompts, ride in the decode pass
+    samples_on_device: bool  # decoding rows may want draws (``RowWork.want`` "draw")
 
     @property
     def float32_twin_tokens(self) -> int | None:
@@ -85,23 +88,23 @@ class ModelRunner(Protocol):
         """Bytes of the KV cache in RAM now (the pool's touched pages)."""
         ...
 
-    def reserve(self, rows: int, top: bool = False) -> list[Slot]:
-        """Empty slots for new rows (``top``: away from the running rows)."""
+    def reserve(self, rows: int, top: bool = False,
+                prompts: Sequence[np.ndarray | None] | None = None) -> list[Slot]:
+        """Slots for new rows (``top``: away from the running rows): the one place rows
+        take KV memory. With ``prompts``, each row's slot holds its prompt's cached prefix
+        where the prefix cache has one (``cached_length`` says how much; None: not looked
+        up), and the rows that reuse nothing come first, in one consecutive run."""
         ...
 
     def run(self, plan: StepPlan) -> StepResult:
-        """Execute one step's plan (step_plan.py): every part of it, in as few passes as
+        """Execute one step's plan (step_plan.py): every row, packed into as few passes as
         the runner's graphs allow, choosing the graph for each pass itself. The rows'
-        cached lengths and tokens are up to date when it returns; each part's logits, or
-        the tokens the runner picked, come back with what each pass took."""
+        cached lengths and tokens are up to date when it returns; each row's logits, or
+        the token the runner picked, come back with the passes and what each took."""
         ...
 
     def truncate(self, slot: Slot, length: int) -> None:
         """Keep only the first ``length`` cached tokens of a row (drop rejected drafts)."""
-        ...
-
-    def reuse_prefix(self, slot: Slot, prompt: Sequence[int]) -> int:
-        """Load the cached prefix of ``prompt`` into the empty ``slot``; tokens reused."""
         ...
 
     def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:

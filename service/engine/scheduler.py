@@ -48,8 +48,7 @@ from service.engine.runner import ModelRunner
 from service.engine.sequence import SequenceState
 from service.engine.speculative import Speculator
 from service.engine.stats import LoadStats, NullStats, RequestStats, StatsSink, StepStats
-from service.engine.step import StepEvents, run_step, step_alone
-from service.engine.step_plan import StepResult
+from service.engine.step import Step, run_step, step_alone
 
 log = logging.getLogger("attnserve.engine")
 
@@ -263,11 +262,11 @@ class Scheduler:
                         partial.prompt_left)
         prompt_tokens = fresh.prompt_left if fresh is not None else 0
         try:
-            events, result = run_step(self.runner, batch, fresh, partial, chunk,
-                                      self.speculator)
+            step = run_step(self.runner, batch, fresh, partial, chunk, self.speculator)
         except Exception as exc:
             return self._after_failure(batch, fresh, partial, exc)
-        self._record(result, batch, events, fresh, prompt_tokens, partial, chunk)
+        events = step.events
+        self._record(step, prompt_tokens, chunk)
         if events.partial:  # its prompt is in: it joins the batch
             self._partial = None
         self._send([(self._handles[s.request.id], e) for b, rows in (
@@ -301,31 +300,33 @@ class Scheduler:
             self._publish(rest)
         return rest
 
-    def _record(self, result: StepResult, batch: Batch | None, events: StepEvents,
-                fresh: Batch | None, prompt_tokens: int, partial: Batch | None,
-                chunk: int) -> None:
+    def _record(self, step: Step, prompt_tokens: int, chunk: int) -> None:
         """The step's stats: a decode step for the running rows, a prefill for the
-        newcomers and for the chunk (with no token until the prompt is in); and what the
-        chunk budget learns from the passes' times."""
-        took = result.seconds
-        mixed = took.get("mixed")
-        if batch is not None:
-            seconds = mixed if mixed is not None else (
-                took.get("decode", 0.0) + sum(result.verify_seconds))
-            if mixed is None:
+        newcomers and for the chunk (with no token until the prompt is in), each timed by
+        the passes that carried its rows; and what the chunk budget learns from them."""
+        result = step.result
+        assert result is not None
+        running, fresh, partial = step.running, step.fresh, step.partial
+        if running is not None:
+            rows = step.rows_of(running)
+            seconds = result.seconds_of(rows)
+            if all(set(p.rows) <= set(rows) for p in result.passes
+                   if set(p.rows) & set(rows)):  # no other rows rode with them
                 self.chunks.observe_decode(seconds)
-            self.stats.record_step(StepStats("decode", seconds, len(batch),
-                                             sum(len(e) for e in events.running)))
+            self.stats.record_step(StepStats("decode", seconds, len(running),
+                                             sum(len(e) for e in step.events.running)))
         if fresh is not None:
-            seconds = took.get("prompts", mixed or 0.0)
-            self.stats.record_step(StepStats("prefill", seconds, len(fresh), prompt_tokens))
+            self.stats.record_step(StepStats("prefill", result.seconds_of(step.rows_of(fresh)),
+                                             len(fresh), prompt_tokens))
         if partial is not None:
-            if "chunk" in took:
-                self.chunks.observe_chunk(chunk, took["chunk"])
-            elif mixed is not None:
-                self.chunks.observe_mixed(chunk, mixed)
-            self.stats.record_step(StepStats("prefill", took.get("chunk", mixed or 0.0),
-                                             len(events.partial), chunk))
+            (row,) = step.rows_of(partial)
+            carried = result.pass_of(row)
+            if running is not None and set(carried.rows) & set(step.rows_of(running)):
+                self.chunks.observe_mixed(chunk, carried.seconds)
+            else:
+                self.chunks.observe_chunk(chunk, carried.seconds)
+            self.stats.record_step(StepStats("prefill", carried.seconds,
+                                             len(step.events.partial), chunk))
 
     def _drop_cancelled_partial(self) -> bool:
         """Drop the partly prefilled request if it was cancelled; whether it was."""
@@ -387,11 +388,8 @@ class Scheduler:
     def _start_partial(self, handle: RequestHandle) -> None:
         batch = self._new_batch([handle.request])
         try:
-            batch.reserve(self.runner, top=True)
+            batch.reserve(self.runner, top=True)  # a cached prefix is in: chunks follow it
             batch.sequences[0].prefill_start = time.perf_counter()
-            # A cached prefix goes in first: chunks start after it.
-            batch.prompt_done = self.runner.reuse_prefix(batch.slots[0],
-                                                         handle.request.prompt_ids)
         except Exception as exc:
             batch.release(self.runner)
             self._fail_step(batch, exc)

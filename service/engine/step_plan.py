@@ -1,12 +1,13 @@
-"""One engine step as data: what each row feeds this step, and what the runner returns.
+"""One engine step as data: a flat list of rows, each feeding tokens after its cache.
 
-The scheduler describes every step the same way (vLLM v1's ``SchedulerOutput``): the
-running rows' decode tokens, the newcomers' whole prompts, the next chunk of one long
-prompt, and the rows that verify drafted tokens, any of them absent. The runner executes
-any such plan in one call (``ModelRunner.run``) and chooses the passes itself: on
-engine_mixed.onnx a chunk or the newcomers' prompts ride in the decode step's pass, on a
-one-group graph each part is a pass of its own. What comes back is only numbers; turning
-them into tokens and events is ``apply_step``'s (service/engine/step.py).
+The scheduler describes every step the same way (vLLM v1's ``SchedulerOutput``, whose
+``num_scheduled_tokens`` per request is all a step is): for each row its slot, the tokens
+it feeds after what the slot holds, and what it wants back. A running row feeds its
+newest token; a newcomer its whole prompt (or what follows a cached prefix); a long
+prompt its next chunk; a speculating row its newest token and the drafts to verify. They
+are the same thing to the runner, which packs the rows into as few passes as its graph
+allows (``ModelRunner.run``) and returns, per row, only numbers. Turning them into tokens
+and events is ``apply_step``'s (service/engine/step.py).
 """
 
 from __future__ import annotations
@@ -17,74 +18,59 @@ from typing import Literal
 
 import numpy as np
 
-from service.engine.device import SampledRows
 from service.engine.kv_pool import Slot
 
-# What a decode pass hands back per row: its logits, or its next token chosen beside them
-# (the argmax, or a draw from ``SampledRows``: runners that sample on the device only).
-Pick = Literal["logits", "argmax", "sampled"]
-# The passes a runner may time: a decode pass alone, one that also carried prompts or a
-# chunk, the newcomers' prompts alone, a chunk alone. Verification passes are per row.
-PassKind = Literal["decode", "mixed", "prompts", "chunk"]
+# What a row wants back: the last position's logits (1, V), every fed position's (T, V),
+# or only its next token (1,) chosen beside the logits: the argmax, or a draw with the
+# row's ``RowDraw`` (runners that sample on the device only, ``samples_on_device``).
+Want = Literal["last", "every", "argmax", "draw"]
 
 
 @dataclass(frozen=True)
-class DecodeWork:
-    """One token per row, after each row's cache."""
+class RowDraw:
+    """One row's sampling on the device: its warpers and this step's uniform in [0, 1)."""
 
-    slots: Sequence[Slot]
-    tokens: np.ndarray  # (B,) each row's newest token
-    pick: Pick = "logits"
-    sampled: SampledRows | None = None  # each row's draw, for pick "sampled"
-
-
-@dataclass(frozen=True)
-class PromptWork:
-    """Newcomers' whole prompts into empty slots (a cached prefix is reused where one is)."""
-
-    slots: Sequence[Slot]
-    prompts: Sequence[np.ndarray]  # (T_i,) each
-    all_logits: bool = False  # every prompt position's logits (prompt logprobs), else the last
+    temperature: float
+    top_k: int
+    top_p: float  # above 1: off
+    u: float
 
 
 @dataclass(frozen=True)
-class ChunkWork:
-    """The next part of one row's prompt, after what its slot holds; the last token's
-    logits come back (they give the first token when the chunk ends the prompt)."""
+class RowWork:
+    """One row's part of a step: ``tokens`` fed after the ``slot``'s cached tokens."""
 
     slot: Slot
-    tokens: np.ndarray  # (T,)
-
-
-@dataclass(frozen=True)
-class VerifyWork:
-    """A row's newest token and the drafts that follow it, with every position's logits."""
-
-    slot: Slot
-    tokens: np.ndarray  # (k + 1,)
+    tokens: np.ndarray  # (T,) int64
+    want: Want = "last"
+    draw: RowDraw | None = None  # for want "draw"
+    drafted: bool = False  # tokens after the first are drafts: never prefix-cached
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    decode: DecodeWork | None = None
-    prompts: PromptWork | None = None
-    chunk: ChunkWork | None = None
-    verify: tuple[VerifyWork, ...] = ()
+    rows: tuple[RowWork, ...]
 
-    def prompt_tokens(self) -> list[np.ndarray]:
-        """The prompt tokens this step feeds, one array per prompt or chunk."""
-        fed = list(self.prompts.prompts) if self.prompts is not None else []
-        return fed + ([self.chunk.tokens] if self.chunk is not None else [])
+
+@dataclass(frozen=True)
+class PassTime:
+    """One forward pass of a step: the plan's rows it carried and what it took."""
+
+    rows: tuple[int, ...]
+    seconds: float
 
 
 @dataclass
 class StepResult:
-    """What one plan's passes returned, part by part, and what each pass took."""
+    """Per plan row what it wanted, and the passes the runner made of the plan."""
 
-    decode_logits: np.ndarray | None = None  # (B, V) for pick "logits"
-    decode_ids: np.ndarray | None = None  # (B,) int64 for pick "argmax" and "sampled"
-    prompts: list[np.ndarray] = field(default_factory=list)  # (T_i or 1, V) per newcomer
-    chunk: np.ndarray | None = None  # (1, V) the chunk's last token
-    verify: list[np.ndarray] = field(default_factory=list)  # (k + 1, V) per verified row
-    seconds: dict[PassKind, float] = field(default_factory=dict)
-    verify_seconds: list[float] = field(default_factory=list)  # per verified row
+    outputs: list[np.ndarray]  # (1, V) or (T, V) float32 logits; (1,) int64 for a token
+    passes: list[PassTime] = field(default_factory=list)
+
+    def seconds_of(self, rows: Sequence[int]) -> float:
+        """What the passes carrying any of ``rows`` took (each pass once)."""
+        wanted = set(rows)
+        return sum(p.seconds for p in self.passes if wanted.intersection(p.rows))
+
+    def pass_of(self, row: int) -> PassTime:
+        return next(p for p in self.passes if row in p.rows)

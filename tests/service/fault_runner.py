@@ -135,7 +135,7 @@ class ControlledRunner:
         self.forwards += 1
 
     def run(self, plan: StepPlan) -> StepResult:
-        self._pass([p for p in plan.prompt_tokens() if len(p) > 1])
+        self._pass([r.tokens for r in plan.rows if len(r.tokens) > 1 and not r.drafted])
         if self.plans is not None:
             self.plans.append(plan)
         return self.runner.run(plan)
@@ -162,14 +162,12 @@ class ControlledRunner:
     def kv_resident_bytes(self) -> int:
         return self.runner.kv_resident_bytes()
 
-    def reserve(self, rows: int, top: bool = False) -> list[Slot]:
-        return self.runner.reserve(rows, top)
+    def reserve(self, rows: int, top: bool = False,
+                prompts: Sequence[np.ndarray | None] | None = None) -> list[Slot]:
+        return self.runner.reserve(rows, top, prompts)
 
     def truncate(self, slot: Slot, length: int) -> None:
         self.runner.truncate(slot, length)
-
-    def reuse_prefix(self, slot: Slot, prompt: Sequence[int]) -> int:
-        return self.runner.reuse_prefix(slot, prompt)
 
     def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
         return self.runner.leave(slots, keep)

@@ -30,9 +30,10 @@ from service.engine.request import GenerationRequest, SamplingParams, StoppingCr
 from service.engine.runner import PoolConfig
 from service.engine.sampling import log_softmax
 from service.engine.step import run_step
-from service.engine.step_plan import ChunkWork, DecodeWork, PromptWork, StepPlan
+from service.engine.step_plan import RowWork, StepPlan
 from service.providers import create_session
 from tests.service.helpers import one_step, run_with_joins
+from tests.service.runner_passes import decode, extend, prefill
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O"]
@@ -138,7 +139,7 @@ def test_logits_equal_the_plain_loop_for_ragged_prompts_and_decode(
         runner: PooledRunner, plain: OrtDecoder, encode: Callable[[str], list[int]]) -> None:
     prompts = [encode(PROMPTS[1]), encode(PROMPTS[2]), encode(PROMPTS[4])]
     slots = runner.reserve(3)
-    got = runner.prefill(slots, [np.asarray(p) for p in prompts], all_logits=True)
+    got = prefill(runner, slots, [np.asarray(p) for p in prompts], every=True)
     seqs = [list(p) for p in prompts]
     for rows, p in zip(got, prompts, strict=True):
         np.testing.assert_allclose(rows, full_forward(plain, p)[0], atol=1e-4)  # (T, V)
@@ -147,7 +148,7 @@ def test_logits_equal_the_plain_loop_for_ragged_prompts_and_decode(
         nxt = np.asarray([int(full_forward(plain, s)[0][-1].argmax()) for s in seqs])  # (B,)
         for s, t in zip(seqs, nxt, strict=True):
             s.append(int(t))
-        logits = runner.decode(slots, nxt)  # (B, V)
+        logits = decode(runner, slots, nxt)  # (B, V)
         want = np.stack([full_forward(plain, s)[0][-1] for s in seqs])
         np.testing.assert_allclose(logits, want, atol=1e-4)
     # Every step wrote into the pool allocated at start: no new cache.
@@ -162,9 +163,9 @@ def test_pool_holds_each_rows_keys_and_values_from_column_zero(
     after a batched prefill and after a multi-token extend."""
     prompts = [encode(PROMPTS[0]), encode(PROMPTS[3])]
     slots = runner.reserve(2)
-    runner.prefill(slots, [np.asarray(p) for p in prompts])
+    prefill(runner, slots, [np.asarray(p) for p in prompts])
     more = encode(" my lord")
-    runner.extend(slots[0], np.asarray(more))
+    extend(runner, slots[0], np.asarray(more))
     for slot, ids in zip(slots, [prompts[0] + more, prompts[1]], strict=True):
         _, present = full_forward(plain, ids)
         for mine, theirs in zip(runner.pool.arrays, present, strict=True):
@@ -179,15 +180,15 @@ def test_extend_gives_logits_of_every_fed_token_and_truncate_rolls_back(
     logits after each, keep a prefix, and decode on as if the rest had never been fed."""
     prompt = encode(PROMPTS[1])
     (slot,) = runner.reserve(1)
-    runner.prefill([slot], [np.asarray(prompt)])
+    prefill(runner, [slot], [np.asarray(prompt)])
     drafts = encode(" and the rest")  # tokens a draft model might propose
-    logits = runner.extend(slot, np.asarray(drafts))  # (k, V)
+    logits = extend(runner, slot, np.asarray(drafts))  # (k, V)
     want, _ = full_forward(plain, prompt + drafts)
     np.testing.assert_allclose(logits, want[len(prompt):], atol=1e-4)
     runner.truncate(slot, len(prompt) + 2)  # two drafts accepted, the rest rejected
     assert runner.pool.lengths[slot.index] == len(prompt) + 2
     bonus = 7
-    got = runner.decode([slot], np.asarray([bonus]))  # (1, V)
+    got = decode(runner, [slot], np.asarray([bonus]))  # (1, V)
     kept = prompt + drafts[:2] + [bonus]
     np.testing.assert_allclose(got[0], full_forward(plain, kept)[0][-1], atol=1e-4)
     _, present = full_forward(plain, kept)
@@ -289,7 +290,7 @@ def test_chunked_prefill_equals_the_reference_loop(
     long.reserve(runner, top=True)
     chunks, out = 0, []
     while long.prompt_left > 0:
-        events, _ = run_step(runner, running=running, partial=long, chunk=5)
+        events = run_step(runner, running=running, partial=long, chunk=5).events
         out = [e.token.id for e in events.partial]
         assert bool(out) == (long.prompt_left == 0)
         chunks += 1
@@ -419,7 +420,7 @@ def test_the_gathered_graph_gives_the_legacy_graphs_logits_for_each_pass(
     prompts = [encode(PROMPTS[1]), encode(PROMPTS[2]), encode(PROMPTS[3])]
     for all_logits in (False, True):
         slots = {r: r.reserve(3) for r in (new, old)}
-        got = {r: r.prefill(slots[r], [np.asarray(p) for p in prompts], all_logits)
+        got = {r: prefill(r, slots[r], [np.asarray(p) for p in prompts], all_logits)
                for r in (new, old)}
         for a, b, p in zip(got[new], got[old], prompts, strict=True):
             assert a.shape == b.shape == ((len(p) if all_logits else 1), new.vocab_size)
@@ -430,17 +431,17 @@ def test_the_gathered_graph_gives_the_legacy_graphs_logits_for_each_pass(
     slots = {r: r.reserve(2) for r in (new, old)}
     seqs = [list(p) for p in prompts[:2]]
     for r in (new, old):
-        r.prefill(slots[r], [np.asarray(p) for p in seqs])
+        prefill(r, slots[r], [np.asarray(p) for p in seqs])
     for step in range(3):
         nxt = np.asarray([11 + step, 40 + step], np.int64)  # (B,)
         for s, t in zip(seqs, nxt.tolist(), strict=True):
             s.append(t)
-        a, b = (r.decode(slots[r], nxt) for r in (new, old))  # (B, V)
+        a, b = (decode(r, slots[r], nxt) for r in (new, old))  # (B, V)
         np.testing.assert_allclose(a, b, atol=1e-5)
         np.testing.assert_allclose(a, np.stack([full_forward(plain, s)[0][-1] for s in seqs]),
                                    atol=1e-4)
     more = encode(" my good lord")
-    a, b = (r.extend(slots[r][0], np.asarray(more)) for r in (new, old))  # (k, V)
+    a, b = (extend(r, slots[r][0], np.asarray(more)) for r in (new, old))  # (k, V)
     assert a.shape == (len(more), new.vocab_size)
     np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(a, full_forward(plain, seqs[0] + more)[0][-len(more):],
@@ -449,8 +450,10 @@ def test_the_gathered_graph_gives_the_legacy_graphs_logits_for_each_pass(
         r.leave(slots[r], [])
     # The prompt again, its prefix cached: only the rest is fed (extend's last token).
     again = seqs[0] + more + encode(" and")
-    a, b = (r.prefill(r.reserve(1), [np.asarray(again)])[0] for r in (new, old))  # (1, V)
+    ours = {r: r.reserve(1, prompts=[np.asarray(again)])[0] for r in (new, old)}
     assert new.prefix is not None and new.prefix.counters.hits > 0
+    a, b = (extend(r, ours[r], np.asarray(again[r.cached_length(ours[r]):]), every=False)
+            for r in (new, old))  # (1, V)
     assert a.shape == (1, new.vocab_size)
     np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(a[0], full_forward(plain, again)[0][-1], atol=1e-4)
@@ -463,20 +466,21 @@ def test_a_chunk_riding_in_a_decode_step_equals_the_plain_loop(
     whether the graph runs them in one pass (engine_mixed.onnx) or two."""
     prompts = [encode(PROMPTS[0]), encode(PROMPTS[2])]
     slots = runner.reserve(2)
-    runner.prefill(slots, [np.asarray(p) for p in prompts])
+    prefill(runner, slots, [np.asarray(p) for p in prompts])
     long = encode(PROMPTS[1] + " " + PROMPTS[3])
     (slot,) = runner.reserve(1, top=True)
-    runner.extend_last(slot, np.asarray(long[:4]))  # a first chunk of its own
+    extend(runner, slot, np.asarray(long[:4]), every=False)  # a first chunk of its own
     seqs = [list(p) for p in prompts]
     fed = 4
     for size in (5, 3, len(long) - 12):  # the last chunk ends the prompt
         nxt = np.asarray([int(full_forward(plain, s)[0][-1].argmax()) for s in seqs])  # (B,)
         for s, t in zip(seqs, nxt, strict=True):
             s.append(int(t))
-        result = runner.run(StepPlan(decode=DecodeWork(slots, nxt), chunk=ChunkWork(
-            slot, np.asarray(long[fed:fed + size]))))
-        logits, chunk = result.decode_logits, result.chunk
-        assert ("mixed" in result.seconds) == runner.mixes_chunks
+        result = runner.run(StepPlan((
+            *(RowWork(s, np.asarray([t])) for s, t in zip(slots, nxt, strict=True)),
+            RowWork(slot, np.asarray(long[fed:fed + size])))))
+        logits, chunk = np.concatenate(result.outputs[:2]), result.outputs[2]
+        assert len(result.passes) == (1 if runner.mixes_chunks else 2)
         fed += size
         want = np.stack([full_forward(plain, s)[0][-1] for s in seqs])  # (B, V)
         np.testing.assert_allclose(logits, want, atol=1e-4)
@@ -496,17 +500,18 @@ def test_newcomers_prompts_riding_in_a_decode_step_equal_the_plain_loop(
     plain loop's."""
     prompts = [encode(PROMPTS[0]), encode(PROMPTS[2])]
     slots = runner.reserve(2)
-    runner.prefill(slots, [np.asarray(p) for p in prompts])
+    prefill(runner, slots, [np.asarray(p) for p in prompts])
     seqs = [list(p) for p in prompts]
     nxt = np.asarray([int(full_forward(plain, s)[0][-1].argmax()) for s in seqs])  # (B,)
     for s, t in zip(seqs, nxt, strict=True):
         s.append(int(t))
     newcomers = [encode(PROMPTS[3]), encode(PROMPTS[1])]
     fresh = runner.reserve(2)
-    result = runner.run(StepPlan(decode=DecodeWork(slots, nxt), prompts=PromptWork(
-        fresh, [np.asarray(p) for p in newcomers])))
-    logits, firsts = result.decode_logits, result.prompts
-    assert ("mixed" in result.seconds) == runner.mixes_chunks
+    result = runner.run(StepPlan((
+        *(RowWork(s, np.asarray([t])) for s, t in zip(slots, nxt, strict=True)),
+        *(RowWork(s, np.asarray(p)) for s, p in zip(fresh, newcomers, strict=True)))))
+    logits, firsts = np.concatenate(result.outputs[:2]), result.outputs[2:]
+    assert len(result.passes) == (1 if runner.mixes_chunks else 2)
     want = np.stack([full_forward(plain, s)[0][-1] for s in seqs])  # (B, V)
     np.testing.assert_allclose(logits, want, atol=1e-4)
     for got, p, slot in zip(firsts, newcomers, fresh, strict=True):
@@ -518,27 +523,33 @@ def test_newcomers_prompts_riding_in_a_decode_step_equal_the_plain_loop(
     assert [int(runner.pool.lengths[s.index]) for s in slots] == [len(s) for s in seqs]
 
 
-def test_a_newcomer_with_a_cached_prefix_rides_apart_and_changes_no_logit(
+def test_a_newcomer_with_a_cached_prefix_rides_and_changes_no_logit(
         mixed_session: ort.InferenceSession, config: io.ArtifactConfig, plain: OrtDecoder,
         encode: Callable[[str], list[int]]) -> None:
-    """With prefix caching on, a newcomer whose prompt starts with cached blocks computes
-    only its rest (a pass of its own), one without rides in the decode step; both get
-    the plain loop's logits."""
+    """With prefix caching on, a newcomer whose prompt starts with cached blocks takes its
+    slot with them loaded (``reserve``) and feeds only its rest, riding in the decode
+    step's pass; one without is prefilled in a pass of its own; all get the plain loop's
+    logits."""
     runner = EngineGraphRunner(mixed_session, config, PoolConfig(
         slots=8, prefix_block_size=4, prefix_cache_blocks=32))
     shared = encode(PROMPTS[1] + " " + PROMPTS[3])
     (first,) = runner.reserve(1)
-    runner.prefill([first], [np.asarray(shared)])  # its blocks go to the prefix cache
+    prefill(runner, [first], [np.asarray(shared)])  # its blocks go to the prefix cache
     token = int(full_forward(plain, shared)[0][-1].argmax())
     newcomers = [shared[:-2] + encode(" lord"), encode(PROMPTS[0])]
-    fresh = runner.reserve(2)
-    hits = runner.prefix.counters.hits if runner.prefix else 0
-    logits, firsts = runner.decode_with_prompts([first], np.asarray([token]), fresh,
-                                                [np.asarray(p) for p in newcomers])
-    assert runner.prefix is not None and runner.prefix.counters.hits > hits
-    np.testing.assert_allclose(logits[0], full_forward(plain, [*shared, token])[0][-1],
-                               atol=1e-4)
-    for got, p in zip(firsts, newcomers, strict=True):
+    assert runner.prefix is not None
+    hits = runner.prefix.counters.hits
+    fresh = runner.reserve(2, prompts=[np.asarray(p) for p in newcomers])
+    reused = runner.cached_length(fresh[0])
+    assert runner.prefix.counters.hits > hits and reused > 0
+    assert runner.cached_length(fresh[1]) == 0
+    result = runner.run(StepPlan((RowWork(first, np.asarray([token])),
+                                  RowWork(fresh[0], np.asarray(newcomers[0][reused:])),
+                                  RowWork(fresh[1], np.asarray(newcomers[1])))))
+    assert sorted(p.rows for p in result.passes) == [(0, 1), (2,)]
+    np.testing.assert_allclose(result.outputs[0][0],
+                               full_forward(plain, [*shared, token])[0][-1], atol=1e-4)
+    for got, p in zip(result.outputs[1:], newcomers, strict=True):
         np.testing.assert_allclose(got[-1], full_forward(plain, p)[0][-1], atol=1e-4)
 
 
@@ -552,11 +563,11 @@ def test_steady_decode_with_the_cache_left_in_ort_settles_into_the_pool(
     runner = ModelGraphRunner(model_session, config, PoolConfig(slots=8), resident=True)
     seqs = [encode(p) for p in PROMPTS[:3]]  # ragged: left padding in the carried past
     slots = runner.reserve(3)
-    runner.prefill(slots, [np.asarray(s) for s in seqs])
+    prefill(runner, slots, [np.asarray(s) for s in seqs])
 
     def step(rows: list[int]) -> None:
         nxt = np.asarray([int(full_forward(plain, seqs[r])[0][-1].argmax()) for r in rows])
-        got = runner.decode([slots[r] for r in rows], nxt)  # (B, V)
+        got = decode(runner, [slots[r] for r in rows], nxt)  # (B, V)
         for r, t in zip(rows, nxt.tolist(), strict=True):
             seqs[r].append(t)
         want = np.stack([full_forward(plain, seqs[r])[0][-1] for r in rows])

@@ -21,6 +21,7 @@ from service.engine.request import GenerationRequest, SamplingParams, StoppingCr
 from service.engine.runner import PoolConfig
 from service.providers import create_session
 from tests.service.helpers import run_with_joins
+from tests.service.runner_passes import decode, decode_ids, prefill
 
 SLOTS, MAX_LEN = 8, 48
 
@@ -47,17 +48,17 @@ def test_replayed_steps_equal_plain_passes(half_artifact: Path) -> None:
     rows = {}
     for r in (plain, replayed):
         slots = r.reserve(len(prompts))
-        last = np.stack([x[-1] for x in r.prefill(slots, prompts)])  # (3, V)
+        last = np.stack([x[-1] for x in prefill(r, slots, prompts)])  # (3, V)
         rows[id(r)] = (slots, last.argmax(-1))
     for step in range(6):
         (ps, pt), (rs, rt) = rows[id(plain)], rows[id(replayed)]
         assert (pt == rt).all()
-        want = plain.decode(ps, pt)  # (3, V)
+        want = decode(plain, ps, pt)  # (3, V)
         if step % 2:  # token ids only: the graph's greedy_ids
-            got_ids = replayed.decode_ids(rs, rt)
+            got_ids = decode_ids(replayed, rs, rt)
             assert (got_ids == want.argmax(-1)).all()
         else:
-            got = replayed.decode(rs, rt)
+            got = decode(replayed, rs, rt)
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
             got_ids = got.argmax(-1)
         rows[id(plain)], rows[id(replayed)] = (ps, want.argmax(-1)), (rs, got_ids)

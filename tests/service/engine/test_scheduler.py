@@ -145,8 +145,9 @@ def test_a_prefill_budget_spreads_a_burst_of_newcomers_over_steps(
     assert sum(len(p) for p in late) > budget  # the burst does not fit one step's budget
     join_three(runner, codec, encode, reference_greedy, prefill_budget=budget)
     assert runner.plans is not None
-    joined = [[len(p) for p in plan.prompts.prompts] for plan in runner.plans
-              if plan.prompts is not None and plan.decode is not None]  # beside the row
+    joined = [[len(r.tokens) for r in plan.rows if len(r.tokens) > 1] for plan in runner.plans
+              if any(len(r.tokens) == 1 for r in plan.rows)
+              and any(len(r.tokens) > 1 for r in plan.rows)]  # prompts beside the row
     assert sorted(n for step in joined for n in step) == sorted(len(p) for p in late)
     if bounded:
         assert len(joined) >= 2
@@ -563,7 +564,8 @@ def test_verified_drafts_and_a_riding_chunk_share_steps(
     for r, got in zip(requests, results, strict=True):
         assert got == reference_greedy(r.prompt_ids, r.stopping.max_new_tokens)
     assert runner.plans is not None
-    shared = [p for p in runner.plans if p.verify and p.chunk is not None]
-    assert shared and any(p.decode is not None for p in shared)
+    shared = [p for p in runner.plans if any(r.drafted for r in p.rows)
+              and any(len(r.tokens) > 1 and not r.drafted for r in p.rows)]  # and a chunk
+    assert shared and any(len(r.tokens) == 1 for p in shared for r in p.rows)
     assert speculator.counters.accepted_tokens > 0
     assert mixed.pool.used == 0

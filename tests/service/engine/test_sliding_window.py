@@ -74,7 +74,7 @@ def test_prompt_chunks_riding_in_decode_steps_see_only_the_window(mistral: Any,
     chunked.reserve(runner, top=True)
     out: list[int] = []
     while chunked.prompt_left > 0:  # chunks of 4 tokens: each over a cache past the window
-        events, _ = run_step(runner, running=running, partial=chunked, chunk=4)
+        events = run_step(runner, running=running, partial=chunked, chunk=4).events
         out = [e.token.id for e in events.partial]
         tokens.append(events.running[0][0].token.id)
     merged = Batch.concatenate([running, chunked], runner)
