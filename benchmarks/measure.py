@@ -32,18 +32,23 @@ class Runner(Protocol):
     def generate(self, prompts: list[list[int]], n_new: int) -> GenResult: ...
 
 
-def proc_memory_mb(pid: int | str = "self") -> dict[str, float]:
-    """Current (VmRSS) and peak (VmHWM) resident set of a process, in MiB (Linux)."""
-    out: dict[str, float] = {}
+def proc_memory_bytes(pid: int | str = "self") -> dict[str, int]:
+    """A process's memory lines of /proc/PID/status (Linux), in bytes: VmRSS resident,
+    VmHWM its peak, RssAnon private, RssFile mapped file pages such as memory-mapped
+    weights; empty once the process is gone."""
     try:
         text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
-        return out
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) / 1024
-    return out
+        return {}
+    lines = (line.partition(":") for line in text.splitlines())
+    return {key: int(value.split()[0]) * 1024 for key, _, value in lines
+            if key.startswith(("Vm", "Rss"))}
+
+
+def proc_memory_mb(pid: int | str = "self") -> dict[str, float]:
+    """Current (VmRSS) and peak (VmHWM) resident set of a process, in MiB (Linux)."""
+    memory = proc_memory_bytes(pid)
+    return {key: memory[key] / 2**20 for key in ("VmRSS", "VmHWM") if key in memory}
 
 
 def percentile(values: list[float], q: float) -> float:

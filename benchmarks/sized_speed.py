@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -31,6 +30,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from model.data import write_text_atomic
 
 ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|(.*)\|\s*$")
 
@@ -140,10 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch {batch:3d}: ours {mine:8.1f}  llama.cpp {peer:8.1f}  "
                   f"ratio {mine / peer:.2f}")
     if args.json is not None:
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                   "rounds": rounds, "summary": summary}, indent=2))
-        os.replace(tmp, args.json)
+        figures = {"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds,
+                   "summary": summary}
+        write_text_atomic(args.json, json.dumps(figures, indent=2))
     return 0
 
 

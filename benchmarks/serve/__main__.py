@@ -59,6 +59,7 @@ from benchmarks.serve.workloads import (
     random_requests,
     shared_prefix_requests,
 )
+from model.data import write_text_atomic
 
 WORKLOADS = ("random", "shared-prefix", "chat")
 
@@ -344,12 +345,6 @@ def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
             "suffix_len": args.suffix_len, "output_len": args.output_len}
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, allow_nan=True), encoding="utf-8")
-    tmp.replace(path)
-
-
 def _rate_name(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -400,7 +395,7 @@ def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
                 if server is not None:
                     run["server_env"] = _server_env(args.server_env)
                     run["server_threads"] = args.server_threads
-                _write_json(out / _json_name(args, run), run)
+                write_text_atomic(out / _json_name(args, run), json.dumps(run))
                 print(report.summary(run))
                 runs.append(run)
     finally:
@@ -444,7 +439,7 @@ def handle(args: argparse.Namespace) -> int:
             for run in runs:
                 run["static_baseline"] = static.result(run["output_throughput"],
                                                        run["round"] - 1)
-                _write_json(out / _json_name(args, run), run)
+                write_text_atomic(out / _json_name(args, run), json.dumps(run))
                 print(report.static_summary(run))
             if args.rounds > 1:
                 print(report.static_rounds(runs))
