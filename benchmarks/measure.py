@@ -11,10 +11,22 @@ repetition in ``GenResult.own``; the row carries their medians beside the wall c
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+# Every benchmark's thread count unless told otherwise, for every engine alike: the figures
+# under results/ were measured on 2-core machines.
+DEFAULT_THREADS = 2
+
+
+def add_threads_option(parser: argparse.ArgumentParser,
+                       what: str = "threads for every engine") -> None:
+    """The ``--threads`` option every benchmark takes, with the one default."""
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"{what} ({DEFAULT_THREADS})")
 
 
 @dataclass

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.measure import add_threads_option
 from model.data import write_text_atomic
 
 ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|(.*)\|\s*$")
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    add_threads_option(p)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     from benchmarks.llamacpp_tools import tool_path

@@ -49,6 +49,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from benchmarks.measure import DEFAULT_THREADS
 from benchmarks.serve import client as load
 from benchmarks.serve import report
 from benchmarks.serve.static import StaticBaseline
@@ -163,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the JSON, report.md and report.png go "
                         "(default results/serve/<date>-<workload>)")
     p.add_argument("--label", default=None, help="prefix of the JSON file names")
-    p.add_argument("--server-threads", type=_positive, default=2,
-                   help="ATTNSERVE_INTRA_OP_THREADS of the server it starts (default 2)")
+    p.add_argument("--server-threads", type=_positive, default=DEFAULT_THREADS,
+                   help="ATTNSERVE_INTRA_OP_THREADS of the server it starts "
+                        f"(default {DEFAULT_THREADS})")
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of the server it starts (repeatable)")
     return p
