@@ -25,6 +25,8 @@ import sys
 from datetime import date
 from pathlib import Path
 
+from benchmarks.measure import add_threads_option
+
 DEFAULT_OPTIMUM_VENV = Path(".cache/optimum-venv")
 DEFAULT_LLAMACPP_VENV = Path(".cache/llamacpp-venv")
 
@@ -70,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results directory (default results/bench/<date>)")
     p.add_argument("--no-latest", action="store_true",
                    help="do not copy the results to results/bench/latest.*")
-    p.add_argument("--threads", type=int, default=2, help="threads for every engine (2)")
+    add_threads_option(p)
     p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32])
     p.add_argument("--nocache-batch-sizes", type=_ints, default=None,
                    help="batch sizes for the no-cache loop (default 1; all with --quick)")

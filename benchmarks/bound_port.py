@@ -10,7 +10,8 @@ Usage: python benchmarks/bound_port.py PORT_FILE serve --model DIR --port 0 ...
 
 Run as a script, it imports only the service (never the benchmarks package): the server
 runs exactly as `attnserve serve ...` does. ``wait_bound_port`` and ``wait_ready`` are the
-caller's side.
+caller's side, and ``serving`` the one way a benchmark that takes ``--model ... --port``
+starts a server for its run and stops it after.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +80,26 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float,
         time.sleep(interval)
     tail = f":\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
     raise RuntimeError(f"the server was not ready after {timeout:.0f} s{tail}")
+
+
+@contextmanager
+def serving(model: Path, port: int, server_args: list[str], prog: str,
+            timeout: float = 300.0) -> Iterator[subprocess.Popen[bytes]]:
+    """`attnserve serve --model MODEL --port PORT ...` for the length of a run, once ready
+    (stopped at the end); a server that never gets ready exits the benchmark with one line,
+    ``prog: why``."""
+    cli = Path(sys.executable).with_name("attnserve")
+    proc = subprocess.Popen([str(cli), "serve", "--model", str(model), "--port", str(port),
+                             *server_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc, timeout)
+        except RuntimeError as exc:
+            raise SystemExit(f"{prog}: {str(exc).splitlines()[0]}") from None
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def main(argv: list[str]) -> int:

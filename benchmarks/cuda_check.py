@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.measure import add_threads_option
+
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -251,7 +253,7 @@ def main() -> None:
     p.add_argument("--int4", type=Path,
                    help="the same checkpoint exported with --quantize int4 (model.onnx's "
                         "4-bit MatMulNBits on CUDA)")
-    p.add_argument("--threads", type=int, default=2, help="CPU provider threads")
+    add_threads_option(p, "CPU provider threads")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 8, 32, 128])
     p.add_argument("--cpu-batches", type=lambda s: [int(x) for x in s.split(",")],

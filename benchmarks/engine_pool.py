@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.measure import add_threads_option
 from service.artifact.loader import open_artifact
 from service.contract import io_spec as io
 from service.engine.engine import Engine, EngineConfig
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="an exported artifact with engine.onnx (a real model) instead "
                              "of the preset at random init")
     parser.add_argument("--work", type=Path, default=Path(".cache/engine_pool"))
-    parser.add_argument("--threads", type=int, default=2)
+    add_threads_option(parser)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
                         help="engine.onnx instead of the artifact's engine_mixed.onnx")

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.measure import add_threads_option
+
 ENGINES = ("ours", "peft")
 
 
@@ -206,7 +208,7 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=2)
+    add_threads_option(parser)
     parser.add_argument("--json", default=None, metavar="FILE")
     parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.engines import ENGINE_ARTIFACTS, LLAMACPP_FILES
+from benchmarks.measure import DEFAULT_THREADS
 from benchmarks.prepare import REPO_ROOT, Prepared, export_copies, make_prompts
 from benchmarks.prepare import prepare_checkpoint as _prepare_checkpoint
 from service.contract import io_spec as io
@@ -57,7 +58,7 @@ class BenchOptions:
     out_dir: Path
     latest_dir: Path | None
     quick: bool = False
-    threads: int = 2
+    threads: int = DEFAULT_THREADS
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
     nocache_batch_sizes: list[int] = field(default_factory=lambda: [1])
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])

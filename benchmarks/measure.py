@@ -11,10 +11,22 @@ repetition in ``GenResult.own``; the row carries their medians beside the wall c
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+# Every benchmark's thread count unless told otherwise, for every engine alike: the figures
+# under results/ were measured on 2-core machines.
+DEFAULT_THREADS = 2
+
+
+def add_threads_option(parser: argparse.ArgumentParser,
+                       what: str = "threads for every engine") -> None:
+    """The ``--threads`` option every benchmark takes, with the one default."""
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"{what} ({DEFAULT_THREADS})")
 
 
 @dataclass
@@ -32,18 +44,23 @@ class Runner(Protocol):
     def generate(self, prompts: list[list[int]], n_new: int) -> GenResult: ...
 
 
-def proc_memory_mb(pid: int | str = "self") -> dict[str, float]:
-    """Current (VmRSS) and peak (VmHWM) resident set of a process, in MiB (Linux)."""
-    out: dict[str, float] = {}
+def proc_memory_bytes(pid: int | str = "self") -> dict[str, int]:
+    """A process's memory lines of /proc/PID/status (Linux), in bytes: VmRSS resident,
+    VmHWM its peak, RssAnon private, RssFile mapped file pages such as memory-mapped
+    weights; empty once the process is gone."""
     try:
         text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
-        return out
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) / 1024
-    return out
+        return {}
+    lines = (line.partition(":") for line in text.splitlines())
+    return {key: int(value.split()[0]) * 1024 for key, _, value in lines
+            if key.startswith(("Vm", "Rss"))}
+
+
+def proc_memory_mb(pid: int | str = "self") -> dict[str, float]:
+    """Current (VmRSS) and peak (VmHWM) resident set of a process, in MiB (Linux)."""
+    memory = proc_memory_bytes(pid)
+    return {key: memory[key] / 2**20 for key in ("VmRSS", "VmHWM") if key in memory}
 
 
 def percentile(values: list[float], q: float) -> float:

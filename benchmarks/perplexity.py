@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.measure import add_threads_option
+
 DEFAULT_LLAMACPP_PYTHON = Path(".cache/llamacpp-venv/bin/python")
 
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--stride", type=int, default=256)
-    p.add_argument("--threads", type=int, default=2)
+    add_threads_option(p)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--no-llamacpp", action="store_true")

@@ -38,6 +38,7 @@ from typing import Any
 
 from benchmarks.llamacpp_env import LLAMA_CPP_PYTHON
 from benchmarks.llamacpp_tools import converter_command, run_logged, tool_path
+from benchmarks.measure import DEFAULT_THREADS, add_threads_option
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SIZED_DIR = REPO_ROOT / ".cache" / "bench-work" / "sized"
@@ -155,8 +156,8 @@ def recipe(preset: str) -> dict[str, Any]:
             "llama_cpp": LLAMA_CPP_PYTHON, "quants": list(QUANTS)}
 
 
-def make_sized(preset: str, root: Path = SIZED_DIR, threads: int = 2, keep_hf: bool = True,
-               log: object = print) -> dict[str, Any]:
+def make_sized(preset: str, root: Path = SIZED_DIR, threads: int = DEFAULT_THREADS,
+               keep_hf: bool = True, log: object = print) -> dict[str, Any]:
     """The f16, Q4_0 and Q4_K_M files of ``preset`` under ``root/preset``; the manifest."""
     if preset not in SHAPES:
         raise ValueError(f"unknown sized preset {preset!r}; one of {', '.join(SHAPES)}")
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(SHAPES), help="the shape to make")
     p.add_argument("--root", type=Path, default=SIZED_DIR, help=f"(default {SIZED_DIR})")
-    p.add_argument("--threads", type=int, default=2, help="llama-quantize threads (2)")
+    add_threads_option(p, "llama-quantize threads")
     p.add_argument("--drop-hf", action="store_true",
                    help="delete the Hugging Face directory once the f16 file is written")
     p.add_argument("--list", action="store_true", help="print the shapes and exit")

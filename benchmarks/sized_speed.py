@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -31,6 +30,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from benchmarks.measure import add_threads_option
+from model.data import write_text_atomic
 
 ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|(.*)\|\s*$")
 
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    add_threads_option(p)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     from benchmarks.llamacpp_tools import tool_path
@@ -140,10 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch {batch:3d}: ours {mine:8.1f}  llama.cpp {peer:8.1f}  "
                   f"ratio {mine / peer:.2f}")
     if args.json is not None:
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                   "rounds": rounds, "summary": summary}, indent=2))
-        os.replace(tmp, args.json)
+        figures = {"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds,
+                   "summary": summary}
+        write_text_atomic(args.json, json.dumps(figures, indent=2))
     return 0
 
 

@@ -24,9 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,7 +32,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks import bound_port
+from benchmarks.bound_port import serving
+from benchmarks.measure import proc_memory_bytes
+from model.data import write_text_atomic
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 QUESTIONS = [
@@ -58,12 +58,11 @@ class Tally:
 
 
 def status(pid: int, field: str = "VmRSS") -> int:
-    """Bytes of ``field`` of process ``pid`` in /proc/PID/status (VmRSS: resident; RssAnon:
-    its private memory; RssFile: mapped file pages, e.g. memory-mapped weights)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} for pid {pid}")
+    """Bytes of ``field`` of process ``pid`` (benchmarks/measure.py: proc_memory_bytes)."""
+    memory = proc_memory_bytes(pid)
+    if field not in memory:
+        raise RuntimeError(f"no {field} for pid {pid}")
+    return memory[field]
 
 
 def vm_rss(pid: int) -> int:
@@ -162,13 +161,6 @@ async def soak(url: str, pid: int, clients: int, duration: float) -> dict[str, o
                                       "failed": len(tally.failures)}}
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
-    try:
-        bound_port.wait_ready(url, proc, timeout)
-    except RuntimeError as exc:
-        raise SystemExit(f"soak: {str(exc).splitlines()[0]}") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.soak",
                                      description=__doc__.split("\n\n")[0])
@@ -186,30 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--url needs --pid (the server's RSS is read from /proc)")
     if args.clients < 1 or args.duration <= 0:
         parser.error("--clients and --duration must be positive")
-    proc = None
     url, pid = args.url, args.pid
-    if args.model is not None:
-        url = f"http://127.0.0.1:{args.port}"
-        cli = Path(sys.executable).with_name("attnserve")
-        proc = subprocess.Popen([str(cli), "serve", "--model", str(args.model),
-                                 "--port", str(args.port), *args.server_args],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        pid = proc.pid
-    try:
-        if proc is not None:
-            wait_ready(url, proc)
+    with contextlib.ExitStack() as stack:
+        if args.model is not None:
+            server = stack.enter_context(serving(args.model, args.port, args.server_args, "soak"))
+            url, pid = f"http://127.0.0.1:{args.port}", server.pid
         result = asyncio.run(soak(url, pid, args.clients, args.duration))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, args.out)
+        write_text_atomic(args.out, text + "\n")
     return 0 if not result["tally"]["failed"] else 1  # type: ignore[index]
 
 

@@ -19,15 +19,15 @@ switching to the model view until every layer's thumbnails are painted; and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bound_port
+from benchmarks.bound_port import serving
 from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 
@@ -76,13 +76,6 @@ def one_run(browser: Any, url: str, text: str, legacy: bool) -> dict[str, float]
             "all_bytes": sum(sizes)}
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
-    try:
-        bound_port.wait_ready(url, proc, 300.0)
-    except RuntimeError as exc:
-        raise SystemExit(f"viz_open: {str(exc).splitlines()[0]}") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.viz_open",
                                      description=__doc__.split("\n\n")[0])
@@ -101,25 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     from playwright.sync_api import sync_playwright
 
     text, count = input_text(args.model, args.tokens)
-    proc = None
     url = args.url
-    if url is None:
-        url = f"http://127.0.0.1:{args.port}"
-        cli = Path(sys.executable).with_name("attnserve")
-        proc = subprocess.Popen([str(cli), "serve", "--model", str(args.model), "--port",
-                                 str(args.port), *args.server_args],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        if proc is not None:
-            wait_ready(url, proc)
+    with contextlib.ExitStack() as stack:
+        if url is None:
+            stack.enter_context(serving(args.model, args.port, args.server_args, "viz_open"))
+            url = f"http://127.0.0.1:{args.port}"
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
             runs = [one_run(browser, url, text, args.legacy) for _ in range(args.runs)]
             browser.close()
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
     medians = {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}
     print(json.dumps({"tokens": count, "runs": [{k: round(v, 1) for k, v in r.items()}
                                                 for r in runs], "median": medians}, indent=2))

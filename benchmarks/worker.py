@@ -141,7 +141,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
 
         return {"result": write_gguf(Path(spec["hf"]), Path(spec["out"]))}
     if job == "gguf_dequantize":
-        from benchmarks.gguf_f32 import dequantize_gguf
+        from benchmarks.gguf_export import dequantize_gguf
 
         return {"result": dequantize_gguf(Path(spec["src"]), Path(spec["out"]))}
     if job == "llamacpp_agreement":

@@ -19,16 +19,21 @@ PATH = re.compile(r"(?<![\w/.])((?:" + "|".join(re.escape(t) for t in TOP_LEVEL)
 # A path made by a command (an output folder), a pattern, or a placeholder is not a claim
 # that it exists.
 OUTPUT_FLAG = re.compile(r"--(?:out|result-dir|work|json)\s+$")
+# `git show REV:PATH` names a file of an old commit (a retired script), not of the tree.
+GIT_REVISION = re.compile(r"\b[0-9a-f]{7,40}:$")
 
 
 def named_paths(text: str) -> list[str]:
     """The repository paths ``text`` states: in its prose and commands (not those a
     command would create, not patterns such as ``results/x-*/`` or ``{a,b}``, not
-    placeholders in capitals)."""
+    placeholders in capitals, not a past commit's file as ``git show REV:PATH`` names it)."""
     found = []
     for m in PATH.finditer(text):
         path, after = m.group(1), text[m.end():m.end() + 2]
-        if any(c in after for c in "*{<") or OUTPUT_FLAG.search(text[:m.start()]):
+        before = text[:m.start()]
+        if any(c in after for c in "*{<") or OUTPUT_FLAG.search(before):
+            continue
+        if GIT_REVISION.search(before[-41:]):
             continue
         if any(part.isupper() for part in re.split(r"[/.]", path)):
             continue
@@ -48,5 +53,5 @@ def test_every_named_path_exists(document: Path) -> None:
 def test_the_path_finder_finds_paths_and_skips_what_is_not_a_claim() -> None:
     text = ("see `service/engine/device.py` and [x](../results/a.md); run `--out results/mine`;"
             " files under `results/serve/2026-*/`, `results/bench/latest.{json,md}`, "
-            "`model/architectures/NAME.py`")
+            "`model/architectures/NAME.py`, `git show 26b622d:benchmarks/retired.py`")
     assert named_paths(text) == ["service/engine/device.py"]

@@ -49,6 +49,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from benchmarks.measure import DEFAULT_THREADS
 from benchmarks.serve import client as load
 from benchmarks.serve import report
 from benchmarks.serve.static import StaticBaseline
@@ -59,6 +60,7 @@ from benchmarks.serve.workloads import (
     random_requests,
     shared_prefix_requests,
 )
+from model.data import write_text_atomic
 
 WORKLOADS = ("random", "shared-prefix", "chat")
 
@@ -162,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the JSON, report.md and report.png go "
                         "(default results/serve/<date>-<workload>)")
     p.add_argument("--label", default=None, help="prefix of the JSON file names")
-    p.add_argument("--server-threads", type=_positive, default=2,
-                   help="ATTNSERVE_INTRA_OP_THREADS of the server it starts (default 2)")
+    p.add_argument("--server-threads", type=_positive, default=DEFAULT_THREADS,
+                   help="ATTNSERVE_INTRA_OP_THREADS of the server it starts "
+                        f"(default {DEFAULT_THREADS})")
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of the server it starts (repeatable)")
     return p
@@ -344,12 +347,6 @@ def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
             "suffix_len": args.suffix_len, "output_len": args.output_len}
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, allow_nan=True), encoding="utf-8")
-    tmp.replace(path)
-
-
 def _rate_name(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -400,7 +397,7 @@ def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
                 if server is not None:
                     run["server_env"] = _server_env(args.server_env)
                     run["server_threads"] = args.server_threads
-                _write_json(out / _json_name(args, run), run)
+                write_text_atomic(out / _json_name(args, run), json.dumps(run))
                 print(report.summary(run))
                 runs.append(run)
     finally:
@@ -444,7 +441,7 @@ def handle(args: argparse.Namespace) -> int:
             for run in runs:
                 run["static_baseline"] = static.result(run["output_throughput"],
                                                        run["round"] - 1)
-                _write_json(out / _json_name(args, run), run)
+                write_text_atomic(out / _json_name(args, run), json.dumps(run))
                 print(report.static_summary(run))
             if args.rounds > 1:
                 print(report.static_rounds(runs))
