@@ -69,8 +69,8 @@ CHAT = [
 ]
 
 
-def build_engine(artifact_dir: Path, threads: int, speculative: Any, draft: Path | None
-                 ) -> Any:
+def build_engine(artifact_dir: Path, threads: int, **speculation: Any) -> Any:
+    """An engine on one row; ``speculation``: its speculative_* settings (none: off)."""
     from service.artifact.loader import open_artifact
     from service.contract.io_spec import ArtifactConfig
     from service.engine.engine import Engine, EngineConfig
@@ -81,8 +81,7 @@ def build_engine(artifact_dir: Path, threads: int, speculative: Any, draft: Path
                                                       "max_total_tokens": total}))
     return artifact, Engine.from_artifact(artifact, EngineConfig(
         device="cpu", intra_op_threads=threads, max_batch_size=1, max_total_tokens=total,
-        prefix_caching=False, prefill_chunk_tokens=0, speculative=speculative,
-        speculative_model=draft))
+        prefix_caching=False, prefill_chunk_tokens=0, **speculation))
 
 
 async def decode(engine: Any, prompt: list[int], max_new: int, eos: tuple[int, ...] = ()
@@ -127,13 +126,11 @@ def prompt_sets(path: Path | None) -> dict[str, list[str]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from service.engine.speculative import SpeculativeConfig
-
     sets = prompt_sets(args.prompts)
-    spec = SpeculativeConfig(method="draft" if args.draft else "ngram",
-                             num_speculative_tokens=args.k, adaptive=args.adaptive)
-    artifact, plain = build_engine(args.artifact, args.threads, None, None)
-    _, fast = build_engine(args.artifact, args.threads, spec, args.draft)
+    artifact, plain = build_engine(args.artifact, args.threads)
+    _, fast = build_engine(args.artifact, args.threads,
+                           speculative_model=str(args.draft) if args.draft else "ngram",
+                           num_speculative_tokens=args.k, speculative_adaptive=args.adaptive)
     loop = asyncio.new_event_loop()
     plain.start(loop)
     fast.start(loop)
@@ -143,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"artifact": str(args.artifact), "threads": args.threads,
                               "max_new_tokens": args.max_new, "reps": args.reps,
                               "num_speculative_tokens": args.k, "adaptive": args.adaptive,
-                              "method": spec.method, "sets": {}}
+                              "method": "draft" if args.draft else "ngram", "sets": {}}
     try:
         loop.run_until_complete(decode(plain, codec.encode("Hello", False), 4))  # warm-up
         loop.run_until_complete(decode(fast, codec.encode("Hello", False), 4))
