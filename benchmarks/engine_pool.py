@@ -69,7 +69,8 @@ class Bench:
             device="cpu", intra_op_threads=threads, max_batch_size=BATCH,
             max_batch_tokens=1 << 20, max_queued_requests=4096,
             prefix_caching=prefix_blocks > 0, prefix_block_size=block,
-            prefix_cache_memory_mb=prefix_blocks * block * token_bytes / 2**20,
+            # unread without prefix caching, yet a setting must be valid (> 0)
+            prefix_cache_memory_mb=max(prefix_blocks, 1) * block * token_bytes / 2**20,
             prefill_chunk_tokens=chunk, adaptive_prefill_chunks=False,
             mixed_steps=mixed_steps), warmup=False)
         self.loop = asyncio.new_event_loop()

@@ -64,7 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     except ImportError:  # an install without the serve extra: the command says so when run
         parser.set_defaults(handler=_not_installed)
         return
-    for name, field in Settings.model_fields.items():
+    # the required --model first (Settings declares it last, after the options it adds to)
+    for name, field in sorted(Settings.model_fields.items(), key=lambda f: not f[1].is_required()):
         if name not in ENVIRONMENT_ONLY:
             parser.add_argument(flag(name), dest=name, **argument(field))
     parser.set_defaults(handler=run)

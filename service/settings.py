@@ -7,16 +7,17 @@ context length when the model loads (see ``Limits.resolve``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.contract.manifest import MEASURED_THRESHOLDS
 
 Device = Literal["auto", "cpu", "cuda"]
+T = TypeVar("T")
 
 
 
@@ -25,11 +26,14 @@ def _measured(threshold: str) -> str:
     return ", ".join(f"{getattr(t, threshold)} for {q}" for q, t in MEASURED_THRESHOLDS.items()
                      if getattr(t, threshold))
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ATTNSERVE_", extra="ignore",
-                                      protected_namespaces=())
+class ServeOptions(BaseModel):
+    """Every setting but the artifact's path, as plain values: the engine's config is one
+    (service/engine/engine.py), so a test or benchmark that builds an engine with a few
+    fields gets every other as a server started without flags has it, and a new setting
+    is one field here."""
 
-    model: Path = Field(description="artifact directory (model.onnx, attention.onnx, ...)")
+    model_config = ConfigDict(frozen=True, protected_namespaces=())
+
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0: any free port)")
     device: Device = Field("auto", description="auto: CUDA when ONNX Runtime has it, else "
@@ -150,10 +154,27 @@ class Settings(BaseSettings):
         return key
 
 
+class Settings(BaseSettings, ServeOptions):
+    """The options of ``attnserve serve``: its flags (service/serve_cli.py), then ATTNSERVE_*
+    in the environment, then the defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="ATTNSERVE_", extra="ignore",
+                                      protected_namespaces=(), frozen=True)
+
+    model: Path = Field(description="artifact directory (model.onnx, attention.onnx, ...)")
+
+
 def default_of(name: str) -> Any:
-    """A Settings field's default: the one source of each serving default, which the
-    engine's own config classes (EngineConfig, SpeculativeConfig) take rather than repeat."""
-    return Settings.model_fields[name].get_default()
+    """A setting's default, for the engine's small dataclasses of settings
+    (SchedulerLimits, SpeculativeConfig), which take their fields by name (``of_settings``)."""
+    return ServeOptions.model_fields[name].get_default()
+
+
+def of_settings(cls: type[T], options: ServeOptions, **others: Any) -> T:
+    """The dataclass ``cls`` with each field named after a setting taken from ``options``
+    (no hand mapping), and ``others`` for the fields that are not settings."""
+    return cls(**{f.name: getattr(options, f.name) for f in fields(cls)  # type: ignore[arg-type]
+                  if f.name in ServeOptions.model_fields}, **others)
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,9 @@ class Artifact:
     chat_template: ChatTemplate
     extra_eos_ids: tuple[int, ...]  # generation_config.json's eos_token_id beyond config's
     generation_defaults: GenerationDefaults  # its sampling fields, for the OpenAI routes
-    # a request's completion length when it names none: config.json's (the export's), else
-    # the contract's; the OpenAI routes prefer generation_config.json's, as vLLM does
-    default_max_new_tokens: int
+    # a request's completion length when it names none: config.json's (the export's); None:
+    # the contract's (service/http/validation.py's Validator.max_new_tokens weighs them all)
+    default_max_new_tokens: int | None
 
 
 def read_generation_config(path: Path, listed: Mapping[str, object]) -> dict[str, Any]:
@@ -86,4 +86,4 @@ def open_artifact(settings: Settings) -> Artifact:
         extra_eos_ids=generation_eos_ids(generation, config),
         generation_defaults=parse_generation_defaults(generation)
         if settings.generation_config == "auto" else GenerationDefaults(),
-        default_max_new_tokens=config.generation.max_new_tokens or io.DEFAULT_MAX_NEW_TOKENS)
+        default_max_new_tokens=config.generation.max_new_tokens)

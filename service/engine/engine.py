@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,63 +44,33 @@ from service.engine.scheduler import RequestHandle, Scheduler, SchedulerLimits
 from service.engine.speculative import SpeculativeConfig, Speculator
 from service.engine.stats import KVStats, PrefixCacheStats, StatsSink
 from service.providers import CPU, CUDA, create_session, select_providers
-from service.settings import Device, Limits, Settings, default_of
+from service.settings import Device, Limits, ServeOptions, Settings, of_settings
 
 log = logging.getLogger("attnserve.engine")
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything that shapes the engine beyond the artifact (vLLM's EngineArgs); each
-    default is the Settings field's of the same name (``device`` excepted: an engine made
-    directly, in tests and benchmarks, runs on the CPU; served, ``auto`` picks)."""
+class EngineConfig(ServeOptions):
+    """Everything that shapes the engine beyond the artifact (vLLM's EngineArgs): the
+    serving options themselves, so an engine setting is its Settings field and nothing
+    more. One default differs: an engine made directly (tests, benchmarks) runs on the
+    CPU; served, ``--device auto`` picks."""
 
     device: Device = "cpu"
-    intra_op_threads: int = default_of("intra_op_threads")  # ONNX Runtime threads; 0 = all
-    engine_graph: bool = default_of("engine_graph")  # engine.onnx when present, on CPU
-    cuda_graphs: bool = default_of("cuda_graphs")  # float16 engine.onnx on CUDA: replays
-    mixed_steps: bool = default_of("mixed_steps")  # engine_mixed.onnx when present
-    max_batch_size: int = default_of("max_batch_size")  # rows a step = the KV pool's slots
-    max_batch_tokens: int = default_of("max_batch_tokens")  # reserved tokens in a batch
-    max_queued_requests: int = default_of("max_queued_requests")
-    max_total_tokens: int | None = None  # tokens per slot; None: the model's context
-    kv_cache_memory_mb: float | None = default_of("kv_cache_memory_mb")  # None: no cap
-    prefix_caching: bool = default_of("prefix_caching")
-    prefix_cache_memory_mb: float = default_of("prefix_cache_memory_mb")
-    prefix_block_size: int = default_of("prefix_block_size")
-    prefill_chunk_tokens: int = default_of("prefill_chunk_tokens")  # 0: one pass
-    float32_pass_tokens: int | None = default_of("float32_pass_tokens")  # None: artifact's
-    codes8_pass_rows: int | None = default_of("codes8_pass_rows")  # None: artifact's
-    adaptive_prefill_chunks: bool = default_of("adaptive_prefill_chunks")
-    max_batch_prefill_tokens: int = default_of("max_batch_prefill_tokens")  # 0: no bound
-    huge_pages: bool = default_of("huge_pages")  # packed weights moved into 2 MiB pages
-    speculative: SpeculativeConfig | None = None  # None: one token per row per step
-    speculative_model: Path | None = None  # the draft's artifact (method "draft")
 
     @classmethod
     def from_settings(cls, settings: Settings, limits: Limits) -> EngineConfig:
-        """Every field of the Settings field's name, the batch limits as resolved for the
-        artifact (``limits``), and the speculation built from its flags."""
-        derived = {"speculative", "speculative_model"}
-        resolved = {f.name for f in fields(Limits)}
-        values = {f.name: getattr(limits if f.name in resolved else settings, f.name)
-                  for f in fields(cls) if f.name not in derived}
-        return cls(**values, speculative=speculative_config(settings),
-                   speculative_model=None if settings.speculative_model in (None, "ngram")
-                   else Path(str(settings.speculative_model)))
+        """Every setting, the limits as resolved for the artifact (``limits``)."""
+        values = {name: getattr(settings, name) for name in ServeOptions.model_fields}
+        return cls(**values | {f.name: getattr(limits, f.name) for f in fields(Limits)})
 
-
-def speculative_config(settings: Settings) -> SpeculativeConfig | None:
-    """``--speculative-model ngram|DIR`` and its companions (None: off)."""
-    if settings.speculative_model is None:
-        return None
-    return SpeculativeConfig(
-        method="ngram" if settings.speculative_model == "ngram" else "draft",
-        num_speculative_tokens=settings.num_speculative_tokens,
-        prompt_lookup_max=settings.prompt_lookup_max,
-        prompt_lookup_min=settings.prompt_lookup_min,
-        max_batch_rows=settings.speculative_max_batch_rows,
-        adaptive=settings.speculative_adaptive)
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``--speculative-model ngram|DIR`` and its companions (None: one token per row
+        per step)."""
+        if self.speculative_model is None:
+            return None
+        return of_settings(SpeculativeConfig, self, method="ngram"
+                           if self.speculative_model == "ngram" else "draft")
 
 
 def create_speculator(artifact: Artifact, config: EngineConfig) -> Speculator | None:
@@ -115,9 +85,7 @@ def create_speculator(artifact: Artifact, config: EngineConfig) -> Speculator | 
         return None
     if spec.method == "ngram":
         return Speculator(spec)
-    if config.speculative_model is None:
-        raise ValueError("draft speculation needs --speculative-model DIR")
-    path = config.speculative_model
+    path = Path(str(config.speculative_model))
     try:
         manifest = verify_manifest(path)
     except (OSError, ValueError) as exc:
@@ -131,14 +99,15 @@ def create_speculator(artifact: Artifact, config: EngineConfig) -> Speculator | 
         raise ValueError(f"--speculative-model {path}: vocabulary of "
                          f"{draft_config.vocab_size} ids, the served model has "
                          f"{artifact.config.vocab_size}")
-    rows = spec.max_batch_rows
+    rows = spec.speculative_max_batch_rows
     max_len = min(config.max_total_tokens or artifact.config.max_seq_len,
                   draft_config.max_seq_len)
     # The draft takes turns with the target on the same cores: its workers must not spin
     # on after its steps, or the target's next pass runs at half speed.
-    draft_runner = create_runner(path, draft_config, replace(
-        config, max_batch_size=rows, max_batch_tokens=rows * max_len, max_total_tokens=max_len,
-        kv_cache_memory_mb=None, prefix_caching=False, speculative=None), spin_wait=False)
+    draft_runner = create_runner(path, draft_config, config.model_copy(update=dict(
+        max_batch_size=rows, max_batch_tokens=rows * max_len, max_total_tokens=max_len,
+        kv_cache_memory_mb=None, prefix_caching=False, speculative_model=None)),
+        spin_wait=False)
     return Speculator(spec, DraftModel(draft_runner, spec.num_speculative_tokens, max_len))
 
 
@@ -265,10 +234,7 @@ class Engine:
                  kv.capacity_tokens * kv.bytes_allocated / (kv.slots * runner.max_len) / 2**20,
                  f", prefix cache of {p.capacity_blocks} blocks x {p.block_size} tokens"
                  if (p := runner.prefix_stats()) else "")
-        limits = SchedulerLimits(config.max_batch_size, config.max_batch_tokens,
-                                 config.max_queued_requests, config.prefill_chunk_tokens,
-                                 config.adaptive_prefill_chunks,
-                                 config.max_batch_prefill_tokens)
+        limits = of_settings(SchedulerLimits, config)
         speculator = create_speculator(artifact, config)
         engine = cls(runner, Scheduler(runner, artifact.codec, limits, stats, speculator))
         if engine.float32_pass_tokens is not None:

@@ -6,7 +6,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
@@ -55,6 +55,21 @@ class SamplingParams:
     seed: int | None = None  # None with do_sample: the engine picks one and reports it
     top_n_logprobs: int = 0  # alternatives reported per token (OpenAI logprobs, TGI top_n_tokens)
     constraint: ConstraintFactory | None = None  # structured output (a grammar)
+
+    @classmethod
+    def of_request(cls, *, do_sample: bool, temperature: float | None = None,
+                   top_k: int | None = None, top_p: float | None = None,
+                   typical_p: float | None = None, **rest: Any) -> SamplingParams:
+        """A request's choice of token, the one reading of it both APIs share: it samples
+        when asked (``do_sample``: OpenAI always asks, TGI's flag) or when a warper is
+        other than neutral (TGI's rule), except at temperature 0, which is greedy (OpenAI's;
+        TGI refuses 0). None, 0 (and top_k -1, OpenAI's off) are each warper's neutral
+        value; ``rest``, the other fields, go in as given."""
+        warped = (temperature not in (None, 1.0) or bool(top_k and top_k > 0)
+                  or top_p not in (None, 1.0) or typical_p not in (None, 1.0))
+        return cls(do_sample=(do_sample or warped) and temperature != 0,
+                   temperature=temperature or 1.0, top_k=max(top_k or 0, 0),
+                   top_p=top_p or 1.0, typical_p=typical_p or 1.0, **rest)
 
     @property
     def is_plain_sampling(self) -> bool:

@@ -49,6 +49,7 @@ from service.engine.sequence import SequenceState
 from service.engine.speculative import Speculator
 from service.engine.stats import LoadStats, NullStats, RequestStats, StatsSink, StepStats
 from service.engine.step import Step, run_step, step_alone
+from service.settings import default_of
 
 log = logging.getLogger("attnserve.engine")
 
@@ -65,14 +66,15 @@ class EngineStopped(Exception):
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    max_batch_size: int
-    max_batch_tokens: int
-    max_queued_requests: int
-    prefill_chunk_tokens: int = 0  # 0: prompts are prefilled in one pass
-    adaptive_chunks: bool = False  # chunks cost about a decode step (chunking.py)
-    # while rows decode, the newcomers' prompt tokens one step takes (the first always
-    # goes); 0: every newcomer that fits the batch
-    max_batch_prefill_tokens: int = 0
+    """The settings the scheduler reads, by their Settings names and defaults (the engine
+    builds it by name: ``of_settings``); their meaning is in service/settings.py."""
+
+    max_batch_size: int = default_of("max_batch_size")
+    max_batch_tokens: int = default_of("max_batch_tokens")
+    max_queued_requests: int = default_of("max_queued_requests")
+    prefill_chunk_tokens: int = default_of("prefill_chunk_tokens")  # 0: one pass
+    adaptive_prefill_chunks: bool = default_of("adaptive_prefill_chunks")  # chunking.py
+    max_batch_prefill_tokens: int = default_of("max_batch_prefill_tokens")  # 0: no bound
 
 
 def _is_last(event: Event) -> bool:
@@ -142,7 +144,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
         self._partial: Batch | None = None  # a long prompt part-way through its prefill
-        self.chunks = ChunkBudget(limits.prefill_chunk_tokens, limits.adaptive_chunks,
+        self.chunks = ChunkBudget(limits.prefill_chunk_tokens, limits.adaptive_prefill_chunks,
                                   mixed=runner.mixes_chunks)
         self._handles: dict[int, RequestHandle] = {}
         self._outbox: list[tuple[RequestHandle, Event]] = []  # events _publish sends

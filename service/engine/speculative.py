@@ -44,7 +44,8 @@ Method = Literal["ngram", "draft"]
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How to speculate; vLLM's ``--speculative-config`` fields where they exist."""
+    """How to speculate: vLLM's ``--speculative-config`` fields where they exist, each
+    setting by its Settings name and default (the engine builds it by name)."""
 
     method: Method = "ngram"
     # k: drafted tokens per verification pass
@@ -52,9 +53,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = default_of("prompt_lookup_max")  # longest n-gram searched for
     prompt_lookup_min: int = default_of("prompt_lookup_min")  # shortest accepted as a match
     # speculate only while the batch has at most this many rows
-    max_batch_rows: int = default_of("speculative_max_batch_rows")
+    speculative_max_batch_rows: int = default_of("speculative_max_batch_rows")
     # False: propose every step, paying or not (to measure acceptance)
-    adaptive: bool = default_of("speculative_adaptive")
+    speculative_adaptive: bool = default_of("speculative_adaptive")
     probe_budget: float = 0.02  # share of plain speed spent re-testing speculation that lost
     max_pause: int = 512  # longest run of plain steps between two such tests
 
@@ -63,8 +64,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be at least 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.max_batch_rows < 1:
-            raise ValueError("max_batch_rows must be at least 1")
+        if self.speculative_max_batch_rows < 1:
+            raise ValueError("speculative_max_batch_rows must be at least 1")
         if not 0.0 < self.probe_budget <= 1.0 or self.max_pause < 1:
             raise ValueError("need 0 < probe_budget <= 1 and max_pause >= 1")
 
@@ -273,7 +274,7 @@ class Drafter(Protocol):
 class Speculator:
     """The engine's speculation policy: who proposes, for which rows, and the counts.
 
-    Speculation runs while the batch has at most ``max_batch_rows`` rows: a verification
+    Speculation runs while the batch has at most ``speculative_max_batch_rows`` rows: a verification
     pass feeds one row's tokens (engine.onnx takes several new tokens over a cache one row
     at a time), so at larger batches one batched decode step is the better use of a pass
     over the weights (vLLM disables speculation by batch size for the same reason).
@@ -298,7 +299,7 @@ class Speculator:
         self._rows: dict[int, RowSpeculation] = {}
 
     def applies(self, rows: int) -> bool:
-        return rows <= self.config.max_batch_rows
+        return rows <= self.config.speculative_max_batch_rows
 
     def propose(self, key: int, history: Sequence[int], sampler: RowSampler,
                 room: int) -> Proposal | None:
@@ -307,7 +308,7 @@ class Speculator:
         if room < 1 or sampler.constraint is not None:
             return None
         row = self._row(key)
-        if self.config.adaptive and self.costs.plain is None:
+        if self.config.speculative_adaptive and self.costs.plain is None:
             return None  # a plain step's cost is the yardstick: measure it first
         if not row.wants_proposal():
             self.counters.paused_steps += 1
@@ -347,7 +348,7 @@ class Speculator:
         return row
 
     def _decide(self, row: RowSpeculation) -> None:
-        if self.config.adaptive:
+        if self.config.speculative_adaptive:
             row.decide(self.costs.round_in_plain_steps(), self.config.probe_budget,
                        self.config.max_pause)
 

@@ -57,11 +57,9 @@ def sampling_params(body: OpenAISampling, validator: Validator, top_n: int) -> S
     for key, value in (body.logit_bias or {}).items():
         validator.check_token_id(int(key), f"logit_bias.{key}")
         bias.append((int(key), value))
-    return SamplingParams(
-        do_sample=body.temperature > 0,
-        temperature=body.temperature if body.temperature > 0 else 1.0,
-        top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
+    return SamplingParams.of_request(
+        do_sample=True, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+        min_p=body.min_p, repetition_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         logit_bias=tuple(bias), seed=body.seed, top_n_logprobs=top_n,
         constraint=response_constraint(body, validator))
@@ -86,8 +84,6 @@ def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[s
     defaults = runtime.artifact.generation_defaults
     body = defaults.fill(body)
     length_given = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
-    if defaults.max_new_tokens is not None and not length_given:
-        max_new_tokens = None  # the author's length, shortened to fit like the server's own
     stop_ids = tuple(body.stop_token_ids or ())
     validator.check_token_ids(stop_ids, "stop_token_ids")
     sampling = sampling_params(body, validator, top_n)
@@ -97,7 +93,7 @@ def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[s
             requests.append(validator.build(
                 ids, choice_sampling(sampling, j), max_new_tokens, body.stop_sequences,
                 max_field, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_ids,
-                default_max_new_tokens=defaults.max_new_tokens,
+                max_new_given=length_given, author_max_new_tokens=defaults.max_new_tokens,
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                 token_logprobs=token_logprobs))
     return requests

@@ -11,16 +11,11 @@ from service.http.schemas import GenerateParameters, GenerateRequest, JsonGramma
 
 
 def sampling_params(runtime: Runtime, params: GenerateParameters) -> SamplingParams:
-    """TGI's sampling: temperature, top_k, top_p or typical_p other than neutral turn it on;
-    a grammar constrains it."""
-    warped = ((params.temperature not in (None, 1.0)) or bool(params.top_k)
-              or (params.top_p not in (None, 1.0)) or (params.typical_p not in (None, 1.0)))
-    sampling = SamplingParams(
-        do_sample=params.do_sample or warped,
-        temperature=params.temperature or 1.0,
-        top_k=params.top_k or 0,
-        top_p=params.top_p or 1.0,
-        typical_p=params.typical_p or 1.0,
+    """TGI's sampling: ``do_sample``, or temperature, top_k, top_p or typical_p other than
+    neutral, turn it on (``SamplingParams.of_request``); a grammar constrains it."""
+    sampling = SamplingParams.of_request(
+        do_sample=params.do_sample, temperature=params.temperature, top_k=params.top_k,
+        top_p=params.top_p, typical_p=params.typical_p,
         repetition_penalty=params.repetition_penalty or 1.0,
         frequency_penalty=params.frequency_penalty or 0.0,
         seed=params.seed,

@@ -2,7 +2,8 @@
 
 Mirrors TGI's router validation: ``input_len ≤ max_input_tokens``, ``max_new_tokens ≤``
 the server's bound and ``input_len + max_new_tokens ≤ max_total_tokens``, else 422. An
-unset max_new_tokens takes the artifact's default, shortened to fit max_total_tokens.
+unset max_new_tokens takes the artifact's default, shortened to fit max_total_tokens
+(``Validator.max_new_tokens``, the one place its sources are weighed).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from service.artifact.text import TextCodec
+from service.contract import io_spec as io
 from service.engine.grammar import Grammar, GrammarCompiler, GrammarError, GrammarKind
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.settings import Limits
@@ -31,7 +33,7 @@ class Validator:
     codec: TextCodec
     limits: Limits
     eos_token_id: int | None  # None: stop only at max_new_tokens or a stop sequence
-    default_max_new_tokens: int
+    default_max_new_tokens: int | None  # config.json's (the export's); None: the contract's
     vocab_size: int = 0  # the model's logits width; 0: the tokenizer's
     extra_eos_ids: tuple[int, ...] = ()  # generation_config.json's eos_token_id list
     grammars: GrammarCompiler | None = None
@@ -76,25 +78,40 @@ class Validator:
             raise InputError(field, f"{count} sequences in one request exceed "
                                     f"max_queued_requests {self.limits.max_queued_requests}")
 
+    def max_new_tokens(self, requested: int | None, prompt_tokens: int, field: str, *,
+                       given: bool = True, author_default: int | None = None) -> int:
+        """How many tokens a request may generate, its sources weighed here only. A length
+        the client gives must fit the server's bound (``--max-new-tokens``) and what its
+        prompt leaves of max_total_tokens, else 422. Without one, the model author's
+        (generation_config.json: ``author_default``, which also replaces an API's own
+        default length, ``given`` False), else the export's (config.json), else the
+        contract's, shortened to fit both."""
+        room = self.limits.max_total_tokens - prompt_tokens
+        if requested is None or (not given and author_default is not None):
+            default = (author_default or self.default_max_new_tokens
+                       or io.DEFAULT_MAX_NEW_TOKENS)
+            return max(1, min(default, room, self.limits.max_new_tokens))
+        if requested > self.limits.max_new_tokens:
+            raise InputError(field, f"{requested} exceeds the server's bound "
+                                    f"max_new_tokens {self.limits.max_new_tokens}")
+        if requested > room:
+            raise InputError(
+                field,
+                f"inputs tokens + max_new_tokens must be <= {self.limits.max_total_tokens}; "
+                f"given {prompt_tokens} input tokens and {requested} max_new_tokens")
+        return requested
+
     def build(
         self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int | None,
         stop: list[str], max_new_field: str, prompt_logprobs: bool = False, *,
         stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, min_tokens: int = 0,
-        default_max_new_tokens: int | None = None, token_logprobs: bool = True,
+        max_new_given: bool = True, author_max_new_tokens: int | None = None,
+        token_logprobs: bool = True,
     ) -> GenerationRequest:
-        """``default_max_new_tokens`` replaces the server's default for an unset length."""
-        room = self.limits.max_total_tokens - len(prompt_ids)
-        if max_new_tokens is None:
-            max_new_tokens = max(1, min(default_max_new_tokens or self.default_max_new_tokens,
-                                        room, self.limits.max_new_tokens))
-        if max_new_tokens > self.limits.max_new_tokens:
-            raise InputError(max_new_field, f"{max_new_tokens} exceeds the server's bound "
-                                            f"max_new_tokens {self.limits.max_new_tokens}")
-        if max_new_tokens > room:
-            raise InputError(
-                max_new_field,
-                f"inputs tokens + max_new_tokens must be <= {self.limits.max_total_tokens}; "
-                f"given {len(prompt_ids)} input tokens and {max_new_tokens} max_new_tokens")
+        """``max_new_given`` and ``author_max_new_tokens``: see ``max_new_tokens``."""
+        max_new_tokens = self.max_new_tokens(max_new_tokens, len(prompt_ids), max_new_field,
+                                             given=max_new_given,
+                                             author_default=author_max_new_tokens)
         if min_tokens > max_new_tokens:
             raise InputError("min_tokens", f"{min_tokens} exceeds max_tokens {max_new_tokens}")
         eos = None if ignore_eos else self.eos_token_id

@@ -167,32 +167,37 @@ def test_a_flag_wins_over_the_environment_and_the_environment_over_the_default(
 
 def test_the_engine_configs_take_their_defaults_from_settings() -> None:
     """One source for each default: an engine made without settings (tests, benchmarks)
-    runs as a server started without flags does."""
+    runs as a server started without flags does (on the CPU rather than ``auto``), and
+    the scheduler's and speculation's settings carry the Settings names and defaults."""
     import dataclasses
 
     from service.engine.engine import EngineConfig
+    from service.engine.scheduler import SchedulerLimits
     from service.engine.speculative import SpeculativeConfig
 
-    renamed = {"max_batch_rows": "speculative_max_batch_rows",
-               "adaptive": "speculative_adaptive"}
-    for config in (EngineConfig(), SpeculativeConfig()):
-        shared = 0
-        for f in dataclasses.fields(config):
-            name = renamed.get(f.name, f.name)
-            if name in Settings.model_fields and name not in ("device", "max_total_tokens",
-                                                              "speculative_model"):
-                assert getattr(config, f.name) == Settings.model_fields[name].get_default(), name
-                shared += 1
-        assert shared >= 5
+    config = EngineConfig()
+    assert set(EngineConfig.model_fields) == set(Settings.model_fields) - {"model"}
+    for name in EngineConfig.model_fields:
+        if name != "device":
+            assert getattr(config, name) == Settings.model_fields[name].get_default(), name
+    assert config.device == "cpu" and config.speculative is None
+    not_settings = {"method", "probe_budget", "max_pause"}
+    for small in (SchedulerLimits(), SpeculativeConfig()):
+        for f in dataclasses.fields(small):
+            if f.name not in not_settings:
+                assert getattr(small, f.name) == Settings.model_fields[f.name].get_default(), (
+                    f.name)
 
 
-def test_every_engine_setting_reaches_the_engine_config() -> None:
-    """EngineConfig.from_settings carries every engine field from the Settings field of its
-    name (the batch limits as resolved for the model): each given a value other than its
-    default arrives as that value."""
+def test_every_setting_reaches_the_engine_config() -> None:
+    """EngineConfig.from_settings carries every setting (the limits as resolved for the
+    model), and the scheduler's limits and the speculation take theirs from it by name:
+    each given a value other than its default arrives as that value."""
     import dataclasses
 
     from service.engine.engine import EngineConfig
+    from service.engine.scheduler import SchedulerLimits
+    from service.settings import of_settings
 
     changed: dict[str, object] = {
         "device": "cpu", "intra_op_threads": 3, "engine_graph": False, "cuda_graphs": False,
@@ -200,11 +205,22 @@ def test_every_engine_setting_reaches_the_engine_config() -> None:
         "max_queued_requests": 7, "max_total_tokens": 1000, "kv_cache_memory_mb": 12.5,
         "prefix_caching": False, "prefix_cache_memory_mb": 9.0, "prefix_block_size": 32,
         "prefill_chunk_tokens": 48, "float32_pass_tokens": 99, "codes8_pass_rows": 11,
-        "adaptive_prefill_chunks": False, "max_batch_prefill_tokens": 300, "huge_pages": True}
-    derived = {"speculative", "speculative_model"}
-    assert set(changed) == {f.name for f in dataclasses.fields(EngineConfig)} - derived
+        "adaptive_prefill_chunks": False, "max_batch_prefill_tokens": 300, "huge_pages": True,
+        "speculative_model": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5,
+        "prompt_lookup_min": 3, "speculative_max_batch_rows": 2,
+        "speculative_adaptive": False}
     settings = Settings(model=Path("m"), **changed)  # type: ignore[arg-type]
-    config = EngineConfig.from_settings(settings, Limits.resolve(settings, 2048))
+    limits = Limits.resolve(settings, 2048)
+    config = EngineConfig.from_settings(settings, limits)
+    resolved = {f.name for f in dataclasses.fields(Limits)}
+    for name in EngineConfig.model_fields:
+        source = limits if name in resolved else settings
+        assert getattr(config, name) == getattr(source, name), name
     for name, value in changed.items():
         assert getattr(config, name) == value, name
-    assert config.speculative is None and config.speculative_model is None
+    for small in (of_settings(SchedulerLimits, config), config.speculative):
+        assert small is not None
+        for f in dataclasses.fields(small):
+            if f.name in changed:
+                assert getattr(small, f.name) == changed[f.name], f.name
+    assert config.speculative is not None and config.speculative.method == "ngram"

@@ -512,7 +512,7 @@ def test_a_request_is_in_the_stats_before_its_last_event_is_sent(
     /metrics scrape that follows a response counts that response: for a request that
     decodes, one that ends at its first token, and one refused for its size."""
     stats = DeliveryWatch()
-    scheduler = Scheduler(model, codec, SchedulerLimits(8, 64, 16), stats)
+    scheduler = Scheduler(model, codec, SchedulerLimits(8, 64, 16, 0, False), stats)
     ids = encode(PROMPTS[0])
     too_long = list(range(1, 60))
 
@@ -548,8 +548,9 @@ def test_verified_drafts_and_a_riding_chunk_share_steps(
     long = encode(" ".join(PROMPTS * 2))
     chunk = len(repetitive) + 1  # the two short prompts go in whole, the long one in chunks
     assert len(long) > 3 * chunk
-    speculator = Speculator(SpeculativeConfig(adaptive=False, max_batch_rows=8))
-    scheduler = Scheduler(runner, codec, SchedulerLimits(8, 4096, 16, chunk), Recorder(),
+    speculator = Speculator(SpeculativeConfig(speculative_adaptive=False,
+                                              speculative_max_batch_rows=8))
+    scheduler = Scheduler(runner, codec, SchedulerLimits(8, 4096, 16, chunk, False), Recorder(),
                           speculator)
     requests = [greedy(repetitive, 24), greedy(free, 24), greedy(long, 8)]
 

@@ -69,7 +69,8 @@ def test_prompt_lookup_keeps_greedy_text_identical(
         engine_artifact: Path, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]], engine_graph: bool) -> None:
     runner = runner_for(engine_artifact, engine_graph)
-    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4, adaptive=False))
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4,
+                                              speculative_adaptive=False))
     for text in (REPETITIVE, FREE):
         prompt = encode(text)
         got = decode_alone(runner, codec, prompt, 40, speculator)
@@ -113,7 +114,8 @@ def test_draft_model_keeps_greedy_text_identical(
     runner = runner_for(engine_artifact, True)
     draft_dir = engine_artifact if same_model else draft_artifact
     draft_runner = runner_for(draft_dir, True, rows=1)
-    config = SpeculativeConfig(method="draft", num_speculative_tokens=3, adaptive=False)
+    config = SpeculativeConfig(method="draft", num_speculative_tokens=3,
+                               speculative_adaptive=False)
     speculator = Speculator(config, DraftModel(draft_runner, 3, draft_runner.pool.shape.max_len))
     for text in (REPETITIVE, FREE):
         prompt = encode(text)
@@ -140,7 +142,8 @@ def test_sampled_rows_speculate_and_stay_in_the_vocabulary(
         # One-token matches: a sampled continuation of this tiny model need not repeat a
         # 2-gram of the prompt (how often it does depends on the CPU that trained it),
         # while some of its 30 tokens always occur in the prompt, so drafts are made.
-        speculator = Speculator(SpeculativeConfig(adaptive=False, prompt_lookup_min=1))
+        speculator = Speculator(SpeculativeConfig(speculative_adaptive=False,
+                                                  prompt_lookup_min=1))
         runs.append(decode_alone(runner, codec, encode(REPETITIVE), 30, speculator, params))
         assert speculator.counters.draft_tokens > 0
     assert runs[0] == runs[1]
@@ -153,8 +156,10 @@ def test_the_scheduler_speculates_only_at_small_batches(
     """Two requests at once: batched decoding while both run, speculation once one is left;
     both answers equal the reference and the step stats count the extra tokens."""
     runner = runner_for(engine_artifact, True, rows=4)
-    speculator = Speculator(SpeculativeConfig(max_batch_rows=1, adaptive=False))
-    scheduler = Scheduler(runner, codec, SchedulerLimits(4, 4096, 8), speculator=speculator)
+    speculator = Speculator(SpeculativeConfig(speculative_max_batch_rows=1,
+                                              speculative_adaptive=False))
+    scheduler = Scheduler(runner, codec, SchedulerLimits(4, 4096, 8, 0, False),
+                          speculator=speculator)
     prompts = [encode(REPETITIVE), encode(FREE)]
     lengths = [40, 6]
 
@@ -196,8 +201,7 @@ def test_a_draft_with_another_tokenizer_is_refused(engine_artifact: Path,
     manifest.write(other)
 
     artifact = open_artifact(Settings(model=engine_artifact))
-    config = EngineConfig(speculative=SpeculativeConfig(method="draft"),
-                          speculative_model=other)
+    config = EngineConfig(speculative_model=str(other))
     with pytest.raises(ValueError, match="tokenizer"):
         create_speculator(artifact, config)
 
@@ -213,7 +217,7 @@ def test_the_draft_session_does_not_spin_after_its_steps(engine_artifact: Path) 
     artifact = open_artifact(Settings(model=engine_artifact))
     engine = Engine.from_artifact(artifact, EngineConfig(
         intra_op_threads=1, max_batch_size=2, prefix_caching=False,
-        speculative=SpeculativeConfig(method="draft"), speculative_model=engine_artifact),
+        speculative_model=str(engine_artifact)),
         warmup=False)
     speculator = engine.scheduler.speculator
     assert speculator is not None and isinstance(speculator.draft, DraftModel)
