@@ -8,7 +8,7 @@ Usage (on a machine with onnxruntime-gpu and a CUDA GPU):
 
 ``--artifact`` is a float32 artifact (with --engine-graph); ``--half`` the same checkpoint
 exported with ``--dtype float16 --engine-graph``, served on CUDA by engine.onnx with the KV
-pool on the device (service/engine/device.py). Three checks, each printed and written to
+pool on the device (service/engine/cuda.py). Three checks, each printed and written to
 the JSON:
 1. **Logits, by names.** No engine code: model.onnx (float32) on each provider, and the
    float16 engine.onnx on CUDA, against float32 model.onnx on the CPU: the last

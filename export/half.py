@@ -22,7 +22,7 @@ are float32 (bfloat16 is worth it where a model overflows float16; none here doe
 
 The engine graphs also return each row's greedy choice (``greedy_ids``, an ArgMax of the
 float32 logits), so a greedy decode step on the GPU sends token ids to the host instead
-of a (B, V) logits array (service/engine/device.py).
+of a (B, V) logits array (service/engine/cuda.py).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def create_session(path: Path, device: Device, intra_op_threads: int,
                    cuda_graphs: bool = False) -> ort.InferenceSession:
     """A session on ``device``'s providers, refusing to start if CUDA was asked for and
     ONNX Runtime cannot use it. ``cuda_graphs``: the CUDA provider may capture and replay
-    runs (``gpu_graph_id``, service/engine/device.py)."""
+    runs (``gpu_graph_id``, service/engine/cuda.py)."""
     providers: list[str | tuple[str, dict[str, str]]] = list(select_providers(device))
     if cuda_graphs:
         providers = [(CUDA, {"enable_cuda_graph": "1"}) if p == CUDA else p for p in providers]

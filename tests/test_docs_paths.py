@@ -51,7 +51,7 @@ def test_every_named_path_exists(document: Path) -> None:
 
 
 def test_the_path_finder_finds_paths_and_skips_what_is_not_a_claim() -> None:
-    text = ("see `service/engine/device.py` and [x](../results/a.md); run `--out results/mine`;"
+    text = ("see `service/engine/cuda.py` and [x](../results/a.md); run `--out results/mine`;"
             " files under `results/serve/2026-*/`, `results/bench/latest.{json,md}`, "
             "`model/architectures/NAME.py`, `git show 26b622d:benchmarks/retired.py`")
-    assert named_paths(text) == ["service/engine/device.py"]
+    assert named_paths(text) == ["service/engine/cuda.py"]

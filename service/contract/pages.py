@@ -1,5 +1,5 @@
 """This process's mappings of files, and dropping the pages it only read from them: what
-the service does once its sessions are loaded (service/engine/resident.py) and the export
+the service does once its sessions are loaded (service/engine/process_memory.py) and the export
 once a check's session has packed its weights (export/from_blocks.py).
 
 ONNX Runtime memory-maps a graph's external weights and packs each product's into a buffer

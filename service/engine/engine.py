@@ -37,8 +37,8 @@ from service.contract.manifest import PassThresholds, load_manifest, verify_mani
 from service.engine.draft import DraftModel
 from service.engine.engine_graph_runner import EngineGraphRunner, twin_fits
 from service.engine.model_graph_runner import ModelGraphRunner
+from service.engine.process_memory import collapse_to_huge_pages, release_file_pages
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
-from service.engine.resident import collapse_to_huge_pages, release_file_pages
 from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import RequestHandle, Scheduler, SchedulerLimits
 from service.engine.speculative import SpeculativeConfig, Speculator
@@ -176,7 +176,7 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     itemsize = np.dtype(model.kv_dtype).itemsize
     if engine.engine_graph and engine_path.is_file() and model.kv_dtype == "float16" and \
             select_providers(engine.device)[0] == CUDA:
-        # a float16 artifact's engine.onnx on the GPU: the pool in device memory (device.py)
+        # a float16 artifact's engine.onnx on the GPU: the pool in device memory (cuda.py)
         pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
         pool = replace(pool, prefix_cache_blocks=0)  # the prefix store is host memory
         return EngineGraphRunner(

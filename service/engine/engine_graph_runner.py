@@ -57,9 +57,9 @@ import onnxruntime as ort
 
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
-from service.engine.device import UNCAPTURED, CapturedDecode, DeviceSampler, SampledRows
+from service.engine.cuda import UNCAPTURED, CapturedDecode, DeviceSampler, SampledRows
 from service.engine.kv_pool import Slot
-from service.engine.pooled import PooledRunner
+from service.engine.pooled_runner import PooledRunner
 from service.engine.runner import PoolConfig
 from service.engine.step_plan import RowWork, StepResult
 
@@ -78,7 +78,7 @@ class EngineGraphRunner(PooledRunner):
         ``codes8_prompt_tokens`` tokens (0: rows alone) (module docstring). ``device``
         "cuda": a float16 graph on the CUDA provider, the pool in device memory, decode
         steps replayed as CUDA graphs with ``cuda_graphs`` (the session must have been
-        created with them; device.py)."""
+        created with them; cuda.py)."""
         n = config.n_layers
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
@@ -91,7 +91,7 @@ class EngineGraphRunner(PooledRunner):
         self._shrink = ort.RunOptions()  # for multi-token passes: the arena gives back
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._plain = ort.RunOptions()  # every other pass
-        if cuda_graphs:  # neither captured nor replayed: only decode steps are (device.py)
+        if cuda_graphs:  # neither captured nor replayed: only decode steps are (cuda.py)
             for options in (self._shrink, self._plain):
                 options.add_run_config_entry("gpu_graph_id", UNCAPTURED)
         super().__init__(config, pool, np.dtype(config.kv_dtype), device)
@@ -233,7 +233,7 @@ class EngineGraphRunner(PooledRunner):
     def _decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
                     sampled: SampledRows | None) -> np.ndarray:
         """``_decode`` with each row's next token chosen beside the logits: (B,) int64 in
-        batch order, on a captured graph the only copy the step makes (device.py). Without
+        batch order, on a captured graph the only copy the step makes (cuda.py). Without
         ``sampled`` the argmax (the graph's own ``greedy_ids`` where it has them); with
         it, the sampler's draws."""
         rows, order = self._decode_rows(slots, tokens)

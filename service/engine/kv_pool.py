@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.engine.resident import resident_pages
+from service.engine.process_memory import resident_pages
 
 
 class Slot:

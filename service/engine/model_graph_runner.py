@@ -37,7 +37,7 @@ import onnxruntime as ort
 
 from service.contract import io_spec as io
 from service.engine.kv_pool import Slot
-from service.engine.pooled import PooledRunner
+from service.engine.pooled_runner import PooledRunner
 from service.engine.runner import PoolConfig
 from service.providers import CUDA
 

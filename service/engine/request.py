@@ -74,7 +74,7 @@ class SamplingParams:
     @property
     def is_plain_sampling(self) -> bool:
         """Sampling with temperature, top-k and top-p alone on the raw logits: what a
-        sampler on the GPU computes (service/engine/device.py)."""
+        sampler on the GPU computes (service/engine/cuda.py)."""
         return (self.do_sample and self.typical_p == 1.0 and self.min_p == 0.0
                 and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
                 and self.frequency_penalty == 0.0 and not self.logit_bias

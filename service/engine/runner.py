@@ -12,7 +12,7 @@ left-pads).
 
 Two runners implement it: ``EngineGraphRunner`` (engine.onnx, pool slots bound in place;
 engine_graph_runner.py) and ``ModelGraphRunner`` (model.onnx, the portable graph, past gathered
-from the pool every step; model_graph_runner.py), both over ``PooledRunner`` (pooled.py).
+from the pool every step; model_graph_runner.py), both over ``PooledRunner`` (pooled_runner.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from service.engine.engine import Engine, EngineConfig
 from service.http.admission import AdmissionGate
 from service.http.metrics import Metrics
 from service.http.validation import Validator
-from service.offload import Offload, low_priority_threads
+from service.low_priority import Offload, low_priority_threads
 from service.providers import create_session
 from service.settings import Settings
 from service.viz.attention_model import AttentionModel
@@ -50,7 +50,7 @@ class Runtime:
             on_change=self.metrics.record_admission)
         # One encoding process per admitted request: the gate bounds how many are busy.
         self.attention_encoder = Offload(self.settings.attention_max_concurrent)
-        # attention.onnx runs here, below the decode loop's priority (offload.py).
+        # attention.onnx runs here, below the decode loop's priority (low_priority.py).
         self.attention_threads = low_priority_threads(self.settings.attention_max_concurrent,
                                                       "attnserve-attention")
 

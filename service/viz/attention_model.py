@@ -2,7 +2,7 @@
 and weights of the requested layers for one sequence.
 
 Kept apart from the decode runners (service/engine): it runs rarely, on its own session,
-below the decode loop's priority (service/offload.py).
+below the decode loop's priority (service/low_priority.py).
 
 ONNX Runtime computes every node and holds every graph output of a session until a run
 ends, whatever is fetched (graph_cut.py has the figures). So a request for some of the

@@ -1,6 +1,6 @@
 """One kind of pass at a time through ``ModelRunner.run``: what the runner tests feed.
 
-The runner packs a step's rows into passes itself (service/engine/pooled.py); these
+The runner packs a step's rows into passes itself (service/engine/pooled_runner.py); these
 helpers give it plans that are one pass each (rows into empty slots, one token a row, one
 row after its cache), so a test can compare one pass against a reference.
 """
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from service.engine.device import SampledRows
+from service.engine.cuda import SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.runner import ModelRunner
 from service.engine.step_plan import RowDraw, RowWork, StepPlan, Want

@@ -115,7 +115,7 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
         np.savez(buffer, **contents)
         return Response(buffer.getvalue(), media_type="application/octet-stream",
                         headers={"Content-Disposition": 'attachment; filename="attention.npz"'})
-    # JSON is encoded in a worker process (service/offload.py): seconds of GIL-bound work
+    # JSON is encoded in a worker process (service/low_priority.py): seconds of GIL-bound work
     # in this one would stall the decode loop.
     if body.format == "bertviz":
         return Response(runtime.attention_encoder.call(encode_bertviz, {

@@ -1,4 +1,4 @@
-"""The GPU's sampler (service/engine/device.py), run on the CPU: temperature, top-k and
+"""The GPU's sampler (service/engine/cuda.py), run on the CPU: temperature, top-k and
 top-p draws equal service/engine/sampling.py's host sampler given the same seeded draws."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.engine.device import DeviceSampler, SampledRows
+from service.engine.cuda import DeviceSampler, SampledRows
 from service.engine.request import SamplingParams
 from service.engine.sampling import RowSampler
 

@@ -25,7 +25,7 @@ from service.engine.batch import Batch
 from service.engine.engine import EngineConfig, create_runner
 from service.engine.engine_graph_runner import EngineGraphRunner
 from service.engine.model_graph_runner import ModelGraphRunner
-from service.engine.pooled import PooledRunner
+from service.engine.pooled_runner import PooledRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
 from service.engine.sampling import log_softmax

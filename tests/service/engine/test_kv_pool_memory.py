@@ -78,7 +78,7 @@ def test_a_fresh_pool_reserves_address_space_only(pool: KVPool) -> None:
     assert smaps_rss(pool) == 0 and pool.resident_bytes == 0
 
 
-def test_resident_memory_grows_with_tokens_and_falls_after_truncate_and_free(
+def test_process_memory_memory_grows_with_tokens_and_falls_after_truncate_and_free(
         pool: KVPool) -> None:
     a, b = pool.allocate(2)
     write(pool, a, 1000, 0)

@@ -1,5 +1,5 @@
 """Decode steps through the bucketed, in-place bindings that CUDA graphs replay
-(service/engine/device.py), run on the CPU: the padding rows, the inputs written in place,
+(service/engine/cuda.py), run on the CPU: the padding rows, the inputs written in place,
 ``total_sequence_length`` fed as the buffer's length and ``greedy_ids`` must change no
 row's logits or tokens against the runner's plain passes and a plain loop by names."""
 
@@ -15,7 +15,7 @@ from export.to_onnx import export_artifact
 from service.artifact.text import TextCodec
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
-from service.engine.device import CapturedDecode
+from service.engine.cuda import CapturedDecode
 from service.engine.engine_graph_runner import EngineGraphRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
@@ -145,7 +145,7 @@ def test_on_cuda_the_device_pool_and_captured_graphs_decode_the_cpus_tokens(
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("needs onnxruntime-gpu and a CUDA GPU")
-    from service.engine.device import DeviceKVPool
+    from service.engine.cuda import DeviceKVPool
 
     config = io.ArtifactConfig.load(half_artifact)
     codec = TextCodec.from_file(half_artifact / io.TOKENIZER_FILE)

@@ -1,5 +1,5 @@
 """Freed C heap pages go back to the OS when the engine idles, weights read once at load
-leave memory, and written memory moves into 2 MiB pages (service/engine/resident.py).
+leave memory, and written memory moves into 2 MiB pages (service/engine/process_memory.py).
 
 The reference is the kernel's own count: RssAnon in /proc/self/status, read in a child
 process that fragments its heap with libc's malloc, the weights file's resident pages and
@@ -26,7 +26,7 @@ import service.engine.engine as engine_module
 from service.artifact.loader import open_artifact
 from service.artifact.text import TextCodec
 from service.contract import io_spec as io
-from service.engine import resident as resident_module
+from service.engine import process_memory as resident_module
 from service.engine import scheduler as scheduler_module
 from service.engine.engine import Engine, EngineConfig
 from service.engine.engine_graph_runner import EngineGraphRunner
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(not resident_module.can_release(),
 
 FRAGMENT_AND_RELEASE = textwrap.dedent("""
     import ctypes, json
-    from service.engine.resident import release_freed_heap
+    from service.engine.process_memory import release_freed_heap
 
     def anon_mb():
         for line in open("/proc/self/status"):
@@ -108,7 +108,7 @@ def test_dropped_file_pages_leave_memory_and_read_back_the_same(tmp_path: Path) 
 COLLAPSE_DENSE_AND_SPARSE = textwrap.dedent("""
     import ctypes, json, mmap
     import numpy as np
-    from service.engine import resident
+    from service.engine import process_memory as resident
 
     def region(*arrays):
         \"\"\"(AnonHugePages, Rss) in KiB of the mappings under the arrays' bytes (the

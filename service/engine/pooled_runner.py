@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from service.contract import io_spec as io
-from service.engine.device import SampledRows
+from service.engine.cuda import SampledRows
 from service.engine.kv_pool import KVPool, PoolShape, Slot, ensure_memory
 from service.engine.prefix_cache import PrefixCache
 from service.engine.runner import PoolConfig
@@ -55,7 +55,7 @@ class PooledRunner:
 
     def __init__(self, config: io.ArtifactConfig, pool: PoolConfig, dtype: np.dtype,
                  device: str = "cpu") -> None:
-        """``device`` "cuda": the pool in GPU memory (device.py), no prefix cache."""
+        """``device`` "cuda": the pool in GPU memory (cuda.py), no prefix cache."""
         self.config = config
         self.vocab_size = config.vocab_size
         self.max_len = pool.max_len or config.max_seq_len
@@ -69,7 +69,7 @@ class PooledRunner:
         token_bytes = self.shape.token_bytes
         self.prefix: PrefixCache | None = None
         if device != "cpu":  # allocated whole, where ONNX Runtime's allocator says if it fits
-            from service.engine.device import DeviceKVPool
+            from service.engine.cuda import DeviceKVPool
 
             self.pool: KVPool = DeviceKVPool(self.shape, pool.slots)
             return

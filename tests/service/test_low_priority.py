@@ -13,7 +13,7 @@ from service.http.metrics import Metrics
 from service.http.routes.attention import encode_json
 from service.http.runtime import Runtime, load_engine
 from service.http.validation import Validator
-from service.offload import Offload
+from service.low_priority import Offload
 from service.settings import Settings
 
 
@@ -54,7 +54,7 @@ def test_low_priority_threads_run_ten_nice_levels_below_the_process() -> None:
     """Read back from the OS: the pool's thread has nice + 10, the caller is unchanged."""
     import threading
 
-    from service.offload import low_priority_threads
+    from service.low_priority import low_priority_threads
 
     def nice_of_this_thread() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
