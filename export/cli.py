@@ -77,11 +77,6 @@ def register(subparsers: Any) -> None:
                         "engine_float32.onnx: float32 weights for long prompt passes (4-bit: "
                         "20-29%% faster from about 200 tokens on SmolLM2, at 4 bytes a "
                         "weight; export prints the MB added)")
-    p.add_argument("--codes8", action="store_true",
-                   help="with --engine-graph and --quantize int4/gguf, also write the 4-bit "
-                        "weights widened to 8-bit codes (engine_codes8.onnx), for passes of "
-                        "16 rows or more (2-6%% faster there on SmolLM2; export prints the "
-                        "MB added)")
     p.add_argument("--activations", choices=["int8", "float"], default="int8",
                    help="with --quantize gguf: run the kept blocks at int8 activations "
                         "(MatMulNBits accuracy level 4, as llama.cpp does; the fastest) or "
@@ -120,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         args.ckpt, args.out, opset=args.opset, dtype=args.dtype, quantize=args.quantize,
         verify=not args.no_verify, force=args.force,
         engine_graph=args.engine_graph, mixed_steps=args.mixed_steps,
-        float32_twin=args.float32_twin, codes8=args.codes8, activations=args.activations,
+        float32_twin=args.float32_twin, activations=args.activations,
         log=lambda msg: print(f"  [{time.perf_counter() - started:6.1f} s] {msg}",
                               file=sys.stderr))
     print(f"exported {args.ckpt} → {out} in {time.perf_counter() - started:.1f}s")

@@ -57,10 +57,10 @@ def builds_from_blocks(ckpt_dir: Path, quantize: str | None, float32_twin: bool)
 
 
 def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_graph: bool,
-                       mixed_steps: bool, codes8: bool, level: int, verify: bool,
+                       mixed_steps: bool, level: int, verify: bool,
                        say: Callable[[str], None]) -> dict[str, Any]:
     """Write the served graphs and weights.bin into ``tmp``; return the manifest's
-    figures: verification, storage, build_seconds, parameter_bytes, codes8_weights."""
+    figures: verification, storage, build_seconds, parameter_bytes."""
     from export.engine_graph import EngineDecoder, build_engine_graph
     from export.gguf_source import GGUFFile, open_source
     from export.graphs import build_attention, build_decoder
@@ -74,14 +74,8 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         quiet_ort_logs,
     )
     from export.verify import check_threads, decoder_for
-    from export.widen_codes import compare_widened, widen_4bit_codes
     from service.contract import io_spec as io
-    from service.contract.engine_spec import (
-        ENGINE_CODES8_FILE,
-        ENGINE_CODES8_PLAIN_FILE,
-        ENGINE_FILE,
-        ENGINE_MIXED_FILE,
-    )
+    from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
     from service.contract.pages import release_file_pages
 
     gpt, training = ckpt.model, ckpt.meta.training
@@ -177,41 +171,16 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         _remove(check[judged], SIDE_DATA)
         say(f"{judged} at int8 activations: token agreement {figures['token_agreement']}, "
             f"perplexity change {figures['perplexity_relative_change']}")
-    served = ENGINE_MIXED_FILE if mixed_steps and engine_graph else ENGINE_FILE
-    codes8_weights = 0
     with WeightsWriter(tmp, base=tmp) as weights:  # the final weights.bin: the blocks once
         for name in sorted([*graphs, io.ATTENTION_FILE]):
             weights.add(name, load_graph(final.get(name, tmp / name)))
-        if codes8 and engine_graph:
-            widened, codes8_weights = widen_4bit_codes(load_graph(final[served]), tmp)
-            if codes8_weights:
-                weights.add(ENGINE_CODES8_FILE, widened)
-            del widened
-        if codes8_weights and served != ENGINE_FILE:
-            weights.add(ENGINE_CODES8_PLAIN_FILE,
-                        widen_4bit_codes(load_graph(final[ENGINE_FILE]), tmp)[0])
     storage = weights.figures
-    added = {name: weights.added.get(name, 0) for name in (
-        ENGINE_CODES8_FILE, ENGINE_CODES8_PLAIN_FILE) if (tmp / name).is_file()}
-    if added:
-        storage["opt_in_bytes"] = added
-        say("opt-in copies: " + ", ".join(f"{name} +{size / 1e6:.1f} MB"
-                                          for name, size in added.items()))
-    if codes8_weights and verify:
-        verification["engine_codes8"] = compare_widened(
-            gpt, tmp / served, tmp / ENGINE_CODES8_FILE,
-            prompts=verification["decode"]["prompts"][:2])
-        if served != ENGINE_FILE:
-            verification["engine_codes8_plain"] = compare_widened(
-                gpt, tmp / ENGINE_FILE, tmp / ENGINE_CODES8_PLAIN_FILE,
-                prompts=verification["decode"]["prompts"][:2])
     for stale in [*built.values(), *tmp.glob(f".*{CHECK_SUFFIX}"),
                   *tmp.glob(f".*{CHECK_SUFFIX}{SIDE_DATA}"), *tmp.glob(f"*.onnx{SIDE_DATA}")]:
         stale.unlink(missing_ok=True)
     parameter_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
     return {"verification": verification, "storage": storage,
-            "build_seconds": build_seconds, "parameter_bytes": parameter_bytes,
-            "codes8_weights": codes8_weights}
+            "build_seconds": build_seconds, "parameter_bytes": parameter_bytes}
 
 
 def _remove(graph: Path, side_data: str) -> None:

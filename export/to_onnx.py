@@ -34,13 +34,8 @@ from typing import Any
 
 from model.staging import staged_directory
 from service.contract import io_spec as io
-from service.contract.manifest import (
-    MEASURED_THRESHOLDS,
-    Manifest,
-    PassThresholds,
-    checkpoint_fingerprint,
-    describe_files,
-)
+from service.contract.graphs import FLOAT32_PASS_TOKENS, GraphTable
+from service.contract.manifest import Manifest, checkpoint_fingerprint, describe_files
 
 DTYPES = ("float32", "float16")
 QUANTIZATIONS = ("int8", "int4", "int8-dynamic", "gguf")  # export/quantize.py METHODS
@@ -179,7 +174,6 @@ def export_artifact(
     engine_graph: bool = False,
     mixed_steps: bool = True,
     float32_twin: bool = False,
-    codes8: bool = False,
     activations: str = "int8",
 ) -> Path:
     """Build, verify and (optionally) quantise; return the artifact directory.
@@ -194,10 +188,10 @@ def export_artifact(
     one weights.bin, each distinct tensor stored once: a --quantize gguf artifact holds
     the file's blocks and little else.
 
-    Copies that trade memory for speed are opt-in, and the export reports what each adds:
-    ``float32_twin`` (engine_float32.onnx, float32 weights for wide prompt passes of a
-    quantised engine graph) and ``codes8`` (a 4-bit graph's weights widened to 8-bit
-    codes, for passes of many rows). ``activations="float"`` (--quantize gguf) runs the
+    ``float32_twin`` (opt-in: it costs the float32 weights' bytes, which the export
+    reports) adds engine_float32.onnx, a quantised engine graph's float32 weights for
+    long passes. The manifest's ``graphs`` says which graph runs which pass
+    (service/contract/graphs.py). ``activations="float"`` (--quantize gguf) runs the
     kept blocks at float activations rather than int8 ones (docs/export.md: slower, and
     the answers of the float32 model).
     """
@@ -215,11 +209,8 @@ def export_artifact(
     from export.onnx_build import WeightsWriter, load_graph
     from export.quantize import ACTIVATION_LEVELS, SIDE_DATA, gguf_advice, quantize_model
     from export.verify import TorchReference, check_prompts, verify_artifact
-    from export.widen_codes import compare_widened, widen_4bit_codes
     from model.gguf_codes import DIRECT
     from service.contract.engine_spec import (
-        ENGINE_CODES8_FILE,
-        ENGINE_CODES8_PLAIN_FILE,
         ENGINE_FILE,
         ENGINE_FLOAT32_FILE,
         ENGINE_MIXED_FILE,
@@ -262,21 +253,18 @@ def export_artifact(
                          f"model's are {model_cfg.head_dim} ({model_cfg.rotary_dims}): export "
                          "without it (the service then decodes with model.onnx)")
     gpt = ckpt.model.eval()
-    # a quantised engine graph also gets its float32 build, for wide passes
-    measured = MEASURED_THRESHOLDS.get(str(quantize), PassThresholds())
-    twin = engine_graph and measured.float32_pass_tokens > 0 and float32_twin
-    widen = engine_graph and measured.codes8_pass_rows > 0 and codes8
-    codes8_weights = 0  # 4-bit weights widened to 8-bit codes (engine_codes8.onnx), if any
+    # a quantised engine graph may also get its float32 build, for long passes
+    float32_pass_tokens = FLOAT32_PASS_TOKENS.get(str(quantize), 0)
+    twin = engine_graph and float32_pass_tokens > 0 and float32_twin
     with staged_directory(out) as tmp:
         if from_blocks:
             done = export_from_blocks(ckpt, tok, tmp, opset=opset, engine_graph=engine_graph,
-                                      mixed_steps=mixed_steps, codes8=widen, level=level,
+                                      mixed_steps=mixed_steps, level=level,
                                       verify=verify, say=say)
             _write_rest(tmp, ckpt, tok, Path(ckpt_dir), out, model_name, dtype, opset, quantize,
-                        engine_graph, mixed_steps,
-                        measured.held(False, bool(done["codes8_weights"])),
-                        done["storage"], done["parameter_bytes"], done["build_seconds"],
-                        done["verification"], say)
+                        engine_graph, mixed_steps, float32_pass_tokens, done["storage"],
+                        done["parameter_bytes"], done["build_seconds"], done["verification"],
+                        say)
             return out
         started = time.perf_counter()
         model_path, attention_path = tmp / io.MODEL_FILE, tmp / io.ATTENTION_FILE
@@ -365,65 +353,43 @@ def export_artifact(
                 verification["engine_mixed_quantized"] = _quantize_engine(
                     gpt, fp32_mixed, mixed_path, tok, ckpt.meta.training, quantize, False,
                     level)
-            served = ENGINE_MIXED_FILE if mixed_steps else ENGINE_FILE
             # one weights.bin again, each graph loaded and stored in turn, in the order
             # they always had; the graphs as quantised stay on disk, with the old
-            # weights.bin, until the block ends (the widened ones are read from them)
+            # weights.bin, until the block ends
             with WeightsWriter(tmp, base=tmp) as weights:
                 for path in sorted(tmp.glob("*.onnx")):
                     if path.name != ENGINE_FLOAT32_FILE:
                         weights.add(path.name, load_graph(path))
                 if twin:
                     weights.add(ENGINE_FLOAT32_FILE, load_graph(tmp / ENGINE_FLOAT32_FILE))
-                if widen:  # for passes of many rows
-                    widened, codes8_weights = widen_4bit_codes(load_graph(tmp / served), tmp)
-                    if codes8_weights:
-                        weights.add(ENGINE_CODES8_FILE, widened)
-                    del widened
-                if codes8_weights and served != ENGINE_FILE:  # the same weights, stored once
-                    weights.add(ENGINE_CODES8_PLAIN_FILE,
-                                widen_4bit_codes(load_graph(tmp / ENGINE_FILE), tmp)[0])
             storage = weights.figures
-            added = {name: weights.added.get(name, 0) for name in (
-                ENGINE_FLOAT32_FILE, ENGINE_CODES8_FILE, ENGINE_CODES8_PLAIN_FILE)
-                if (tmp / name).is_file()}
-            if added:  # what each opt-in copy costs on disk (its weights nobody else reads)
-                storage["opt_in_bytes"] = added
-                say("opt-in copies: " + ", ".join(f"{name} +{size / 1e6:.1f} MB"
-                                                  for name, size in added.items()))
+            if twin:  # what the float32 weights cost on disk (bytes nobody else reads)
+                storage["opt_in_bytes"] = {ENGINE_FLOAT32_FILE:
+                                           weights.added.get(ENGINE_FLOAT32_FILE, 0)}
+                say(f"{ENGINE_FLOAT32_FILE} +"
+                    f"{storage['opt_in_bytes'][ENGINE_FLOAT32_FILE] / 1e6:.1f} MB")
             if twin and verify:
                 verification["engine_float32"] = verify_engine(
                     gpt, tmp / ENGINE_FLOAT32_FILE, prompts=verification["decode"]["prompts"],
                     reference=reference)
                 say(f"verified {ENGINE_FLOAT32_FILE}: "
                     f"{verification['engine_float32']['max_abs_diff']:.2e}")
-            if codes8_weights and verify:
-                verification["engine_codes8"] = compare_widened(
-                    gpt, tmp / served, tmp / ENGINE_CODES8_FILE,
-                    prompts=verification["decode"]["prompts"][:2])
-                say(f"verified {ENGINE_CODES8_FILE} ({codes8_weights} weights as 8-bit codes) "
-                    f"against {served}: {verification['engine_codes8']['max_abs_diff']:.2e}")
-            if codes8_weights and verify and served != ENGINE_FILE:
-                verification["engine_codes8_plain"] = compare_widened(
-                    gpt, tmp / ENGINE_FILE, tmp / ENGINE_CODES8_PLAIN_FILE,
-                    prompts=verification["decode"]["prompts"][:2])
-                say(f"verified {ENGINE_CODES8_PLAIN_FILE} against {ENGINE_FILE}: "
-                    f"{verification['engine_codes8_plain']['max_abs_diff']:.2e}")
             for stale in [*tmp.glob(".*.fp32"), *tmp.glob(f"*.onnx{SIDE_DATA}")]:
                 stale.unlink()  # the float32 graphs, and quantised weights now in weights.bin
         _write_rest(tmp, ckpt, tok, Path(ckpt_dir), out, model_name, dtype, opset, quantize,
-                    engine_graph, mixed_steps, measured.held(twin, bool(codes8_weights)),
-                    storage, parameter_bytes, build_seconds, verification, say)
+                    engine_graph, mixed_steps, float32_pass_tokens, storage, parameter_bytes,
+                    build_seconds, verification, say)
     return out
 
 
 def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
                 model_name: str | None, dtype: io.KvDtype, opset: int, quantize: str | None,
-                engine_graph: bool, mixed_steps: bool, thresholds: PassThresholds,
+                engine_graph: bool, mixed_steps: bool, float32_pass_tokens: int,
                 storage: dict[str, Any], parameter_bytes: int, build_seconds: float,
                 verification: dict[str, Any], say: Any) -> None:
-    """The tokenizer and chat files, config.json and manifest.json beside the graphs
-    (``thresholds``: those of the opt-in graphs written, recorded in the manifest)."""
+    """The tokenizer and chat files, config.json and manifest.json beside the graphs,
+    with the table of which graph runs which pass (``float32_pass_tokens``: from how many
+    tokens engine_float32.onnx runs, where the artifact has it)."""
     from export.graphs import attention_io_shapes, grouped_kv
     from export.onnx_build import WEIGHTS_FILE
 
@@ -450,7 +416,6 @@ def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
         exporter={"name": "attnserve graph builder", "method": "direct (export/graphs.py, "
                   "export/engine_graph.py)", "build_seconds": round(build_seconds, 3),
                   **({"engine_mixed_steps": mixed_steps} if engine_graph else {}),
-                  **thresholds.recorded(),
                   "storage": storage, "versions": _versions()},
         opset=opset, kv_dtype=dtype, quantization=quantize,
         io={"model": io.model_io_shapes(ckpt.meta.model.n_layers,
@@ -461,5 +426,7 @@ def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
         optimization={"offline": False, "note": "ONNX Runtime optimises each graph when "
                       "a session loads it; an optimised copy would store the weights again"},
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        graphs=GraphTable.of_files(files, dtype, float32_pass_tokens,
+                                   2 if mixed_steps else 1).to_list(),
     )
     manifest.write(tmp)

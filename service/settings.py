@@ -14,17 +14,16 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.contract.manifest import MEASURED_THRESHOLDS
+from service.contract.graphs import FLOAT32_PASS_TOKENS
 
 Device = Literal["auto", "cpu", "cuda"]
 T = TypeVar("T")
 
 
 
-def _measured(threshold: str) -> str:
-    """A pass threshold's measured values by quantisation, for help text."""
-    return ", ".join(f"{getattr(t, threshold)} for {q}" for q, t in MEASURED_THRESHOLDS.items()
-                     if getattr(t, threshold))
+def _measured() -> str:
+    """The float32 weights' measured thresholds by quantisation, for help text."""
+    return ", ".join(f"{tokens} for {q}" for q, tokens in FLOAT32_PASS_TOKENS.items())
 
 class ServeOptions(BaseModel):
     """Every setting but the artifact's path, as plain values: the engine's config is one
@@ -98,17 +97,10 @@ class ServeOptions(BaseModel):
                           "MADV_COLLAPSE; elsewhere nothing happens)")
     float32_pass_tokens: int | None = Field(
         None, ge=0, description="a quantised artifact with engine_float32.onnx runs passes "
-                                "of at least this many tokens (prompts, chunks) on that "
-                                "float32 twin, its weights memory-mapped from weights.bin; "
-                                "0: always the quantised graph; default: the artifact's "
-                                f"({_measured('float32_pass_tokens')})")
-    codes8_pass_rows: int | None = Field(
-        None, ge=0, description="a 4-bit artifact with engine_codes8.onnx runs passes of at "
-                                "least this many rows (sequences; and of fewer than "
-                                "float32_pass_tokens tokens) on its weights widened to 8-bit "
-                                "codes: the same values, the faster kernel for many rows; 0: "
-                                "never (and not loaded: its packed codes cost memory); "
-                                f"default: the artifact's ({_measured('codes8_pass_rows')})")
+                                "of at least this many tokens (prompts, chunks) on those "
+                                "float32 weights, memory-mapped from weights.bin; 0: always "
+                                "the quantised graph; default: the artifact's manifest's "
+                                f"({_measured()})")
     prefill_chunk_tokens: int = Field(
         256, ge=0, description="prompts longer than this are prefilled in chunks of at most "
                                "this size between decode steps; 0: one pass")

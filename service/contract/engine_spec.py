@@ -44,19 +44,9 @@ from service.contract import io_spec as io
 
 ENGINE_FILE = "engine.onnx"
 ENGINE_MIXED_FILE = "engine_mixed.onnx"  # the same decoder with a second group of rows
-# A quantised artifact's engine graph before quantisation (engine_mixed.onnx's when the
-# artifact has one, else engine.onnx's): float32 weights already in weights.bin, for passes
-# of many tokens, where MatMulNBits is slower than a float32 GEMM (service/engine/
-# engine_graph_runner.py).
+# A quantised artifact's engine graph in float32, for long passes (service/contract/
+# graphs.py says which graph runs which pass).
 ENGINE_FLOAT32_FILE = "engine_float32.onnx"
-# A 4-bit artifact's served engine graph with its codes widened to bytes (export/
-# widen_codes.py): the same dequantised weights, ONNX Runtime's 8-bit kernel, which beats
-# the 4-bit one from about 16 rows of a pass on.
-ENGINE_CODES8_FILE = "engine_codes8.onnx"
-# The same for engine.onnx, where the served graph is engine_mixed.onnx: a server with
-# --no-mixed-steps (and a static batch) then runs no idle second group of rows in its wide
-# passes (2-3% of a 32-row decode step on SmolLM2). Its weights are engine_codes8.onnx's.
-ENGINE_CODES8_PLAIN_FILE = "engine_codes8_plain.onnx"
 SEQLENS_K = "seqlens_k"
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
 LOGITS_INDEX = "logits_index"

@@ -27,57 +27,6 @@ class ManifestError(ValueError):
     """An artifact's manifest is missing or corrupt, or a file does not match it."""
 
 
-@dataclass(frozen=True)
-class PassThresholds:
-    """From what size a pass runs on one of an artifact's opt-in graphs instead of the
-    served one (0: never). Export measured them (:data:`MEASURED_THRESHOLDS`) and records
-    those of the graphs it wrote in the manifest's ``exporter``; the engine reads them
-    back with :meth:`of`. The one place these numbers live."""
-
-    float32_pass_tokens: int = 0  # passes of at least this many tokens: engine_float32.onnx
-    codes8_pass_rows: int = 0  # passes of at least this many rows: the 8-bit codes' graph
-    codes8_prompt_tokens: int = 0  # ... or of this many tokens (0: the rows alone decide)
-
-    def held(self, float32_twin: bool, codes8: bool) -> PassThresholds:
-        """These thresholds for the opt-in graphs an artifact holds (0 for the others)."""
-        return PassThresholds(self.float32_pass_tokens if float32_twin else 0,
-                              self.codes8_pass_rows if codes8 else 0,
-                              self.codes8_prompt_tokens if codes8 else 0)
-
-    def recorded(self) -> dict[str, int]:
-        """The manifest's ``exporter`` entries: the thresholds of the graphs written."""
-        return {name: value for name, value in asdict(self).items() if value}
-
-    @classmethod
-    def of(cls, manifest: Manifest) -> PassThresholds:
-        """An artifact's thresholds: as recorded; where a manifest written before they were
-        recorded is silent, what export measures for its quantisation."""
-        measured = MEASURED_THRESHOLDS.get(str(manifest.quantization), cls())
-        return cls(**{f.name: int(manifest.exporter.get(f.name, getattr(measured, f.name)))
-                      for f in fields(cls)})
-
-
-# Measured per quantisation (SmolLM2, 2 threads). The float32 twin: from how many tokens a
-# pass runs faster on it than on MatMulNBits (`python -m benchmarks.float32_twin
-# --passes`): 4-bit from about 200 (a 2,048-token pass 20-29 % faster), 8-bit from about
-# 1,000 (5 %; 27 % slower at 128); int4's 8-bit codes hold out longer: one prefill pass of
-# 256 / 512 / 2,048 tokens took 289 / 546 / 2,188 ms on them, 306 / 525 / 2,003 on the twin;
-# gguf's (Q4_1, with its minimums) 366 / 666 / 2,569 against 319 / 545 / 2,005. The 8-bit
-# codes of a 4-bit graph (export/widen_codes.py; `python -m benchmarks.quant_blocks
-# --engine ...`): from how many rows a decode step is faster on them (4-bit 28.9 / 36.0 /
-# 50.2 ms at 12 / 16 / 24 rows, 8-bit codes 29.0 / 35.6 / 47.4), and from how many tokens
-# a pass of fewer rows is, counting the cost of bringing the codes into a cache that held
-# the 4-bit weights (one prompt pass of 64 / 128 / 256 tokens: 100 / 167 / 289 ms on the
-# codes from cold, 87 / 165 / 327 on the 4-bit graph warm).
-MEASURED_THRESHOLDS = {
-    "int4": PassThresholds(float32_pass_tokens=512, codes8_pass_rows=16,
-                           codes8_prompt_tokens=128),
-    "gguf": PassThresholds(float32_pass_tokens=256, codes8_pass_rows=16,
-                           codes8_prompt_tokens=128),
-    "int8": PassThresholds(float32_pass_tokens=1024),
-}
-
-
 def sha256_file(path: str | os.PathLike[str]) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -123,6 +72,9 @@ class Manifest:
     io: dict[str, Any]  # {"model": {"inputs": {...}, "outputs": {...}}, "attention": {...}}
     verification: dict[str, Any]
     optimization: dict[str, Any] = field(default_factory=dict)
+    # which decoder graph runs which pass (service/contract/graphs.py); [] in manifests
+    # written before it, whose table is read from their files
+    graphs: list[dict[str, Any]] = field(default_factory=list)
     created_at: str = ""
     manifest_version: int = MANIFEST_VERSION
 

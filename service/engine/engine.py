@@ -22,20 +22,13 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
-from service.contract.engine_spec import (
-    ENGINE_CODES8_FILE,
-    ENGINE_CODES8_PLAIN_FILE,
-    ENGINE_FILE,
-    ENGINE_FLOAT32_FILE,
-    ENGINE_MIXED_FILE,
-)
-from service.contract.manifest import PassThresholds, load_manifest, verify_manifest
+from service.contract.graphs import GraphTable
+from service.contract.manifest import load_manifest, verify_manifest
 from service.engine.draft import DraftModel
-from service.engine.engine_graph_runner import EngineGraphRunner, twin_fits
+from service.engine.engine_graph_runner import EngineGraphRunner, takes_inputs_of
 from service.engine.model_graph_runner import ModelGraphRunner
 from service.engine.process_memory import collapse_to_huge_pages, release_file_pages
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
@@ -43,7 +36,7 @@ from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import RequestHandle, Scheduler, SchedulerLimits
 from service.engine.speculative import SpeculativeConfig, Speculator
 from service.engine.stats import KVStats, PrefixCacheStats, StatsSink
-from service.providers import CPU, CUDA, create_session, select_providers
+from service.providers import CUDA, create_session, select_providers
 from service.settings import Device, Limits, ServeOptions, Settings, of_settings
 
 log = logging.getLogger("attnserve.engine")
@@ -136,80 +129,43 @@ def pool_config(engine: EngineConfig, model: io.ArtifactConfig, token_bytes: int
                       prefix_cache_blocks=blocks, max_len=max_len, budget_tokens=budget)
 
 
-def _extra_graph(path: Path, threshold: int, session: ort.InferenceSession,
-                 engine: EngineConfig, prepack: bool, spin_wait: bool
-                 ) -> tuple[ort.InferenceSession | None, int]:
-    """The artifact's graph at ``path`` for the passes past ``threshold``, and that
-    threshold; (None, 0) where the file is missing, the threshold 0, or its inputs differ
-    from ``session``'s."""
-    if not threshold or not path.is_file():
-        return None, 0
-    extra = create_session(path, "cpu", engine.intra_op_threads, prepack=prepack,
-                           spin_wait=spin_wait)
-    if not twin_fits(session, extra):
-        log.info("%s does not take the served graph's inputs: not used", path.name)
-        return None, 0
-    return extra, threshold
-
-
-def codes8_file(artifact_dir: Path, served: str) -> str:
-    """The 8-bit codes' graph beside the served graph ``served``: engine.onnx's own where
-    the artifact has one (no idle second group of rows), else engine_codes8.onnx."""
-    if served == ENGINE_FILE and (artifact_dir / ENGINE_CODES8_PLAIN_FILE).is_file():
-        return ENGINE_CODES8_PLAIN_FILE
-    return ENGINE_CODES8_FILE
-
-
 def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineConfig,
                   spin_wait: bool = True) -> ModelRunner:
-    """engine.onnx over the KV pool when the artifact has it and the session would run on
-    CPU anyway (its cache is float32 on the host), engine_mixed.onnx instead with
-    ``mixed_steps`` where the artifact has that; else model.onnx through the same pool.
-    One session with packed weights either way: two would each keep a packed copy. A
-    quantised artifact's float32 twin (engine_float32.onnx), for passes of at least
-    ``float32_pass_tokens`` tokens, reads its weights where ONNX Runtime memory-mapped
-    them (page cache shared with weights.bin, no packed copy). A 4-bit artifact's 8-bit
-    codes (engine_codes8.onnx, or engine_codes8_plain.onnx beside a plain engine.onnx), for
-    passes of at least ``codes8_pass_rows`` rows (or the artifact's
-    ``codes8_prompt_tokens`` tokens), are packed: the 8-bit kernel needs it."""
-    engine_path = artifact_dir / ENGINE_FILE
-    itemsize = np.dtype(model.kv_dtype).itemsize
-    if engine.engine_graph and engine_path.is_file() and model.kv_dtype == "float16" and \
-            select_providers(engine.device)[0] == CUDA:
-        # a float16 artifact's engine.onnx on the GPU: the pool in device memory (cuda.py)
-        pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
-        pool = replace(pool, prefix_cache_blocks=0)  # the prefix store is host memory
+    """The runner over the graphs the artifact's table (service/contract/graphs.py) serves
+    with these settings: an engine graph over the KV pool (on CUDA, a float16 artifact's
+    engine.onnx with the pool in device memory), with a quantised artifact's float32
+    weights for long passes beside it; else model.onnx through the same pool. The steps
+    graph is one session with packed weights (two would each keep a packed copy); the
+    float32 one reads its weights where ONNX Runtime memory-mapped them (page cache shared
+    with weights.bin, no packed copy)."""
+    on_cuda = select_providers(engine.device)[0] == CUDA
+    served = GraphTable.of(load_manifest(artifact_dir)).served(
+        engine_graph=engine.engine_graph, mixed_steps=engine.mixed_steps, on_cuda=on_cuda,
+        float32_pass_tokens=engine.float32_pass_tokens)
+    steps, *long = served
+    pool = pool_config(engine, model, model.kv_bytes_per_token(np.dtype(model.kv_dtype).itemsize))
+    log.info("%s runs %s", artifact_dir.name, steps.describe())
+    if steps.runs == "fallback":
+        return ModelGraphRunner(create_session(artifact_dir / steps.file, engine.device,
+                                               engine.intra_op_threads, spin_wait=spin_wait),
+                                model, pool)
+    if on_cuda:  # the prefix store is host memory: none on the device (cuda.py)
         return EngineGraphRunner(
-            create_session(engine_path, "cuda", engine.intra_op_threads,
+            create_session(artifact_dir / steps.file, "cuda", engine.intra_op_threads,
                            cuda_graphs=engine.cuda_graphs),
-            model, pool, device="cuda", cuda_graphs=engine.cuda_graphs)
-    if engine.mixed_steps and (artifact_dir / ENGINE_MIXED_FILE).is_file():
-        engine_path = artifact_dir / ENGINE_MIXED_FILE
-    if engine.engine_graph and engine_path.is_file() and select_providers(
-            engine.device) == [CPU]:
-        pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
-        session = create_session(engine_path, "cpu", engine.intra_op_threads,
-                                 spin_wait=spin_wait)
-        extras = (artifact_dir / ENGINE_FLOAT32_FILE,
-                  artifact_dir / codes8_file(artifact_dir, engine_path.name))
-        recorded = (PassThresholds.of(load_manifest(artifact_dir))
-                    if any(p.is_file() for p in extras)  # read only when it matters
-                    else PassThresholds())
-        twin, wide = _extra_graph(extras[0], recorded.float32_pass_tokens
-                                  if engine.float32_pass_tokens is None
-                                  else engine.float32_pass_tokens,
-                                  session, engine, prepack=False, spin_wait=spin_wait)
-        codes8, many = _extra_graph(extras[1], recorded.codes8_pass_rows
-                                    if engine.codes8_pass_rows is None
-                                    else engine.codes8_pass_rows,
-                                    session, engine, prepack=True, spin_wait=spin_wait)
-        return EngineGraphRunner(
-            session, model, pool, float32_twin=twin, float32_pass_tokens=wide, codes8=codes8,
-            codes8_pass_rows=many, codes8_prompt_tokens=recorded.codes8_prompt_tokens)
-    pool = pool_config(engine, model, model.kv_bytes_per_token(itemsize))
-    return ModelGraphRunner(create_session(artifact_dir / io.MODEL_FILE, engine.device,
-                                           engine.intra_op_threads, spin_wait=spin_wait),
-                            model, pool)
+            model, replace(pool, prefix_cache_blocks=0), device="cuda",
+            cuda_graphs=engine.cuda_graphs)
+    session = create_session(artifact_dir / steps.file, "cpu", engine.intra_op_threads,
+                             spin_wait=spin_wait)
+    extra = {g: create_session(artifact_dir / g.file, "cpu", engine.intra_op_threads,
+                               prepack=False, spin_wait=spin_wait) for g in long}
+    for graph, other in list(extra.items()):
+        if not takes_inputs_of(session, other):
+            log.info("%s does not take %s's inputs: not used", graph.file, steps.file)
+            del extra[graph]
+    for graph in extra:
+        log.info("%s runs %s", artifact_dir.name, graph.describe())
+    return EngineGraphRunner(session, model, pool, long_passes=extra)
 
 
 class Engine:
@@ -237,15 +193,6 @@ class Engine:
         limits = of_settings(SchedulerLimits, config)
         speculator = create_speculator(artifact, config)
         engine = cls(runner, Scheduler(runner, artifact.codec, limits, stats, speculator))
-        if engine.float32_pass_tokens is not None:
-            log.info("passes of %d tokens or more run on %s (float32 weights, memory-mapped)",
-                     engine.float32_pass_tokens, ENGINE_FLOAT32_FILE)
-        if engine.codes8_pass_rows is not None:
-            log.info("passes of %d rows or more%s run on %s (the 4-bit weights as 8-bit "
-                     "codes)", engine.codes8_pass_rows,
-                     "" if engine.float32_pass_tokens is None
-                     else f" and fewer than {engine.float32_pass_tokens} tokens",
-                     codes8_file(artifact.path, runner.graph_file))
         if warmup:
             started = time.perf_counter()
             engine.scheduler.warmup(GenerationRequest(
@@ -273,14 +220,8 @@ class Engine:
 
     @property
     def float32_pass_tokens(self) -> int | None:
-        """Passes of this many tokens or more run on engine_float32.onnx; None: no twin."""
-        return self.runner.float32_twin_tokens
-
-    @property
-    def codes8_pass_rows(self) -> int | None:
-        """Passes of this many rows or more (below ``float32_pass_tokens`` tokens) run on
-        engine_codes8.onnx; None: the artifact has no such graph, or it is off."""
-        return self.runner.codes8_rows
+        """Passes of this many tokens or more run on float32 weights; None: never."""
+        return self.runner.float32_pass_tokens
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.scheduler.start(loop)

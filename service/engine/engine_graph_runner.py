@@ -24,32 +24,21 @@ pass also asks the arena to give its activations back to the OS once done
 process's memory for good. An engine.onnx exported before ``logits_index`` computes every
 position's logits; its wanted rows are picked out here.
 
-A quantised artifact carries the same graph in float32 as well (engine_float32.onnx, its
-weights already in weights.bin). ONNX Runtime's MatMulNBits beats a float32 GEMM by 5x at
-one row but loses to it from a few dozen rows on (block 32, level 4, on a 576 x 1536
+A quantised artifact may carry the same graph with float32 weights as well
+(engine_float32.onnx, its weights already in weights.bin; service/contract/graphs.py is the
+table of which graph runs which pass). ONNX Runtime's MatMulNBits beats a float32 GEMM by
+5x at one row but loses to it from a few dozen rows on (block 32, level 4, on a 576 x 1536
 weight: 303 against 195 us at 32 rows, 19.4 against 12.3 ms at 2,048), so a pass of at
-least ``float32_pass_tokens`` tokens (a long prompt, a prompt chunk with the decode rows)
-runs on the twin. Its weights are not packed: ONNX Runtime reads them where it
-memory-mapped weights.bin, so the twin costs page cache shared with the file rather than
-a private copy, and packs each weight per call, which a pass of hundreds of rows hides.
-
-A 4-bit artifact also carries its served graph with the codes widened to bytes
-(engine_codes8.onnx, export/widen_codes.py): the very same dequantised weights, run by the
-8-bit kernel, which is the faster of the two from about 16 rows (a 32-row SmolLM2 decode
-step: 58.7 against 64.2 ms; 14.6 against 11.1 ms at one row). A pass of at least
-``codes8_pass_rows`` rows (sequences: decode rows and prompts), or of at least
-``codes8_prompt_tokens`` tokens, and of fewer than ``float32_pass_tokens`` tokens, runs on
-it. Rows first, because switching graphs has a price on a CPU whose cache holds the 4-bit
-weights: at one row the steps keep them warm, and a 64-token prompt on the 8-bit codes
-took 100 ms from cold against 87 on the warm 4-bit graph, and slowed the steps after it
-(126 → 120 tok/s), though each graph is faster on its own (76 against 86 ms, both warm).
-It is packed like the main graph (ONNX Runtime's 8-bit kernel needs that), so it costs the
-8-bit codes' bytes in memory. Every session writes the same pool.
+least the table's ``from_tokens`` tokens (a long prompt, a prompt chunk with the decode
+rows) runs on float32 weights. They are not packed: ONNX Runtime reads them where it
+memory-mapped weights.bin, so they cost page cache shared with the file rather than a
+private copy, and it packs each weight per call, which a pass of hundreds of rows hides.
+Every session writes the same pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +46,7 @@ import onnxruntime as ort
 
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
+from service.contract.graphs import GraphEntry, graph_for_pass
 from service.engine.cuda import UNCAPTURED, CapturedDecode, DeviceSampler, SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.pooled_runner import PooledRunner
@@ -68,17 +58,15 @@ class EngineGraphRunner(PooledRunner):
     """ModelRunner over engine.onnx with a persistent float32 KV pool on the host."""
 
     def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig,
-                 pool: PoolConfig, float32_twin: ort.InferenceSession | None = None,
-                 float32_pass_tokens: int = 0, codes8: ort.InferenceSession | None = None,
-                 codes8_pass_rows: int = 0, codes8_prompt_tokens: int = 0,
+                 pool: PoolConfig,
+                 long_passes: Mapping[GraphEntry, ort.InferenceSession] | None = None,
                  device: str = "cpu", cuda_graphs: bool = False) -> None:
-        """``float32_twin``: the same graph with float32 weights, run for passes of at
-        least ``float32_pass_tokens`` tokens; ``codes8``: with its 4-bit codes widened to
-        bytes, for narrower passes of at least ``codes8_pass_rows`` rows or
-        ``codes8_prompt_tokens`` tokens (0: rows alone) (module docstring). ``device``
-        "cuda": a float16 graph on the CUDA provider, the pool in device memory, decode
-        steps replayed as CUDA graphs with ``cuda_graphs`` (the session must have been
-        created with them; cuda.py)."""
+        """``session``: the graph of every pass (engine.onnx or engine_mixed.onnx);
+        ``long_passes``: the artifact's float32-weights graph, for passes of at least its
+        entry's ``from_tokens`` tokens (module docstring). ``device`` "cuda": a float16
+        graph on the CUDA provider, the pool in device memory, decode steps replayed as
+        CUDA graphs with ``cuda_graphs`` (the session must have been created with them;
+        cuda.py)."""
         n = config.n_layers
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
@@ -107,20 +95,19 @@ class EngineGraphRunner(PooledRunner):
         self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in inputs
         if self.mixes_chunks:
             self.graph_file = es.ENGINE_MIXED_FILE
-        self._graph = _Graph(session)
-        if float32_twin is not None and not twin_fits(session, float32_twin):
-            raise ValueError("the float32 twin does not take the engine graph's inputs")
-        self._twin = _Graph(float32_twin) if float32_twin is not None else None
-        self.float32_pass_tokens = float32_pass_tokens
-        self.twin_passes = 0  # passes run on the float32 twin
-        if codes8 is not None and not twin_fits(session, codes8):
-            raise ValueError("the 8-bit-codes graph does not take the engine graph's inputs")
-        self._codes8 = _Graph(codes8) if codes8 is not None else None
-        self.codes8_pass_rows = codes8_pass_rows
-        self.codes8_prompt_tokens = codes8_prompt_tokens
-        self.codes8_passes = 0  # passes run on the 8-bit codes
-        if device != "cpu" and (self.mixes_chunks or float32_twin or codes8):
+        long_passes = dict(long_passes or {})
+        for graph, other in long_passes.items():
+            if not takes_inputs_of(session, other):
+                raise ValueError(f"{graph.file} does not take the engine graph's inputs")
+        if device != "cpu" and (self.mixes_chunks or long_passes):
             raise ValueError(f"on {device}, the engine runs {es.ENGINE_FILE} alone")
+        # which graph runs which pass: the table's entries this runner serves, steps first
+        self.graphs: tuple[GraphEntry, ...] = (
+            GraphEntry(self.graph_file, "steps", row_groups=2 if self.mixes_chunks else 1,
+                       cuda=device != "cpu"), *long_passes)
+        self._sessions = {g.file: _Graph(s) for g, s in ((self.graphs[0], session),
+                                                          *long_passes.items())}
+        self.float32_passes = 0  # passes run on float32 weights
         scratch = (1, self.shape.heads, 1, self.shape.head_dim)  # (1, nkv, 1, hs)
         self._scratch = [np.zeros(scratch, self.shape.dtype) for _ in self._past]
         self._scratch_pointers = [a.ctypes.data for a in self._scratch]
@@ -133,30 +120,18 @@ class EngineGraphRunner(PooledRunner):
         self.samples_on_device = self._sampler is not None
 
     @property
-    def float32_twin_tokens(self) -> int | None:
-        """Passes of this many tokens or more run on engine_float32.onnx; None: no twin."""
-        return self.float32_pass_tokens if (self._twin is not None
-                                            and self.float32_pass_tokens > 0) else None
-
-    @property
-    def codes8_rows(self) -> int | None:
-        """Passes of this many rows or more (below the twin's tokens) run on
-        engine_codes8.onnx; None: no such graph, or it is off."""
-        return self.codes8_pass_rows if (self._codes8 is not None
-                                         and self.codes8_pass_rows > 0) else None
+    def float32_pass_tokens(self) -> int | None:
+        """Passes of this many tokens or more run on float32 weights; None: never."""
+        return min((g.from_tokens for g in self.graphs if g.runs == "long passes"),
+                   default=None)
 
     def _graph_for(self, rows: int, tokens: int) -> _Graph:
         """The graph for a pass of ``rows`` sequences and ``tokens`` tokens (rows × padded
-        length, both groups)."""
-        if self._twin is not None and 0 < self.float32_pass_tokens <= tokens:
-            self.twin_passes += 1
-            return self._twin
-        codes8 = self._codes8
-        if codes8 is not None and self.codes8_pass_rows > 0 and (
-                self.codes8_pass_rows <= rows or 0 < self.codes8_prompt_tokens <= tokens):
-            self.codes8_passes += 1
-            return codes8
-        return self._graph
+        length, both groups): the table's lookup, which goes by tokens alone."""
+        del rows
+        graph = graph_for_pass(self.graphs, tokens)
+        self.float32_passes += graph.weights == "float32"
+        return self._sessions[graph.file]
 
     def _arrange(self, slots: Sequence[Slot], start: int | None) -> None:
         self.pool.compact(slots, start)
@@ -415,13 +390,13 @@ class _Graph:
         self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in {i.name for i in session.get_inputs()}
 
 
-def twin_fits(session: ort.InferenceSession, twin: ort.InferenceSession) -> bool:
-    """Whether ``twin`` can run every pass ``session`` runs: the same inputs, or those
-    plus a second group of rows, left idle (engine_mixed.onnx's float32 build beside a
+def takes_inputs_of(session: ort.InferenceSession, other: ort.InferenceSession) -> bool:
+    """Whether ``other`` can run every pass ``session`` runs: the same inputs, or those
+    plus a second group of rows, left idle (engine_mixed.onnx's float32 weights beside a
     quantised engine.onnx, with mixed steps off)."""
     mine = {i.name for i in session.get_inputs()}
-    extra = {i.name for i in twin.get_inputs()} - mine
-    return mine <= {i.name for i in twin.get_inputs()} and all(
+    extra = {i.name for i in other.get_inputs()} - mine
+    return mine <= {i.name for i in other.get_inputs()} and all(
         name.startswith(es.CHUNK_PREFIX) for name in extra)
 
 

@@ -44,13 +44,8 @@ class PooledRunner:
     samples_on_device: bool = False  # decoding rows may want draws made beside the logits
 
     @property
-    def float32_twin_tokens(self) -> int | None:
-        """No engine_float32.onnx here (EngineGraphRunner may have one)."""
-        return None
-
-    @property
-    def codes8_rows(self) -> int | None:
-        """No engine_codes8.onnx here (EngineGraphRunner may have one)."""
+    def float32_pass_tokens(self) -> int | None:
+        """No float32 weights for long passes here (EngineGraphRunner may have them)."""
         return None
 
     def __init__(self, config: io.ArtifactConfig, pool: PoolConfig, dtype: np.dtype,

@@ -50,14 +50,9 @@ class ModelRunner(Protocol):
     samples_on_device: bool  # decoding rows may want draws (``RowWork.want`` "draw")
 
     @property
-    def float32_twin_tokens(self) -> int | None:
-        """Passes of this many tokens or more run on engine_float32.onnx; None: no twin."""
-        ...
-
-    @property
-    def codes8_rows(self) -> int | None:
-        """Passes of this many rows or more (below the float32 twin's tokens) run on
-        engine_codes8.onnx; None: no such graph, or it is off."""
+    def float32_pass_tokens(self) -> int | None:
+        """Passes of this many tokens or more run on float32 weights (service/contract/
+        graphs.py); None: never."""
         ...
 
     @property

@@ -65,13 +65,8 @@ class Runtime:
 
     @property
     def float32_pass_tokens(self) -> int | None:
-        """From how many tokens a pass runs on the float32 twin; None: no twin."""
+        """From how many tokens a pass runs on float32 weights; None: never."""
         return self.engine.float32_pass_tokens if self.engine is not None else None
-
-    @property
-    def codes8_pass_rows(self) -> int | None:
-        """From how many rows a pass runs on the 8-bit codes; None: no such graph."""
-        return self.engine.codes8_pass_rows if self.engine is not None else None
 
 
 def load_engine(runtime: Runtime) -> None:

@@ -7,17 +7,12 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from service.contract.manifest import (
-    ManifestError,
-    PassThresholds,
-    load_manifest,
-    verify_manifest,
-)
+from service.contract.graphs import GraphEntry, GraphTable
+from service.contract.manifest import ManifestError, load_manifest, verify_manifest
 
 
 @pytest.fixture()
@@ -53,20 +48,12 @@ def test_manifest_records_passing_verification_figures(tiny_artifact: Path) -> N
     assert v["attention"]["upper_triangle_max"] == 0.0
 
 
-def test_pass_thresholds_as_recorded_else_as_measured(tiny_artifact: Path) -> None:
-    """The engine's pass thresholds are the manifest's ``exporter`` entries; where a
-    manifest written before they were recorded is silent, the values export measured for
-    the artifact's quantisation (gguf: a float32-twin pass from 256 tokens, 8-bit codes from
-    16 rows or 128 tokens); an unquantised artifact has no opt-in graph to reach."""
-    manifest = load_manifest(tiny_artifact)
-    assert manifest.quantization is None and "codes8_pass_rows" not in manifest.exporter
-    assert PassThresholds.of(manifest) == PassThresholds(0, 0, 0)
-    silent = replace(manifest, quantization="gguf")
-    assert PassThresholds.of(silent) == PassThresholds(256, 16, 128)
-    recorded = replace(silent, exporter={**manifest.exporter, "codes8_pass_rows": 24,
-                                         "codes8_prompt_tokens": 0})
-    assert PassThresholds.of(recorded) == PassThresholds(256, 24, 0)
-    assert PassThresholds(0, 24, 0).recorded() == {"codes8_pass_rows": 24}
+def test_manifest_holds_the_table_of_graphs(tiny_artifact: Path) -> None:
+    """Export writes which graph runs which pass, and the engine reads it back; an
+    artifact without --engine-graph has model.onnx alone."""
+    table = GraphTable.of(load_manifest(tiny_artifact))
+    assert table.graphs == (GraphEntry("model.onnx", "fallback"),)
+    assert table.served(engine_graph=True, mixed_steps=True, on_cuda=False) == table.graphs
 
 
 def test_verify_manifest_accepts_the_artifact(artifact_copy: Path) -> None:

@@ -26,7 +26,6 @@ from export.layerwise import LayerwiseReference
 from export.onnx_build import Graph, WeightsWriter, is_placeholder, make_model
 from export.to_onnx import export_artifact
 from export.verify import VerificationError, check_prompts, decoder_for
-from export.widen_codes import exact_int8_products
 from model.architectures.base import StandIn, f32
 from model.checkpoint import load_checkpoint
 from model.gguf_codes import DIRECT
@@ -60,8 +59,8 @@ def test_the_artifact_is_the_float32_checkpoints_byte_for_byte(
         case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tied and untied heads, GPT-2's fused Q|K|V and quantised position table, 8-bit and
     K-quant blocks: the same graphs and weights.bin as the general export writes (the
-    K-quants with --codes8 too: the widened graphs, checked against the served ones; and
-    with the rewrites on two threads, as a model of over 50 M parameters has them)."""
+    K-quants with the rewrites on two threads, as a model of over 50 M parameters has
+    them)."""
     if case == "kquants":
         monkeypatch.setattr("export.verify.check_threads", lambda gpt: 2)
     path = write_file(tmp_path, CASES[case])
@@ -71,26 +70,12 @@ def test_the_artifact_is_the_float32_checkpoints_byte_for_byte(
     assert not builds_from_blocks(float32, "gguf", False)
     assert not builds_from_blocks(held, "gguf", True)  # a float32 twin needs the weights
     assert not builds_from_blocks(held, "int4", False)
-    codes8 = case == "kquants"
-    try:
-        ours = export_artifact(held, tmp_path / "ours", quantize="gguf", engine_graph=True,
-                               codes8=codes8)
-    except ValueError as exc:
-        # x86 without VNNI saturates int8 products: the widened graphs may compute other
-        # numbers, and the export must then refuse them (and write nothing), saying why
-        if not codes8 or exact_int8_products() or "VNNI" not in str(exc):
-            raise
-        assert not (tmp_path / "ours").exists()
-        codes8 = False
-        ours = export_artifact(held, tmp_path / "ours", quantize="gguf", engine_graph=True)
+    ours = export_artifact(held, tmp_path / "ours", quantize="gguf", engine_graph=True)
     general = export_artifact(float32, tmp_path / "general", quantize="gguf",
-                              engine_graph=True, codes8=codes8, verify=False)
-    widened = ("engine_codes8.onnx", "engine_codes8_plain.onnx") if codes8 else ()
-    for name in (*GRAPHS, *widened):
+                              engine_graph=True, verify=False)
+    for name in GRAPHS:
         assert (ours / name).read_bytes() == (general / name).read_bytes(), name
     manifest = json.loads((ours / "manifest.json").read_text("utf-8"))["verification"]
-    for key in ("engine_codes8", "engine_codes8_plain") if codes8 else ():
-        assert manifest[key]["greedy_equal"], key
     assert manifest["passed"] and "layer by layer" in manifest["reference"]
     for key in ("engine", "engine_mixed"):
         assert manifest[key]["greedy_equal"] and manifest[key]["in_place"]

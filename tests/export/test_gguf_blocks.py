@@ -34,6 +34,7 @@ from model.checkpoint import load_checkpoint, read_meta
 from model.gguf_import import import_gguf_checkpoint
 from service.cli import main as cli_main
 from service.contract.engine_spec import ENGINE_FILE
+from service.contract.graphs import FLOAT32_PASS_TOKENS
 from service.contract.reference import OrtDecoder
 from tests.conftest import torch_threads
 from tests.gguf_files import Q, TokenizerSpec, llamacpp_permute, write_gguf
@@ -320,18 +321,18 @@ def test_the_embedding_is_the_files_dequantised_rows(case: str, graph: str,
 def test_the_artifact_holds_the_blocks_and_no_float_copy(case: str,
                                                          built: Callable[[str], Built]) -> None:
     """By default a --quantize gguf artifact stores the file's blocks and no float32 copy
-    of a weight matrix (no twin, no widened codes; attention.onnx reads the blocks): every
+    of a weight matrix (no float32 weights for long passes; attention.onnx reads the
+    blocks), and its table of graphs says so: every
     large float32 tensor is a per-block table (scales, minimums) or a block-sum matrix.
     Q4_0 and Q8_0 blocks keep their size but for float32 scales (20/18 and 36/34 bytes a
     block), so those artifacts stay near the file's tensor bytes (alignment and norms
     weigh more at this size than at real ones)."""
     b = built(case)
     assert not [p.name for p in b.artifact.iterdir()
-                if p.name.startswith(("engine_float32", "engine_codes8"))
+                if p.name.startswith("engine_float32")
                 or p.name.endswith(".data")]  # the quantised graphs' side files: all moved
     manifest = json.loads((b.artifact / "manifest.json").read_text("utf-8"))
-    assert "float32_pass_tokens" not in manifest["exporter"]
-    assert "codes8_pass_rows" not in manifest["exporter"]
+    assert {g["weights"] for g in manifest["graphs"]} == {"stored"}
     tables = (".gguf_scales", ".gguf_mins", ".gguf_row_mins")
     for graph in sorted(b.artifact.glob("*.onnx")):
         model = onnx.load(str(graph), load_external_data=False)
@@ -414,17 +415,17 @@ def test_float_activations_serve_the_float32_models_logits(case: str,
 
 def test_opt_in_copies_are_written_and_sized(built: Callable[[str], Built],
                                              tmp_path: Path) -> None:
-    """--float32-twin and --codes8 add their graphs, and the manifest records the bytes
-    each added to weights.bin (what the default artifact saves)."""
+    """--float32-twin adds engine_float32.onnx, in the table for long passes, and the
+    manifest records the bytes it added to weights.bin (what the default artifact saves)."""
     b = built("q4_1")
     art = export_artifact(b.ckpt, tmp_path / "art", quantize="gguf", engine_graph=True,
-                          verify=False, float32_twin=True, codes8=True)
+                          verify=False, float32_twin=True)
     manifest = json.loads((art / "manifest.json").read_text("utf-8"))
     added = manifest["exporter"]["storage"]["opt_in_bytes"]
-    assert set(added) == {"engine_float32.onnx", "engine_codes8.onnx",
-                          "engine_codes8_plain.onnx"}
-    assert manifest["exporter"]["float32_pass_tokens"] > 0
-    assert manifest["exporter"]["codes8_pass_rows"] > 0
+    assert set(added) == {"engine_float32.onnx"}
+    (long,) = [g for g in manifest["graphs"] if g["runs"] == "long passes"]
+    assert long["file"] == "engine_float32.onnx" and long["weights"] == "float32"
+    assert long["from_tokens"] == FLOAT32_PASS_TOKENS["gguf"]
     growth = (art / "weights.bin").stat().st_size - (b.artifact / "weights.bin").stat().st_size
     # each new tensor may start at an aligned offset: at most one alignment's padding each
     assert sum(added.values()) <= growth <= sum(added.values()) + 4096 * 64

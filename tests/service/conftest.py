@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from service.contract import io_spec as io
 from service.contract.engine_spec import ENGINE_FILE
-from tests.service.helpers import ServerProcess, greedy_loop, metric_value
+from tests.service.helpers import ServerProcess, greedy_loop, metric_value, record_graphs
 
 
 @pytest.fixture(scope="session")
@@ -32,16 +32,15 @@ def encode(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
 
 @pytest.fixture(scope="session")
 def int4_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint exported with --quantize int4 --engine-graph and both opt-in
-    copies (engine_float32.onnx and engine_codes8.onnx beside the 4-bit graphs),
-    unverified."""
+    """The tiny checkpoint exported with --quantize int4 --engine-graph --float32-twin
+    (engine_float32.onnx beside the 4-bit graphs), unverified."""
     from export.to_onnx import export_artifact
     from tests.conftest import torch_threads
 
     with torch_threads(1):
         return export_artifact(tiny_checkpoint, tmp_path_factory.mktemp("int4") / "artifact",
                                quantize="int4", engine_graph=True, verify=False,
-                               float32_twin=True, codes8=True)
+                               float32_twin=True)
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +53,7 @@ def engine_artifact(artifact: Path, tiny_checkpoint: Path,
     out = tmp_path_factory.mktemp("engine") / "artifact"
     shutil.copytree(artifact, out)
     export_engine(load_checkpoint(tiny_checkpoint).model.eval(), out / ENGINE_FILE)
-    return out
+    return record_graphs(out)
 
 
 @pytest.fixture(scope="session")

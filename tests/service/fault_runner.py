@@ -123,8 +123,7 @@ class ControlledRunner:
         self.device = runner.device
         self.mixes_chunks = runner.mixes_chunks
         self.samples_on_device = runner.samples_on_device
-        self.float32_twin_tokens = runner.float32_twin_tokens
-        self.codes8_rows = runner.codes8_rows
+        self.float32_pass_tokens = runner.float32_pass_tokens
 
     def _pass(self, prompts: Sequence[np.ndarray] = ()) -> None:
         if self.gate is not None and not self.gate.next():

@@ -23,6 +23,8 @@ import httpx
 from benchmarks.bound_port import wait_bound_port, wait_ready
 from service.artifact.text import TextCodec
 from service.contract import io_spec as io
+from service.contract.graphs import GraphTable
+from service.contract.manifest import describe_files, load_manifest
 from service.contract.reference import OrtDecoder, greedy_until
 from service.engine.batch import Batch
 from service.engine.request import GenerationRequest, TokenEvent
@@ -32,6 +34,18 @@ from service.engine.step import step_alone
 HERE = Path(__file__).resolve().parent
 NO_TORCH = HERE / "no_torch"
 LAUNCHER = HERE / "launch_server.py"
+
+
+def record_graphs(artifact: Path) -> Path:
+    """List the graph files a test added to an exported ``artifact`` in its manifest, with
+    its table of graphs, as export would have (else the engine serves the table's)."""
+    manifest = load_manifest(artifact)
+    names = sorted(p.name for p in artifact.iterdir()
+                   if p.is_file() and p.name != io.MANIFEST_FILE)
+    manifest.files = describe_files(artifact, names)
+    manifest.graphs = GraphTable.of_files(names, manifest.kv_dtype, 0, 1).to_list()
+    manifest.write(artifact)
+    return artifact
 
 
 def greedy_loop(artifact: Path) -> Callable[[list[int], int], list[int]]:

@@ -204,7 +204,7 @@ def test_every_setting_reaches_the_engine_config() -> None:
         "mixed_steps": False, "max_batch_size": 5, "max_batch_tokens": 4000,
         "max_queued_requests": 7, "max_total_tokens": 1000, "kv_cache_memory_mb": 12.5,
         "prefix_caching": False, "prefix_cache_memory_mb": 9.0, "prefix_block_size": 32,
-        "prefill_chunk_tokens": 48, "float32_pass_tokens": 99, "codes8_pass_rows": 11,
+        "prefill_chunk_tokens": 48, "float32_pass_tokens": 99,
         "adaptive_prefill_chunks": False, "max_batch_prefill_tokens": 300, "huge_pages": True,
         "speculative_model": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5,
         "prompt_lookup_min": 3, "speculative_max_batch_rows": 2,

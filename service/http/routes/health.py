@@ -57,7 +57,6 @@ async def info(runtime: RuntimeDep) -> dict[str, Any]:
         "provider": runtime.provider,
         "decode_graph": runtime.decode_graph,
         "float32_pass_tokens": runtime.float32_pass_tokens,
-        "codes8_pass_rows": runtime.codes8_pass_rows,
         "requested_providers": artifact.providers,
         "device": settings.device,
         "ready": runtime.ready,

@@ -32,7 +32,7 @@ from service.engine.sampling import log_softmax
 from service.engine.step import run_step
 from service.engine.step_plan import RowWork, StepPlan
 from service.providers import create_session
-from tests.service.helpers import one_step, run_with_joins
+from tests.service.helpers import one_step, record_graphs, run_with_joins
 from tests.service.runner_passes import decode, extend, prefill
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
@@ -379,6 +379,7 @@ def test_create_runner_takes_the_mixed_graph_unless_mixed_steps_are_off(
     both = tmp_path / "both"
     shutil.copytree(engine_artifact, both)
     shutil.copyfile(mixed_engine_path, both / ENGINE_MIXED_FILE)
+    record_graphs(both)
     config = io.ArtifactConfig.load(both)
     on = create_runner(both, config, EngineConfig(intra_op_threads=1, max_batch_size=2))
     off = create_runner(both, config, EngineConfig(intra_op_threads=1, max_batch_size=2,

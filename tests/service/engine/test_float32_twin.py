@@ -1,9 +1,9 @@
-"""A quantised artifact's float32 twin (engine_float32.onnx) for passes of many tokens.
+"""A quantised artifact's float32 weights (engine_float32.onnx) for passes of many tokens.
 
-MatMulNBits loses to a float32 GEMM once a pass carries a few dozen rows, so export keeps
-the engine graph's float32 build beside the quantised one and the runner sends passes of at
-least ``float32_pass_tokens`` tokens to it (service/engine/engine_graph_runner.py). Checked here
-against PyTorch's float32 model: a wide pass computes its logits, a narrow one does not.
+MatMulNBits loses to a float32 GEMM once a pass carries a few dozen rows, so export may keep
+the engine graph's float32 build beside the quantised one, and its table of graphs
+(service/contract/graphs.py) sends passes of at least ``from_tokens`` tokens to it. Checked
+here against PyTorch's float32 model: a wide pass computes its logits, a narrow one does not.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from service.contract.engine_spec import ENGINE_FILE, ENGINE_FLOAT32_FILE, ENGIN
 from service.engine.engine import EngineConfig, create_runner
 from service.engine.engine_graph_runner import EngineGraphRunner
 from tests.conftest import torch_threads
+from tests.service.runner_passes import decode, prefill
 
 WIDE = 24  # tokens from which a pass runs on the twin, in these tests
 
@@ -36,14 +37,14 @@ def int8_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
                                float32_twin=True)
 
 
-def runner_for(artifact: Path, wide: int | None, mixed_steps: bool = True,
-               codes8: int | None = 0) -> EngineGraphRunner:
-    """The artifact's runner with the twin from ``wide`` tokens (and the 8-bit codes of a
-    4-bit artifact from ``codes8``: off unless asked, see test_codes8.py)."""
+def runner_for(artifact: Path, wide: int | None, mixed_steps: bool = True
+               ) -> EngineGraphRunner:
+    """The artifact's runner with float32 weights from ``wide`` tokens (None: the
+    artifact's threshold)."""
     config = io.ArtifactConfig.load(artifact)
     runner = create_runner(artifact, config, EngineConfig(
         intra_op_threads=1, max_batch_size=4, prefix_caching=False, float32_pass_tokens=wide,
-        mixed_steps=mixed_steps, codes8_pass_rows=codes8))
+        mixed_steps=mixed_steps))
     assert isinstance(runner, EngineGraphRunner)
     assert runner.graph_file == (ENGINE_MIXED_FILE if mixed_steps else ENGINE_FILE)
     return runner
@@ -86,50 +87,74 @@ def test_a_wide_pass_runs_in_float32_and_a_narrow_one_quantised(
 
     wide = runner_for(int4_artifact, WIDE, mixed_steps)
     (slot,) = wide.reserve(1)
-    (got,) = wide.prefill([slot], [np.asarray(ids)])  # (1, V)
+    (got,) = prefill(wide, [slot], [np.asarray(ids)])  # (1, V)
     twin_error = float(np.abs(got[0] - want).max())
     assert twin_error < 1e-3
-    assert wide.twin_passes == 1
+    assert wide.float32_passes == 1
     for token in ids[:3]:  # one token a pass: the quantised graph
-        wide.decode([slot], np.asarray([token]))
-    assert wide.twin_passes == 1
+        decode(wide, [slot], np.asarray([token]))
+    assert wide.float32_passes == 1
 
     narrow = runner_for(int4_artifact, 0, mixed_steps)
     (slot,) = narrow.reserve(1)
-    (quantised,) = narrow.prefill([slot], [np.asarray(ids)])
-    assert narrow.twin_passes == 0
+    (quantised,) = prefill(narrow, [slot], [np.asarray(ids)])
+    assert narrow.float32_passes == 0
     assert float(np.abs(quantised[0] - want).max()) > 10 * twin_error
 
     short = ids[:WIDE - 1]  # one token short of the threshold: quantised as well
     (slot,) = wide.reserve(1)
-    (below,) = wide.prefill([slot], [np.asarray(short)])
-    assert wide.twin_passes == 1
+    (below,) = prefill(wide, [slot], [np.asarray(short)])
+    assert wide.float32_passes == 1
     np.testing.assert_allclose(
-        below[0], narrow.prefill(narrow.reserve(1), [np.asarray(short)])[0][0], atol=1e-5)
+        below[0], prefill(narrow, narrow.reserve(1), [np.asarray(short)])[0][0], atol=1e-5)
 
 
-def test_an_artifact_without_a_twin_runs_every_pass_quantised(
-        int4_artifact: Path, tmp_path: Path) -> None:
-    """An artifact exported before the twin existed (the file gone) still serves."""
+def older(artifact: Path, tmp_path: Path, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of ``artifact`` whose manifest is of before the table of graphs (and of
+    before the exporter recorded its threshold), without the files ``drop``."""
     import shutil
 
-    old = tmp_path / "artifact"
-    shutil.copytree(int4_artifact, old)
-    (old / ENGINE_FLOAT32_FILE).unlink()
-    runner = runner_for(old, WIDE)
+    old = Path(shutil.copytree(artifact, tmp_path / "artifact"))
+    manifest = json.loads((old / io.MANIFEST_FILE).read_text("utf-8"))
+    del manifest["graphs"]
+    for name in drop:
+        (old / name).unlink()
+        del manifest["files"][name]
+    (old / io.MANIFEST_FILE).write_text(json.dumps(manifest), "utf-8")
+    return old
+
+
+def test_an_artifact_without_float32_weights_runs_every_pass_quantised(
+        int4_artifact: Path, tmp_path: Path) -> None:
+    """An artifact exported before the float32 weights existed still serves."""
+    runner = runner_for(older(int4_artifact, tmp_path, (ENGINE_FLOAT32_FILE,)), WIDE)
+    assert runner.graphs == runner.graphs[:1] and runner.float32_pass_tokens is None
     (slot,) = runner.reserve(1)
-    runner.prefill([slot], [np.arange(3, 3 + WIDE + 4)])
-    assert runner.twin_passes == 0
+    prefill(runner, [slot], [np.arange(3, 3 + WIDE + 4)])
+    assert runner.float32_passes == 0
+
+
+def test_a_manifest_without_the_table_serves_as_it_did(int4_artifact: Path,
+                                                        tmp_path: Path) -> None:
+    """The table of an older manifest is read from its files: the float32 graph from
+    what export measured for int4 (512 tokens), and a pass that long runs on it (four
+    prompts of the tiny model's whole context)."""
+    runner = runner_for(older(int4_artifact, tmp_path), None)
+    assert [g.file for g in runner.graphs] == [ENGINE_MIXED_FILE, ENGINE_FLOAT32_FILE]
+    assert runner.float32_pass_tokens == 512
+    assert runner.max_len == 128
+    prefill(runner, runner.reserve(4), [np.arange(3, 3 + 128)] * 4)  # 512 tokens a pass
+    assert runner.float32_passes == 1
 
 
 def test_each_artifact_carries_its_own_threshold(int4_artifact: Path,
                                                   int8_artifact: Path) -> None:
-    """Export records from how many tokens the twin pays (int4, beside its 8-bit codes:
-    512; 8-bit: 1,024, as measured by benchmarks.float32_twin --passes); the runner takes
-    it unless told."""
+    """Export records in the table from how many tokens the float32 weights pay (int4:
+    512; 8-bit: 1,024; docs/engine.md); the runner takes it unless told."""
     for artifact, expected in ((int4_artifact, 512), (int8_artifact, 1024)):
         manifest = json.loads((artifact / io.MANIFEST_FILE).read_text("utf-8"))
-        assert manifest["exporter"]["float32_pass_tokens"] == expected
+        (long,) = [g for g in manifest["graphs"] if g["runs"] == "long passes"]
+        assert long["file"] == ENGINE_FLOAT32_FILE and long["from_tokens"] == expected
         assert runner_for(artifact, None).float32_pass_tokens == expected
         assert runner_for(artifact, 64).float32_pass_tokens == 64
-        assert runner_for(artifact, 0).float32_twin_tokens is None
+        assert runner_for(artifact, 0).float32_pass_tokens is None

@@ -23,6 +23,7 @@ from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler, SchedulerLimits
 from service.engine.speculative import SpeculativeConfig, Speculator
 from service.engine.step import step_alone
+from tests.service.helpers import record_graphs
 
 # Code repeats itself: prompt lookup finds what comes next in the prompt.
 REPETITIVE = ("def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\n"
@@ -103,7 +104,7 @@ def draft_artifact(engine_artifact: Path, tiny_checkpoint: Path,
     out = root / "artifact"
     export_artifact(ckpt, out)
     export_engine(model, out / ENGINE_FILE)
-    return out
+    return record_graphs(out)
 
 
 @pytest.mark.parametrize("same_model", [True, False], ids=["itself", "perturbed"])

@@ -1,0 +1,124 @@
+"""Which decoder graph runs which pass: one table per artifact, in its manifest.
+
+An artifact may hold several decoders over one weights.bin. Export writes what each
+computes and when it runs into manifest.json (``graphs``); the engine picks the ones it
+opens with :meth:`GraphTable.served` and every pass with :func:`graph_for_pass`. A
+manifest written before the table is read from the files it lists (:meth:`GraphTable.of`),
+so older artifacts serve as they did. Torch- and onnxruntime-free: the service reads it.
+
+    model.onnx           stored weights, one row group: the I/O contract graph, run only
+                         when no engine graph can (``--no-engine-graph``, a float32
+                         artifact on CUDA)
+    engine.onnx          stored weights, one row group: every pass, KV cache in place;
+                         on CUDA too for a float16 artifact (decode steps captured)
+    engine_mixed.onnx    stored weights, two row groups: every pass, newcomers' prompts and
+                         prompt chunks riding in the decode step (mixed steps, the default)
+    engine_float32.onnx  a quantised artifact's weights in float32 (``--float32-twin``):
+                         passes of at least ``from_tokens`` tokens, where a float32 GEMM
+                         beats the quantised kernel
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+from service.contract import engine_spec as es
+from service.contract import io_spec as io
+from service.contract.manifest import Manifest
+
+Runs = Literal["steps", "long passes", "fallback"]
+Weights = Literal["stored", "float32"]
+
+# From how many tokens a pass runs faster on float32 weights than on the quantised kernel,
+# by quantisation (SmolLM2-135M, 2 threads; docs/engine.md "Which graph runs").
+FLOAT32_PASS_TOKENS = {"int4": 512, "gguf": 256, "int8": 1024}
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One decoder graph of an artifact: what it computes and which passes it runs."""
+
+    file: str
+    runs: Runs  # steps: every pass a long-pass graph does not take; fallback: model.onnx
+    weights: Weights = "stored"  # float32: a quantised artifact's weights before quantising
+    row_groups: int = 1  # 2: a second group (prompts, a chunk) rides in the decode step
+    from_tokens: int = 0  # long passes: passes of at least this many tokens
+    cuda: bool = False  # may run on CUDA (a float16 engine.onnx; decode steps captured)
+
+    def describe(self) -> str:
+        """One line for logs and docs."""
+        what = ("float32 weights" if self.weights == "float32" else "stored weights") + (
+            ", prompts riding in decode steps" if self.row_groups == 2 else "")
+        when = {"steps": "every pass", "fallback": "when no engine graph can",
+                "long passes": f"passes of ≥ {self.from_tokens} tokens"}[self.runs]
+        return f"{self.file} ({what}): {when}" + (", CUDA too" if self.cuda else "")
+
+
+@dataclass(frozen=True)
+class GraphTable:
+    """The decoder graphs an artifact holds, in the order export wrote them."""
+
+    graphs: tuple[GraphEntry, ...]
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return [asdict(g) for g in self.graphs]
+
+    @classmethod
+    def from_list(cls, rows: Sequence[dict[str, Any]]) -> GraphTable:
+        return cls(tuple(GraphEntry(**row) for row in rows))
+
+    @classmethod
+    def of_files(cls, files: Collection[str], kv_dtype: str, float32_pass_tokens: int,
+                 float32_row_groups: int) -> GraphTable:
+        """The table of an artifact holding ``files``: what export writes, and what a
+        manifest of before the table is read as (an artifact's other files: not decoders,
+        or graphs no longer served)."""
+        entries = [GraphEntry(io.MODEL_FILE, "fallback")]
+        if es.ENGINE_FILE in files:
+            entries.append(GraphEntry(es.ENGINE_FILE, "steps", cuda=kv_dtype == "float16"))
+        if es.ENGINE_MIXED_FILE in files:
+            entries.append(GraphEntry(es.ENGINE_MIXED_FILE, "steps", row_groups=2))
+        if es.ENGINE_FLOAT32_FILE in files and float32_pass_tokens > 0:
+            entries.append(GraphEntry(es.ENGINE_FLOAT32_FILE, "long passes", "float32",
+                                      float32_row_groups, float32_pass_tokens))
+        return cls(tuple(entries))
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> GraphTable:
+        """An artifact's table: as export recorded it, or derived from its files."""
+        if manifest.graphs:
+            return cls.from_list(manifest.graphs)
+        recorded = manifest.exporter.get("float32_pass_tokens")  # the table's predecessor
+        tokens = FLOAT32_PASS_TOKENS.get(str(manifest.quantization), 0)
+        mixed = manifest.exporter.get("engine_mixed_steps", es.ENGINE_MIXED_FILE in manifest.files)
+        return cls.of_files(manifest.files, manifest.kv_dtype,
+                            int(recorded if recorded is not None else tokens),
+                            2 if mixed else 1)
+
+    def served(self, *, engine_graph: bool, mixed_steps: bool, on_cuda: bool,
+               float32_pass_tokens: int | None = None) -> tuple[GraphEntry, ...]:
+        """The graphs a server opens, the one for steps first: on CUDA an engine graph
+        that runs there, on the CPU the one with ``mixed_steps``' row groups (the other
+        where the artifact lacks it) and the float32 one for long passes (from
+        ``float32_pass_tokens`` tokens when given; 0: not opened); else model.onnx."""
+        steps = [g for g in self.graphs if g.runs == "steps" and engine_graph
+                 and (g.cuda or not on_cuda)]
+        if not steps:
+            return tuple(g for g in self.graphs if g.runs == "fallback")
+        groups = 2 if mixed_steps and not on_cuda else 1
+        chosen = min(steps, key=lambda g: abs(g.row_groups - groups))
+        if on_cuda:
+            return (chosen,)
+        long = [g if float32_pass_tokens is None else replace(g, from_tokens=float32_pass_tokens)
+                for g in self.graphs if g.runs == "long passes"]
+        return (chosen, *(g for g in long if g.from_tokens > 0))
+
+
+def graph_for_pass(served: Sequence[GraphEntry], tokens: int) -> GraphEntry:
+    """The graph of ``served`` (steps graph first) that runs a pass of ``tokens`` tokens
+    (rows × padded length, both groups): the long-pass graph whose threshold the pass
+    reaches, else the steps graph."""
+    reached = [g for g in served[1:] if g.runs == "long passes" and g.from_tokens <= tokens]
+    return max(reached, key=lambda g: g.from_tokens, default=served[0])

@@ -1,0 +1,82 @@
+"""The table of graphs: which graph a server opens, and which one runs a pass."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from service.contract.graphs import GraphEntry, GraphTable, graph_for_pass
+from service.contract.manifest import FileEntry, Manifest
+
+MODEL = GraphEntry("model.onnx", "fallback")
+PLAIN = GraphEntry("engine.onnx", "steps")
+MIXED = GraphEntry("engine_mixed.onnx", "steps", row_groups=2)
+FLOAT32 = GraphEntry("engine_float32.onnx", "long passes", "float32", 2, 256)
+QUANTISED = GraphTable((MODEL, PLAIN, MIXED, FLOAT32))
+
+
+def test_a_pass_runs_on_float32_weights_from_their_threshold_on() -> None:
+    served = QUANTISED.served(engine_graph=True, mixed_steps=True, on_cuda=False)
+    assert served == (MIXED, FLOAT32)
+    assert [graph_for_pass(served, t).file for t in (1, 32, 255, 256, 2048)] == [
+        "engine_mixed.onnx"] * 3 + ["engine_float32.onnx"] * 2
+    assert graph_for_pass(served[:1], 10_000) == MIXED  # none for long passes: steps graph
+
+
+def test_settings_pick_the_steps_graph_and_override_the_threshold() -> None:
+    plain = QUANTISED.served(engine_graph=True, mixed_steps=False, on_cuda=False,
+                             float32_pass_tokens=64)
+    assert plain == (PLAIN, replace(FLOAT32, from_tokens=64))
+    assert graph_for_pass(plain, 64).weights == "float32"
+    assert QUANTISED.served(engine_graph=True, mixed_steps=True, on_cuda=False,
+                            float32_pass_tokens=0) == (MIXED,)  # 0: never opened
+    assert QUANTISED.served(engine_graph=False, mixed_steps=True, on_cuda=False) == (MODEL,)
+
+
+def test_the_other_steps_graph_serves_where_the_artifact_lacks_the_asked_one() -> None:
+    only_mixed = GraphTable((MODEL, MIXED))
+    assert only_mixed.served(engine_graph=True, mixed_steps=False, on_cuda=False) == (MIXED,)
+    only_plain = GraphTable((MODEL, PLAIN))
+    assert only_plain.served(engine_graph=True, mixed_steps=True, on_cuda=False) == (PLAIN,)
+
+
+def test_on_cuda_only_a_float16_engine_graph_runs_and_alone() -> None:
+    """engine.onnx of a float16 artifact (its decode steps captured), never the mixed or
+    float32 graphs; model.onnx for any other artifact."""
+    half = GraphTable.of_files(["model.onnx", "engine.onnx", "engine_mixed.onnx"],
+                               "float16", 0, 2)
+    cuda_plain = replace(PLAIN, cuda=True)
+    assert half.graphs == (MODEL, cuda_plain, MIXED)
+    assert half.served(engine_graph=True, mixed_steps=True, on_cuda=True) == (cuda_plain,)
+    assert half.served(engine_graph=True, mixed_steps=True, on_cuda=False) == (MIXED,)
+    assert QUANTISED.served(engine_graph=True, mixed_steps=True, on_cuda=True) == (MODEL,)
+
+
+def _manifest(files: list[str], quantization: str | None, **exporter: object) -> Manifest:
+    return Manifest(files={n: FileEntry("0" * 64, 1) for n in files}, source_checkpoint={},
+                    exporter=dict(exporter), opset=18, kv_dtype="float32",
+                    quantization=quantization, io={}, verification={})
+
+
+@pytest.mark.parametrize(("quantization", "exporter", "tokens"), [
+    ("gguf", {"float32_pass_tokens": 300}, 300),  # recorded by the export of then
+    ("gguf", {}, 256),  # older still: what export measured for the quantisation
+    ("int8", {}, 1024),
+])
+def test_a_manifest_without_the_table_is_read_from_its_files(
+        quantization: str, exporter: dict[str, object], tokens: int) -> None:
+    """The graphs an older artifact holds, the 8-bit codes' (no longer served) left out;
+    the float32 graph's row groups as exported (``engine_mixed_steps``)."""
+    files = ["model.onnx", "attention.onnx", "engine.onnx", "engine_float32.onnx",
+             "engine_codes8.onnx", "engine_codes8_plain.onnx", "weights.bin"]
+    table = GraphTable.of(_manifest(files, quantization, engine_mixed_steps=False, **exporter))
+    assert table.graphs == (MODEL, PLAIN, replace(FLOAT32, row_groups=1, from_tokens=tokens))
+    recorded = _manifest(files, quantization, **exporter)
+    recorded.graphs = GraphTable((MODEL, MIXED)).to_list()
+    assert GraphTable.of(recorded).graphs == (MODEL, MIXED)  # the table, when there
+
+
+def test_the_table_round_trips_through_the_manifest_json() -> None:
+    assert GraphTable.from_list(QUANTISED.to_list()) == QUANTISED
+    assert all(entry.describe().startswith(entry.file) for entry in QUANTISED.graphs)
