@@ -130,11 +130,12 @@ class Batch:
             return "draw", {i: _row_draw(self.sequences[i], runner.vocab_size) for i in rows}
         return "last", {}
 
-    def take(self, work: Sequence[RowWork], outputs: Sequence[np.ndarray],
+    def take(self, work: Sequence[RowWork], outputs: Sequence[np.ndarray] | np.ndarray,
              rows: Sequence[int] | None = None) -> list[TokenEvent]:
         """Rows ``rows`` (default: all) take what the runner returned for their ``work``
-        (one each, in order): the prompt's next part is in (its first token once the whole
-        prompt is), or the next token, the runner's pick or chosen here from the logits."""
+        (one each, in order: a decoding batch's may come as one (R, V) or (R,) array): the
+        prompt's next part is in (its first token once the whole prompt is), or the next
+        token, the runner's pick or chosen here from the logits."""
         rows = range(len(self)) if rows is None else rows
         if not self.is_prefilled:
             for i, fed in zip(rows, work, strict=True):
@@ -142,11 +143,12 @@ class Batch:
             if self.prompt_left:
                 return []
             if any(s.request.prompt_logprobs for s in self.sequences):
-                self._record_prompt_logprobs(outputs)
+                self._record_prompt_logprobs(list(outputs))
             return self._take_logits(np.stack([o[-1] for o in outputs]), rows)  # (B, V)
+        joined = outputs if isinstance(outputs, np.ndarray) else np.concatenate(list(outputs))
         if work and work[0].want in ("argmax", "draw"):
-            return self._take_ids(np.concatenate(list(outputs)), rows)  # (R,)
-        return self._take_logits(np.concatenate(list(outputs)), rows)  # (R, V)
+            return self._take_ids(joined, rows)  # (R,)
+        return self._take_logits(joined, rows)  # (R, V)
 
     # -- choosing tokens from a step's result ------------------------------------------
 

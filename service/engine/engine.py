@@ -25,7 +25,7 @@ import numpy as np
 
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
-from service.contract.graphs import GraphTable
+from service.contract.graphs import GraphEntry, GraphTable
 from service.contract.manifest import load_manifest, verify_manifest
 from service.engine.draft import DraftModel
 from service.engine.engine_graph_runner import EngineGraphRunner, takes_inputs_of
@@ -222,6 +222,11 @@ class Engine:
     def float32_pass_tokens(self) -> int | None:
         """Passes of this many tokens or more run on float32 weights; None: never."""
         return self.runner.float32_pass_tokens
+
+    @property
+    def graphs(self) -> tuple[GraphEntry, ...]:
+        """The artifact's graphs the runner opened, the one for steps first."""
+        return self.runner.graphs
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.scheduler.start(loop)

@@ -36,6 +36,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.contract import io_spec as io
+from service.contract.graphs import GraphEntry
 from service.engine.kv_pool import Slot
 from service.engine.pooled_runner import PooledRunner
 from service.engine.runner import PoolConfig
@@ -72,6 +73,7 @@ class ModelGraphRunner(PooledRunner):
         super().__init__(config, pool, np.dtype(config.kv_dtype))
         self.session = session
         self.graph_file = io.MODEL_FILE
+        self.graphs: tuple[GraphEntry, ...] = (GraphEntry(io.MODEL_FILE, "fallback"),)
         self.provider = session.get_providers()[0]
         self.device = "cuda" if self.provider == CUDA else "cpu"
         self._past = io.past_names(n)

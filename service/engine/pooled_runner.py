@@ -219,12 +219,15 @@ class PooledRunner:
                                    if "draw" in wants else None)  # (B,)
             for j, i in enumerate(decode):
                 out.outputs[i] = ids[j:j + 1]
+            out.together[tuple(decode)] = ids
             return
         self._deliver_decoded(rows, decode, self._decode(slots, tokens), out)  # (B, V)
 
     def _deliver_decoded(self, rows: Sequence[RowWork], decode: list[int],
                          logits: np.ndarray, out: StepResult) -> None:
         """The decode rows' outputs from their logits (B, V)."""
+        if all(rows[i].want == "last" for i in decode):
+            out.together[tuple(decode)] = logits
         drawn = [i for i in decode if rows[i].want == "draw"]
         draws = self._draw(logits[[decode.index(i) for i in drawn]],
                            _draws([rows[i] for i in drawn])) if drawn else None

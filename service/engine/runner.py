@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from service.contract.graphs import GraphEntry
 from service.engine.kv_pool import Slot
 from service.engine.stats import KVStats, PrefixCacheStats
 from service.engine.step_plan import StepPlan, StepResult
@@ -48,6 +49,7 @@ class ModelRunner(Protocol):
     device: str  # "cpu" or "cuda": where the session runs
     mixes_chunks: bool  # a row after its cache, or first prompts, ride in the decode pass
     samples_on_device: bool  # decoding rows may want draws (``RowWork.want`` "draw")
+    graphs: tuple[GraphEntry, ...]  # the artifact's graphs it runs (contract/graphs.py)
 
     @property
     def float32_pass_tokens(self) -> int | None:

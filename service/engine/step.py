@@ -107,7 +107,7 @@ def apply_step(step: Step, result: StepResult, runner: ModelRunner,
         plain = [i for i in range(len(running)) if i not in step.proposals]
         if plain:
             taken = running.take([rows[span[i]] for i in plain],
-                                 [outputs[span[i]] for i in plain], plain)
+                                 result.joined([span[i] for i in plain]), plain)
             for i, event in zip(plain, taken, strict=True):
                 events.running[i].append(event)
             decoded = result.pass_of(span[plain[0]])

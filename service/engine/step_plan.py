@@ -66,6 +66,15 @@ class StepResult:
 
     outputs: list[np.ndarray]  # (1, V) or (T, V) float32 logits; (1,) int64 for a token
     passes: list[PassTime] = field(default_factory=list)
+    # plan rows → their outputs as one array, where a pass returned them so: (R, V)
+    # logits or (R,) ids, of which ``outputs`` holds row views
+    together: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict)
+
+    def joined(self, rows: Sequence[int]) -> np.ndarray:
+        """The outputs of one-position ``rows`` as one array, (R, V) or (R,): the pass's own
+        where it returned exactly those rows (no copy of B x V floats a step), else joined."""
+        block = self.together.get(tuple(rows))
+        return block if block is not None else np.concatenate([self.outputs[i] for i in rows])
 
     def seconds_of(self, rows: Sequence[int]) -> float:
         """What the passes carrying any of ``rows`` took (each pass once)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
@@ -62,6 +62,11 @@ class Runtime:
     def decode_graph(self) -> str | None:
         """model.onnx, or engine.onnx with its in-place KV cache."""
         return self.engine.graph_file if self.engine is not None else None
+
+    @property
+    def graphs(self) -> list[dict[str, object]]:
+        """The artifact's graphs the engine runs and when (service/contract/graphs.py)."""
+        return [asdict(g) for g in self.engine.graphs] if self.engine is not None else []
 
     @property
     def float32_pass_tokens(self) -> int | None:

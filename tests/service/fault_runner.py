@@ -124,6 +124,7 @@ class ControlledRunner:
         self.mixes_chunks = runner.mixes_chunks
         self.samples_on_device = runner.samples_on_device
         self.float32_pass_tokens = runner.float32_pass_tokens
+        self.graphs = runner.graphs
 
     def _pass(self, prompts: Sequence[np.ndarray] = ()) -> None:
         if self.gate is not None and not self.gate.next():

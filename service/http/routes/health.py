@@ -57,6 +57,7 @@ async def info(runtime: RuntimeDep) -> dict[str, Any]:
         "provider": runtime.provider,
         "decode_graph": runtime.decode_graph,
         "float32_pass_tokens": runtime.float32_pass_tokens,
+        "graphs": runtime.graphs,
         "requested_providers": artifact.providers,
         "device": settings.device,
         "ready": runtime.ready,

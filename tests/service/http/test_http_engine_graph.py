@@ -56,6 +56,8 @@ def test_manifest_lists_the_engine_graphs(engine_artifact: Path) -> None:
 def test_server_decodes_with_the_engine_graph(server: ServerProcess) -> None:
     info = httpx.get(f"{server.url}/info", timeout=10).json()
     assert info["decode_graph"] == ENGINE_MIXED_FILE
+    assert [(g["file"], g["runs"], g["row_groups"]) for g in info["graphs"]] == [
+        (ENGINE_MIXED_FILE, "steps", 2)]
 
 
 def test_concurrent_greedy_requests_equal_the_reference_loop(
