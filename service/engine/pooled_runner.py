@@ -228,14 +228,13 @@ class PooledRunner:
         """The decode rows' outputs from their logits (B, V)."""
         if all(rows[i].want == "last" for i in decode):
             out.together[tuple(decode)] = logits
-        drawn = [i for i in decode if rows[i].want == "draw"]
-        draws = self._draw(logits[[decode.index(i) for i in drawn]],
-                           _draws([rows[i] for i in drawn])) if drawn else None
+        drawn = [j for j, i in enumerate(decode) if rows[i].want == "draw"]  # pass rows
+        if drawn:  # (D,) each drawn row's token, beside the logits
+            draws = self._draw(logits[drawn], _draws([rows[decode[j]] for j in drawn]))
+            for d, j in enumerate(drawn):
+                out.outputs[decode[j]] = draws[d:d + 1]
         for j, i in enumerate(decode):
-            if rows[i].want == "draw":
-                assert draws is not None
-                out.outputs[i] = draws[drawn.index(i):drawn.index(i) + 1]
-            else:
+            if rows[i].want != "draw":
                 out.outputs[i] = self._delivered(rows[i], logits[j:j + 1])
 
     @staticmethod
