@@ -38,9 +38,14 @@ def argument(field: Any) -> dict[str, Any]:
     text = field.description or ""
     default = field.get_default()
     keywords: dict[str, Any] = {"default": None}
+    if typing.get_origin(kind) is typing.Annotated:
+        kind = typing.get_args(kind)[0]
     if kind is bool:
         keywords["action"] = argparse.BooleanOptionalAction
         shown = "on" if default else "off"
+    elif typing.get_origin(kind) is tuple:  # NAME=DIR [NAME=DIR ...]
+        keywords["nargs"] = "+"
+        shown = "none" if not default else " ".join(default)
     elif typing.get_origin(kind) is typing.Literal:
         keywords["choices"] = list(typing.get_args(kind))
         shown = default

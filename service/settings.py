@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.contract.graphs import FLOAT32_PASS_TOKENS
 
@@ -135,6 +135,38 @@ class ServeOptions(BaseModel):
                             "default); off: the API's neutral defaults")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="the server's log level")
+    lora_modules: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="LoRA adapters to serve over the model, NAME=DIR each (vLLM's "
+                        "form; DIR a PEFT adapter directory); requests choose one by name "
+                        "(OpenAI's model, TGI's adapter_id); in the environment, separated "
+                        "by spaces or commas")
+    max_loras: int = Field(
+        4, ge=1, le=64, description="adapters resident at once (slots of the adapter "
+                                    "graph), the least recently used evicted for another; "
+                                    "every resident one costs each step a little")
+    max_lora_rank: int = Field(
+        16, ge=1, le=256, description="the largest adapter rank served (vLLM's default); "
+                                      "each slot holds this many rows")
+    runtime_lora: bool = Field(
+        False, description="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                           "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), reading adapters "
+                           "only under lora_dir")
+    lora_dir: Path | None = Field(
+        None, description="the directory runtime-loaded adapters must lie under (symlinks "
+                          "leading out are refused); required with runtime_lora")
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: Any) -> Any:
+        # the environment gives one string: NAME=DIR entries apart by spaces or commas
+        if isinstance(value, str):
+            return tuple(part for part in value.replace(",", " ").split() if part)
+        return value
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether the adapter graph runs (adapters named, or loadable at run time)."""
+        return bool(self.lora_modules) or self.runtime_lora
 
     @field_validator("api_key")
     @classmethod

@@ -72,7 +72,8 @@ class Batch:
         prompts = None if self.is_prefilled else [
             None if s.request.prompt_logprobs else np.asarray(s.request.prompt_ids, np.int64)
             for s in self.sequences]
-        self.slots = runner.reserve(len(self), top, prompts)
+        adapters = [s.request.adapter.id if s.request.adapter else 0 for s in self.sequences]
+        self.slots = runner.reserve(len(self), top, prompts, adapters)
         if prompts is not None:
             self.prompt_done = [runner.cached_length(s) for s in self.slots]
 

@@ -27,6 +27,7 @@ from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.contract.graphs import GraphEntry, GraphTable
 from service.contract.manifest import load_manifest, verify_manifest
+from service.engine.adapters import AdapterSet
 from service.engine.draft import DraftModel
 from service.engine.engine_graph_runner import EngineGraphRunner, takes_inputs_of
 from service.engine.model_graph_runner import ModelGraphRunner
@@ -139,9 +140,13 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     float32 one reads its weights where ONNX Runtime memory-mapped them (page cache shared
     with weights.bin, no packed copy)."""
     on_cuda = select_providers(engine.device)[0] == CUDA
+    adapters = engine.serves_adapters
+    if adapters and (on_cuda or not engine.engine_graph):
+        raise ValueError("LoRA adapters are served by the engine graph on the CPU only "
+                         "(--device cpu, --engine-graph)")
     served = GraphTable.of(load_manifest(artifact_dir)).served(
         engine_graph=engine.engine_graph, mixed_steps=engine.mixed_steps, on_cuda=on_cuda,
-        float32_pass_tokens=engine.float32_pass_tokens)
+        float32_pass_tokens=engine.float32_pass_tokens, adapters=adapters)
     steps, *long = served
     pool = pool_config(engine, model, model.kv_bytes_per_token(np.dtype(model.kv_dtype).itemsize))
     log.info("%s runs %s", artifact_dir.name, steps.describe())
@@ -165,7 +170,25 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
             del extra[graph]
     for graph in extra:
         log.info("%s runs %s", artifact_dir.name, graph.describe())
-    return EngineGraphRunner(session, model, pool, long_passes=extra)
+    return EngineGraphRunner(session, model, pool, long_passes=extra, adapter_slots=(
+        (engine.max_loras, engine.max_lora_rank) if adapters else (0, 0)))
+
+
+def add_startup_adapters(adapters: AdapterSet | None, config: EngineConfig) -> None:
+    """Serve the adapters ``--lora-modules`` names (NAME=DIR each), every one read and
+    checked now: one that does not fit the model stops the server with one line."""
+    if config.runtime_lora and config.lora_dir is None:
+        raise ValueError("--runtime-lora needs --lora-dir: the directory adapters may be "
+                         "loaded from")
+    for entry in config.lora_modules:
+        name, sep, directory = entry.partition("=")
+        if not sep or not name or not directory:
+            raise ValueError(f"--lora-modules entry {entry!r} is not NAME=DIR")
+        assert adapters is not None  # served_adapters made the runner with them
+        if name in adapters.names():
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        adapters.add(adapters.read(Path(directory), name))
+        log.info("serving LoRA adapter %s from %s", name, directory)
 
 
 class Engine:
@@ -182,6 +205,7 @@ class Engine:
         and run one short request through them, so the first real one pays no set-up."""
         model = artifact.config
         runner = create_runner(artifact.path, model, config)
+        add_startup_adapters(runner.adapters, config)
         kv = runner.kv_stats()
         log.info("decoding with %s: KV pool of %d slots x up to %d tokens, budget %d tokens "
                  "(%.1f MiB)%s", runner.graph_file, kv.slots,
@@ -222,6 +246,11 @@ class Engine:
     def float32_pass_tokens(self) -> int | None:
         """Passes of this many tokens or more run on float32 weights; None: never."""
         return self.runner.float32_pass_tokens
+
+    @property
+    def adapters(self) -> AdapterSet | None:
+        """The LoRA adapters served (None: the engine applies none)."""
+        return self.runner.adapters
 
     @property
     def graphs(self) -> tuple[GraphEntry, ...]:

@@ -44,9 +44,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from service.contract import adapter_spec
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
 from service.contract.graphs import GraphEntry, graph_for_pass
+from service.engine.adapters import AdapterSet, AdapterSlots, token_slots
 from service.engine.cuda import UNCAPTURED, CapturedDecode, DeviceSampler, SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.pooled_runner import PooledRunner
@@ -60,13 +62,15 @@ class EngineGraphRunner(PooledRunner):
     def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig,
                  pool: PoolConfig,
                  long_passes: Mapping[GraphEntry, ort.InferenceSession] | None = None,
-                 device: str = "cpu", cuda_graphs: bool = False) -> None:
+                 device: str = "cpu", cuda_graphs: bool = False,
+                 adapter_slots: tuple[int, int] = (0, 0)) -> None:
         """``session``: the graph of every pass (engine.onnx or engine_mixed.onnx);
         ``long_passes``: the artifact's float32-weights graph, for passes of at least its
         entry's ``from_tokens`` tokens (module docstring). ``device`` "cuda": a float16
         graph on the CUDA provider, the pool in device memory, decode steps replayed as
         CUDA graphs with ``cuda_graphs`` (the session must have been created with them;
-        cuda.py)."""
+        cuda.py). An adapter graph (``<stem>_lora.onnx``) applies each row's LoRA adapter:
+        ``adapter_slots`` is then (resident adapters, rank per slot) (adapters.py)."""
         n = config.n_layers
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
@@ -118,6 +122,17 @@ class EngineGraphRunner(PooledRunner):
                                             device=device)
             self._sampler = DeviceSampler(device)
         self.samples_on_device = self._sampler is not None
+        modules = adapter_spec.adapter_modules([i.name for i in session.get_inputs()])
+        self.adapters = None
+        if modules:
+            if device != "cpu" or long_passes or cuda_graphs:
+                raise ValueError("an adapter graph runs on the CPU, alone")
+            shapes = {i.name: i.shape for i in session.get_inputs()}
+            widths = {m: (int(shapes[adapter_spec.lora_a(m)][1]),
+                          int(shapes[adapter_spec.lora_b(m)][1])) for m in modules}
+            self.adapters = AdapterSet(AdapterSlots(widths, *adapter_slots))
+        elif any(adapter_slots):
+            raise ValueError("adapter slots for a graph that applies no LoRA adapter")
 
     @property
     def float32_pass_tokens(self) -> int | None:
@@ -159,6 +174,9 @@ class EngineGraphRunner(PooledRunner):
             else:
                 chunk_logits = self._bind(graph, chunk, self.pool.pointers(chunk.lo),
                                           self.max_len, es.CHUNK_PREFIX)
+        if self.adapters is not None:
+            self._bind_adapters(graph, [rows, chunk or _IDLE_ROW] if graph.mixes_chunks
+                                else [rows])
         graph.session.run_with_iobinding(graph.binding, self._shrink
                                          if tokens > len(rows.ids) else self._plain)
         if not self._gathers:  # (n, K, V) of the old graph's (n, T, V)
@@ -195,6 +213,29 @@ class EngineGraphRunner(PooledRunner):
         if self._greedy and not prefix:  # computed either way; left to ONNX Runtime
             binding.bind_output(es.GREEDY_IDS, "cpu")
         return logits
+
+    def _bind_adapters(self, graph: _Graph, groups: Sequence[_Rows]) -> None:
+        """The pass's LoRA mask, each token to its row's slot ((N, S·R), both groups'
+        tokens in the graph's order), and the first S slots' A and B, S the highest slot
+        a row uses (bound again only when S changes: the buffers are written in place)."""
+        assert self.adapters is not None
+        slots = self.adapters.slots
+        per_token = np.concatenate([token_slots(g.lora, g.ids.shape[1]) for g in groups])
+        used = max(int(per_token.max(initial=0)), 1)
+        mask = slots.mask(per_token, used)  # (N, used·R)
+        graph.binding.bind_cpu_input(adapter_spec.LORA_MASK, mask)
+        if graph.lora_bound != used:
+            for name, view in slots.views(used).items():
+                graph.binding.bind_input(name, "cpu", 0, np.float32, list(view.shape),
+                                         view.ctypes.data)
+            graph.lora_bound = used
+
+    def _lora(self, slots: Sequence[Slot]) -> np.ndarray:
+        """(n,) the adapter slot of each row (0: the base)."""
+        if self.adapters is None:
+            return np.zeros(len(slots), np.int64)
+        return np.fromiter((self.adapters.slot_of(s.adapter) for s in slots), np.int64,
+                           len(slots))
 
     def _decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
         rows, order = self._decode_rows(slots, tokens)
@@ -309,8 +350,9 @@ class EngineGraphRunner(PooledRunner):
         longest = int(lengths.max()) + 1
         self._check_room(longest)
         bound = np.asarray(tokens if ordered else tokens[perm], np.int64)[:, None]  # (n, 1)
+        lora = self._lora(slots if ordered else [slots[j] for j in perm])  # (n,) bound order
         return (_Rows(lo, bound, lengths[:, None], lengths, longest,
-                      np.zeros((n, 1), np.int64)), None if ordered else perm)
+                      np.zeros((n, 1), np.int64), lora), None if ordered else perm)
 
     def _decoded(self, rows: _Rows, order: np.ndarray | None, logits: np.ndarray
                  ) -> np.ndarray:
@@ -348,7 +390,7 @@ class EngineGraphRunner(PooledRunner):
             index = np.tile(np.arange(width, dtype=np.int64), (len(prompts), 1))
         else:  # each row's last real token: (P, 1)
             index = (lengths - 1)[:, None]
-        return _Rows(lo, ids, pos, lengths - 1, width, index)
+        return _Rows(lo, ids, pos, lengths - 1, width, index, self._lora(slots))
 
     def _prompted(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
                   logits: np.ndarray, every: bool) -> list[np.ndarray]:
@@ -377,7 +419,7 @@ class EngineGraphRunner(PooledRunner):
         self._check_room(total)
         pos = np.arange(start, total, dtype=np.int64)[None, :]  # (1, T)
         return _Rows(slot.index, np.asarray(tokens, np.int64)[None, :], pos,
-                     np.array([total - 1]), total, index[None, :])
+                     np.array([total - 1]), total, index[None, :], self._lora([slot]))
 
 
 class _Graph:
@@ -387,6 +429,7 @@ class _Graph:
         self.session = session
         self.binding = session.io_binding()
         self.kv_bound: dict[str, tuple[int, int, int]] = {}  # group → (address, rows, length)
+        self.lora_bound = 0  # adapter slots bound (adapter graphs)
         self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in {i.name for i in session.get_inputs()}
 
 
@@ -410,10 +453,11 @@ class _Rows:
     seqlens: np.ndarray  # (n,) each row's total length − 1 after the pass
     total: int  # the longest row's total length
     index: np.ndarray  # (n, K) positions whose logits are wanted
+    lora: np.ndarray  # (n,) each row's adapter slot (0: the base; adapter graphs)
 
 
 _NONE = np.zeros((1, 0), np.int64)  # (1, 0)
 # The mixed graph's second group when a pass has nothing for it: one row of no tokens,
 # whose attention the graph runs on a zero row over a one-position scratch cache
 # (export/engine_graph.py).
-_IDLE_ROW = _Rows(0, _NONE, _NONE, np.zeros(1, np.int64), 1, _NONE)
+_IDLE_ROW = _Rows(0, _NONE, _NONE, np.zeros(1, np.int64), 1, _NONE, np.zeros(1, np.int64))

@@ -267,9 +267,10 @@ class ModelGraphRunner(PooledRunner):
         super().truncate(slot, length)
 
     def reserve(self, rows: int, top: bool = False,
-                prompts: Sequence[np.ndarray | None] | None = None) -> list[Slot]:
+                prompts: Sequence[np.ndarray | None] | None = None,
+                adapters: Sequence[int] | None = None) -> list[Slot]:
         self.settle()
-        return super().reserve(rows, top, prompts)
+        return super().reserve(rows, top, prompts, adapters)
 
     def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
         self.settle()

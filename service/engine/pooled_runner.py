@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from service.contract import io_spec as io
+from service.engine.adapters import AdapterSet
 from service.engine.cuda import SampledRows
 from service.engine.kv_pool import KVPool, PoolShape, Slot, ensure_memory
 from service.engine.prefix_cache import PrefixCache
@@ -42,6 +43,7 @@ class PooledRunner:
     device: str
     mixes_chunks: bool = False  # a second group of rows rides in the decode pass
     samples_on_device: bool = False  # decoding rows may want draws made beside the logits
+    adapters: AdapterSet | None = None  # the LoRA adapters its graph applies per row
 
     @property
     def float32_pass_tokens(self) -> int | None:
@@ -99,20 +101,29 @@ class PooledRunner:
     # -- rows ------------------------------------------------------------------------
 
     def reserve(self, rows: int, top: bool = False,
-                prompts: Sequence[np.ndarray | None] | None = None) -> list[Slot]:
+                prompts: Sequence[np.ndarray | None] | None = None,
+                adapters: Sequence[int] | None = None) -> list[Slot]:
+        if adapters is not None and any(adapters) and self.adapters is None:
+            raise ValueError(f"{type(self).__name__} serves no LoRA adapter")
+        if adapters is not None and len(adapters) != rows:
+            raise ValueError(f"{len(adapters)} adapters for {rows} rows")
         slots = self.pool.allocate(rows, top)
+        for slot, adapter in zip(slots, adapters or [0] * rows, strict=True):
+            slot.adapter = adapter
         if prompts is None or self.prefix is None:
             return slots
         if len(prompts) != rows:
             raise ValueError(f"{len(prompts)} prompts for {rows} rows")
-        hits = [0 if p is None else self.prefix.match(np.asarray(p, np.int64)) for p in prompts]
+        hits = [0 if p is None else self.prefix.match(np.asarray(p, np.int64), s.adapter)
+                for p, s in zip(prompts, slots, strict=True)]
         # the rows that reuse nothing first, in order: engine.onnx prefills one run of them
         order = sorted(range(rows), key=lambda r: bool(hits[r]))
         self.pool.assign([slots[r] for r in order], sorted(s.index for s in slots))
         for r in range(rows):
             prompt = prompts[r]
             if hits[r] and prompt is not None:
-                self.prefix.load(np.asarray(prompt, np.int64), slots[r].index)
+                self.prefix.load(np.asarray(prompt, np.int64), slots[r].index,
+                                 slots[r].adapter)
         return slots
 
     def truncate(self, slot: Slot, length: int) -> None:
@@ -126,7 +137,7 @@ class PooledRunner:
         dropped = [s for i, s in enumerate(slots) if i not in kept_rows]
         if self.prefix is not None:
             for s in dropped:  # what the request generated may start the next turn's prompt
-                self.prefix.save(s.index)
+                self.prefix.save(s.index, s.adapter)
         self.pool.free(dropped)
         kept = [slots[int(r)] for r in keep]
         if kept:
@@ -265,7 +276,7 @@ class PooledRunner:
         long prompt's whole copy in the step that ends it)."""
         if self.prefix is not None:
             for s in slots:
-                self.prefix.save(s.index)
+                self.prefix.save(s.index, s.adapter)
 
     # -- the passes a graph supplies ---------------------------------------------------
 

@@ -10,6 +10,10 @@ first, so a parent is always fresher than its children and is evicted after them
 Only full blocks are cached, and a lookup leaves at least one prompt token to compute
 (the request needs its logits). The store copies K/V in and out of pool slots; the
 pool's rows stay contiguous per slot, which GroupQueryAttention needs.
+
+Keys and values depend on the LoRA adapter a row runs under (every projection does), so
+each adapter's chains start at a root of their own (vLLM and SGLang key the block hash by
+the LoRA too): a prefix computed under one adapter never serves another, nor the base.
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ import numpy as np
 
 from service.engine.kv_pool import KVPool
 
-ROOT = 0  # the parent name of a prompt's first block
+ROOT = 0  # the parent name of a prompt's first block, under the base model
+
+
+def root_of(adapter: int) -> int:
+    """The parent name of a prompt's first block under adapter ``adapter`` (0: the base)."""
+    return ROOT if adapter == 0 else hash(("lora", adapter)) or 1
 
 
 @dataclass
@@ -63,10 +72,12 @@ class PrefixCache:
     def blocks_used(self) -> int:
         return len(self._blocks)
 
-    def _names(self, tokens: np.ndarray, n_blocks: int) -> list[tuple[int, int, bytes]]:
-        """(name, parent, token bytes) for the first ``n_blocks`` blocks of ``tokens``."""
+    def _names(self, tokens: np.ndarray, n_blocks: int, adapter: int
+               ) -> list[tuple[int, int, bytes]]:
+        """(name, parent, token bytes) for the first ``n_blocks`` blocks of ``tokens``,
+        the chain starting at ``adapter``'s root."""
         out = []
-        parent = ROOT
+        parent = root_of(adapter)
         bs = self.block_size
         for b in range(n_blocks):
             data = tokens[b * bs:(b + 1) * bs].astype(np.int64).tobytes()
@@ -75,27 +86,30 @@ class PrefixCache:
             parent = name
         return out
 
-    def _chain(self, tokens: np.ndarray, n_blocks: int) -> list[_Block]:
+    def _chain(self, tokens: np.ndarray, n_blocks: int, adapter: int) -> list[_Block]:
         chain = []
-        for name, parent, data in self._names(tokens, n_blocks):
+        for name, parent, data in self._names(tokens, n_blocks, adapter):
             block = self._blocks.get(name)
             if block is None or block.parent != parent or block.tokens != data:
                 break
             chain.append(block)
         return chain
 
-    def match(self, prompt: np.ndarray) -> int:
-        """Tokens of ``prompt`` a ``load`` would reuse now (counted as a lookup).
+    def match(self, prompt: np.ndarray, adapter: int = 0) -> int:
+        """Tokens of ``prompt`` a ``load`` would reuse now (counted as a lookup), computed
+        under ``adapter`` (0: the base).
 
         At most len(prompt) - 1 tokens, so the request still computes one.
         """
         self.counters.queries += len(prompt)
-        return len(self._chain(prompt, (len(prompt) - 1) // self.block_size)) * self.block_size
+        return len(self._chain(prompt, (len(prompt) - 1) // self.block_size,
+                               adapter)) * self.block_size
 
-    def load(self, prompt: np.ndarray, slot: int) -> int:
-        """Copy the longest cached prefix of ``prompt`` into the empty ``slot``; tokens reused."""
+    def load(self, prompt: np.ndarray, slot: int, adapter: int = 0) -> int:
+        """Copy the longest cached prefix of ``prompt`` under ``adapter`` into the empty
+        ``slot``; tokens reused."""
         bs = self.block_size
-        chain = self._chain(prompt, (len(prompt) - 1) // bs)
+        chain = self._chain(prompt, (len(prompt) - 1) // bs, adapter)
         if not chain:
             return 0
         for block in reversed(chain):  # parents end up fresher than children
@@ -113,12 +127,13 @@ class PrefixCache:
         self.counters.hits += n
         return n
 
-    def save(self, slot: int) -> None:
-        """Store the full blocks ``slot`` holds that are not cached yet."""
+    def save(self, slot: int, adapter: int = 0) -> None:
+        """Store the full blocks ``slot`` holds, computed under ``adapter``, that are not
+        cached yet."""
         bs = self.block_size
         length = int(self.pool.lengths[slot])
         tokens = self.pool.tokens[slot, :length]
-        names = self._names(tokens, length // bs)
+        names = self._names(tokens, length // bs, adapter)
         keep: set[int] = set()
         for b, (name, parent, data) in enumerate(names):
             keep.add(name)

@@ -98,6 +98,16 @@ class StoppingCriteria:
     min_tokens: int = 0  # no stop sequence ends the sequence before this many tokens
 
 
+@dataclass(frozen=True)
+class AdapterRef:
+    """The LoRA adapter a request runs under: its name and the id its weights were loaded
+    as (service/engine/adapters.py; never reused, so an adapter loaded again under the
+    same name is another)."""
+
+    name: str
+    id: int
+
+
 @dataclass
 class GenerationRequest:
     """A tokenized, validated request; ``cancelled`` is set from the event loop."""
@@ -112,6 +122,8 @@ class GenerationRequest:
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    adapter_name: str | None = None  # the LoRA adapter asked for (None: the base model)
+    adapter: AdapterRef | None = None  # it, resolved when the engine takes the request
 
     @property
     def reserved_tokens(self) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from service.contract.graphs import GraphEntry
 from service.engine.kv_pool import Slot
 from service.engine.stats import KVStats, PrefixCacheStats
 from service.engine.step_plan import StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from service.engine.adapters import AdapterSet
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class ModelRunner(Protocol):
     device: str  # "cpu" or "cuda": where the session runs
     mixes_chunks: bool  # a row after its cache, or first prompts, ride in the decode pass
     samples_on_device: bool  # decoding rows may want draws (``RowWork.want`` "draw")
+    adapters: AdapterSet | None  # the LoRA adapters its graph applies per row, if any
     graphs: tuple[GraphEntry, ...]  # the artifact's graphs it runs (contract/graphs.py)
 
     @property
@@ -86,9 +90,12 @@ class ModelRunner(Protocol):
         ...
 
     def reserve(self, rows: int, top: bool = False,
-                prompts: Sequence[np.ndarray | None] | None = None) -> list[Slot]:
+                prompts: Sequence[np.ndarray | None] | None = None,
+                adapters: Sequence[int] | None = None) -> list[Slot]:
         """Slots for new rows (``top``: away from the running rows): the one place rows
-        take KV memory. With ``prompts``, each row's slot holds its prompt's cached prefix
+        take KV memory. ``adapters``: each row's LoRA adapter id (0 or None: the base),
+        which every pass of the row then applies (``Slot.adapter``). With ``prompts``,
+        each row's slot holds its prompt's cached prefix computed under the same adapter
         where the prefix cache has one (``cached_length`` says how much; None: not looked
         up), and the rows that reuse nothing come first, in one consecutive run."""
         ...

@@ -40,6 +40,8 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from service.artifact.text import TextCodec
+from service.contract.peft_adapter import AdapterError
+from service.engine.adapters import UnknownAdapter
 from service.engine.batch import Batch
 from service.engine.chunking import ChunkBudget
 from service.engine.process_memory import release_freed_heap
@@ -92,6 +94,7 @@ class RequestHandle:
     def __init__(self, request: GenerationRequest, scheduler: Scheduler) -> None:
         self.request = request
         self._scheduler = scheduler
+        self.holds_adapter = False  # admitted: its adapter's slot counts it as running
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self._gathered: list[Event] | None = None
         self._complete: asyncio.Future[list[Event]] | None = None
@@ -161,7 +164,8 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
-        """Queue requests, all or none; raise QueueFull past max_queued_requests."""
+        """Queue requests, all or none; raise QueueFull past max_queued_requests, and
+        UnknownAdapter for a LoRA adapter the engine does not serve."""
         handles = [RequestHandle(r, self) for r in requests]
         with self._cv:
             if self._stopping or self._thread is None:
@@ -169,12 +173,30 @@ class Scheduler:
             if len(self._waiting) + len(handles) > self.limits.max_queued_requests:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting "
                                 f"(max_queued_requests {self.limits.max_queued_requests})")
+            self._resolve_adapters(requests)
             for h in handles:
                 self._handles[h.request.id] = h
             self._waiting.extend(handles)
             self.stats.record_queue(len(self._waiting))
             self._cv.notify()
         return handles
+
+    def _resolve_adapters(self, requests: Sequence[GenerationRequest]) -> None:
+        """Each request's adapter by name, counted in flight (an unload waits for it) until
+        it leaves; all or none."""
+        adapters = self.runner.adapters
+        try:
+            for r in requests:
+                if r.adapter_name is not None:
+                    if adapters is None:
+                        raise UnknownAdapter(r.adapter_name)
+                    r.adapter = adapters.begin(r.adapter_name)
+        except UnknownAdapter:
+            for r in requests:
+                if r.adapter is not None and adapters is not None:
+                    adapters.end(r.adapter)
+                    r.adapter = None
+            raise
 
     @property
     def waiting(self) -> int:
@@ -375,6 +397,8 @@ class Scheduler:
             if self._chunked(head.request):
                 if self._partial is not None:
                     break  # one chunked prefill at a time, in arrival order
+                if not self._hold_adapter(head):
+                    break
                 self._waiting.popleft()
                 self._start_partial(head)
                 rows += 1
@@ -382,10 +406,30 @@ class Scheduler:
                 prompt = len(head.request.prompt_ids)
                 if prefill_cap and admitted and prompt_tokens + prompt > prefill_cap:
                     break  # it and the rest join at the next steps
+                if not self._hold_adapter(head):
+                    break
                 admitted.append(self._waiting.popleft())
                 prompt_tokens += prompt
             reserved += need
         return admitted
+
+    def _hold_adapter(self, handle: RequestHandle) -> bool:
+        """Whether the request (the queue's head) has its adapter in a slot now (placed
+        there if need be); False: every slot is in use by running rows and it waits, or
+        its adapter's files, read again after an eviction, fail (the request fails)."""
+        ref = handle.request.adapter
+        if ref is None or handle.holds_adapter:
+            return True
+        assert self.runner.adapters is not None
+        try:
+            handle.holds_adapter = self.runner.adapters.acquire(ref)
+        except (AdapterError, UnknownAdapter) as exc:
+            self._waiting.popleft()
+            self._send([(handle, ErrorEvent(f"adapter {ref.name!r} could not be loaded: "
+                                            f"{exc}"))])
+            self._leave(handle, "error", None)
+            return False
+        return handle.holds_adapter
 
     def _start_partial(self, handle: RequestHandle) -> None:
         batch = self._new_batch([handle.request])
@@ -446,6 +490,12 @@ class Scheduler:
         req = handle.request
         if self.speculator is not None:
             self.speculator.release(req.id)
+        adapters = self.runner.adapters
+        if req.adapter is not None and adapters is not None:
+            if handle.holds_adapter:
+                adapters.release(req.adapter)
+                handle.holds_adapter = False
+            adapters.end(req.adapter)
         started = seq is not None and seq.prefill_start > 0
         self.stats.record_request(RequestStats(
             outcome=outcome,
@@ -454,7 +504,8 @@ class Scheduler:
             queue_time=(seq.prefill_start - req.arrival) if seq and started else None,
             time_to_first_token=(seq.first_token_time - req.arrival)
             if seq and seq.first_token_time is not None else None,
-            inter_token_latencies=tuple(seq.inter_token_latencies) if seq else ()))
+            inter_token_latencies=tuple(seq.inter_token_latencies) if seq else (),
+            adapter=req.adapter.name if req.adapter is not None else None))
 
     def _send(self, pairs: list[tuple[RequestHandle, Event]]) -> None:
         """Queue events for the event loop; :meth:`_publish` hands them over."""

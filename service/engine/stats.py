@@ -82,6 +82,7 @@ class RequestStats:
     queue_time: float | None  # None if it never left the queue
     time_to_first_token: float | None
     inter_token_latencies: tuple[float, ...]
+    adapter: str | None = None  # the LoRA adapter it ran under (None: the base)
 
 
 class StatsSink(Protocol):
