@@ -71,10 +71,11 @@ def test_export_and_model_never_import_upwards(graph: dict[str, set[str]]) -> No
     assert violations(graph, "model", ("export", "benchmarks")) == []
     model_uses_service = {dst for src, dsts in graph.items() if src.startswith("model")
                           for dst in dsts if dst.startswith("service")}
-    # the head geometry it shares with the artifact config, and the chat template rendering
-    # the fine-tuner must share with the server (train/serve skew otherwise)
-    assert model_uses_service <= {"service.contract.heads", "service.contract.chat_template"}, \
-        model_uses_service
+    # the head geometry it shares with the artifact config, the chat template rendering
+    # the fine-tuner must share with the server (train/serve skew otherwise), and the PEFT
+    # adapter format the fine-tuner writes and the server reads (one check of both)
+    assert model_uses_service <= {"service.contract.heads", "service.contract.chat_template",
+                                  "service.contract.peft_adapter"}, model_uses_service
     assert violations(graph, "export", ("benchmarks",)) == []
     export_uses_service = {dst for src, dsts in graph.items() if src.startswith("export")
                            for dst in dsts if dst.startswith("service")}

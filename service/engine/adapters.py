@@ -227,6 +227,8 @@ class AdapterSet:
             entry = self._by_id.get(ref.id)
             if entry is not None:
                 entry.in_flight -= 1
+                if entry.unloading and entry.in_flight == 0:
+                    self._drop(entry)
                 self._lock.notify_all()
 
     def remove(self, name: str, timeout: float | None = None) -> bool:
@@ -238,10 +240,9 @@ class AdapterSet:
             if entry is None or entry.unloading:
                 raise UnknownAdapter(name)
             entry.unloading = True
-            done = self._lock.wait_for(lambda: entry.in_flight == 0, timeout)
-            if done:
+            if entry.in_flight == 0:
                 self._drop(entry)
-            return done
+            return self._lock.wait_for(lambda: entry.ref.id not in self._by_id, timeout)
 
     def _drop(self, entry: _Entry) -> None:
         del self._named[entry.ref.name]

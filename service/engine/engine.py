@@ -100,7 +100,8 @@ def create_speculator(artifact: Artifact, config: EngineConfig) -> Speculator | 
     # on after its steps, or the target's next pass runs at half speed.
     draft_runner = create_runner(path, draft_config, config.model_copy(update=dict(
         max_batch_size=rows, max_batch_tokens=rows * max_len, max_total_tokens=max_len,
-        kv_cache_memory_mb=None, prefix_caching=False, speculative_model=None)),
+        kv_cache_memory_mb=None, prefix_caching=False, speculative_model=None,
+        lora_modules=(), runtime_lora=False)),  # drafts are proposals: the base's
         spin_wait=False)
     return Speculator(spec, DraftModel(draft_runner, spec.num_speculative_tokens, max_len))
 

@@ -125,6 +125,7 @@ class ControlledRunner:
         self.samples_on_device = runner.samples_on_device
         self.float32_pass_tokens = runner.float32_pass_tokens
         self.graphs = runner.graphs
+        self.adapters = runner.adapters
 
     def _pass(self, prompts: Sequence[np.ndarray] = ()) -> None:
         if self.gate is not None and not self.gate.next():
@@ -163,8 +164,9 @@ class ControlledRunner:
         return self.runner.kv_resident_bytes()
 
     def reserve(self, rows: int, top: bool = False,
-                prompts: Sequence[np.ndarray | None] | None = None) -> list[Slot]:
-        return self.runner.reserve(rows, top, prompts)
+                prompts: Sequence[np.ndarray | None] | None = None,
+                adapters: Sequence[int] | None = None) -> list[Slot]:
+        return self.runner.reserve(rows, top, prompts, adapters)
 
     def truncate(self, slot: Slot, length: int) -> None:
         self.runner.truncate(slot, length)

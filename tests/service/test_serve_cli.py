@@ -131,11 +131,16 @@ def test_every_setting_is_a_flag_with_its_type_and_default_in_the_help() -> None
             continue
         default = field.get_default()
         shown = ("on" if default else "off") if isinstance(default, bool) else str(default)
+        if isinstance(default, tuple):  # NAME=DIR [NAME=DIR ...]: several values
+            assert flags[name].nargs == "+", name
+            shown = " ".join(default) or "none"
         assert f"(default {shown})" in flags[name].help or flags[name].help == (
             f"default {shown}"), (name, flags[name].help)
     args = root.parse_args(["serve", "--model", "m", "--max-batch-size", "7",
                             "--drain-timeout", "2.5", "--no-prefix-caching",
-                            "--device", "cpu", "--speculative-model", "ngram"])
+                            "--device", "cpu", "--speculative-model", "ngram",
+                            "--lora-modules", "a=/x", "b=/y"])
+    assert args.lora_modules == ["a=/x", "b=/y"]
     assert (args.max_batch_size, args.drain_timeout, args.prefix_caching, args.device,
             args.speculative_model, args.port) == (7, 2.5, False, "cpu", "ngram", None)
     with pytest.raises(SystemExit):

@@ -105,3 +105,28 @@ def test_bad_sizes_are_refused() -> None:
         PrefixCache(pool, 0, 4)
     with pytest.raises(ValueError, match="capacity"):
         PrefixCache(pool, 4, 0)
+
+
+def test_a_prefix_computed_under_one_adapter_serves_only_that_adapter() -> None:
+    """Keys and values depend on the adapter: the same tokens saved under adapter 1 are a
+    miss for the base and for adapter 2, a hit for adapter 1, and each keeps its own."""
+    pool = KVPool(SHAPE, 4)
+    cache = PrefixCache(pool, BS, capacity_blocks=16)
+    tokens = list(range(200, 213))  # three full blocks and one token
+    under_one = filled(pool, tokens, seed=3)
+    cache.save(under_one.index, adapter=1)
+    prompt = np.asarray(tokens)
+    assert cache.match(prompt) == 0
+    assert cache.match(prompt, adapter=2) == 0
+    assert cache.match(prompt, adapter=1) == 12
+    base = filled(pool, tokens, seed=4)  # other keys/values for the same tokens
+    cache.save(base.index)
+    (slot,) = pool.allocate(1)
+    assert cache.load(prompt, slot.index, adapter=1) == 12
+    for array in pool.arrays:  # adapter 1's keys/values, not the base's
+        np.testing.assert_array_equal(array[slot.index, :, :12], array[under_one.index, :, :12])
+    pool.free([slot])
+    (slot,) = pool.allocate(1)
+    assert cache.load(prompt, slot.index) == 12
+    for array in pool.arrays:
+        np.testing.assert_array_equal(array[slot.index, :, :12], array[base.index, :, :12])

@@ -1,0 +1,252 @@
+"""Rows of different LoRA adapters, and base rows, in the same passes of an adapter graph:
+each row's logits equal what its merged model (`attnserve merge`, exported, run by the
+plain model.onnx loop) gives that row's sequence alone.
+
+The adapters are made by PEFT over transformers directly (random A and B, rank 8 on all
+seven projections; rank 4 on q and v with rsLoRA), never by attnserve's trainer. The rows
+join and leave, prefill together, ride in the decode pass of the mixed graph, feed a
+chunk after their cache, and decode together; the prefix cache keys blocks by adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from service.contract import io_spec as io
+from service.contract.adapter_spec import lora_file
+from service.contract.engine_spec import ENGINE_MIXED_FILE
+from service.contract.reference import OrtDecoder
+from service.engine.adapters import AdapterSet, UnknownAdapter
+from service.engine.engine import EngineConfig, add_startup_adapters, create_runner
+from service.engine.engine_graph_runner import EngineGraphRunner
+from service.engine.request import AdapterRef
+from service.engine.step_plan import RowWork, StepPlan
+from tests.conftest import torch_threads
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TOL = 2e-4  # float32 logits of one graph against another's, summed in another order
+
+
+@dataclass
+class LoraBuild:
+    artifact: Path  # the base, with its adapter graphs
+    adapters: dict[str, Path]  # name → PEFT adapter directory
+    references: dict[str, OrtDecoder]  # "" (the base) and each name → its merged model
+
+
+def peft_adapter(hf_dir: Path, out: Path, seed: int, rank: int, targets: list[str],
+                 rslora: bool) -> Path:
+    """A PEFT LoRA adapter with random A and B (PEFT's own init_lora_weights=False)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir))
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                        init_lora_weights=False, use_rslora=rslora)
+    get_peft_model(model, config).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_build(llama_artifacts: Any, tmp_path_factory: pytest.TempPathFactory) -> LoraBuild:
+    pytest.importorskip("peft")
+    from export.to_onnx import export_artifact
+    from model.finetune.merge import merge
+
+    build = llama_artifacts("llama")
+    if not (build.artifact / lora_file(ENGINE_MIXED_FILE)).is_file():
+        pytest.fail("the llama artifact has no adapter graph")
+    root = tmp_path_factory.mktemp("lora")
+    adapters = {
+        "alpha": peft_adapter(build.hf_dir, root / "alpha", 1, 8, ALL, rslora=False),
+        "beta": peft_adapter(build.hf_dir, root / "beta", 2, 4, ["q_proj", "v_proj"],
+                             rslora=True)}
+    references = {"": OrtDecoder.from_artifact(build.artifact)}
+    with torch_threads(1):
+        for name, directory in adapters.items():
+            merged = merge(build.checkpoint, directory, root / f"{name}-merged")
+            out = export_artifact(merged, root / f"{name}-artifact", verify=False)
+            references[name] = OrtDecoder.from_artifact(out)
+    return LoraBuild(build.artifact, adapters, references)
+
+
+def lora_runner(build: LoraBuild, **options: Any) -> EngineGraphRunner:
+    config = EngineConfig(lora_modules=tuple(f"{n}={d}" for n, d in build.adapters.items()),
+                          max_loras=2, max_lora_rank=8, max_batch_size=8, **options)
+    runner = create_runner(build.artifact, io.ArtifactConfig.load(build.artifact), config)
+    add_startup_adapters(runner.adapters, config)
+    assert isinstance(runner, EngineGraphRunner) and runner.adapters is not None
+    return runner
+
+
+def held(adapters: AdapterSet, name: str) -> AdapterRef:
+    """``name`` as a running request holds it: counted and in a slot."""
+    ref = adapters.begin(name)
+    assert adapters.acquire(ref)
+    return ref
+
+
+def expected(build: LoraBuild, adapter: str, sequence: Sequence[int]) -> np.ndarray:
+    """(T, V) logits of every position of ``sequence`` under the merged model, alone."""
+    dec = build.references[adapter]
+    ids = np.asarray([sequence], np.int64)
+    logits, _ = dec(ids, np.ones_like(ids), np.arange(len(sequence))[None, :],
+                    dec.empty_past(1))
+    return logits[0]
+
+
+def run(runner: EngineGraphRunner, rows: list[RowWork]) -> list[np.ndarray]:
+    return runner.run(StepPlan(tuple(rows))).outputs
+
+
+def test_rows_of_two_adapters_and_the_base_share_every_kind_of_pass(lora_build: LoraBuild
+                                                                     ) -> None:
+    runner = lora_runner(lora_build, mixed_steps=True)
+    assert runner.mixes_chunks
+    adapters = runner.adapters
+    assert adapters is not None
+    refs = {"": None, "alpha": held(adapters, "alpha"), "beta": held(adapters, "beta")}
+    rng = np.random.default_rng(0)
+    vocab = runner.vocab_size
+    names = ["", "alpha", "beta", "alpha"]
+    seqs = [list(rng.integers(3, vocab, n)) for n in (5, 9, 3, 7)]
+    slots = runner.reserve(4, adapters=[r.id if (r := refs[n]) else 0 for n in names])
+
+    def check(outputs: list[np.ndarray], rows: list[int]) -> None:
+        for out, i in zip(outputs, rows, strict=True):
+            want = expected(lora_build, names[i], seqs[i])[-1]
+            np.testing.assert_allclose(out[-1], want, rtol=0, atol=TOL,
+                                       err_msg=f"row {i} under {names[i] or 'the base'}")
+
+    # first prompts of three rows together (the fourth joins later)
+    check(run(runner, [RowWork(slots[i], np.asarray(seqs[i])) for i in range(3)]), [0, 1, 2])
+    for _ in range(2):  # decode steps of rows under three different adapters
+        for i in range(3):
+            seqs[i].append(int(rng.integers(3, vocab)))
+        check(run(runner, [RowWork(slots[i], np.asarray(seqs[i][-1:])) for i in range(3)]),
+              [0, 1, 2])
+    # the fourth row's prompt rides in the decode pass (the mixed graph's second group)
+    for i in range(3):
+        seqs[i].append(int(rng.integers(3, vocab)))
+    rows = [RowWork(slots[i], np.asarray(seqs[i][-1:])) for i in range(3)]
+    result = runner.run(StepPlan((*rows, RowWork(slots[3], np.asarray(seqs[3])))))
+    assert len(result.passes) == 1  # one pass carried all four rows
+    check(result.outputs, [0, 1, 2, 3])
+    # a chunk of several tokens after beta's cache rides beside the others' decode
+    more = list(rng.integers(3, vocab, 4))
+    seqs[2].extend(more)
+    for i in (0, 1, 3):
+        seqs[i].append(int(rng.integers(3, vocab)))
+    rows = [RowWork(slots[i], np.asarray(seqs[i][-1:])) for i in (0, 1, 3)]
+    result = runner.run(StepPlan((*rows, RowWork(slots[2], np.asarray(more)))))
+    check(result.outputs, [0, 1, 3, 2])
+    # the alpha row leaves; the others go on, compacted
+    kept = runner.leave(slots, [0, 2, 3])
+    for i in (0, 2, 3):
+        seqs[i].append(int(rng.integers(3, vocab)))
+    check(run(runner, [RowWork(s, np.asarray(seqs[i][-1:])) for s, i in zip(kept, (0, 2, 3),
+                                                                             strict=True)]),
+          [0, 2, 3])
+
+
+def test_every_position_and_a_lone_row_after_its_cache(lora_build: LoraBuild) -> None:
+    """engine.onnx's adapter graph (one group): prompt logprobs (every position) and a row
+    of several tokens after its cache, alone, under an adapter."""
+    runner = lora_runner(lora_build, mixed_steps=False)
+    assert not runner.mixes_chunks
+    adapters = runner.adapters
+    assert adapters is not None
+    beta = held(adapters, "beta")
+    rng = np.random.default_rng(1)
+    seq = list(rng.integers(3, runner.vocab_size, 6))
+    (slot,) = runner.reserve(1, adapters=[beta.id])
+    (every,) = run(runner, [RowWork(slot, np.asarray(seq), "every")])
+    np.testing.assert_allclose(every, expected(lora_build, "beta", seq), rtol=0, atol=TOL)
+    more = list(rng.integers(3, runner.vocab_size, 3))
+    seq += more
+    (after,) = run(runner, [RowWork(slot, np.asarray(more), "every")])
+    np.testing.assert_allclose(after, expected(lora_build, "beta", seq)[-3:], rtol=0, atol=TOL)
+
+
+def test_a_prefix_cached_under_one_adapter_is_reused_by_it_alone(lora_build: LoraBuild
+                                                                  ) -> None:
+    runner = lora_runner(lora_build, prefix_caching=True, prefix_block_size=4)
+    adapters = runner.adapters
+    assert adapters is not None
+    alpha = held(adapters, "alpha")
+    prompt = np.asarray(np.random.default_rng(2).integers(3, runner.vocab_size, 13))
+    (slot,) = runner.reserve(1, prompts=[prompt], adapters=[alpha.id])
+    assert runner.cached_length(slot) == 0
+    run(runner, [RowWork(slot, prompt)])
+    runner.leave([slot], [])  # its blocks go to the prefix cache, under alpha
+    for name in ("", "beta", "alpha"):
+        ref = held(adapters, name) if name else None
+        (slot,) = runner.reserve(1, prompts=[prompt], adapters=[ref.id if ref else 0])
+        cached = runner.cached_length(slot)
+        assert cached == (12 if name == "alpha" else 0), name
+        (out,) = run(runner, [RowWork(slot, prompt[cached:])])
+        np.testing.assert_allclose(out[-1], expected(lora_build, name, list(prompt))[-1],
+                                   rtol=0, atol=TOL, err_msg=name or "the base")
+        runner.leave([slot], [])
+
+
+def test_an_engine_serves_requests_of_each_adapter_as_their_merged_models(
+        lora_build: LoraBuild) -> None:
+    """Greedy requests of the base and both adapters in one engine, submitted together
+    (mixed batches, rows joining and leaving as they finish), each equal to its merged
+    model's greedy decoding alone; an unknown adapter is refused at submit."""
+    import asyncio
+
+    from service.artifact.loader import open_artifact
+    from service.engine.engine import Engine
+    from service.engine.request import (
+        GenerationRequest,
+        SamplingParams,
+        StoppingCriteria,
+        TokenEvent,
+    )
+
+    artifact = open_artifact(lora_build.artifact)
+    config = EngineConfig(lora_modules=tuple(f"{n}={d}" for n, d in lora_build.adapters.items()),
+                          max_loras=2, max_lora_rank=8, max_batch_size=8)
+    engine = Engine.from_artifact(artifact, config)
+    rng = np.random.default_rng(3)
+    vocab = artifact.config.vocab_size
+    asks = [(name, list(map(int, rng.integers(3, vocab, n))), new)
+            for name, n, new in (("alpha", 5, 6), ("", 7, 3), ("beta", 4, 8), ("alpha", 9, 2),
+                                 ("beta", 6, 5), ("", 3, 7))]
+
+    async def main() -> list[list[int]]:
+        engine.start(asyncio.get_running_loop())
+        try:
+            with pytest.raises(UnknownAdapter):
+                engine.submit([GenerationRequest([5, 6], SamplingParams(),
+                                                 StoppingCriteria(max_new_tokens=2),
+                                                 adapter_name="gamma")])
+            handles = engine.submit([GenerationRequest(
+                prompt, SamplingParams(), StoppingCriteria(max_new_tokens=new),
+                adapter_name=name or None) for name, prompt, new in asks])
+            events = await asyncio.gather(*(h.all_events() for h in handles))
+        finally:
+            await asyncio.to_thread(engine.stop)
+        return [[e.token.id for e in evs if isinstance(e, TokenEvent)] for evs in events]
+
+    tokens = asyncio.run(main())
+    for (name, prompt, new), got in zip(asks, tokens, strict=True):
+        seq, want = list(prompt), []
+        for _ in range(new):
+            logits = expected(lora_build, name, seq)[-1]
+            top2 = np.sort(logits)[-2:]
+            if top2[1] - top2[0] < 1e-3:  # a near tie: the rest is not decided by the model
+                break
+            want.append(int(logits.argmax()))
+            seq.append(want[-1])
+        assert got[:len(want)] == want, name or "the base"
