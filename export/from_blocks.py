@@ -21,6 +21,10 @@ Here no weight matrix is ever in float32 whole:
    float-activation graphs as a quantised graph is judged against its float32 one
    (token agreement and perplexity, export/quantize.py).
 
+4. The adapter graphs (export/adapter_graph.py) are written over the final graphs; their
+   base rows are checked against those graphs (there is no float32 model to merge an
+   adapter into).
+
 Used when every weight matrix of the file is of a kept type (what llama.cpp's quantiser
 writes: Q4_0, Q4_K_M, Q8_0 …) and no float32 twin is asked for; otherwise the general
 export runs.
@@ -61,6 +65,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
                        say: Callable[[str], None]) -> dict[str, Any]:
     """Write the served graphs and weights.bin into ``tmp``; return the manifest's
     figures: verification, storage, build_seconds, parameter_bytes."""
+    from export.adapter_check import write_served_adapter_graphs
     from export.engine_graph import EngineDecoder, build_engine_graph
     from export.gguf_source import GGUFFile, open_source
     from export.graphs import build_attention, build_decoder
@@ -178,6 +183,11 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     for stale in [*built.values(), *tmp.glob(f".*{CHECK_SUFFIX}"),
                   *tmp.glob(f".*{CHECK_SUFFIX}{SIDE_DATA}"), *tmp.glob(f"*.onnx{SIDE_DATA}")]:
         stale.unlink(missing_ok=True)
+    # the served graphs are final: their adapter graphs, over the same weights.bin (no
+    # float32 PyTorch model here: base rows against the base graphs, adapted rows moved)
+    served = write_served_adapter_graphs(tmp, gpt.config, verify, say, threads)
+    if verify:
+        verification["adapters_served"] = served
     parameter_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
     return {"verification": verification, "storage": storage,
             "build_seconds": build_seconds, "parameter_bytes": parameter_bytes}

@@ -5,6 +5,8 @@
     engine.onnx      with --engine-graph: the service's decoder (export/engine_graph.py)
     engine_mixed.onnx  the same with a second group of rows (mixed steps), unless
                      --no-mixed-steps
+    *_lora.onnx      engine.onnx, engine_mixed.onnx and attention.onnx with LoRA adapters
+                     per row (export/adapter_graph.py; not for a float16 artifact)
     weights.bin      every graph's weights, each distinct tensor once (export/onnx_build.py)
     tokenizer.json   copied from the checkpoint
     chat_template.jinja, tokenizer_config.json, generation_config.json
@@ -197,6 +199,11 @@ def export_artifact(
     """
     # Everything heavy is imported before the staging directory exists, so a SIGTERM
     # never lands inside an extension module's initialisation.
+    from export.adapter_check import (
+        AdapterReference,
+        verify_adapter_graphs,
+        write_served_adapter_graphs,
+    )
     from export.engine_graph import build_engine_graph, verify_engine
     from export.from_blocks import builds_from_blocks, export_from_blocks
     from export.graphs import (
@@ -290,9 +297,10 @@ def export_artifact(
         say(f"built {', '.join(sorted(p.name for p in tmp.glob('*.onnx')))} in "
             f"{build_seconds:.1f}s")
         verification: dict[str, Any] = {"skipped": True}
-        reference = None
+        reference = adapter_reference = None
         if verify:  # PyTorch's side of every check, computed once, while its weights are here
             reference = TorchReference(gpt).prepare(check_prompts(gpt.config))
+            adapter_reference = AdapterReference.of(gpt)
         # Every check compares graphs with PyTorch's figures kept above or with each other:
         # the weights can go before any session comes (a float32 one holds them again).
         gpt.to_empty(device="meta")
@@ -319,6 +327,10 @@ def export_artifact(
                     reference=reference, dtype=dtype)
                 say(f"verified {ENGINE_MIXED_FILE}: "
                     f"{verification['engine_mixed']['max_abs_diff']:.2e}")
+            assert adapter_reference is not None
+            verification["adapters"] = verify_adapter_graphs(tmp, gpt.config,
+                                                             adapter_reference)
+            say(f"verified the adapter graphs against PyTorch: {_adapter_figures(verification)}")
         if quantize is not None:
             if (advice := gguf_advice(ckpt.meta.training, quantize)) is not None:
                 say(advice)
@@ -376,10 +388,25 @@ def export_artifact(
                     f"{verification['engine_float32']['max_abs_diff']:.2e}")
             for stale in [*tmp.glob(".*.fp32"), *tmp.glob(f"*.onnx{SIDE_DATA}")]:
                 stale.unlink()  # the float32 graphs, and quantised weights now in weights.bin
+        # the served graphs are final: their adapter graphs, over the same weights.bin
+        # (checked against PyTorch above; a quantised one's base rows checked here)
+        served = write_served_adapter_graphs(tmp, gpt.config, verify and quantize is not None,
+                                             say)
+        if verify:
+            verification["adapters_served"] = served
         _write_rest(tmp, ckpt, tok, Path(ckpt_dir), out, model_name, dtype, opset, quantize,
                     engine_graph, mixed_steps, float32_pass_tokens, storage, parameter_bytes,
                     build_seconds, verification, say)
     return out
+
+
+def _adapter_figures(verification: dict[str, Any]) -> str:
+    """The adapter graphs' check in a line: each graph's largest difference from PyTorch."""
+    figures = verification["adapters"]
+    if "skipped" in figures:
+        return f"none ({figures['skipped']})"
+    return ", ".join(f"{name} {f.get('max_abs_diff', f.get('weights_max_abs_diff')):.2e}"
+                     for name, f in figures.items())
 
 
 def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,

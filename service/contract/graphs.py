@@ -16,6 +16,9 @@ so older artifacts serve as they did. Torch- and onnxruntime-free: the service r
     engine_float32.onnx  a quantised artifact's weights in float32 (``--float32-twin``):
                          passes of at least ``from_tokens`` tokens, where a float32 GEMM
                          beats the quantised kernel
+    engine_lora.onnx, engine_mixed_lora.onnx
+                         the steps graphs with LoRA adapters per row (``adapters``): served
+                         in their place when adapters are (on the CPU, every pass)
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, Literal
 
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
+from service.contract.adapter_spec import lora_file
 from service.contract.manifest import Manifest
 
 Runs = Literal["steps", "long passes", "fallback"]
@@ -46,11 +50,13 @@ class GraphEntry:
     row_groups: int = 1  # 2: a second group (prompts, a chunk) rides in the decode step
     from_tokens: int = 0  # long passes: passes of at least this many tokens
     cuda: bool = False  # may run on CUDA (a float16 engine.onnx; decode steps captured)
+    adapters: bool = False  # LoRA adapters per row (<stem>_lora.onnx, adapter_spec.py)
 
     def describe(self) -> str:
         """One line for logs and docs."""
         what = ("float32 weights" if self.weights == "float32" else "stored weights") + (
-            ", prompts riding in decode steps" if self.row_groups == 2 else "")
+            ", prompts riding in decode steps" if self.row_groups == 2 else "") + (
+            ", LoRA adapters per row" if self.adapters else "")
         when = {"steps": "every pass", "fallback": "when no engine graph can",
                 "long passes": f"passes of ≥ {self.from_tokens} tokens"}[self.runs]
         return f"{self.file} ({what}): {when}" + (", CUDA too" if self.cuda else "")
@@ -83,6 +89,9 @@ class GraphTable:
         if es.ENGINE_FLOAT32_FILE in files and float32_pass_tokens > 0:
             entries.append(GraphEntry(es.ENGINE_FLOAT32_FILE, "long passes", "float32",
                                       float32_row_groups, float32_pass_tokens))
+        entries += [replace(entry, file=lora_file(entry.file), cuda=False, adapters=True)
+                    for entry in list(entries) if entry.runs == "steps"
+                    and lora_file(entry.file) in files]
         return cls(tuple(entries))
 
     @classmethod
@@ -98,13 +107,24 @@ class GraphTable:
                             2 if mixed else 1)
 
     def served(self, *, engine_graph: bool, mixed_steps: bool, on_cuda: bool,
-               float32_pass_tokens: int | None = None) -> tuple[GraphEntry, ...]:
+               float32_pass_tokens: int | None = None,
+               adapters: bool = False) -> tuple[GraphEntry, ...]:
         """The graphs a server opens, the one for steps first: on CUDA an engine graph
         that runs there, on the CPU the one with ``mixed_steps``' row groups (the other
         where the artifact lacks it) and the float32 one for long passes (from
-        ``float32_pass_tokens`` tokens when given; 0: not opened); else model.onnx."""
+        ``float32_pass_tokens`` tokens when given; 0: not opened); else model.onnx.
+
+        ``adapters``: the adapter graph for steps alone (LoRA adapters per row: no
+        float32 long-pass graph, never CUDA); ValueError where the artifact has none."""
+        if adapters:
+            lora = [g for g in self.graphs if g.adapters and g.runs == "steps"]
+            if not lora:
+                raise ValueError("this artifact has no adapter graph (exported before "
+                                 "adapters were served): export it again")
+            groups = 2 if mixed_steps and not on_cuda else 1
+            return (min(lora, key=lambda g: abs(g.row_groups - groups)),)
         steps = [g for g in self.graphs if g.runs == "steps" and engine_graph
-                 and (g.cuda or not on_cuda)]
+                 and (g.cuda or not on_cuda) and not g.adapters]
         if not steps:
             return tuple(g for g in self.graphs if g.runs == "fallback")
         groups = 2 if mixed_steps and not on_cuda else 1

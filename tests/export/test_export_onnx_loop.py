@@ -120,8 +120,8 @@ def test_one_graph_no_if_and_every_weight_stored_once(
     ops = {node.op_type for node in model.graph.node}
     assert "If" not in ops and "Loop" not in ops
     assert sorted(p.name for p in tiny_artifact.iterdir()) == [
-        "attention.onnx", "config.json", "manifest.json", "model.onnx", "tokenizer.json",
-        "weights.bin"]
+        "attention.onnx", "attention_lora.onnx", "config.json", "manifest.json", "model.onnx",
+        "tokenizer.json", "weights.bin"]
     blob = (tiny_artifact / "weights.bin").read_bytes()
     spans = set(_external_spans(tiny_artifact / "model.onnx"))
     spans |= set(_external_spans(tiny_artifact / "attention.onnx"))

@@ -201,4 +201,5 @@ def test_without_engine_graphs_model_onnx_is_judged(kquants: tuple[Path, Path],
     assert judged["judged_on"] == "model.onnx"
     assert judged["token_agreement"] >= judged["agreement_target"]
     assert judged["perplexity_relative_change"] < 0.05
-    assert sorted(p.name for p in art.glob("*.onnx")) == ["attention.onnx", "model.onnx"]
+    assert sorted(p.name for p in art.glob("*.onnx")) == ["attention.onnx",
+                                                          "attention_lora.onnx", "model.onnx"]

@@ -80,3 +80,46 @@ def test_a_manifest_without_the_table_is_read_from_its_files(
 def test_the_table_round_trips_through_the_manifest_json() -> None:
     assert GraphTable.from_list(QUANTISED.to_list()) == QUANTISED
     assert all(entry.describe().startswith(entry.file) for entry in QUANTISED.graphs)
+
+
+ADAPTED = GraphTable.of_files(["model.onnx", "attention.onnx", "attention_lora.onnx",
+                               "engine.onnx", "engine_mixed.onnx", "engine_float32.onnx",
+                               "engine_lora.onnx", "engine_mixed_lora.onnx"],
+                              "float32", 256, 2)
+
+
+def test_served_with_adapters_picks_the_lora_steps_graph_alone() -> None:
+    """Each steps graph's adapter twin is in the table (same row groups, never CUDA);
+    served(adapters=True) opens it alone, no float32 long-pass graph; without the keyword
+    the table serves as before."""
+    lora, mixed_lora = (replace(PLAIN, file="engine_lora.onnx", adapters=True),
+                        replace(MIXED, file="engine_mixed_lora.onnx", adapters=True))
+    assert ADAPTED.graphs == (MODEL, PLAIN, MIXED, FLOAT32, lora, mixed_lora)
+    assert ADAPTED.served(engine_graph=True, mixed_steps=True, on_cuda=False,
+                          adapters=True) == (mixed_lora,)
+    assert ADAPTED.served(engine_graph=True, mixed_steps=False, on_cuda=False,
+                          adapters=True) == (lora,)
+    assert ADAPTED.served(engine_graph=True, mixed_steps=True, on_cuda=False) == (MIXED,
+                                                                                   FLOAT32)
+    assert "LoRA adapters" in mixed_lora.describe()
+    half = GraphTable.of_files(["model.onnx", "engine.onnx", "engine_lora.onnx"], "float16",
+                               0, 1)
+    assert half.served(engine_graph=True, mixed_steps=True, on_cuda=True) == (
+        replace(PLAIN, cuda=True),)  # the adapter graph is no CUDA graph
+    assert not half.graphs[-1].cuda
+
+
+def test_an_artifact_without_an_adapter_graph_refuses_adapters_in_one_line() -> None:
+    old = GraphTable.of(_manifest(["model.onnx", "engine.onnx", "engine_mixed.onnx"], None,
+                                  engine_mixed_steps=True))
+    with pytest.raises(ValueError, match=r"^this artifact has no adapter graph \(exported "
+                                         r"before adapters were served\): export it again$"):
+        old.served(engine_graph=True, mixed_steps=True, on_cuda=False, adapters=True)
+
+
+def test_a_table_row_of_before_adapters_reads_as_without_them() -> None:
+    row = {"file": "engine_mixed.onnx", "runs": "steps", "weights": "stored",
+           "row_groups": 2, "from_tokens": 0, "cuda": False}  # a manifest of before
+    (entry,) = GraphTable.from_list([row]).graphs
+    assert entry == MIXED and entry.adapters is False
+    assert GraphTable.from_list(ADAPTED.to_list()) == ADAPTED
