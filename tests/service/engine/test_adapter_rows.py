@@ -214,7 +214,9 @@ def test_an_engine_serves_requests_of_each_adapter_as_their_merged_models(
         TokenEvent,
     )
 
-    artifact = open_artifact(lora_build.artifact)
+    from service.settings import Settings
+
+    artifact = open_artifact(Settings.model_validate({"model": lora_build.artifact}))
     config = EngineConfig(lora_modules=tuple(f"{n}={d}" for n, d in lora_build.adapters.items()),
                           max_loras=2, max_lora_rank=8, max_batch_size=8)
     engine = Engine.from_artifact(artifact, config)
@@ -240,6 +242,7 @@ def test_an_engine_serves_requests_of_each_adapter_as_their_merged_models(
         return [[e.token.id for e in evs if isinstance(e, TokenEvent)] for evs in events]
 
     tokens = asyncio.run(main())
+    compared = 0
     for (name, prompt, new), got in zip(asks, tokens, strict=True):
         seq, want = list(prompt), []
         for _ in range(new):
@@ -250,3 +253,5 @@ def test_an_engine_serves_requests_of_each_adapter_as_their_merged_models(
             want.append(int(logits.argmax()))
             seq.append(want[-1])
         assert got[:len(want)] == want, name or "the base"
+        compared += len(want)
+    assert compared >= 20  # most tokens had a clear margin: the comparison decided
