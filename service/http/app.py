@@ -64,10 +64,21 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
     app.add_middleware(ObservabilityMiddleware,
                        metrics=lambda: app.state.runtime.metrics if app.state.runtime else None,
                        max_body_bytes=settings.max_body_bytes)
-    from service.http.routes import attention, chat, generate, health, openai, tokenize, viz
+    from service.http.routes import (
+        attention,
+        chat,
+        generate,
+        health,
+        lora,
+        openai,
+        tokenize,
+        viz,
+    )
 
     for module in (health, generate, openai, chat, tokenize, attention):
         app.include_router(module.router)
+    if settings.runtime_lora:  # vLLM registers them only when runtime updates are allowed
+        app.include_router(lora.router)
     viz.install(app)
     install_openapi(app)
     return app

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.engine.adapters import UnknownAdapter
 from service.engine.scheduler import EngineStopped, QueueFull
 from service.http.admission import Overloaded
 from service.http.validation import InputError
@@ -31,7 +32,8 @@ UNPARSABLE_BODY = "There was an error parsing the body"  # FastAPI's HTTPExcepti
 class ApiError(Exception):
     def __init__(self, status: int, message: str, error_type: str,
                  param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None,
+                 openai_type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -39,6 +41,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+        self.openai_type = openai_type  # the /v1 body's type, where it is not the status's
 
 
 class ClientDisconnected(Exception):
@@ -50,16 +53,18 @@ def is_openai_path(path: str) -> bool:
 
 
 def error_body(path: str, status: int, message: str, error_type: str,
-               param: str | None = None, code: str | None = None) -> dict[str, Any]:
+               param: str | None = None, code: str | None = None,
+               openai_type: str | None = None) -> dict[str, Any]:
     if is_openai_path(path):
-        return {"error": {"message": message, "type": OPENAI_TYPES.get(status, error_type),
+        kind = openai_type or OPENAI_TYPES.get(status, error_type)
+        return {"error": {"message": message, "type": kind,
                           "code": code or error_type, "param": param}}
     return {"error": message, "error_type": error_type}
 
 
 def error_response(request: Request, error: ApiError) -> JSONResponse:
     body = error_body(request.url.path, error.status, error.message, error.error_type,
-                      error.param, error.code)
+                      error.param, error.code, error.openai_type)
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
@@ -120,6 +125,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(request, ApiError(429, f"model is overloaded: {exc}",
                                                 "overloaded", code=exc.reason,
                                                 headers={"Retry-After": "1"}))
+
+    @app.exception_handler(UnknownAdapter)
+    async def unknown_adapter(request: Request, exc: UnknownAdapter) -> JSONResponse:
+        # unloaded between the route's check and the engine's submit: the same 404
+        name = str(exc.args[0]) if exc.args else ""
+        if is_openai_path(request.url.path):
+            return error_response(request, ApiError(
+                404, f"The model `{name}` does not exist.", "not_found", param="model",
+                code="model_not_found", openai_type="NotFoundError"))
+        return error_response(request, ApiError(
+            404, f"parameters.adapter_id: adapter {name!r} is not served by this server",
+            "not_found", param="parameters.adapter_id", code="model_not_found"))
 
     @app.exception_handler(EngineStopped)
     async def stopped(request: Request, exc: EngineStopped) -> JSONResponse:

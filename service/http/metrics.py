@@ -5,11 +5,21 @@ middleware reports each request's route, status and latency. Names carry the
 ``attnserve_`` prefix, labels stay low-cardinality (route templates, status codes,
 rejection reasons), and latency buckets span 1 ms to 30 s. Each app has its own
 registry, so several apps in one process (tests) never collide.
+
+LoRA adapters are a label (``adapter``) only on the ``attnserve_lora_*`` series, and only
+names the server serves: every --lora-modules name, and the first
+``MAX_RUNTIME_ADAPTER_LABELS`` distinct names loaded at run time; later ones are counted
+under ``other``, so a client loading and unloading names cannot grow the exposition
+without bound. Base-model requests are not counted there (they are every request
+``attnserve_requests_total`` counts that no adapter label does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, ClassVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -21,14 +31,90 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from service.engine.stats import LoadStats, RequestStats, StepStats
 from service.http.admission import AdmissionStats
+
+if TYPE_CHECKING:
+    from service.engine.adapters import AdapterSet
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
                    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 REJECTION_REASONS = ("queue_full", "attention_busy", "validation", "too_large", "unauthorized")
+MAX_RUNTIME_ADAPTER_LABELS = 64  # distinct run-time adapter names given their own label
+OTHER_ADAPTERS = "other"  # the label of the run-time names beyond those
+
+
+class AdapterLabels:
+    """The ``adapter`` label values: the names the server serves, bounded (module doc)."""
+
+    def __init__(self, runtime_bound: int = MAX_RUNTIME_ADAPTER_LABELS) -> None:
+        self._lock = threading.Lock()
+        self._configured: set[str] = set()
+        self._runtime: set[str] = set()
+        self.runtime_bound = runtime_bound
+
+    def allow(self, name: str, configured: bool) -> None:
+        with self._lock:
+            if configured:
+                self._configured.add(name)
+            elif name not in self._configured and len(self._runtime) < self.runtime_bound:
+                self._runtime.add(name)
+
+    def of(self, name: str) -> str:
+        with self._lock:
+            known = name in self._configured or name in self._runtime
+        return name if known else OTHER_ADAPTERS
+
+
+class AdapterCounts:
+    """``attnserve_lora_loads_total`` and ``attnserve_lora_evictions_total{adapter}``, read
+    from ``AdapterSet.counts()`` at scrape (and before an unload, which drops an adapter's
+    counts): per name, what grew since the last read, added to its label's total."""
+
+    KINDS: ClassVar[dict[str, str]] = {
+        "loads": "Times a LoRA adapter was placed in a slot of the adapter graph.",
+        "evictions": "Times a LoRA adapter left its slot for another (least recently used, "
+                     "no running row on it)."}
+
+    def __init__(self, labels: AdapterLabels) -> None:
+        self.labels = labels
+        self.source: Callable[[], dict[str, dict[str, int]]] | None = None
+        self._lock = threading.Lock()
+        self._seen: dict[str, dict[str, int]] = {}
+        self._totals: dict[str, defaultdict[str, float]] = {
+            kind: defaultdict(float) for kind in self.KINDS}
+
+    def sync(self) -> None:
+        if self.source is None:
+            return
+        counts = self.source()
+        with self._lock:
+            for name, now in counts.items():
+                before = self._seen.get(name, {})
+                for kind in self.KINDS:
+                    value, last = now.get(kind, 0), before.get(kind, 0)
+                    # fewer than last time: unloaded and loaded again under the name
+                    grown = value - last if value >= last else value
+                    if grown:
+                        self._totals[kind][self.labels.of(name)] += grown
+            self._seen = counts
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(f"attnserve_lora_{k}", h, labels=["adapter"])
+                for k, h in self.KINDS.items()]
+
+    def collect(self) -> Iterator[Metric]:
+        self.sync()
+        with self._lock:
+            for kind, help_text in self.KINDS.items():
+                family = CounterMetricFamily(f"attnserve_lora_{kind}", help_text,
+                                             labels=["adapter"])
+                for label, value in sorted(self._totals[kind].items()):
+                    family.add_metric([label], value)
+                yield family
 
 
 class Metrics:
@@ -139,6 +225,22 @@ class Metrics:
         self.admitted = Gauge("attnserve_admission_requests",
                               "Requests inside a bounded side route (/attention), by state.",
                               ["route", "state"], registry=r)
+        self.adapter_labels = AdapterLabels()
+        self.lora_requests = Counter(
+            "attnserve_lora_requests", "Requests that ran under each LoRA adapter (finished, "
+            "cancelled or failed); base-model requests are not counted.", ["adapter"],
+            registry=r)
+        self.lora_tokens = Counter("attnserve_lora_generated_tokens",
+                                   "Tokens generated under each LoRA adapter.", ["adapter"],
+                                   registry=r)
+        self.adapter_counts = AdapterCounts(self.adapter_labels)
+        r.register(self.adapter_counts)  # a custom collector: read at scrape
+        self.lora_resident = Gauge("attnserve_lora_resident",
+                                   "LoRA adapters in a slot of the adapter graph now.",
+                                   registry=r)
+        self.lora_resident_bytes = Gauge(
+            "attnserve_lora_resident_bytes", "Bytes of the resident adapters' own tensors.",
+            registry=r)
         self.info = Gauge("attnserve_model_info", "The served model (value is always 1).",
                           ["model", "provider", "artifact_sha256"], registry=r)
 
@@ -146,6 +248,16 @@ class Metrics:
         """Read the pool's resident bytes when /metrics is scraped (it takes a mincore walk
         over the pool's pages, too slow for every engine step)."""
         self.kv_resident.set_function(read)
+
+    def watch_adapters(self, adapters: AdapterSet) -> None:
+        """Read the adapters' loads, evictions and residency when /metrics is scraped."""
+        self.adapter_counts.source = adapters.counts
+        self.lora_resident.set_function(lambda: len(adapters.resident()))
+        self.lora_resident_bytes.set_function(adapters.resident_bytes)
+
+    def allow_adapter(self, name: str, configured: bool = False) -> None:
+        """``name`` is served (--lora-modules, or loaded at run time): it may be a label."""
+        self.adapter_labels.allow(name, configured)
 
     def set_model_info(self, model: str, provider: str, artifact_sha256: str) -> None:
         """Called once the sessions exist, when the active provider is known."""
@@ -222,6 +334,10 @@ class Metrics:
             self.ttft.observe(stats.time_to_first_token)
         for gap in stats.inter_token_latencies:
             self.itl.observe(gap)
+        if stats.adapter is not None:
+            label = self.adapter_labels.of(stats.adapter)
+            self.lora_requests.labels(adapter=label).inc()
+            self.lora_tokens.labels(adapter=label).inc(stats.generated_tokens)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -17,6 +17,7 @@ from service.contract.chat_template import ChatTemplateError
 from service.engine.grammar import Grammar
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenEvent
 from service.engine.scheduler import RequestHandle
+from service.http.adapters import adapter_of_model
 from service.http.errors import ApiError
 from service.http.openai_schemas import (
     ChatCompletionRequest,
@@ -34,11 +35,6 @@ from service.http.validation import InputError, Validator
 OPENAI_ERRORS = openai_errors(401, 404, 413, 422, 424, 429, 503)
 
 
-def check_model(model: str | None, runtime: Runtime) -> None:
-    if model is not None and model != runtime.artifact.name:
-        raise ApiError(404, f"model {model!r} not found; this server serves "
-                            f"{runtime.artifact.name!r}", "not_found", param="model",
-                       code="model_not_found")
 
 
 def response_constraint(body: OpenAISampling, validator: Validator) -> Grammar | None:
@@ -77,8 +73,9 @@ def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[s
                    max_new_tokens: int | None, top_n: int, prompt_logprobs: bool = False,
                    max_field: str = "max_tokens", token_logprobs: bool = True
                    ) -> list[GenerationRequest]:
-    """n requests per prompt; ``prompts`` are (field, token ids); ``token_logprobs``: the
-    client asked for logprobs."""
+    """n requests per prompt, under the LoRA adapter ``body.model`` names (if any);
+    ``prompts`` are (field, token ids); ``token_logprobs``: the client asked for logprobs."""
+    adapter = adapter_of_model(body.model, runtime)
     validator = runtime.validator
     validator.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
     defaults = runtime.artifact.generation_defaults
@@ -95,12 +92,12 @@ def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[s
                 max_field, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_ids,
                 max_new_given=length_given, author_max_new_tokens=defaults.max_new_tokens,
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-                token_logprobs=token_logprobs))
+                token_logprobs=token_logprobs, adapter_name=adapter))
     return requests
 
 
 def completion_requests(body: CompletionRequest, runtime: Runtime) -> list[GenerationRequest]:
-    check_model(body.model, runtime)
+    adapter_of_model(body.model, runtime)  # before tokenizing: an unknown model is a 404
     prompts = []
     for i, prompt in enumerate(body.prompts):
         field = "prompt" if isinstance(body.prompt, str) else f"prompt.{i}"
@@ -120,7 +117,7 @@ def render_messages(runtime: Runtime, messages: list[ChatMessage], add_generatio
 
 
 def chat_requests(body: ChatCompletionRequest, runtime: Runtime) -> list[GenerationRequest]:
-    check_model(body.model, runtime)
+    adapter_of_model(body.model, runtime)  # before rendering: an unknown model is a 404
     if body.top_logprobs and not body.logprobs:
         raise InputError("top_logprobs", "needs logprobs: true")
     text = render_messages(runtime, body.messages, body.add_generation_prompt,
@@ -135,6 +132,11 @@ def chat_requests(body: ChatCompletionRequest, runtime: Runtime) -> list[Generat
     return build_requests(body, runtime, [("messages", ids)], body.max_new_tokens,
                           body.top_n_logprobs, max_field=field,
                           token_logprobs=bool(body.logprobs))
+
+
+def served_name(requests: Sequence[GenerationRequest], runtime: Runtime) -> str:
+    """The ``model`` a response names: the adapter the requests ran under, else the base."""
+    return requests[0].adapter_name or runtime.artifact.name
 
 
 def final_text(finish: FinishInfo) -> str:

@@ -4,7 +4,8 @@ schemas, plus what only the running server knows.
 * Token bounds from the resolved limits (``max_new_tokens``, ``max_tokens``,
   ``max_completion_tokens``, ``min_tokens``, ``truncate``) and token ids (the vocabulary)
   become ``maximum``s.
-* ``model`` fields name the served model (``enum``): another name is a 404.
+* ``model`` fields name the served model and its LoRA adapters (``enum``): another name
+  is a 404. A run-time load or unload drops the cached document (routes/lora.py).
 * With an API key, a bearer security scheme on every route that needs it; without one,
   none (the document does not ask clients for a key the server ignores).
 
@@ -114,11 +115,12 @@ def build(app: FastAPI, runtime: Runtime | None) -> dict[str, Any]:
         prop = components.get(component, {}).get("properties", {}).get(name)
         if prop is not None:
             _bound(prop, getattr(limits, limit))
-    for component in MODEL_FIELDS:  # the one served name; any other is a 404
+    names = [runtime.artifact.name, *runtime.adapter_names()]
+    for component in MODEL_FIELDS:  # the served names; any other is a 404
         prop = components.get(component, {}).get("properties", {}).get("model")
         for member in (prop or {}).get("anyOf", [prop or {}]):
             if member.get("type") == "string":
-                member["enum"] = [runtime.artifact.name]
+                member["enum"] = names
     vocab = runtime.artifact.config.vocab_size
     for component, name in TOKEN_ID_LISTS:
         prop = components.get(component, {}).get("properties", {}).get(name)

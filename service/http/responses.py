@@ -34,13 +34,18 @@ class OpenAIError(BaseModel):
 
 
 ERROR_DESCRIPTIONS = {
+    400: "The LoRA adapter was not loaded: the message says why (outside lora_dir, not a "
+         "PEFT LoRA adapter, does not fit the model, name taken)",
     401: "Missing or wrong API key (only when the server has one)",
-    404: "Unknown model name",
+    404: "Unknown model name or LoRA adapter",
+    409: "The LoRA adapter still had requests in flight after drain_timeout: it takes no "
+         "new ones and leaves once they finish",
     413: "Request body over max_body_bytes",
     422: "Invalid request: the message names the field (bounds that depend on tokens, such "
          "as prompt length or prompt + max_new_tokens, are checked here too)",
     424: "The model failed during generation",
     429: "Too many requests waiting",
+    501: "The attention model does not apply LoRA adapters (yet)",
     503: "Loading, draining or shutting down",
 }
 
@@ -244,6 +249,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = Field(description="the base's artifact directory; an adapter's own "
+                                         "directory")
+    parent: str | None = Field(description="a LoRA adapter's base model (its id); null for "
+                                           "the base")
 
 
 class ModelList(BaseModel):

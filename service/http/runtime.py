@@ -6,10 +6,14 @@ Kept apart from app.py so routes and dependencies import it without importing th
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
@@ -42,8 +46,14 @@ class Runtime:
     attention_gate: AdmissionGate = field(init=False)
     attention_encoder: Offload = field(init=False)
     attention_threads: ThreadPoolExecutor = field(init=False)
+    # LoRA adapters served, name → directory (/v1/models' root): --lora-modules', then
+    # those loaded and unloaded at run time (routes/lora.py)
+    adapter_roots: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.adapter_roots = configured_adapters(self.settings.lora_modules)
+        for name in self.adapter_roots:
+            self.metrics.allow_adapter(name, configured=True)
         self.attention_gate = AdmissionGate(
             "/attention", self.settings.attention_max_concurrent,
             self.settings.attention_max_queued, "attention_busy",
@@ -74,6 +84,39 @@ class Runtime:
         return self.engine.float32_pass_tokens if self.engine is not None else None
 
 
+    def adapter_names(self) -> list[str]:
+        """The adapters a request may name now: the engine's (loaded, not unloading); before
+        it exists, the ones --lora-modules names."""
+        if self.engine is None:
+            return list(self.adapter_roots)
+        adapters = self.engine.adapters
+        return adapters.names() if adapters is not None else []
+
+    @property
+    def attention_takes_adapters(self) -> bool:
+        """Whether the attention model computes under a LoRA adapter: its ``run`` takes an
+        ``adapter`` keyword (the name of a served adapter)."""
+        return (self.attention is not None
+                and "adapter" in inspect.signature(self.attention.run).parameters)
+
+    def attend(self, ids: Sequence[int], kinds: Sequence[str], layers: Sequence[int],
+               adapter: str | None = None) -> dict[str, np.ndarray]:
+        """The attention model over ``ids`` (blocking), under ``adapter`` when one is named
+        (the route checked the name and ``attention_takes_adapters``)."""
+        assert self.attention is not None
+        if adapter is None:
+            return self.attention.run(ids, kinds, layers)
+        run: Callable[..., dict[str, np.ndarray]] = self.attention.run
+        return run(ids, kinds, layers, adapter=adapter)
+
+
+def configured_adapters(entries: Iterable[str]) -> dict[str, str]:
+    """--lora-modules' NAME=DIR entries as name → directory (the engine checks them at
+    start: a malformed one stops the server there)."""
+    named = (e.partition("=") for e in entries)
+    return {name: directory for name, sep, directory in named if sep and name and directory}
+
+
 def load_engine(runtime: Runtime) -> None:
     """Build the engine and the attention session and warm them up (blocking; runs in a
     worker thread)."""
@@ -96,4 +139,6 @@ def load_engine(runtime: Runtime) -> None:
              engine.provider, engine.graph_file, (time.perf_counter() - started) * 1000)
     runtime.metrics.set_model_info(artifact.name, engine.provider, artifact.sha256)
     runtime.metrics.watch_kv_resident(engine.runner.kv_resident_bytes)
+    if engine.adapters is not None:
+        runtime.metrics.watch_adapters(engine.adapters)
     runtime.engine, runtime.attention = engine, attention

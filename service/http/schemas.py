@@ -70,6 +70,9 @@ class GenerateParameters(Strict):
     truncate: Annotated[int, Field(ge=1), Integral] | None = None
     top_n_tokens: Annotated[int, Field(ge=0, le=MAX_TOP_N_TOKENS), Integral] | None = None
     grammar: Grammar | None = None
+    adapter_id: NonEmptyText | None = Field(
+        None, description="a LoRA adapter the server serves (GET /v1/models lists them); "
+                          "absent: the base model")
     # Sent by TGI's own client; accepted at their neutral values only.
     best_of: Annotated[int, Field(ge=1, le=1), Integral] | None = None
     watermark: Annotated[Literal[False], BeforeValidator(_bool_only)] = False
@@ -110,13 +113,18 @@ class AttentionRequest(Strict):
     heads: list[Annotated[int, Field(ge=0), Integral]] | None = Field(None, min_length=1)
     include: list[AttentionKindName] = Field(default_factory=_weights_only, min_length=1)
     format: Literal["json", "npz", "png", "bertviz"] = "json"
+    adapter_id: NonEmptyText | None = Field(
+        None, description="the attention of the model under this LoRA adapter (501 where "
+                          "the attention model applies none yet); absent: the base model")
 
 
 class TgiTokenizeRequest(Strict):
     """TGI's /tokenize body."""
 
     inputs: NonEmptyText
-    parameters: dict[str, Any] | None = None  # TGI clients may send it; nothing in it applies
+    # TGI clients may send it; only adapter_id is looked at (a served adapter, else 404:
+    # every adapter shares the base's tokenizer)
+    parameters: dict[str, Any] | None = None
 
 
 class PromptTokenizeRequest(Strict):
@@ -130,3 +138,18 @@ class PromptTokenizeRequest(Strict):
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0, lt=2**31), Integral]] = Field(max_length=1 << 16)
+
+
+class LoadLoraAdapterRequest(Strict):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: NonEmptyText = Field(description="the name requests will give as `model` "
+                                                "(OpenAI) or `adapter_id` (TGI)")
+    lora_path: NonEmptyText = Field(description="a PEFT LoRA adapter directory under the "
+                                                "server's lora_dir (relative: to it)")
+
+
+class UnloadLoraAdapterRequest(Strict):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    lora_name: NonEmptyText

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from service.engine.request import GenerationRequest, SamplingParams
+from service.http.adapters import adapter_of_id
 from service.http.runtime import Runtime
 from service.http.schemas import GenerateParameters, GenerateRequest, JsonGrammar, StreamRequest
 
@@ -36,14 +37,15 @@ def sampling_params(runtime: Runtime, params: GenerateParameters) -> SamplingPar
 def build_request(runtime: Runtime, text: str, params: GenerateParameters,
                   sampling: SamplingParams, field: str, stream: bool) -> GenerationRequest:
     """A stream reports every token's logprob (TGI's token object); /generate only in its
-    details."""
+    details. ``parameters.adapter_id`` names the LoRA adapter (checked by the caller)."""
     validator = runtime.validator
     ids = validator.tokenize(text, field, params.truncate)
     return validator.build(ids, sampling, params.max_new_tokens,
                            params.stop, "parameters.max_new_tokens",
                            prompt_logprobs=params.decoder_input_details,
                            token_logprobs=(stream or params.details
-                                           or params.decoder_input_details))
+                                           or params.decoder_input_details),
+                           adapter_name=params.adapter_id)
 
 
 def generate_requests(body: GenerateRequest, runtime: Runtime) -> list[GenerationRequest]:
@@ -52,6 +54,7 @@ def generate_requests(body: GenerateRequest, runtime: Runtime) -> list[Generatio
     fields = ["inputs"] if isinstance(body.inputs, str) else [f"inputs.{i}" for i in
                                                               range(len(texts))]
     runtime.validator.check_count(len(texts), "inputs")
+    adapter_of_id(body.parameters.adapter_id, runtime)
     sampling = sampling_params(runtime, body.parameters)
     return [build_request(runtime, t, body.parameters, sampling, f, stream=False)
             for t, f in zip(texts, fields, strict=True)]
@@ -60,5 +63,6 @@ def generate_requests(body: GenerateRequest, runtime: Runtime) -> list[Generatio
 def stream_request(body: StreamRequest, runtime: Runtime) -> GenerationRequest:
     """/generate_stream's request."""
     params = body.parameters
+    adapter_of_id(params.adapter_id, runtime)
     return build_request(runtime, body.inputs, params, sampling_params(runtime, params),
                          "inputs", stream=True)

@@ -106,7 +106,7 @@ class Validator:
         stop: list[str], max_new_field: str, prompt_logprobs: bool = False, *,
         stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, min_tokens: int = 0,
         max_new_given: bool = True, author_max_new_tokens: int | None = None,
-        token_logprobs: bool = True,
+        token_logprobs: bool = True, adapter_name: str | None = None,
     ) -> GenerationRequest:
         """``max_new_given`` and ``author_max_new_tokens``: see ``max_new_tokens``."""
         max_new_tokens = self.max_new_tokens(max_new_tokens, len(prompt_ids), max_new_field,
@@ -124,4 +124,5 @@ class Validator:
             stopping=StoppingCriteria(
                 max_new_tokens, tuple(stop), eos_token_id=eos, extra_eos_ids=self.extra_eos_ids,
                 stop_token_ids=stop_token_ids, min_tokens=min_tokens),
-            prompt_logprobs=prompt_logprobs, token_logprobs=token_logprobs)
+            prompt_logprobs=prompt_logprobs, token_logprobs=token_logprobs,
+            adapter_name=adapter_name)

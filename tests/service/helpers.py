@@ -226,3 +226,25 @@ def wait_metric(server: ServerProcess, name: str, value: float, timeout: float =
     while metric_value(text := httpx.get(f"{server.url}/metrics").text, name) != value:
         assert time.monotonic() < deadline, f"{name} never reached {value}:\n{text}"
         time.sleep(0.02)
+
+
+def write_peft_adapter(directory: Path, widths: dict[str, tuple[int, int]], rank: int = 2,
+                       b_value: float = 0.0, **config: Any) -> Path:
+    """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) over
+    modules of ``widths`` (transformers' name → (in, out)): A filled with 0.01, B with
+    ``b_value`` (0: PEFT's initialisation, the adapter changes nothing); ``config`` adds
+    or replaces LoraConfig fields."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True)
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "bias": "none",
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in widths}), **config}), "utf-8")
+    tensors = {}
+    for module, (width_in, width_out) in widths.items():
+        key = f"base_model.model.{module}"
+        tensors[f"{key}.lora_A.weight"] = np.full((rank, width_in), 0.01, np.float32)
+        tensors[f"{key}.lora_B.weight"] = np.full((width_out, rank), b_value, np.float32)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory

@@ -10,6 +10,10 @@ so those entries are ``null`` in the json format (npz keeps the real -inf).
 ``format=bertviz`` returns what bertviz's ``head_view`` / ``model_view`` take: ``attention``
 as one ``(1, heads, query, key)`` nested list per layer and ``tokens`` as plain strings, so
 a notebook passes ``[torch.tensor(a) for a in data["attention"]]`` straight to bertviz.
+
+``adapter_id`` asks for the attention under a served LoRA adapter (404 for a name not
+served); the runtime passes it to the attention model, and answers 501 while that model
+applies no adapters.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import numpy as np
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
+from service.http.adapters import adapter_of_id
 from service.http.deps import ReadyRuntime, require_api_key
+from service.http.errors import ApiError
 from service.http.responses import TgiError, tgi_errors
 from service.http.runtime import Runtime
 from service.http.schemas import AttentionRequest
@@ -66,7 +72,7 @@ def _json_safe(a: np.ndarray) -> Any:
                                               "type": "string", "format": "binary"}},
                                           "image/png": {"schema": {"type": "string",
                                                                    "format": "binary"}}}},
-                        **tgi_errors(401, 413, 422, 503),
+                        **tgi_errors(401, 404, 413, 422, 501, 503),
                         429: {"model": TgiError, "description":
                               "/attention is at capacity: attention_max_concurrent running "
                               "and attention_max_queued waiting (Retry-After: 1)"}})
@@ -78,12 +84,18 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
     kinds = list(dict.fromkeys(body.include))
     if body.format in ("png", "bertviz") and kinds != ["weights"]:
         raise InputError("include", f"the {body.format} format carries only ['weights']")
+    adapter = adapter_of_id(body.adapter_id, runtime, "adapter_id")
+    if adapter is not None and not runtime.attention_takes_adapters:
+        raise ApiError(501, "adapter_id: the attention model of this server does not apply "
+                            "LoRA adapters; ask without adapter_id for the base model's "
+                            "attention", "not_implemented", param="adapter_id",
+                       code="not_implemented")
     assert runtime.attention is not None
     # Bounded (settings attention_max_concurrent/_queued; 429 beyond): running and encoding
     # a request costs seconds of CPU, and unbounded floods of them starve decoding.
     async with runtime.attention_gate.admit():
         computed = await asyncio.get_running_loop().run_in_executor(
-            runtime.attention_threads, runtime.attention.run, ids, kinds, layers)
+            runtime.attention_threads, runtime.attend, ids, kinds, layers, adapter)
         # Encoding can take seconds (all kinds at full length is ~55 MB of JSON): off the
         # event loop, so the token streams of other requests do not stall meanwhile.
         return await asyncio.to_thread(render, body, runtime, ids, layers, heads, computed)

@@ -24,6 +24,7 @@ from service.http.openai_requests import (
     error_chunk,
     final_text,
     finish_reason,
+    served_name,
     stream_pieces,
     usage,
 )
@@ -72,7 +73,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     prompt_tokens = len(requests[0].prompt_ids)
     completion_tokens = sum(r.finish.generated_tokens for r in results)
     return JSONResponse({"id": chat_id, "object": "chat.completion", "created": created,
-                         "model": runtime.artifact.name, "choices": choices,
+                         "model": served_name(requests, runtime), "choices": choices,
                          "usage": usage(prompt_tokens, completion_tokens)})
 
 
@@ -80,11 +81,12 @@ async def stream(body: ChatCompletionRequest, runtime: Runtime, handles: list[An
                  chat_id: str, created: int) -> AsyncIterator[bytes]:
     """OpenAI's chunk sequence: a role delta per choice, content deltas, a last delta with
     finish_reason, then (stream_options.include_usage) a usage chunk with no choices."""
+    model = served_name([h.request for h in handles], runtime)
     def chunk(index: int, delta: dict[str, Any], event: TokenEvent | None,
               reason: str | None) -> bytes:
         payload: dict[str, Any] = {
             "id": chat_id, "object": "chat.completion.chunk", "created": created,
-            "model": runtime.artifact.name,
+            "model": model,
             "choices": [{"index": index, "delta": delta,
                          "logprobs": logprobs_json([event])
                          if event is not None and body.logprobs else None,
@@ -105,7 +107,7 @@ async def stream(body: ChatCompletionRequest, runtime: Runtime, handles: list[An
                         piece.event, piece.reason)
         if body.include_usage:
             yield sse({"id": chat_id, "object": "chat.completion.chunk", "created": created,
-                       "model": runtime.artifact.name, "choices": [],
+                       "model": model, "choices": [],
                        "usage": usage(len(handles[0].request.prompt_ids), completion_tokens)})
         yield sse("[DONE]")
     except ApiError as exc:

@@ -18,7 +18,7 @@ from service.http.schemas import CompatRequest, GenerateParameters, GenerateRequ
 from service.http.tgi_requests import generate_requests, stream_request
 
 router = APIRouter(tags=["generate"], dependencies=[Depends(require_api_key)])
-TGI_ERRORS = tgi_errors(401, 413, 422, 424, 429, 503)
+TGI_ERRORS = tgi_errors(401, 404, 413, 422, 424, 429, 503)
 
 
 def token_json(token: TokenInfo, with_special: bool = True) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.engine.request import FinishInfo, TokenEvent
+from service.http.adapters import model_not_found
 from service.http.deps import ReadyRuntime, RuntimeDep, require_api_key
 from service.http.errors import ApiError
 from service.http.openai_requests import (
@@ -23,6 +24,7 @@ from service.http.openai_requests import (
     error_chunk,
     final_text,
     finish_reason,
+    served_name,
     stream_pieces,
     usage,
 )
@@ -34,24 +36,32 @@ from service.http.runtime import Runtime
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)])
 
 
-def model_card(runtime: Runtime) -> dict[str, Any]:
-    return {"id": runtime.artifact.name, "object": "model", "created": int(runtime.started_at),
-            "owned_by": "attnserve", "max_model_len": runtime.artifact.limits.max_total_tokens}
+def model_cards(runtime: Runtime) -> list[dict[str, Any]]:
+    """The base's card, then each served LoRA adapter's (vLLM's: ``parent`` the base's id,
+    ``root`` the adapter's directory)."""
+    base = runtime.artifact.name
+    common = {"object": "model", "created": int(runtime.started_at), "owned_by": "attnserve",
+              "max_model_len": runtime.artifact.limits.max_total_tokens}
+    cards = [{"id": base, **common, "root": str(runtime.artifact.path), "parent": None}]
+    for name in runtime.adapter_names():
+        cards.append({"id": name, **common, "root": runtime.adapter_roots.get(name),
+                      "parent": base})
+    return cards
 
 
-@router.get("/models", summary="The one model this server serves",
+@router.get("/models", summary="The served model, then each LoRA adapter served over it",
             responses={200: {"model": ModelList}, **openai_errors(401, 503)})
 async def list_models(runtime: RuntimeDep) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(runtime)]}
+    return {"object": "list", "data": model_cards(runtime)}
 
 
-@router.get("/models/{model_id}", summary="The model card, if the name is the served one",
+@router.get("/models/{model_id}", summary="The card of the served model or of a LoRA adapter",
             responses={200: {"model": ModelCard}, **openai_errors(401, 404, 503)})
 async def get_model(model_id: str, runtime: RuntimeDep) -> dict[str, Any]:
-    if model_id != runtime.artifact.name:
-        raise ApiError(404, f"model {model_id!r} not found", "not_found", param="model",
-                       code="model_not_found")
-    return model_card(runtime)
+    card = next((c for c in model_cards(runtime) if c["id"] == model_id), None)
+    if card is None:
+        raise model_not_found(model_id)
+    return card
 
 
 def logprobs_json(tokens: list[TokenEvent], offset: int, finish: FinishInfo | None,
@@ -95,15 +105,16 @@ async def completions(body: CompletionRequest, request: Request,
     prompt_tokens = sum(len(r.prompt_ids) for r in requests[::body.n])
     completion_tokens = sum(r.finish.generated_tokens for r in results)
     return JSONResponse({"id": completion_id, "object": "text_completion", "created": created,
-                         "model": runtime.artifact.name, "choices": choices,
+                         "model": served_name(requests, runtime), "choices": choices,
                          "usage": usage(prompt_tokens, completion_tokens)})
 
 
 async def stream(body: CompletionRequest, runtime: Runtime, handles: list[Any],
                  prompts: list[str], completion_id: str, created: int) -> AsyncIterator[bytes]:
+    model = served_name([h.request for h in handles], runtime)
     def chunk(index: int, text: str, lp: dict[str, Any] | None, reason: str | None) -> bytes:
         return sse({"id": completion_id, "object": "text_completion", "created": created,
-                    "model": runtime.artifact.name,
+                    "model": model,
                     "choices": [{"index": index, "text": text, "logprobs": lp,
                                  "finish_reason": reason}]})
 
@@ -121,7 +132,7 @@ async def stream(body: CompletionRequest, runtime: Runtime, handles: list[Any],
         if body.include_usage:
             prompt_tokens = sum(len(h.request.prompt_ids) for h in handles[::body.n])
             yield sse({"id": completion_id, "object": "text_completion", "created": created,
-                       "model": runtime.artifact.name, "choices": [],
+                       "model": model, "choices": [],
                        "usage": usage(prompt_tokens, completion_tokens)})
         yield sse("[DONE]")
     except ApiError as exc:

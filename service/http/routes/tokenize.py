@@ -2,7 +2,9 @@
 
 One path serves both servers' clients, told apart by the body: ``{"inputs"}`` is TGI's
 (a list of tokens with their character spans), ``{"prompt"}`` or ``{"messages"}`` is
-vLLM's (the ids, their count and the context length).
+vLLM's (the ids, their count and the context length). A LoRA adapter may be named
+(vLLM's ``model``, TGI's ``parameters.adapter_id``): it must be served (404 otherwise),
+and tokenizes as the base does (an adapter shares its tokenizer).
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends
 
+from service.http.adapters import adapter_of_id, adapter_of_model
 from service.http.deps import RuntimeDep, require_api_key
-from service.http.openai_requests import check_model, render_messages
+from service.http.openai_requests import render_messages
 from service.http.openai_schemas import ChatTokenizeRequest
 from service.http.responses import DetokenizeResponse, TgiToken, TokenizeResponse, tgi_errors
 from service.http.schemas import DetokenizeRequest, PromptTokenizeRequest, TgiTokenizeRequest
+from service.http.validation import InputError
 
 router = APIRouter(tags=["tokenize"], dependencies=[Depends(require_api_key)])
 
@@ -30,10 +34,14 @@ TokenizeBody = Annotated[TgiTokenizeRequest | PromptTokenizeRequest | ChatTokeni
 async def tokenize(body: TokenizeBody, runtime: RuntimeDep) -> Any:
     tokenizer = runtime.artifact.codec.tokenizer
     if isinstance(body, TgiTokenizeRequest):
+        adapter_id = (body.parameters or {}).get("adapter_id")
+        if adapter_id is not None and not isinstance(adapter_id, str):
+            raise InputError("parameters.adapter_id", "Input should be a valid string")
+        adapter_of_id(adapter_id, runtime)
         encoding = tokenizer.encode(body.inputs, add_special_tokens=True)
         return [{"id": i, "text": body.inputs[start:stop], "start": start, "stop": stop}
                 for i, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)]
-    check_model(body.model, runtime)
+    adapter_of_model(body.model, runtime)
     if isinstance(body, PromptTokenizeRequest):
         text, special = body.prompt, body.add_special_tokens
     else:
@@ -49,7 +57,7 @@ async def tokenize(body: TokenizeBody, runtime: RuntimeDep) -> Any:
              responses={200: {"model": DetokenizeResponse},
                         **tgi_errors(401, 404, 413, 422, 503)})
 async def detokenize(body: DetokenizeRequest, runtime: RuntimeDep) -> dict[str, str]:
-    check_model(body.model, runtime)
+    adapter_of_model(body.model, runtime)
     runtime.validator.check_token_ids(body.tokens, "tokens")
     text = runtime.artifact.codec.tokenizer.decode(body.tokens, skip_special_tokens=False)
     return {"prompt": str(text)}
