@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer
@@ -97,3 +98,13 @@ def start_server(artifact: Path, tmp_path_factory: pytest.TempPathFactory
 def metric() -> Callable[..., float]:
     return metric_value
 
+
+
+@pytest.fixture(scope="session")
+def lora_build(llama_artifacts: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """tests/service/lora_build.py: the tiny Llama's artifact with adapter graphs, two PEFT
+    adapters and their merged models."""
+    pytest.importorskip("peft")
+    from tests.service.lora_build import build_lora
+
+    return build_lora(llama_artifacts("llama"), tmp_path_factory.mktemp("lora"))

@@ -10,72 +10,18 @@ chunk after their cache, and decode together; the prefix cache keys blocks by ad
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from service.contract import io_spec as io
-from service.contract.adapter_spec import lora_file
-from service.contract.engine_spec import ENGINE_MIXED_FILE
-from service.contract.reference import OrtDecoder
 from service.engine.adapters import AdapterSet, UnknownAdapter
 from service.engine.engine import EngineConfig, add_startup_adapters, create_runner
 from service.engine.engine_graph_runner import EngineGraphRunner
 from service.engine.request import AdapterRef
 from service.engine.step_plan import RowWork, StepPlan
-from tests.conftest import torch_threads
-
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TOL = 2e-4  # float32 logits of one graph against another's, summed in another order
-
-
-@dataclass
-class LoraBuild:
-    artifact: Path  # the base, with its adapter graphs
-    adapters: dict[str, Path]  # name → PEFT adapter directory
-    references: dict[str, OrtDecoder]  # "" (the base) and each name → its merged model
-
-
-def peft_adapter(hf_dir: Path, out: Path, seed: int, rank: int, targets: list[str],
-                 rslora: bool) -> Path:
-    """A PEFT LoRA adapter with random A and B (PEFT's own init_lora_weights=False)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir))
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                        init_lora_weights=False, use_rslora=rslora)
-    get_peft_model(model, config).save_pretrained(str(out))
-    return out
-
-
-@pytest.fixture(scope="module")
-def lora_build(llama_artifacts: Any, tmp_path_factory: pytest.TempPathFactory) -> LoraBuild:
-    pytest.importorskip("peft")
-    from export.to_onnx import export_artifact
-    from model.finetune.merge import merge
-
-    build = llama_artifacts("llama")
-    if not (build.artifact / lora_file(ENGINE_MIXED_FILE)).is_file():
-        pytest.fail("the llama artifact has no adapter graph")
-    root = tmp_path_factory.mktemp("lora")
-    adapters = {
-        "alpha": peft_adapter(build.hf_dir, root / "alpha", 1, 8, ALL, rslora=False),
-        "beta": peft_adapter(build.hf_dir, root / "beta", 2, 4, ["q_proj", "v_proj"],
-                             rslora=True)}
-    references = {"": OrtDecoder.from_artifact(build.artifact)}
-    with torch_threads(1):
-        for name, directory in adapters.items():
-            merged = merge(build.checkpoint, directory, root / f"{name}-merged")
-            out = export_artifact(merged, root / f"{name}-artifact", verify=False)
-            references[name] = OrtDecoder.from_artifact(out)
-    return LoraBuild(build.artifact, adapters, references)
+from tests.service.lora_build import TOL, LoraBuild, expected
 
 
 def lora_runner(build: LoraBuild, **options: Any) -> EngineGraphRunner:
@@ -92,15 +38,6 @@ def held(adapters: AdapterSet, name: str) -> AdapterRef:
     ref = adapters.begin(name)
     assert adapters.acquire(ref)
     return ref
-
-
-def expected(build: LoraBuild, adapter: str, sequence: Sequence[int]) -> np.ndarray:
-    """(T, V) logits of every position of ``sequence`` under the merged model, alone."""
-    dec = build.references[adapter]
-    ids = np.asarray([sequence], np.int64)
-    logits, _ = dec(ids, np.ones_like(ids), np.arange(len(sequence))[None, :],
-                    dec.empty_past(1))
-    return logits[0]
 
 
 def run(runner: EngineGraphRunner, rows: list[RowWork]) -> list[np.ndarray]:
@@ -213,7 +150,6 @@ def test_an_engine_serves_requests_of_each_adapter_as_their_merged_models(
         StoppingCriteria,
         TokenEvent,
     )
-
     from service.settings import Settings
 
     artifact = open_artifact(Settings.model_validate({"model": lora_build.artifact}))

@@ -1,22 +1,28 @@
 """LoRA adapters on a live server (torch hidden).
 
-Without adapters (runs now): /v1/models lists the base alone, an unknown ``model`` or
-``adapter_id`` is a 404, and the run-time routes do not exist. With adapters (the
-``lora_graph`` tests): they need an artifact with the adapter graph
-(``engine_mixed_lora.onnx``) and skip while the tiny artifact has none.
+Without adapters: /v1/models lists the base alone, an unknown ``model`` or ``adapter_id``
+is a 404, and the run-time routes do not exist. With adapters (a tiny Llama and two PEFT
+adapters, tests/service/lora_build.py): requests of the base and of each adapter, sent at
+once, each answer as its merged model (`attnserve merge`) alone; an adapter loaded at run
+time serves, adapters are evicted and placed again, and an unload waits for the request in
+flight.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from service.contract import adapter_spec
 from tests.service.helpers import ServerProcess, metric_value, serving, write_peft_adapter
+from tests.service.lora_build import LoraBuild, expected
 
 ADAPTER_GRAPH = adapter_spec.lora_file("engine_mixed.onnx")
 
@@ -68,92 +74,131 @@ def test_without_runtime_lora_the_load_routes_are_404(plain: httpx.Client) -> No
     assert plain.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
 
 
-# -- with the adapter graph ------------------------------------------------------------------
+# -- with adapters: every answer against its merged model -------------------------------------
 
 
 @pytest.fixture(scope="module")
-def lora_artifact(artifact: Path) -> Path:
-    if not (artifact / ADAPTER_GRAPH).exists():
-        pytest.skip(f"the tiny artifact has no adapter graph ({ADAPTER_GRAPH}): adapters "
-                    "are served once export writes it")
-    return artifact
-
-
-@pytest.fixture(scope="module")
-def widths(lora_artifact: Path) -> dict[str, tuple[int, int]]:
-    """Module → (in, out) of every module the adapter graph takes."""
+def lora_root(lora_build: LoraBuild, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """--lora-dir: the two PEFT adapters, and "zero" (B = 0: the base's outputs) to load
+    at run time."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(lora_artifact / ADAPTER_GRAPH),
+    root = tmp_path_factory.mktemp("lora-dir")
+    for name, directory in lora_build.adapters.items():
+        shutil.copytree(directory, root / name)
+    session = ort.InferenceSession(str(lora_build.artifact / ADAPTER_GRAPH),
                                    providers=["CPUExecutionProvider"])
     shapes = {i.name: i.shape for i in session.get_inputs()}
-    modules = adapter_spec.adapter_modules(list(shapes))
-    return {m: (int(shapes[adapter_spec.lora_a(m)][1]), int(shapes[adapter_spec.lora_b(m)][1]))
-            for m in modules}
-
-
-@pytest.fixture(scope="module")
-def adapters_dir(widths: dict[str, tuple[int, int]],
-                 tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("lora")
-    write_peft_adapter(root / "zero", widths)  # B = 0: the base's outputs exactly
-    write_peft_adapter(root / "loud", widths, b_value=0.5)
-    write_peft_adapter(root / "later", widths, b_value=0.25)
+    widths = {m: (int(shapes[adapter_spec.lora_a(m)][1]), int(shapes[adapter_spec.lora_b(m)][1]))
+              for m in adapter_spec.adapter_modules(list(shapes))}
+    write_peft_adapter(root / "zero", widths)
     return root
 
 
 @pytest.fixture(scope="module")
-def lora_server(lora_artifact: Path, adapters_dir: Path,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serving(lora_artifact, tmp_path_factory.mktemp("lora-server") / "server.log",
-                       ("--served-model-name", "tiny", "--device", "cpu", "--max-loras", "2",
-                        "--lora-modules", f"zero={adapters_dir / 'zero'}",
-                        f"loud={adapters_dir / 'loud'}", "--runtime-lora",
-                        "--lora-dir", str(adapters_dir)))
+def lora(lora_build: LoraBuild, lora_root: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    """Two adapters over two slots, a third loadable at run time (so one is evicted)."""
+    for server in serving(lora_build.artifact,
+                          tmp_path_factory.mktemp("lora-server") / "server.log",
+                          ("--served-model-name", "tiny", "--device", "cpu", "--max-loras", "2",
+                           "--max-lora-rank", "8", "--lora-modules",
+                           f"alpha={lora_root / 'alpha'}", f"beta={lora_root / 'beta'}",
+                           "--runtime-lora", "--lora-dir", str(lora_root))):
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            yield client
 
 
-@pytest.fixture(scope="module")
-def lora(lora_server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=lora_server.url, timeout=60) as client:
-        yield client
-
-
-def greedy(client: httpx.Client, model: str, prompt: str = "ROMEO:") -> str:
-    r = client.post("/v1/completions", json={"model": model, "prompt": prompt,
-                                              "max_tokens": 12, "temperature": 0})
+def generate(client: httpx.Client, adapter: str, prompt: str, new: int) -> tuple[list[int],
+                                                                                  list[int]]:
+    """(prompt ids, generated ids) of a greedy TGI request under ``adapter`` ("": base)."""
+    parameters: dict[str, Any] = {"max_new_tokens": new, "details": True,
+                                  "decoder_input_details": True}
+    if adapter:
+        parameters["adapter_id"] = adapter
+    r = client.post("/generate", json={"inputs": prompt, "parameters": parameters})
     assert r.status_code == 200, r.text
-    assert r.json()["model"] == model
-    return str(r.json()["choices"][0]["text"])
+    details = r.json()["details"]
+    return ([t["id"] for t in details["prefill"]], [t["id"] for t in details["tokens"]])
 
 
-@pytest.mark.lora_graph
-def test_served_adapters_are_listed_and_chosen_by_model_and_adapter_id(
-        lora: httpx.Client, adapters_dir: Path) -> None:
+def merged_greedy(build: LoraBuild, adapter: str, prompt: list[int], new: int) -> list[int]:
+    """The merged model's greedy tokens alone, up to a near tie (which the model does not
+    decide: float order may flip it)."""
+    seq, out = list(prompt), []
+    for _ in range(new):
+        logits = expected(build, adapter, seq)[-1]
+        low, high = np.sort(logits)[-2:]
+        if high - low < 1e-3:
+            break
+        out.append(int(logits.argmax()))
+        seq.append(out[-1])
+    return out
+
+
+PROMPTS = ["ROMEO:", "First Citizen:", "To be, or not", "What say you", "O", "Hark"]
+
+
+def check_concurrent(client: httpx.Client, build: LoraBuild, asks: list[tuple[str, str]]
+                     ) -> None:
+    """The requests sent at once (mixed batches), each equal to its merged model alone."""
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(lambda a: generate(client, a[0], a[1], 8), asks))
+    compared = 0
+    for (adapter, _), (prompt, got) in zip(asks, answers, strict=True):
+        want = merged_greedy(build, adapter, prompt, 8)
+        assert got[:len(want)] == want, adapter or "the base"
+        compared += len(want)
+    assert compared >= 4 * len(asks)  # the margins were clear for most tokens
+
+
+def test_served_adapters_are_listed_and_answer_as_their_merged_models(
+        lora: httpx.Client, lora_build: LoraBuild, lora_root: Path) -> None:
     cards = lora.get("/v1/models").json()["data"]
     assert [(c["id"], c["parent"]) for c in cards] == [
-        ("tiny", None), ("zero", "tiny"), ("loud", "tiny")]
-    base = greedy(lora, "tiny")
-    assert greedy(lora, "zero") == base  # B = 0 changes nothing
-    tgi = lora.post("/generate", json={"inputs": "ROMEO:", "parameters": {
-        "adapter_id": "zero", "max_new_tokens": 12}}).json()["generated_text"]
-    assert tgi == base
-    greedy(lora, "loud")  # runs (its text may or may not differ on the tiny model)
+        ("tiny", None), ("alpha", "tiny"), ("beta", "tiny")]
+    assert cards[1]["root"] == str(lora_root / "alpha")
+    asks = [(adapter, prompt) for adapter in ("", "alpha", "beta") for prompt in PROMPTS[:3]]
+    check_concurrent(lora, lora_build, asks)
+    # the OpenAI model field picks the same adapter as TGI's adapter_id
+    r = lora.post("/v1/completions", json={"model": "beta", "prompt": PROMPTS[0],
+                                          "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["model"] == "beta"
+    tgi = lora.post("/generate", json={"inputs": PROMPTS[0], "parameters": {
+        "adapter_id": "beta", "max_new_tokens": 8}}).json()["generated_text"]
+    assert r.json()["choices"][0]["text"] == tgi
     metrics = lora.get("/metrics").text
-    assert metric_value(metrics, "attnserve_lora_requests_total", {"adapter": "zero"}) == 2
-    assert metric_value(metrics, "attnserve_lora_loads_total", {"adapter": "zero"}) >= 1
+    assert metric_value(metrics, "attnserve_lora_requests_total", {"adapter": "beta"}) == 5
+    assert metric_value(metrics, "attnserve_lora_loads_total", {"adapter": "alpha"}) >= 1
 
 
-@pytest.mark.lora_graph
-def test_an_adapter_loaded_at_run_time_serves_until_unloaded(lora: httpx.Client) -> None:
-    r = lora.post("/v1/load_lora_adapter", json={"lora_name": "later", "lora_path": "later"})
-    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'later' added successfully."
-    greedy(lora, "later")
-    # three adapters over two slots: one is evicted for another
-    for model in ("zero", "loud", "later"):
-        greedy(lora, model)
-    assert metric_value(lora.get("/metrics").text, "attnserve_lora_evictions_total",
-                        {"adapter": "zero"}) >= 1
-    r = lora.post("/v1/unload_lora_adapter", json={"lora_name": "later"})
-    assert r.status_code == 200, r.text
-    assert lora.post("/v1/completions", json={"model": "later", "prompt": "a"}
+def test_adapters_loaded_evicted_and_unloaded_at_run_time_answer_rightly(
+        lora: httpx.Client, lora_build: LoraBuild) -> None:
+    r = lora.post("/v1/load_lora_adapter", json={"lora_name": "zero", "lora_path": "zero"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'zero' added successfully."
+    # three adapters over two slots, at once: one waits for a slot, one is evicted
+    asks = [(adapter, prompt) for adapter in ("zero", "alpha", "beta", "")
+            for prompt in PROMPTS[3:]]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(lambda a: generate(lora, a[0], a[1], 8), asks))
+    for (adapter, _), (prompt, got) in zip(asks, answers, strict=True):
+        want = merged_greedy(lora_build, adapter if adapter != "zero" else "", prompt, 8)
+        assert got[:len(want)] == want, adapter or "the base"
+    metrics = lora.get("/metrics").text
+    assert sum(metric_value(metrics, "attnserve_lora_evictions_total", {"adapter": a})
+               for a in ("zero", "alpha", "beta")) >= 1
+    # an unload waits for the adapter's request in flight, which ends whole
+    with lora.stream("POST", "/generate_stream", json={"inputs": PROMPTS[0], "parameters": {
+            "adapter_id": "zero", "max_new_tokens": 24}}) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        assert '"token"' in first  # the request is in flight
+        with ThreadPoolExecutor(1) as pool:
+            unload = pool.submit(lora.post, "/v1/unload_lora_adapter",
+                                 json={"lora_name": "zero"})
+            rest = [line for line in lines if line.startswith("data:")]
+            assert '"generated_text"' in rest[-1] and '"length"' in rest[-1]
+            assert unload.result().status_code == 200
+    assert lora.post("/v1/completions", json={"model": "zero", "prompt": "a"}
                      ).status_code == 404
+    assert [c["id"] for c in lora.get("/v1/models").json()["data"]] == ["tiny", "alpha", "beta"]
