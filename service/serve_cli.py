@@ -105,7 +105,27 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from(args)
     artifact = open_artifact(settings)
+    if settings.serves_adapters:
+        check_adapters(settings, artifact.path)
 
     from service.server import serve
 
     return serve(settings, artifact)
+
+
+def check_adapters(settings: Any, artifact_dir: Path) -> None:
+    """Every ``--lora-modules`` adapter read and checked against the artifact's adapter graph
+    (its modules, their widths, the rank per slot) before the server starts: the first that
+    does not fit stops it with one line (the engine reads them again when it loads)."""
+    from service.contract.graphs import GraphTable
+    from service.contract.manifest import load_manifest
+    from service.engine.adapters import adapter_widths, lora_entries, read_adapter_weights
+    from service.viz.graph_cut import graph_input_shapes
+
+    if not settings.engine_graph:
+        raise ValueError("LoRA adapters are served by the engine graph: drop --no-engine-graph")
+    graph = GraphTable.of(load_manifest(artifact_dir)).served(
+        engine_graph=True, mixed_steps=settings.mixed_steps, on_cuda=False, adapters=True)[0]
+    widths = adapter_widths(graph_input_shapes((artifact_dir / graph.file).read_bytes()))
+    for name, directory in lora_entries(settings.lora_modules):
+        read_adapter_weights(directory, name, widths, settings.max_lora_rank)

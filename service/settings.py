@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.contract.graphs import FLOAT32_PASS_TOKENS
@@ -162,6 +162,13 @@ class ServeOptions(BaseModel):
         if isinstance(value, str):
             return tuple(part for part in value.replace(",", " ").split() if part)
         return value
+
+    @model_validator(mode="after")
+    def _runtime_lora_reads_under_a_directory(self) -> ServeOptions:
+        if self.runtime_lora and self.lora_dir is None:
+            raise ValueError("runtime_lora needs lora_dir: the directory adapters may be "
+                             "loaded from")
+        return self
 
     @property
     def serves_adapters(self) -> bool:

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -310,6 +311,27 @@ class AdapterSet:
         self._by_id[idle].counts["evictions"] += 1
         self.evictions += 1
         return slot
+
+
+def adapter_widths(input_shapes: Mapping[str, Sequence[Any]]) -> dict[str, tuple[int, int]]:
+    """Module → (in, out) of every module an adapter graph takes, from its inputs' shapes
+    (input name → dims; empty for a graph without adapters)."""
+    return {m: (int(input_shapes[spec.lora_a(m)][1]), int(input_shapes[spec.lora_b(m)][1]))
+            for m in spec.adapter_modules(list(input_shapes))}
+
+
+def lora_entries(entries: Sequence[str]) -> list[tuple[str, Path]]:
+    """``--lora-modules``' NAME=DIR entries as (name, directory); ValueError with one line
+    for a malformed entry or a name given twice."""
+    out: list[tuple[str, Path]] = []
+    for entry in entries:
+        name, sep, directory = entry.partition("=")
+        if not sep or not name or not directory:
+            raise ValueError(f"--lora-modules entry {entry!r} is not NAME=DIR")
+        if any(name == seen for seen, _ in out):
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        out.append((name, Path(directory)))
+    return out
 
 
 def confined(directory: Path, root: Path) -> Path:

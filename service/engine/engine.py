@@ -27,7 +27,7 @@ from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.contract.graphs import GraphEntry, GraphTable
 from service.contract.manifest import load_manifest, verify_manifest
-from service.engine.adapters import AdapterSet
+from service.engine.adapters import AdapterSet, lora_entries
 from service.engine.draft import DraftModel
 from service.engine.engine_graph_runner import EngineGraphRunner, takes_inputs_of
 from service.engine.model_graph_runner import ModelGraphRunner
@@ -178,17 +178,9 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
 def add_startup_adapters(adapters: AdapterSet | None, config: EngineConfig) -> None:
     """Serve the adapters ``--lora-modules`` names (NAME=DIR each), every one read and
     checked now: one that does not fit the model stops the server with one line."""
-    if config.runtime_lora and config.lora_dir is None:
-        raise ValueError("--runtime-lora needs --lora-dir: the directory adapters may be "
-                         "loaded from")
-    for entry in config.lora_modules:
-        name, sep, directory = entry.partition("=")
-        if not sep or not name or not directory:
-            raise ValueError(f"--lora-modules entry {entry!r} is not NAME=DIR")
-        assert adapters is not None  # served_adapters made the runner with them
-        if name in adapters.names():
-            raise ValueError(f"--lora-modules names {name!r} twice")
-        adapters.add(adapters.read(Path(directory), name))
+    for name, directory in lora_entries(config.lora_modules):
+        assert adapters is not None  # serves_adapters made the runner with them
+        adapters.add(adapters.read(directory, name))
         log.info("serving LoRA adapter %s from %s", name, directory)
 
 

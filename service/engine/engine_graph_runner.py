@@ -48,7 +48,7 @@ from service.contract import adapter_spec
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
 from service.contract.graphs import GraphEntry, graph_for_pass
-from service.engine.adapters import AdapterSet, AdapterSlots, token_slots
+from service.engine.adapters import AdapterSet, AdapterSlots, adapter_widths, token_slots
 from service.engine.cuda import UNCAPTURED, CapturedDecode, DeviceSampler, SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.pooled_runner import PooledRunner
@@ -127,9 +127,7 @@ class EngineGraphRunner(PooledRunner):
         if modules:
             if device != "cpu" or long_passes or cuda_graphs:
                 raise ValueError("an adapter graph runs on the CPU, alone")
-            shapes = {i.name: i.shape for i in session.get_inputs()}
-            widths = {m: (int(shapes[adapter_spec.lora_a(m)][1]),
-                          int(shapes[adapter_spec.lora_b(m)][1])) for m in modules}
+            widths = adapter_widths({i.name: i.shape for i in session.get_inputs()})
             self.adapters = AdapterSet(AdapterSlots(widths, *adapter_slots))
         elif any(adapter_slots):
             raise ValueError("adapter slots for a graph that applies no LoRA adapter")

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 # Field numbers from onnx.proto.
 MODEL_GRAPH = 7
-GRAPH_NODE, GRAPH_INITIALIZER, GRAPH_OUTPUT = 1, 5, 12
+GRAPH_NODE, GRAPH_INITIALIZER, GRAPH_INPUT, GRAPH_OUTPUT = 1, 5, 11, 12
+VALUE_INFO_TYPE, TYPE_TENSOR, TENSOR_TYPE_SHAPE, SHAPE_DIM, DIM_VALUE = 2, 1, 2, 1, 1
 NODE_INPUT, NODE_OUTPUT, NODE_OP_TYPE = 1, 2, 4
 VALUE_INFO_NAME = 1
 TENSOR_DIMS, TENSOR_DATA_TYPE, TENSOR_NAME, TENSOR_EXTERNAL_DATA = 1, 2, 8, 13
@@ -124,6 +125,27 @@ def external_tensors(model: bytes) -> list[ExternalTensor]:
             out.append(ExternalTensor(name, data_type, tuple(dims), entries["location"],
                                       int(entries.get("offset", 0)), int(entries["length"])))
     return out
+
+
+def graph_input_shapes(model: bytes) -> dict[str, tuple[int | None, ...]]:
+    """Each graph input's shape (None for a symbolic or unknown dimension), read from the
+    model's bytes without the weights: what the server checks an adapter against before
+    it starts (no ONNX Runtime session, no onnx package)."""
+    graph = next((f for f in fields(model) if f.number == MODEL_GRAPH), None)
+    shapes: dict[str, tuple[int | None, ...]] = {}
+    for f in fields(graph.payload if graph is not None else b""):
+        if f.number != GRAPH_INPUT:
+            continue
+        name, dims = _strings(f.payload, VALUE_INFO_NAME)[0], []
+        for kind in (g for g in fields(f.payload) if g.number == VALUE_INFO_TYPE):
+            for tensor in (g for g in fields(kind.payload) if g.number == TYPE_TENSOR):
+                for shape in (g for g in fields(tensor.payload) if g.number == TENSOR_TYPE_SHAPE):
+                    for dim in (g for g in fields(shape.payload) if g.number == SHAPE_DIM):
+                        value = next((_varint(d.raw, 1)[0] for d in fields(dim.payload)
+                                      if d.number == DIM_VALUE and d.wire == 0), None)
+                        dims.append(value)
+        shapes[name] = tuple(dims)
+    return shapes
 
 
 def _len_field(number: int, payload: bytes) -> bytes:

@@ -229,3 +229,33 @@ def test_every_setting_reaches_the_engine_config() -> None:
             if f.name in changed:
                 assert getattr(small, f.name) == changed[f.name], f.name
     assert config.speculative is not None and config.speculative.method == "ngram"
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ("rank", "above --max-lora-rank 4"),
+    ("shape", "maps 64 → 3 features"),
+    ("entry", "is not NAME=DIR"),
+    ("artifact", "this artifact has no adapter graph"),
+])
+def test_an_adapter_that_does_not_fit_stops_the_server_with_one_line(
+        lora_build: Any, artifact: Path, tmp_path: Path, change: str, reason: str) -> None:
+    """Each --lora-modules adapter is read and checked before the server starts: a rank
+    above --max-lora-rank, shapes of another model, a malformed entry, an artifact without
+    adapter graphs: exit 2, one line naming it."""
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(lora_build.adapters["alpha"], bad)  # rank 8
+    if change == "shape":
+        tensors = load_file(str(bad / "adapter_model.safetensors"))
+        key = next(k for k in tensors if k.endswith("q_proj.lora_B.weight"))
+        tensors[key] = tensors[key][:3]
+        save_file(tensors, str(bad / "adapter_model.safetensors"))
+    model = artifact if change == "artifact" else lora_build.artifact
+    entry = str(bad) if change == "entry" else f"bad={bad}"
+    result = serve("--model", str(model), "--port", "0", "--device", "cpu",
+                   "--max-lora-rank", "4" if change == "rank" else "8",
+                   "--lora-modules", entry)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert reason in result.stderr, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1, result.stderr[-2000:]  # no traceback
