@@ -250,6 +250,38 @@ class AdapterSet:
         del self._by_id[entry.ref.id]
         self._resident.pop(entry.ref.id, None)
 
+    def ref_of(self, name: str) -> AdapterRef:
+        """The served adapter ``name`` (not counted in flight: for a reader that copies its
+        weights, :meth:`weights_of`); UnknownAdapter if it is not served."""
+        with self._lock:
+            entry = self._named.get(name)
+            if entry is None or entry.unloading:
+                raise UnknownAdapter(name)
+            return entry.ref
+
+    def weights_of(self, ref: AdapterRef) -> AdapterWeights:
+        """``ref``'s tensors for a reader on another thread (the attention dump), never a
+        view of a slot: the engine thread rewrites a slot in place when it evicts its
+        adapter, so a resident adapter's R rows per module are copied out here, under the
+        lock every slot write holds. Not yet placed: the tensors read at load (never
+        written); evicted: read again from its directory, outside the lock."""
+        with self._lock:
+            entry = self._by_id.get(ref.id)
+            if entry is None or entry.unloading:
+                raise UnknownAdapter(ref.name)
+            if entry.weights is not None:
+                return entry.weights
+            slot = self._resident.get(ref.id)
+            if slot is not None:
+                rows = slice((slot - 1) * self.slots.rank, slot * self.slots.rank)
+                buffers = self.slots.buffers
+                modules = {m: (buffers[spec.lora_a(m)][rows].copy(),  # (R, in)
+                               buffers[spec.lora_b(m)][rows].copy())  # (R, out)
+                           for m in self.slots.widths}
+                return AdapterWeights(ref.name, entry.path, self.slots.rank, modules)
+            path = entry.path
+        return self.read(path, ref.name)
+
     def counts(self) -> dict[str, dict[str, int]]:
         """Per served adapter: times placed in a slot and evicted from one."""
         with self._lock:

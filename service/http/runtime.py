@@ -6,10 +6,9 @@ Kept apart from app.py so routes and dependencies import it without importing th
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -94,20 +93,16 @@ class Runtime:
 
     @property
     def attention_takes_adapters(self) -> bool:
-        """Whether the attention model computes under a LoRA adapter: its ``run`` takes an
-        ``adapter`` keyword (the name of a served adapter)."""
-        return (self.attention is not None
-                and "adapter" in inspect.signature(self.attention.run).parameters)
+        """Whether the attention model computes under a LoRA adapter (the engine serves
+        adapters and the artifact has attention_lora.onnx)."""
+        return self.attention is not None and self.attention.applies_adapters
 
     def attend(self, ids: Sequence[int], kinds: Sequence[str], layers: Sequence[int],
                adapter: str | None = None) -> dict[str, np.ndarray]:
         """The attention model over ``ids`` (blocking), under ``adapter`` when one is named
         (the route checked the name and ``attention_takes_adapters``)."""
         assert self.attention is not None
-        if adapter is None:
-            return self.attention.run(ids, kinds, layers)
-        run: Callable[..., dict[str, np.ndarray]] = self.attention.run
-        return run(ids, kinds, layers, adapter=adapter)
+        return self.attention.run(ids, kinds, layers, adapter=adapter)
 
 
 def configured_adapters(entries: Iterable[str]) -> dict[str, str]:
@@ -133,7 +128,7 @@ def load_engine(runtime: Runtime) -> None:
                                               if engine.runner.device == "cpu"
                                               else settings.device,
                                               settings.attention_threads, prepack=False),
-                               config, artifact.path / io.ATTENTION_FILE)
+                               config, artifact.path / io.ATTENTION_FILE, engine.adapters)
     attention.run([config.start_token_id], ["weights"], [0])  # pages in layer 0 only
     log.info("model %s on %s (%s), loaded and warmed up in %.0f ms", artifact.name,
              engine.provider, engine.graph_file, (time.perf_counter() - started) * 1000)

@@ -14,6 +14,15 @@ weights.bin made here (given to ONNX Runtime as the graph's initializers): each 
 mapping the file itself would count its pages in RSS once per session. After each run the
 session's arena gives its memory back, so a long input does not leave hundreds of MB held
 by an idle viewer session.
+
+Under a LoRA adapter (``run(..., adapter=name)``) the same requests run attention_lora.onnx
+(service/contract/adapter_spec.py), cut the same way over the same mapping, its session
+opened on the first such request: one slot (S = 1) holding that adapter's A and B, every
+token's mask 1. The tensors come from the engine's AdapterSet as a copy
+(``AdapterSet.weights_of``), never as views of its slot buffers, which the engine thread
+rewrites in place when it evicts an adapter, between its steps, while this runs on the
+attention threads; the copy is taken under the lock every slot write holds, once per
+adapter (kept here by the adapter's id, which is never reused), not once per request.
 """
 
 from __future__ import annotations
@@ -21,26 +30,30 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
+from service.contract import adapter_spec as spec
 from service.contract import io_spec as io
 from service.contract import sessions
+from service.engine.adapters import AdapterSet, AdapterWeights
 from service.viz.graph_cut import ExternalTensor, cut, external_tensors
 
 CUT_SESSIONS = 4  # cut sessions kept (a viewer's layer, its step view's, all weights, one more)
+ADAPTERS_KEPT = 2  # adapters whose stacked inputs are kept (a viewer compares one at a time)
 # onnx.TensorProto data types that numpy can view in place.
 NUMPY_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16,
                6: np.int32, 7: np.int64, 9: np.bool_, 10: np.float16, 11: np.float64,
                12: np.uint32, 13: np.uint64}
 
 
-def shared_weights(source: Path) -> tuple[list[np.memmap], dict[str, ort.OrtValue]]:
+def shared_weights(source: Path, files: dict[str, np.memmap]) -> dict[str, ort.OrtValue]:
     """The external initializers of ``source`` as OrtValues over one read-only mapping per
-    data file (the mappings are returned too: they must outlive the values)."""
-    files: dict[str, np.memmap] = {}
+    data file, made in ``files`` (location → mapping) unless there already: the mappings
+    must outlive the values."""
     values: dict[str, ort.OrtValue] = {}
     for t in external_tensors(source.read_bytes()):
         if t.data_type not in NUMPY_TYPES or _escapes(t):
@@ -50,20 +63,32 @@ def shared_weights(source: Path) -> tuple[list[np.memmap], dict[str, ort.OrtValu
             data = files[t.location] = np.memmap(source.parent / t.location, mode="r")
         array: np.ndarray = data[t.offset:t.offset + t.length].view(NUMPY_TYPES[t.data_type])
         values[t.name] = ort.OrtValue.ortvalue_from_numpy(array.reshape(t.dims))
-    return list(files.values()), values
+    return values
 
 
 def _escapes(t: ExternalTensor) -> bool:
     return Path(t.location).is_absolute() or ".." in Path(t.location).parts
 
 
+@dataclass
+class _Graph:
+    """attention.onnx or attention_lora.onnx: what its requests' cut sessions are made of."""
+
+    name: str
+    source: Path | None  # the file; None: no graph to cut, ``whole`` runs every request
+    data: bytes | None  # its bytes, to cut; None once it proved uncuttable (control flow)
+    weights: dict[str, ort.OrtValue]
+    whole: ort.InferenceSession | None = None  # the uncut graph (made when first needed)
+
+
 class AttentionModel:
     """attention.onnx: the requested layers' Q, K, V, scores, scaled scores and weights."""
 
     def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig,
-                 source: Path | None = None) -> None:
+                 source: Path | None = None, adapters: AdapterSet | None = None) -> None:
         """``source``: the session's attention.onnx, to cut per request; without it every
-        request runs the whole graph."""
+        request runs the whole graph. ``adapters``: the engine's, for requests under an
+        adapter (they need attention_lora.onnx beside ``source``)."""
         self.session = session
         self.config = config
         self._outputs = io.attention_output_names(config.n_layers)
@@ -71,10 +96,17 @@ class AttentionModel:
         missing = sorted(set(self._outputs) - available)
         if missing:
             raise ValueError(f"attention.onnx lacks outputs {missing[:4]}...")
-        self._source = source
-        self._graph = source.read_bytes() if source is not None else None
-        self._files, self._weights = shared_weights(source) if source is not None else ([], {})
-        self._cut: OrderedDict[frozenset[str], ort.InferenceSession] = OrderedDict()
+        self._files: dict[str, np.memmap] = {}
+        self._base = _Graph(io.ATTENTION_FILE, source,
+                            source.read_bytes() if source is not None else None,
+                            shared_weights(source, self._files) if source is not None else {},
+                            session)
+        lora = source.parent / spec.lora_file(source.name) if source is not None else None
+        self._lora_source = lora if lora is not None and lora.is_file() else None
+        self._lora: _Graph | None = None  # opened on the first request under an adapter
+        self.adapters = adapters
+        self._adapter_inputs: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
+        self._cut: OrderedDict[tuple[str, frozenset[str]], ort.InferenceSession] = OrderedDict()
         self._lock = threading.Lock()
         self._run_options = ort.RunOptions()
         if session.get_providers()[0] == sessions.CPU:
@@ -82,42 +114,111 @@ class AttentionModel:
                                                    "cpu:0")
         self.sessions_built = 0  # cut sessions built since start (a stat for tests)
 
+    @property
+    def applies_adapters(self) -> bool:
+        """Whether ``run`` takes an ``adapter``: the engine serves adapters and the artifact
+        has attention_lora.onnx."""
+        return self.adapters is not None and self._lora_source is not None
+
     def run(self, token_ids: Sequence[int], kinds: Sequence[str],
-            layers: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+            layers: Sequence[int] | None = None, adapter: str | None = None
+            ) -> dict[str, np.ndarray]:
         """{kind: (len(layers), heads, T, T or hs)} for one sequence, in the layout bertviz
-        uses; ``layers`` in the order given (default: every layer)."""
+        uses; ``layers`` in the order given (default: every layer); under the LoRA adapter
+        served as ``adapter`` when one is named (UnknownAdapter if it is not served)."""
         layers = list(range(self.config.n_layers)) if layers is None else list(layers)
         ids = np.asarray([token_ids], dtype=np.int64)  # (1, T)
         feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: np.ones_like(ids),
                  io.POSITION_IDS: np.arange(ids.shape[1], dtype=np.int64)[None, :]}
+        graph = self._base
+        if adapter is not None:
+            graph = self._lora_graph()
+            inputs = self._inputs_of(adapter)
+            rows = len(next(iter(inputs.values())))
+            feeds |= inputs
+            feeds[spec.LORA_MASK] = np.ones((ids.shape[1], rows), np.float32)  # (T, R)
         names = [io.attention_output_name(i, k) for k in kinds for i in layers]
-        values = self._session(names).run(names, feeds, self._run_options)
+        values = self._session(graph, names).run(names, feeds, self._run_options)
         n = len(layers)  # each value (1, nh, T, T or hs)
         return {k: np.concatenate(values[j * n:(j + 1) * n], axis=0)  # (n, nh, T, ...)
                 for j, k in enumerate(kinds)}
 
-    def _session(self, names: Sequence[str]) -> ort.InferenceSession:
+    def _lora_graph(self) -> _Graph:
+        if self._lora_source is None or self.adapters is None:
+            raise RuntimeError("no adapter graph (attention_lora.onnx) or no adapters served")
+        with self._lock:
+            if self._lora is None:
+                self._lora = _Graph(self._lora_source.name, self._lora_source,
+                                    self._lora_source.read_bytes(),
+                                    shared_weights(self._lora_source, self._files))
+            return self._lora
+
+    def _inputs_of(self, name: str) -> dict[str, np.ndarray]:
+        """Every lora.<module>.A and .B input for adapter ``name`` in one slot: (R, in) and
+        (R, out), zeros for a module it does not adapt; kept per adapter id."""
+        assert self.adapters is not None
+        ref = self.adapters.ref_of(name)
+        with self._lock:
+            held = self._adapter_inputs.get(ref.id)
+            if held is not None:
+                self._adapter_inputs.move_to_end(ref.id)
+                return held
+        inputs = _stacked(self.adapters.weights_of(ref), self.adapters.slots.widths)
+        with self._lock:
+            self._adapter_inputs[ref.id] = inputs
+            while len(self._adapter_inputs) > ADAPTERS_KEPT:
+                self._adapter_inputs.popitem(last=False)
+        return inputs
+
+    def _session(self, graph: _Graph, names: Sequence[str]) -> ort.InferenceSession:
         """A session whose graph computes ``names`` and nothing past them."""
-        key = frozenset(names)
-        if self._graph is None:
-            return self.session
+        key = (graph.name, frozenset(names))
         with self._lock:  # several attention threads may ask at once
+            if graph.data is None:
+                return self._whole(graph)
             session = self._cut.get(key)
             if session is None:
-                assert self._source is not None
+                assert graph.source is not None
                 try:
-                    graph = cut(self._graph, sorted(key))
+                    data = cut(graph.data, sorted(key[1]))
                 except ValueError:  # control flow: not cut, the whole graph runs
-                    self._graph = None
-                    return self.session
-                options = self.session.get_session_options()
-                session = sessions.create_session(
-                    graph, threads=options.intra_op_num_threads,
-                    providers=self.session.get_providers(), prepack=False,
-                    external_data_dir=self._source.parent, initializers=self._weights)
+                    graph.data = None
+                    return self._whole(graph)
+                session = self._open(data, graph)
                 self.sessions_built += 1
                 self._cut[key] = session
                 while len(self._cut) > CUT_SESSIONS:
                     self._cut.popitem(last=False)
             self._cut.move_to_end(key)
             return session
+
+    def _whole(self, graph: _Graph) -> ort.InferenceSession:
+        if graph.whole is None:
+            assert graph.source is not None
+            graph.whole = self._open(graph.source.read_bytes(), graph)
+        return graph.whole
+
+    def _open(self, data: bytes, graph: _Graph) -> ort.InferenceSession:
+        assert graph.source is not None
+        options = self.session.get_session_options()
+        return sessions.create_session(
+            data, threads=options.intra_op_num_threads, providers=self.session.get_providers(),
+            prepack=False, external_data_dir=graph.source.parent, initializers=graph.weights)
+
+
+def _stacked(weights: AdapterWeights, widths: dict[str, tuple[int, int]]
+             ) -> dict[str, np.ndarray]:
+    """One slot of the adapter graph's inputs: each module's A and B, R = ``weights.rank``
+    rows, an adapter's rank r < R (or a module it does not adapt) padded with zero rows."""
+    rank = weights.rank
+    inputs: dict[str, np.ndarray] = {}
+    for module, (width_in, width_out) in widths.items():
+        a = np.zeros((rank, width_in), np.float32)  # (R, in)
+        b = np.zeros((rank, width_out), np.float32)  # (R, out)
+        pair = weights.modules.get(module)
+        if pair is not None:
+            a[:len(pair[0])] = pair[0]
+            b[:len(pair[1])] = pair[1]
+        inputs[spec.lora_a(module)] = a
+        inputs[spec.lora_b(module)] = b
+    return inputs

@@ -12,8 +12,8 @@ as one ``(1, heads, query, key)`` nested list per layer and ``tokens`` as plain 
 a notebook passes ``[torch.tensor(a) for a in data["attention"]]`` straight to bertviz.
 
 ``adapter_id`` asks for the attention under a served LoRA adapter (404 for a name not
-served); the runtime passes it to the attention model, and answers 501 while that model
-applies no adapters.
+served): the attention model runs attention_lora.onnx with that adapter's weights; 501
+for an artifact without that graph.
 """
 
 from __future__ import annotations
@@ -86,10 +86,10 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
         raise InputError("include", f"the {body.format} format carries only ['weights']")
     adapter = adapter_of_id(body.adapter_id, runtime, "adapter_id")
     if adapter is not None and not runtime.attention_takes_adapters:
-        raise ApiError(501, "adapter_id: the attention model of this server does not apply "
-                            "LoRA adapters; ask without adapter_id for the base model's "
-                            "attention", "not_implemented", param="adapter_id",
-                       code="not_implemented")
+        raise ApiError(501, "adapter_id: this artifact has no attention_lora.onnx (export "
+                            "writes it beside attention.onnx), so /attention computes the "
+                            "base model's only; ask without adapter_id", "not_implemented",
+                       param="adapter_id", code="not_implemented")
     assert runtime.attention is not None
     # Bounded (settings attention_max_concurrent/_queued; 429 beyond): running and encoding
     # a request costs seconds of CPU, and unbounded floods of them starve decoding.

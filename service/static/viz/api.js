@@ -57,10 +57,18 @@ export function generate(inputs, maxNewTokens) {
   return call("generate", { body: { inputs, parameters: { max_new_tokens: maxNewTokens } } });
 }
 
-/** /attention as npz: {name: {shape, data}}; float arrays stay float32 (exact server values). */
-export function attention(inputs, { layers = null, include = ["weights"] } = {}) {
+/** The LoRA adapters served: the names of GET /v1/models' cards that have a parent. */
+export async function adapterNames() {
+  const models = await call("v1/models");
+  return models.data.filter((card) => card.parent).map((card) => card.id);
+}
+
+/** /attention as npz: {name: {shape, data}}; float arrays stay float32 (exact server values).
+ *  ``adapter``: the name of a served LoRA adapter to compute under (null: the base). */
+export function attention(inputs, { layers = null, include = ["weights"], adapter = null } = {}) {
   const body = { inputs, include, format: "npz" };
   if (layers !== null) body.layers = layers;
+  if (adapter !== null) body.adapter_id = adapter;
   return call("attention", { body, binary: true });
 }
 

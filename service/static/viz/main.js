@@ -1,9 +1,12 @@
-// The viewer's state and wiring: prompt → (optional /generate) → /attention → three views.
+// The viewer's state and wiring: prompt → (optional /generate) → /attention → three views,
+// and a fourth, adapter vs base, while a LoRA adapter is chosen.
 // Attention comes layer by layer (layers.js): the page opens on one layer's maps, the model
-// view fills in as its layers arrive, and the step view fetches one layer's q, k, v.
+// view fills in as its layers arrive, and the step view fetches one layer's q, k, v. The
+// comparison keeps the adapter's maps in a second store, fetched with adapter_id.
 
 import * as api from "./api.js";
 import { headColour, tokenLabel } from "./colors.js";
+import { CompareView } from "./compareview.js";
 import { HeadView } from "./headview.js";
 import { DEFAULT_BUDGET, LayerStore } from "./layers.js";
 import { ModelView, legend } from "./modelview.js";
@@ -16,7 +19,8 @@ const $ = (id) => document.getElementById(id);
 const state = {
   info: null,
   text: "",
-  model: null,        // {L, H, T, tokens, store: LayerStore of the weights}
+  model: null,        // {L, H, T, tokens, store: LayerStore of the weights,
+                      //  adapter: name or null, adapterStore: LayerStore under it or null}
   layers: new Map(),  // layer → npz of every kind for that layer (step view), a few kept
   budget: DEFAULT_BUDGET,  // bytes of maps per /attention request and kept (layers.js)
   layer: 0,
@@ -32,6 +36,7 @@ const modelView = new ModelView($("model-grid"), {
   panel: $("model-detail"), title: $("detail-title"), canvas: $("detail-canvas"), tip: $("detail-tip"),
 }, (l, h) => { state.layer = l; state.head = h; syncControls(); render(); }, (i) => setQuery(i));
 const stepView = new StepView($("step"));
+const compareView = new CompareView($("view-compare"));
 modelView.setScale($("scale").value);
 
 function setStatus(stateName, message) {
@@ -81,8 +86,42 @@ async function connect() {
   $("model-info").textContent = `${state.info.model} · ${c.n_layers} layers × ${c.n_heads} heads`
     + ` · d_model ${c.d_model} · context ${c.max_seq_len} · ${state.info.provider}`;
   $("max-new").max = state.info.limits.max_new_tokens;
+  await listAdapters();
   setStatus("idle", "Enter a prompt.");
   $("run").disabled = false;
+}
+
+/** The adapter picker: shown when GET /v1/models lists adapters (cards with a parent). */
+async function listAdapters() {
+  let names = [];
+  try {
+    names = await api.adapterNames();
+  } catch {
+    names = [];  // no comparison offered; the rest of the page works as before
+  }
+  const select = $("adapter");
+  const chosen = select.value;
+  select.replaceChildren(select.options[0], ...names.map((name) => Object.assign(
+    document.createElement("option"), { value: name, textContent: name })));
+  select.value = names.includes(chosen) ? chosen : "";
+  $("adapter-pick").hidden = names.length === 0;
+}
+
+$("adapter").addEventListener("change", (e) => {
+  if (!state.model) return;  // applies to the next input
+  useAdapter(state.model, e.target.value);
+  syncControls();
+  render();
+});
+
+/** Compare ``model``'s input under adapter ``name`` ("" for none) with the base; the
+ *  comparison opens when one is chosen and closes with it. */
+function useAdapter(model, name) {
+  model.adapter = name || null;
+  model.adapterStore = name ? new LayerStore(
+    (layers) => api.attention(model.text, { layers, adapter: name }), model, state.budget) : null;
+  if (name) state.view = "compare";
+  else if (state.view === "compare") state.view = "head";
 }
 
 // --- running a prompt ---
@@ -144,7 +183,8 @@ function load(text, promptChars, npz, layer) {
   const store = new LayerStore((layers) => api.attention(text, { layers }), { L, H, T },
     state.budget);
   store.add(npz);
-  state.model = { L, H, T, tokens, store };
+  state.model = { L, H, T, tokens, store, text };
+  useAdapter(state.model, $("adapter").value);
   state.layers = new Map();
   state.layer = layer;
   state.head = Math.min(state.head, H - 1);
@@ -200,6 +240,7 @@ function syncControls() {
   for (const tab of document.querySelectorAll(".tabs [data-view]")) {
     tab.setAttribute("aria-selected", tab.dataset.view === state.view);
   }
+  document.querySelector(".tabs [data-view=compare]").hidden = !state.model?.adapter;
   for (const view of document.querySelectorAll(".view")) view.hidden = view.dataset.view !== state.view;
   $("views").dataset.view = state.view;
 }
@@ -236,6 +277,7 @@ async function render() {
   const { view, model } = state;
   if (view === "head") await renderHead();
   else if (view === "model") await renderModel();
+  else if (view === "compare") await renderCompare();
   else await renderStep();
   if (model === state.model && view === state.view) $("views").dataset.rendered = view;
 }
@@ -294,6 +336,29 @@ async function fillModelView(model) {
     return;
   }
   if (alive()) setStatus("ready", `${model.T} tokens · ${model.L} × ${model.H} maps · all layers`);
+}
+
+/** Base, adapter and their difference for the current (layer, head). */
+async function renderCompare() {
+  const { layer, model } = state;
+  const store = model.adapterStore;
+  delete $("compare").dataset.ready;
+  const base = await layerMaps(layer);
+  if (base === undefined) return;
+  let tuned = store.get(layer);
+  if (tuned === undefined) {
+    setStatus("busy", `Fetching layer ${layer} under adapter ${model.adapter}…`);
+    try {
+      tuned = await store.need(layer);
+    } catch (error) {
+      if (model === state.model && store === model.adapterStore) showError(error);
+      return;
+    }
+    setStatus("ready", `${model.T} tokens · layer ${layer} under ${model.adapter} loaded`);
+  }
+  if (model !== state.model || store !== model.adapterStore || state.view !== "compare"
+      || state.layer !== layer) return;
+  compareView.show(model, model.adapter, layer, state.head, base, tuned);
 }
 
 async function renderStep() {

@@ -13,6 +13,7 @@ test_lora_serving.py.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.artifact.loader import open_artifact
+from service.contract import io_spec as io
 from service.engine.adapters import AdapterSet, AdapterSlots, UnknownAdapter
 from service.engine.request import GenerationRequest
 from service.engine.scheduler import QueueFull
@@ -29,7 +31,9 @@ from service.http.app import create_app
 from service.http.metrics import OTHER_ADAPTERS, Metrics
 from service.http.runtime import Runtime, configured_adapters
 from service.http.validation import Validator
+from service.providers import create_session
 from service.settings import Settings
+from service.viz.attention_model import AttentionModel
 from tests.service.helpers import metric_value, write_peft_adapter
 
 BASE = "tiny"
@@ -182,11 +186,20 @@ def test_tokenize_takes_an_adapter_and_answers_as_the_base(app: App) -> None:
     assert tgi.status_code == 200 and [t["id"] for t in tgi.json()] == base["tokens"]
 
 
-def test_attention_under_an_adapter_is_501_while_the_attention_model_applies_none(
-        app: App) -> None:
+def test_attention_under_an_adapter_is_501_for_an_artifact_without_its_adapter_graph(
+        app: App, tmp_path: Path) -> None:
+    artifact = app.runtime.artifact.path
+    for name in (io.ATTENTION_FILE, "weights.bin"):  # an export from before adapter graphs
+        shutil.copy(artifact / name, tmp_path / name)
+    source = tmp_path / io.ATTENTION_FILE
+    app.runtime.attention = AttentionModel(
+        create_session(source, "cpu", 1, prepack=False), app.runtime.artifact.config, source,
+        app.adapters)
     r = app.client.post("/attention", json={"inputs": "ab", "adapter_id": "sql"})
     assert r.status_code == 501, r.text
     assert r.json()["error_type"] == "not_implemented"
+    assert "attention_lora.onnx" in r.json()["error"] and "\n" not in r.json()["error"]
+    assert app.client.post("/attention", json={"inputs": "ab"}).status_code == 200
 
 
 # -- /v1/models ------------------------------------------------------------------------------

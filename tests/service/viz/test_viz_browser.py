@@ -337,6 +337,7 @@ def test_three_views_over_prompt_and_continuation(chromium: Any, server: Any,
     t = len(tokens)
 
     page, watch = open_page(chromium, server.url)
+    assert page.is_hidden("#adapter-pick")  # the server serves no adapter: no comparison
     run_prompt(page, PROMPT, continuation=True)
     state = page.evaluate("""() => { const s = window.attnviz.state;
         return {text: s.text, T: s.model.T, L: s.model.L, H: s.model.H,
@@ -581,5 +582,105 @@ def test_full_context_input_stays_responsive(chromium: Any, long_server: ServerP
         check_step(step_numbers(page, 1, 11, 150), reference(client, text, 1, 11), 150)
     # The tab is not frozen: a frame is painted and a script answers after all of that.
     assert page.evaluate("() => new Promise((r) => requestAnimationFrame(() => r(true)))")
+    watch.assert_clean()
+    page.context.close()
+
+
+# ---------------------------------------------------------------------------- adapter vs base
+
+
+@pytest.fixture(scope="module")
+def lora_server(llama_artifacts: Any, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[ServerProcess]:
+    """The random-weight Llama (its artifact has the adapter graphs) serving one PEFT
+    adapter, ``alpha`` (random A and B, rank 8 on all seven projections)."""
+    pytest.importorskip("peft")
+    from tests.service.engine.test_adapter_rows import ALL, peft_adapter
+
+    build = llama_artifacts("llama")
+    root = tmp_path_factory.mktemp("viz-lora")
+    with torch_threads(1):
+        adapter = peft_adapter(build.hf_dir, root / "alpha", 1, 8, ALL, rslora=False)
+    proc = ServerProcess(build.artifact, root / "server.log",
+                         ("--device", "cpu", "--lora-modules", f"alpha={adapter}"))
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def head_weights(client: httpx.Client, text: str, layer: int, head: int,
+                 adapter: str | None = None) -> np.ndarray:
+    """/attention JSON weights of one (layer, head), (T, T), as float64 of the float32s."""
+    body: dict[str, Any] = {"inputs": text, "layers": [layer], "heads": [head]}
+    if adapter is not None:
+        body["adapter_id"] = adapter
+    r = client.post("/attention", json=body)
+    assert r.status_code == 200, r.text
+    return np.asarray(r.json()["attention"]["weights"][0][0], np.float64)
+
+
+def compared_cell(page: Any) -> dict[str, float]:
+    cell = page.evaluate("() => ({...document.getElementById('compare-cell').dataset})")
+    return {k: float(v) for k, v in cell.items()}
+
+
+def test_an_adapter_is_compared_with_the_base(chromium: Any, lora_server: ServerProcess,
+                                              shots: Path) -> None:
+    server = lora_server
+    page, watch = open_page(chromium, server.url, key=None)
+    page.wait_for_function(RUN_ENABLED)
+    page.wait_for_selector("#adapter-pick:not([hidden])")
+    assert page.eval_on_selector_all("#adapter option", "(os) => os.map((o) => o.value)") == [
+        "", "alpha"]
+    assert page.is_hidden(".tabs [data-view=compare]")
+    page.select_option("#adapter", "alpha")
+    run_prompt(page, PROMPT, continuation=False)
+    page.wait_for_selector("#compare[data-ready][data-layer='0'][data-head='0']")
+    assert page.get_attribute(".tabs [data-view=compare]", "aria-selected") == "true"
+    for kind in ("base", "adapter", "diff"):
+        assert canvas_ink(page, f"#compare canvas[data-kind='{kind}']") > 0, kind
+    assert page.inner_text(".compare-title[data-kind='adapter']") == "adapter alpha"
+
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        def check(layer: int, head: int) -> None:
+            base = head_weights(client, PROMPT, layer, head)
+            tuned = head_weights(client, PROMPT, layer, head, "alpha")
+            diff = tuned - base  # (T, T)
+            # the read-out opens on the cell that changed most, with the server's numbers
+            cell = compared_cell(page)
+            i, j = int(cell["i"]), int(cell["j"])
+            assert abs(diff[i, j]) == np.abs(diff).max() > 1e-4
+            assert (cell["base"], cell["adapter"]) == (base[i, j], tuned[i, j])
+            assert cell["diff"] == diff[i, j]
+            shown = float(page.get_attribute("#compare-range", "data-range"))
+            assert shown == np.abs(diff).max()
+            # a cell clicked on the difference panel: (last query, first key)
+            t = base.shape[0]
+            size = {k: float(page.get_attribute("#compare", f"data-{k}"))
+                    for k in ("cell", "margin")}
+            page.click("#compare canvas[data-kind='diff']", position={
+                "x": size["margin"] + 0.5 * size["cell"],
+                "y": size["margin"] + (t - 0.5) * size["cell"]})
+            cell = compared_cell(page)
+            assert (cell["i"], cell["j"]) == (t - 1, 0)
+            assert (cell["base"], cell["adapter"]) == (base[t - 1, 0], tuned[t - 1, 0])
+            assert cell["diff"] == diff[t - 1, 0]
+
+        check(0, 0)
+        save_shot(page.locator("#views"), shots / "adapter-compare.png")
+        page.select_option("#layer", "1")
+        page.select_option("#head", "3")
+        page.wait_for_selector("#compare[data-ready][data-layer='1'][data-head='3']")
+        check(1, 3)
+
+    bodies = attention_bodies(watch)
+    assert {b.get("adapter_id") for b in bodies} == {None, "alpha"}
+    assert [b["layers"] for b in bodies if b.get("adapter_id")] == [[0], [1]]
+    # no adapter: the comparison closes, the page is the base's as before
+    page.select_option("#adapter", "")
+    assert page.is_hidden(".tabs [data-view=compare]") and page.is_hidden("#view-compare")
+    assert page.get_attribute(".tabs [data-view=head]", "aria-selected") == "true"
     watch.assert_clean()
     page.context.close()
