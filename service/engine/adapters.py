@@ -382,6 +382,6 @@ def confined(directory: Path, root: Path) -> Path:
     return resolved
 
 
-def token_slots(row_slots: Sequence[int], tokens_per_row: int) -> np.ndarray:
+def token_slots(row_slots: Sequence[int] | np.ndarray, tokens_per_row: int) -> np.ndarray:
     """(n·T,) each fed token's slot, rows of ``tokens_per_row`` tokens (padding included)."""
     return np.repeat(np.asarray(row_slots, np.int64), tokens_per_row)
