@@ -139,7 +139,8 @@ async def reference(client: httpx.AsyncClient, question: str, adapter: str | Non
 
 async def streamed(client: httpx.AsyncClient, body: dict[str, Any]
                    ) -> tuple[int, list[str], str]:
-    """(status, token texts, finish_reason or the error body) of one streamed chat."""
+    """(status, token texts, finish_reason or the error body) of one streamed chat; status
+    −1: an error event after the stream began (the status was 200 by then)."""
     tokens: list[str] = []
     reason = ""
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -150,7 +151,7 @@ async def streamed(client: httpx.AsyncClient, body: dict[str, Any]
                 continue
             event = json.loads(line[len("data:"):])
             if "error" in event:
-                return 500, tokens, str(event["error"])[:200]
+                return -1, tokens, str(event["error"])[:200]
             for choice in event.get("choices") or []:
                 content = (choice.get("logprobs") or {}).get("content") or []
                 tokens += [e["token"] for e in content]
@@ -180,7 +181,8 @@ async def soak_client(client: httpx.AsyncClient, base: str, refs: dict[tuple[int
         if status != 200:
             if status >= 500:
                 tally.http_5xx += 1
-            tally.failures.append(f"{label}: HTTP {status}: {reason}")
+            what = "error event in the stream" if status < 0 else f"HTTP {status}"
+            tally.failures.append(f"{label}: {what}: {reason}")
             continue
         tally.answers += 1
         tally.completion_tokens += len(tokens)
