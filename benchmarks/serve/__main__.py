@@ -22,12 +22,20 @@ Usage (from the repository root, in the dev venv):
     python -m benchmarks.serve --model artifacts/default --backend openai --ignore-eos \\
         --input-len 64 --output-len 128 --num-prompts 96 --max-concurrency 32 \\
         --static-baseline --rounds 3
+    # LoRA adapters: request i names the i-th entry of --adapters, round-robin (an empty
+    # entry: the base), as OpenAI's model or TGI's adapter_id; the server it starts serves
+    # --lora-modules (benchmarks/lora_adapters.py writes random ones)
+    python -m benchmarks.serve --model artifacts/default --backend openai --ignore-eos \
+        --lora-modules lora0=adapters/bench/lora0 lora1=adapters/bench/lora1 \
+        --adapters lora0,lora1, --max-concurrency 16 --num-prompts 64
 
 Writes, under --result-dir (default results/serve/<date>-<workload>), one JSON per request
 rate with vLLM's field names (completed, duration, request_throughput, output_throughput,
 total_token_throughput, request_goodput, mean_/median_/std_/pNN_ttft_ms, ..._tpot_ms,
 ..._itl_ms, ..._e2el_ms, the per-request arrays), plus report.md and report.png. With
---rounds N every rate is run N times (JSON names end in -roundK).
+--rounds N every rate is run N times (JSON names end in -roundK). With --adapters, each
+JSON also holds ``adapters``: the spread and, per adapter, requests, completed, failed,
+output tokens and output tok/s (over the run's duration).
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from benchmarks.serve.workloads import (
     chat_requests,
     random_requests,
     shared_prefix_requests,
+    spread_adapters,
 )
 from model.data import write_text_atomic
 
@@ -83,6 +92,11 @@ def _percentiles(text: str) -> list[float]:
     if not values or any(not 0 < v < 100 for v in values):
         raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100): {text!r}")
     return values
+
+
+def _adapter_spread(text: str) -> list[str | None]:
+    """``a,b,c,d,`` → ['a', 'b', 'c', 'd', None]: an empty entry is the base model."""
+    return [name.strip() or None for name in text.split(",")]
 
 
 def _positive(text: str) -> int:
@@ -151,6 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most this many joins, each a new prompt (default 8)")
     p.add_argument("--long-join-len", type=_positive, default=None,
                    help="tokens of that prompt (default: the server's max_input_tokens)")
+    p.add_argument("--adapters", type=_adapter_spread, default=None, metavar="A,B,...",
+                   help="LoRA adapters the requests name, round-robin in the order sent "
+                        "(an empty entry: the base model; `a,b,c,d,` spreads over four "
+                        "adapters and the base): OpenAI's model or TGI's adapter_id. The "
+                        "warm-up sends at least one request per entry; the JSON counts "
+                        "requests and tokens per adapter")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
+                   help="adapters the server it starts serves (attnserve serve "
+                        "--lora-modules; --max-loras and the rest by --server-env, e.g. "
+                        "ATTNSERVE_MAX_LORAS=4)")
     p.add_argument("--static-baseline", action="store_true",
                    help="run the same requests in process as static batches of "
                         "--max-concurrency (engine.onnx, same threads) before and after the "
@@ -170,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of the server it starts (repeatable)")
     return p
+
+
+def _started_server_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment the server this benchmark starts gets beyond its own."""
+    env = {}
+    if args.lora_modules:
+        env["ATTNSERVE_LORA_MODULES"] = " ".join(args.lora_modules)
+    return {**env, **_server_env(args.server_env)}
 
 
 def _server_env(items: list[str]) -> dict[str, str]:
@@ -268,7 +300,7 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
     async with aiohttp.ClientSession(base_url=url, timeout=timeout,
                                      connector=connections) as client:
         send = load.request_func(args.backend, model, ignore_eos=args.ignore_eos)
-        for req in requests[:args.num_warmups]:
+        for req in requests[:_warmups(args)]:
             warm = await send(client, req, load.RequestOutput())
             if not warm.success:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
@@ -321,6 +353,8 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
                  "loadavg_1m_after": os.getloadavg()[0], "client_cpu_s": client_cpu},
     }
     run.update(calculate_metrics(outputs, duration, args.metric_percentiles, goodput))
+    if args.adapters:
+        run["adapters"] = adapter_counts(args.adapters, requests, outputs, duration)
     if joining is not None:
         run["long_prompt_joins"] = {
             "interval_s": args.long_join_interval, "windows": joins.windows,
@@ -337,6 +371,29 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
             "median_ok_latency_ms": (float(np.median(flood.ok_latencies)) * 1000
                                      if flood.ok_latencies else None)}
     return run
+
+
+def _warmups(args: argparse.Namespace) -> int:
+    """Warm-up requests: --num-warmups, and with --adapters at least one per entry (each
+    adapter placed in its slot before the clock starts)."""
+    return max(args.num_warmups, len(args.adapters or ()))
+
+
+def adapter_counts(spread: list[str | None], requests: list[SampleRequest],
+                   outputs: list[load.RequestOutput], duration: float) -> dict[str, Any]:
+    """Per adapter of the spread (None: the base): requests sent, completed, failed,
+    output tokens and their rate over the run."""
+    rows: dict[str | None, dict[str, Any]] = {
+        name: {"adapter": name, "requests": 0, "completed": 0, "failed": 0,
+               "output_tokens": 0} for name in spread}
+    for req, out in zip(requests, outputs, strict=True):
+        row = rows[req.adapter]
+        row["requests"] += 1
+        row["completed" if out.success else "failed"] += 1
+        row["output_tokens"] += out.output_tokens if out.success else 0
+    for row in rows.values():
+        row["output_throughput"] = row["output_tokens"] / duration
+    return {"spread": spread, "per_adapter": list(rows.values())}
 
 
 def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
@@ -379,7 +436,7 @@ def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
 
         log_path = Path(tempfile.mkdtemp(prefix="attnserve-bench-")) / "server.log"
         server = Server(args.model, args.server_threads,
-                        {**os.environ, **_server_env(args.server_env)}, log_path)
+                        {**os.environ, **_started_server_env(args)}, log_path)
         print(f"starting attnserve serve --model {args.model} (log: {log_path})",
               file=sys.stderr)
     runs = []
@@ -395,7 +452,7 @@ def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
                                            attention_text))
                 run.update(command=command, round=round_number, rounds=args.rounds)
                 if server is not None:
-                    run["server_env"] = _server_env(args.server_env)
+                    run["server_env"] = _started_server_env(args)
                     run["server_threads"] = args.server_threads
                 write_text_atomic(out / _json_name(args, run), json.dumps(run))
                 print(report.summary(run))
@@ -406,7 +463,7 @@ def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
     return runs
 
 
-def handle(args: argparse.Namespace) -> int:
+def handle(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     goodput = parse_goodput(args.goodput)  # refuse a bad SLO before any work
     if args.burstiness <= 0 or not 0 <= args.range_ratio < 1 or args.num_warmups < 0:
         raise ValueError("--burstiness must be > 0, --range-ratio in [0, 1), "
@@ -422,13 +479,21 @@ def handle(args: argparse.Namespace) -> int:
                          "parameter)")
     if args.static_baseline and args.model is None:
         raise ValueError("--static-baseline runs the artifact in process: give --model")
+    if args.static_baseline and args.adapters and any(args.adapters):
+        raise ValueError("--static-baseline runs the base model alone: leave out --adapters")
+    if args.adapters and args.num_prompts < len(args.adapters):
+        raise ValueError("--num-prompts must be at least the entries of --adapters")
+    if args.lora_modules and args.url is not None:
+        raise ValueError("--lora-modules is for the server this benchmark starts: with "
+                         "--url, start the server with them")
     tokenizer = _tokenizer_path(args)
-    requests = build_requests(args, tokenizer)
+    requests = spread_adapters(build_requests(args, tokenizer), args.adapters or [])
     attention_text = (_attention_text(tokenizer, args.attention_input_len, args.seed)
                       if args.attention_flood else None)
     out = args.result_dir or Path("results/serve") / f"{date.today()}-{args.workload}"
     out.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks.serve " + shlex.join(sys.argv[1:])
+    command = "python -m benchmarks.serve " + shlex.join(
+        sys.argv[1:] if argv is None else argv)
 
     static = _static_baseline(args, requests) if args.static_baseline else None
     try:
@@ -459,7 +524,7 @@ def handle(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return handle(args)
+        return handle(args, argv)
     except KeyboardInterrupt:
         print("benchmarks.serve: interrupted", file=sys.stderr)
         return 130

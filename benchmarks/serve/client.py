@@ -99,9 +99,13 @@ async def _failed(response: aiohttp.ClientResponse, out: RequestOutput) -> Reque
 
 async def tgi_request(client: aiohttp.ClientSession, req: SampleRequest,
                       out: RequestOutput) -> RequestOutput:
-    """POST /generate_stream: one SSE event per token; the last carries the details."""
-    body = {"inputs": req.prompt, "parameters": {
-        "max_new_tokens": req.expected_output_len, "do_sample": False, "details": True}}
+    """POST /generate_stream: one SSE event per token; the last carries the details. A
+    request naming a LoRA adapter sends it as TGI's ``parameters.adapter_id``."""
+    parameters: dict[str, Any] = {
+        "max_new_tokens": req.expected_output_len, "do_sample": False, "details": True}
+    if req.adapter is not None:
+        parameters["adapter_id"] = req.adapter
+    body = {"inputs": req.prompt, "parameters": parameters}
     timer = _Timer(out)
     async with client.post("/generate_stream", json=body) as r:
         if r.status != 200:
@@ -126,9 +130,9 @@ async def openai_request(client: aiohttp.ClientSession, req: SampleRequest, out:
                          model: str, ignore_eos: bool = False) -> RequestOutput:
     """POST /v1/completions with stream and usage: chunks timed, usage counts the tokens.
     ``ignore_eos`` is vLLM's extension (exactly max_tokens tokens), as `vllm bench serve
-    --ignore-eos` sends it."""
+    --ignore-eos` sends it. A request naming a LoRA adapter sends it as ``model``."""
     body: dict[str, Any] = {
-        "model": model, "prompt": req.prompt, "max_tokens": req.expected_output_len,
+        "model": req.adapter or model, "prompt": req.prompt, "max_tokens": req.expected_output_len,
         "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True

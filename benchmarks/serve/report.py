@@ -62,6 +62,12 @@ def summary(run: dict[str, Any]) -> str:
             row(f"{key[:-3].replace('_itl_', ' ITL ')} (ms):", joins[key])
         ratio = next((v for k, v in joins.items() if k.endswith("_during_over_steady")), None)
         row("ITL during ÷ steady (top percentile):", ratio if ratio is not None else "–")
+    adapters = run.get("adapters")
+    if adapters:
+        lines.append("{s:{c}^{n}}".format(s="LoRA adapters", n=50, c="-"))
+        for entry in adapters["per_adapter"]:
+            row(f"{entry['adapter'] or '(base)'}: done / failed, tok/s:",
+                f"{entry['completed']} / {entry['failed']}, {entry['output_throughput']:.1f}")
     flood = run.get("attention_flood")
     if flood:
         lines.append("{s:{c}^{n}}".format(s="/attention flood", n=50, c="-"))

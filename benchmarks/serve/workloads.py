@@ -15,8 +15,8 @@ special tokens (end-of-sequence among them) never appear in a prompt.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -31,6 +31,7 @@ class SampleRequest:
     prompt_len: int  # tokens, as the benchmark's tokenizer counts them
     expected_output_len: int  # max_new_tokens asked for
     prefix_id: int | None = None  # shared-prefix: which prefix the prompt starts with
+    adapter: str | None = None  # the LoRA adapter it names (None: the base model)
 
 
 class PromptMaker:
@@ -153,3 +154,11 @@ def chat_requests(codec: TextCodec, render: Callable[[list[dict[str, str]]], str
             text = render(turn)
             second.append(SampleRequest(text, len(codec.encode(text, False)), output_len, k))
     return first + second
+
+
+def spread_adapters(requests: list[SampleRequest], spread: Sequence[str | None]
+                    ) -> list[SampleRequest]:
+    """Request i names ``spread[i % len(spread)]`` (None: the base), in the order sent."""
+    if not spread:
+        return requests
+    return [replace(r, adapter=spread[i % len(spread)]) for i, r in enumerate(requests)]

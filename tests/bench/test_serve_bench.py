@@ -252,6 +252,10 @@ def test_long_prompt_joins_are_sent_answered_and_split_from_steady_gaps(
     (["--url", "http://127.0.0.1:9", "--model", "x", "--ignore-eos"], "--backend openai"),
     (["--url", "http://127.0.0.1:9", "--tokenizer", "t.json", "--static-baseline"],
      "give --model"),
+    (["--model", "x", "--static-baseline", "--adapters", "a,"], "leave out --adapters"),
+    (["--model", "x", "--adapters", "a,b,", "--num-prompts", "2"], "--num-prompts"),
+    (["--url", "http://127.0.0.1:9", "--tokenizer", "t.json", "--lora-modules", "a=b"],
+     "--lora-modules"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,345 @@
+"""Soak with LoRA adapters: many streaming clients over mixed adapters and the base while
+one adapter is loaded and unloaded at run time, every answer checked against a reference.
+
+Usage (from the repository root, in the dev venv):
+    python -m benchmarks.lora_adapters --model artifacts/smollm2-135m-instruct-lora \\
+        --out adapters/bench --count 5 --rank 16
+    python -m benchmarks.lora_soak --model artifacts/smollm2-135m-instruct-lora \\
+        --adapters-dir adapters/bench --serve lora0,lora1,lora2,lora3 --churn lora4 \\
+        --clients 16 --duration 300 --churn-interval 3 --out results/lora-soak.json \\
+        -- --max-total-tokens 4096
+
+It starts `attnserve serve` with ``--lora-modules`` for the --serve adapters (directories
+under --adapters-dir), ``--runtime-lora --lora-dir ADAPTERS_DIR``, ``--max-loras`` one more
+than --serve (the churned one fits) and ``--max-lora-rank`` the adapters' largest r.
+
+1. References: for every prompt (--prompts of them) under the base, every --serve adapter
+   and the --churn adapter (loaded for it), one greedy chat request at a time (temperature
+   0, --max-tokens new tokens, logprobs with the top 2): the answer's tokens and, at each
+   position, the margin between the two most likely tokens (nats). This is the warm-up. The
+   result counts the adapter references unlike the base's (``references_unlike_base``):
+   where a row served under the wrong adapter, or none, would show.
+2. Soak: --clients clients stream requests for --duration seconds, each a random (prompt,
+   adapter) pair, churned adapter included, while a churn task unloads and loads the churned
+   adapter every --churn-interval seconds (POST /v1/unload_lora_adapter, then
+   /v1/load_lora_adapter: a new adapter id each time, from the same files).
+3. Every answer is compared token by token with its reference: equal, or a near tie (they
+   part first where the reference's top-2 margin is below --tie-margin: batching changes the
+   order of float sums, which can flip a near tie; counted, with the margins) — anything else
+   is a wrong answer. A 404 for the churned adapter is expected when it was unloaded (or
+   changing) while the request was sent or answered, and counted apart; any other 404, any
+   5xx, any other failure counts as one.
+
+RSS (VmRSS, RssAnon, RssFile of the server) once ready, after the references (the warm-up:
+"before"), its peak during the soak (sampled every second) and after. Prints one JSON object;
+--out writes it atomically. Exits 1 when any answer was wrong or any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.bound_port import serving
+from benchmarks.soak import QUESTIONS, SYSTEM, breakdown, vm_rss
+from model.data import write_text_atomic
+from service.contract.peft_adapter import read_config
+
+DEFAULT_TIE_MARGIN = 0.05  # nats; float32 reorderings move logits by ~1e-4 (docs/engine.md)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One greedy answer taken alone: token texts and the top-2 margin at each position."""
+
+    tokens: list[str]
+    margins: list[float | None]
+    finish_reason: str
+
+
+def top2_margin(entry: dict[str, Any]) -> float | None:
+    """log p(top 1) − log p(top 2) of one chat logprobs ``content`` entry."""
+    top = sorted((t["logprob"] for t in entry.get("top_logprobs") or []), reverse=True)
+    return top[0] - top[1] if len(top) >= 2 else None
+
+
+def compare(reference: Reference, tokens: list[str], tie_margin: float
+            ) -> tuple[str, int | None, float | None]:
+    """("same" | "near_tie" | "wrong", the first position they part at, the reference's
+    margin there): a near tie parts where that margin is below ``tie_margin``."""
+    if tokens == reference.tokens:
+        return "same", None, None
+    first = next((i for i, (a, b) in enumerate(zip(reference.tokens, tokens, strict=False))
+                  if a != b), min(len(reference.tokens), len(tokens)))
+    margin = reference.margins[first] if first < len(reference.margins) else None
+    if margin is not None and margin < tie_margin:
+        return "near_tie", first, margin
+    return "wrong", first, margin
+
+
+@dataclass
+class Tally:
+    answers: int = 0
+    same: int = 0
+    near_ties: list[dict[str, Any]] = field(default_factory=list)
+    wrong: list[dict[str, Any]] = field(default_factory=list)
+    expected_404: int = 0
+    failures: list[str] = field(default_factory=list)  # unexpected 404s, transport errors ...
+    http_5xx: int = 0
+    completion_tokens: int = 0
+    per_adapter: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Churn:
+    """The churned adapter's state as the churn task last left it; ``epoch`` counts changes
+    (a request sent and answered within one epoch of "loaded" must not see a 404)."""
+
+    name: str
+    path: str
+    loaded: bool = True
+    epoch: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: {
+        "loads": 0, "unloads": 0, "load_refused": 0, "unload_busy": 0, "errors": 0})
+
+
+def chat_body(question: str, adapter: str | None, base: str, max_tokens: int,
+              stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": adapter or base, "max_tokens": max_tokens, "temperature": 0.0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "logprobs": True, "top_logprobs": 2}
+    if stream:
+        body["stream"] = True
+    return body
+
+
+async def reference(client: httpx.AsyncClient, question: str, adapter: str | None, base: str,
+                    max_tokens: int) -> Reference:
+    r = await client.post("/v1/chat/completions",
+                          json=chat_body(question, adapter, base, max_tokens, False))
+    if r.status_code != 200:
+        raise RuntimeError(f"reference for {adapter or base!r} failed: HTTP {r.status_code}: "
+                           f"{r.text[:200]}")
+    choice = r.json()["choices"][0]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return Reference([e["token"] for e in content], [top2_margin(e) for e in content],
+                     choice["finish_reason"])
+
+
+async def streamed(client: httpx.AsyncClient, body: dict[str, Any]
+                   ) -> tuple[int, list[str], str]:
+    """(status, token texts, finish_reason or the error body) of one streamed chat; status
+    −1: an error event after the stream began (the status was 200 by then)."""
+    tokens: list[str] = []
+    reason = ""
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return r.status_code, tokens, (await r.aread()).decode("utf-8", "replace")[:200]
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data:"):])
+            if "error" in event:
+                return -1, tokens, str(event["error"])[:200]
+            for choice in event.get("choices") or []:
+                content = (choice.get("logprobs") or {}).get("content") or []
+                tokens += [e["token"] for e in content]
+                reason = choice.get("finish_reason") or reason
+    return 200, tokens, reason
+
+
+async def soak_client(client: httpx.AsyncClient, base: str, refs: dict[tuple[int, str | None],
+                      Reference], questions: list[str], churn: Churn, max_tokens: int,
+                      tie_margin: float, seed: int, deadline: float, tally: Tally) -> None:
+    rng = random.Random(seed)
+    keys = sorted(refs, key=lambda k: (k[0], k[1] or ""))
+    while time.monotonic() < deadline:
+        q, adapter = rng.choice(keys)
+        sent = (churn.loaded, churn.epoch)
+        try:
+            status, tokens, reason = await streamed(
+                client, chat_body(questions[q], adapter, base, max_tokens, True))
+        except httpx.HTTPError as exc:
+            tally.failures.append(f"{type(exc).__name__}: {exc}")
+            continue
+        label = adapter or "(base)"
+        if status == 404 and adapter == churn.name and not (
+                sent[0] and sent == (churn.loaded, churn.epoch)):
+            tally.expected_404 += 1
+            continue
+        if status != 200:
+            if status >= 500:
+                tally.http_5xx += 1
+            what = "error event in the stream" if status < 0 else f"HTTP {status}"
+            tally.failures.append(f"{label}: {what}: {reason}")
+            continue
+        tally.answers += 1
+        tally.completion_tokens += len(tokens)
+        tally.per_adapter[label] = tally.per_adapter.get(label, 0) + 1
+        verdict, first, margin = compare(refs[q, adapter], tokens, tie_margin)
+        if verdict == "same":
+            tally.same += 1
+            continue
+        ref = refs[q, adapter]
+        record = {"adapter": label, "prompt": q, "first_difference": first,
+                  "reference_margin": margin, "reference": "".join(ref.tokens)[:120],
+                  "got": "".join(tokens)[:120], "finish_reason": reason}
+        (tally.near_ties if verdict == "near_tie" else tally.wrong).append(record)
+
+
+async def churn_task(client: httpx.AsyncClient, churn: Churn, interval: float, deadline: float
+                     ) -> None:
+    """Unload, then load again, the churned adapter every ``interval`` seconds."""
+    while time.monotonic() + interval < deadline:
+        await asyncio.sleep(interval)
+        if churn.loaded:
+            churn.loaded, churn.epoch = False, churn.epoch + 1  # before: requests may 404
+            r = await client.post("/v1/unload_lora_adapter", json={"lora_name": churn.name})
+            key = {200: "unloads", 409: "unload_busy"}.get(r.status_code, "errors")
+        else:
+            r = await client.post("/v1/load_lora_adapter",
+                                  json={"lora_name": churn.name, "lora_path": churn.path})
+            key = {200: "loads", 400: "load_refused"}.get(r.status_code, "errors")
+            if r.status_code == 200:
+                churn.loaded, churn.epoch = True, churn.epoch + 1
+        churn.counts[key] += 1
+
+
+async def sample_rss(pid: int, stop: asyncio.Event, peak: dict[str, int]) -> None:
+    while not stop.is_set():
+        peak["rss"] = max(peak["rss"], vm_rss(pid))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+
+
+def _mb(n: float) -> float:
+    return round(n / 2**20, 1)
+
+
+async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    questions = QUESTIONS[:args.prompts]
+    churn = Churn(args.churn, str((args.adapters_dir / args.churn).resolve()))
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        rss_ready, parts_ready = vm_rss(pid), breakdown(pid)
+        base = (await client.get("/v1/models")).json()["data"][0]["id"]
+        r = await client.post("/v1/load_lora_adapter",
+                              json={"lora_name": churn.name, "lora_path": churn.path})
+        if r.status_code != 200:
+            raise RuntimeError(f"loading {churn.name} failed: HTTP {r.status_code}: {r.text}")
+        t0 = time.monotonic()
+        refs = {(q, adapter): await reference(client, text, adapter, base, args.max_tokens)
+                for adapter in (None, *args.serve, churn.name)
+                for q, text in enumerate(questions)}
+        reference_s = time.monotonic() - t0
+        rss_before, parts_before = vm_rss(pid), breakdown(pid)
+        tally = Tally()
+        peak = {"rss": rss_before}
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_rss(pid, stop, peak))
+        started = time.monotonic()
+        deadline = started + args.duration
+        await asyncio.gather(
+            churn_task(client, churn, args.churn_interval, deadline),
+            *(soak_client(client, base, refs, questions, churn, args.max_tokens,
+                          args.tie_margin, seed, deadline, tally)
+              for seed in range(args.clients)))
+        elapsed = time.monotonic() - started
+        stop.set()
+        await sampler
+        await asyncio.sleep(1.0)  # the engine's last step and frees
+        rss_after, parts_after = vm_rss(pid), breakdown(pid)
+    margins = sorted(m for ref in refs.values() for m in ref.margins if m is not None)
+    return {
+        "model": base, "adapters": list(args.serve), "churned": churn.name,
+        "clients": args.clients, "duration_s": round(elapsed, 1),
+        "prompts": len(questions), "max_tokens": args.max_tokens,
+        "references": len(refs), "reference_s": round(reference_s, 1),
+        # adapter answers unlike the base's: what a row served under the wrong adapter
+        # (or none) would be caught by
+        "references_unlike_base": sum(ref.tokens != refs[q, None].tokens
+                                      for (q, adapter), ref in refs.items() if adapter),
+        "tie_margin": args.tie_margin,
+        "reference_margins_below_tie": sum(m < args.tie_margin for m in margins),
+        "reference_positions": len(margins),
+        "rss_ready_mb": _mb(rss_ready), "rss_before_mb": _mb(rss_before),
+        "rss_peak_mb": _mb(peak["rss"]), "rss_after_mb": _mb(rss_after),
+        "ready": parts_ready, "before": parts_before, "after": parts_after,
+        "churn": {"interval_s": args.churn_interval, **churn.counts},
+        "tally": asdict(tally) | {"near_ties": tally.near_ties[:10], "wrong": tally.wrong[:10],
+                                  "failures": tally.failures[:10],
+                                  "near_tie_count": len(tally.near_ties),
+                                  "wrong_count": len(tally.wrong),
+                                  "failed": len(tally.failures)},
+    }
+
+
+def server_args(args: argparse.Namespace) -> list[str]:
+    """`attnserve serve` options: the --serve adapters by name, run-time loading under
+    --adapters-dir, a slot for each of them and the churned one, their largest rank."""
+    names = [*args.serve, args.churn]
+    rank = max(read_config(args.adapters_dir / n).rank for n in names)
+    return ["--lora-modules", *(f"{n}={args.adapters_dir / n}" for n in args.serve),
+            "--max-loras", str(args.max_loras or len(names)), "--max-lora-rank", str(rank),
+            "--runtime-lora", "--lora-dir", str(args.adapters_dir), *args.server_args]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.lora_soak",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True, help="artifact to serve")
+    parser.add_argument("--adapters-dir", type=Path, required=True,
+                        help="directory holding the adapters (the server's --lora-dir)")
+    parser.add_argument("--serve", type=lambda s: [n for n in s.split(",") if n],
+                        default=["lora0", "lora1", "lora2", "lora3"],
+                        help="adapters served from the start, comma-separated "
+                             "(default lora0,lora1,lora2,lora3)")
+    parser.add_argument("--churn", default="lora4",
+                        help="the adapter loaded and unloaded at run time (default lora4)")
+    parser.add_argument("--max-loras", type=int, default=None,
+                        help="slots (default: the --serve adapters and the churned one)")
+    parser.add_argument("--port", type=int, default=8151)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=300.0)
+    parser.add_argument("--churn-interval", type=float, default=3.0)
+    parser.add_argument("--prompts", type=int, default=8,
+                        help=f"questions used (at most {len(QUESTIONS)}; default 8)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN,
+                        help="a difference is a near tie where the reference's top-2 "
+                             f"logprob margin is below this (nats; default {DEFAULT_TIE_MARGIN})")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("server_args", nargs="*", help="after --: more `attnserve serve` options")
+    args = parser.parse_args(argv)
+    if args.clients < 1 or args.duration <= 0 or args.churn_interval <= 0:
+        parser.error("--clients, --duration and --churn-interval must be positive")
+    if not 1 <= args.prompts <= len(QUESTIONS) or args.max_tokens < 1:
+        parser.error(f"--prompts must be in 1..{len(QUESTIONS)} and --max-tokens ≥ 1")
+    if args.churn in args.serve:
+        parser.error("--churn must not be one of --serve")
+    with serving(args.model, args.port, server_args(args), "lora_soak") as server:
+        try:
+            result = asyncio.run(soak(f"http://127.0.0.1:{args.port}", server.pid, args))
+        except (RuntimeError, httpx.HTTPError) as exc:
+            print(f"lora_soak: error: {exc}", file=sys.stderr)
+            return 2
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        write_text_atomic(args.out, text + "\n")
+    tally = result["tally"]
+    return 0 if not (tally["wrong_count"] or tally["failed"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
