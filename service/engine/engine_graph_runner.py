@@ -215,11 +215,13 @@ class EngineGraphRunner(PooledRunner):
     def _bind_adapters(self, graph: _Graph, groups: Sequence[_Rows]) -> None:
         """The pass's LoRA mask, each token to its row's slot ((N, S·R), both groups'
         tokens in the graph's order), and the first S slots' A and B, S the highest slot
-        a row uses (bound again only when S changes: the buffers are written in place)."""
+        a row uses (bound again only when S changes: the buffers are written in place).
+        A pass of base rows binds none (S = 0): its updates are products over zero rows,
+        which ONNX Runtime's MatMul defines as zeros, so it reads no adapter weight."""
         assert self.adapters is not None
         slots = self.adapters.slots
         per_token = np.concatenate([token_slots(g.lora, g.ids.shape[1]) for g in groups])
-        used = max(int(per_token.max(initial=0)), 1)
+        used = int(per_token.max(initial=0))
         mask = slots.mask(per_token, used)  # (N, used·R)
         graph.binding.bind_cpu_input(adapter_spec.LORA_MASK, mask)
         if graph.lora_bound != used:
@@ -427,7 +429,7 @@ class _Graph:
         self.session = session
         self.binding = session.io_binding()
         self.kv_bound: dict[str, tuple[int, int, int]] = {}  # group → (address, rows, length)
-        self.lora_bound = 0  # adapter slots bound (adapter graphs)
+        self.lora_bound = -1  # adapter slots bound (adapter graphs; -1: none yet)
         self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in {i.name for i in session.get_inputs()}
 
 
