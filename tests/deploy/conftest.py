@@ -83,7 +83,8 @@ def system_tool() -> Callable[[str], str]:
 # ---------------------------------------------------------------------------------------------
 # docker-compose end to end (test_compose_e2e.py, test_compose_scale.py): a daemon of our own
 # per module, stopped when the module ends (not idling through the rest of the suite); the
-# images built once per machine and only checked after; the real model exported once.
+# images built once per machine and only checked after; the real model exported once
+# (`deploy_model`, in tests/conftest.py: tests/service/test_real_model.py checks that export).
 
 
 @pytest.fixture(scope="module")
@@ -131,15 +132,3 @@ def build_images(daemon: Any) -> str:
     if proc.returncode != 0:
         pytest.fail(f"deploy/images/build.sh failed:\n{proc.stderr[-4000:]}")
     return proc.stderr
-
-
-@pytest.fixture(scope="session")
-def deploy_model() -> Path:
-    """`make deploy-model`: SmolLM2-135M-Instruct exported where docker-compose mounts it."""
-    artifact = REPO / "artifacts" / "smollm2-135m-instruct"
-    if not (artifact / "manifest.json").is_file():
-        proc = subprocess.run(["make", "-s", "deploy-model"], cwd=REPO, capture_output=True,
-                              text=True, timeout=1200, check=False)
-        if proc.returncode != 0:
-            pytest.fail(f"make deploy-model failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return artifact
