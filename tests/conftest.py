@@ -12,6 +12,7 @@ stuck on one token.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -191,6 +192,32 @@ def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not src.is_file():
         pytest.skip(f"SmolLM2 GGUF not installed at {src}: {install_hint()}")
     return import_gguf_checkpoint(src, tmp_path_factory.mktemp("smollm2-ckpt") / "ckpt")
+
+
+REPO = Path(__file__).resolve().parents[1]
+# What `make deploy-model` exports and docker-compose.yml mounts read-only at /models/default.
+DEPLOY_MODEL_DIR = REPO / "artifacts" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def deploy_model_made() -> list[Path]:
+    """What `deploy_model` made with `make deploy-model` in this session (empty: nothing)."""
+    return []
+
+
+@pytest.fixture(scope="session")
+def deploy_model(deploy_model_made: list[Path]) -> Path:
+    """`make deploy-model`: SmolLM2-135M-Instruct exported (import --gguf, export with the
+    engine graph, verified) where docker-compose mounts it; kept in artifacts/, so made once
+    per clone. tests/service/test_real_model.py checks that very export when this session
+    made it (a fresh clone: CI) instead of exporting the same model a second time."""
+    if not (DEPLOY_MODEL_DIR / "manifest.json").is_file():
+        proc = subprocess.run(["make", "-s", "deploy-model"], cwd=REPO, capture_output=True,
+                              text=True, timeout=1200, check=False)
+        if proc.returncode != 0:
+            pytest.fail(f"make deploy-model failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        deploy_model_made.append(DEPLOY_MODEL_DIR)
+    return DEPLOY_MODEL_DIR
 
 
 @pytest.fixture(scope="session")

@@ -83,7 +83,8 @@ def system_tool() -> Callable[[str], str]:
 # ---------------------------------------------------------------------------------------------
 # docker-compose end to end (test_compose_e2e.py, test_compose_scale.py): a daemon of our own
 # per module, stopped when the module ends (not idling through the rest of the suite); the
-# images built once per machine and only checked after; the real model exported once.
+# images built once per machine and checked once per session; the real model exported once
+# (`deploy_model`, in tests/conftest.py: tests/service/test_real_model.py checks that export).
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +110,17 @@ def deploy_images(docker_daemon) -> dict[str, Any]:
     A daemon on another storage driver than dockerd's own (vfs) gets the images built on
     a default-driver daemon, moved with `docker save | docker load`: the same image ids,
     as a user would carry them to a vfs host, in a minute instead of the five a build
-    takes on vfs (which copies the whole file system at every layer)."""
+    takes on vfs (which copies the whole file system at every layer). Neither the build
+    nor the builder daemon is needed again when the vfs daemon already holds the ids built
+    earlier in this session."""
     from tests.deploy import docker_harness as harness
 
     started = time.monotonic()
     if docker_daemon.data_root == harness.data_root(None):
         return {"seconds": time.monotonic() - started, "log": build_images(docker_daemon)}
+    built = _BUILT.get(harness.data_root(None))
+    if built is not None and harness.image_ids(docker_daemon) == built[0]:
+        return {"seconds": time.monotonic() - started, "log": built[1], "loaded": False}
     builder = harness.start_daemon(None)
     try:
         log = build_images(builder)
@@ -124,22 +130,24 @@ def deploy_images(docker_daemon) -> dict[str, Any]:
     return {"seconds": time.monotonic() - started, "log": log, "loaded": moved}
 
 
+# data root -> (the image ids deploy/images/build.sh left there, its log), this session
+_BUILT: dict[Path, tuple[list[str | None], str]] = {}
+
+
 def build_images(daemon: Any) -> str:
-    """Run deploy/images/build.sh against ``daemon``; its log."""
+    """Run deploy/images/build.sh against ``daemon``; its log. Once a session per data root:
+    the sources do not change during a session, so another module's daemon on the same
+    data root only checks that the images still have the ids that run left."""
+    from tests.deploy import docker_harness as harness
+
+    built = _BUILT.get(daemon.data_root)
+    if built is not None and harness.image_ids(daemon) == built[0]:
+        return built[1]
     proc = subprocess.run(["bash", str(DEPLOY / "images" / "build.sh")], env=daemon.env,
                           cwd=REPO, capture_output=True, text=True, timeout=1500, check=False)
     if proc.returncode != 0:
         pytest.fail(f"deploy/images/build.sh failed:\n{proc.stderr[-4000:]}")
+    ids = harness.image_ids(daemon)
+    assert None not in ids, f"deploy/images/build.sh left no {harness.DEPLOY_IMAGES}: {ids}"
+    _BUILT[daemon.data_root] = (ids, proc.stderr)
     return proc.stderr
-
-
-@pytest.fixture(scope="session")
-def deploy_model() -> Path:
-    """`make deploy-model`: SmolLM2-135M-Instruct exported where docker-compose mounts it."""
-    artifact = REPO / "artifacts" / "smollm2-135m-instruct"
-    if not (artifact / "manifest.json").is_file():
-        proc = subprocess.run(["make", "-s", "deploy-model"], cwd=REPO, capture_output=True,
-                              text=True, timeout=1200, check=False)
-        if proc.returncode != 0:
-            pytest.fail(f"make deploy-model failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return artifact

@@ -4,7 +4,9 @@ Three replicas of the serving image behind the HAProxy image (both built from De
 packages on the same base), Prometheus finding every replica by DNS. Requests through the
 proxy must reach every replica; with one replica killed (SIGKILL, nothing drained) under
 load, every client still gets an answer, 200 or 503 with Retry-After, and none waits beyond
-its timeout; `docker-compose stop` lets a stream through the proxy finish. Load stays on
+its timeout; with every replica stopped the proxy answers 503 itself; `docker-compose stop`
+lets a stream through the proxy finish. The tests pass in any order: each brings the stack
+back to the state it starts from. Load stays on
 loopback and is bounded: 3 clients, 4 tokens a request, 20 s.
 Same daemon and skip conditions as test_compose_e2e.py.
 """
@@ -225,8 +227,30 @@ def test_a_replica_killed_under_load_is_routed_around(scaled) -> None:
           f"{retried} retried by the proxy")
 
 
-def test_the_proxy_answers_503_with_retry_after_when_no_replica_is_ready(scaled) -> None:
-    scaled.compose.run("stop", "--timeout", "20", "attnserve", timeout=120)
+@pytest.fixture
+def unserved(scaled_stack: Scaled) -> Scaled:
+    """The proxy running with every replica stopped (`docker-compose stop attnserve`). After
+    the kill test (the proxy up, one replica killed) only the stop runs; the stack is brought
+    up first when the proxy is not running (the first test, or after the stop test): no need
+    to bring a killed replica back and wait for it to be healthy only to stop it."""
+    compose = scaled_stack.compose
+
+    def proxy_running() -> bool:
+        proxies = compose.containers("proxy")
+        return len(proxies) == 1 and compose.inspect(proxies[0])["State"]["Running"] is True
+
+    if not proxy_running():
+        compose.up("-d", "--no-build", "--scale", f"attnserve={REPLICAS}", timeout=420)
+        compose.wait_healthy("attnserve", REPLICAS, START_S)
+    compose.run("stop", "--timeout", "20", "attnserve", timeout=120)
+    assert proxy_running()
+    assert not [c for c in compose.containers("attnserve")
+                if compose.inspect(c)["State"]["Running"]]
+    return scaled_stack
+
+
+def test_the_proxy_answers_503_with_retry_after_when_no_replica_is_ready(unserved) -> None:
+    scaled = unserved
     marker = uuid.uuid4().hex  # finds this request's line in the proxy's log
     status, headers, raw = post_json(f"{scaled.proxy}/v1/chat/completions?probe={marker}",
                                      chat_body("Anyone there?", 4), CLIENT_TIMEOUT_S)
@@ -254,17 +278,10 @@ def test_the_proxy_answers_503_with_retry_after_when_no_replica_is_ready(scaled)
 
 
 def test_compose_stop_drains_a_stream_through_the_proxy(scaled) -> None:
-    # Everything back (the killed replica too), then a stream through HAProxy while the whole
-    # stack stops: compose stops the proxy first with SIGUSR1 (soft stop: it stops listening
-    # and lets the stream finish), then the replicas with SIGTERM (each drains).
-    scaled.compose.run("start", timeout=120)
-    scaled.compose.wait_healthy("attnserve", REPLICAS, START_S)
-
-    def routed() -> bool | None:
-        status, _, _ = post_json(f"{scaled.proxy}/v1/chat/completions", chat_body("Hi", 1), 30)
-        return True if status == 200 else None
-
-    wait_for(routed, 60, "the proxy to route again")
+    # Everything back (the `scaled` fixture: every replica healthy and routed to), then a
+    # stream through HAProxy while the whole stack stops: compose stops the proxy first with
+    # SIGUSR1 (soft stop: it stops listening and lets the stream finish), then the replicas
+    # with SIGTERM (each drains).
     stream = Stream(f"{scaled.proxy}/v1/chat/completions",
                     chat_body("Tell me about rivers.", 64, stream=True, ignore_eos=True)).start()
     assert stream.first_chunk.wait(60), "no token within 60 s"

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,13 @@ def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str
     env.pop("ATTNSERVE_DEBUG", None)
     return subprocess.run([ATTNSERVE, *args], capture_output=True, text=True, timeout=timeout,
                           env=env, check=False)
+
+
+def run_clis(*commands: list[str]) -> list[subprocess.CompletedProcess[str]]:
+    """Independent CLI runs side by side, results in order: each one is a fresh process that
+    spends seconds importing torch on one thread, so a serial loop would leave cores idle."""
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda args: run_cli(*args), commands))
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +72,9 @@ def _error_cases(tmp: Path, corpus: Path) -> list[tuple[list[str], str]]:
 
 
 def test_cli_bad_input_gives_one_line_error_and_nonzero_exit(tmp_path, corpus):
-    for args, message in _error_cases(tmp_path, corpus):
-        proc = run_cli(*args)
+    cases = _error_cases(tmp_path, corpus)
+    for (args, message), proc in zip(cases, run_clis(*(args for args, _ in cases)),
+                                     strict=True):
         assert proc.returncode != 0, args
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1, (args, proc.stderr)
@@ -100,8 +109,13 @@ def test_cli_train_then_sample(tmp_path, corpus):
         "config.json", "metrics.jsonl", "model.safetensors", "tokenizer.json",
         "train_state.safetensors"]
 
-    proc = run_cli("sample", "--ckpt", str(ckpt), "--prompt", "ROMEO:", "--greedy",
-                   "--max-new-tokens", "20")
+    # Four samplings of the same checkpoint, side by side (none writes it).
+    sample = ["sample", "--ckpt", str(ckpt)]
+    seeded_args = [*sample, "--prompt", "", "--seed", "3", "--temperature", "1.0", "--top-k",
+                   "20", "--top-p", "0.95", "--max-new-tokens", "15"]
+    proc, *seeded_runs, bad = run_clis(
+        [*sample, "--prompt", "ROMEO:", "--greedy", "--max-new-tokens", "20"],
+        seeded_args, seeded_args, [*sample, "--prompt", "x", "--top-p", "0"])
     assert proc.returncode == 0, proc.stderr
     # The CLI prints exactly what the in-process reference decode produces.
     loaded = load_checkpoint(ckpt)
@@ -112,12 +126,9 @@ def test_cli_train_then_sample(tmp_path, corpus):
     new = new[: new.index(2)] if 2 in new else new
     assert proc.stdout == decode(tok, new) + "\n"
 
-    seeded = [run_cli("sample", "--ckpt", str(ckpt), "--prompt", "", "--seed", "3",
-                      "--temperature", "1.0", "--top-k", "20", "--top-p", "0.95",
-                      "--max-new-tokens", "15").stdout for _ in range(2)]
+    seeded = [run.stdout for run in seeded_runs]
     assert seeded[0] == seeded[1] and seeded[0].strip()
 
-    bad = run_cli("sample", "--ckpt", str(ckpt), "--prompt", "x", "--top-p", "0")
     assert bad.returncode != 0 and "top_p" in bad.stderr
 
     resumed = run_cli("train", "--data", str(corpus), "--out", str(ckpt), "--resume",
