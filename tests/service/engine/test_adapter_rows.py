@@ -10,6 +10,7 @@ chunk after their cache, and decode together; the prefix cache keys blocks by ad
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -191,3 +192,87 @@ def test_an_engine_serves_requests_of_each_adapter_as_their_merged_models(
         assert got[:len(want)] == want, name or "the base"
         compared += len(want)
     assert compared >= 20  # most tokens had a clear margin: the comparison decided
+
+
+def peft_greedy(build: LoraBuild, hf_dir: Path, adapter: str, prompt: list[int], new: int
+                ) -> list[int]:
+    """PEFT's own model (the adapter over transformers' base, unmerged) decoding greedily,
+    up to a near tie."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(hf_dir)),
+                                      str(build.adapters[adapter])).eval()
+    seq, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(new):
+            logits = model(torch.tensor([seq])).logits[0, -1].float().numpy()
+            low, high = np.sort(logits)[-2:]
+            if high - low < 1e-3:
+                break
+            out.append(int(logits.argmax()))
+            seq.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_served_rows_decode_as_peft_does_with_and_without_speculation(
+        lora_build: LoraBuild, llama_artifacts: Any, speculative: str | None) -> None:
+    """Rows of both adapters and the base in one engine, verified drafts (n-gram prompt
+    lookup, every step) or not: each row's greedy tokens equal PEFT's over transformers."""
+    import asyncio
+
+    from service.artifact.loader import open_artifact
+    from service.engine.engine import Engine
+    from service.engine.request import (
+        GenerationRequest,
+        SamplingParams,
+        StoppingCriteria,
+        TokenEvent,
+    )
+    from service.settings import Settings
+
+    artifact = open_artifact(Settings.model_validate({"model": lora_build.artifact}))
+    config = EngineConfig(lora_modules=tuple(f"{n}={d}" for n, d in lora_build.adapters.items()),
+                          max_loras=2, max_lora_rank=8, max_batch_size=4,
+                          speculative_model=speculative, speculative_max_batch_rows=4,
+                          speculative_adaptive=False)
+    engine = Engine.from_artifact(artifact, config)
+    rng = np.random.default_rng(4)
+    motif = list(map(int, rng.integers(3, artifact.config.vocab_size, 3)))
+    asks = [(name, motif * 3 + [int(t) for t in rng.integers(3, 50, 2)])
+            for name in ("alpha", "beta", "")]  # repeated n-grams: prompt lookup proposes
+
+    async def main() -> list[list[int]]:
+        engine.start(asyncio.get_running_loop())
+        try:
+            handles = engine.submit([GenerationRequest(
+                prompt, SamplingParams(), StoppingCriteria(max_new_tokens=8),
+                adapter_name=name or None) for name, prompt in asks])
+            events = await asyncio.gather(*(h.all_events() for h in handles))
+        finally:
+            await asyncio.to_thread(engine.stop)
+        return [[e.token.id for e in evs if isinstance(e, TokenEvent)] for evs in events]
+
+    tokens = asyncio.run(main())
+    speculator = engine.scheduler.speculator
+    if speculative:  # drafts were verified, rows of adapters among them
+        assert speculator is not None and speculator.counters.drafts > 0
+    hf_dir = llama_artifacts("llama").hf_dir
+    compared = 0
+    for (name, prompt), got in zip(asks, tokens, strict=True):
+        if name:
+            want = peft_greedy(lora_build, hf_dir, name, prompt, 8)
+        else:
+            seq, want = list(prompt), []
+            for _ in range(8):
+                logits = expected(lora_build, "", seq)[-1]
+                low, high = np.sort(logits)[-2:]
+                if high - low < 1e-3:
+                    break
+                want.append(int(logits.argmax()))
+                seq.append(want[-1])
+        assert got[:len(want)] == want, name or "the base"
+        compared += len(want)
+    assert compared >= 12
