@@ -31,6 +31,7 @@ class LoraBuild:
     artifact: Path  # the base, with its adapter graphs
     adapters: dict[str, Path]  # name → PEFT adapter directory
     references: dict[str, OrtDecoder]  # "" (the base) and each name → its merged model
+    merged: dict[str, Path]  # each name → its merged model's artifact
 
 
 def peft_adapter(hf_dir: Path, out: Path, seed: int, rank: int, targets: list[str],
@@ -72,11 +73,19 @@ def build_lora(build: Any, root: Path) -> LoraBuild:
         "beta": peft_adapter(build.hf_dir, root / "beta", 2, 4, ["q_proj", "v_proj"],
                              rslora=True)}
     references = {"": OrtDecoder.from_artifact(build.artifact)}
+    artifacts: dict[str, Path] = {}
     with torch_threads(1):
         for name, directory in adapters.items():
             merged = merge(build.checkpoint, directory, root / f"{name}-merged")
-            out = export_artifact(merged, root / f"{name}-artifact", verify=False)
-            references[name] = OrtDecoder.from_artifact(out)
-    return LoraBuild(build.artifact, adapters, references)
+            artifacts[name] = export_artifact(merged, root / f"{name}-artifact", verify=False)
+            references[name] = OrtDecoder.from_artifact(artifacts[name])
+    return LoraBuild(build.artifact, adapters, references, artifacts)
+
+
+def held(adapters: Any, name: str) -> Any:
+    """``name`` in an AdapterSet as a running request holds it: counted and in a slot."""
+    ref = adapters.begin(name)
+    assert adapters.acquire(ref)
+    return ref
 
 

@@ -17,12 +17,11 @@ import numpy as np
 import pytest
 
 from service.contract import io_spec as io
-from service.engine.adapters import AdapterSet, UnknownAdapter
+from service.engine.adapters import UnknownAdapter
 from service.engine.engine import EngineConfig, add_startup_adapters, create_runner
 from service.engine.engine_graph_runner import EngineGraphRunner
-from service.engine.request import AdapterRef
 from service.engine.step_plan import RowWork, StepPlan
-from tests.service.lora_build import TOL, LoraBuild, expected
+from tests.service.lora_build import TOL, LoraBuild, expected, held
 
 
 def lora_runner(build: LoraBuild, **options: Any) -> EngineGraphRunner:
@@ -32,13 +31,6 @@ def lora_runner(build: LoraBuild, **options: Any) -> EngineGraphRunner:
     add_startup_adapters(runner.adapters, config)
     assert isinstance(runner, EngineGraphRunner) and runner.adapters is not None
     return runner
-
-
-def held(adapters: AdapterSet, name: str) -> AdapterRef:
-    """``name`` as a running request holds it: counted and in a slot."""
-    ref = adapters.begin(name)
-    assert adapters.acquire(ref)
-    return ref
 
 
 def run(runner: EngineGraphRunner, rows: list[RowWork]) -> list[np.ndarray]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -25,8 +24,7 @@ from service.engine.adapters import AdapterSet, UnknownAdapter
 from service.engine.engine import EngineConfig, add_startup_adapters, create_runner
 from service.providers import create_session
 from service.viz.attention_model import AttentionModel
-from tests.conftest import torch_threads
-from tests.service.engine.test_adapter_rows import ALL, held, peft_adapter
+from tests.service.lora_build import LoraBuild, held
 
 KINDS = ["weights", "scores", "q", "v"]
 # float32: x·(W + s·BA) against x·W + s·(x·Aᵀ)·B, summed in another order; scores reach
@@ -42,23 +40,13 @@ class Build:
 
 
 @pytest.fixture(scope="module")
-def build(llama_artifacts: Any, tmp_path_factory: pytest.TempPathFactory) -> Build:
-    pytest.importorskip("peft")
-    from export.to_onnx import export_artifact
-    from model.finetune.merge import merge
-
-    base = llama_artifacts("llama")
-    if not (base.artifact / lora_file(io.ATTENTION_FILE)).is_file():
+def build(lora_build: LoraBuild) -> Build:
+    """The session's tiny Llama and PEFT adapters (tests/service/lora_build.py), with alpha
+    merged by `attnserve merge`: its attention.onnx is the reference."""
+    if not (lora_build.artifact / lora_file(io.ATTENTION_FILE)).is_file():
         pytest.fail("the llama artifact has no attention_lora.onnx")
-    root = tmp_path_factory.mktemp("attention-lora")
-    adapters = {"alpha": peft_adapter(base.hf_dir, root / "alpha", 1, 8, ALL, rslora=False),
-                "beta": peft_adapter(base.hf_dir, root / "beta", 2, 4, ["q_proj", "v_proj"],
-                                     rslora=True)}
-    with torch_threads(1):
-        merged = merge(base.checkpoint, adapters["alpha"], root / "alpha-merged")
-        out = export_artifact(merged, root / "alpha-artifact", verify=False)
-    return Build(base.artifact, adapters,
-                 ort.InferenceSession(str(out / io.ATTENTION_FILE),
+    return Build(lora_build.artifact, lora_build.adapters,
+                 ort.InferenceSession(str(lora_build.merged["alpha"] / io.ATTENTION_FILE),
                                       providers=["CPUExecutionProvider"]))
 
 

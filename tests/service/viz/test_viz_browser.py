@@ -590,18 +590,14 @@ def test_full_context_input_stays_responsive(chromium: Any, long_server: ServerP
 
 
 @pytest.fixture(scope="module")
-def lora_server(llama_artifacts: Any, tmp_path_factory: pytest.TempPathFactory
+def lora_server(lora_build: Any, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[ServerProcess]:
     """The random-weight Llama (its artifact has the adapter graphs) serving one PEFT
-    adapter, ``alpha`` (random A and B, rank 8 on all seven projections)."""
-    pytest.importorskip("peft")
-    from tests.service.engine.test_adapter_rows import ALL, peft_adapter
-
-    build = llama_artifacts("llama")
+    adapter, ``alpha`` (random A and B, rank 8 on all seven projections;
+    tests/service/lora_build.py)."""
+    adapter = lora_build.adapters["alpha"]
     root = tmp_path_factory.mktemp("viz-lora")
-    with torch_threads(1):
-        adapter = peft_adapter(build.hf_dir, root / "alpha", 1, 8, ALL, rslora=False)
-    proc = ServerProcess(build.artifact, root / "server.log",
+    proc = ServerProcess(lora_build.artifact, root / "server.log",
                          ("--device", "cpu", "--lora-modules", f"alpha={adapter}"))
     try:
         proc.wait_ready()
