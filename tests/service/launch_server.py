@@ -52,13 +52,14 @@ def main() -> int:
 
         run = AttentionModel.run
 
-        def gated_run(self: Any, token_ids: Any, kinds: Any, layers: Any = None) -> Any:
+        def gated_run(self: Any, token_ids: Any, kinds: Any, layers: Any = None,
+                      **options: Any) -> Any:
             if len(token_ids) > 1:
                 with open(os.path.join(attention_gate, "entered"), "w") as entered:
                     entered.write("1")  # blocks until the test reads
                 with open(os.path.join(attention_gate, "release")) as release:
                     release.read(1)  # blocks until the test writes
-            return run(self, token_ids, kinds, layers)
+            return run(self, token_ids, kinds, layers, **options)
 
         AttentionModel.run = gated_run  # type: ignore[method-assign]
     port_file = os.environ.get("ATTNSERVE_TEST_PORT_FILE")
