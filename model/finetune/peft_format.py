@@ -29,6 +29,7 @@ from service.contract.peft_adapter import (  # noqa: F401  (re-exported: the for
     AdapterError,
     read_config,
     tensor_key,
+    tensor_pairs,
     weights_path,
 )
 
@@ -72,21 +73,10 @@ def read_adapter(directory: Path, model_config: Any) -> Adapter:
     except (SafetensorError, OSError) as exc:
         raise AdapterError(f"{path} is not a readable safetensors file: {exc}") from exc
     targets = {t.module: t for t in targets_of(model_config)}
-    pairs: dict[str, dict[str, Tensor]] = {}
-    for key, tensor in tensors.items():
-        parsed = tensor_key(key)
-        if parsed is None:
-            raise AdapterError(f"{path}: tensor {key} is not a LoRA A or B of a module "
-                               "(DoRA magnitudes, embeddings and biases are not supported)")
-        module, part = parsed
-        if module not in targets:
-            kinds = sorted({t.kind for t in targets.values()})
-            raise AdapterError(f"{path}: {key} adapts {module}, which this {model_config.arch} "
-                               f"model of {model_config.n_layers} layers does not have (its "
-                               f"LoRA targets: {', '.join(kinds)} in model layers)")
-        pairs.setdefault(module, {})[part] = tensor
-    if not pairs:
-        raise AdapterError(f"{path} holds no LoRA tensors")
+    kinds = ", ".join(sorted({t.kind for t in targets.values()}))
+    pairs = tensor_pairs(path, tensors, targets,
+                         f"this {model_config.arch} model of {model_config.n_layers} layers "
+                         f"(its LoRA targets: {kinds} in model layers)")
     loras = [_lora(path, targets[module], pair, config, model_config)
              for module, pair in sorted(pairs.items(), key=lambda kv: _order(targets, kv[0]))]
     settings = LoRASettings(rank=config.rank, alpha=config.alpha, dropout=0.0,
@@ -100,13 +90,10 @@ def _order(targets: dict[str, Any], module: str) -> int:
     return list(targets).index(module)
 
 
-def _lora(path: Path, target: Any, pair: dict[str, Tensor], config: AdapterConfig,
+def _lora(path: Path, target: Any, pair: tuple[Tensor, Tensor], config: AdapterConfig,
           model_config: Any) -> LoRA:
     """One module's LoRA, its shapes checked against the model's layers."""
-    if set(pair) != {"lora_A", "lora_B"}:
-        raise AdapterError(f"{path}: {target.module} has {sorted(pair)} but not both "
-                           "lora_A and lora_B")
-    a, b = pair["lora_A"], pair["lora_B"]
+    a, b = pair
     widths = _layer_widths(target, model_config)
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
         raise AdapterError(f"{path}: {target.module} has A {list(a.shape)} and B "

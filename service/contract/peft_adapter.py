@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")  # a tensor: numpy's for the server, torch's for the fine-tuner
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -106,6 +110,32 @@ def weights_path(directory: Path) -> Path:
                 "safe_serialization=True)") if (directory / PICKLED_WEIGHTS).is_file() else ""
         raise AdapterError(f"{directory}: {WEIGHTS_FILE} is missing{hint}")
     return path
+
+
+def tensor_pairs(path: Path, tensors: Mapping[str, T], modules: Container[str],
+                 model: str) -> dict[str, tuple[T, T]]:
+    """module → (A, B) of an adapter's safetensors ``tensors`` (read from ``path``), each
+    module one of ``modules``; AdapterError with one line for a tensor that is not a LoRA A
+    or B, a module the model (``model``, for the message) lacks, an A without its B, or no
+    tensor at all. Shapes are the caller's to check."""
+    pairs: dict[str, dict[str, T]] = {}
+    for key, tensor in tensors.items():
+        parsed = tensor_key(key)
+        if parsed is None:
+            raise AdapterError(f"{path}: tensor {key} is not a LoRA A or B of a module "
+                               "(DoRA magnitudes, embeddings and biases are not supported)")
+        module, part = parsed
+        if module not in modules:
+            raise AdapterError(f"{path}: {key} adapts {module}, which {model} does not have "
+                               "(an adapter for another base model?)")
+        pairs.setdefault(module, {})[part] = tensor
+    if not pairs:
+        raise AdapterError(f"{path} holds no LoRA tensors")
+    for module, pair in pairs.items():
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise AdapterError(f"{path}: {module} has {sorted(pair)} but not both lora_A "
+                               "and lora_B")
+    return {module: (pair["lora_A"], pair["lora_B"]) for module, pair in pairs.items()}
 
 
 def tensor_key(key: str) -> tuple[str, str] | None:

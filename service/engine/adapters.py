@@ -41,7 +41,7 @@ from service.contract.peft_adapter import (
     WEIGHTS_FILE,
     AdapterError,
     read_config,
-    tensor_key,
+    tensor_pairs,
     weights_path,
 )
 from service.engine.request import AdapterRef
@@ -80,25 +80,9 @@ def read_adapter_weights(directory: Path, name: str, widths: Mapping[str, tuple[
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as exc:
         raise AdapterError(f"{path} is not a readable safetensors file: {exc}") from exc
-    pairs: dict[str, dict[str, np.ndarray]] = {}
-    for key, tensor in tensors.items():
-        parsed = tensor_key(key)
-        if parsed is None:
-            raise AdapterError(f"{path}: tensor {key} is not a LoRA A or B of a module "
-                               "(DoRA magnitudes, embeddings and biases are not supported)")
-        module, part = parsed
-        if module not in widths:
-            raise AdapterError(f"{path}: {key} adapts {module}, which the served model does "
-                               f"not have (an adapter for another base model?)")
-        pairs.setdefault(module, {})[part] = tensor
-    if not pairs:
-        raise AdapterError(f"{path} holds no LoRA tensors")
     modules: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for module, pair in pairs.items():
-        if set(pair) != {"lora_A", "lora_B"}:
-            raise AdapterError(f"{path}: {module} has {sorted(pair)} but not both lora_A "
-                               "and lora_B")
-        a, b = pair["lora_A"], pair["lora_B"]  # (r, in), (out, r)
+    for module, (a, b) in tensor_pairs(path, tensors, widths, "the served model").items():
+        # a (r, in), b (out, r)
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise AdapterError(f"{path}: {module} has A {list(a.shape)} and B "
                                f"{list(b.shape)}, not (r, in) and (out, r)")

@@ -31,7 +31,7 @@ def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str
 def run_clis(*commands: list[str]) -> list[subprocess.CompletedProcess[str]]:
     """Independent CLI runs side by side, results in order: each one is a fresh process that
     spends seconds importing torch on one thread, so a serial loop would leave cores idle."""
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=4) as pool:
         return list(pool.map(lambda args: run_cli(*args), commands))
 
 

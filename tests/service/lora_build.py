@@ -8,7 +8,7 @@ checkpoint, exported and run by the plain model.onnx loop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,3 +89,25 @@ def held(adapters: Any, name: str) -> Any:
     return ref
 
 
+
+
+def greedy_until_tie(next_logits: Callable[[list[int]], np.ndarray], prompt: Sequence[int],
+                     new: int) -> list[int]:
+    """Up to ``new`` greedy tokens after ``prompt`` from ``next_logits`` (a sequence → its
+    last position's (V,) logits), stopping at a near tie (top-2 margin below 1e-3: the
+    model does not decide it, float order may flip it)."""
+    seq, out = list(prompt), []
+    for _ in range(new):
+        logits = next_logits(seq)
+        low, high = np.sort(logits)[-2:]
+        if high - low < 1e-3:
+            break
+        out.append(int(logits.argmax()))
+        seq.append(out[-1])
+    return out
+
+
+def merged_greedy(build: LoraBuild, adapter: str, prompt: Sequence[int], new: int
+                  ) -> list[int]:
+    """The merged model's (or the base's, adapter "") greedy tokens alone, up to a near tie."""
+    return greedy_until_tie(lambda seq: expected(build, adapter, seq)[-1], prompt, new)

@@ -21,7 +21,7 @@ from service.engine.adapters import UnknownAdapter
 from service.engine.engine import EngineConfig, add_startup_adapters, create_runner
 from service.engine.engine_graph_runner import EngineGraphRunner
 from service.engine.step_plan import RowWork, StepPlan
-from tests.service.lora_build import TOL, LoraBuild, expected, held
+from tests.service.lora_build import TOL, LoraBuild, expected, greedy_until_tie, held, merged_greedy
 
 
 def lora_runner(build: LoraBuild, **options: Any) -> EngineGraphRunner:
@@ -173,14 +173,7 @@ def test_an_engine_serves_requests_of_each_adapter_as_their_merged_models(
     tokens = asyncio.run(main())
     compared = 0
     for (name, prompt, new), got in zip(asks, tokens, strict=True):
-        seq, want = list(prompt), []
-        for _ in range(new):
-            logits = expected(lora_build, name, seq)[-1]
-            top2 = np.sort(logits)[-2:]
-            if top2[1] - top2[0] < 1e-3:  # a near tie: the rest is not decided by the model
-                break
-            want.append(int(logits.argmax()))
-            seq.append(want[-1])
+        want = merged_greedy(lora_build, name, prompt, new)
         assert got[:len(want)] == want, name or "the base"
         compared += len(want)
     assert compared >= 20  # most tokens had a clear margin: the comparison decided
@@ -196,16 +189,9 @@ def peft_greedy(build: LoraBuild, hf_dir: Path, adapter: str, prompt: list[int],
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(hf_dir)),
                                       str(build.adapters[adapter])).eval()
-    seq, out = list(prompt), []
     with torch.no_grad():
-        for _ in range(new):
-            logits = model(torch.tensor([seq])).logits[0, -1].float().numpy()
-            low, high = np.sort(logits)[-2:]
-            if high - low < 1e-3:
-                break
-            out.append(int(logits.argmax()))
-            seq.append(out[-1])
-    return out
+        return greedy_until_tie(
+            lambda seq: model(torch.tensor([seq])).logits[0, -1].float().numpy(), prompt, new)
 
 
 @pytest.mark.parametrize("speculative", [None, "ngram"])
@@ -254,17 +240,8 @@ def test_served_rows_decode_as_peft_does_with_and_without_speculation(
     hf_dir = llama_artifacts("llama").hf_dir
     compared = 0
     for (name, prompt), got in zip(asks, tokens, strict=True):
-        if name:
-            want = peft_greedy(lora_build, hf_dir, name, prompt, 8)
-        else:
-            seq, want = list(prompt), []
-            for _ in range(8):
-                logits = expected(lora_build, "", seq)[-1]
-                low, high = np.sort(logits)[-2:]
-                if high - low < 1e-3:
-                    break
-                want.append(int(logits.argmax()))
-                seq.append(want[-1])
+        want = (peft_greedy(lora_build, hf_dir, name, prompt, 8) if name
+                else merged_greedy(lora_build, "", prompt, 8))
         assert got[:len(want)] == want, name or "the base"
         compared += len(want)
     assert compared >= 12

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 
 from service.contract import adapter_spec
 from tests.service.helpers import ServerProcess, metric_value, serving, write_peft_adapter
-from tests.service.lora_build import LoraBuild, expected
+from tests.service.lora_build import LoraBuild, merged_greedy
 
 ADAPTER_GRAPH = adapter_spec.lora_file("engine_mixed.onnx")
 
@@ -120,20 +119,6 @@ def generate(client: httpx.Client, adapter: str, prompt: str, new: int) -> tuple
     assert r.status_code == 200, r.text
     details = r.json()["details"]
     return ([t["id"] for t in details["prefill"]], [t["id"] for t in details["tokens"]])
-
-
-def merged_greedy(build: LoraBuild, adapter: str, prompt: list[int], new: int) -> list[int]:
-    """The merged model's greedy tokens alone, up to a near tie (which the model does not
-    decide: float order may flip it)."""
-    seq, out = list(prompt), []
-    for _ in range(new):
-        logits = expected(build, adapter, seq)[-1]
-        low, high = np.sort(logits)[-2:]
-        if high - low < 1e-3:
-            break
-        out.append(int(logits.argmax()))
-        seq.append(out[-1])
-    return out
 
 
 PROMPTS = ["ROMEO:", "First Citizen:", "To be, or not", "What say you", "O", "Hark"]
