@@ -27,6 +27,20 @@ TRAIN_BATCH = 16
 TRAIN_BLOCK = 64
 
 
+@pytest.fixture(autouse=True)
+def unexpected_step_failures(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test in which the engine (in this process or a server the tests started)
+    logged a failed step the test did not inject (tests/step_failures.py)."""
+    from tests import step_failures
+
+    watch = step_failures.start()
+    yield
+    found = step_failures.stop(watch)
+    if found and request.node.get_closest_marker("step_failures") is None:
+        pytest.fail("the engine logged a failed step this test did not inject (mark it "
+                    "step_failures if it does):\n" + "\n".join(found), pytrace=False)
+
+
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """Tiny models gain nothing from threads; on a shared 2-core box extra threads only

@@ -160,7 +160,7 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
             create_session(artifact_dir / steps.file, "cuda", engine.intra_op_threads,
                            cuda_graphs=engine.cuda_graphs),
             model, replace(pool, prefix_cache_blocks=0), device="cuda",
-            cuda_graphs=engine.cuda_graphs)
+            cuda_graphs=engine.cuda_graphs, steps=steps)
     session = create_session(artifact_dir / steps.file, "cpu", engine.intra_op_threads,
                              spin_wait=spin_wait)
     extra = {g: create_session(artifact_dir / g.file, "cpu", engine.intra_op_threads,
@@ -172,7 +172,7 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     for graph in extra:
         log.info("%s runs %s", artifact_dir.name, graph.describe())
     return EngineGraphRunner(session, model, pool, long_passes=extra, adapter_slots=(
-        (engine.max_loras, engine.max_lora_rank) if adapters else (0, 0)))
+        (engine.max_loras, engine.max_lora_rank) if adapters else (0, 0)), steps=steps)
 
 
 def add_startup_adapters(adapters: AdapterSet | None, config: EngineConfig) -> None:

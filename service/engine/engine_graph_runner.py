@@ -63,14 +63,17 @@ class EngineGraphRunner(PooledRunner):
                  pool: PoolConfig,
                  long_passes: Mapping[GraphEntry, ort.InferenceSession] | None = None,
                  device: str = "cpu", cuda_graphs: bool = False,
-                 adapter_slots: tuple[int, int] = (0, 0)) -> None:
+                 adapter_slots: tuple[int, int] = (0, 0), steps: GraphEntry | None = None
+                 ) -> None:
         """``session``: the graph of every pass (engine.onnx or engine_mixed.onnx);
         ``long_passes``: the artifact's float32-weights graph, for passes of at least its
         entry's ``from_tokens`` tokens (module docstring). ``device`` "cuda": a float16
         graph on the CUDA provider, the pool in device memory, decode steps replayed as
         CUDA graphs with ``cuda_graphs`` (the session must have been created with them;
         cuda.py). An adapter graph (``<stem>_lora.onnx``) applies each row's LoRA adapter:
-        ``adapter_slots`` is then (resident adapters, rank per slot) (adapters.py)."""
+        ``adapter_slots`` is then (resident adapters, rank per slot) (adapters.py).
+        ``steps``: ``session``'s entry in the artifact's graph table (what /info reports);
+        None (a session built by hand): the entry its inputs describe."""
         n = config.n_layers
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
@@ -88,7 +91,6 @@ class EngineGraphRunner(PooledRunner):
                 options.add_run_config_entry("gpu_graph_id", UNCAPTURED)
         super().__init__(config, pool, np.dtype(config.kv_dtype), device)
         self.session = session
-        self.graph_file = es.ENGINE_FILE
         self.provider = session.get_providers()[0]
         self.device = device
         self._greedy = es.GREEDY_IDS in outputs  # a float16 graph's argmax output
@@ -97,8 +99,12 @@ class EngineGraphRunner(PooledRunner):
         # prompt chunk or newcomers' prompts ride along with a decode step: one read of
         # the weights for both.
         self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in inputs
-        if self.mixes_chunks:
-            self.graph_file = es.ENGINE_MIXED_FILE
+        modules = adapter_spec.adapter_modules([i.name for i in session.get_inputs()])
+        steps = steps or _entry_of(self.mixes_chunks, bool(modules), device)
+        if (steps.row_groups == 2) != self.mixes_chunks or steps.adapters != bool(modules):
+            raise ValueError(f"the session does not compute what {steps.file} does "
+                             f"({steps.describe()})")
+        self.graph_file = steps.file
         long_passes = dict(long_passes or {})
         for graph, other in long_passes.items():
             if not takes_inputs_of(session, other):
@@ -106,9 +112,7 @@ class EngineGraphRunner(PooledRunner):
         if device != "cpu" and (self.mixes_chunks or long_passes):
             raise ValueError(f"on {device}, the engine runs {es.ENGINE_FILE} alone")
         # which graph runs which pass: the table's entries this runner serves, steps first
-        self.graphs: tuple[GraphEntry, ...] = (
-            GraphEntry(self.graph_file, "steps", row_groups=2 if self.mixes_chunks else 1,
-                       cuda=device != "cpu"), *long_passes)
+        self.graphs: tuple[GraphEntry, ...] = (steps, *long_passes)
         self._sessions = {g.file: _Graph(s) for g, s in ((self.graphs[0], session),
                                                           *long_passes.items())}
         self.float32_passes = 0  # passes run on float32 weights
@@ -122,7 +126,6 @@ class EngineGraphRunner(PooledRunner):
                                             device=device)
             self._sampler = DeviceSampler(device)
         self.samples_on_device = self._sampler is not None
-        modules = adapter_spec.adapter_modules([i.name for i in session.get_inputs()])
         self.adapters = None
         if modules:
             if device != "cpu" or long_passes or cuda_graphs:
@@ -148,6 +151,17 @@ class EngineGraphRunner(PooledRunner):
 
     def _arrange(self, slots: Sequence[Slot], start: int | None) -> None:
         self.pool.compact(slots, start)
+
+    def _prompt_runs(self, slots: Sequence[Slot]) -> list[list[int]]:
+        """A pass binds one run of consecutive slots: the empty ``slots`` by runs, in slot
+        order (each reservation is one run: ``KVPool.allocate``)."""
+        runs: list[list[int]] = []
+        for j in sorted(range(len(slots)), key=lambda j: slots[j].index):
+            if runs and slots[j].index == slots[runs[-1][-1]].index + 1:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        return runs
 
     def _run(self, rows: _Rows, chunk: _Rows | None = None
              ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -420,6 +434,14 @@ class EngineGraphRunner(PooledRunner):
         pos = np.arange(start, total, dtype=np.int64)[None, :]  # (1, T)
         return _Rows(slot.index, np.asarray(tokens, np.int64)[None, :], pos,
                      np.array([total - 1]), total, index[None, :], self._lora([slot]))
+
+
+def _entry_of(mixes_chunks: bool, adapters: bool, device: str) -> GraphEntry:
+    """The graph table's entry for a steps graph with these inputs (contract/graphs.py)."""
+    file = es.ENGINE_MIXED_FILE if mixes_chunks else es.ENGINE_FILE
+    return GraphEntry(adapter_spec.lora_file(file) if adapters else file, "steps",
+                      row_groups=2 if mixes_chunks else 1, cuda=device != "cpu",
+                      adapters=adapters)
 
 
 class _Graph:

@@ -162,12 +162,15 @@ class PooledRunner:
     def run(self, plan: StepPlan) -> StepResult:
         """Execute a step's plan (runner.py), packing its rows into passes by what the
         graph takes: rows of one token after their cache decode together; rows into empty
-        slots (first prompts) prefill together; a row of several tokens after its cache (a
-        chunk, the rest of a prompt after a cached prefix, drafts to verify) is a pass of
-        its own, as GroupQueryAttention runs such a row only alone. Where the graph takes
-        a second group of rows (``mixes_chunks``), one such row, or else the first
-        prompts, ride in the decode rows' pass. The order: that pass, first prompts, the
-        other rows of several tokens, the decode rows, then the drafted rows."""
+        slots (first prompts) prefill together, one pass per run of slots the graph binds
+        at once (``_prompt_runs``: a step's newcomers are one run, a long prompt's first
+        chunk, reserved at the top of the pool, another); a row of several tokens after
+        its cache (a chunk, the rest of a prompt after a cached prefix, drafts to verify)
+        is a pass of its own, as GroupQueryAttention runs such a row only alone. Where the
+        graph takes a second group of rows (``mixes_chunks``), one such row, or else the
+        first run of first prompts, ride in the decode rows' pass. The order: that pass,
+        first prompts, the other rows of several tokens, the decode rows, then the drafted
+        rows."""
         rows = plan.rows
         if len({r.slot.index for r in rows}) != len(rows):
             raise ValueError("a row appears twice in one step")
@@ -178,18 +181,21 @@ class PooledRunner:
         decode = [i for i, r in enumerate(rows) if cached[i] and len(r.tokens) == 1]
         first = [i for i in range(len(rows)) if not cached[i]]
         after = [i for i, r in enumerate(rows) if cached[i] and len(r.tokens) > 1]
+        runs = [[first[j] for j in run]  # rows into empty slots, by the pass taking them
+                for run in self._prompt_runs([rows[i].slot for i in first])]
         rider: list[int] = []
         if decode and self.mixes_chunks:
             rider = next(([i] for i in after if not rows[i].drafted), [])
-            if not rider and first and all(rows[i].want != "every" for i in first):
-                rider = first
+            if not rider and runs and all(rows[i].want != "every" for i in runs[0]):
+                rider = runs[0]
         if rider:
             with _timed(out, decode + rider):
                 self._mixed_pass(rows, decode, rider, out)
             decode = []
-        if first and rider != first:
-            with _timed(out, first):
-                self._first_prompts(rows, first, out)
+        for run in runs:
+            if run != rider:
+                with _timed(out, run):
+                    self._first_prompts(rows, run, out)
         for i in [i for i in after if not rows[i].drafted and i not in rider]:
             with _timed(out, [i]):
                 self._extend_row(rows[i], i, out)
@@ -208,9 +214,15 @@ class PooledRunner:
         if not work.drafted:
             self._save_prefix([work.slot])
 
+    def _prompt_runs(self, slots: Sequence[Slot]) -> list[list[int]]:
+        """Empty ``slots`` (a step's rows into them) grouped by the prefill passes that
+        take them, as indices into ``slots``. By default one pass takes them all: the
+        graph gathers each row's cache wherever it sits (model.onnx)."""
+        return [list(range(len(slots)))] if slots else []
+
     def _first_prompts(self, rows: Sequence[RowWork], first: list[int], out: StepResult
                        ) -> None:
-        """Rows into empty slots, prefilled together in one consecutive run of slots."""
+        """Rows into empty slots (one of ``_prompt_runs``), prefilled together."""
         slots = [rows[i].slot for i in first]
         self.pool.assign(slots, sorted(s.index for s in slots))
         every = any(rows[i].want == "every" for i in first)

@@ -49,11 +49,20 @@ from service.engine.request import ErrorEvent, Event, GenerationRequest
 from service.engine.runner import ModelRunner
 from service.engine.sequence import SequenceState
 from service.engine.speculative import Speculator
-from service.engine.stats import LoadStats, NullStats, RequestStats, StatsSink, StepStats
+from service.engine.stats import (
+    LoadStats,
+    NullStats,
+    RequestStats,
+    StatsSink,
+    StepFailure,
+    StepStats,
+)
 from service.engine.step import Step, run_step, step_alone
 from service.settings import default_of
 
 log = logging.getLogger("attnserve.engine")
+# How every failed step's log line begins (the tests fail on one they did not inject).
+STEP_FAILED = "step failed"
 
 Outcome = Literal["finished", "cancelled", "error"]
 
@@ -239,7 +248,8 @@ class Scheduler:
             try:
                 batch = self._iterate(batch, admitted)
             except Exception as exc:  # a bug outside a forward pass: fail what is in flight
-                log.exception("engine loop failed; failing the requests in flight")
+                self._step_failed("loop", "outside a forward pass (%s); failing the "
+                                  "requests in flight", exc, exc_info=exc)
                 for doomed in (batch, self._partial):
                     if doomed is not None:
                         with contextlib.suppress(Exception):
@@ -313,8 +323,8 @@ class Scheduler:
             if partial is not None:
                 self._partial = None
             return None
-        log.warning("a step with %d newcomers' prompts failed (%s); prefilling them one by "
-                    "one", len(fresh), exc)
+        self._step_failed("retried", "with %d newcomers' prompts (%s); prefilling them one "
+                          "by one", len(fresh), exc)
         fresh.release(self.runner)
         rest = self._step(batch, None, partial) if batch or partial else None
         self._publish(rest)
@@ -469,9 +479,18 @@ class Scheduler:
         return batch
 
     def _fail_step(self, batch: Batch, exc: Exception) -> None:
-        log.error("engine step failed for %d request(s): %s", len(batch), exc,
-                  exc_info=exc)
+        self._step_failed("failed", "for %d request(s): %s", len(batch), exc, exc_info=exc)
         self._fail(batch, [], f"generation failed: {exc}", "generation")
+
+    def _step_failed(self, kind: StepFailure, message: str, *args: object,
+                     exc_info: BaseException | None = None) -> None:
+        """Report a step that raised: a line in the log (an error, or a warning where the
+        step's newcomers are tried again alone) and ``attnserve_step_failures_total``.
+        A retried step still answers everyone, so the count is how an operator sees it."""
+        level = logging.WARNING if kind == "retried" else logging.ERROR
+        log.log(level, f"{STEP_FAILED} {message}", *args, exc_info=exc_info,
+                extra={"step_failure": kind})
+        self.stats.record_step_failure(kind)
 
     def _fail(self, batch: Batch | None, handles: Sequence[RequestHandle], message: str,
               kind: str) -> None:

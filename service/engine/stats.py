@@ -85,8 +85,17 @@ class RequestStats:
     adapter: str | None = None  # the LoRA adapter it ran under (None: the base)
 
 
+# Why a step raised and what the scheduler did: "retried" (its newcomers were prefilled
+# again one by one: every request still answered unless it failed alone), "failed" (its
+# rows got an error), "loop" (outside a forward pass: every request in flight failed).
+StepFailure = Literal["retried", "failed", "loop"]
+STEP_FAILURES: tuple[StepFailure, ...] = ("retried", "failed", "loop")
+
+
 class StatsSink(Protocol):
     def record_step(self, stats: StepStats) -> None: ...
+
+    def record_step_failure(self, kind: StepFailure) -> None: ...
 
     def record_load(self, stats: LoadStats) -> None: ...
 
@@ -99,6 +108,9 @@ class StatsSink(Protocol):
 
 class NullStats:
     def record_step(self, stats: StepStats) -> None:
+        pass
+
+    def record_step_failure(self, kind: StepFailure) -> None:
         pass
 
     def record_load(self, stats: LoadStats) -> None:

@@ -33,7 +33,13 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from service.engine.stats import LoadStats, RequestStats, StepStats
+from service.engine.stats import (
+    STEP_FAILURES,
+    LoadStats,
+    RequestStats,
+    StepFailure,
+    StepStats,
+)
 from service.http.admission import AdmissionStats
 
 if TYPE_CHECKING:
@@ -217,6 +223,13 @@ class Metrics:
                                   registry=r)
         self.prefix_evictions = Counter("attnserve_prefix_cache_evictions",
                                         "Blocks evicted (least recently used).", registry=r)
+        self.step_failures = Counter(
+            "attnserve_step_failures", "Engine steps that raised, by what the scheduler did: "
+            "retried (newcomers prefilled again one by one), failed (the step's requests got "
+            "an error), loop (outside a forward pass: every request in flight failed).",
+            ["kind"], registry=r)
+        for kind in STEP_FAILURES:
+            self.step_failures.labels(kind=kind)  # exported at 0 from the start
         self.rejected = Counter("attnserve_rejected_requests",
                                 "Requests refused before reaching the engine, by reason.",
                                 ["reason"], registry=r)
@@ -287,6 +300,9 @@ class Metrics:
             self.decode.observe(stats.duration)
             self.batch_size.observe(stats.batch_size)
             self.generation_tokens.inc(stats.tokens)
+
+    def record_step_failure(self, kind: StepFailure) -> None:
+        self.step_failures.labels(kind=kind).inc()
 
     def record_load(self, stats: LoadStats) -> None:
         self.running.set(stats.running)

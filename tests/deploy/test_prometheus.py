@@ -36,7 +36,7 @@ def test_promtool_check_config(promtool) -> None:
 def test_promtool_check_rules(promtool) -> None:
     proc = run(promtool, "check", "rules", str(PROM_DIR / "alerts.yml"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "SUCCESS: 5 rules found" in proc.stdout
+    assert "SUCCESS: 6 rules found" in proc.stdout
 
 
 def test_promtool_rejects_a_broken_rule(promtool, tmp_path) -> None:

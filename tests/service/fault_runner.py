@@ -19,7 +19,8 @@ import os
 import queue
 import select
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -30,9 +31,10 @@ from service.engine.stats import (
     LoadStats,
     PrefixCacheStats,
     RequestStats,
+    StepFailure,
     StepStats,
 )
-from service.engine.step_plan import StepPlan, StepResult
+from service.engine.step_plan import RowWork, StepPlan, StepResult
 
 
 class InjectedFault(RuntimeError):
@@ -110,9 +112,13 @@ class ControlledRunner:
     """
 
     def __init__(self, runner: ModelRunner, gate: Gate | None = None,
-                 poison: int | None = None, keep_plans: bool = False) -> None:
-        """``keep_plans``: keep every step's plan (``plans``) for the test to inspect."""
+                 poison: int | None = None, keep_plans: bool = False,
+                 pass_seconds: Callable[[Sequence[RowWork]], float] | None = None) -> None:
+        """``keep_plans``: keep every step's plan (``plans``) for the test to inspect.
+        ``pass_seconds``: what each pass took, from the rows it carried (a fake clock for
+        what the scheduler learns from pass times), instead of this machine's figure."""
         self.runner = runner
+        self.pass_seconds = pass_seconds
         self.gate = gate
         self.poison = poison
         self.forwards = 0
@@ -139,7 +145,12 @@ class ControlledRunner:
         self._pass([r.tokens for r in plan.rows if len(r.tokens) > 1 and not r.drafted])
         if self.plans is not None:
             self.plans.append(plan)
-        return self.runner.run(plan)
+        result = self.runner.run(plan)
+        if self.pass_seconds is not None:
+            timed = self.pass_seconds
+            result.passes = [replace(p, seconds=timed([plan.rows[i] for i in p.rows]))
+                             for p in result.passes]
+        return result
 
     @property
     def capacity(self) -> int:
@@ -191,9 +202,13 @@ class Recorder:
         self.steps: list[StepStats] = []
         self.loads: list[LoadStats] = []
         self.requests: list[RequestStats] = []
+        self.step_failures: list[StepFailure] = []
 
     def record_step(self, stats: StepStats) -> None:
         self.steps.append(stats)
+
+    def record_step_failure(self, kind: StepFailure) -> None:
+        self.step_failures.append(kind)
 
     def record_load(self, stats: LoadStats) -> None:
         self.loads.append(stats)

@@ -30,6 +30,7 @@ from service.engine.batch import Batch
 from service.engine.request import GenerationRequest, TokenEvent
 from service.engine.runner import ModelRunner
 from service.engine.step import step_alone
+from tests.step_failures import watch_server_log
 
 HERE = Path(__file__).resolve().parent
 NO_TORCH = HERE / "no_torch"
@@ -110,6 +111,7 @@ class ServerProcess:
             [sys.executable, str(LAUNCHER), "serve", "--model", str(artifact),
              "--port", "0", "--intra-op-threads", "1", *args],
             env=environment, stdout=self._log, stderr=subprocess.STDOUT)
+        watch_server_log(log_path, lambda: self.proc.poll() is None)
 
     @property
     def port(self) -> int:

@@ -524,6 +524,42 @@ def test_newcomers_prompts_riding_in_a_decode_step_equal_the_plain_loop(
     assert [int(runner.pool.lengths[s.index]) for s in slots] == [len(s) for s in seqs]
 
 
+@pytest.mark.parametrize("decoding", [False, True], ids=["idle", "beside decode rows"])
+def test_newcomers_and_a_long_prompts_first_chunk_in_one_step_equal_the_plain_loop(
+        runner: PooledRunner, plain: OrtDecoder, encode: Callable[[str], list[int]],
+        decoding: bool) -> None:
+    """The plan the scheduler makes when newcomers and a long prompt arrive together: the
+    newcomers reserved as one run at the bottom of the pool, the long prompt at the top
+    (``top``, away from them), all three rows into empty slots in one step, with or without
+    running rows beside them. engine.onnx binds one run of slots a pass, so the packer
+    makes the two runs two passes (once it put them in one, which raised); every row's
+    logits and cached keys and values are the plain loop's."""
+    running = [encode(PROMPTS[0])] if decoding else []
+    slots = runner.reserve(len(running)) if decoding else []
+    if decoding:
+        prefill(runner, slots, [np.asarray(p) for p in running])
+    newcomers = [encode(PROMPTS[3]), encode(PROMPTS[2])]
+    fresh = runner.reserve(2)
+    long = encode(PROMPTS[1] + " " + PROMPTS[3])
+    (top,) = runner.reserve(1, top=True)
+    assert top.index == runner.capacity - 1 and top.index > fresh[-1].index + 1
+    nxt = [int(full_forward(plain, p)[0][-1].argmax()) for p in running]
+    result = runner.run(StepPlan((
+        *(RowWork(s, np.asarray([t])) for s, t in zip(slots, nxt, strict=True)),
+        *(RowWork(s, np.asarray(p)) for s, p in zip(fresh, newcomers, strict=True)),
+        RowWork(top, np.asarray(long[:6])))))
+    outputs = result.outputs
+    for got, tokens in zip(outputs, [*([*p, t] for p, t in zip(running, nxt, strict=True)),
+                                     *newcomers, long[:6]], strict=True):
+        np.testing.assert_allclose(got[-1], full_forward(plain, tokens)[0][-1], atol=1e-4)
+    for slot, tokens in zip([*fresh, top], [*newcomers, long[:6]], strict=True):
+        _, present = full_forward(plain, tokens)
+        assert runner.pool.lengths[slot.index] == len(tokens)
+        for mine, theirs in zip(runner.pool.arrays, present, strict=True):
+            np.testing.assert_allclose(mine[slot.index, :, :len(tokens)], theirs, atol=1e-5)
+    assert sorted(i for p in result.passes for i in p.rows) == list(range(len(outputs)))
+
+
 def test_a_newcomer_with_a_cached_prefix_rides_and_changes_no_logit(
         mixed_session: ort.InferenceSession, config: io.ArtifactConfig, plain: OrtDecoder,
         encode: Callable[[str], list[int]]) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from service.artifact.text import TextCodec
@@ -28,8 +29,9 @@ from service.engine.request import (
 )
 from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerLimits
-from service.engine.speculative import SpeculativeConfig, Speculator
+from service.engine.speculative import Proposal, SpeculativeConfig, Speculator
 from service.engine.stats import LoadStats, RequestStats
+from service.engine.step_plan import RowWork
 from service.providers import create_session
 from tests.service.fault_runner import ControlledRunner, QueueGate, Recorder
 
@@ -268,6 +270,7 @@ def test_stop_fails_waiting_requests_with_a_shutdown_error(
     assert all(isinstance(e, ErrorEvent) and e.kind == "shutdown" for e in last)
 
 
+@pytest.mark.step_failures
 def test_a_failed_decode_step_fails_its_rows_and_the_engine_recovers(
         engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
@@ -294,9 +297,11 @@ def test_a_failed_decode_step_fails_its_rows_and_the_engine_recovers(
                and "injected fault" in e.message for e in last)
     assert after == reference_greedy(encode(PROMPTS[2]), 15)
     assert sorted(r.outcome for r in stats.requests) == ["error", "error", "finished"]
+    assert stats.step_failures == ["failed"]
     assert engine.pool.used == 0 and stats.loads[-1].kv.slots_used == 0  # slots came back
 
 
+@pytest.mark.step_failures
 @pytest.mark.parametrize("kind", ["engine", "mixed"])
 def test_a_failed_prefill_fails_that_request_alone(
         kind: str, request: pytest.FixtureRequest, codec: TextCodec,
@@ -334,6 +339,7 @@ def test_a_failed_prefill_fails_that_request_alone(
     assert fine == reference_greedy(encode(PROMPTS[3]), 10)
     waves = [s.batch_size for s in stats.steps if s.phase == "prefill"]
     assert waves == [1, 1]  # the running row, then the healthy newcomer retried alone
+    assert stats.step_failures == ["retried", "failed"]  # the wave, then the bad one alone
     assert engine.pool.used == 0
 
 
@@ -398,13 +404,26 @@ def _assert_chunks_rode(long: list[int], stats: Recorder, runner: ControlledRunn
     assert runner.forwards == sum(p == "decode" for p, _, _ in phases) + 1
 
 
+# The adaptive budget's inputs, set by the test: a decode step takes DECODE_S and a
+# prompt token in a pass of its own TOKEN_S (powers of two: the arithmetic is exact).
+TOKEN_S = 2.0 ** -11
+DECODE_S = 20 * TOKEN_S
+
+
+def fake_pass_seconds(rows: Sequence[RowWork]) -> float:
+    """A pass of one-token rows costs DECODE_S; a pass feeding prompt tokens TOKEN_S each."""
+    tokens = sum(len(r.tokens) for r in rows)
+    return DECODE_S if tokens == len(rows) else TOKEN_S * tokens
+
+
 def test_adaptive_chunks_prefill_alone_in_one_pass_and_beside_rows_in_step_sized_chunks(
         engine: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    """Idle engine: the long prompt goes in one pass. Beside a running row: chunks of at
-    least 16 and at most prefill_chunk_tokens, sized from the measured step costs; the
-    tokens equal the plain loop's either way."""
-    runner, gate = gated(engine)
+    """Idle engine: the long prompt goes in one pass. Beside a running row: chunks as
+    long as one decode step (DECODE_S / TOKEN_S = 20 tokens, within [16, 32]), from the
+    pass times the test's clock gives; the tokens equal the plain loop's either way."""
+    gate = QueueGate()
+    runner = ControlledRunner(engine, gate, pass_seconds=fake_pass_seconds)
     scheduler, stats = make(runner, codec, chunk=32, adaptive=True)
     long = encode(" ".join(PROMPTS * 2))
     assert 16 + 32 < len(long) <= 128 - 5
@@ -433,9 +452,9 @@ def test_adaptive_chunks_prefill_alone_in_one_pass_and_beside_rows_in_step_sized
     phases = [(s.phase, s.batch_size, s.tokens) for s in stats.steps]
     assert phases[0] == ("prefill", 1, len(long))  # alone: one pass, no chunks
     later = phases[phases.index(("prefill", 1, len(encode(PROMPTS[0])))):]
-    chunks = [t for p, b, t in later if p == "prefill"][1:-1]  # between first and last
-    assert len(chunks) >= 1 and sum(chunks) < len(long)
-    assert all(16 <= t <= 32 for t in chunks), chunks
+    chunks = [t for p, b, t in later if p == "prefill"][1:]  # the joiner's, the last whole
+    assert chunks[:-1] == [20] * (len(chunks) - 1) and len(chunks) >= 3
+    assert 0 < chunks[-1] <= 20 and sum(chunks) == len(long)
 
 
 def test_all_events_gathers_what_events_streams_before_or_after_the_finish(
@@ -536,21 +555,46 @@ def test_a_request_is_in_the_stats_before_its_last_event_is_sent(
     assert stats.idle_load_after_response == [False, False, False]
 
 
+class ReferenceDrafts:
+    """A draft model that proposes the plain loop's own continuation of one prompt (so
+    every draft is kept) and nothing for the others: which steps verify drafts is then set
+    by the test, not by what this host's arithmetic makes a prompt lookup find."""
+
+    def __init__(self, prompt: list[int], continuation: list[int], k: int) -> None:
+        self.prompt, self.continuation, self.k = prompt, continuation, k
+
+    def propose(self, key: int, history: Sequence[int], params: SamplingParams,
+                seed: int | None) -> Proposal:
+        del key, params, seed
+        done = len(history) - len(self.prompt)
+        mine = list(history[:len(self.prompt)]) == self.prompt and done >= 0
+        drafts = self.continuation[done:done + self.k] if mine else []
+        return Proposal(np.asarray(drafts, np.int64), None)
+
+    def release(self, key: int) -> None:
+        pass
+
+
 def test_verified_drafts_and_a_riding_chunk_share_steps(
         mixed: EngineGraphRunner, codec: TextCodec, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
-    """With prompt lookup on and engine_mixed.onnx, one step carries a row verifying its
-    drafts, the rows decoding one token with a long prompt's chunk riding in their pass,
-    and that chunk: every request still gets the plain loop's tokens."""
+    """With speculation and engine_mixed.onnx, one step carries a row verifying its drafts,
+    a row decoding one token with a long prompt's chunk riding in its pass, and that chunk:
+    every request still gets the plain loop's tokens, and no step fails. The plan's shape
+    is the test's: fixed chunks, drafts from a reference drafter for one row only."""
     runner = ControlledRunner(mixed, QueueGate(is_open=True), keep_plans=True)
     repetitive = encode("To be, or not to be. To be, or not")
     free = encode(PROMPTS[0])
     long = encode(" ".join(PROMPTS * 2))
     chunk = len(repetitive) + 1  # the two short prompts go in whole, the long one in chunks
     assert len(long) > 3 * chunk
-    speculator = Speculator(SpeculativeConfig(speculative_adaptive=False,
-                                              speculative_max_batch_rows=8))
-    scheduler = Scheduler(runner, codec, SchedulerLimits(8, 4096, 16, chunk, False), Recorder(),
+    config = SpeculativeConfig(method="draft", speculative_adaptive=False,
+                               speculative_max_batch_rows=8)
+    drafter = ReferenceDrafts(repetitive, reference_greedy(repetitive, 24),
+                              config.num_speculative_tokens)
+    speculator = Speculator(config, drafter)
+    stats = Recorder()
+    scheduler = Scheduler(runner, codec, SchedulerLimits(8, 4096, 16, chunk, False), stats,
                           speculator)
     requests = [greedy(repetitive, 24), greedy(free, 24), greedy(long, 8)]
 
@@ -569,4 +613,5 @@ def test_verified_drafts_and_a_riding_chunk_share_steps(
               and any(len(r.tokens) > 1 and not r.drafted for r in p.rows)]  # and a chunk
     assert shared and any(len(r.tokens) == 1 for p in shared for r in p.rows)
     assert speculator.counters.accepted_tokens > 0
+    assert stats.step_failures == []
     assert mixed.pool.used == 0

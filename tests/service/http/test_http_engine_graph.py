@@ -187,10 +187,15 @@ def test_a_long_prompt_is_prefilled_in_chunks_with_the_reference_tokens(
     assert after - before >= 1 + 2
 
 
+@pytest.mark.step_failures
 def test_a_poisoned_prefill_is_424_while_its_neighbours_succeed(
         tuned: ServerProcess, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
+    from tests.service.helpers import metric_value
+
     bad = "Zounds! " + PROMPTS[0]
+    failures = "attnserve_step_failures_total"
+    before = metric_value(httpx.get(f"{tuned.url}/metrics").text, failures, {"kind": "failed"})
 
     def post(path: str, body: dict[str, object]) -> httpx.Response:
         return httpx.post(f"{tuned.url}{path}", json=body, timeout=60)
@@ -207,8 +212,12 @@ def test_a_poisoned_prefill_is_424_while_its_neighbours_succeed(
         assert "poison" in tgi.result().json()["error"]
         assert v1.result().status_code == 424
         assert "poison" in v1.result().json()["error"]["message"]
+    # Each poisoned prompt failed alone once, whether it came in a wave (retried) or not.
+    after = metric_value(httpx.get(f"{tuned.url}/metrics").text, failures, {"kind": "failed"})
+    assert after - before == 2
 
 
+@pytest.mark.step_failures
 def test_a_failed_decode_step_is_424_and_the_next_request_succeeds(
         tuned: ServerProcess, encode: Callable[[str], list[int]],
         reference_greedy: Callable[[list[int], int], list[int]]) -> None:
@@ -229,6 +238,8 @@ def test_a_failed_decode_step_is_424_and_the_next_request_succeeds(
     assert greedy_ids(tuned.url, PROMPTS[2], 20) == reference_greedy(encode(PROMPTS[2]), 20)
     metrics = httpx.get(f"{tuned.url}/metrics").text
     assert metric_value(metrics, "attnserve_kv_cache_slots_used") == 0
+    assert metric_value(metrics, "attnserve_step_failures_total", {"kind": "failed"}) >= 1
+    assert metric_value(metrics, "attnserve_step_failures_total", {"kind": "loop"}) == 0
 
 
 def test_kv_metrics_report_what_the_pool_holds(

@@ -37,6 +37,7 @@ def test_a_server_without_adapters_lists_the_base_alone(plain: httpx.Client) -> 
     cards = plain.get("/v1/models").json()["data"]
     assert [(c["id"], c["parent"]) for c in cards] == [("tiny", None)]
     assert plain.get("/v1/models/tiny").status_code == 200
+    assert not any(g["adapters"] for g in plain.get("/info").json()["graphs"])
 
 
 @pytest.mark.parametrize("path,body", [
@@ -143,6 +144,10 @@ def test_served_adapters_are_listed_and_answer_as_their_merged_models(
     assert [(c["id"], c["parent"]) for c in cards] == [
         ("tiny", None), ("alpha", "tiny"), ("beta", "tiny")]
     assert cards[1]["root"] == str(lora_root / "alpha")
+    info = lora.get("/info").json()  # the graph that runs: the adapter graph, every pass
+    assert info["decode_graph"] == ADAPTER_GRAPH
+    assert [(g["file"], g["runs"], g["row_groups"], g["adapters"]) for g in info["graphs"]] == [
+        (ADAPTER_GRAPH, "steps", 2, True)]
     beta_before = metric_value(lora.get("/metrics").text, "attnserve_lora_requests_total",
                                {"adapter": "beta"})
     asks = [(adapter, prompt) for adapter in ("", "alpha", "beta") for prompt in PROMPTS[:3]]
