@@ -71,6 +71,7 @@ def test_dashboard_has_the_required_panels(smoke) -> None:
     assert uses("queue depth", "attnserve_num_requests_waiting")
     assert uses("running", "attnserve_num_requests_running")
     assert uses("tokens / s", "attnserve_generation_tokens_total")
+    assert uses("step failures", "attnserve_step_failures_total")
     ttft = next(e for t, e in panels.items() if t.startswith("Time to first token"))
     assert [e.split(",")[0] for e in ttft] == [
         "histogram_quantile(0.5", "histogram_quantile(0.95", "histogram_quantile(0.99"]
