@@ -223,18 +223,27 @@ class KVPool:
     # -- allocation ------------------------------------------------------------------
 
     def allocate(self, n: int, top: bool = False) -> list[Slot]:
-        """``n`` consecutive free slots: the lowest run, or the highest one with ``top``."""
-        free = [o is None for o in self._owner]
+        """``n`` consecutive free slots: the lowest run, or the highest one with ``top``.
+
+        Enough free slots do not always make a run: a long prompt part-way through its
+        chunks sits at the top of the pool, away from the batch, and rows leave from
+        anywhere. Then the run with the fewest rows in it is cleared (the lowest, or the
+        highest with ``top``): each row there moves to a free slot outside it (``move``:
+        its pages remapped, not copied). Only fewer free slots than ``n`` is refused."""
+        if not 0 < n <= self.slots - self.used:
+            raise PoolExhausted(f"the KV pool has no {n} free slots ({self.used} of "
+                                f"{self.slots} in use)")
         starts = range(self.slots - n, -1, -1) if top else range(self.slots - n + 1)
-        for lo in starts:
-            if all(free[lo:lo + n]):
-                slots = [Slot(lo + i) for i in range(n)]
-                for s in slots:
-                    self._owner[s.index] = s
-                    self.lengths[s.index] = 0
-                return slots
-        raise PoolExhausted(f"the KV pool has no {n} consecutive free slots "
-                            f"({self.used} of {self.slots} in use)")
+        lo = min(starts, key=lambda lo: sum(o is not None for o in self._owner[lo:lo + n]))
+        for i in range(lo, lo + n):
+            owner = self._owner[i]
+            if owner is not None:
+                self.move(owner, self._free_outside(lo, lo + n))
+        slots = [Slot(lo + i) for i in range(n)]
+        for s in slots:
+            self._owner[s.index] = s
+            self.lengths[s.index] = 0
+        return slots
 
     def free(self, slots: Sequence[Slot]) -> None:
         """Give ``slots`` back, and their memory with them."""

@@ -76,6 +76,31 @@ def test_allocate_takes_the_lowest_or_highest_free_run_and_refuses_when_none_is_
     assert pool.span([low[0], middle[2]]) == (0, False)
 
 
+def test_free_slots_apart_make_a_run_by_moving_the_fewest_rows() -> None:
+    """As a server's pool was when two newcomers' step failed (the run was refused and the
+    scheduler retried them one by one): a batch at the bottom, a long prompt part-way
+    through its chunks at the top, a row gone from the batch, so two slots are free but
+    apart. The newcomers get a run; one row moves out of it; every row keeps its cache."""
+    pool = KVPool(SHAPE, 8)
+    model = Model(pool)
+    batch = pool.allocate(6)
+    (partial,) = pool.allocate(1, top=True)
+    assert [s.index for s in batch] == list(range(6)) and partial.index == 7
+    for i, s in enumerate([*batch, partial]):
+        model.fill(s, 1 + i)
+    pool.free([batch[3]])
+    model.drop([batch[3]])
+    moves = pool.moves
+    fresh = pool.allocate(2)  # free: 3 and 6
+    assert pool.span(fresh)[1] and pool.moves - moves == 1
+    assert all(pool.lengths[s.index] == 0 for s in fresh)
+    for s in fresh:
+        model.fill(s, 2)
+    model.check()
+    with pytest.raises(PoolExhausted, match="no 1 free slots"):
+        pool.allocate(1)
+
+
 def test_move_and_compact_keep_every_rows_cache_and_make_a_batch_consecutive() -> None:
     pool = KVPool(SHAPE, 8)
     model = Model(pool)
