@@ -209,13 +209,19 @@ class Batch:
             self.next_tokens[list(rows)] = tokens
 
     def _record_prompt_logprobs(self, logits: Sequence[np.ndarray]) -> None:
+        """Each prompt token's logprob given the tokens before it, and the request's top-n
+        alternatives at that position (OpenAI's echo with logprobs; vLLM's prompt_logprobs)."""
         for seq, rows in zip(self.sequences, logits, strict=True):
             if not seq.request.prompt_logprobs:
                 continue
             ids = seq.request.prompt_ids
             lp = log_softmax(rows[:-1])  # (n - 1, V): predicts tokens 1..n-1
-            infos = [TokenInfo(ids[0], self.codec.token_text(ids[0]), None)]
-            infos += [TokenInfo(t, self.codec.token_text(t), float(lp[j, t]))
+            best = _best_ids(lp, seq.request.sampling.top_n_logprobs)  # (n - 1, k)
+            text = self.codec.token_text
+            infos = [TokenInfo(ids[0], text(ids[0]), None)]
+            infos += [TokenInfo(t, text(t), float(lp[j, t]),
+                                top=tuple((int(b), text(int(b)), float(lp[j, b]))
+                                          for b in best[j]))
                       for j, t in enumerate(ids[1:])]
             seq.prefill = tuple(infos)
 
@@ -250,6 +256,22 @@ class Batch:
         return cls(sequences=[s for b in batches for s in b.sequences], codec=batches[0].codec,
                    slots=runner.join([b.slots for b in batches]),
                    next_tokens=np.concatenate([t for t in tokens if t is not None]))
+
+
+def _best_ids(lp: np.ndarray, n: int, block: int = 256) -> np.ndarray:
+    """(T, k) the ids of each row's k = min(n, V) largest log-probabilities, best first (as
+    ``top_logprobs`` orders one row); ``block`` rows at a time, so a long prompt's
+    selection holds (block, V) indices, not (T, V)."""
+    n = min(n, lp.shape[1])
+    out = np.zeros((lp.shape[0], n), np.int64)
+    if n == 0:
+        return out
+    for lo in range(0, lp.shape[0], block):
+        rows = lp[lo:lo + block]  # (b, V)
+        best = np.argpartition(-rows, n - 1, axis=1)[:, :n]  # (b, k), unordered
+        order = np.argsort(-np.take_along_axis(rows, best, axis=1), axis=1, kind="stable")
+        out[lo:lo + block] = np.take_along_axis(best, order, axis=1)
+    return out
 
 
 def _argmax_only(seqs: Sequence[SequenceState]) -> bool:

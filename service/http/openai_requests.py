@@ -97,12 +97,24 @@ def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[s
 
 
 def completion_requests(body: CompletionRequest, runtime: Runtime) -> list[GenerationRequest]:
+    """Text prompts are tokenized, token-id prompts checked as given. ``max_tokens`` 0 with
+    ``echo`` (vLLM's prompt scoring) runs one token the route leaves out; without ``echo``
+    it is refused, as vLLM refuses it."""
     adapter_of_model(body.model, runtime)  # before tokenizing: an unknown model is a 404
+    if body.max_tokens == 0 and not body.echo:
+        raise InputError("max_tokens", "must be at least 1, or 0 with echo: true (the "
+                                       "prompt scored, nothing generated)")
+    if body.scores_only and body.min_tokens:
+        raise InputError("min_tokens", f"{body.min_tokens} exceeds max_tokens 0")
+    validator = runtime.validator
     prompts = []
     for i, prompt in enumerate(body.prompts):
-        field = "prompt" if isinstance(body.prompt, str) else f"prompt.{i}"
-        prompts.append((field, runtime.validator.tokenize(prompt, field)))
-    return build_requests(body, runtime, prompts, body.max_tokens, body.top_n_logprobs,
+        field = "prompt" if body.single_prompt else f"prompt.{i}"
+        ids = (validator.tokenize(prompt, field) if isinstance(prompt, str)
+               else validator.prompt_ids(prompt, field))
+        prompts.append((field, ids))
+    return build_requests(body, runtime, prompts, 1 if body.scores_only else body.max_tokens,
+                          body.top_n_logprobs,
                           prompt_logprobs=body.echo and body.logprobs is not None,
                           token_logprobs=body.logprobs is not None)
 

@@ -7,13 +7,14 @@ declared here, so the OpenAPI document states exactly what the server accepts.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import ConfigDict, Field
 
 from service.http.schemas import Integral, NonEmptyText, Seed, Strict
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31), Integral]
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]  # checked against the vocabulary
 Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
 MAX_BIAS_ENTRIES = 300  # OpenAI's own cap on logit_bias
 MAX_STOP_TOKEN_IDS = 64
@@ -87,18 +88,36 @@ class OpenAISampling(Strict):
 
 
 class CompletionRequest(OpenAISampling):
-    """OpenAI /v1/completions (the fields the service honours; others are refused)."""
+    """OpenAI /v1/completions (the fields the service honours; others are refused).
 
-    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=64)]
-    max_tokens: Annotated[int, Field(ge=1), Integral] | None = 16
+    ``prompt`` is text, a list of texts, token ids, or a list of token-id lists (OpenAI's
+    and vLLM's four forms: lm-evaluation-harness sends token ids by default).
+    ``max_tokens`` 0 with ``echo`` scores the prompt without generating (vLLM's)."""
+
+    prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=64)]
+             | PromptIds | Annotated[list[PromptIds], Field(min_length=1, max_length=64)])
+    max_tokens: Annotated[int, Field(ge=0), Integral] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=5), Integral] | None = None
     echo: bool = False
     # accepted at its neutral value only
     best_of: Annotated[int, Field(ge=1, le=1), Integral] | None = None
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def single_prompt(self) -> bool:
+        """The prompt is one text or one list of token ids (its field is ``prompt``)."""
+        return isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: its text or its token ids."""
+        if self.single_prompt:
+            return [cast(str | list[int], self.prompt)]
+        return list(cast(list[str] | list[list[int]], self.prompt))
+
+    @property
+    def scores_only(self) -> bool:
+        """``max_tokens`` 0 with ``echo``: the prompt's logprobs, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def top_n_logprobs(self) -> int:

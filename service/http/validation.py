@@ -67,10 +67,21 @@ class Validator:
             raise InputError(field, "encodes to zero tokens")
         if truncate is not None:
             ids = ids[-truncate:]  # TGI keeps the last `truncate` tokens
+        self.check_prompt_length(ids, field)
+        return ids
+
+    def prompt_ids(self, ids: list[int], field: str) -> list[int]:
+        """A prompt the client gives as token ids (OpenAI's and vLLM's form): every id in
+        the vocabulary, and no longer than a text prompt may encode to (the request schema
+        refuses an empty list)."""
+        self.check_prompt_length(ids, field)
+        self.check_token_ids(ids, field)
+        return list(ids)
+
+    def check_prompt_length(self, ids: list[int], field: str) -> None:
         if len(ids) > self.limits.max_input_tokens:
             raise InputError(field, f"{len(ids)} tokens exceed max_input_tokens "
                                     f"{self.limits.max_input_tokens}")
-        return ids
 
     def check_count(self, count: int, field: str) -> None:
         """A list the queue can never hold is a client error (422), not overload (429)."""

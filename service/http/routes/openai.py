@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.engine.request import FinishInfo, TokenEvent
+from service.engine.request import FinishInfo, TokenEvent, TokenInfo
 from service.http.adapters import model_not_found
 from service.http.deps import ReadyRuntime, RuntimeDep, require_api_key
 from service.http.errors import ApiError
@@ -64,8 +64,21 @@ async def get_model(model_id: str, runtime: RuntimeDep) -> dict[str, Any]:
     return card
 
 
+def top_json(info: TokenInfo) -> dict[str, float] | None:
+    """OpenAI's ``top_logprobs`` entry of one token: the alternatives asked for and the
+    token itself (so up to logprobs + 1 entries, as OpenAI and vLLM send); null where the
+    token has no logprob (a prompt's first)."""
+    if info.logprob is None:
+        return None
+    top = {text: lp for _, text, lp in info.top}
+    named = next((text for i, text, _ in info.top if i == info.id), info.text)
+    top[named] = info.logprob  # the very value token_logprobs holds
+    return top
+
+
 def logprobs_json(tokens: list[TokenEvent], offset: int, finish: FinishInfo | None,
                   echo: bool) -> dict[str, Any]:
+    """The prompt's tokens first where echoed, then the generated ``tokens``."""
     infos = [*(finish.prefill if echo and finish else ()), *(e.token for e in tokens)]
     offsets, at = [], offset
     for info in infos:
@@ -73,8 +86,16 @@ def logprobs_json(tokens: list[TokenEvent], offset: int, finish: FinishInfo | No
         at += len(info.text)
     return {"tokens": [t.text for t in infos],
             "token_logprobs": [t.logprob for t in infos],
-            "top_logprobs": [{text: lp for _, text, lp in t.top} or None for t in infos],
+            "top_logprobs": [top_json(t) for t in infos],
             "text_offset": offsets}
+
+
+def prompt_texts(body: CompletionRequest, runtime: Runtime) -> list[str]:
+    """What ``echo`` sends back of each prompt: a text as given, token ids decoded with
+    their special tokens (as /detokenize and vLLM do)."""
+    tokenizer = runtime.artifact.codec.tokenizer
+    return [p if isinstance(p, str) else str(tokenizer.decode(p, skip_special_tokens=False))
+            for p in body.prompts]
 
 
 @router.post("/completions", summary="OpenAI completions, plain or streamed",
@@ -86,7 +107,8 @@ async def completions(body: CompletionRequest, request: Request,
     assert runtime.engine is not None
     handles = runtime.engine.submit(requests)
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    prompts = [body.prompts[i // body.n] for i in range(len(requests))]
+    texts = prompt_texts(body, runtime)
+    prompts = [texts[i // body.n] for i in range(len(requests))]
     if body.stream:
         return StreamingResponse(
             stream(body, runtime, handles, prompts, completion_id, created),
@@ -95,15 +117,18 @@ async def completions(body: CompletionRequest, request: Request,
     results = await collect(handles, request)
     choices = []
     for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
-        text = final_text(result.finish)
+        # max_tokens 0: the one token run for the prompt's logprobs is left out
+        tokens = [] if body.scores_only else result.tokens
+        text = "" if body.scores_only else final_text(result.finish)
         prefix = prompt if body.echo else ""
         choices.append({
             "index": i, "text": prefix + text,
-            "logprobs": logprobs_json(result.tokens, 0, result.finish, body.echo)
+            "logprobs": logprobs_json(tokens, 0, result.finish, body.echo)
             if body.logprobs is not None else None,
-            "finish_reason": finish_reason(result.finish)})
+            "finish_reason": "length" if body.scores_only else finish_reason(result.finish)})
     prompt_tokens = sum(len(r.prompt_ids) for r in requests[::body.n])
-    completion_tokens = sum(r.finish.generated_tokens for r in results)
+    completion_tokens = 0 if body.scores_only else sum(
+        r.finish.generated_tokens for r in results)
     return JSONResponse({"id": completion_id, "object": "text_completion", "created": created,
                          "model": served_name(requests, runtime), "choices": choices,
                          "usage": usage(prompt_tokens, completion_tokens)})
@@ -120,15 +145,22 @@ async def stream(body: CompletionRequest, runtime: Runtime, handles: list[Any],
 
     completion_tokens = 0
     try:
-        if body.echo:
-            for i, prompt in enumerate(prompts):
-                yield chunk(i, prompt, None, None)
-        async for piece in stream_pieces(handles, body.stop_sequences):
-            if piece.event.finish is not None:
-                completion_tokens += piece.event.finish.generated_tokens
-            yield chunk(piece.choice, piece.text,
-                        logprobs_json([piece.event], piece.offset, None, False)
-                        if body.logprobs is not None else None, piece.reason)
+        if body.scores_only:  # one chunk a choice: its prompt, scored once its token is in
+            async for piece in stream_pieces(handles, ()):
+                if piece.event.finish is not None:
+                    yield chunk(piece.choice, prompts[piece.choice],
+                                logprobs_json([], 0, piece.event.finish, True)
+                                if body.logprobs is not None else None, "length")
+        else:
+            if body.echo:
+                for i, prompt in enumerate(prompts):
+                    yield chunk(i, prompt, None, None)
+            async for piece in stream_pieces(handles, body.stop_sequences):
+                if piece.event.finish is not None:
+                    completion_tokens += piece.event.finish.generated_tokens
+                yield chunk(piece.choice, piece.text,
+                            logprobs_json([piece.event], piece.offset, None, False)
+                            if body.logprobs is not None else None, piece.reason)
         if body.include_usage:
             prompt_tokens = sum(len(h.request.prompt_ids) for h in handles[::body.n])
             yield sse({"id": completion_id, "object": "text_completion", "created": created,

@@ -114,7 +114,9 @@ def test_prompt_logprobs_match_a_full_forward(
         artifact: Path) -> None:
     ids = encode(PROMPTS[1])
     short = encode(PROMPTS[2])  # shares the batch, so the long prompt's row is unpadded
-    batch = new_batch([request(short, 1), request(ids, 1, prompt_logprobs=True)], codec, model)
+    scored = GenerationRequest(ids, SamplingParams(top_n_logprobs=3), StoppingCriteria(1),
+                               prompt_logprobs=True)
+    batch = new_batch([request(short, 1), scored], codec, model)
     one_step(model, batch)
     prefill = batch.sequences[1].prefill
     dec = OrtDecoder.from_artifact(artifact)  # the plain loop: model.onnx by its names
@@ -122,9 +124,21 @@ def test_prompt_logprobs_match_a_full_forward(
     logits, _ = dec(np.asarray([ids]), ones, np.arange(len(ids))[None, :], dec.empty_past(1))
     lp = log_softmax(logits[0])  # (T, V)
     assert [t.id for t in prefill] == ids
-    assert prefill[0].logprob is None
+    assert prefill[0].logprob is None and prefill[0].top == ()
     np.testing.assert_allclose([t.logprob for t in prefill[1:]],
                                [lp[j, t] for j, t in enumerate(ids[1:])], atol=1e-4)
+    # each position's 3 best next tokens, best first (OpenAI's echo with logprobs: 3)
+    rows = logits[0].astype(np.float64)  # (T, V)
+    peak = rows.max(-1, keepdims=True)
+    rows = rows - peak - np.log(np.exp(rows - peak).sum(-1, keepdims=True))  # log-softmax
+    for j, info in enumerate(prefill[1:]):
+        best = np.argsort(-rows[j], kind="stable")[:3]
+        assert {t for t, _, _ in info.top} == set(best.tolist())
+        top_lp = [v for _, _, v in info.top]
+        assert top_lp == sorted(top_lp, reverse=True)
+        np.testing.assert_allclose(top_lp, np.sort(rows[j, best])[::-1], atol=1e-4)
+        assert [text for t, text, _ in info.top] == [
+            codec.tokenizer.decode([t], skip_special_tokens=False) for t, _, _ in info.top]
     assert batch.sequences[0].prefill == ()
 
 
