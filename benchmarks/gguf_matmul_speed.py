@@ -1,0 +1,272 @@
+"""GgufMatMul's speed beside ONNX Runtime's MatMulNBits and float32 MatMul, one product.
+
+Usage (from the repository root, in the dev venv; builds the op first if need be):
+    nice -n 15 python -m benchmarks.gguf_matmul_speed           # W hot in cache
+    nice -n 15 python -m benchmarks.gguf_matmul_speed --cold    # W read from memory
+    python -m benchmarks.gguf_matmul_speed --sizes 4096 --batches 1,32 --types Q4_0 --json out.json
+
+For each weight type (Q4_0, Q4_K, Q6_K, Q8_0), size N = K (4096, 2048) and batch M (1, 8,
+32), one-node graphs computing Y = X·Wᵀ (X float32 [M, K]) with W an initializer:
+
+* ``gguf``: GgufMatMul (service/ops) over W's GGUF blocks. Q4_0 and Q8_0 are quantised by
+  the gguf package from Gaussian weights; Q4_K and Q6_K, which it cannot quantise, are
+  random blocks (random codes, small fp16 scales): the speed does not depend on the values.
+* ``nbits``: com.microsoft.MatMulNBits, 4-bit, block 32, symmetric, accuracy_level 4 (int8
+  activations, as llama.cpp's), made by onnxruntime's MatMulNBitsQuantizer from W's
+  dequantised values (one per size: the values do not change its speed either).
+* ``f32``: MatMul against the dequantised float32 W.
+
+Each runs on ONNX Runtime's CPU provider with ``--threads`` (2) intra-op threads: three
+warm-up runs, then runs until 0.5 s or 50 runs (at least 5); the median is printed, with
+the weight bandwidth it implies (bytes of the graph's initializers ÷ time) and that as a
+fraction of the machine's read bandwidth, measured first: summing a 1 GiB array as uint64
+in ``--threads`` threads (numpy releases the GIL; best of 5). At these sizes W (2-67 MB)
+may fit in the last-level cache and stay there between runs (fractions over 100%);
+``--cold`` reads a 256 MB buffer before every timed run (untimed), so W comes from memory
+as in a model's decode step. (Several sessions taking turns would not do: each session
+has its own pool, whose threads spin after a run and take the cores from the next.) On a
+shared machine other load makes every figure noisy (a preempted pool thread shows as a
+4-8 ms step): run under ``nice`` and compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TYPES = ("Q4_0", "Q4_K", "Q6_K", "Q8_0")
+# (block, block bytes, byte offsets of the fp16 scales in a block) for the random blocks.
+RANDOM_BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,))}
+NBITS_BLOCK = 32
+NBITS_LEVEL = 4
+
+
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s of summing a resident ``gib`` GiB array split over ``threads`` threads."""
+    data = np.ones(int(gib * (1 << 30)) // 8, dtype=np.uint64)  # touched: every page resident
+    parts = np.array_split(data, threads)
+    best = float("inf")
+    for _ in range(repeats):
+        workers = [threading.Thread(target=np.add.reduce, args=(part,)) for part in parts]
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best = min(best, time.perf_counter() - started)
+    return data.nbytes / best
+
+
+def gguf_weights(name: str, n: int, k: int, rng: np.random.Generator
+                 ) -> tuple[int, np.ndarray, np.ndarray]:
+    """(GGUF type id, W as stored (N, row_bytes) uint8, dequantised W (N, K) float32)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[name]
+    if name in RANDOM_BLOCKS:
+        block, block_bytes, halves = RANDOM_BLOCKS[name]
+        raw = rng.integers(0, 256, size=(n, k // block, block_bytes), dtype=np.uint8)
+        for offset in halves:
+            scales = (rng.uniform(0.5, 1.5, size=raw.shape[:2]) * 2.0**-5).astype(np.float16)
+            raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+        stored = raw.reshape(n, -1)
+    else:
+        dense = rng.standard_normal((n, k), dtype=np.float32)
+        stored = np.ascontiguousarray(quantize(dense, qtype)).view(np.uint8).reshape(n, -1)
+    return qtype.value, stored, dequantize(stored, qtype).reshape(n, k).astype(np.float32)
+
+
+def _model(nodes: list[Any], initializers: list[Any], opsets: dict[str, int]) -> Any:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        nodes, "product", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", None])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", None])],
+        initializer=initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v)
+                                                   for d, v in opsets.items()])
+
+
+def gguf_model(type_id: int, stored: np.ndarray, k: int) -> Any:
+    from onnx import helper, numpy_helper
+
+    import service.ops
+
+    node = helper.make_node(service.ops.MATMUL_OP, ["X", "W"], ["Y"], domain=service.ops.DOMAIN,
+                            ggml_type=type_id, k=k)
+    return _model([node], [numpy_helper.from_array(stored, "W")],
+                  {"": 17, service.ops.DOMAIN: 1})
+
+
+def float_model(dense: np.ndarray) -> Any:
+    from onnx import helper, numpy_helper
+
+    node = helper.make_node("MatMul", ["X", "Wt"], ["Y"])  # X (M, K) @ Wt (K, N)
+    return _model([node], [numpy_helper.from_array(np.ascontiguousarray(dense.T), "Wt")],
+                  {"": 17})
+
+
+def nbits_model(dense: np.ndarray) -> Any:
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    config = DefaultWeightOnlyQuantConfig(block_size=NBITS_BLOCK, is_symmetric=True,
+                                          accuracy_level=NBITS_LEVEL, bits=4)
+    quantizer = MatMulNBitsQuantizer(float_model(dense), algo_config=config)
+    quantizer.process()
+    model = quantizer.model.model
+    ops = [node.op_type for node in model.graph.node]
+    if ops != ["MatMulNBits"]:
+        raise RuntimeError(f"the quantiser left {ops}, not one MatMulNBits")
+    return model
+
+
+def weight_bytes(model: Any) -> int:
+    from onnx import numpy_helper
+
+    return sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+
+
+def session(model: Any, threads: int) -> Any:
+    import onnxruntime as ort
+
+    import service.ops
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    if not service.ops.register(options):
+        raise RuntimeError("the GgufMatMul library is not built (python -m service.ops.build)")
+    return ort.InferenceSession(model.SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
+
+
+def median_seconds(run: Callable[[], object], before: Callable[[], object] | None = None,
+                   budget: float = 0.5, most: int = 50, least: int = 5) -> float:
+    """Median of ``run``'s times (``before`` runs untimed ahead of each)."""
+    for _ in range(3):
+        run()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < least or (spent < budget and len(times) < most):
+        if before is not None:
+            before()
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+        spent += times[-1]
+    return statistics.median(times)
+
+
+class CacheFlush:
+    """Reads a buffer larger than any last-level cache, evicting what the last run left."""
+
+    def __init__(self, megabytes: int = 256) -> None:
+        self.buffer = np.ones(megabytes << 17, dtype=np.uint64)  # MB · 2^20 / 8
+
+    def __call__(self) -> None:
+        np.add.reduce(self.buffer)
+
+
+def time_kernel(model: Any, kind: str, name: str, size: int, batches: list[int],
+                threads: int, bandwidth: float, flush: CacheFlush | None,
+                rng: np.random.Generator) -> list[dict[str, Any]]:
+    """Median time per batch size (the cache flushed before each run with ``flush``)."""
+    sess = session(model, threads)
+    nbytes = weight_bytes(model)
+    rows = []
+    for m in batches:
+        feed = {"X": rng.standard_normal((m, size), dtype=np.float32)}
+        seconds = median_seconds(lambda: sess.run(None, feed), flush)  # noqa: B023 (called now)
+        rows.append({"type": name, "size": size, "m": m, "kernel": kind, "weight_bytes": nbytes,
+                     "cold": flush is not None, "ms": seconds * 1e3,
+                     "gb_s": nbytes / seconds / 1e9, "of_bandwidth": nbytes / seconds / bandwidth})
+    return rows
+
+
+def bench_size(size: int, types: list[str], batches: list[int], threads: int,
+               bandwidth: float, flush: CacheFlush | None,
+               rng: np.random.Generator) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    baseline: list[dict[str, Any]] = []
+    for name in types:
+        type_id, stored, dense = gguf_weights(name, size, size, rng)
+        rows += time_kernel(gguf_model(type_id, stored, size), "gguf", name, size, batches,
+                            threads, bandwidth, flush, rng)
+        if not baseline:  # MatMulNBits and f32 run alike whatever the values: timed once
+            for kind, model in (("nbits", nbits_model(dense)), ("f32", float_model(dense))):
+                baseline += time_kernel(model, kind, name, size, batches, threads, bandwidth,
+                                        flush, rng)
+        rows += [dict(r, type=name) for r in baseline]
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    kinds = ("gguf", "nbits", "f32")
+    header = "  ".join(f"{k + ' ms':>9} {'GB/s':>6} {'/bw':>4}" for k in kinds)
+    for (name, size) in dict.fromkeys((r["type"], r["size"]) for r in rows):
+        mine = [r for r in rows if r["type"] == name and r["size"] == size]
+        sizes = {r["kernel"]: r["weight_bytes"] / 1e6 for r in mine}
+        print(f"\n{name} N=K={size}  W: gguf {sizes['gguf']:.1f} MB, nbits "
+              f"{sizes['nbits']:.1f} MB, f32 {sizes['f32']:.1f} MB")
+        print(f"{'M':>4}  {header}")
+        for m in dict.fromkeys(r["m"] for r in mine):
+            cells = []
+            for kind in kinds:
+                (r,) = [r for r in mine if r["m"] == m and r["kernel"] == kind]
+                cells.append(f"{r['ms']:9.3f} {r['gb_s']:6.1f} {r['of_bandwidth']:4.0%}")
+            print(f"{m:>4}  " + "  ".join(cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gguf_matmul_speed",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="4096,2048", help="N = K values (default 4096,2048)")
+    p.add_argument("--batches", default="1,8,32", help="M values (default 1,8,32)")
+    p.add_argument("--types", default=",".join(TYPES), help=f"default {','.join(TYPES)}")
+    p.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
+    p.add_argument("--cold", action="store_true",
+                   help="flush the caches before every timed run (W read from memory)")
+    p.add_argument("--json", type=Path, help="also write every figure here")
+    args = p.parse_args(argv)
+    from service.ops import build
+
+    try:
+        build.ensure_built()
+    except build.BuildError as exc:
+        print(f"gguf_matmul_speed: the op library cannot be built: {exc}", file=sys.stderr)
+        return 2
+    bandwidth = read_bandwidth(args.threads)
+    print(f"read bandwidth ({args.threads} threads, numpy sum of 1 GiB): "
+          f"{bandwidth / 1e9:.1f} GB/s")
+    rng = np.random.default_rng(0)
+    flush = CacheFlush() if args.cold else None
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        rows += bench_size(size, args.types.split(","), [int(m) for m in args.batches.split(",")],
+                           args.threads, bandwidth, flush, rng)
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"read_bandwidth": bandwidth, "threads": args.threads,
+                                         "cold": args.cold, "rows": rows}, indent=2) + "\n",
+                             encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
