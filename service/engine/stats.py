@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class RequestStats:
 # again one by one: every request still answered unless it failed alone), "failed" (its
 # rows got an error), "loop" (outside a forward pass: every request in flight failed).
 StepFailure = Literal["retried", "failed", "loop"]
-STEP_FAILURES: tuple[StepFailure, ...] = ("retried", "failed", "loop")
+STEP_FAILURES: tuple[StepFailure, ...] = get_args(StepFailure)
 
 
 class StatsSink(Protocol):
