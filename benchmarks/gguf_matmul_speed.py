@@ -4,13 +4,21 @@ Usage (from the repository root, in the dev venv; builds the op first if need be
     nice -n 15 python -m benchmarks.gguf_matmul_speed           # W hot in cache
     nice -n 15 python -m benchmarks.gguf_matmul_speed --cold    # W read from memory
     python -m benchmarks.gguf_matmul_speed --sizes 4096 --batches 1,32 --types Q4_0 --json out.json
+    # GgufMatMul's batched kernels beside its per-row vec_dot, all batched types:
+    python -m benchmarks.gguf_matmul_speed --cold --sizes 4096 --batches 1,2,8,32 \
+        --types Q4_1,Q4_0,Q8_0,Q4_K,Q6_K,Q5_0,Q5_1,Q5_K --paths auto,vec_dot
+    # one thread, its CPU time: what other load on a shared machine inflates least
+    python -m benchmarks.gguf_matmul_speed --cold --threads 1 --cpu-time ...
 
-For each weight type (Q4_0, Q4_K, Q6_K, Q8_0), size N = K (4096, 2048) and batch M (1, 8,
-32), one-node graphs computing Y = X·Wᵀ (X float32 [M, K]) with W an initializer:
+For each weight type (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0; Q5_0, Q5_1, Q5_K on request), size
+N = K (4096, 2048) and batch M (1, 8, 32), one-node graphs computing Y = X·Wᵀ (X float32
+[M, K]) with W an initializer:
 
-* ``gguf``: GgufMatMul (service/ops) over W's GGUF blocks. Q4_0 and Q8_0 are quantised by
-  the gguf package from Gaussian weights; Q4_K and Q6_K, which it cannot quantise, are
-  random blocks (random codes, small fp16 scales): the speed does not depend on the values.
+* ``gguf``: GgufMatMul (service/ops) over W's GGUF blocks, its own choice of kernels
+  (``gguf:vec_dot`` etc. with ``--paths``: ATTNSERVE_GGUF_MATMUL_PATH for the session).
+  The legacy types are quantised by the gguf package from Gaussian weights; the K-quants,
+  which it cannot quantise, are random blocks (random codes, small fp16 scales): the speed
+  does not depend on the values.
 * ``nbits``: com.microsoft.MatMulNBits, 4-bit, block 32, symmetric, accuracy_level 4 (int8
   activations, as llama.cpp's), made by onnxruntime's MatMulNBitsQuantizer from W's
   dequantised values (one per size: the values do not change its speed either).
@@ -44,11 +52,16 @@ from typing import Any
 
 import numpy as np
 
-TYPES = ("Q4_0", "Q4_K", "Q6_K", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
+# Accepted by --types too (GgufMatMul's batched kernels cover them).
+MORE_TYPES = ("Q5_0", "Q5_1", "Q5_K")
 # (block, block bytes, byte offsets of the fp16 scales in a block) for the random blocks.
-RANDOM_BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,))}
+RANDOM_BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)),
+                 "Q6_K": (256, 210, (208,))}
 NBITS_BLOCK = 32
 NBITS_LEVEL = 4
+# GgufMatMul's choice of kernels (service/ops/gguf_matmul.cc): auto, vec_dot, avx2, avx512vnni.
+PATH_ENV = "ATTNSERVE_GGUF_MATMUL_PATH"
 
 
 def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
@@ -141,7 +154,24 @@ def weight_bytes(model: Any) -> int:
     return sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
 
 
-def session(model: Any, threads: int) -> Any:
+def session(model: Any, threads: int, path: str | None = None) -> Any:
+    """A session on ``threads`` intra-op threads; ``path``: GgufMatMul's
+    ATTNSERVE_GGUF_MATMUL_PATH while the session is created (read then)."""
+    import os
+
+
+    saved = os.environ.pop(PATH_ENV, None)
+    if path is not None:
+        os.environ[PATH_ENV] = path
+    try:
+        return _session(model, threads)
+    finally:
+        os.environ.pop(PATH_ENV, None)
+        if saved is not None:
+            os.environ[PATH_ENV] = saved
+
+
+def _session(model: Any, threads: int) -> Any:
     import onnxruntime as ort
 
     import service.ops
@@ -156,8 +186,9 @@ def session(model: Any, threads: int) -> Any:
 
 
 def median_seconds(run: Callable[[], object], before: Callable[[], object] | None = None,
-                   budget: float = 0.5, most: int = 50, least: int = 5) -> float:
-    """Median of ``run``'s times (``before`` runs untimed ahead of each)."""
+                   budget: float = 0.5, most: int = 50, least: int = 5,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median of ``run``'s times (``before`` runs untimed ahead of each) on ``clock``."""
     for _ in range(3):
         run()
     times: list[float] = []
@@ -165,9 +196,9 @@ def median_seconds(run: Callable[[], object], before: Callable[[], object] | Non
     while len(times) < least or (spent < budget and len(times) < most):
         if before is not None:
             before()
-        started = time.perf_counter()
+        started = clock()
         run()
-        times.append(time.perf_counter() - started)
+        times.append(clock() - started)
         spent += times[-1]
     return statistics.median(times)
 
@@ -184,51 +215,61 @@ class CacheFlush:
 
 def time_kernel(model: Any, kind: str, name: str, size: int, batches: list[int],
                 threads: int, bandwidth: float, flush: CacheFlush | None,
-                rng: np.random.Generator) -> list[dict[str, Any]]:
+                rng: np.random.Generator, path: str | None = None,
+                clock: Callable[[], float] = time.perf_counter) -> list[dict[str, Any]]:
     """Median time per batch size (the cache flushed before each run with ``flush``)."""
-    sess = session(model, threads)
+    sess = session(model, threads, path)
     nbytes = weight_bytes(model)
     rows = []
     for m in batches:
         feed = {"X": rng.standard_normal((m, size), dtype=np.float32)}
-        seconds = median_seconds(lambda: sess.run(None, feed), flush)  # noqa: B023 (called now)
+        seconds = median_seconds(lambda: sess.run(None, feed), flush,  # noqa: B023 (called now)
+                                 clock=clock)
         rows.append({"type": name, "size": size, "m": m, "kernel": kind, "weight_bytes": nbytes,
                      "cold": flush is not None, "ms": seconds * 1e3,
                      "gb_s": nbytes / seconds / 1e9, "of_bandwidth": nbytes / seconds / bandwidth})
     return rows
 
 
+def kernel_name(path: str) -> str:
+    return "gguf" if path == "auto" else f"gguf:{path}"
+
+
 def bench_size(size: int, types: list[str], batches: list[int], threads: int,
-               bandwidth: float, flush: CacheFlush | None,
-               rng: np.random.Generator) -> list[dict[str, Any]]:
+               bandwidth: float, flush: CacheFlush | None, rng: np.random.Generator,
+               paths: tuple[str, ...] = ("auto",),
+               clock: Callable[[], float] = time.perf_counter) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     baseline: list[dict[str, Any]] = []
     for name in types:
         type_id, stored, dense = gguf_weights(name, size, size, rng)
-        rows += time_kernel(gguf_model(type_id, stored, size), "gguf", name, size, batches,
-                            threads, bandwidth, flush, rng)
+        for path in paths:
+            rows += time_kernel(gguf_model(type_id, stored, size), kernel_name(path), name,
+                                size, batches, threads, bandwidth, flush, rng, path, clock)
         if not baseline:  # MatMulNBits and f32 run alike whatever the values: timed once
             for kind, model in (("nbits", nbits_model(dense)), ("f32", float_model(dense))):
                 baseline += time_kernel(model, kind, name, size, batches, threads, bandwidth,
-                                        flush, rng)
+                                        flush, rng, clock=clock)
         rows += [dict(r, type=name) for r in baseline]
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    kinds = ("gguf", "nbits", "f32")
-    header = "  ".join(f"{k + ' ms':>9} {'GB/s':>6} {'/bw':>4}" for k in kinds)
+    kinds = list(dict.fromkeys(r["kernel"] for r in rows))
+    widths = {k: max(9, len(k) + 3) for k in kinds}
+    header = "  ".join(f"{k + ' ms':>{widths[k]}} {'GB/s':>6} {'/bw':>4}" for k in kinds)
     for (name, size) in dict.fromkeys((r["type"], r["size"]) for r in rows):
         mine = [r for r in rows if r["type"] == name and r["size"] == size]
         sizes = {r["kernel"]: r["weight_bytes"] / 1e6 for r in mine}
-        print(f"\n{name} N=K={size}  W: gguf {sizes['gguf']:.1f} MB, nbits "
+        print(f"\n{name} N=K={size}  W: gguf {sizes[kinds[0]]:.1f} MB, nbits "
               f"{sizes['nbits']:.1f} MB, f32 {sizes['f32']:.1f} MB")
         print(f"{'M':>4}  {header}")
         for m in dict.fromkeys(r["m"] for r in mine):
             cells = []
             for kind in kinds:
                 (r,) = [r for r in mine if r["m"] == m and r["kernel"] == kind]
-                cells.append(f"{r['ms']:9.3f} {r['gb_s']:6.1f} {r['of_bandwidth']:4.0%}")
+                cells.append(f"{r['ms']:{widths[kind]}.3f} {r['gb_s']:6.1f} "
+                             f"{r['of_bandwidth']:4.0%}")
             print(f"{m:>4}  " + "  ".join(cells))
 
 
@@ -238,12 +279,23 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="4096,2048", help="N = K values (default 4096,2048)")
     p.add_argument("--batches", default="1,8,32", help="M values (default 1,8,32)")
-    p.add_argument("--types", default=",".join(TYPES), help=f"default {','.join(TYPES)}")
+    p.add_argument("--types", default=",".join(TYPES),
+                   help=f"default {','.join(TYPES)}; also {','.join(MORE_TYPES)}")
+    p.add_argument("--paths", default="auto",
+                   help="GgufMatMul kernels to time, each a column (ATTNSERVE_GGUF_MATMUL_PATH: "
+                        "auto, vec_dot, avx2, avx512vnni; default auto)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
     p.add_argument("--cold", action="store_true",
                    help="flush the caches before every timed run (W read from memory)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time the calling thread's CPU time, not the wall clock (needs "
+                        "--threads 1, where ONNX Runtime computes on the calling thread): "
+                        "what other load on a shared machine does not inflate")
     p.add_argument("--json", type=Path, help="also write every figure here")
     args = p.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        p.error("--cpu-time needs --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     from service.ops import build
 
     try:
@@ -259,11 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         rows += bench_size(size, args.types.split(","), [int(m) for m in args.batches.split(",")],
-                           args.threads, bandwidth, flush, rng)
+                           args.threads, bandwidth, flush, rng, tuple(args.paths.split(",")),
+                           clock)
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps({"read_bandwidth": bandwidth, "threads": args.threads,
-                                         "cold": args.cold, "rows": rows}, indent=2) + "\n",
+                                         "cold": args.cold, "cpu_time": args.cpu_time,
+                                         "rows": rows}, indent=2) + "\n",
                              encoding="utf-8")
     return 0
 

@@ -1,4 +1,5 @@
-"""Custom ONNX Runtime ops over GGUF bytes: ``GgufMatMul`` (service/ops/gguf_matmul.cc).
+"""Custom ONNX Runtime ops over GGUF bytes: ``GgufMatMul`` (service/ops/gguf_matmul.cc) and
+``GgufGather`` (service/ops/gguf_gather.cc, an embedding lookup dequantising rows).
 
 The op computes Y = X·Wᵀ with ggml's CPU dot products straight over a GGUF tensor's rows as
 stored, so a graph can carry the file's quantised weights instead of float copies. It is a
@@ -13,17 +14,28 @@ Where it is looked for, in order: ``$ATTNSERVE_GGUF_OPS`` (the .so itself, e.g. 
 that ships it); the build for today's sources in ``.cache/gguf-ops/<key>/`` (a library built
 from other sources is not used); where the sources are not at hand (an installed package),
 ``.cache/gguf-ops/current``. Nothing here imports onnxruntime or builds anything.
+
+A portable build (``python -m service.ops.build --portable``, the one the serving image
+ships) lists in its ``build-info.json`` the CPU flags its code needs (AVX2, FMA, F16C, ...):
+where /proc/cpuinfo lacks one, ``library_path()`` returns None and logs why, so that the
+library is never loaded on a CPU it would crash with an illegal instruction.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import platform
 from pathlib import Path
 from typing import Protocol
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "ATTNSERVE_GGUF_OPS"
 DOMAIN = "attnserve.gguf"
 MATMUL_OP = "GgufMatMul"
+GATHER_OP = "GgufGather"
 
 
 class _SessionOptions(Protocol):
@@ -32,10 +44,62 @@ class _SessionOptions(Protocol):
     def register_custom_ops_library(self, library_path: str) -> None: ...
 
 
+CPUINFO = Path("/proc/cpuinfo")
+_warned: set[str] = set()
+
+
+def cpu_flags(cpuinfo: Path | None = None) -> set[str] | None:
+    """This CPU's feature flags (the first ``flags`` line of /proc/cpuinfo); None when
+    unreadable."""
+    try:
+        with open(CPUINFO if cpuinfo is None else cpuinfo, encoding="utf-8") as lines:
+            for line in lines:
+                name, _, value = line.partition(":")
+                if name.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        return None
+    return set()
+
+
+def cpu_mismatch(library: Path, cpuinfo: Path | None = None) -> str | None:
+    """Why this CPU cannot run ``library`` (the required_cpu_flags or machine its
+    build-info.json names, beside it), or None when it can or nothing is required (a
+    ``-march=native`` build: its cache key holds this CPU's flags)."""
+    try:
+        info = json.loads((library.parent / "build-info.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    required = info.get("required_cpu_flags") or []
+    machine = info.get("machine")
+    if machine and machine != platform.machine():
+        return f"built for {machine}, this machine is {platform.machine()}"
+    if not required:
+        return None
+    flags = cpu_flags(cpuinfo)
+    if flags is None:
+        return (f"{CPUINFO if cpuinfo is None else cpuinfo} is unreadable: cannot check that "
+                f"this CPU has {' '.join(required)}")
+    missing = [flag for flag in required if flag not in flags]
+    return f"this CPU lacks {' '.join(missing)}" if missing else None
+
+
+def _usable(library: Path) -> Path | None:
+    reason = cpu_mismatch(library)
+    if reason is None:
+        return library
+    if str(library) not in _warned:
+        _warned.add(str(library))
+        log.warning("GGUF op library %s not loaded: %s (its build-info.json requires "
+                    "them; GGUF-kernel graphs cannot run here)", library, reason)
+    return None
+
+
 def library_path(cache: Path | None = None) -> Path | None:
-    """The op library to load, or None when it is not built. FileNotFoundError when
-    ``$ATTNSERVE_GGUF_OPS`` names a file that is not there (a typo must not pass silently).
-    ``cache``: the build cache (default ``.cache/gguf-ops``)."""
+    """The op library to load, or None when it is not built, or built for CPU features
+    this CPU lacks (logged once). FileNotFoundError when ``$ATTNSERVE_GGUF_OPS`` names a
+    file that is not there (a typo must not pass silently). ``cache``: the build cache
+    (default ``.cache/gguf-ops``)."""
     # Imported here, not above: `python -m service.ops.build` imports this package first,
     # and must not find its own module already imported.
     from service.ops import build
@@ -46,15 +110,17 @@ def library_path(cache: Path | None = None) -> Path | None:
         path = Path(override)
         if not path.is_file():
             raise FileNotFoundError(f"{ENV_VAR}={override}: no such file")
-        return path
+        return _usable(path)
     if build.sources_present():
-        return build.find_built(cache)
+        built = build.find_built(cache)
+        return None if built is None else _usable(built)
     current = cache / build.CURRENT_LINK / build.LIBRARY_NAME
-    return current if current.is_file() else None
+    return _usable(current) if current.is_file() else None
 
 
 def register(options: _SessionOptions, cache: Path | None = None) -> bool:
-    """Register the op library with ``options``; False (nothing registered) when not built."""
+    """Register the op library with ``options``; False (nothing registered) when not built,
+    or built for CPU flags this CPU lacks (library_path)."""
     path = library_path(cache)
     if path is None:
         return False

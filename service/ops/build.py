@@ -5,6 +5,8 @@ Usage (from the repository root; `make gguf-ops` runs the first form):
     python -m service.ops.build --print-path    # the built library (exit 1: not built)
     python -m service.ops.build --force         # build again even if built
     python -m service.ops.build --jobs 4        # compile jobs (default 2)
+    python -m service.ops.build --portable      # for any x86-64-v3 CPU, not -march=native
+                                                # (.cache/gguf-ops-portable; --out DIR)
 
 Nothing is installed on the system. The inputs are fetched into the project's cache:
 
@@ -58,7 +60,8 @@ SDIST_DIR = REPO_ROOT / ".cache" / "llamacpp-tools"
 LIBRARY_NAME = "libattnserve_gguf_ops.so"
 CURRENT_LINK = "current"
 INFO_FILE = "build-info.json"
-SOURCES = ("gguf_matmul.cc", "CMakeLists.txt")
+SOURCES = ("gguf_ops.h", "gguf_ops.cc", "gguf_matmul.cc", "gguf_gather.cc", "gguf_batched.h",
+           "gguf_batched.cc", "gguf_batched_kernels.inc", "CMakeLists.txt")
 
 # Equal to benchmarks/llamacpp_env.py's pin (a test checks): the kernels the benchmark's
 # llama.cpp runs are the kernels this op runs.
@@ -87,6 +90,28 @@ CMAKE_ARGS = (
 )
 # Bumped when the build's layout changes without any input above changing.
 BUILD_FORMAT = 1
+
+# `--portable` (the serving image, deploy/Dockerfile): for any x86-64-v3 CPU (Haswell, Zen 1
+# and later), not this one. ggml-cpu gets AVX2, FMA, F16C and BMI2 explicitly (ggml's
+# GGML_CPU_ALL_VARIANTS needs GGML_BACKEND_DL, whose CPU backends are dlopen'ed modules: the
+# op links ggml-cpu and calls it directly); the op's own batched kernels choose AVX2 or
+# AVX-512 VNNI at run time. The key has no CPU signature; build-info.json lists the
+# /proc/cpuinfo flags the code needs, which service.ops.library_path() checks before the
+# library is loaded (a CPU without them gets None and a log line, never SIGILL).
+PORTABLE_CACHE_DIR = REPO_ROOT / ".cache" / "gguf-ops-portable"
+PORTABLE_CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2")
+PORTABLE_CMAKE_ARGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
+    "-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF",
+    "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    *CMAKE_ARGS[CMAKE_ARGS.index("-DGGML_OPENMP=OFF"):],
+)
+
+
+def cmake_args(portable: bool = False) -> tuple[str, ...]:
+    return PORTABLE_CMAKE_ARGS if portable else CMAKE_ARGS
 
 Log = Callable[[str], None]
 
@@ -118,27 +143,30 @@ def cpu_signature() -> str:
     return f"{platform.machine()} {flags}"
 
 
-def build_key() -> str:
-    """``0.3.36-ort1.21-<sha256 prefix>``: the directory today's build lives in."""
+def build_key(portable: bool = False) -> str:
+    """``0.3.36-ort1.21-<sha256 prefix>``: the directory today's build lives in
+    (``0.3.36-ort1.21-portable-<prefix>`` for ``portable``: no CPU signature in the key)."""
     digest = hashlib.sha256()
+    target = f"{platform.machine()} portable" if portable else cpu_signature()
     for part in (LLAMA_CPP_PYTHON, ORT_HEADERS_PACKAGE, ORT_HEADERS_SUITE, ORT_HEADERS_UPSTREAM,
-                 str(ORT_API_VERSION), *CMAKE_ARGS, str(BUILD_FORMAT), cpu_signature()):
+                 str(ORT_API_VERSION), *cmake_args(portable), str(BUILD_FORMAT), target):
         digest.update(part.encode() + b"\0")
     for name in SOURCES:
         digest.update((SOURCE_DIR / name).read_bytes() + b"\0")
     version = LLAMA_CPP_PYTHON.partition("==")[2]
-    return f"{version}-ort{ORT_HEADERS_UPSTREAM.rstrip('.')}-{digest.hexdigest()[:12]}"
+    return (f"{version}-ort{ORT_HEADERS_UPSTREAM.rstrip('.')}-{'portable-' if portable else ''}"
+            f"{digest.hexdigest()[:12]}")
 
 
 def sources_present() -> bool:
     return all((SOURCE_DIR / name).is_file() for name in SOURCES)
 
 
-def find_built(cache: Path = CACHE_DIR) -> Path | None:
+def find_built(cache: Path = CACHE_DIR, portable: bool = False) -> Path | None:
     """Today's library (built with today's key), or None."""
     if not sources_present():
         return None
-    directory = cache / build_key()
+    directory = cache / build_key(portable)
     library = directory / LIBRARY_NAME
     return library if library.is_file() and (directory / INFO_FILE).is_file() else None
 
@@ -293,7 +321,12 @@ def extract_ggml(tarball: Path, dest: Path) -> Path:
             if member.name.startswith(prefix):
                 member.name = "ggml/" + member.name[len(prefix):]
                 members.append(member)
-        tar.extractall(dest, members=members, filter="data")
+        # Debian bookworm's Python 3.11.2 (the image's builder stage) predates the filters
+        # (3.11.4); the members are the pinned sdist's, renamed under ggml/ above.
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, members=members, filter="data")
+        else:
+            tar.extractall(dest, members=members)
     ggml = dest / "ggml"
     if not (ggml / "include" / "ggml-cpu.h").is_file():
         raise BuildError(f"{tarball.name} holds no vendor/llama.cpp/ggml")
@@ -344,21 +377,23 @@ def _generator() -> list[str]:
 
 
 def ensure_built(cache: Path = CACHE_DIR, jobs: int = DEFAULT_JOBS, force: bool = False,
-                 log: Log = _stderr) -> Path:
+                 log: Log = _stderr, portable: bool = False) -> Path:
     """The op library for today's key, built first if need be. BuildUnavailable when a tool
-    or an input is missing here; BuildError when the build itself fails."""
+    or an input is missing here; BuildError when the build itself fails. ``portable``: the
+    x86-64-v3 build (PORTABLE_CMAKE_ARGS), kept in a cache of its own (the default one's
+    older builds are pruned)."""
     if not sources_present():
         raise BuildUnavailable(f"the op's sources ({', '.join(SOURCES)}) are not in {SOURCE_DIR}")
-    if not force and (built := find_built(cache)):
+    if not force and (built := find_built(cache, portable)):
         return built
     with _locked(cache):
-        if not force and (built := find_built(cache)):
+        if not force and (built := find_built(cache, portable)):
             return built  # another process built it while we waited
-        return _build(cache, jobs, log)
+        return _build(cache, jobs, log, portable)
 
 
-def _build(cache: Path, jobs: int, log: Log) -> Path:
-    key = build_key()
+def _build(cache: Path, jobs: int, log: Log, portable: bool = False) -> Path:
+    key = build_key(portable)
     cmake = _require("cmake", "cmake", "configures the op")
     generator = _generator()
     if not (shutil.which("c++") or shutil.which("g++")):
@@ -377,7 +412,8 @@ def _build(cache: Path, jobs: int, log: Log) -> Path:
         build = work / "build"
         env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
         _run([cmake, "-S", str(SOURCE_DIR), "-B", str(build), *generator,
-              f"-DGGML_SOURCE_DIR={ggml}", f"-DORT_INCLUDE_DIR={include}", *CMAKE_ARGS],
+              f"-DGGML_SOURCE_DIR={ggml}", f"-DORT_INCLUDE_DIR={include}",
+              *cmake_args(portable)],
              log_file, env=env)
         _run([cmake, "--build", str(build), "--parallel", str(jobs),
               "--target", "attnserve_gguf_ops"], log_file, env=env)
@@ -390,8 +426,10 @@ def _build(cache: Path, jobs: int, log: Log) -> Path:
         seconds = round(time.monotonic() - started, 1)
         info = {"key": key, "llama_cpp_python": LLAMA_CPP_PYTHON,
                 "ort_headers": str(include.parents[2].name), "ort_api_version": ORT_API_VERSION,
-                "cmake_args": list(CMAKE_ARGS), "jobs": jobs, "build_seconds": seconds,
+                "cmake_args": list(cmake_args(portable)), "jobs": jobs, "build_seconds": seconds,
                 "files": sizes}
+        if portable:  # checked by service.ops.library_path() before the library is loaded
+            info.update(machine=platform.machine(), required_cpu_flags=list(PORTABLE_CPU_FLAGS))
         (stage / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         shutil.copy2(log_file, stage / "build.log")
         target = cache / key
@@ -414,16 +452,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="build even if built already")
     p.add_argument("--jobs", type=int, default=DEFAULT_JOBS,
                    help=f"parallel compile jobs (default {DEFAULT_JOBS})")
+    p.add_argument("--portable", action="store_true",
+                   help="build for any x86-64-v3 CPU (AVX2, FMA, F16C, BMI2), not this one's "
+                        "-march=native: what the serving image ships (default cache "
+                        f"{PORTABLE_CACHE_DIR.relative_to(REPO_ROOT)})")
+    p.add_argument("--out", type=Path, default=None,
+                   help="the build cache to use: DIR/<key>/ and DIR/current (default "
+                        f"{CACHE_DIR.relative_to(REPO_ROOT)}, or the portable one)")
     args = p.parse_args(argv)
+    cache = args.out or (PORTABLE_CACHE_DIR if args.portable else CACHE_DIR)
     if args.print_path:
-        built = find_built()
+        built = find_built(cache, args.portable)
         if built is None:
             _stderr("not built (run: python -m service.ops.build)")
             return 1
         print(built)
         return 0
     try:
-        print(ensure_built(jobs=args.jobs, force=args.force))
+        print(ensure_built(cache, jobs=args.jobs, force=args.force, portable=args.portable))
     except BuildUnavailable as exc:
         _stderr(f"cannot build here: {exc}")
         return 2

@@ -14,34 +14,36 @@
 // read from ggml at run time, so a newer ggml brings its new types along. W is never
 // expanded to floats: each row is dotted as stored. X is quantised once per call, row by
 // row, into the vec_dot_type (Q8_0, Q8_1 or Q8_K for the quantised types; F16/BF16/F32 for
-// the float ones), as ggml's mul_mat does on its vec_dot path (llama.cpp's repacked and
-// llamafile-sgemm paths compute batches with other kernels).
+// the float ones), as ggml's mul_mat does on its vec_dot path.
+//
+// Batches: for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, from 2 or 3 rows
+// (batched::MinBatch), each tile of weight rows is unpacked once and dotted with every row
+// of X by our int8 kernels (gguf_batched.cc: AVX-512 VNNI or AVX2, chosen at run time); at
+// M = 1, for every other type, and on CPUs without AVX2, one ggml vec_dot per pair of rows.
+// ATTNSERVE_GGUF_MATMUL_PATH (auto, vec_dot, avx2, avx512vnni) overrides the choice when a
+// session is created (tests, benchmarks).
 //
 // Threads: the N weight rows are split across ONNX Runtime's intra-op pool
 // (KernelContext_ParallelFor); ggml's own threadpool is never started, so one pool spins.
 // Built by service/ops/build.py against Debian's libonnxruntime-dev 1.21 headers (API 21,
-// served by newer runtimes) and the ggml of the pinned llama-cpp-python sdist.
-
-#define ORT_API_MANUAL_INIT
-#include "onnxruntime_cxx_api.h"
-#undef ORT_API_MANUAL_INIT
+// served by newer runtimes) and the ggml of the pinned llama-cpp-python sdist; registered
+// with GgufGather by gguf_ops.cc.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
-#include <sstream>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "ggml-cpu.h"
 #include "ggml.h"
+#include "gguf_batched.h"
+#include "gguf_ops.h"
 
+namespace attnserve_gguf {
 namespace {
 
-constexpr const char* kDomain = "attnserve.gguf";
 constexpr const char* kOpName = "GgufMatMul";
 // Weight rows one task dots with every activation row while they sit in L1/L2: the
 // matrix is streamed from memory once per call, whatever the batch (a decode step of 32
@@ -52,25 +54,8 @@ constexpr int64_t kYLine = 64 / sizeof(float);
 constexpr int64_t kMaxBlockRows = 64;
 // Fewer activation rows than this are quantised inline: a pool dispatch costs more.
 constexpr int64_t kParallelQuantiseRows = 4;
-
-// A bad input or attribute, raised inside the op and returned to ONNX Runtime as a status.
-struct OpError : std::runtime_error {
-  OrtErrorCode code;
-  OpError(OrtErrorCode c, const std::string& what) : std::runtime_error(what), code(c) {}
-};
-
-// "GgufMatMul node 'name': " (unnamed nodes: "GgufMatMul: "), the prefix of every error.
-std::string Where(const std::string& node) {
-  return std::string(kOpName) + (node.empty() ? "" : " node '" + node + "'") + ": ";
-}
-
-std::string TypeName(int64_t type_id) {
-  const char* name = nullptr;
-  if (type_id >= 0 && type_id < GGML_TYPE_COUNT) {
-    name = ggml_get_type_traits(static_cast<ggml_type>(type_id))->type_name;
-  }
-  return std::to_string(type_id) + " (" + (name ? name : "no such type in this ggml") + ")";
-}
+// Weight rows a task of the batched path unpacks and computes (whole 64-byte lines of Y).
+constexpr int64_t kBatchedRows = 16;
 
 // The ggml-cpu functions for one weight type, or null where ggml cannot compute it.
 struct CpuKernels {
@@ -118,7 +103,7 @@ struct WeightFormat {
 };
 
 WeightFormat ResolveFormat(const std::string& node, int64_t type_id, int64_t k) {
-  const std::string where = Where(node);
+  const std::string where = Where(kOpName, node);
   const CpuKernels kernels = KernelsFor(type_id);
   if (kernels.vec_dot == nullptr) {
     throw OpError(ORT_INVALID_ARGUMENT,
@@ -150,29 +135,24 @@ WeightFormat ResolveFormat(const std::string& node, int64_t type_id, int64_t k) 
                       kernels.act_from_float};
 }
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
-
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-
 // One ParallelFor task: quantise one activation row into the vec_dot_type.
 struct QuantiseJob {
   const WeightFormat* format;
   const float* x;  // (M, K)
   uint8_t* xq;     // (M, act_row_bytes)
+  // The batched path: the row re-laid out for its kernels too (isa kNone: not taken).
+  batched::Isa isa = batched::Isa::kNone;
+  const batched::Acts* acts = nullptr;
 };
 
 void QuantiseRow(void* data, size_t row) {
   const auto& job = *static_cast<const QuantiseJob*>(data);
   const WeightFormat& f = *job.format;
-  f.act_from_float(job.x + row * f.k, job.xq + row * f.act_row_bytes, f.k);
+  uint8_t* xq = job.xq + row * f.act_row_bytes;
+  f.act_from_float(job.x + row * f.k, xq, f.k);
+  if (job.isa != batched::Isa::kNone) {
+    batched::PrepareRow(job.isa, f.type, xq, *job.acts, static_cast<int64_t>(row));
+  }
 }
 
 // One ParallelFor task: a block of weight rows against every activation row.
@@ -204,34 +184,71 @@ void DotBlock(void* data, size_t block) {
   }
 }
 
-// Run `body`, turning any exception into an OrtStatus: nothing may unwind into ORT.
-template <typename Body>
-OrtStatusPtr Guarded(const OrtApi& api, Body&& body) noexcept {
-  try {
-    body();
-    return nullptr;
-  } catch (const OpError& e) {
-    return api.CreateStatus(e.code, e.what());
-  } catch (const Ort::Exception& e) {
-    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_RUNTIME_EXCEPTION, e.what());
-  } catch (...) {
-    return api.CreateStatus(ORT_RUNTIME_EXCEPTION, "GgufMatMul: unknown exception");
+// One ParallelFor task of the batched path: kBatchedRows weight rows, unpacked once, against
+// every activation row.
+struct BatchedJob {
+  const WeightFormat* format;
+  batched::Isa isa;
+  const uint8_t* w;  // (N, row_bytes)
+  const batched::Acts* acts;
+  float* y;  // (M, N)
+  int64_t n;
+};
+
+void BatchedBlock(void* data, size_t block) {
+  const auto& job = *static_cast<const BatchedJob*>(data);
+  const int64_t r0 = static_cast<int64_t>(block) * kBatchedRows;
+  const int64_t r1 = std::min(job.n, r0 + kBatchedRows);
+  batched::DotRows(job.isa, job.format->type, job.w, job.format->row_bytes, r0, r1, *job.acts,
+                   job.y, job.n);
+}
+
+// Which path a node takes: ATTNSERVE_GGUF_MATMUL_PATH = auto (default: the batched kernels
+// for the types they cover from batched::MinBatch(type) rows, with the best instruction set
+// here), vec_dot (ggml's vec_dot always), avx2 or avx512vnni (the batched kernels with that
+// instruction set at every M: for tests and benchmarks).
+struct PathChoice {
+  batched::Isa isa = batched::Isa::kNone;  // kNone: vec_dot only
+  int64_t min_batch = 1;
+};
+
+PathChoice ChoosePath(const std::string& node, ggml_type type) {
+  const char* env = std::getenv("ATTNSERVE_GGUF_MATMUL_PATH");
+  const std::string path = env && *env ? env : "auto";
+  const batched::Isa here = batched::DetectIsa();
+  PathChoice choice;
+  if (path == "auto") {
+    choice.isa = batched::Covers(type, here) ? here : batched::Isa::kNone;
+    choice.min_batch = batched::MinBatch(type);
+  } else if (path == "avx2" || path == "avx512vnni") {
+    const batched::Isa want = path == "avx2" ? batched::Isa::kAvx2 : batched::Isa::kVnni;
+    if (here == batched::Isa::kNone || (want == batched::Isa::kVnni && here != want)) {
+      throw OpError(ORT_INVALID_ARGUMENT, Where(kOpName, node) +
+                                              "ATTNSERVE_GGUF_MATMUL_PATH=" + path +
+                                              ": this CPU runs only " + batched::IsaName(here));
+    }
+    choice.isa = batched::Covers(type, want) ? want : batched::Isa::kNone;
+    choice.min_batch = 1;
+  } else if (path != "vec_dot") {
+    throw OpError(ORT_INVALID_ARGUMENT,
+                  Where(kOpName, node) + "ATTNSERVE_GGUF_MATMUL_PATH=" + path +
+                      " is none of auto, vec_dot, avx2, avx512vnni");
   }
+  return choice;
 }
 
 struct GgufMatMulKernel {
   std::string node;
   WeightFormat format;
+  PathChoice path;
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) const {
-    return Guarded(Ort::GetApi(), [&] { Compute(raw); });
+    return Guarded(Ort::GetApi(), kOpName, [&] { Compute(raw); });
   }
 
   void Compute(OrtKernelContext* raw) const {
     Ort::KernelContext ctx(raw);
-    const std::string where = Where(node);
+    const std::string where = Where(kOpName, node);
     const Ort::ConstValue x = ctx.GetInput(0);
     const Ort::ConstValue w = ctx.GetInput(1);
     const std::vector<int64_t> x_shape = x.GetTensorTypeAndShapeInfo().GetShape();  // (.., K)
@@ -262,40 +279,46 @@ struct GgufMatMulKernel {
     const uint8_t* w_data = w.GetTensorData<uint8_t>();
 
     // X in the vec_dot_type, once per call; F32 weights dot float rows as they are.
-    std::unique_ptr<uint8_t, FreeDeleter> quantised;
-    const uint8_t* acts = reinterpret_cast<const uint8_t*>(x_data);
+    const bool use_batched = path.isa != batched::Isa::kNone && m >= path.min_batch;
+    std::unique_ptr<uint8_t, FreeDeleter> quantised, batched_buffer;
+    batched::Acts acts;
+    const uint8_t* xq = reinterpret_cast<const uint8_t*>(x_data);
     if (f.act_type != GGML_TYPE_F32) {
       const size_t bytes = static_cast<size_t>(m) * f.act_row_bytes;  // (M, act_row_bytes)
       quantised.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
       if (!quantised) throw OpError(ORT_FAIL, where + "out of memory for the quantised X");
       QuantiseJob qjob{&f, x_data, quantised.get()};
+      if (use_batched) {
+        const size_t acts_bytes = batched::ActsBytes(f.type, m, f.k);  // a multiple of 64
+        batched_buffer.reset(static_cast<uint8_t*>(std::aligned_alloc(64, acts_bytes)));
+        if (!batched_buffer) throw OpError(ORT_FAIL, where + "out of memory for X's codes");
+        acts = batched::ActsIn(f.type, batched_buffer.get(), m, f.k);
+        qjob.isa = path.isa;
+        qjob.acts = &acts;
+      }
       if (m < kParallelQuantiseRows) {
         for (int64_t i = 0; i < m; ++i) QuantiseRow(&qjob, static_cast<size_t>(i));
       } else {
         ctx.ParallelFor(QuantiseRow, static_cast<size_t>(m), 0, &qjob);
       }
-      acts = quantised.get();
+      xq = quantised.get();
     }
 
+    if (use_batched) {
+      BatchedJob job{&f, path.isa, w_data, &acts, y_data, n};
+      ctx.ParallelFor(BatchedBlock, static_cast<size_t>((n + kBatchedRows - 1) / kBatchedRows),
+                      0, &job);
+      return;
+    }
     const int64_t fit = static_cast<int64_t>(kBlockBytes / f.row_bytes) / kYLine * kYLine;
     const int64_t block_rows = std::clamp<int64_t>(fit, kYLine, kMaxBlockRows);
-    DotJob job{&f, w_data, acts, y_data, m, n, block_rows};
+    DotJob job{&f, w_data, xq, y_data, m, n, block_rows};
     const size_t blocks = static_cast<size_t>((n + block_rows - 1) / block_rows);
     // num_batch 0: one task per block, handed out dynamically, so a thread slowed by
     // other load takes fewer blocks.
     ctx.ParallelFor(DotBlock, blocks, 0, &job);
   }
 };
-
-int64_t IntAttribute(const Ort::ConstKernelInfo& info, const std::string& node, const char* name,
-                     const char* meaning) {
-  try {
-    return info.GetAttribute<int64_t>(name);
-  } catch (const Ort::Exception& e) {
-    throw OpError(ORT_INVALID_ARGUMENT, Where(node) + "needs an int attribute '" + name +
-                                            "' (" + meaning + "): " + e.what());
-  }
-}
 
 struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, /*WithStatus=*/true> {
   const char* GetName() const { return kOpName; }
@@ -310,12 +333,15 @@ struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, /*WithSt
 
   // Attributes are checked here, when the session is created, not at the first run.
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    return Guarded(api, [&] {
+    return Guarded(api, kOpName, [&] {
       Ort::ConstKernelInfo kinfo(info);
       const std::string node = kinfo.GetNodeName();
-      const int64_t type_id = IntAttribute(kinfo, node, "ggml_type", "the GGUF tensor type id");
-      const int64_t k = IntAttribute(kinfo, node, "k", "the number of weights in a row");
-      *kernel = new GgufMatMulKernel{node, ResolveFormat(node, type_id, k)};
+      const int64_t type_id =
+          IntAttribute(kinfo, kOpName, node, "ggml_type", "the GGUF tensor type id");
+      const int64_t k =
+          IntAttribute(kinfo, kOpName, node, "k", "the number of weights in a row");
+      const WeightFormat format = ResolveFormat(node, type_id, k);
+      *kernel = new GgufMatMulKernel{node, format, ChoosePath(node, format.type)};
     });
   }
 
@@ -323,7 +349,7 @@ struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, /*WithSt
   // are left to Compute, which names them with the node.
   static OrtStatusPtr InferOutputShape(Ort::ShapeInferContext& ctx) {
     OrtStatusPtr status = nullptr;
-    OrtStatusPtr guard = Guarded(Ort::GetApi(), [&] {
+    OrtStatusPtr guard = Guarded(Ort::GetApi(), kOpName, [&] {
       const Ort::ShapeInferContext::Shape& x = ctx.GetInputShape(0);
       const Ort::ShapeInferContext::Shape& w = ctx.GetInputShape(1);
       if (x.empty() || w.size() != 2) return;  // rank unknown: nothing to say
@@ -335,36 +361,11 @@ struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, /*WithSt
   }
 };
 
-std::mutex g_register_mutex;
-// Domains handed to sessions. ORT does not own them and may read them for as long as a
-// session lives, so they are never released (one small object per registration).
-std::vector<OrtCustomOpDomain*> g_domains;
-
 }  // namespace
 
-// Called by SessionOptions.register_custom_ops_library (Python) or RegisterCustomOpsLibrary.
-extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
-RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
-  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
-  if (api == nullptr) {
-    // A runtime older than these headers: report it through the oldest API there is.
-    const OrtApi* oldest = api_base->GetApi(1);
-    const std::string msg = std::string("GgufMatMul needs ONNX Runtime API version ") +
-                            std::to_string(ORT_API_VERSION) + " (1." +
-                            std::to_string(ORT_API_VERSION) + ") or newer; this runtime is " +
-                            api_base->GetVersionString();
-    return oldest ? oldest->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
-  }
-  Ort::InitApi(api);
-  return Guarded(*api, [&] {
-    static std::once_flag cpu_init;
-    // fp16 tables and CPU feature detection that the dot products rely on.
-    std::call_once(cpu_init, [] { ggml_cpu_init(); });
-    static GgufMatMulOp op;  // outlives every session: ORT keeps a pointer to it
-    std::lock_guard<std::mutex> lock(g_register_mutex);
-    Ort::CustomOpDomain domain(kDomain);
-    domain.Add(&op);
-    Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
-    g_domains.push_back(domain.release());
-  });
+const OrtCustomOp* MatMulOp() {
+  static GgufMatMulOp op;  // outlives every session: ORT keeps a pointer to it
+  return &op;
 }
+
+}  // namespace attnserve_gguf

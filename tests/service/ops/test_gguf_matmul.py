@@ -7,12 +7,15 @@ gguf cannot dequantise, the few lines of ggml-quants.c written in numpy below). 
 quantises X to 8 bits (Q8_0/Q8_1/Q8_K) for the quantised types, to fp16/bf16 for those, so
 the tolerance is on the error of a result row relative to its norm, per type (measured
 maxima beside TYPES); against X quantised in numpy as ggml quantises it, every type must
-agree to float32 accumulation (EXACT).
+agree to float32 accumulation (EXACT). M = 3, 17 and 64 take the batched kernels
+(gguf_batched.cc) for the eight types in BATCHED, M = 1 ggml's vec_dot; the batched tests
+below cover the thresholds and each instruction set.
 
-The library is built by the session fixture (service/ops/build.py: cached, a no-op when
-built; on a fresh clone it fetches ONNX Runtime's headers and the llama-cpp-python sdist
-into .cache/ and compiles, 0.5-1.5 min on 2 cores). The tests skip only where it cannot be
-built on this machine (a tool or a download missing), and fail when the build fails.
+The library is built by the session fixture (conftest.py; service/ops/build.py: cached, a
+no-op when built; on a fresh clone it fetches ONNX Runtime's headers and the
+llama-cpp-python sdist into .cache/ and compiles, 0.5-1.5 min on 2 cores). The tests skip
+only where it cannot be built on this machine (a tool or a download missing), and fail when
+the build fails.
 """
 
 from __future__ import annotations
@@ -39,14 +42,6 @@ N = 67  # odd: the last block of weight rows is partial
 K = 512  # a multiple of every block size (32, 64, 128, 256)
 BATCHES = (1, 3, 17, 64)
 THREADS = 2
-
-
-@pytest.fixture(scope="session")
-def gguf_ops_library() -> Path:
-    try:
-        return build.ensure_built()
-    except build.BuildUnavailable as exc:
-        pytest.skip(f"the GgufMatMul library cannot be built on this machine: {exc}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,22 +317,84 @@ def test_the_op_accepts_exactly_the_tested_types(gguf_ops_library: Path) -> None
     assert accepted == {t.type_id for t in TYPES.values()}
 
 
+# The types GgufMatMul's batched kernels cover (service/ops/gguf_batched.cc) and the batch
+# from which it takes them (batched::MinBatch); below it, and for every other type, each
+# row is one ggml vec_dot per weight row.
+BATCHED = {"Q4_0": 2, "Q4_1": 2, "Q5_0": 2, "Q5_1": 2, "Q8_0": 3, "Q4_K": 3, "Q5_K": 3,
+           "Q6_K": 3}
+PATH_ENV = "ATTNSERVE_GGUF_MATMUL_PATH"
+
+
 def test_batched_rows_equal_rows_alone_and_threads_change_nothing(
         gguf_ops_library: Path) -> None:
-    """Each row of X is quantised and dotted on its own: a row's result is bitwise the
-    same in a batch of 17 as alone, and with 1 thread as with 2."""
+    """One thread equals two, bit for bit, on either path. A row's result is bitwise the same
+    in any batch the batched kernels compute (17 rows or 3); against the row alone (vec_dot,
+    another float summation order) it agrees to float32 accumulation (measured 4.8e-7)."""
     rng = np.random.default_rng(1)
-    for name in ("Q4_0", "Q4_K", "Q6_K", "F16"):
+    for name in ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "F16"):
         stored, _ = TYPES[name].make(rng, N, K)
         model = matmul_model(TYPES[name].type_id, K)
         two, one = session(model, gguf_ops_library), session(model, gguf_ops_library, threads=1)
         x = rng.standard_normal((17, K)).astype(np.float32)
         (batched,) = two.run(None, {"X": x, "W": stored})
+        (three,) = two.run(None, {"X": x[5:8], "W": stored})
         alone = np.concatenate([two.run(None, {"X": x[i:i + 1], "W": stored})[0]
                                 for i in range(17)])
         (single_thread,) = one.run(None, {"X": x, "W": stored})
-        np.testing.assert_array_equal(batched, alone, err_msg=name)
         np.testing.assert_array_equal(batched, single_thread, err_msg=name)
+        np.testing.assert_array_equal(batched[5:8], three, err_msg=name)
+        if name in BATCHED:
+            assert row_error(batched, alone.astype(np.float64)) <= EXACT, name
+        else:
+            np.testing.assert_array_equal(batched, alone, err_msg=name)
+
+
+@pytest.mark.parametrize("name", list(BATCHED))
+def test_batched_path_at_its_threshold(gguf_ops_library: Path, name: str) -> None:
+    """Just below the batch from which the batched kernels run (vec_dot), at it and above,
+    against numpy, N odd (a partial tile of weight rows)."""
+    weight_type = TYPES[name]
+    rng = np.random.default_rng(5)
+    stored, dense = weight_type.make(rng, N, K)
+    sess = session(matmul_model(weight_type.type_id, K), gguf_ops_library)
+    for m in (BATCHED[name] - 1, BATCHED[name], BATCHED[name] + 1, 8):
+        x = rng.standard_normal((m, K)).astype(np.float32)
+        (y,) = sess.run(None, {"X": x, "W": stored})
+        assert row_error(y, x.astype(np.float64) @ dense.T) <= weight_type.tolerance, (name, m)
+        assert row_error(y, weight_type.as_computed(x, stored, dense)) <= EXACT, (name, m)
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512vnni", "vec_dot"])
+def test_each_path_matches_numpy(gguf_ops_library: Path, path: str,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every batched type on each instruction set this CPU runs (ATTNSERVE_GGUF_MATMUL_PATH
+    forces one, at every M), and on ggml's vec_dot alone; K = 576 (SmolLM2's width: not a
+    whole number of the kernels' 256-weight chunks) for the 32-weight types."""
+    monkeypatch.setenv(PATH_ENV, path)
+    for name in BATCHED:
+        weight_type = TYPES[name]
+        k = K if name.endswith("_K") else 576
+        rng = np.random.default_rng(6)
+        stored, dense = weight_type.make(rng, N, k)
+        try:
+            sess = session(matmul_model(weight_type.type_id, k), gguf_ops_library)
+        except Exception as exc:
+            if "this CPU runs only" in str(exc):
+                pytest.skip(f"{path}: {exc}")
+            raise
+        for m in (1, 5):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            (y,) = sess.run(None, {"X": x, "W": stored})
+            assert row_error(y, x.astype(np.float64) @ dense.T) <= weight_type.tolerance, name
+            assert row_error(y, weight_type.as_computed(x, stored, dense)) <= EXACT, (name, m)
+
+
+def test_an_unknown_path_is_refused(gguf_ops_library: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PATH_ENV, "fastest")
+    with pytest.raises(Exception, match=r"ATTNSERVE_GGUF_MATMUL_PATH=fastest is none of auto, "
+                                        r"vec_dot, avx2, avx512vnni"):
+        session(matmul_model(2, K), gguf_ops_library)
 
 
 def test_leading_dimensions_and_an_initializer_weight(gguf_ops_library: Path) -> None:

@@ -1,0 +1,88 @@
+// What the GGUF custom ops share (service/ops/gguf_*.cc): the domain, errors returned to ONNX
+// Runtime as statuses, attribute reading, type names. Each op's own file says what it computes;
+// gguf_ops.cc registers them all.
+#pragma once
+
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+#include <cstdint>
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ggml.h"
+
+namespace attnserve_gguf {
+
+constexpr const char* kDomain = "attnserve.gguf";
+
+// A bad input or attribute, raised inside an op and returned to ONNX Runtime as a status.
+struct OpError : std::runtime_error {
+  OrtErrorCode code;
+  OpError(OrtErrorCode c, const std::string& what) : std::runtime_error(what), code(c) {}
+};
+
+// "<Op> node 'name': " (unnamed nodes: "<Op>: "), the prefix of every error.
+inline std::string Where(const char* op, const std::string& node) {
+  return std::string(op) + (node.empty() ? "" : " node '" + node + "'") + ": ";
+}
+
+// "12 (q4_K)", or "99 (no such type in this ggml)".
+inline std::string TypeName(int64_t type_id) {
+  const char* name = nullptr;
+  if (type_id >= 0 && type_id < GGML_TYPE_COUNT) {
+    name = ggml_get_type_traits(static_cast<ggml_type>(type_id))->type_name;
+  }
+  return std::to_string(type_id) + " (" + (name ? name : "no such type in this ggml") + ")";
+}
+
+inline std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+
+// Run `body`, turning any exception into an OrtStatus: nothing may unwind into ORT.
+template <typename Body>
+OrtStatusPtr Guarded(const OrtApi& api, const char* op, Body&& body) noexcept {
+  try {
+    body();
+    return nullptr;
+  } catch (const OpError& e) {
+    return api.CreateStatus(e.code, e.what());
+  } catch (const Ort::Exception& e) {
+    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_RUNTIME_EXCEPTION, e.what());
+  } catch (...) {
+    const std::string what = std::string(op) + ": unknown exception";
+    return api.CreateStatus(ORT_RUNTIME_EXCEPTION, what.c_str());
+  }
+}
+
+// A required int attribute, or an OpError naming the node and what the attribute means.
+inline int64_t IntAttribute(const Ort::ConstKernelInfo& info, const char* op,
+                            const std::string& node, const char* name, const char* meaning) {
+  try {
+    return info.GetAttribute<int64_t>(name);
+  } catch (const Ort::Exception& e) {
+    throw OpError(ORT_INVALID_ARGUMENT, Where(op, node) + "needs an int attribute '" + name +
+                                            "' (" + meaning + "): " + e.what());
+  }
+}
+
+// The ops, each defined in its own file; static objects that outlive every session.
+const OrtCustomOp* MatMulOp();
+const OrtCustomOp* GatherOp();
+
+}  // namespace attnserve_gguf
