@@ -42,7 +42,7 @@ from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE, SEQLENS
 TOKENS, ROWS = "lora_tokens", "lora_rows"  # N and S·R: symbolic dimensions of the inputs
 # the graphs export writes an adapter graph beside, when the artifact has them
 ADAPTED_FILES = (ENGINE_FILE, ENGINE_MIXED_FILE, io.ATTENTION_FILE)
-_PRODUCTS = ("MatMul", "MatMulNBits", "FusedGemm")
+_PRODUCTS = ("MatMul", "MatMulNBits", "GgufMatMul", "FusedGemm")
 
 
 def _columns(cfg: Any) -> dict[str, tuple[str, int]]:

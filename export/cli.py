@@ -82,6 +82,14 @@ def register(subparsers: Any) -> None:
                         "(MatMulNBits accuracy level 4, as llama.cpp does; the fastest) or "
                         "float ones (level 0; 8-bit blocks as two 4-bit products): the "
                         "float32 model's answers, slower from a few rows (docs/export.md)")
+    p.add_argument("--kernel", choices=["nbits", "ggml", "auto"], default="nbits",
+                   help="with --quantize gguf: whose kernels compute the kept blocks. nbits: "
+                        "ONNX Runtime's MatMulNBits (the blocks repacked with float32 "
+                        "scales, Q5/Q6 pieces as 8-bit codes: about 1.4x the file); ggml: "
+                        "the file's bytes as stored, computed by ggml's kernels inside ONNX "
+                        "Runtime (the GgufMatMul op library, `make gguf-ops`; the weights "
+                        "the file's size); auto: ggml where the op library is built, else "
+                        "nbits (docs/kernels.md)")
     p.set_defaults(handler=run)
 
     from export.eval_cli import register as register_eval
@@ -111,15 +119,33 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from export.to_onnx import export_artifact
 
+    kernel = args.kernel
+    if kernel == "auto":
+        kernel = _auto_kernel(args.quantize, args.activations)
     out = export_artifact(
         args.ckpt, args.out, opset=args.opset, dtype=args.dtype, quantize=args.quantize,
         verify=not args.no_verify, force=args.force,
         engine_graph=args.engine_graph, mixed_steps=args.mixed_steps,
-        float32_twin=args.float32_twin, activations=args.activations,
+        float32_twin=args.float32_twin, activations=args.activations, kernel=kernel,
         log=lambda msg: print(f"  [{time.perf_counter() - started:6.1f} s] {msg}",
                               file=sys.stderr))
     print(f"exported {args.ckpt} → {out} in {time.perf_counter() - started:.1f}s")
     return 0
+
+
+def _auto_kernel(quantize: str | None, activations: str) -> str:
+    """--kernel auto: ggml for a GGUF file's blocks at int8 activations where the op
+    library is built, else nbits, saying why in one line."""
+    if quantize != "gguf" or activations != "int8":
+        return "nbits"
+    from service import ops
+
+    if ops.library_path() is None:
+        print("attnserve export: the GgufMatMul op library is not built here (make "
+              "gguf-ops); the blocks go to ONNX Runtime's MatMulNBits (--kernel nbits)",
+              file=sys.stderr)
+        return "nbits"
+    return "ggml"
 
 
 def _gguf(args: argparse.Namespace, started: float) -> int:

@@ -62,9 +62,12 @@ def builds_from_blocks(ckpt_dir: Path, quantize: str | None, float32_twin: bool)
 
 def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_graph: bool,
                        mixed_steps: bool, level: int, verify: bool,
-                       say: Callable[[str], None]) -> dict[str, Any]:
+                       say: Callable[[str], None], kernel: str = "nbits") -> dict[str, Any]:
     """Write the served graphs and weights.bin into ``tmp``; return the manifest's
-    figures: verification, storage, build_seconds, parameter_bytes."""
+    figures: verification, storage, build_seconds, parameter_bytes. ``kernel``: whose
+    kernels the served graphs and attention.onnx compute the blocks with
+    (export/gguf_blocks.py ``KERNELS``); the float-activation graphs the checks verify
+    against PyTorch are MatMulNBits' either way, so a ggml graph is judged against them."""
     from export.adapter_check import write_served_adapter_graphs
     from export.engine_graph import EngineDecoder, build_engine_graph
     from export.gguf_source import GGUFFile, open_source
@@ -109,16 +112,17 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     # file, which the import record points at)
     source: GGUFFile | None = open_source(training, ckpt.held.reader)
 
-    def blocks(jobs: dict[str, tuple[Path, int, bool]]) -> dict[str, dict[str, Any]]:
-        """Each graph ``name`` → (its rewrite, accuracy level, 8-bit blocks as halves),
+    def blocks(jobs: dict[str, tuple[Path, int, bool, str]]) -> dict[str, dict[str, Any]]:
+        """Each graph ``name`` → (its rewrite, accuracy level, 8-bit blocks as halves, kernel),
         rewritten on ``threads`` threads: a rewrite is numpy over one product's blocks at a
         time, mostly outside the GIL, and on one thread left the other cores idle."""
         assert source is not None, "the file was closed"
 
-        def rewrite(name: str, dst: Path, at: int, halves: bool) -> dict[str, Any]:
+        def rewrite(name: str, dst: Path, at: int, halves: bool, by: str) -> dict[str, Any]:
             figures = quantize_weights(built[name], dst, "gguf", training, level=at,
                                        halves=halves, source=source,
-                                       flat=name in (ENGINE_FILE, ENGINE_MIXED_FILE))
+                                       flat=name in (ENGINE_FILE, ENGINE_MIXED_FILE),
+                                       kernel=by)
             release()  # the rewrite's buffers, before the next
             return figures
 
@@ -132,8 +136,8 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     # the served graphs run at float activations too, so weights.bin holds them once);
     # the float-activation graphs: what the checks verify (and, at level 0, what is served)
     rewritten = blocks({io.ATTENTION_FILE: (tmp / io.ATTENTION_FILE, ATTENTION_ACCURACY_LEVEL,
-                                            level == 0),
-                        **{name: (check[name], 0, True)
+                                            level == 0, kernel),
+                        **{name: (check[name], 0, True, "nbits")
                            for name in graphs if verify or level == 0}})
     attention = rewritten.pop(io.ATTENTION_FILE)
     build_seconds = time.perf_counter() - started
@@ -154,7 +158,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         for name in graphs:
             if name != judged or not verify:
                 _remove(check[name], SIDE_DATA)
-        rewritten.update(blocks({name: (tmp / name, level, False) for name in graphs}))
+        rewritten.update(blocks({name: (tmp / name, level, False, kernel) for name in graphs}))
     # every block read: the file's memory map goes before the sessions that judge them
     source = None
     ckpt.held.close()

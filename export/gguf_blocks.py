@@ -34,6 +34,15 @@ cut the small nodes the exact form adds, 420 to 210 on SmolLM2, where the engine
 1 (2 threads, prompt 64 → 128 tokens, alternating processes) went from 84.7 / 81.5 / 85.0
 to 88.0 / 86.5 / 84.1 tok/s (docs/export.md).
 
+``kernel="ggml"`` writes the products over the file's bytes instead: each run of rows of one
+GGUF type is a uint8 (N, row_bytes) initializer, the tensor's rows exactly as stored (in the
+import's row order), computed by ``GgufMatMul`` (service/ops: ggml's CPU kernels inside
+ONNX Runtime, at int8 activations as llama.cpp runs them), and the embedding is
+``GgufGather`` over the same bytes (a tied LM head: one tensor). Nothing is re-encoded, so
+the weights are the file's size. At float activations (``level=0``, attention.onnx) a
+product is ``GgufGather`` of every row, then a float MatMul: the float32 model's arithmetic,
+for a graph run rarely.
+
 fp16 → fp32 scales are exact, so the check that every block's dequantised value equals
 the checkpoint's own weight is an exact equality: it refuses a GGUF file that changed
 since the import. A weight with a tensor of another type (F16, BF16, F32) falls back to
@@ -59,8 +68,12 @@ from onnx import numpy_helper
 from export.gguf_source import GGUFFile, Part, SourceRefused
 from export.onnx_build import is_placeholder
 from model.gguf_codes import DIRECT, Blocks, join, read_blocks
+from service import ops
 
 ACCURACY_LEVEL = 4  # int8 activations, as --quantize int8/int4
+# whose kernels compute the kept blocks: ONNX Runtime's MatMulNBits over the blocks repacked
+# (float32 scales), or ggml's over the file's bytes (GgufMatMul, service/ops)
+KERNELS = ("nbits", "ggml")
 Q4_1_MODES = ("exact", "float-zp")
 Q4_1_MODE = "exact"
 CHECK_ROWS = 4096  # rows of a weight dequantised at a time to check it (dequantises_to)
@@ -81,7 +94,9 @@ class Piece:
 
     start: int
     rows: int
-    format: tuple[int, int]  # (bits, block size)
+    # what one kernel call can take: (bits, block size) for MatMulNBits, (ggml type,) for
+    # GgufMatMul (rows of one type: one row size)
+    format: tuple[int, ...]
     whole: bool  # the weight's only piece
     parts: tuple[tuple[Part, gguf.ReaderTensor], ...]
 
@@ -90,29 +105,56 @@ class Piece:
         # the import's row order (llama's Q/K unpermuted)
         return join([read_blocks(tensor).take(part.rows) for part, tensor in self.parts])
 
+    @property
+    def stored(self) -> np.ndarray:
+        """The rows as the file stores them, (rows, row_bytes) uint8, in the import's row
+        order (a copy of these rows only: the file stays mapped)."""
+        return np.concatenate([stored_rows(tensor)[part.rows] for part, tensor in self.parts])
+
+    @property
+    def ggml_type(self) -> gguf.GGMLQuantizationType:
+        return self.parts[0][1].tensor_type
+
+    @property
+    def k(self) -> int:
+        return int(self.parts[0][1].shape[0])  # ne[0]: the file's row length
+
     def label(self, base: str) -> str:
         """``base`` (the weight's, its node's or its output's name) for this piece's rows."""
         return base if self.whole else f"{base}.rows{self.start}-{self.start + self.rows}"
 
 
-def weight_pieces(src: GGUFFile, parts: list[Part]) -> list[Piece] | None:
+def stored_rows(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """A tensor's bytes as (rows, row_bytes) uint8, a view of the mapped file."""
+    rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
+    return np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+
+
+def kernel_format(kind: gguf.GGMLQuantizationType, kernel: str) -> tuple[int, ...]:
+    """What rows must share to be one call of ``kernel``'s product (see :attr:`Piece.format`)."""
+    return DIRECT[kind] if kernel == "nbits" else (int(kind),)
+
+
+def weight_pieces(src: GGUFFile, parts: list[Part], kernel: str = "nbits") -> list[Piece] | None:
     """The blocks of one graph weight, rows as the checkpoint has them, one piece per run of
-    rows of one format (Q4_K beside Q4_0 rows: one piece; Q4_K | Q6_K: two); None: the
-    weight falls back (a tensor of a type not kept). Reads no block (:attr:`Piece.blocks`)."""
+    rows of one format (MatMulNBits: Q4_K beside Q4_0 rows one piece, Q4_K | Q6_K two;
+    ggml: one a GGUF type); None: the weight falls back (a tensor of a type not kept).
+    Reads no block (:attr:`Piece.blocks`)."""
     tensors = [src.tensors[p.tensor] for p in parts]
     if any(t.tensor_type not in DIRECT for t in tensors):
         return None
     runs: list[list[tuple[Part, gguf.ReaderTensor]]] = []
     for part, tensor in zip(parts, tensors, strict=True):
-        if runs and DIRECT[runs[-1][0][1].tensor_type] == DIRECT[tensor.tensor_type]:
+        if runs and (kernel_format(runs[-1][0][1].tensor_type, kernel)
+                     == kernel_format(tensor.tensor_type, kernel)):
             runs[-1].append((part, tensor))
         else:
             runs.append([(part, tensor)])
     pieces, start = [], 0
     for run in runs:
         rows = sum(len(part.rows) for part, _ in run)
-        pieces.append(Piece(start, rows, DIRECT[run[0][1].tensor_type], len(runs) == 1,
-                            tuple(run)))
+        pieces.append(Piece(start, rows, kernel_format(run[0][1].tensor_type, kernel),
+                            len(runs) == 1, tuple(run)))
         start += rows
     return pieces
 
@@ -221,11 +263,16 @@ class BlockWriter:
 
     ``flat``: the graph's activations are (tokens, features) matrices, so a remainder and
     its Add can be one Gemm (whose inputs must be matrices). ``side``: the new initializers
-    go there as they are made (else they are held in memory)."""
+    go there as they are made (else they are held in memory). ``kernel``: see
+    :data:`KERNELS` (``ggml``: :meth:`stored_product` and :meth:`stored_gather`)."""
 
     def __init__(self, mode: str, level: int, flat: bool = False,
-                 halves: bool | None = None, side: SideFile | None = None) -> None:
+                 halves: bool | None = None, side: SideFile | None = None,
+                 kernel: str = "nbits") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; choose one of {list(KERNELS)}")
         self.mode, self.level, self.flat, self.side = mode, level, flat, side
+        self.kernel = kernel
         # 8-bit blocks as two 4-bit products (:meth:`_byte_halves`): by default where the
         # activations are float; attention.onnx of an int8-activation artifact runs at
         # float ones on the 8-bit codes the engine graphs hold (stored once, run rarely)
@@ -241,7 +288,7 @@ class BlockWriter:
         embedding's blocks and the LM head's: one tensor, which ORT then loads once)."""
         if name in self.inits:
             return name
-        array = np.ascontiguousarray(array)
+        array = np.require(array, requirements="C")  # (ascontiguousarray makes a scalar 1-D)
         key = (array.dtype.str, array.shape, hashlib.sha256(array.tobytes()).digest())
         if key not in self.by_content:
             self.inits[name] = (numpy_helper.from_array(array, name)
@@ -252,7 +299,8 @@ class BlockWriter:
 
     def node(self, op: str, inputs: list[str], output: str | list[str], name: str,
              **attrs: Any) -> str:
-        domain = "com.microsoft" if op == "MatMulNBits" else ""
+        domain = ("com.microsoft" if op == "MatMulNBits"
+                  else ops.DOMAIN if op in (ops.MATMUL_OP, ops.GATHER_OP) else "")
         outputs = [output] if isinstance(output, str) else output
         self.nodes.append(onnx.helper.make_node(op, inputs, outputs, name=name,
                                                 domain=domain, **attrs))
@@ -440,6 +488,41 @@ class BlockWriter:
             f"{name}.gguf_shape", axis=0)
         self.node("Reshape", [value, shape], out, name)  # ids.shape + (K,)
 
+    def stored_product(self, x: str, outs: list[str], pieces: list[Piece], w: str,
+                       name: str) -> None:
+        """outs[i] = x · W_iᵀ over the file's bytes of ``pieces`` (one GGUF type): one
+        GgufMatMul over their rows joined, then a Split where there are several. At float
+        activations (level 0) the rows are dequantised by GgufGather and multiplied in float
+        (the float32 model's arithmetic, for attention.onnx)."""
+        rows = (pieces[0].stored if len(pieces) == 1
+                else np.concatenate([p.stored for p in pieces]))  # (N, row_bytes)
+        n = int(rows.shape[0])
+        attrs = {"ggml_type": int(pieces[0].ggml_type), "k": pieces[0].k}
+        weight = self.const(f"{w}.gguf_rows", rows)
+        whole = outs[0] if len(pieces) == 1 else f"{name}.gguf_joined"
+        if self.level == 0:
+            ids = self.node("Range", [self.const("gguf.int64_0", np.array(0, np.int64)),
+                                      self.const(f"gguf.int64_{n}", np.array(n, np.int64)),
+                                      self.const("gguf.int64_1", np.array(1, np.int64))],
+                            f"{name}.gguf_all_rows", f"{name}.gguf_all_rows")
+            dense = self.node(ops.GATHER_OP, [ids, weight], f"{name}.gguf_dense",
+                              f"{name}.gguf_dense", **attrs)  # (N, K)
+            dense_t = self.node("Transpose", [dense], f"{name}.gguf_dense_t",
+                                f"{name}.gguf_dense_t", perm=[1, 0])  # (K, N)
+            self.node("MatMul", [x, dense_t], whole, name)
+        else:
+            self.node(ops.MATMUL_OP, [x, weight], whole, name, **attrs)
+        if len(pieces) > 1:
+            sizes = np.array([p.rows for p in pieces], np.int64)
+            self.node("Split", [whole, self.const(f"{w}.gguf_split", sizes)], outs,
+                      f"{name}.gguf_split", axis=-1)
+
+    def stored_gather(self, ids: str, out: str, piece: Piece, w: str, name: str) -> None:
+        """out = the rows ``ids`` of W, dequantised by ggml from the file's bytes (the LM
+        head's own bytes where the embedding is tied: one tensor)."""
+        self.node(ops.GATHER_OP, [ids, self.const(f"{w}.gguf_rows", piece.stored)], out, name,
+                  ggml_type=int(piece.ggml_type), k=piece.k)
+
     def joined(self, x: str, outs: list[str], parts: list[Blocks], w: str, name: str) -> None:
         """outs[i] = x · W_iᵀ for products sharing x: one product over the joined rows, then
         a Split (the rows of one node stream through the kernel once)."""
@@ -504,9 +587,10 @@ def dequantises_to(pieces: list[Piece], weight: np.ndarray, transposed: bool) ->
 def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
                   level: int = ACCURACY_LEVEL, flat: bool = False,
                   base: Path | None = None, halves: bool | None = None,
-                  side: SideFile | None = None) -> dict[str, Any]:
+                  side: SideFile | None = None, kernel: str = "nbits") -> dict[str, Any]:
     """Replace, in place, every weight product whose tensors are of ``DIRECT`` types in
-    ``src`` by MatMulNBits over the file's blocks; return the figures (``fallback``: the
+    ``src`` by MatMulNBits over the file's blocks (``kernel="ggml"``: GgufMatMul over the
+    file's bytes); return the figures (``fallback``: the
     nodes left for our quantiser, with the bits it should use). ``model`` holds its
     weights, or with ``base`` leaves them in that directory (external data), each read
     when its blocks are checked; ``flat``: its activations are (tokens, features) matrices,
@@ -526,12 +610,12 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
         name, transposed = found
         parts = src.weights[name]
         types = [src.tensors[p.tensor].tensor_type.name for p in parts]
-        pieces = weight_pieces(src, parts)
+        pieces = weight_pieces(src, parts, kernel)
         if node.op_type == "Gather" and (pieces is None or len(pieces) > 1):
             continue  # a float tensor, or rows of two formats: the float32 Gather is exact
         if pieces is None:
-            fallback[node.name] = {"weight": name, "types": types,
-                                   "bits": fallback_bits(src, parts)}
+            fallback[node.name] = {"weight": name, "tensors": [p.tensor for p in parts],
+                                   "types": types, "bits": fallback_bits(src, parts)}
             continue
         # A placeholder has no values to compare: the checkpoint's weight is the file's
         # blocks by construction (a model loaded with them left, model/gguf_weights.py).
@@ -550,7 +634,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
     for node in graph.node:
         if node.name in pieces_of and node.op_type != "Gather":
             readers.setdefault(node.input[0], []).append(node)
-    writer = BlockWriter(mode, level, flat, halves, side)
+    writer = BlockWriter(mode, level, flat, halves, side, kernel)
     joined = split = 0
     embeddings: list[tuple[int, onnx.NodeProto]] = []  # (where in writer.nodes, Gather)
     for node in graph.node:
@@ -565,7 +649,10 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
     for at, node in reversed(embeddings):
         done, writer.nodes = writer.nodes, []
         weight, (piece,) = pieces_of[node.name]
-        writer.gather(node.input[1], node.output[0], piece.blocks, weight, node.name)
+        if kernel == "ggml":
+            writer.stored_gather(node.input[1], node.output[0], piece, weight, node.name)
+        else:
+            writer.gather(node.input[1], node.output[0], piece.blocks, weight, node.name)
         writer.nodes = done[:at] + writer.nodes + done[at:]
     del graph.node[:]
     graph.node.extend(writer.nodes)
@@ -581,10 +668,21 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
         if name in used:
             graph.initializer.append(tensor)
         del tensor
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    domains = {n.domain for n in graph.node} & {"com.microsoft", ops.DOMAIN}
+    for domain in sorted(domains - {o.domain for o in model.opset_import}):
+        model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
-    return {"method": "GGUF blocks as MatMulNBits (export/gguf_blocks.py)",
+    if kernel == "ggml":
+        stored = [n for n in graph.node if n.domain == ops.DOMAIN]
+        return {"method": "GGUF blocks as stored, ggml's kernels (GgufMatMul, service/ops)",
+                "kernel": kernel, "source": str(src.path), "accuracy_level": level,
+                "kept_tensors": dict(kept),
+                "kept_matmuls": sum(n.op_type == ops.MATMUL_OP for n in stored),
+                "dequantised_products": sum(n.op_type == ops.GATHER_OP for n in stored)
+                - len(gathers),
+                "joined_products": joined, "split_products": split, "kept_gathers": gathers,
+                "fallback": fallback}
+    return {"method": "GGUF blocks as MatMulNBits (export/gguf_blocks.py)", "kernel": kernel,
             "source": str(src.path), "accuracy_level": level,
             "block_sizes": sorted({a.i for n in nbits for a in n.attribute
                                    if a.name == "block_size"}),
@@ -599,7 +697,7 @@ def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],
     (gate | up, Q | K | V), a Split where it holds several pieces, and a Concat for a
     product whose rows are of several formats (Q4_K | Q6_K). Returns how many pieces were
     joined with others and how many products were split by format."""
-    groups: dict[tuple[int, int], list[tuple[onnx.NodeProto, Piece]]] = {}
+    groups: dict[tuple[int, ...], list[tuple[onnx.NodeProto, Piece]]] = {}
     for node in products:
         for piece in pieces_of[node.name][1]:
             groups.setdefault(piece.format, []).append((node, piece))
@@ -608,7 +706,10 @@ def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],
         weights = "+".join(p.label(pieces_of[n.name][0]) for n, p in members)
         nodes = "+".join(p.label(n.name) for n, p in members)
         outs = [p.label(n.output[0]) for n, p in members]
-        if len(members) == 1:
+        if writer.kernel == "ggml":
+            writer.stored_product(x, outs, [p for _, p in members], weights, nodes)
+            joined += len(members) if len(members) > 1 else 0
+        elif len(members) == 1:
             writer.matmul(x, outs[0], members[0][1].blocks, weights, nodes)
         else:
             writer.joined(x, outs, [p.blocks for _, p in members], weights, nodes)
@@ -625,12 +726,13 @@ def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],
 
 def rewrite_file(path: Path, src: GGUFFile, mode: str = Q4_1_MODE,
                  level: int = ACCURACY_LEVEL, flat: bool = False, external: bool = False,
-                 halves: bool | None = None, side: SideFile | None = None
-                 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
+                 halves: bool | None = None, side: SideFile | None = None,
+                 kernel: str = "nbits") -> tuple[onnx.ModelProto, dict[str, Any]]:
     """``path`` rewritten by :func:`rewrite_graph`: its external weights loaded, or with
     ``external`` left where they are (the model's tensors still point at them; each weight
     is read when it is checked), so that the float32 graph is never held whole; the new
     weights written to ``side`` as they are made, where given."""
     model = onnx.load(str(path), load_external_data=not external)
     return model, rewrite_graph(model, src, mode, level, flat, halves=halves,
-                                base=path.parent if external else None, side=side)
+                                base=path.parent if external else None, side=side,
+                                kernel=kernel)

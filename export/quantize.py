@@ -217,8 +217,8 @@ def quiet_ort_logs() -> Iterator[None]:
 def quantize_weights(src: Path, dst: Path, method: str = "int8",
                      training: dict[str, Any] | None = None,
                      flat: bool = False, level: int = ACCURACY_LEVEL,
-                     halves: bool | None = None, source: GGUFFile | None = None
-                     ) -> dict[str, Any]:
+                     halves: bool | None = None, source: GGUFFile | None = None,
+                     kernel: str = "nbits") -> dict[str, Any]:
     """Write ``src`` with its MatMul weights quantised by ``method`` to ``dst``.
 
     ``training`` is the checkpoint's training record: ``gguf`` finds its source file there.
@@ -227,14 +227,15 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
     accuracy level (4: int8 activations; 0: float); ``halves``: gguf's 8-bit blocks as
     two 4-bit products (default: at level 0; export/gguf_blocks.py); ``source``: gguf's
     file already opened and checked (export/gguf_source.py ``open_source``), for an export
-    that rewrites several graphs.
+    that rewrites several graphs; ``kernel``: gguf's kept blocks as MatMulNBits (``nbits``)
+    or as the file's bytes under GgufMatMul (``ggml``; export/gguf_blocks.py).
     """
     if method not in METHODS:
         raise ValueError(f"unsupported quantization {method!r}; choose one of {list(METHODS)}")
     with quiet_ort_logs():
         if method == "gguf":
             figures = _gguf_blocks(src, dst, source or open_source(training or {}), flat,
-                                   level, halves)
+                                   level, halves, kernel)
         elif method in NBITS:
             figures = _matmul_nbits(src, dst, *NBITS[method], level)
         else:
@@ -289,7 +290,7 @@ def _nbits_quantizer(model: Any, bits: int, symmetric: bool,
 
 
 def _gguf_blocks(src: Path, dst: Path, source: GGUFFile,
-                 flat: bool, level: int, halves: bool | None) -> dict[str, Any]:
+                 flat: bool, level: int, halves: bool | None, kernel: str) -> dict[str, Any]:
     """The source GGUF file's blocks where they map onto MatMulNBits; our int4/int8 for
     the weights of other types (``fallback``, by node)."""
     import onnx
@@ -302,7 +303,7 @@ def _gguf_blocks(src: Path, dst: Path, source: GGUFFile,
     side = SideFile(_side_data(dst)) if src.parent.resolve() == dst.parent.resolve() else None
     try:
         model, figures = rewrite_file(src, source, flat=flat, external=True,
-                                      level=level, halves=halves, side=side)
+                                      level=level, halves=halves, side=side, kernel=kernel)
     finally:
         if side is not None:
             side.close()
@@ -322,7 +323,8 @@ def _gguf_blocks(src: Path, dst: Path, source: GGUFFile,
             model = _nbits_quantizer(model, *NBITS[method], exclude=others, level=level)
             for n in names:
                 fallback[n]["as"] = method
-    figures["quantized_matmuls"] = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
+    figures["quantized_matmuls"] = sum(n.op_type in ("MatMulNBits", "GgufMatMul", "GgufGather")
+                                       for n in model.graph.node)
     figures["float_matmuls_left"] = sum(n.op_type == "MatMul" and n.input[1] in {
         t.name for t in model.graph.initializer} and not n.name.endswith(".gguf_mins")
         and ".gguf_block_sums" not in n.output[0] for n in model.graph.node)
@@ -371,9 +373,11 @@ def _matmul_nbits(src: Path, dst: Path, bits: int, symmetric: bool,
 
 def quantize_model(gpt: GPT, model_path: Path, fp32_path: Path, tokenizer: Any,
                   training: dict[str, Any], measure: bool = True,
-                  method: str = "int8", level: int = ACCURACY_LEVEL) -> dict[str, Any]:
+                  method: str = "int8", level: int = ACCURACY_LEVEL,
+                  kernel: str = "nbits") -> dict[str, Any]:
     """Write the ``method`` version of ``fp32_path`` to ``model_path``; return the figures."""
-    figures = quantize_weights(fp32_path, model_path, method, training, level=level)
+    figures = quantize_weights(fp32_path, model_path, method, training, level=level,
+                               kernel=kernel)
     if measure:
         figures.update(int8_figures(gpt, fp32_path, model_path, tokenizer, training, method))
     return figures

@@ -38,6 +38,7 @@ from model.staging import staged_directory
 from service.contract import io_spec as io
 from service.contract.graphs import FLOAT32_PASS_TOKENS, GraphTable
 from service.contract.manifest import Manifest, checkpoint_fingerprint, describe_files
+from service.contract.sessions import uses_gguf_ops
 
 DTYPES = ("float32", "float16")
 QUANTIZATIONS = ("int8", "int4", "int8-dynamic", "gguf")  # export/quantize.py METHODS
@@ -76,6 +77,27 @@ def check_options(opset: int, dtype: str, quantize: str | None) -> None:
     if quantize is not None and dtype != "float32":
         raise ValueError(f"--quantize {quantize} needs --dtype float32 "
                          "(quantised weights, float32 cache)")
+
+
+def check_kernel(kernel: str, quantize: str | None, activations: str) -> None:
+    """``--kernel``: ggml's computes a GGUF file's blocks as stored (--quantize gguf, int8
+    activations) and needs the op library built here; one line where it cannot be used."""
+    from export.gguf_blocks import KERNELS
+    from service import ops
+
+    if kernel not in KERNELS:
+        raise ValueError(f"unsupported kernel {kernel!r}; choose one of {list(KERNELS)}")
+    if kernel == "nbits":
+        return
+    if quantize != "gguf":
+        raise ValueError("--kernel ggml computes a GGUF file's own blocks: it needs "
+                         "--quantize gguf")
+    if activations != "int8":
+        raise ValueError("--kernel ggml runs int8 activations (ggml's kernels); "
+                         "--activations float needs --kernel nbits")
+    if ops.library_path() is None:
+        raise ValueError("--kernel ggml: the GgufMatMul op library is not built here; run "
+                         "`make gguf-ops` (or export with --kernel nbits)")
 
 
 def load_source(ckpt_dir: Path, leave: frozenset[Any] = frozenset()) -> tuple[Any, Any]:
@@ -127,12 +149,13 @@ def artifact_config(ckpt: Any, model_name: str, kv_dtype: io.KvDtype,
 
 def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
                      training: dict[str, Any], method: str, measure: bool,
-                     level: int) -> dict[str, Any]:
+                     level: int, kernel: str) -> dict[str, Any]:
     """engine.onnx with quantised weights, judged against its float32 self."""
     from export.engine_graph import EngineDecoder
     from export.quantize import compare_decoders, quantize_weights
 
-    figures = quantize_weights(fp32_path, out, method, training, flat=True, level=level)
+    figures = quantize_weights(fp32_path, out, method, training, flat=True, level=level,
+                               kernel=kernel)
     if measure:
         figures.update(compare_decoders(gpt, lambda: EngineDecoder(fp32_path, gpt),
                                         lambda: EngineDecoder(out, gpt), tok, training, method))
@@ -141,7 +164,7 @@ def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
 
 def _quantize_attention(gpt: Any, fp32_path: Path, out: Path, training: dict[str, Any],
                         method: str, reference: Any, fallback: dict[str, Any] | None,
-                        served_level: int) -> dict[str, Any]:
+                        served_level: int, kernel: str) -> dict[str, Any]:
     """attention.onnx over the weights the engine serves, at float activations. Kept GGUF
     blocks are the checkpoint's own weights exactly, so that graph is verified against
     PyTorch by the float32 rule (verify.py); re-rounded ones (int4, int8, a GGUF weight
@@ -152,7 +175,8 @@ def _quantize_attention(gpt: Any, fp32_path: Path, out: Path, training: dict[str
     from export.verify import check_attention, check_prompts, verify_attention
 
     figures = quantize_weights(fp32_path, out, method, training,
-                               level=ATTENTION_ACCURACY_LEVEL, halves=served_level == 0)
+                               level=ATTENTION_ACCURACY_LEVEL, halves=served_level == 0,
+                               kernel=kernel)
     if reference is None:  # --no-verify
         return figures
     if method == "gguf" and not fallback:
@@ -177,6 +201,7 @@ def export_artifact(
     mixed_steps: bool = True,
     float32_twin: bool = False,
     activations: str = "int8",
+    kernel: str = "nbits",
 ) -> Path:
     """Build, verify and (optionally) quantise; return the artifact directory.
 
@@ -195,7 +220,9 @@ def export_artifact(
     long passes. The manifest's ``graphs`` says which graph runs which pass
     (service/contract/graphs.py). ``activations="float"`` (--quantize gguf) runs the
     kept blocks at float activations rather than int8 ones (docs/export.md: slower, and
-    the answers of the float32 model).
+    the answers of the float32 model). ``kernel="ggml"`` (--quantize gguf): the kept
+    blocks as the file stores them, computed by ggml's kernels inside ONNX Runtime
+    (GgufMatMul, service/ops; export/gguf_blocks.py), the weights the file's size.
     """
     # Everything heavy is imported before the staging directory exists, so a SIGTERM
     # never lands inside an extension module's initialisation.
@@ -244,6 +271,7 @@ def export_artifact(
         raise ValueError("--activations float needs --quantize gguf (the kept blocks; "
                          "int4/int8 are requantised for int8 activations)")
     level = ACTIVATION_LEVELS[activations]
+    check_kernel(kernel, quantize, activations)
     check_target(out, force)
     from_blocks = builds_from_blocks(Path(ckpt_dir), quantize, float32_twin)
     # built from the blocks: the kept types' matrices stay on the meta device
@@ -267,7 +295,7 @@ def export_artifact(
         if from_blocks:
             done = export_from_blocks(ckpt, tok, tmp, opset=opset, engine_graph=engine_graph,
                                       mixed_steps=mixed_steps, level=level,
-                                      verify=verify, say=say)
+                                      verify=verify, say=say, kernel=kernel)
             _write_rest(tmp, ckpt, tok, Path(ckpt_dir), out, model_name, dtype, opset, quantize,
                         engine_graph, mixed_steps, float32_pass_tokens, done["storage"],
                         done["parameter_bytes"], done["build_seconds"], done["verification"],
@@ -337,16 +365,23 @@ def export_artifact(
             fp32_model = tmp / f".{io.MODEL_FILE}.fp32"
             os.replace(model_path, fp32_model)
             quantization = quantize_model(gpt, model_path, fp32_model, tok, ckpt.meta.training,
-                                         measure=verify, method=quantize, level=level)
+                                         measure=verify, method=quantize, level=level,
+                                         kernel=kernel)
             say(f"{quantize}: token agreement {quantization.get('token_agreement')}, "
                 f"perplexity change {quantization.get('perplexity_relative_change')}")
+            kept_types = ", ".join(sorted(t.name for t in DIRECT))
+            for node, f in (quantization.get("fallback") or {}).items():
+                tensors = ", ".join(f"{t} ({k})" for t, k in zip(f["tensors"], f["types"],
+                                                               strict=True))
+                say(f"{node}: {tensors} not kept as the file's blocks (--quantize gguf keeps "
+                    f"{kept_types}): {f.get('as')} instead")
             verification["quantized"] = quantization
             if quantize in ATTENTION_QUANTIZATIONS:
                 fp32_attention = tmp / f".{io.ATTENTION_FILE}.fp32"
                 os.replace(attention_path, fp32_attention)
                 verification["attention_quantized"] = _quantize_attention(
                     gpt, fp32_attention, attention_path, ckpt.meta.training, quantize,
-                    reference, quantization.get("fallback"), level)
+                    reference, quantization.get("fallback"), level, kernel)
                 if verify:
                     say(f"{quantize} attention.onnx: attention weights "
                         f"{verification['attention_quantized']['weights_max_abs_diff']:.2e} "
@@ -356,7 +391,7 @@ def export_artifact(
                 os.replace(engine_path, fp32_engine)
                 verification["engine_quantized"] = _quantize_engine(
                     gpt, fp32_engine, engine_path, tok, ckpt.meta.training, quantize, verify,
-                    level)
+                    level, kernel)
                 say(f"{quantize} engine.onnx: token agreement "
                     f"{verification['engine_quantized'].get('token_agreement')}")
             if engine_graph and mixed_steps:  # the same rewrite; judged above on engine.onnx
@@ -364,7 +399,7 @@ def export_artifact(
                 os.replace(mixed_path, fp32_mixed)
                 verification["engine_mixed_quantized"] = _quantize_engine(
                     gpt, fp32_mixed, mixed_path, tok, ckpt.meta.training, quantize, False,
-                    level)
+                    level, kernel)
             # one weights.bin again, each graph loaded and stored in turn, in the order
             # they always had; the graphs as quantised stay on disk, with the old
             # weights.bin, until the block ends
@@ -454,6 +489,8 @@ def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
                       "a session loads it; an optimised copy would store the weights again"},
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         graphs=GraphTable.of_files(files, dtype, float32_pass_tokens,
-                                   2 if mixed_steps else 1).to_list(),
+                                   2 if mixed_steps else 1,
+                                   ggml=[name for name in files if name.endswith(".onnx")
+                                         and uses_gguf_ops(tmp / name)]).to_list(),
     )
     manifest.write(tmp)

@@ -195,6 +195,25 @@ def llama_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="session")
+def gguf_ops_library() -> Iterator[Path]:
+    """The GGUF op library (service/ops), built once a session (service/ops/build.py: cached,
+    a no-op when `make gguf-ops` built it; on a fresh clone it fetches ONNX Runtime's headers
+    and the llama-cpp-python sdist into .cache/ and compiles, 0.5-1.5 min on 2 cores), and
+    named in $ATTNSERVE_GGUF_OPS for the rest of the session, so every session the tests
+    open loads this very build. Tests skip only where it cannot be built on this machine (a
+    tool or a download missing), and fail when the build fails."""
+    from service.ops import ENV_VAR, build
+
+    try:
+        library = build.ensure_built()
+    except build.BuildUnavailable as exc:
+        pytest.skip(f"the GGUF op library cannot be built on this machine: {exc}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV_VAR, str(library))
+        yield library
+
+
+@pytest.fixture(scope="session")
 def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real SmolLM2-135M-Instruct GGUF (model/default_model.py) through `attnserve import
     --gguf`: a 30-layer Llama with its ChatML template; skipped when `make default-model`

@@ -34,6 +34,10 @@ from service.contract.manifest import Manifest
 
 Runs = Literal["steps", "long passes", "fallback"]
 Weights = Literal["stored", "float32"]
+# Whose kernels compute the stored weights: ONNX Runtime's own (MatMul, MatMulNBits), or
+# ggml's over a GGUF file's blocks as stored (GgufMatMul, service/ops: the op library must
+# be built where the graph is loaded)
+Kernel = Literal["onnxruntime", "ggml"]
 
 # From how many tokens a pass runs faster on float32 weights than on the quantised kernel,
 # by quantisation (SmolLM2-135M, 2 threads; docs/engine.md "Which graph runs").
@@ -51,10 +55,12 @@ class GraphEntry:
     from_tokens: int = 0  # long passes: passes of at least this many tokens
     cuda: bool = False  # may run on CUDA (a float16 engine.onnx; decode steps captured)
     adapters: bool = False  # LoRA adapters per row (<stem>_lora.onnx, adapter_spec.py)
+    kernel: Kernel = "onnxruntime"
 
     def describe(self) -> str:
         """One line for logs and docs."""
         what = ("float32 weights" if self.weights == "float32" else "stored weights") + (
+            ", GGUF blocks on ggml's kernels (GgufMatMul)" if self.kernel == "ggml" else "") + (
             ", prompts riding in decode steps" if self.row_groups == 2 else "") + (
             ", LoRA adapters per row" if self.adapters else "")
         when = {"steps": "every pass", "fallback": "when no engine graph can",
@@ -77,19 +83,25 @@ class GraphTable:
 
     @classmethod
     def of_files(cls, files: Collection[str], kv_dtype: str, float32_pass_tokens: int,
-                 float32_row_groups: int) -> GraphTable:
+                 float32_row_groups: int, ggml: Collection[str] = ()) -> GraphTable:
         """The table of an artifact holding ``files``: what export writes, and what a
         manifest of before the table is read as (an artifact's other files: not decoders,
-        or graphs no longer served)."""
-        entries = [GraphEntry(io.MODEL_FILE, "fallback")]
+        or graphs no longer served). ``ggml``: the files computing with GgufMatMul."""
+        def kernel(file: str) -> Kernel:
+            return "ggml" if file in ggml else "onnxruntime"
+
+        entries = [GraphEntry(io.MODEL_FILE, "fallback", kernel=kernel(io.MODEL_FILE))]
         if es.ENGINE_FILE in files:
-            entries.append(GraphEntry(es.ENGINE_FILE, "steps", cuda=kv_dtype == "float16"))
+            entries.append(GraphEntry(es.ENGINE_FILE, "steps", cuda=kv_dtype == "float16",
+                                      kernel=kernel(es.ENGINE_FILE)))
         if es.ENGINE_MIXED_FILE in files:
-            entries.append(GraphEntry(es.ENGINE_MIXED_FILE, "steps", row_groups=2))
+            entries.append(GraphEntry(es.ENGINE_MIXED_FILE, "steps", row_groups=2,
+                                      kernel=kernel(es.ENGINE_MIXED_FILE)))
         if es.ENGINE_FLOAT32_FILE in files and float32_pass_tokens > 0:
             entries.append(GraphEntry(es.ENGINE_FLOAT32_FILE, "long passes", "float32",
                                       float32_row_groups, float32_pass_tokens))
-        entries += [replace(entry, file=lora_file(entry.file), cuda=False, adapters=True)
+        entries += [replace(entry, file=lora_file(entry.file), cuda=False, adapters=True,
+                            kernel=kernel(lora_file(entry.file)))
                     for entry in list(entries) if entry.runs == "steps"
                     and lora_file(entry.file) in files]
         return cls(tuple(entries))

@@ -13,6 +13,8 @@ from typing import Literal
 
 import onnxruntime as ort
 
+from service import ops
+
 CPU = "CPUExecutionProvider"
 Optimization = Literal["disable", "basic", "extended", "all"]
 
@@ -62,7 +64,32 @@ def create_session(model: str | Path | bytes, *, threads: int = 1,
             "session.model_external_initializers_file_folder_path", str(external_data_dir))
     for name, value in (initializers or {}).items():
         options.add_initializer(name, value)
+    if uses_gguf_ops(model):
+        register_gguf_ops(options, model)
     if save_optimized_to is not None:
         options.optimized_model_filepath = str(save_optimized_to)
     source = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(source, options, providers=list(providers))
+
+
+class GgufOpsMissing(RuntimeError):
+    """A graph computes over GGUF blocks (service/ops) and the op library is not built."""
+
+
+def uses_gguf_ops(model: str | Path | bytes) -> bool:
+    """Whether a graph imports the GGUF ops' domain. Read from the serialized graph (the
+    weights are in weights.bin, so a graph file is small) rather than parsed: the domain's
+    name appears in the bytes of every graph that declares it, and only there."""
+    data = model if isinstance(model, bytes) else Path(model).read_bytes()
+    return ops.DOMAIN.encode() in data
+
+
+def register_gguf_ops(options: ort.SessionOptions, model: str | Path | bytes) -> None:
+    """The op library registered with ``options``, or GgufOpsMissing naming what to do."""
+    if not ops.register(options):
+        what = "this graph" if isinstance(model, bytes) else Path(model).name
+        raise GgufOpsMissing(
+            f"{what} computes over GGUF blocks ({ops.MATMUL_OP}, domain {ops.DOMAIN}) and "
+            "the op library is not built here, or not for this CPU (logged above): run "
+            f"`make gguf-ops` (or set {ops.ENV_VAR}), or export the artifact again with "
+            "--kernel nbits")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from service import ops
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.contract.graphs import GraphEntry, GraphTable
@@ -151,6 +152,9 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     steps, *long = served
     pool = pool_config(engine, model, model.kv_bytes_per_token(np.dtype(model.kv_dtype).itemsize))
     log.info("%s runs %s", artifact_dir.name, steps.describe())
+    if steps.kernel == "ggml":
+        log.info("GGUF blocks computed by ggml's CPU kernels inside ONNX Runtime: %s",
+                 ops.library_path())
     if steps.runs == "fallback":
         return ModelGraphRunner(create_session(artifact_dir / steps.file, engine.device,
                                                engine.intra_op_threads, spin_wait=spin_wait),

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from service import ops
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.engine.engine import Engine, EngineConfig
@@ -71,6 +72,16 @@ class Runtime:
     def decode_graph(self) -> str | None:
         """model.onnx, or engine.onnx with its in-place KV cache."""
         return self.engine.graph_file if self.engine is not None else None
+
+    @property
+    def kernel(self) -> dict[str, str | None]:
+        """Whose kernels compute the decode graph's weights: ONNX Runtime's own, or ggml's
+        over a GGUF file's blocks (the op library then named: service/ops)."""
+        if self.engine is None:
+            return {"weights": None, "library": None}
+        kernel = self.engine.graphs[0].kernel
+        library = ops.library_path() if kernel == "ggml" else None
+        return {"weights": kernel, "library": None if library is None else str(library)}
 
     @property
     def graphs(self) -> list[dict[str, object]]:

@@ -56,6 +56,7 @@ async def info(runtime: RuntimeDep) -> dict[str, Any]:
                      "files": artifact.files},
         "provider": runtime.provider,
         "decode_graph": runtime.decode_graph,
+        "kernel": runtime.kernel,
         "float32_pass_tokens": runtime.float32_pass_tokens,
         "graphs": runtime.graphs,
         "requested_providers": artifact.providers,
