@@ -172,8 +172,9 @@ dockerd: system-deps
 dockerd-stop:
 	bash deploy/images/dockerd.sh stop
 
-## images: attnserve:cpu (torch-free, model mounted), Prometheus and HAProxy from Debian
-## packages; a local debootstrapped base when no registry answers (cached per machine)
+## images: attnserve:cpu (torch-free, model mounted, the GGUF op library built for x86-64-v3),
+## Prometheus and HAProxy from Debian packages; a local debootstrapped base when no registry
+## answers (cached per machine)
 images: venv system-deps
 	bash deploy/images/build.sh
 

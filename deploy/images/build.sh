@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the deployment's images: attnserve:cpu, attnserve-prometheus:bookworm and
-# attnserve-haproxy:bookworm (what docker-compose.yml runs); attnserve-build:serve-venv is the
-# builder stage, kept for its layer cache.
+# attnserve-haproxy:bookworm (what docker-compose.yml runs); attnserve-build:gguf-ops and
+# attnserve-build:serve-venv are the builder stages, kept for their layer cache.
 #
 # Usage: deploy/images/build.sh            (run by `make images`; needs a Docker daemon:
 #                                           `make dockerd` starts one where none runs)
@@ -195,6 +195,30 @@ EOF
     rm -rf "$work"
 }
 
+# The GGUF op library's inputs for the image's gguf-ops stage: ONNX Runtime's headers
+# (Debian trixie's libonnxruntime-dev, unpacked) and the pinned llama-cpp-python sdist, fetched
+# into the host's .cache/ by service/ops/build.py's own functions (the host's apt mirror and
+# pip configuration; once), copied into deploy/images/gguf-ops/ in .cache/'s layout. Where
+# the host cannot fetch them the directory stays empty and the stage fetches them itself.
+prepare_gguf_ops_inputs() {
+    local dir=deploy/images/gguf-ops paths include tarball stem errors
+    errors=$(mktemp)
+    if ! paths=$("$PYTHON" -c 'from service.ops import build as b
+print(b.ensure_ort_headers()); print(b.ensure_sdist())' 2>"$errors"); then
+        log "gguf-ops inputs: the host could not fetch them ($(tail -n 1 "$errors")): the build fetches them"
+        rm -rf "$dir/ort-headers" "$dir/llamacpp-tools" "$errors"
+        return
+    fi
+    rm -f "$errors"
+    include=$(sed -n 1p <<<"$paths") tarball=$(sed -n 2p <<<"$paths")
+    stem=$(basename "$(dirname "$(dirname "$(dirname "$include")")")")
+    rm -rf "$dir/ort-headers" "$dir/llamacpp-tools"
+    mkdir -p "$dir/ort-headers/$stem/usr/include" "$dir/llamacpp-tools"
+    cp -a "$include" "$dir/ort-headers/$stem/usr/include/"
+    ln -f "$tarball" "$dir/llamacpp-tools/" 2>/dev/null || cp -f "$tarball" "$dir/llamacpp-tools/"
+    log "gguf-ops inputs: $stem headers and $(basename "$tarball") in $dir"
+}
+
 build() {
     local tag=$1; shift
     local started=$SECONDS
@@ -209,8 +233,12 @@ build() {
 choose_bases
 log "bases: $PY_BASE (attnserve), $DEB_BASE (prometheus, haproxy)"
 prepare_wheels
-# The builder stage gets a tag of its own: untagged, the prune below would drop it, and with
-# it the layer cache that keeps the dependency install from running again on every build.
+prepare_gguf_ops_inputs
+# The builder stages get tags of their own: untagged, the prune below would drop them, and
+# with them the layer cache that keeps the dependency install and ggml's compile (about
+# 1.5 min on 2 cores) from running again on every build.
+build attnserve-build:gguf-ops --file deploy/Dockerfile --build-arg "BASE_IMAGE=$PY_BASE" \
+    --target gguf-ops .
 build attnserve-build:serve-venv --file deploy/Dockerfile --build-arg "BASE_IMAGE=$PY_BASE" \
     --target serve-venv .
 build attnserve:cpu --file deploy/Dockerfile --build-arg "BASE_IMAGE=$PY_BASE" .

@@ -115,6 +115,72 @@ def test_serving_image_is_torch_free_non_root_and_carries_no_host_config(
     PROBED.add(image["Id"])
 
 
+# Run inside attnserve:cpu as its user: the op library the image ships (ATTNSERVE_GGUF_OPS,
+# deploy/Dockerfile's gguf-ops stage) registers with ONNX Runtime and computes GgufMatMul
+# over Q8_0 blocks as numpy does; with a cpuinfo that lacks AVX2 it is refused, not loaded.
+GGUF_OPS_PROBE = r"""
+import base64, json, os, sys
+from pathlib import Path
+import numpy as np, onnxruntime as ort, service.ops as ops
+path = ops.library_path()
+assert path is not None and str(path) == os.environ["ATTNSERVE_GGUF_OPS"], path
+info = json.loads((path.parent / "build-info.json").read_text())
+assert "avx2" in info["required_cpu_flags"] and "-DGGML_NATIVE=OFF" in info["cmake_args"]
+options = ort.SessionOptions()
+options.intra_op_num_threads = 1
+assert ops.register(options)
+sess = ort.InferenceSession(base64.b64decode(sys.argv[1]), options,
+                            providers=["CPUExecutionProvider"])
+rng = np.random.default_rng(0)
+n, k = 8, 64
+d = rng.uniform(0.01, 0.02, (n, k // 32, 1)).astype(np.float16)
+q = rng.integers(-127, 128, (n, k // 32, 32), dtype=np.int8)
+w = np.concatenate([d.view(np.uint8), q.view(np.uint8)], axis=2).reshape(n, -1)
+x = rng.standard_normal((3, k)).astype(np.float32)
+(y,) = sess.run(None, {"X": x, "W": w})
+ref = x @ (d.astype(np.float32) * q).reshape(n, k).T
+err = float(np.max(np.linalg.norm(y - ref, axis=1) / np.linalg.norm(ref, axis=1)))
+assert err < 2e-2, err
+fake = Path("/tmp/cpuinfo-no-avx2")
+fake.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx\n")
+ops.CPUINFO, ops._warned = fake, set()
+assert ops.library_path() is None and not ops.register(ort.SessionOptions())
+print(f"ok {path} {sorted(info['files'])} {err:.1e}")
+"""
+
+
+def gguf_matmul_model() -> str:
+    """X [M, 64] · W (Q8_0 rows, an input) → Y: the one-node graph, base64."""
+    import base64
+
+    onnx = pytest.importorskip("onnx")
+    node = onnx.helper.make_node("GgufMatMul", ["X", "W"], ["Y"], domain="attnserve.gguf",
+                                 ggml_type=8, k=64)
+    graph = onnx.helper.make_graph(
+        [node], "probe",
+        [onnx.helper.make_tensor_value_info("X", onnx.TensorProto.FLOAT, None),
+         onnx.helper.make_tensor_value_info("W", onnx.TensorProto.UINT8, None)],
+        [onnx.helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, None)])
+    model = onnx.helper.make_model(graph, opset_imports=[
+        onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("attnserve.gguf", 1)])
+    return base64.b64encode(model.SerializeToString()).decode()
+
+
+def test_serving_image_loads_its_portable_gguf_op_library(docker_daemon, deploy_images
+                                                           ) -> None:
+    run = docker_daemon.docker("run", "--rm", "--network", "none", "attnserve:cpu",
+                               "python", "-c", GGUF_OPS_PROBE, gguf_matmul_model(),
+                               timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("ok /opt/attnserve/gguf-ops/libattnserve_gguf_ops.so"), \
+        run.stdout
+    # no compiler and no build tree came along
+    tools = docker_daemon.docker("run", "--rm", "--network", "none", "attnserve:cpu", "sh",
+                                 "-c", "command -v gcc g++ cc c++ cmake ninja; ls /build /src",
+                                 check=False)
+    assert tools.stdout.strip() == "", tools.stdout
+
+
 def test_local_base_tarball_has_a_world_readable_root(deploy_images) -> None:
     """The debootstrapped base's root entry (the image's /) is 0755, and so is every
     top-level directory a non-root process must traverse: a tarball made from a

@@ -59,8 +59,9 @@ def test_parser_joins_continuations_and_reads_env(smoke, tmp_path) -> None:
 
 
 def test_stages_venv_runtime(flavour) -> None:
-    _, stages = flavour
-    assert [s.name for s in stages] == ["serve-venv", "runtime"]
+    kind, stages = flavour
+    builders = ["gguf-ops", "serve-venv"] if kind == "cpu" else ["serve-venv"]
+    assert [s.name for s in stages] == [*builders, "runtime"]
     # the runtime stage is the last one, so a plain `docker build` produces it
 
 
@@ -102,7 +103,7 @@ def test_images_build_with_the_classic_builder(flavour) -> None:
 def test_cpu_base_image_is_a_build_argument(cpu_stages) -> None:
     text = (REPO / "deploy" / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim-bookworm$", text, re.M)
-    assert [s.base for s in cpu_stages] == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
+    assert [s.base for s in cpu_stages] == ["${BASE_IMAGE}"] * 3
 
 
 def test_cpu_build_installs_host_prepared_wheels_offline(cpu_stages) -> None:
@@ -115,6 +116,39 @@ def test_cpu_build_installs_host_prepared_wheels_offline(cpu_stages) -> None:
     assert "export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels" in text
     ignore = (REPO / "deploy" / "images" / "wheels" / ".gitignore").read_text().split()
     assert ignore[-2:] == ["*", "!.gitignore"]  # the wheels are never committed
+
+
+def test_cpu_image_ships_the_gguf_op_library_built_portably(cpu_stages, smoke) -> None:
+    """`--kernel ggml` artifacts need service/ops' library: compiled in its own stage for any
+    x86-64-v3 CPU (not -march=native), the runtime taking the three .so files and
+    build-info.json only (no compiler, no build tree), found through ATTNSERVE_GGUF_OPS."""
+    ops, runtime = stage_named(cpu_stages, "gguf-ops"), stage_named(cpu_stages, "runtime")
+    build = run_text(ops)
+    assert "service/ops/build.py --portable" in build
+    assert "native" not in build
+    assert re.search(r"apt-get install .*--no-install-recommends cmake ninja-build g\+\+", build)
+    assert "cp -L /build/current/*.so* /build/current/build-info.json /opt/attnserve/gguf-ops/" \
+        in build
+    # the stage copies the op's sources and build.py, no other Python source: editing the
+    # service keeps ggml's compile cached
+    copies = [i.args.split() for i in ops.all("COPY")]
+    assert copies[0] == ["deploy/images/gguf-ops/", "/src/.cache/"]
+    sources = [w for words in copies[1:] for w in words[:-1]]
+    assert "service/ops/build.py" in sources
+    assert all(w.startswith("service/ops/") for w in sources), sources
+    assert not [w for w in sources if w.endswith(".py") and w != "service/ops/build.py"]
+    assert copied_from(runtime, "gguf-ops") == ["/opt/attnserve/gguf-ops /opt/attnserve/gguf-ops"]
+    env = smoke.stage_env(runtime)
+    assert env["ATTNSERVE_GGUF_OPS"] == "/opt/attnserve/gguf-ops/libattnserve_gguf_ops.so"
+    for tool in ("apt-get", "g++", "gcc", "cmake", "ninja", "build-essential"):
+        assert tool not in run_text(runtime), f"{tool} in the runtime stage"
+    # the inputs the host prepares are never committed, and the stage is tagged so that the
+    # prune after a build keeps its layer cache
+    ignore = (REPO / "deploy" / "images" / "gguf-ops" / ".gitignore").read_text().split()
+    assert ignore[-2:] == ["*", "!.gitignore"]
+    script = (REPO / "deploy" / "images" / "build.sh").read_text()
+    assert "build attnserve-build:gguf-ops " in script and "--target gguf-ops" in script
+    assert script.index("build attnserve-build:gguf-ops ") < script.index("build attnserve:cpu ")
 
 
 def test_deploy_model_makes_the_artifact_readable_by_the_runtime_user() -> None:

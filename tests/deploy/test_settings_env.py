@@ -21,6 +21,14 @@ def setting_env_names() -> set[str]:
     return {prefix + name.upper() for name in settings.Settings.model_fields}
 
 
+def other_env_names() -> set[str]:
+    """ATTNSERVE_* variables read outside the Settings model, each by its own module:
+    the GGUF op library's path (service.ops, set in the CPU image)."""
+    import service.ops
+
+    return {service.ops.ENV_VAR}
+
+
 def deploy_env_names() -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for name in ("deploy/Dockerfile", "deploy/Dockerfile.gpu"):
@@ -39,6 +47,8 @@ def deploy_env_names() -> dict[str, set[str]]:
 def test_deploy_files_use_only_known_settings() -> None:
     known = setting_env_names()
     assert {"ATTNSERVE_MODEL", "ATTNSERVE_PORT", "ATTNSERVE_DRAIN_TIMEOUT"} <= known
+    assert not known & other_env_names()
+    known |= other_env_names()
     for source, names in deploy_env_names().items():
         assert names, source
         assert names <= known, f"{source}: unknown {sorted(names - known)}"
