@@ -6,6 +6,7 @@ Usage (from the repository root, in the dev venv; the tools from
 `attnserve export --quantize gguf --engine-graph`):
     python -m benchmarks.sized_speed --gguf .cache/bench-work/sized/llama-1b/llama-1b-Q4_K_M.gguf \\
         --artifact /tmp/w/artifact [--batches 1,8,32] [--prompt 64] [--new 128] [--rounds 3]
+    python -m benchmarks.sized_speed --gguf FILE.gguf --artifact ART_GGML --baseline ART_NBITS
 
 Each round runs both engines in turn at every batch size, so a busy machine slows both
 alike: ours through the engine itself (`benchmarks/runner_engine.py`: one static batch of
@@ -17,6 +18,13 @@ B·PROMPT over the time to every row's first token. Prints the median of the rou
 engine and batch size and their ratio, decode and prefill; ``--json`` also writes every
 round. Timings depend on the machine and what else runs on it, so compare engines only
 within one run.
+
+``--baseline`` adds a second artifact of ours from the same file to every round (e.g. the
+file exported with ``--kernel nbits`` beside ``--kernel ggml``), printed with its ratio to
+``--artifact``. First the machine's read bandwidth is measured (``--threads`` threads summing
+1 GiB) and the batch-1 decode bound it sets for the file: bandwidth ÷ the bytes a token reads
+(the file's tensors, less token_embd where the file has its own output.weight: only one
+embedding row is read a token); each engine's batch-1 decode is printed as a share of it.
 """
 
 from __future__ import annotations
@@ -71,6 +79,16 @@ def llamacpp_speeds(tool: Path, gguf: Path, batch: int, prompt: int, new: int,
     return table[batch]
 
 
+def bytes_a_token(gguf_path: Path) -> int:
+    """Bytes of the file a decode step reads for one token: every tensor, less token_embd
+    where the file has its own output.weight (then one embedding row is read a token)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(gguf_path).tensors}
+    untied = "output.weight" in tensors
+    return sum(n for name, n in tensors.items() if not (untied and name == "token_embd.weight"))
+
+
 def ours_speeds(runner: Any, vocab: int, batch: int, prompt: int, new: int,
                 seed: int) -> Speeds:
     import numpy as np
@@ -92,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     add_threads_option(p)
+    p.add_argument("--baseline", type=Path,
+                   help="another artifact of ours from the same file, run in every round")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     from benchmarks.llamacpp_tools import tool_path
@@ -102,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         p.error(f"--batches {args.batches!r}: expected comma-separated integers")
-    for path in (args.gguf, args.artifact / io.MANIFEST_FILE):
+    artifacts = {"ours": args.artifact,
+                 **({"baseline": args.baseline} if args.baseline is not None else {})}
+    for path in (args.gguf, *(a / io.MANIFEST_FILE for a in artifacts.values())):
         if not path.is_file():
             print(f"sized_speed: {path} is not a file", file=sys.stderr)
             return 2
@@ -111,39 +133,57 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"sized_speed: {exc}", file=sys.stderr)
         return 2
+    from benchmarks.gguf_matmul_speed import read_bandwidth
+
+    bandwidth = read_bandwidth(args.threads)
+    per_token = bytes_a_token(args.gguf)
+    bound = bandwidth / per_token
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads); the file reads "
+          f"{per_token / 1e6:.1f} MB a token: batch-1 decode bound {bound:.1f} tok/s", flush=True)
     vocab = io.ArtifactConfig.load(args.artifact).vocab_size
-    runner = EngineRunner(args.artifact, args.threads,
-                          max_len=args.prompt + args.new + 8)
-    ours_speeds(runner, vocab, 1, 8, 4, seed=0)  # warm-up: sessions' first runs
     rounds: list[dict[str, Any]] = []
-    try:
-        for r in range(args.rounds):
-            for batch in batches:
-                ours = ours_speeds(runner, vocab, batch, args.prompt, args.new, seed=r)
-                theirs = llamacpp_speeds(tool, args.gguf, batch, args.prompt, args.new,
-                                         args.threads)
-                rounds.append({"round": r, "batch": batch, "ours": ours.decode,
-                               "llamacpp": theirs.decode, "ours_prefill": ours.prefill,
-                               "llamacpp_prefill": theirs.prefill})
-                print(f"round {r} batch {batch:3d}: decode ours {ours.decode:8.1f} tok/s, "
-                      f"llama.cpp {theirs.decode:8.1f} tok/s; prefill ours "
-                      f"{ours.prefill:8.1f}, llama.cpp {theirs.prefill:8.1f}", flush=True)
-    finally:
-        runner.close()
+    for r in range(args.rounds):
+        for batch in batches:
+            row: dict[str, Any] = {"round": r, "batch": batch}
+            for name, artifact in artifacts.items():
+                # one engine (and its spinning thread pool) at a time on the cores
+                runner = EngineRunner(artifact, args.threads, max_len=args.prompt + args.new + 8)
+                try:
+                    ours_speeds(runner, vocab, 1, 8, 4, seed=0)  # warm-up: first runs
+                    got = ours_speeds(runner, vocab, batch, args.prompt, args.new, seed=r)
+                finally:
+                    runner.close()
+                row[name], row[f"{name}_prefill"] = got.decode, got.prefill
+            theirs = llamacpp_speeds(tool, args.gguf, batch, args.prompt, args.new,
+                                     args.threads)
+            row["llamacpp"], row["llamacpp_prefill"] = theirs.decode, theirs.prefill
+            rounds.append(row)
+            print(f"round {r} batch {batch:3d}: decode " + ", ".join(
+                f"{k} {row[k]:8.1f}" for k in (*artifacts, "llamacpp")) + " tok/s; prefill "
+                + ", ".join(f"{k} {row[k + '_prefill']:8.1f}" for k in (*artifacts, "llamacpp")),
+                flush=True)
     summary: dict[str, dict[int, dict[str, float]]] = {"decode": {}, "prefill": {}}
     for phase, suffix in (("decode", ""), ("prefill", "_prefill")):
         print(f"\n{phase} tok/s, prompt {args.prompt} -> {args.new}, {args.threads} threads, "
               f"median of {args.rounds} rounds ({args.gguf.name})")
         for batch in batches:
-            mine = statistics.median(r["ours" + suffix] for r in rounds if r["batch"] == batch)
-            peer = statistics.median(r["llamacpp" + suffix] for r in rounds
-                                     if r["batch"] == batch)
-            summary[phase][batch] = {"ours": mine, "llamacpp": peer, "ratio": mine / peer}
-            print(f"batch {batch:3d}: ours {mine:8.1f}  llama.cpp {peer:8.1f}  "
-                  f"ratio {mine / peer:.2f}")
+            med = {k: statistics.median(r[k + suffix] for r in rounds if r["batch"] == batch)
+                   for k in (*artifacts, "llamacpp")}
+            summary[phase][batch] = {**med, "ratio": med["ours"] / med["llamacpp"]}
+            line = (f"batch {batch:3d}: ours {med['ours']:8.1f}  llama.cpp "
+                    f"{med['llamacpp']:8.1f}  ratio {med['ours'] / med['llamacpp']:.2f}")
+            if "baseline" in med:
+                summary[phase][batch]["baseline_ratio"] = med["ours"] / med["baseline"]
+                line += (f"  baseline {med['baseline']:8.1f}  ours/baseline "
+                         f"{med['ours'] / med['baseline']:.2f}")
+            if phase == "decode" and batch == 1:
+                line += "  of the bound: " + ", ".join(
+                    f"{k} {med[k] / bound:.0%}" for k in (*artifacts, "llamacpp"))
+            print(line)
     if args.json is not None:
         figures = {"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds,
-                   "summary": summary}
+                   "summary": summary, "read_bandwidth": bandwidth,
+                   "bytes_a_token": per_token, "decode_bound": bound}
         write_text_atomic(args.json, json.dumps(figures, indent=2))
     return 0
 

@@ -36,3 +36,30 @@ def test_a_missing_file_is_refused_in_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"sized_speed: {tmp_path / 'none.gguf'} is not a file"]
+
+
+def test_bytes_a_token_leave_out_an_untied_embedding(tmp_path: Path) -> None:
+    """The batch-1 bound's bytes: every tensor a token reads, the whole embedding only where
+    it is also the output head (tied); the sizes are those of the arrays written."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from benchmarks.sized_speed import bytes_a_token
+
+    arrays = {"token_embd.weight": np.ones((40, 32), np.float32),
+              "blk.0.attn_q.weight": np.ones((32, 32), np.float16),
+              "output_norm.weight": np.ones(32, np.float32)}
+    for untied in (False, True):
+        path = tmp_path / f"untied-{untied}.gguf"
+        writer = GGUFWriter(path, "llama")
+        tensors = {**arrays, **({"output.weight": np.ones((40, 32), np.float16)} if untied
+                                else {})}
+        for name, array in tensors.items():
+            writer.add_tensor(name, array)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        read = sum(a.nbytes for name, a in tensors.items()
+                   if not (untied and name == "token_embd.weight"))
+        assert bytes_a_token(path) == read
