@@ -12,43 +12,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto
 
 import service.ops
-from tests.service.ops.test_gguf_matmul import THREADS, TYPES, K, N
+from tests.service.ops.test_gguf_matmul import TYPES, K, N, one_node_model, session
 
 pytestmark = pytest.mark.timeout(1800)
 
 
 def gather_model(type_id: int | None, k: int | None, w: np.ndarray | None = None) -> bytes:
-    """ids (any shape) → GgufGather → Y; W an input, or an initializer when given. An
-    attribute given as None is left out."""
-    attrs = {name: value for name, value in (("ggml_type", type_id), ("k", k))
-             if value is not None}
-    node = helper.make_node(service.ops.GATHER_OP, ["ids", "W"], ["Y"],
-                            domain=service.ops.DOMAIN, name="embed", **attrs)
-    inputs = [helper.make_tensor_value_info("ids", TensorProto.INT64, None)]
-    initializers = []
-    if w is None:
-        inputs.append(helper.make_tensor_value_info("W", TensorProto.UINT8, None))
-    else:
-        initializers.append(numpy_helper.from_array(w, "W"))
-    graph = helper.make_graph([node], "gguf_gather", inputs,
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
-                              initializer=initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid(service.ops.DOMAIN, 1)])
-    return model.SerializeToString()
-
-
-def session(model: bytes, library: Path, threads: int = THREADS) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(library))
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 4
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    """ids (any shape) → GgufGather → Y (see test_gguf_matmul's ``one_node_model``)."""
+    return one_node_model(service.ops.GATHER_OP, "ids", TensorProto.INT64, "embed", type_id,
+                          k, w)
 
 
 @pytest.mark.parametrize("name", list(TYPES))

@@ -241,25 +241,31 @@ TYPES: dict[str, WeightType] = {
 # ---------------------------------------------------------------------------------------------
 # The one-node model.
 
-def matmul_model(type_id: int | None, k: int | None, w: np.ndarray | None = None) -> bytes:
-    """X (any shape) → GgufMatMul → Y; W an input, or an initializer when given. An
-    attribute given as None is left out."""
-    attrs = {name: value for name, value in (("ggml_type", type_id), ("k", k))
+def one_node_model(op: str, first: str, first_type: int, name: str, type_id: int | None,
+                   k: int | None, w: np.ndarray | None = None) -> bytes:
+    """``first`` (any shape, of ``first_type``) and W → ``op`` → Y; W an input, or an
+    initializer when given. An attribute given as None is left out."""
+    attrs = {key: value for key, value in (("ggml_type", type_id), ("k", k))
              if value is not None}
-    node = helper.make_node("GgufMatMul", ["X", "W"], ["Y"], domain=service.ops.DOMAIN,
-                            name="proj", **attrs)
-    inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)]
+    node = helper.make_node(op, [first, "W"], ["Y"], domain=service.ops.DOMAIN, name=name,
+                            **attrs)
+    inputs = [helper.make_tensor_value_info(first, first_type, None)]
     initializers = []
     if w is None:
         inputs.append(helper.make_tensor_value_info("W", TensorProto.UINT8, None))
     else:
         initializers.append(numpy_helper.from_array(w, "W"))
-    graph = helper.make_graph([node], "gguf_matmul", inputs,
+    graph = helper.make_graph([node], op, inputs,
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
                               initializer=initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid(service.ops.DOMAIN, 1)])
     return model.SerializeToString()
+
+
+def matmul_model(type_id: int | None, k: int | None, w: np.ndarray | None = None) -> bytes:
+    """X (any shape) → GgufMatMul → Y (see :func:`one_node_model`)."""
+    return one_node_model(service.ops.MATMUL_OP, "X", TensorProto.FLOAT, "proj", type_id, k, w)
 
 
 def session(model: bytes, library: Path, threads: int = THREADS) -> ort.InferenceSession:
