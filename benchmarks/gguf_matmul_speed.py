@@ -111,13 +111,13 @@ def _model(nodes: list[Any], initializers: list[Any], opsets: dict[str, int]) ->
                                                    for d, v in opsets.items()])
 
 
-def gguf_model(type_id: int, stored: np.ndarray, k: int) -> Any:
+def gguf_model(type_id: int, stored: np.ndarray, k: int, activations: str = "int8") -> Any:
     from onnx import helper, numpy_helper
 
     import service.ops
 
     node = helper.make_node(service.ops.MATMUL_OP, ["X", "W"], ["Y"], domain=service.ops.DOMAIN,
-                            ggml_type=type_id, k=k)
+                            ggml_type=type_id, k=k, activations=activations)
     return _model([node], [numpy_helper.from_array(stored, "W")],
                   {"": 17, service.ops.DOMAIN: 1})
 
@@ -130,7 +130,7 @@ def float_model(dense: np.ndarray) -> Any:
                   {"": 17})
 
 
-def nbits_model(dense: np.ndarray) -> Any:
+def nbits_model(dense: np.ndarray, level: int = NBITS_LEVEL) -> Any:
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         MatMulNBitsQuantizer,
@@ -138,7 +138,7 @@ def nbits_model(dense: np.ndarray) -> Any:
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     config = DefaultWeightOnlyQuantConfig(block_size=NBITS_BLOCK, is_symmetric=True,
-                                          accuracy_level=NBITS_LEVEL, bits=4)
+                                          accuracy_level=level, bits=4)
     quantizer = MatMulNBitsQuantizer(float_model(dense), algo_config=config)
     quantizer.process()
     model = quantizer.model.model
@@ -235,6 +235,12 @@ def kernel_name(path: str) -> str:
     return "gguf" if path == "auto" else f"gguf:{path}"
 
 
+# --paths float: GgufMatMul at float activations (its "activations" attribute, not a path
+# of the environment variable), beside MatMulNBits at accuracy level 0, ONNX Runtime's own
+# float-activation kernel over 4-bit blocks.
+FLOAT_PATH = "float"
+
+
 def bench_size(size: int, types: list[str], batches: list[int], threads: int,
                bandwidth: float, flush: CacheFlush | None, rng: np.random.Generator,
                paths: tuple[str, ...] = ("auto",),
@@ -244,10 +250,15 @@ def bench_size(size: int, types: list[str], batches: list[int], threads: int,
     for name in types:
         type_id, stored, dense = gguf_weights(name, size, size, rng)
         for path in paths:
-            rows += time_kernel(gguf_model(type_id, stored, size), kernel_name(path), name,
-                                size, batches, threads, bandwidth, flush, rng, path, clock)
+            floats = path == FLOAT_PATH
+            rows += time_kernel(gguf_model(type_id, stored, size, "float" if floats else "int8"),
+                                kernel_name(path), name, size, batches, threads, bandwidth,
+                                flush, rng, None if floats else path, clock)
         if not baseline:  # MatMulNBits and f32 run alike whatever the values: timed once
-            for kind, model in (("nbits", nbits_model(dense)), ("f32", float_model(dense))):
+            models = [("nbits", nbits_model(dense)), ("f32", float_model(dense))]
+            if FLOAT_PATH in paths:
+                models.insert(1, ("nbits:float", nbits_model(dense, level=0)))
+            for kind, model in models:
                 baseline += time_kernel(model, kind, name, size, batches, threads, bandwidth,
                                         flush, rng, clock=clock)
         rows += [dict(r, type=name) for r in baseline]
@@ -283,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"default {','.join(TYPES)}; also {','.join(MORE_TYPES)}")
     p.add_argument("--paths", default="auto",
                    help="GgufMatMul kernels to time, each a column (ATTNSERVE_GGUF_MATMUL_PATH: "
-                        "auto, vec_dot, avx2, avx512vnni; default auto)")
+                        "auto, vec_dot, avx2, avx512vnni; float: its float-activation path, "
+                        "beside MatMulNBits at accuracy level 0; default auto)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
     p.add_argument("--cold", action="store_true",
                    help="flush the caches before every timed run (W read from memory)")

@@ -61,7 +61,8 @@ LIBRARY_NAME = "libattnserve_gguf_ops.so"
 CURRENT_LINK = "current"
 INFO_FILE = "build-info.json"
 SOURCES = ("gguf_ops.h", "gguf_ops.cc", "gguf_matmul.cc", "gguf_gather.cc", "gguf_batched.h",
-           "gguf_batched.cc", "gguf_batched_kernels.inc", "CMakeLists.txt")
+           "gguf_batched.cc", "gguf_batched_kernels.inc", "gguf_float.h", "gguf_float.cc",
+           "CMakeLists.txt")
 
 # Equal to benchmarks/llamacpp_env.py's pin (a test checks): the kernels the benchmark's
 # llama.cpp runs are the kernels this op runs.

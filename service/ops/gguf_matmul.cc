@@ -6,8 +6,12 @@
 //            W uint8   [N, row_bytes]    the tensor's rows as stored in the file
 //                                        (row_bytes = ggml_row_size(ggml_type, K))
 //   output   Y float32 [..., N]
-//   attrs    ggml_type  int: the GGUF tensor type id (ggml's enum ggml_type)
-//            k          int: K, the number of weights in a row
+//   attrs    ggml_type    int: the GGUF tensor type id (ggml's enum ggml_type)
+//            k            int: K, the number of weights in a row
+//            activations  string, optional: "int8" (the default: X quantised as ggml's
+//                         mul_mat quantises it) or "float" (X kept in float32, each
+//                         weight row dequantised by ggml: the float32 model's arithmetic,
+//                         gguf_float.h)
 //
 // Every type whose ggml-cpu traits have a vec_dot, and a from_float for its vec_dot_type,
 // is accepted (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types, ...); the list is
@@ -22,6 +26,9 @@
 // M = 1, for every other type, and on CPUs without AVX2, one ggml vec_dot per pair of rows.
 // ATTNSERVE_GGUF_MATMUL_PATH (auto, vec_dot, avx2, avx512vnni) overrides the choice when a
 // session is created (tests, benchmarks).
+//
+// "float": every type ggml can dequantise (a to_float), from M = 1; see gguf_float.h. The
+// variable chooses its kernels too (ChooseFloatPath).
 //
 // Threads: the N weight rows are split across ONNX Runtime's intra-op pool
 // (KernelContext_ParallelFor); ggml's own threadpool is never started, so one pool spins.
@@ -39,6 +46,7 @@
 #include "ggml-cpu.h"
 #include "ggml.h"
 #include "gguf_batched.h"
+#include "gguf_float.h"
 #include "gguf_ops.h"
 
 namespace attnserve_gguf {
@@ -54,7 +62,8 @@ constexpr int64_t kYLine = 64 / sizeof(float);
 constexpr int64_t kMaxBlockRows = 64;
 // Fewer activation rows than this are quantised inline: a pool dispatch costs more.
 constexpr int64_t kParallelQuantiseRows = 4;
-// Weight rows a task of the batched path unpacks and computes (whole 64-byte lines of Y).
+// Weight rows a task of the batched and float paths unpacks and computes (whole 64-byte
+// lines of Y).
 constexpr int64_t kBatchedRows = 16;
 
 // The ggml-cpu functions for one weight type, or null where ggml cannot compute it.
@@ -100,7 +109,44 @@ struct WeightFormat {
   size_t act_row_bytes;  // bytes of one quantised X row
   ggml_vec_dot_t vec_dot;
   ggml_from_float_t act_from_float;
+  bool float_activations = false;  // X kept in float32, W dequantised (gguf_float.h)
 };
+
+// The node's "activations" attribute: false for "int8" (or none), true for "float".
+bool FloatActivations(const Ort::ConstKernelInfo& info, const std::string& node) {
+  std::string value;
+  try {
+    value = info.GetAttribute<std::string>("activations");
+  } catch (const Ort::Exception&) {
+    return false;  // absent: ggml's quantised activations, as before the attribute existed
+  }
+  if (value == "int8") return false;
+  if (value == "float") return true;
+  throw OpError(ORT_INVALID_ARGUMENT, Where(kOpName, node) + "attribute activations='" + value +
+                                          "' is neither 'int8' nor 'float'");
+}
+
+// The float path's format: every type ggml dequantises, K in whole blocks.
+WeightFormat ResolveFloatFormat(const std::string& node, int64_t type_id, int64_t k) {
+  const std::string where = Where(kOpName, node);
+  const bool known = type_id >= 0 && type_id < GGML_TYPE_COUNT &&
+                     ggml_get_type_traits(static_cast<ggml_type>(type_id))->blck_size > 0;
+  if (!known || !floatpath::Covers(static_cast<ggml_type>(type_id))) {
+    throw OpError(ORT_INVALID_ARGUMENT, where + "ggml_type " + TypeName(type_id) +
+                                            " cannot be dequantised by this ggml "
+                                            "(activations='float')");
+  }
+  const auto type = static_cast<ggml_type>(type_id);
+  const int64_t block = ggml_blck_size(type);
+  if (k <= 0 || k % block != 0) {
+    throw OpError(ORT_INVALID_ARGUMENT, where + "k=" + std::to_string(k) +
+                                            " is not a positive multiple of the block size " +
+                                            std::to_string(block) + " of ggml_type " +
+                                            TypeName(type_id));
+  }
+  return WeightFormat{type, k, ggml_row_size(type, k), GGML_TYPE_F32, 0, nullptr, nullptr,
+                      true};
+}
 
 WeightFormat ResolveFormat(const std::string& node, int64_t type_id, int64_t k) {
   const std::string where = Where(kOpName, node);
@@ -186,6 +232,26 @@ void DotBlock(void* data, size_t block) {
 
 // One ParallelFor task of the batched path: kBatchedRows weight rows, unpacked once, against
 // every activation row.
+// One ParallelFor task of the float path: `rows` weight rows, dequantised once, against
+// every float activation row.
+struct FloatJob {
+  const WeightFormat* format;
+  floatpath::Level level;
+  const uint8_t* w;  // (N, row_bytes)
+  const floatpath::Acts* acts;
+  float* y;  // (M, N)
+  int64_t n;
+  int64_t rows;  // weight rows a task
+};
+
+void FloatBlock(void* data, size_t block) {
+  const auto& job = *static_cast<const FloatJob*>(data);
+  const WeightFormat& f = *job.format;
+  const int64_t r0 = static_cast<int64_t>(block) * job.rows;
+  const int64_t r1 = std::min(job.n, r0 + job.rows);
+  floatpath::DotRows(f.type, job.level, job.w, f.row_bytes, r0, r1, *job.acts, job.y, job.n);
+}
+
 struct BatchedJob {
   const WeightFormat* format;
   batched::Isa isa;
@@ -210,6 +276,7 @@ void BatchedBlock(void* data, size_t block) {
 struct PathChoice {
   batched::Isa isa = batched::Isa::kNone;  // kNone: vec_dot only
   int64_t min_batch = 1;
+  floatpath::Level float_level = floatpath::Level::kGeneric;  // activations="float"
 };
 
 PathChoice ChoosePath(const std::string& node, ggml_type type) {
@@ -230,6 +297,36 @@ PathChoice ChoosePath(const std::string& node, ggml_type type) {
     choice.isa = batched::Covers(type, want) ? want : batched::Isa::kNone;
     choice.min_batch = 1;
   } else if (path != "vec_dot") {
+    throw OpError(ORT_INVALID_ARGUMENT,
+                  Where(kOpName, node) + "ATTNSERVE_GGUF_MATMUL_PATH=" + path +
+                      " is none of auto, vec_dot, avx2, avx512vnni");
+  }
+  return choice;
+}
+
+// The float path's kernels under the same variable: auto (the widest here), vec_dot
+// (ggml's to_float and plain C++ products), avx2, avx512vnni (our decoders with AVX2 or
+// AVX-512 products).
+PathChoice ChooseFloatPath(const std::string& node) {
+  const char* env = std::getenv("ATTNSERVE_GGUF_MATMUL_PATH");
+  const std::string path = env && *env ? env : "auto";
+  const floatpath::Level here = floatpath::DetectLevel();
+  PathChoice choice;
+  if (path == "auto") {
+    choice.float_level = here;
+  } else if (path == "vec_dot") {
+    choice.float_level = floatpath::Level::kGeneric;
+  } else if (path == "avx2" || path == "avx512vnni") {
+    const floatpath::Level want =
+        path == "avx2" ? floatpath::Level::kAvx2 : floatpath::Level::kAvx512;
+    if (static_cast<int>(here) < static_cast<int>(want)) {
+      throw OpError(ORT_INVALID_ARGUMENT, Where(kOpName, node) +
+                                              "ATTNSERVE_GGUF_MATMUL_PATH=" + path +
+                                              ": this CPU runs only " +
+                                              floatpath::LevelName(here));
+    }
+    choice.float_level = want;
+  } else {
     throw OpError(ORT_INVALID_ARGUMENT,
                   Where(kOpName, node) + "ATTNSERVE_GGUF_MATMUL_PATH=" + path +
                       " is none of auto, vec_dot, avx2, avx512vnni");
@@ -277,7 +374,21 @@ struct GgufMatMulKernel {
     float* y_data = y.GetTensorMutableData<float>();  // (M, N)
     const float* x_data = x.GetTensorData<float>();   // (M, K)
     const uint8_t* w_data = w.GetTensorData<uint8_t>();
+    const size_t tiles = static_cast<size_t>((n + kBatchedRows - 1) / kBatchedRows);
 
+    if (f.float_activations) {
+      std::vector<float> sums;  // (M, K / 32) where the type's groups have mins
+      floatpath::Acts acts{x_data, m, f.k, nullptr};
+      if (floatpath::NeedsGroupSums(f.type, path.float_level, m)) {
+        sums.resize(static_cast<size_t>(m * (f.k / 32)));
+        floatpath::GroupSums(x_data, m, f.k, sums.data());
+        acts.group_sums = sums.data();
+      }
+      const int64_t rows = floatpath::TaskRows(path.float_level, m, f.k);
+      FloatJob job{&f, path.float_level, w_data, &acts, y_data, n, rows};
+      ctx.ParallelFor(FloatBlock, static_cast<size_t>((n + rows - 1) / rows), 0, &job);
+      return;
+    }
     // X in the vec_dot_type, once per call; F32 weights dot float rows as they are.
     const bool use_batched = path.isa != batched::Isa::kNone && m >= path.min_batch;
     std::unique_ptr<uint8_t, FreeDeleter> quantised, batched_buffer;
@@ -306,8 +417,7 @@ struct GgufMatMulKernel {
 
     if (use_batched) {
       BatchedJob job{&f, path.isa, w_data, &acts, y_data, n};
-      ctx.ParallelFor(BatchedBlock, static_cast<size_t>((n + kBatchedRows - 1) / kBatchedRows),
-                      0, &job);
+      ctx.ParallelFor(BatchedBlock, tiles, 0, &job);
       return;
     }
     const int64_t fit = static_cast<int64_t>(kBlockBytes / f.row_bytes) / kYLine * kYLine;
@@ -340,6 +450,11 @@ struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, /*WithSt
           IntAttribute(kinfo, kOpName, node, "ggml_type", "the GGUF tensor type id");
       const int64_t k =
           IntAttribute(kinfo, kOpName, node, "k", "the number of weights in a row");
+      if (FloatActivations(kinfo, node)) {
+        *kernel = new GgufMatMulKernel{node, ResolveFloatFormat(node, type_id, k),
+                                       ChooseFloatPath(node)};
+        return;
+      }
       const WeightFormat format = ResolveFormat(node, type_id, k);
       *kernel = new GgufMatMulKernel{node, format, ChoosePath(node, format.type)};
     });

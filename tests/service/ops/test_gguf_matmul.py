@@ -242,11 +242,12 @@ TYPES: dict[str, WeightType] = {
 # The one-node model.
 
 def one_node_model(op: str, first: str, first_type: int, name: str, type_id: int | None,
-                   k: int | None, w: np.ndarray | None = None) -> bytes:
+                   k: int | None, w: np.ndarray | None = None, **extra: str) -> bytes:
     """``first`` (any shape, of ``first_type``) and W → ``op`` → Y; W an input, or an
-    initializer when given. An attribute given as None is left out."""
-    attrs = {key: value for key, value in (("ggml_type", type_id), ("k", k))
-             if value is not None}
+    initializer when given. An attribute given as None is left out; ``extra``: more."""
+    attrs: dict[str, int | str] = {key: value for key, value in (("ggml_type", type_id),
+                                                                  ("k", k)) if value is not None}
+    attrs.update(extra)
     node = helper.make_node(op, [first, "W"], ["Y"], domain=service.ops.DOMAIN, name=name,
                             **attrs)
     inputs = [helper.make_tensor_value_info(first, first_type, None)]
@@ -263,9 +264,11 @@ def one_node_model(op: str, first: str, first_type: int, name: str, type_id: int
     return model.SerializeToString()
 
 
-def matmul_model(type_id: int | None, k: int | None, w: np.ndarray | None = None) -> bytes:
+def matmul_model(type_id: int | None, k: int | None, w: np.ndarray | None = None,
+                 **extra: str) -> bytes:
     """X (any shape) → GgufMatMul → Y (see :func:`one_node_model`)."""
-    return one_node_model(service.ops.MATMUL_OP, "X", TensorProto.FLOAT, "proj", type_id, k, w)
+    return one_node_model(service.ops.MATMUL_OP, "X", TensorProto.FLOAT, "proj", type_id, k, w,
+                          **extra)
 
 
 def session(model: bytes, library: Path, threads: int = THREADS) -> ort.InferenceSession:

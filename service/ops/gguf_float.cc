@@ -1,0 +1,583 @@
+// The float-activation path of GgufMatMul: see gguf_float.h.
+//
+// Two ways to a row's products, both reading the weight row from memory once a call:
+//  * fused (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K with AVX2 + FMA): each group of weights that
+//    shares a scale is decoded to float codes in registers and dotted with every
+//    activation row in turn; per group the sum is scaled, y = Σ_g d_g·Σ q·x (+ m_g·Σ x
+//    for the types with mins, Σ x per group computed once a call). No dequantised copy.
+//  * a tile (every other type ggml dequantises, and CPUs without AVX2): the tile's rows
+//    dequantised by ggml's to_float into thread-local scratch, then dotted.
+// Both give the float32 product of the values gguf.quants.dequantize returns, up to
+// float32 summation order (the tests hold them to 2e-6 relative).
+
+#include "gguf_float.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define ATTNSERVE_GGUF_X86 1
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace attnserve_gguf {
+namespace floatpath {
+namespace {
+
+// Activation rows a step of either kernel keeps in registers.
+constexpr int kRowsX = 4;
+// Activation rows from which a tile of dequantised rows beats decoding in registers: the
+// fused kernels decode each group again for every kRowsX activation rows (measured,
+// docs/kernels.md).
+constexpr int64_t kTileFrom = 4;
+// Activation rows from which, with AVX-512, the tile is packed K-major for outer products
+// (packing costs a store a weight, paid back over this many rows: measured, docs/kernels.md).
+constexpr int64_t kOuterFrom = 128;
+// Activation rows from which a task takes more than 16 weight rows (TaskRows).
+constexpr int64_t kWideFrom = 16;
+// Weights a group of the fused kernels: one scale (and min) for 32 weights.
+constexpr int64_t kGroup = 32;
+
+// A tile of dequantised weight rows, one per pool thread; it only grows.
+thread_local std::vector<float> tile;
+
+// y[i, j] = x_i · w_j for MI activation rows (ldx apart) and RJ dequantised rows.
+template <int MI, int RJ>
+void TileGeneric(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* y,
+                 int64_t ldy) {
+  for (int i = 0; i < MI; ++i) {
+    for (int j = 0; j < RJ; ++j) {
+      float sum = 0.0f;
+      for (int64_t p = 0; p < k; ++p) sum += x[i * ldx + p] * w[j * ldw + p];
+      y[i * ldy + j] = sum;
+    }
+  }
+}
+
+#if defined(ATTNSERVE_GGUF_X86)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+inline float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline float Sum8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+// 16 signed or unsigned byte codes as two vectors of 8 floats.
+template <bool kSigned>
+inline void Floats16(__m128i b, __m256* c) {
+  const __m128i high = _mm_unpackhi_epi64(b, b);
+  if (kSigned) {
+    c[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    c[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(high));
+  } else {
+    c[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    c[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+  }
+}
+
+// One group of each type: its float codes c (kVectors of 8, natural order), scale d and,
+// where the type has one, min m, so that weight j = d·c[j] + m (as ggml dequantises).
+struct Q4_0 {  // 18 bytes: fp16 d, 16 bytes of nibbles (weights 0-15 low, 16-31 high)
+  static constexpr int kVectors = 4;
+  static constexpr bool kMin = false;
+  static void Group(const uint8_t* row, int64_t g, __m256* c, float* d, float* /*m*/) {
+    const uint8_t* b = row + g * 18;
+    *d = Half(b);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i low = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    Floats16<true>(_mm_sub_epi8(_mm_and_si128(q, low), eight), c);
+    Floats16<true>(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low), eight), c + 2);
+  }
+};
+
+struct Q4_1 {  // 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles
+  static constexpr int kVectors = 4;
+  static constexpr bool kMin = true;
+  static void Group(const uint8_t* row, int64_t g, __m256* c, float* d, float* m) {
+    const uint8_t* b = row + g * 20;
+    *d = Half(b);
+    *m = Half(b + 2);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    Floats16<false>(_mm_and_si128(q, low), c);
+    Floats16<false>(_mm_and_si128(_mm_srli_epi16(q, 4), low), c + 2);
+  }
+};
+
+struct Q8_0 {  // 34 bytes: fp16 d, 32 signed codes
+  static constexpr int kVectors = 4;
+  static constexpr bool kMin = false;
+  static void Group(const uint8_t* row, int64_t g, __m256* c, float* d, float* /*m*/) {
+    const uint8_t* b = row + g * 34;
+    *d = Half(b);
+    Floats16<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), c);
+    Floats16<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)), c + 2);
+  }
+};
+
+// 144 bytes a super-block of 256: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins,
+// 128 bytes of nibbles: group 2p the low nibbles of bytes 32p..32p+31, 2p+1 their high.
+struct Q4_K {
+  static constexpr int kVectors = 4;
+  static constexpr bool kMin = true;
+  static void Group(const uint8_t* row, int64_t g, __m256* c, float* d, float* m) {
+    const uint8_t* b = row + (g / 8) * 144;
+    const int j = static_cast<int>(g % 8);
+    const uint8_t* s = b + 4;
+    int sc, mn;  // ggml's get_scale_min_k4
+    if (j < 4) {
+      sc = s[j] & 63;
+      mn = s[j + 4] & 63;
+    } else {
+      sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+    *d = Half(b) * static_cast<float>(sc);
+    *m = -(Half(b + 2) * static_cast<float>(mn));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (j / 2)));
+    const __m256i nib = (j % 2) ? _mm256_srli_epi16(q, 4) : q;
+    const __m256i codes = _mm256_and_si256(nib, _mm256_set1_epi8(0x0F));
+    Floats16<false>(_mm256_castsi256_si128(codes), c);
+    Floats16<false>(_mm256_extracti128_si256(codes, 1), c + 2);
+  }
+};
+
+// 210 bytes a super-block of 256, groups of 16 (one int8 scale each): 128 bytes ql (low
+// nibbles), 64 bytes qh (2 high bits), 16 scales, fp16 d. Weight 128h + 32v + l has the
+// nibble of ql[64h + 32(v & 1) + l] (low for v < 2), bits 2v of qh[32h + l], minus 32.
+struct Q6_K {
+  static constexpr int kVectors = 2;
+  static constexpr bool kMin = false;
+  static void Group(const uint8_t* row, int64_t g, __m256* c, float* d, float* /*m*/) {
+    const uint8_t* b = row + (g / 16) * 210;
+    const int G = static_cast<int>(g % 16), h = G / 8, v = (G % 8) / 2, l0 = 16 * (G % 2);
+    const __m128i ql =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 * h + 32 * (v & 1) + l0));
+    const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * h + l0));
+    const __m128i low = _mm_set1_epi8(0x0F), two = _mm_set1_epi8(3);
+    const __m128i nib = _mm_and_si128(v >= 2 ? _mm_srli_epi16(ql, 4) : ql, low);
+    const __m128i hi = _mm_and_si128(_mm_srl_epi16(qh, _mm_cvtsi32_si128(2 * v)), two);
+    const __m128i q = _mm_sub_epi8(_mm_or_si128(nib, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+    *d = Half(b + 208) * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[G]);
+    Floats16<true>(q, c);
+  }
+};
+
+// y[i] for MI activation rows against one weight row: per group, Σ codes·x in 8 lanes,
+// scaled by the group's d into the row's total (and its min times the group's Σ x).
+template <class T, int MI>
+void FusedRow(const uint8_t* row, int64_t k, const float* x, int64_t ldx, const float* sums,
+              int64_t lds, float* y, int64_t ldy) {
+  constexpr int64_t kWeights = 8 * T::kVectors;  // a group
+  __m256 total[MI];
+  float mins[MI];
+  for (int i = 0; i < MI; ++i) {
+    total[i] = _mm256_setzero_ps();
+    mins[i] = 0.0f;
+  }
+  const int64_t groups = k / kWeights;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 c[T::kVectors];
+    float d, m = 0.0f;
+    T::Group(row, g, c, &d, &m);
+    const __m256 vd = _mm256_set1_ps(d);
+    for (int i = 0; i < MI; ++i) {
+      const float* xg = x + i * ldx + g * kWeights;
+      __m256 s = _mm256_mul_ps(c[0], _mm256_loadu_ps(xg));
+      for (int v = 1; v < T::kVectors; ++v) s = _mm256_fmadd_ps(c[v], _mm256_loadu_ps(xg + 8 * v), s);
+      total[i] = _mm256_fmadd_ps(s, vd, total[i]);
+      if (T::kMin) mins[i] += m * sums[i * lds + g];
+    }
+  }
+  for (int i = 0; i < MI; ++i) y[i * ldy] = Sum8(total[i]) + mins[i];
+}
+
+template <class T>
+void FusedRows(const uint8_t* w, size_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
+               float* y, int64_t ldy) {
+  const int64_t lds = a.k / kGroup;
+  for (int64_t i0 = 0; i0 < a.m; i0 += kRowsX) {
+    const float* x = a.x + i0 * a.k;
+    const float* sums = a.group_sums ? a.group_sums + i0 * lds : nullptr;
+    float* yi = y + i0 * ldy;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = w + r * row_bytes;
+      switch (std::min<int64_t>(kRowsX, a.m - i0)) {
+        case 4: FusedRow<T, 4>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
+        case 3: FusedRow<T, 3>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
+        case 2: FusedRow<T, 2>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
+        default: FusedRow<T, 1>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
+      }
+    }
+  }
+}
+
+// A row dequantised into floats (out, K of them): d·c + m, rounded as ggml's to_float
+// rounds it (a product, then a sum), so the values are gguf.quants.dequantize's.
+template <class T>
+void Dequantise(const uint8_t* row, int64_t k, float* out) {
+  constexpr int64_t kWeights = 8 * T::kVectors;
+  for (int64_t g = 0; g < k / kWeights; ++g) {
+    __m256 c[T::kVectors];
+    float d, m = 0.0f;
+    T::Group(row, g, c, &d, &m);
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    for (int v = 0; v < T::kVectors; ++v) {
+      const __m256 w = _mm256_mul_ps(c[v], vd);
+      _mm256_storeu_ps(out + g * kWeights + 8 * v, T::kMin ? _mm256_add_ps(w, vm) : w);
+    }
+  }
+}
+
+// y[i, j] = x_i · w_j for MI activation rows and RJ dequantised rows, 8 lanes of K a step.
+template <int MI, int RJ>
+void TileAvx2(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* y,
+              int64_t ldy) {
+  __m256 acc[MI][RJ];
+  for (int i = 0; i < MI; ++i) {
+    for (int j = 0; j < RJ; ++j) acc[i][j] = _mm256_setzero_ps();
+  }
+  int64_t p = 0;
+  for (; p + 8 <= k; p += 8) {
+    __m256 wv[RJ];
+    for (int j = 0; j < RJ; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + p);
+    for (int i = 0; i < MI; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + p);
+      for (int j = 0; j < RJ; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MI; ++i) {
+    for (int j = 0; j < RJ; ++j) {
+      float sum = Sum8(acc[i][j]);
+      for (int64_t q = p; q < k; ++q) sum += x[i * ldx + q] * w[j * ldw + q];
+      y[i * ldy + j] = sum;
+    }
+  }
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+#endif
+// TileAvx2 on 16 lanes and AVX-512's 32 registers: 4 x 4 accumulators.
+template <int MI, int RJ>
+void TileAvx512(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* y,
+                int64_t ldy) {
+  __m512 acc[MI][RJ];
+  for (int i = 0; i < MI; ++i) {
+    for (int j = 0; j < RJ; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  int64_t p = 0;
+  for (; p + 16 <= k; p += 16) {
+    __m512 wv[RJ];
+    for (int j = 0; j < RJ; ++j) wv[j] = _mm512_loadu_ps(w + j * ldw + p);
+    for (int i = 0; i < MI; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * ldx + p);
+      for (int j = 0; j < RJ; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MI; ++i) {
+    for (int j = 0; j < RJ; ++j) {
+      alignas(64) float lanes[16];  // (GCC 12 warns inside _mm512_reduce_add_ps)
+      _mm512_store_ps(lanes, acc[i][j]);
+      float sum = Sum8(_mm256_add_ps(_mm256_load_ps(lanes), _mm256_load_ps(lanes + 8)));
+      for (int64_t q = p; q < k; ++q) sum += x[i * ldx + q] * w[j * ldw + q];
+      y[i * ldy + j] = sum;
+    }
+  }
+}
+// The wide path's kernel (a prompt's rows): Y[i, 16c + l] for MI activation rows and NP
+// panels of 16 dequantised rows packed K-major (panel[p·16 + l] = row l's weight p), each
+// activation broadcast against 16 rows at once: the products land in Y's rows as they are,
+// no sums across lanes. `cols` of the NP·16 columns are real (the rest padding).
+template <int MI, int NP>
+void OuterAvx512(const float* x, int64_t ldx, const float* panels, int64_t k, float* y,
+                 int64_t ldy, int cols) {
+  __m512 acc[MI][NP];
+  for (int i = 0; i < MI; ++i) {
+    for (int c = 0; c < NP; ++c) acc[i][c] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < k; ++p) {
+    __m512 wv[NP];
+    for (int c = 0; c < NP; ++c) wv[c] = _mm512_loadu_ps(panels + c * k * 16 + p * 16);
+    for (int i = 0; i < MI; ++i) {
+      const __m512 xb = _mm512_set1_ps(x[i * ldx + p]);
+      for (int c = 0; c < NP; ++c) acc[i][c] = _mm512_fmadd_ps(xb, wv[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < MI; ++i) {
+    for (int c = 0; c < NP; ++c) {
+      const int n = std::min(16, cols - 16 * c);
+      if (n >= 16) {
+        _mm512_storeu_ps(y + i * ldy + 16 * c, acc[i][c]);
+      } else if (n > 0) {
+        _mm512_mask_storeu_ps(y + i * ldy + 16 * c, static_cast<__mmask16>((1u << n) - 1),
+                              acc[i][c]);
+      }
+    }
+  }
+}
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#endif
+
+using FusedFn = void (*)(const uint8_t*, size_t, int64_t, int64_t, const Acts&, float*, int64_t);
+
+// The fused kernel for `type`, or null (the tile path).
+FusedFn Fused(ggml_type type, Level level) {
+#if defined(ATTNSERVE_GGUF_X86)
+  if (level != Level::kGeneric) {
+    switch (type) {
+      case GGML_TYPE_Q4_0: return FusedRows<Q4_0>;
+      case GGML_TYPE_Q4_1: return FusedRows<Q4_1>;
+      case GGML_TYPE_Q8_0: return FusedRows<Q8_0>;
+      case GGML_TYPE_Q4_K: return FusedRows<Q4_K>;
+      case GGML_TYPE_Q6_K: return FusedRows<Q6_K>;
+      default: break;
+    }
+  }
+#endif
+  (void)type;
+  (void)level;
+  return nullptr;
+}
+
+using DequantiseFn = void (*)(const uint8_t*, int64_t, float*);
+
+// Our decoder for `type` (the fused kernels' groups, stored), or null (ggml's to_float).
+DequantiseFn Decoder(ggml_type type, Level level) {
+#if defined(ATTNSERVE_GGUF_X86)
+  if (level != Level::kGeneric) {
+    switch (type) {
+      case GGML_TYPE_Q4_0: return Dequantise<Q4_0>;
+      case GGML_TYPE_Q4_1: return Dequantise<Q4_1>;
+      case GGML_TYPE_Q8_0: return Dequantise<Q8_0>;
+      case GGML_TYPE_Q4_K: return Dequantise<Q4_K>;
+      case GGML_TYPE_Q6_K: return Dequantise<Q6_K>;
+      default: break;
+    }
+  }
+#endif
+  (void)type;
+  (void)level;
+  return nullptr;
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+
+// The widest tile kernel here for an mi x rj corner (mi <= kRowsX, rj <= kTileRows).
+template <int MI>
+TileFn TileFor(int rj, Level level) {
+#if defined(ATTNSERVE_GGUF_X86)
+  if (level == Level::kAvx512) {
+    switch (rj) {
+      case 4: return TileAvx512<MI, 4>;
+      case 3: return TileAvx512<MI, 3>;
+      case 2: return TileAvx512<MI, 2>;
+      default: return TileAvx512<MI, 1>;
+    }
+  }
+  if (level == Level::kAvx2) {  // 16 registers: two weight rows a step
+    return rj >= 2 ? TileAvx2<MI, 2> : TileAvx2<MI, 1>;
+  }
+#endif
+  return rj >= 2 ? TileGeneric<MI, 2> : TileGeneric<MI, 1>;
+}
+
+// Weight rows a step of the tile kernel: 4 with AVX-512, else 2.
+int TileStep(Level level) { return level == Level::kAvx512 ? 4 : 2; }
+
+TileFn TileKernel(int mi, int rj, Level level) {
+  switch (mi) {
+    case 4: return TileFor<4>(rj, level);
+    case 3: return TileFor<3>(rj, level);
+    case 2: return TileFor<2>(rj, level);
+    default: return TileFor<1>(rj, level);
+  }
+}
+
+#if defined(ATTNSERVE_GGUF_X86)
+using OuterFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int);
+constexpr int kOuterRowsX = 6;    // 6 x 4 accumulators, 4 weight vectors: 29 of 32 registers
+constexpr int kOuterPanels = 4;
+
+template <int MI>
+OuterFn OuterFor(int np) {
+  switch (np) {
+    case 4: return OuterAvx512<MI, 4>;
+    case 3: return OuterAvx512<MI, 3>;
+    case 2: return OuterAvx512<MI, 2>;
+    default: return OuterAvx512<MI, 1>;
+  }
+}
+
+OuterFn OuterKernel(int mi, int np) {
+  switch (mi) {
+    case 6: return OuterFor<6>(np);
+    case 5: return OuterFor<5>(np);
+    case 4: return OuterFor<4>(np);
+    case 3: return OuterFor<3>(np);
+    case 2: return OuterFor<2>(np);
+    default: return OuterFor<1>(np);
+  }
+}
+
+// Panels of 16 rows packed K-major, one per pool thread; it only grows.
+thread_local std::vector<float> packed;
+
+// Y[:, r0:r0+rows] from `dense` (rows, K) on the wide path: packed, then outer products.
+// `row(r)`: weight row r of the task, dequantised (K floats, valid until the next call).
+template <class RowFn>
+void OuterRows(RowFn&& row, int64_t rows, const Acts& a, float* y, int64_t ldy) {
+  const int64_t k = a.k, panels = (rows + 15) / 16;
+  packed.assign(static_cast<size_t>(panels * k * 16), 0.0f);  // (panels, K, 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* panel = packed.data() + (r / 16) * k * 16 + r % 16;
+    const float* values = row(r);
+    for (int64_t p = 0; p < k; ++p) panel[p * 16] = values[p];
+  }
+  for (int64_t i0 = 0; i0 < a.m; i0 += kOuterRowsX) {
+    const int mi = static_cast<int>(std::min<int64_t>(kOuterRowsX, a.m - i0));
+    for (int64_t c0 = 0; c0 < panels; c0 += kOuterPanels) {
+      const int np = static_cast<int>(std::min<int64_t>(kOuterPanels, panels - c0));
+      const int cols = static_cast<int>(std::min<int64_t>(16 * np, rows - 16 * c0));
+      OuterKernel(mi, np)(a.x + i0 * k, k, packed.data() + c0 * k * 16, k,
+                          y + i0 * ldy + 16 * c0, ldy, cols);
+    }
+  }
+}
+#endif
+
+void TileRows(ggml_type type, Level level, const uint8_t* w, size_t row_bytes, int64_t r0,
+              int64_t r1, const Acts& a, float* y, int64_t ldy) {
+  const int64_t rows = r1 - r0, k = a.k;
+  const DequantiseFn ours = Decoder(type, level);
+  const ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
+  // Row r of the task in floats, at `out` (F32 rows: read where they are).
+  auto dequantise = [&](int64_t r, float* out) -> const float* {
+    const uint8_t* row = w + (r0 + r) * row_bytes;
+    if (type == GGML_TYPE_F32) return reinterpret_cast<const float*>(row);
+    if (ours) {
+      ours(row, k, out);
+    } else {
+      to_float(row, out, k);
+    }
+    return out;
+  };
+#if defined(ATTNSERVE_GGUF_X86)
+  if (level == Level::kAvx512 && a.m >= kOuterFrom) {
+    tile.resize(static_cast<size_t>(k));  // one row at a time, then packed
+    OuterRows([&](int64_t r) { return dequantise(r, tile.data()); }, rows, a, y + r0, ldy);
+    return;
+  }
+#endif
+  // Each row dequantised once, then read from cache by every activation row.
+  tile.resize(static_cast<size_t>(rows * k));
+  const float* dense = type == GGML_TYPE_F32 ? reinterpret_cast<const float*>(w + r0 * row_bytes)
+                                             : tile.data();  // (rows, K)
+  if (type != GGML_TYPE_F32) {
+    for (int64_t r = 0; r < rows; ++r) dequantise(r, tile.data() + r * k);
+  }
+  const int step = TileStep(level);
+  for (int64_t i0 = 0; i0 < a.m; i0 += kRowsX) {
+    const int mi = static_cast<int>(std::min<int64_t>(kRowsX, a.m - i0));
+    for (int64_t j0 = 0; j0 < rows; j0 += step) {
+      const int rj = static_cast<int>(std::min<int64_t>(step, rows - j0));
+      TileKernel(mi, rj, level)(a.x + i0 * k, k, dense + j0 * k, k, k, y + i0 * ldy + r0 + j0, ldy);
+    }
+  }
+}
+
+}  // namespace
+
+int64_t TaskRows(Level level, int64_t m, int64_t k) {
+  // A prompt's rows: a tile of about kTileBytes, 64-128 rows on the outer-product path
+  // (4 panels a step); with 16-row tiles a 2,048-token pass of SmolLM2's gate|up read X
+  // from memory 192 times, more time than its products.
+  constexpr int64_t kTileBytes = 256 * 1024;
+  if (m < kWideFrom) return 16;
+  const int64_t fit = kTileBytes / (static_cast<int64_t>(sizeof(float)) * k) / 16 * 16;
+  const int64_t least = level == Level::kAvx512 && m >= kOuterFrom ? 64 : 16;
+  return std::clamp<int64_t>(fit, least, 128);
+}
+
+bool Covers(ggml_type type) {
+  return type == GGML_TYPE_F32 || ggml_get_type_traits(type)->to_float != nullptr;
+}
+
+Level DetectLevel() {
+#if defined(ATTNSERVE_GGUF_X86)
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+      !__builtin_cpu_supports("f16c")) {
+    return Level::kGeneric;
+  }
+  return __builtin_cpu_supports("avx512f") ? Level::kAvx512 : Level::kAvx2;
+#else
+  return Level::kGeneric;
+#endif
+}
+
+const char* LevelName(Level level) {
+  switch (level) {
+    case Level::kAvx512: return "avx512";
+    case Level::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+bool NeedsGroupSums(ggml_type type, Level level, int64_t m) {
+  return m < kTileFrom && Fused(type, level) != nullptr &&
+         (type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q4_K);
+}
+
+void GroupSums(const float* x, int64_t m, int64_t k, float* sums) {
+  const int64_t groups = k / kGroup;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + i * k + g * kGroup;
+      float s = 0.0f;
+      for (int64_t j = 0; j < kGroup; ++j) s += xg[j];
+      sums[i * groups + g] = s;
+    }
+  }
+}
+
+void DotRows(ggml_type type, Level level, const uint8_t* w, size_t row_bytes, int64_t r0,
+             int64_t r1, const Acts& acts, float* y, int64_t ldy) {
+  const FusedFn fused = Fused(type, level);
+  if (fused != nullptr && acts.m < kTileFrom) {
+    fused(w, row_bytes, r0, r1, acts, y, ldy);
+  } else {
+    TileRows(type, level, w, row_bytes, r0, r1, acts, y, ldy);
+  }
+}
+
+}  // namespace floatpath
+}  // namespace attnserve_gguf
