@@ -79,9 +79,10 @@ def register(subparsers: Any) -> None:
                         "weight; export prints the MB added)")
     p.add_argument("--activations", choices=["int8", "float"], default="int8",
                    help="with --quantize gguf: run the kept blocks at int8 activations "
-                        "(MatMulNBits accuracy level 4, as llama.cpp does; the fastest) or "
-                        "float ones (level 0; 8-bit blocks as two 4-bit products): the "
-                        "float32 model's answers, slower from a few rows (docs/export.md)")
+                        "(as llama.cpp does; the fastest) or float ones: the float32 "
+                        "model's answers, slower from a few rows (ggml: GgufMatMul keeps X "
+                        "in float32; nbits: MatMulNBits level 0, 8-bit blocks as two 4-bit "
+                        "products; docs/export.md)")
     p.add_argument("--kernel", choices=["nbits", "ggml", "auto"], default="nbits",
                    help="with --quantize gguf: whose kernels compute the kept blocks. nbits: "
                         "ONNX Runtime's MatMulNBits (the blocks repacked with float32 "
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
     kernel = args.kernel
     if kernel == "auto":
-        kernel = _auto_kernel(args.quantize, args.activations)
+        kernel = _auto_kernel(args.quantize)
     out = export_artifact(
         args.ckpt, args.out, opset=args.opset, dtype=args.dtype, quantize=args.quantize,
         verify=not args.no_verify, force=args.force,
@@ -133,10 +134,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _auto_kernel(quantize: str | None, activations: str) -> str:
-    """--kernel auto: ggml for a GGUF file's blocks at int8 activations where the op
-    library is built, else nbits, saying why in one line."""
-    if quantize != "gguf" or activations != "int8":
+def _auto_kernel(quantize: str | None) -> str:
+    """--kernel auto: ggml for a GGUF file's blocks where the op library is built, else
+    nbits, saying why in one line."""
+    if quantize != "gguf":
         return "nbits"
     from service import ops
 

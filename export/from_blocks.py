@@ -135,9 +135,12 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     # attention.onnx: the served codes at float activations (split in halves only where
     # the served graphs run at float activations too, so weights.bin holds them once);
     # the float-activation graphs: what the checks verify (and, at level 0, what is served)
+    # (with ggml's kernels a float-activation graph is GgufMatMul over the file's bytes as
+    # stored: the same bytes whatever the activations, nothing split in halves)
+    checked_by = kernel if level == 0 else "nbits"
     rewritten = blocks({io.ATTENTION_FILE: (tmp / io.ATTENTION_FILE, ATTENTION_ACCURACY_LEVEL,
-                                            level == 0, kernel),
-                        **{name: (check[name], 0, True, "nbits")
+                                            level == 0 and kernel == "nbits", kernel),
+                        **{name: (check[name], 0, checked_by == "nbits", checked_by)
                            for name in graphs if verify or level == 0}})
     attention = rewritten.pop(io.ATTENTION_FILE)
     build_seconds = time.perf_counter() - started

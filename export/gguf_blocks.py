@@ -39,9 +39,9 @@ GGUF type is a uint8 (N, row_bytes) initializer, the tensor's rows exactly as st
 import's row order), computed by ``GgufMatMul`` (service/ops: ggml's CPU kernels inside
 ONNX Runtime, at int8 activations as llama.cpp runs them), and the embedding is
 ``GgufGather`` over the same bytes (a tied LM head: one tensor). Nothing is re-encoded, so
-the weights are the file's size. At float activations (``level=0``, attention.onnx) a
-product is ``GgufGather`` of every row, then a float MatMul: the float32 model's arithmetic,
-for a graph run rarely.
+the weights are the file's size. At float activations (``level=0``: ``--activations
+float``, and attention.onnx always) the op keeps X in float32 and dequantises each row as
+ggml does (``activations="float"``): the float32 model's arithmetic over the same bytes.
 
 fp16 → fp32 scales are exact, so the check that every block's dequantised value equals
 the checkpoint's own weight is an exact equality: it refuses a GGUF file that changed
@@ -492,26 +492,14 @@ class BlockWriter:
                        name: str) -> None:
         """outs[i] = x · W_iᵀ over the file's bytes of ``pieces`` (one GGUF type): one
         GgufMatMul over their rows joined, then a Split where there are several. At float
-        activations (level 0) the rows are dequantised by GgufGather and multiplied in float
-        (the float32 model's arithmetic, for attention.onnx)."""
+        activations (level 0) the op keeps x in float32 and dequantises the rows as ggml
+        does (``activations="float"``): the float32 model's arithmetic over the same bytes."""
         rows = (pieces[0].stored if len(pieces) == 1
                 else np.concatenate([p.stored for p in pieces]))  # (N, row_bytes)
-        n = int(rows.shape[0])
-        attrs = {"ggml_type": int(pieces[0].ggml_type), "k": pieces[0].k}
         weight = self.const(f"{w}.gguf_rows", rows)
         whole = outs[0] if len(pieces) == 1 else f"{name}.gguf_joined"
-        if self.level == 0:
-            ids = self.node("Range", [self.const("gguf.int64_0", np.array(0, np.int64)),
-                                      self.const(f"gguf.int64_{n}", np.array(n, np.int64)),
-                                      self.const("gguf.int64_1", np.array(1, np.int64))],
-                            f"{name}.gguf_all_rows", f"{name}.gguf_all_rows")
-            dense = self.node(ops.GATHER_OP, [ids, weight], f"{name}.gguf_dense",
-                              f"{name}.gguf_dense", **attrs)  # (N, K)
-            dense_t = self.node("Transpose", [dense], f"{name}.gguf_dense_t",
-                                f"{name}.gguf_dense_t", perm=[1, 0])  # (K, N)
-            self.node("MatMul", [x, dense_t], whole, name)
-        else:
-            self.node(ops.MATMUL_OP, [x, weight], whole, name, **attrs)
+        self.node(ops.MATMUL_OP, [x, weight], whole, name, ggml_type=int(pieces[0].ggml_type),
+                  k=pieces[0].k, activations="float" if self.level == 0 else "int8")
         if len(pieces) > 1:
             sizes = np.array([p.rows for p in pieces], np.int64)
             self.node("Split", [whole, self.const(f"{w}.gguf_split", sizes)], outs,
@@ -678,8 +666,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
                 "kernel": kernel, "source": str(src.path), "accuracy_level": level,
                 "kept_tensors": dict(kept),
                 "kept_matmuls": sum(n.op_type == ops.MATMUL_OP for n in stored),
-                "dequantised_products": sum(n.op_type == ops.GATHER_OP for n in stored)
-                - len(gathers),
+                "activations": "float" if level == 0 else "int8",
                 "joined_products": joined, "split_products": split, "kept_gathers": gathers,
                 "fallback": fallback}
     return {"method": "GGUF blocks as MatMulNBits (export/gguf_blocks.py)", "kernel": kernel,

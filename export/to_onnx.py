@@ -79,9 +79,10 @@ def check_options(opset: int, dtype: str, quantize: str | None) -> None:
                          "(quantised weights, float32 cache)")
 
 
-def check_kernel(kernel: str, quantize: str | None, activations: str) -> None:
-    """``--kernel``: ggml's computes a GGUF file's blocks as stored (--quantize gguf, int8
-    activations) and needs the op library built here; one line where it cannot be used."""
+def check_kernel(kernel: str, quantize: str | None) -> None:
+    """``--kernel``: ggml's computes a GGUF file's blocks as stored (--quantize gguf, at int8
+    or float activations) and needs the op library built here; one line where it cannot
+    be used."""
     from export.gguf_blocks import KERNELS
     from service import ops
 
@@ -92,9 +93,6 @@ def check_kernel(kernel: str, quantize: str | None, activations: str) -> None:
     if quantize != "gguf":
         raise ValueError("--kernel ggml computes a GGUF file's own blocks: it needs "
                          "--quantize gguf")
-    if activations != "int8":
-        raise ValueError("--kernel ggml runs int8 activations (ggml's kernels); "
-                         "--activations float needs --kernel nbits")
     if ops.library_path() is None:
         raise ValueError("--kernel ggml: the GgufMatMul op library is not built here; run "
                          "`make gguf-ops` (or export with --kernel nbits)")
@@ -271,7 +269,7 @@ def export_artifact(
         raise ValueError("--activations float needs --quantize gguf (the kept blocks; "
                          "int4/int8 are requantised for int8 activations)")
     level = ACTIVATION_LEVELS[activations]
-    check_kernel(kernel, quantize, activations)
+    check_kernel(kernel, quantize)
     check_target(out, force)
     from_blocks = builds_from_blocks(Path(ckpt_dir), quantize, float32_twin)
     # built from the blocks: the kept types' matrices stay on the meta device
