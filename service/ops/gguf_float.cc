@@ -14,7 +14,13 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #define ATTNSERVE_GGUF_X86 1
+// GCC 12 warns inside its own AVX-512 headers (the unused source of a zeroing convert is
+// "uninitialized", GCC bug 105593) wherever they are inlined; the headers, not our code.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #endif
 
 #include <algorithm>
@@ -134,11 +140,12 @@ struct Q8_0 {  // 34 bytes: fp16 d, 32 signed codes
 struct Q4_K {
   static constexpr int kVectors = 4;
   static constexpr bool kMin = true;
-  static void Group(const uint8_t* row, int64_t g, __m256* c, float* d, float* m) {
+  // Group g's scale d·sc and min −dmin·m (ggml's get_scale_min_k4); its codes: Codes.
+  static void Scales(const uint8_t* row, int64_t g, float* d, float* m) {
     const uint8_t* b = row + (g / 8) * 144;
     const int j = static_cast<int>(g % 8);
     const uint8_t* s = b + 4;
-    int sc, mn;  // ggml's get_scale_min_k4
+    int sc, mn;
     if (j < 4) {
       sc = s[j] & 63;
       mn = s[j + 4] & 63;
@@ -148,9 +155,17 @@ struct Q4_K {
     }
     *d = Half(b) * static_cast<float>(sc);
     *m = -(Half(b + 2) * static_cast<float>(mn));
+  }
+  // Group g's 32 codes as bytes.
+  static __m256i Codes(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + (g / 8) * 144;
+    const int j = static_cast<int>(g % 8);
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (j / 2)));
-    const __m256i nib = (j % 2) ? _mm256_srli_epi16(q, 4) : q;
-    const __m256i codes = _mm256_and_si256(nib, _mm256_set1_epi8(0x0F));
+    return _mm256_and_si256((j % 2) ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0F));
+  }
+  static void Group(const uint8_t* row, int64_t g, __m256* c, float* d, float* m) {
+    Scales(row, g, d, m);
+    const __m256i codes = Codes(row, g);
     Floats16<false>(_mm256_castsi256_si128(codes), c);
     Floats16<false>(_mm256_extracti128_si256(codes, 1), c + 2);
   }
@@ -179,34 +194,40 @@ struct Q6_K {
 
 // y[i] for MI activation rows against one weight row: per group, Σ codes·x in 8 lanes,
 // scaled by the group's d into the row's total (and its min times the group's Σ x).
-template <class T, int MI>
-void FusedRow(const uint8_t* row, int64_t k, const float* x, int64_t ldx, const float* sums,
-              int64_t lds, float* y, int64_t ldy) {
-  constexpr int64_t kWeights = 8 * T::kVectors;  // a group
-  __m256 total[MI];
-  float mins[MI];
-  for (int i = 0; i < MI; ++i) {
-    total[i] = _mm256_setzero_ps();
-    mins[i] = 0.0f;
-  }
-  const int64_t groups = k / kWeights;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 c[T::kVectors];
-    float d, m = 0.0f;
-    T::Group(row, g, c, &d, &m);
-    const __m256 vd = _mm256_set1_ps(d);
-    for (int i = 0; i < MI; ++i) {
-      const float* xg = x + i * ldx + g * kWeights;
-      __m256 s = _mm256_mul_ps(c[0], _mm256_loadu_ps(xg));
-      for (int v = 1; v < T::kVectors; ++v) s = _mm256_fmadd_ps(c[v], _mm256_loadu_ps(xg + 8 * v), s);
-      total[i] = _mm256_fmadd_ps(s, vd, total[i]);
-      if (T::kMin) mins[i] += m * sums[i * lds + g];
-    }
-  }
-  for (int i = 0; i < MI; ++i) y[i * ldy] = Sum8(total[i]) + mins[i];
-}
-
 template <class T>
+struct FusedAvx2 {
+  template <int MI>
+  static void Row(const uint8_t* row, int64_t k, const float* x, int64_t ldx,
+                  const float* sums, int64_t lds, float* y, int64_t ldy) {
+    constexpr int64_t kWeights = 8 * T::kVectors;  // a group
+    __m256 total[MI];
+    float mins[MI];
+    for (int i = 0; i < MI; ++i) {
+      total[i] = _mm256_setzero_ps();
+      mins[i] = 0.0f;
+    }
+    const int64_t groups = k / kWeights;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 c[T::kVectors];
+      float d, m = 0.0f;
+      T::Group(row, g, c, &d, &m);
+      const __m256 vd = _mm256_set1_ps(d);
+      for (int i = 0; i < MI; ++i) {
+        const float* xg = x + i * ldx + g * kWeights;
+        __m256 s = _mm256_mul_ps(c[0], _mm256_loadu_ps(xg));
+        for (int v = 1; v < T::kVectors; ++v) {
+          s = _mm256_fmadd_ps(c[v], _mm256_loadu_ps(xg + 8 * v), s);
+        }
+        total[i] = _mm256_fmadd_ps(s, vd, total[i]);
+        if (T::kMin) mins[i] += m * sums[i * lds + g];
+      }
+    }
+    for (int i = 0; i < MI; ++i) y[i * ldy] = Sum8(total[i]) + mins[i];
+  }
+};
+
+// Y[:, r0:r1] by one of the fused kernels (FusedAvx2<T> or FusedAvx512<T>).
+template <class Fused>
 void FusedRows(const uint8_t* w, size_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
                float* y, int64_t ldy) {
   const int64_t lds = a.k / kGroup;
@@ -217,10 +238,10 @@ void FusedRows(const uint8_t* w, size_t row_bytes, int64_t r0, int64_t r1, const
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* row = w + r * row_bytes;
       switch (std::min<int64_t>(kRowsX, a.m - i0)) {
-        case 4: FusedRow<T, 4>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
-        case 3: FusedRow<T, 3>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
-        case 2: FusedRow<T, 2>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
-        default: FusedRow<T, 1>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
+        case 4: Fused::template Row<4>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
+        case 3: Fused::template Row<3>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
+        case 2: Fused::template Row<2>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
+        default: Fused::template Row<1>(row, a.k, x, a.k, sums, lds, yi + r, ldy); break;
       }
     }
   }
@@ -308,6 +329,89 @@ void TileAvx512(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_
     }
   }
 }
+// 16 byte codes as 16 floats.
+template <bool kSigned>
+inline __m512 Floats16x(__m128i b) {
+  return _mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+
+// One group of each type on 16 lanes: 2 vectors of 16 floats (1 for Q6_K's 16 weights),
+// the same codes, scale and min as the AVX2 decoders' Group.
+template <class T>
+void Group512(const uint8_t* row, int64_t g, __m512* c, float* d, float* m);
+
+template <>
+void Group512<Q4_0>(const uint8_t* row, int64_t g, __m512* c, float* d, float* /*m*/) {
+  const uint8_t* b = row + g * 18;
+  *d = Half(b);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+  const __m128i low = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  c[0] = Floats16x<true>(_mm_sub_epi8(_mm_and_si128(q, low), eight));
+  c[1] = Floats16x<true>(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low), eight));
+}
+
+template <>
+void Group512<Q4_1>(const uint8_t* row, int64_t g, __m512* c, float* d, float* m) {
+  const uint8_t* b = row + g * 20;
+  *d = Half(b);
+  *m = Half(b + 2);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  c[0] = Floats16x<false>(_mm_and_si128(q, low));
+  c[1] = Floats16x<false>(_mm_and_si128(_mm_srli_epi16(q, 4), low));
+}
+
+template <>
+void Group512<Q8_0>(const uint8_t* row, int64_t g, __m512* c, float* d, float* /*m*/) {
+  const uint8_t* b = row + g * 34;
+  *d = Half(b);
+  c[0] = Floats16x<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+  c[1] = Floats16x<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)));
+}
+
+template <>
+void Group512<Q4_K>(const uint8_t* row, int64_t g, __m512* c, float* d, float* m) {
+  Q4_K::Scales(row, g, d, m);
+  const __m256i codes = Q4_K::Codes(row, g);
+  c[0] = Floats16x<false>(_mm256_castsi256_si128(codes));
+  c[1] = Floats16x<false>(_mm256_extracti128_si256(codes, 1));
+}
+
+// y[i] for MI activation rows against one weight row, 16 lanes: FusedAvx2's sums with half
+// the instructions a group.
+template <class T>
+struct FusedAvx512 {
+  template <int MI>
+  static void Row(const uint8_t* row, int64_t k, const float* x, int64_t ldx,
+                  const float* sums, int64_t lds, float* y, int64_t ldy) {
+    constexpr int64_t kWeights = 32;
+    __m512 total[MI];
+    float mins[MI];
+    for (int i = 0; i < MI; ++i) {
+      total[i] = _mm512_setzero_ps();
+      mins[i] = 0.0f;
+    }
+    for (int64_t g = 0; g < k / kWeights; ++g) {
+      __m512 c[2];
+      float d, m = 0.0f;
+      Group512<T>(row, g, c, &d, &m);
+      const __m512 vd = _mm512_set1_ps(d);
+      for (int i = 0; i < MI; ++i) {
+        const float* xg = x + i * ldx + g * kWeights;
+        const __m512 s = _mm512_fmadd_ps(c[1], _mm512_loadu_ps(xg + 16),
+                                         _mm512_mul_ps(c[0], _mm512_loadu_ps(xg)));
+        total[i] = _mm512_fmadd_ps(s, vd, total[i]);
+        if (T::kMin) mins[i] += m * sums[i * lds + g];
+      }
+    }
+    for (int i = 0; i < MI; ++i) {
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, total[i]);
+      y[i * ldy] = Sum8(_mm256_add_ps(_mm256_load_ps(lanes), _mm256_load_ps(lanes + 8))) + mins[i];
+    }
+  }
+};
+
 // The wide path's kernel (a prompt's rows): Y[i, 16c + l] for MI activation rows and NP
 // panels of 16 dequantised rows packed K-major (panel[p·16 + l] = row l's weight p), each
 // activation broadcast against 16 rows at once: the products land in Y's rows as they are,
@@ -352,13 +456,22 @@ using FusedFn = void (*)(const uint8_t*, size_t, int64_t, int64_t, const Acts&, 
 // The fused kernel for `type`, or null (the tile path).
 FusedFn Fused(ggml_type type, Level level) {
 #if defined(ATTNSERVE_GGUF_X86)
+  if (level == Level::kAvx512) {  // Q6_K's 16-weight groups stay on 8 lanes
+    switch (type) {
+      case GGML_TYPE_Q4_0: return FusedRows<FusedAvx512<Q4_0>>;
+      case GGML_TYPE_Q4_1: return FusedRows<FusedAvx512<Q4_1>>;
+      case GGML_TYPE_Q8_0: return FusedRows<FusedAvx512<Q8_0>>;
+      case GGML_TYPE_Q4_K: return FusedRows<FusedAvx512<Q4_K>>;
+      default: break;
+    }
+  }
   if (level != Level::kGeneric) {
     switch (type) {
-      case GGML_TYPE_Q4_0: return FusedRows<Q4_0>;
-      case GGML_TYPE_Q4_1: return FusedRows<Q4_1>;
-      case GGML_TYPE_Q8_0: return FusedRows<Q8_0>;
-      case GGML_TYPE_Q4_K: return FusedRows<Q4_K>;
-      case GGML_TYPE_Q6_K: return FusedRows<Q6_K>;
+      case GGML_TYPE_Q4_0: return FusedRows<FusedAvx2<Q4_0>>;
+      case GGML_TYPE_Q4_1: return FusedRows<FusedAvx2<Q4_1>>;
+      case GGML_TYPE_Q8_0: return FusedRows<FusedAvx2<Q8_0>>;
+      case GGML_TYPE_Q4_K: return FusedRows<FusedAvx2<Q4_K>>;
+      case GGML_TYPE_Q6_K: return FusedRows<FusedAvx2<Q6_K>>;
       default: break;
     }
   }
