@@ -26,7 +26,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <cstdlib>
+#include <new>
 
 namespace attnserve_gguf {
 namespace floatpath {
@@ -38,16 +39,37 @@ constexpr int kRowsX = 4;
 // fused kernels decode each group again for every kRowsX activation rows (measured,
 // docs/kernels.md).
 constexpr int64_t kTileFrom = 4;
-// Activation rows from which, with AVX-512, the tile is packed K-major for outer products
-// (packing costs a store a weight, paid back over this many rows: measured, docs/kernels.md).
-constexpr int64_t kOuterFrom = 128;
+// With AVX-512, from how many activation rows the tile is packed K-major for outer
+// products: packing (a 16 x 16 transpose a 256 weights) is paid back from 16 rows where a
+// row is short (K <= 2,048: SmolLM2's products), from 32 where it is long (64 packed rows
+// of K = 4,096 are 1 MB); measured on 2 threads, docs/kernels.md.
+bool UsesOuter(Level level, int64_t m, int64_t k) {
+  return level == Level::kAvx512 && (m >= 32 || (m >= 16 && k <= 2048));
+}
 // Activation rows from which a task takes more than 16 weight rows (TaskRows).
 constexpr int64_t kWideFrom = 16;
 // Weights a group of the fused kernels: one scale (and min) for 32 weights.
 constexpr int64_t kGroup = 32;
 
 // A tile of dequantised weight rows, one per pool thread; it only grows.
-thread_local std::vector<float> tile;
+// 64-byte aligned (a vector load of a row never straddles two cache lines: unaligned,
+// the tile kernels ran at half speed), uninitialised.
+struct Scratch {
+  float* data = nullptr;
+  size_t size = 0;
+  ~Scratch() { std::free(data); }
+  float* Get(size_t floats) {
+    if (floats > size) {
+      std::free(data);
+      const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+      data = static_cast<float*>(std::aligned_alloc(64, bytes));
+      if (data == nullptr) throw std::bad_alloc();
+      size = bytes / sizeof(float);
+    }
+    return data;
+  }
+};
+thread_local Scratch tile;
 
 // y[i, j] = x_i · w_j for MI activation rows (ldx apart) and RJ dequantised rows.
 template <int MI, int RJ>
@@ -412,6 +434,35 @@ struct FusedAvx512 {
   }
 };
 
+// out[16·j + l] = src[l][p0 + j] for j, l < 16: sixteen rows' 16 floats transposed (the
+// usual unpack / 128-bit shuffle network), so packing a panel costs no scalar stores.
+void Transpose16(const float* const* src, int64_t p0, float* out) {
+  __m512 r[16], t[16];
+  for (int l = 0; l < 16; ++l) r[l] = _mm512_loadu_ps(src[l] + p0);
+  for (int l = 0; l < 16; l += 2) {
+    t[l] = _mm512_unpacklo_ps(r[l], r[l + 1]);
+    t[l + 1] = _mm512_unpackhi_ps(r[l], r[l + 1]);
+  }
+  for (int l = 0; l < 16; l += 4) {
+    for (int h = 0; h < 2; ++h) {
+      r[l + 2 * h] = _mm512_castpd_ps(
+          _mm512_unpacklo_pd(_mm512_castps_pd(t[l + h]), _mm512_castps_pd(t[l + h + 2])));
+      r[l + 2 * h + 1] = _mm512_castpd_ps(
+          _mm512_unpackhi_pd(_mm512_castps_pd(t[l + h]), _mm512_castps_pd(t[l + h + 2])));
+    }
+  }
+  for (int half = 0; half < 16; half += 8) {
+    for (int l = 0; l < 4; ++l) {
+      t[half + l] = _mm512_shuffle_f32x4(r[half + l], r[half + l + 4], 0x88);
+      t[half + l + 4] = _mm512_shuffle_f32x4(r[half + l], r[half + l + 4], 0xdd);
+    }
+  }
+  for (int l = 0; l < 8; ++l) {
+    _mm512_store_ps(out + 16 * l, _mm512_shuffle_f32x4(t[l], t[l + 8], 0x88));
+    _mm512_store_ps(out + 16 * (l + 8), _mm512_shuffle_f32x4(t[l], t[l + 8], 0xdd));
+  }
+}
+
 // The wide path's kernel (a prompt's rows): Y[i, 16c + l] for MI activation rows and NP
 // panels of 16 dequantised rows packed K-major (panel[p·16 + l] = row l's weight p), each
 // activation broadcast against 16 rows at once: the products land in Y's rows as they are,
@@ -562,25 +613,38 @@ OuterFn OuterKernel(int mi, int np) {
 }
 
 // Panels of 16 rows packed K-major, one per pool thread; it only grows.
-thread_local std::vector<float> packed;
+thread_local Scratch packed;
 
 // Y[:, r0:r0+rows] from `dense` (rows, K) on the wide path: packed, then outer products.
-// `row(r)`: weight row r of the task, dequantised (K floats, valid until the next call).
+// Scratch for the 16 dequantised rows of a panel and a row of zeros (its padding).
+thread_local Scratch panel_rows;
+
+// `dequantise(r, out)`: weight row r of the task in floats, written at `out` (K of them) or
+// where it already is; the pointer to them.
 template <class RowFn>
-void OuterRows(RowFn&& row, int64_t rows, const Acts& a, float* y, int64_t ldy) {
+void OuterRows(RowFn&& dequantise, int64_t rows, const Acts& a, float* y, int64_t ldy) {
   const int64_t k = a.k, panels = (rows + 15) / 16;
-  packed.assign(static_cast<size_t>(panels * k * 16), 0.0f);  // (panels, K, 16)
-  for (int64_t r = 0; r < rows; ++r) {
-    float* panel = packed.data() + (r / 16) * k * 16 + r % 16;
-    const float* values = row(r);
-    for (int64_t p = 0; p < k; ++p) panel[p * 16] = values[p];
+  float* const panel0 = packed.Get(static_cast<size_t>(panels * k * 16));  // (panels, K, 16)
+  float* const scratch = panel_rows.Get(static_cast<size_t>(17 * k));      // (17, K)
+  std::fill(scratch + 16 * k, scratch + 17 * k, 0.0f);
+  for (int64_t c = 0; c < panels; ++c) {
+    const float* src[16];
+    for (int64_t l = 0; l < 16; ++l) {
+      src[l] = 16 * c + l < rows ? dequantise(16 * c + l, scratch + l * k) : scratch + 16 * k;
+    }
+    float* panel = panel0 + c * k * 16;
+    int64_t p = 0;
+    for (; p + 16 <= k; p += 16) Transpose16(src, p, panel + p * 16);
+    for (; p < k; ++p) {
+      for (int l = 0; l < 16; ++l) panel[p * 16 + l] = src[l][p];
+    }
   }
   for (int64_t i0 = 0; i0 < a.m; i0 += kOuterRowsX) {
     const int mi = static_cast<int>(std::min<int64_t>(kOuterRowsX, a.m - i0));
     for (int64_t c0 = 0; c0 < panels; c0 += kOuterPanels) {
       const int np = static_cast<int>(std::min<int64_t>(kOuterPanels, panels - c0));
       const int cols = static_cast<int>(std::min<int64_t>(16 * np, rows - 16 * c0));
-      OuterKernel(mi, np)(a.x + i0 * k, k, packed.data() + c0 * k * 16, k,
+      OuterKernel(mi, np)(a.x + i0 * k, k, panel0 + c0 * k * 16, k,
                           y + i0 * ldy + 16 * c0, ldy, cols);
     }
   }
@@ -604,18 +668,18 @@ void TileRows(ggml_type type, Level level, const uint8_t* w, size_t row_bytes, i
     return out;
   };
 #if defined(ATTNSERVE_GGUF_X86)
-  if (level == Level::kAvx512 && a.m >= kOuterFrom) {
-    tile.resize(static_cast<size_t>(k));  // one row at a time, then packed
-    OuterRows([&](int64_t r) { return dequantise(r, tile.data()); }, rows, a, y + r0, ldy);
+  if (UsesOuter(level, a.m, k)) {
+    OuterRows(dequantise, rows, a, y + r0, ldy);
     return;
   }
 #endif
   // Each row dequantised once, then read from cache by every activation row.
-  tile.resize(static_cast<size_t>(rows * k));
+  // (rows, K), rows whole lines apart where K allows
+  float* const buffer = type == GGML_TYPE_F32 ? nullptr : tile.Get(static_cast<size_t>(rows * k));
   const float* dense = type == GGML_TYPE_F32 ? reinterpret_cast<const float*>(w + r0 * row_bytes)
-                                             : tile.data();  // (rows, K)
+                                             : buffer;
   if (type != GGML_TYPE_F32) {
-    for (int64_t r = 0; r < rows; ++r) dequantise(r, tile.data() + r * k);
+    for (int64_t r = 0; r < rows; ++r) dequantise(r, buffer + r * k);
   }
   const int step = TileStep(level);
   for (int64_t i0 = 0; i0 < a.m; i0 += kRowsX) {
@@ -636,7 +700,7 @@ int64_t TaskRows(Level level, int64_t m, int64_t k) {
   constexpr int64_t kTileBytes = 256 * 1024;
   if (m < kWideFrom) return 16;
   const int64_t fit = kTileBytes / (static_cast<int64_t>(sizeof(float)) * k) / 16 * 16;
-  const int64_t least = level == Level::kAvx512 && m >= kOuterFrom ? 64 : 16;
+  const int64_t least = UsesOuter(level, m, k) ? 64 : 16;
   return std::clamp<int64_t>(fit, least, 128);
 }
 
