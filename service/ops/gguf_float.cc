@@ -1,13 +1,19 @@
 // The float-activation path of GgufMatMul: see gguf_float.h.
 //
-// Two ways to a row's products, both reading the weight row from memory once a call:
-//  * fused (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K with AVX2 + FMA): each group of weights that
-//    shares a scale is decoded to float codes in registers and dotted with every
-//    activation row in turn; per group the sum is scaled, y = Σ_g d_g·Σ q·x (+ m_g·Σ x
-//    for the types with mins, Σ x per group computed once a call). No dequantised copy.
-//  * a tile (every other type ggml dequantises, and CPUs without AVX2): the tile's rows
-//    dequantised by ggml's to_float into thread-local scratch, then dotted.
-// Both give the float32 product of the values gguf.quants.dequantize returns, up to
+// Three ways to a task's products, each reading a weight row from memory once a call:
+//  * fused, below 4 activation rows (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K with AVX2 + FMA; on 16
+//    lanes with AVX-512 but Q6_K): each group of weights that shares a scale is decoded to
+//    float codes in registers and dotted with every activation row in turn; per group the
+//    sum is scaled, y = Σ_g d_g·Σ q·x (+ m_g·Σ x for the types with mins, Σ x per group
+//    computed once a call). No dequantised copy.
+//  * a tile, from 4 rows, for every type ggml dequantises, and on CPUs without AVX2: the
+//    task's rows dequantised once (our decoders, exactly ggml's values, or ggml's
+//    to_float) into thread-local scratch, then dot products of 4 activation rows x 4 (2)
+//    weight rows in registers.
+//  * packed panels, from 16-32 rows with AVX-512 (UsesOuter): the tile transposed into
+//    panels of 16 rows K-major and multiplied as outer products (6 activation rows x 64
+//    weight rows a step), as a float32 GEMM does: a prompt's rows.
+// All give the float32 product of the values gguf.quants.dequantize returns, up to
 // float32 summation order (the tests hold them to 2e-6 relative).
 
 #include "gguf_float.h"
@@ -51,9 +57,8 @@ constexpr int64_t kWideFrom = 16;
 // Weights a group of the fused kernels: one scale (and min) for 32 weights.
 constexpr int64_t kGroup = 32;
 
-// A tile of dequantised weight rows, one per pool thread; it only grows.
-// 64-byte aligned (a vector load of a row never straddles two cache lines: unaligned,
-// the tile kernels ran at half speed), uninitialised.
+// Thread-local scratch that only grows: 64-byte aligned (a vector load of a row never
+// straddles two cache lines: unaligned, the tile kernels ran at half speed), uninitialised.
 struct Scratch {
   float* data = nullptr;
   size_t size = 0;
@@ -69,16 +74,26 @@ struct Scratch {
     return data;
   }
 };
-thread_local Scratch tile;
+thread_local Scratch tile;  // a task's dequantised rows
 
 // y[i, j] = x_i · w_j for MI activation rows (ldx apart) and RJ dequantised rows.
+// Eight partial sums a pair, so that the compiler can keep them in vector lanes (a single
+// float sum may not be reordered, and ran at 1.8 GFMA/s).
 template <int MI, int RJ>
 void TileGeneric(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* y,
                  int64_t ldy) {
   for (int i = 0; i < MI; ++i) {
     for (int j = 0; j < RJ; ++j) {
-      float sum = 0.0f;
-      for (int64_t p = 0; p < k; ++p) sum += x[i * ldx + p] * w[j * ldw + p];
+      const float* xi = x + i * ldx;
+      const float* wj = w + j * ldw;
+      float lanes[8] = {};
+      int64_t p = 0;
+      for (; p + 8 <= k; p += 8) {
+        for (int l = 0; l < 8; ++l) lanes[l] += xi[p + l] * wj[p + l];
+      }
+      float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+                  ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+      for (; p < k; ++p) sum += xi[p] * wj[p];
       y[i * ldy + j] = sum;
     }
   }
