@@ -62,8 +62,7 @@ constexpr int64_t kYLine = 64 / sizeof(float);
 constexpr int64_t kMaxBlockRows = 64;
 // Fewer activation rows than this are quantised inline: a pool dispatch costs more.
 constexpr int64_t kParallelQuantiseRows = 4;
-// Weight rows a task of the batched and float paths unpacks and computes (whole 64-byte
-// lines of Y).
+// Weight rows a task of the batched path unpacks and computes (whole 64-byte lines of Y).
 constexpr int64_t kBatchedRows = 16;
 
 // The ggml-cpu functions for one weight type, or null where ggml cannot compute it.
@@ -230,10 +229,8 @@ void DotBlock(void* data, size_t block) {
   }
 }
 
-// One ParallelFor task of the batched path: kBatchedRows weight rows, unpacked once, against
-// every activation row.
-// One ParallelFor task of the float path: `rows` weight rows, dequantised once, against
-// every float activation row.
+// One ParallelFor task of the float path: `rows` weight rows (floatpath::TaskRows), each
+// read once, against every float activation row.
 struct FloatJob {
   const WeightFormat* format;
   floatpath::Level level;
@@ -252,6 +249,8 @@ void FloatBlock(void* data, size_t block) {
   floatpath::DotRows(f.type, job.level, job.w, f.row_bytes, r0, r1, *job.acts, job.y, job.n);
 }
 
+// One ParallelFor task of the batched path: kBatchedRows weight rows, unpacked once, against
+// every activation row.
 struct BatchedJob {
   const WeightFormat* format;
   batched::Isa isa;
@@ -374,7 +373,6 @@ struct GgufMatMulKernel {
     float* y_data = y.GetTensorMutableData<float>();  // (M, N)
     const float* x_data = x.GetTensorData<float>();   // (M, K)
     const uint8_t* w_data = w.GetTensorData<uint8_t>();
-    const size_t tiles = static_cast<size_t>((n + kBatchedRows - 1) / kBatchedRows);
 
     if (f.float_activations) {
       std::vector<float> sums;  // (M, K / 32) where the type's groups have mins
@@ -417,6 +415,7 @@ struct GgufMatMulKernel {
 
     if (use_batched) {
       BatchedJob job{&f, path.isa, w_data, &acts, y_data, n};
+      const size_t tiles = static_cast<size_t>((n + kBatchedRows - 1) / kBatchedRows);
       ctx.ParallelFor(BatchedBlock, tiles, 0, &job);
       return;
     }
