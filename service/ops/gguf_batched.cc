@@ -12,6 +12,7 @@
 // integer dot so that it is the signed Σ (u − offset)·q exactly.
 
 #include "gguf_batched.h"
+#include "gguf_ops.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define ATTNSERVE_GGUF_X86 1
@@ -21,7 +22,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <new>
 
 namespace attnserve_gguf {
 namespace batched {
@@ -84,21 +84,6 @@ struct Unpacked {
   float* mw = nullptr;         // (rows, kp / lane_k) mins
 };
 
-// A 64-byte aligned buffer that only grows, one per pool thread.
-struct Scratch {
-  uint8_t* data = nullptr;
-  size_t size = 0;
-  ~Scratch() { std::free(data); }
-  uint8_t* Get(size_t bytes) {
-    if (bytes > size) {
-      std::free(data);
-      data = static_cast<uint8_t*>(std::aligned_alloc(64, Up64(bytes)));
-      if (data == nullptr) throw std::bad_alloc();
-      size = Up64(bytes);
-    }
-    return data;
-  }
-};
 
 }  // namespace
 
@@ -232,7 +217,7 @@ void PrepareRow(Isa isa, ggml_type type, const uint8_t* xq_row, const Acts& acts
   Kind kind;
   if (!KindOf(type, &kind)) std::abort();  // Covers() was checked
 #if defined(ATTNSERVE_GGUF_X86)
-  thread_local Scratch scratch;
+  thread_local AlignedScratch scratch;
   auto* q = reinterpret_cast<int8_t*>(scratch.Get(static_cast<size_t>(acts.k)));
   if (isa == Isa::kVnni) {
     vnni::PrepareRow(kind, xq_row, acts, i, q);
@@ -250,7 +235,7 @@ void DotRows(Isa isa, ggml_type type, const uint8_t* w, size_t row_bytes, int64_
   Kind kind;
   if (!KindOf(type, &kind)) std::abort();
 #if defined(ATTNSERVE_GGUF_X86)
-  thread_local Scratch scratch;
+  thread_local AlignedScratch scratch;
   const size_t rows = static_cast<size_t>(r1 - r0), kp = static_cast<size_t>(acts.kp);
   const size_t lanes = kp / static_cast<size_t>(acts.lane_k);
   const size_t u_bytes = rows * kp, s_bytes = Up64(rows * lanes * 4);

@@ -17,6 +17,7 @@
 // float32 summation order (the tests hold them to 2e-6 relative).
 
 #include "gguf_float.h"
+#include "gguf_ops.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define ATTNSERVE_GGUF_X86 1
@@ -32,8 +33,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
-#include <new>
 
 namespace attnserve_gguf {
 namespace floatpath {
@@ -57,24 +56,7 @@ constexpr int64_t kWideFrom = 16;
 // Weights a group of the fused kernels: one scale (and min) for 32 weights.
 constexpr int64_t kGroup = 32;
 
-// Thread-local scratch that only grows: 64-byte aligned (a vector load of a row never
-// straddles two cache lines: unaligned, the tile kernels ran at half speed), uninitialised.
-struct Scratch {
-  float* data = nullptr;
-  size_t size = 0;
-  ~Scratch() { std::free(data); }
-  float* Get(size_t floats) {
-    if (floats > size) {
-      std::free(data);
-      const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
-      data = static_cast<float*>(std::aligned_alloc(64, bytes));
-      if (data == nullptr) throw std::bad_alloc();
-      size = bytes / sizeof(float);
-    }
-    return data;
-  }
-};
-thread_local Scratch tile;  // a task's dequantised rows
+thread_local AlignedScratch tile;  // a task's dequantised rows
 
 // y[i, j] = x_i · w_j for MI activation rows (ldx apart) and RJ dequantised rows.
 // Eight partial sums a pair, so that the compiler can keep them in vector lanes (a single
@@ -358,9 +340,7 @@ void TileAvx512(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_
   }
   for (int i = 0; i < MI; ++i) {
     for (int j = 0; j < RJ; ++j) {
-      alignas(64) float lanes[16];  // (GCC 12 warns inside _mm512_reduce_add_ps)
-      _mm512_store_ps(lanes, acc[i][j]);
-      float sum = Sum8(_mm256_add_ps(_mm256_load_ps(lanes), _mm256_load_ps(lanes + 8)));
+      float sum = _mm512_reduce_add_ps(acc[i][j]);
       for (int64_t q = p; q < k; ++q) sum += x[i * ldx + q] * w[j * ldw + q];
       y[i * ldy + j] = sum;
     }
@@ -441,11 +421,7 @@ struct FusedAvx512 {
         if (T::kMin) mins[i] += m * sums[i * lds + g];
       }
     }
-    for (int i = 0; i < MI; ++i) {
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, total[i]);
-      y[i * ldy] = Sum8(_mm256_add_ps(_mm256_load_ps(lanes), _mm256_load_ps(lanes + 8))) + mins[i];
-    }
+    for (int i = 0; i < MI; ++i) y[i * ldy] = _mm512_reduce_add_ps(total[i]) + mins[i];
   }
 };
 
@@ -628,19 +604,19 @@ OuterFn OuterKernel(int mi, int np) {
 }
 
 // Panels of 16 rows packed K-major, one per pool thread; it only grows.
-thread_local Scratch packed;
+thread_local AlignedScratch packed;
 
 // Y[:, r0:r0+rows] from `dense` (rows, K) on the wide path: packed, then outer products.
 // Scratch for the 16 dequantised rows of a panel and a row of zeros (its padding).
-thread_local Scratch panel_rows;
+thread_local AlignedScratch panel_rows;
 
 // `dequantise(r, out)`: weight row r of the task in floats, written at `out` (K of them) or
 // where it already is; the pointer to them.
 template <class RowFn>
 void OuterRows(RowFn&& dequantise, int64_t rows, const Acts& a, float* y, int64_t ldy) {
   const int64_t k = a.k, panels = (rows + 15) / 16;
-  float* const panel0 = packed.Get(static_cast<size_t>(panels * k * 16));  // (panels, K, 16)
-  float* const scratch = panel_rows.Get(static_cast<size_t>(17 * k));      // (17, K)
+  float* const panel0 = packed.As<float>(static_cast<size_t>(panels * k * 16));  // (panels, K, 16)
+  float* const scratch = panel_rows.As<float>(static_cast<size_t>(17 * k));      // (17, K)
   std::fill(scratch + 16 * k, scratch + 17 * k, 0.0f);
   for (int64_t c = 0; c < panels; ++c) {
     const float* src[16];
@@ -690,7 +666,7 @@ void TileRows(ggml_type type, Level level, const uint8_t* w, size_t row_bytes, i
 #endif
   // Each row dequantised once, then read from cache by every activation row.
   // (rows, K), rows whole lines apart where K allows
-  float* const buffer = type == GGML_TYPE_F32 ? nullptr : tile.Get(static_cast<size_t>(rows * k));
+  float* const buffer = type == GGML_TYPE_F32 ? nullptr : tile.As<float>(static_cast<size_t>(rows * k));
   const float* dense = type == GGML_TYPE_F32 ? reinterpret_cast<const float*>(w + r0 * row_bytes)
                                              : buffer;
   if (type != GGML_TYPE_F32) {
