@@ -28,7 +28,10 @@ import logging
 import os
 import platform
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,10 @@ ENV_VAR = "ATTNSERVE_GGUF_OPS"
 DOMAIN = "attnserve.gguf"
 MATMUL_OP = "GgufMatMul"
 GATHER_OP = "GgufGather"
+# GgufMatMul's ``layout`` attribute: W as the file's rows, or as ggml's CPU repack lays
+# Q4_0 / IQ4_NL out (8 rows interleaved, the same bytes; service/ops/gguf_repacked.h)
+ROWS_LAYOUT = "rows"
+REPACKED_LAYOUT = "repacked_8x8"
 
 
 class _SessionOptions(Protocol):
@@ -116,6 +123,32 @@ def library_path(cache: Path | None = None) -> Path | None:
         return None if built is None else _usable(built)
     current = cache / build.CURRENT_LINK / build.LIBRARY_NAME
     return _usable(current) if current.is_file() else None
+
+
+def repack(ggml_type: int, k: int, rows: np.ndarray,
+           library: Path | None = None) -> tuple[np.ndarray | None, str]:
+    """``rows`` ((N, row_bytes) uint8, as the file stores them) in :data:`REPACKED_LAYOUT`,
+    by ggml's own repack in the op library (``library``, default :func:`library_path`),
+    checked by unpacking it back: (the new bytes, ""), or (None, why not: a type without the
+    layout, N not a multiple of 8, this CPU's ggml keeping the rows, no library)."""
+    import ctypes
+
+    import numpy as np
+
+    path = library_path() if library is None else library
+    if path is None:
+        return None, "the GGUF op library is not built"
+    rows = np.ascontiguousarray(rows, dtype=np.uint8)
+    out = np.empty_like(rows)
+    error = ctypes.create_string_buffer(512)
+    function = ctypes.CDLL(str(path)).attnserve_gguf_repack
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+    if function(ggml_type, k, rows.shape[0], rows.ctypes.data, out.ctypes.data, error,
+                len(error)):
+        return None, error.value.decode("utf-8", "replace")
+    return out, ""
 
 
 def register(options: _SessionOptions, cache: Path | None = None) -> bool:

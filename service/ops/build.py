@@ -62,6 +62,7 @@ CURRENT_LINK = "current"
 INFO_FILE = "build-info.json"
 SOURCES = ("gguf_ops.h", "gguf_ops.cc", "gguf_matmul.cc", "gguf_gather.cc", "gguf_batched.h",
            "gguf_batched.cc", "gguf_batched_kernels.inc", "gguf_float.h", "gguf_float.cc",
+           "gguf_repacked.h", "gguf_repacked.cc",
            "CMakeLists.txt")
 
 # Equal to benchmarks/llamacpp_env.py's pin (a test checks): the kernels the benchmark's
@@ -83,9 +84,10 @@ CMAKE_ARGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
     "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
     f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
-    # ONNX Runtime's pool runs the op; llamafile's sgemm and the repacked layouts serve
-    # ggml's own mul_mat, which the op does not call.
-    "-DGGML_OPENMP=OFF", "-DGGML_LLAMAFILE=OFF", "-DGGML_CPU_REPACK=OFF",
+    # ONNX Runtime's pool runs the op; llamafile's sgemm serves ggml's own mul_mat, which
+    # the op does not call. The repack buffer type is how the export lays Q4_0 / IQ4_NL
+    # out for ggml's gemv and gemm (gguf_repacked.h).
+    "-DGGML_OPENMP=OFF", "-DGGML_LLAMAFILE=OFF", "-DGGML_CPU_REPACK=ON",
     "-DGGML_BACKEND_DL=OFF", "-DGGML_CCACHE=OFF", "-DGGML_BUILD_TESTS=OFF",
     "-DGGML_BUILD_EXAMPLES=OFF",
 )

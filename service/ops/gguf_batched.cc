@@ -106,8 +106,8 @@ void PrepareRow(Kind kind, const uint8_t* xq, const Acts& a, int64_t i, int8_t* 
   PrepareRowImpl(kind, xq, a, i, scratch);
 }
 void DotRows(Kind kind, const uint8_t* w, size_t row_bytes, int64_t r0, int64_t r1,
-             const Acts& a, float* y, int64_t ldy, Unpacked& scratch) {
-  DotRowsImpl(kind, w, row_bytes, r0, r1, a, y, ldy, scratch);
+             const Acts& a, float* y, int64_t ldy, Unpacked& scratch, bool repacked) {
+  DotRowsImpl(kind, w, row_bytes, r0, r1, a, y, ldy, scratch, repacked);
 }
 }  // namespace avx2
 #if defined(__clang__)
@@ -136,8 +136,8 @@ void PrepareRow(Kind kind, const uint8_t* xq, const Acts& a, int64_t i, int8_t* 
   PrepareRowImpl(kind, xq, a, i, scratch);
 }
 void DotRows(Kind kind, const uint8_t* w, size_t row_bytes, int64_t r0, int64_t r1,
-             const Acts& a, float* y, int64_t ldy, Unpacked& scratch) {
-  DotRowsImpl(kind, w, row_bytes, r0, r1, a, y, ldy, scratch);
+             const Acts& a, float* y, int64_t ldy, Unpacked& scratch, bool repacked) {
+  DotRowsImpl(kind, w, row_bytes, r0, r1, a, y, ldy, scratch, repacked);
 }
 }  // namespace vnni
 #if defined(__clang__)
@@ -231,9 +231,9 @@ void PrepareRow(Isa isa, ggml_type type, const uint8_t* xq_row, const Acts& acts
 }
 
 void DotRows(Isa isa, ggml_type type, const uint8_t* w, size_t row_bytes, int64_t r0,
-             int64_t r1, const Acts& acts, float* y, int64_t ldy) {
+             int64_t r1, const Acts& acts, float* y, int64_t ldy, bool repacked) {
   Kind kind;
-  if (!KindOf(type, &kind)) std::abort();
+  if (!KindOf(type, &kind) || (repacked && (kind != Kind::kQ4_0 || r0 % 8 != 0))) std::abort();
 #if defined(ATTNSERVE_GGUF_X86)
   thread_local AlignedScratch scratch;
   const size_t rows = static_cast<size_t>(r1 - r0), kp = static_cast<size_t>(acts.kp);
@@ -245,12 +245,13 @@ void DotRows(Isa isa, ggml_type type, const uint8_t* w, size_t row_bytes, int64_
   unpacked.ws = reinterpret_cast<float*>(base + u_bytes);
   unpacked.mw = reinterpret_cast<float*>(base + u_bytes + s_bytes);
   if (isa == Isa::kVnni) {
-    vnni::DotRows(kind, w, row_bytes, r0, r1, acts, y, ldy, unpacked);
+    vnni::DotRows(kind, w, row_bytes, r0, r1, acts, y, ldy, unpacked, repacked);
   } else {
-    avx2::DotRows(kind, w, row_bytes, r0, r1, acts, y, ldy, unpacked);
+    avx2::DotRows(kind, w, row_bytes, r0, r1, acts, y, ldy, unpacked, repacked);
   }
 #else
   (void)isa, (void)w, (void)row_bytes, (void)r0, (void)r1, (void)acts, (void)y, (void)ldy;
+  (void)repacked;
   std::abort();  // DetectIsa() is kNone here: never called
 #endif
 }

@@ -56,9 +56,10 @@ Acts ActsIn(ggml_type type, void* buffer, int64_t m, int64_t k);
 // Row `i` of the kernel's X from row i of ggml's quantised X (`xq_row`, act_type layout).
 void PrepareRow(Isa isa, ggml_type type, const uint8_t* xq_row, const Acts& acts, int64_t i);
 
-// Y[:, r0:r1] for weight rows [r0, r1) of W (row_bytes apart): y is (M, ldy).
+// Y[:, r0:r1] for weight rows [r0, r1) of W (row_bytes apart): y is (M, ldy). `repacked`:
+// W is Q4_0 in ggml's repack layout (gguf_repacked.h), r0 and r1 whole groups of 8 rows.
 void DotRows(Isa isa, ggml_type type, const uint8_t* w, size_t row_bytes, int64_t r0,
-             int64_t r1, const Acts& acts, float* y, int64_t ldy);
+             int64_t r1, const Acts& acts, float* y, int64_t ldy, bool repacked = false);
 
 }  // namespace batched
 }  // namespace attnserve_gguf

@@ -48,6 +48,7 @@
 #include "gguf_batched.h"
 #include "gguf_float.h"
 #include "gguf_ops.h"
+#include "gguf_repacked.h"
 
 namespace attnserve_gguf {
 namespace {
@@ -62,8 +63,16 @@ constexpr int64_t kYLine = 64 / sizeof(float);
 constexpr int64_t kMaxBlockRows = 64;
 // Fewer activation rows than this are quantised inline: a pool dispatch costs more.
 constexpr int64_t kParallelQuantiseRows = 4;
-// Weight rows a task of the batched path unpacks and computes (whole 64-byte lines of Y).
+// Weight rows a task of the batched path unpacks and computes (whole 64-byte lines of Y,
+// whole groups of a repacked W).
 constexpr int64_t kBatchedRows = 16;
+// A repacked W goes to ggml where one call of its kernels reads W once: its gemv at one
+// activation row, its gemm at four (it takes rows 4 at a time and each row left over by
+// another gemv, another pass over W). Every other M goes to our batched kernels, reading
+// the layout in place. Q4_0 at 4096 x 4096, one thread, CPU ms (docs/kernels.md): 0.60
+// against 1.11 over the rows at M = 1, 0.98 against 1.32 at 4; gemm + 2 gemv 2.28 against
+// ours 1.66 at 6.
+bool GgmlTakesRepacked(int64_t m) { return m == 1 || m == 4; }
 
 // The ggml-cpu functions for one weight type, or null where ggml cannot compute it.
 struct CpuKernels {
@@ -109,7 +118,32 @@ struct WeightFormat {
   ggml_vec_dot_t vec_dot;
   ggml_from_float_t act_from_float;
   bool float_activations = false;  // X kept in float32, W dequantised (gguf_float.h)
+  bool repacked = false;           // W in ggml's repack layout (gguf_repacked.h)
 };
+
+// The node's "layout" attribute: false for "rows" (or none: the file's rows), true for
+// "repacked_8x8" (ggml's CPU repack layout, gguf_repacked.h), for the types it covers.
+bool Repacked(const Ort::ConstKernelInfo& info, const std::string& node, int64_t type_id) {
+  std::string value;
+  try {
+    value = info.GetAttribute<std::string>("layout");
+  } catch (const Ort::Exception&) {
+    return false;
+  }
+  if (value == "rows") return false;
+  if (value != repacked::kLayout) {
+    throw OpError(ORT_INVALID_ARGUMENT, Where(kOpName, node) + "attribute layout='" + value +
+                                            "' is neither 'rows' nor '" + repacked::kLayout +
+                                            "'");
+  }
+  const bool known = type_id >= 0 && type_id < GGML_TYPE_COUNT;
+  if (!known || !repacked::Covers(static_cast<ggml_type>(type_id))) {
+    throw OpError(ORT_INVALID_ARGUMENT, Where(kOpName, node) + "layout='" + repacked::kLayout +
+                                            "' holds q4_0 or iq4_nl, not ggml_type " +
+                                            TypeName(type_id));
+  }
+  return true;
+}
 
 // The node's "activations" attribute: false for "int8" (or none), true for "float".
 bool FloatActivations(const Ort::ConstKernelInfo& info, const std::string& node) {
@@ -246,7 +280,50 @@ void FloatBlock(void* data, size_t block) {
   const WeightFormat& f = *job.format;
   const int64_t r0 = static_cast<int64_t>(block) * job.rows;
   const int64_t r1 = std::min(job.n, r0 + job.rows);
-  floatpath::DotRows(f.type, job.level, job.w, f.row_bytes, r0, r1, *job.acts, job.y, job.n);
+  if (!f.repacked) {
+    floatpath::DotRows(f.type, job.level, job.w, f.row_bytes, r0, r1, *job.acts, job.y, job.n);
+    return;
+  }
+  // The task's groups of 8 rows back in the file's layout first (a multiple of 8 rows:
+  // TaskRows is a multiple of 16, N of 8), then the same products over them.
+  thread_local AlignedScratch scratch;
+  uint8_t* rows = scratch.Get(static_cast<size_t>(r1 - r0) * f.row_bytes);
+  for (int64_t g = r0; g < r1; g += repacked::kGroupRows) {
+    repacked::Unpack(f.type, f.k, job.w + g * f.row_bytes, rows + (g - r0) * f.row_bytes);
+  }
+  floatpath::DotRows(f.type, job.level, rows, f.row_bytes, 0, r1 - r0, *job.acts, job.y + r0,
+                     job.n);
+}
+
+// One ParallelFor task over a repacked W: a run of whole groups of 8 rows against every
+// activation row, by ggml's gemm (four rows of X at a time) and gemv (the rest).
+struct RepackedJob {
+  const WeightFormat* format;
+  repacked::Kernels kernels;
+  const uint8_t* w;   // (N, row_bytes), groups of 8 rows interleaved
+  const uint8_t* xq;  // (M, act_row_bytes): the first m4 rows 4 at a time interleaved
+  float* y;           // (M, N)
+  int64_t m;
+  int64_t m4;  // rows of X the gemm takes (a multiple of 4)
+  int64_t n;
+  int64_t block_rows;
+};
+
+void RepackedBlock(void* data, size_t block) {
+  const auto& job = *static_cast<const RepackedJob*>(data);
+  const WeightFormat& f = *job.format;
+  const int k = static_cast<int>(f.k);
+  const int64_t r0 = static_cast<int64_t>(block) * job.block_rows;
+  const int cols = static_cast<int>(std::min(job.n, r0 + job.block_rows) - r0);
+  const uint8_t* w = job.w + r0 * f.row_bytes;  // a group's rows take their own bytes' room
+  if (job.m4 > 0) {
+    job.kernels.gemm(k, job.y + r0, static_cast<size_t>(job.n), w, job.xq,
+                     static_cast<int>(job.m4), cols);
+  }
+  for (int64_t i = job.m4; i < job.m; ++i) {
+    job.kernels.gemv(k, job.y + i * job.n + r0, static_cast<size_t>(job.n), w,
+                     job.xq + i * f.act_row_bytes, 1, cols);
+  }
 }
 
 // One ParallelFor task of the batched path: kBatchedRows weight rows, unpacked once, against
@@ -254,7 +331,7 @@ void FloatBlock(void* data, size_t block) {
 struct BatchedJob {
   const WeightFormat* format;
   batched::Isa isa;
-  const uint8_t* w;  // (N, row_bytes)
+  const uint8_t* w;  // (N, row_bytes); repacked: groups of 8 rows interleaved
   const batched::Acts* acts;
   float* y;  // (M, N)
   int64_t n;
@@ -262,10 +339,11 @@ struct BatchedJob {
 
 void BatchedBlock(void* data, size_t block) {
   const auto& job = *static_cast<const BatchedJob*>(data);
+  const WeightFormat& f = *job.format;
   const int64_t r0 = static_cast<int64_t>(block) * kBatchedRows;
   const int64_t r1 = std::min(job.n, r0 + kBatchedRows);
-  batched::DotRows(job.isa, job.format->type, job.w, job.format->row_bytes, r0, r1, *job.acts,
-                   job.y, job.n);
+  batched::DotRows(job.isa, f.type, job.w, f.row_bytes, r0, r1, *job.acts, job.y, job.n,
+                   f.repacked);
 }
 
 // Which path a node takes: ATTNSERVE_GGUF_MATMUL_PATH = auto (default: the batched kernels
@@ -342,6 +420,9 @@ struct GgufMatMulKernel {
     return Guarded(Ort::GetApi(), kOpName, [&] { Compute(raw); });
   }
 
+  void ComputeRepacked(Ort::KernelContext& ctx, const float* x, int64_t m, const uint8_t* w,
+                       int64_t n, float* y) const;
+
   void Compute(OrtKernelContext* raw) const {
     Ort::KernelContext ctx(raw);
     const std::string where = Where(kOpName, node);
@@ -364,6 +445,11 @@ struct GgufMatMulKernel {
                         " bytes, so W must be [N, " + std::to_string(f.row_bytes) + "]");
     }
     const int64_t n = w_shape[0];
+    if (f.repacked && n % repacked::kGroupRows != 0) {
+      throw OpError(ORT_INVALID_ARGUMENT, where + "W has " + std::to_string(n) +
+                                              " rows; layout='" + repacked::kLayout +
+                                              "' holds groups of 8");
+    }
     int64_t m = 1;
     for (size_t i = 0; i + 1 < x_shape.size(); ++i) m *= x_shape[i];
     std::vector<int64_t> y_shape(x_shape);
@@ -389,6 +475,11 @@ struct GgufMatMulKernel {
     }
     // X in the vec_dot_type, once per call; F32 weights dot float rows as they are.
     const bool use_batched = path.isa != batched::Isa::kNone && m >= path.min_batch;
+    // A repacked W: ggml's gemv / gemm where they are faster, else ours.
+    if (f.repacked && (!use_batched || GgmlTakesRepacked(m))) {
+      ComputeRepacked(ctx, x_data, m, w_data, n, y_data);
+      return;
+    }
     std::unique_ptr<uint8_t, FreeDeleter> quantised, batched_buffer;
     batched::Acts acts;
     const uint8_t* xq = reinterpret_cast<const uint8_t*>(x_data);
@@ -429,6 +520,27 @@ struct GgufMatMulKernel {
   }
 };
 
+void GgufMatMulKernel::ComputeRepacked(Ort::KernelContext& ctx, const float* x, int64_t m,
+                                       const uint8_t* w, int64_t n, float* y) const {
+  const WeightFormat& f = format;
+  const repacked::Kernels kernels = repacked::KernelsFor(f.type);
+  // X once per call: rows 4 at a time interleaved for the gemm (as ggml's mul_mat on this
+  // layout quantises them), the last M % 4 plainly for the gemv.
+  const int64_t m4 = m >= 4 ? m - m % 4 : 0;
+  const size_t bytes = static_cast<size_t>(m) * f.act_row_bytes;  // (M, act_row_bytes)
+  std::unique_ptr<uint8_t, FreeDeleter> quantised(
+      static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
+  if (!quantised) throw OpError(ORT_FAIL, Where(kOpName, node) + "out of memory for X");
+  uint8_t* xq = quantised.get();
+  for (int64_t i = 0; i < m4; i += 4) kernels.quantize_mat4(x + i * f.k, xq + i * f.act_row_bytes, f.k);
+  for (int64_t i = m4; i < m; ++i) kernels.from_float(x + i * f.k, xq + i * f.act_row_bytes, f.k);
+  // Tasks of whole groups and whole 64-byte lines of Y, about kBlockBytes of W each.
+  const int64_t fit = static_cast<int64_t>(kBlockBytes / f.row_bytes) / kYLine * kYLine;
+  const int64_t block_rows = std::clamp<int64_t>(fit, kYLine, kMaxBlockRows);
+  RepackedJob job{&f, kernels, w, xq, y, m, m4, n, block_rows};
+  ctx.ParallelFor(RepackedBlock, static_cast<size_t>((n + block_rows - 1) / block_rows), 0, &job);
+}
+
 struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, /*WithStatus=*/true> {
   const char* GetName() const { return kOpName; }
   size_t GetInputTypeCount() const { return 2; }
@@ -449,12 +561,19 @@ struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, /*WithSt
           IntAttribute(kinfo, kOpName, node, "ggml_type", "the GGUF tensor type id");
       const int64_t k =
           IntAttribute(kinfo, kOpName, node, "k", "the number of weights in a row");
+      const bool repacked = Repacked(kinfo, node, type_id);
       if (FloatActivations(kinfo, node)) {
-        *kernel = new GgufMatMulKernel{node, ResolveFloatFormat(node, type_id, k),
-                                       ChooseFloatPath(node)};
+        WeightFormat format = ResolveFloatFormat(node, type_id, k);
+        format.repacked = repacked;
+        *kernel = new GgufMatMulKernel{node, format, ChooseFloatPath(node)};
         return;
       }
-      const WeightFormat format = ResolveFormat(node, type_id, k);
+      WeightFormat format = ResolveFormat(node, type_id, k);
+      if (repacked) {  // ggml's gemv / gemm, X as Q8_0 as they take it
+        format.repacked = true;
+        format.act_type = repacked::KernelsFor(format.type).act_type;
+        format.act_row_bytes = ggml_row_size(format.act_type, k);
+      }
       *kernel = new GgufMatMulKernel{node, format, ChoosePath(node, format.type)};
     });
   }
