@@ -83,14 +83,14 @@ def register(subparsers: Any) -> None:
                         "model's answers, slower from a few rows (ggml: GgufMatMul keeps X "
                         "in float32; nbits: MatMulNBits level 0, 8-bit blocks as two 4-bit "
                         "products; docs/export.md)")
-    p.add_argument("--kernel", choices=["nbits", "ggml", "auto"], default="nbits",
+    p.add_argument("--kernel", choices=["nbits", "ggml", "auto"], default="auto",
                    help="with --quantize gguf: whose kernels compute the kept blocks. nbits: "
                         "ONNX Runtime's MatMulNBits (the blocks repacked with float32 "
                         "scales, Q5/Q6 pieces as 8-bit codes: about 1.4x the file); ggml: "
                         "the file's bytes as stored, computed by ggml's kernels inside ONNX "
                         "Runtime (the GgufMatMul op library, `make gguf-ops`; the weights "
-                        "the file's size); auto: ggml where the op library is built, else "
-                        "nbits (docs/kernels.md)")
+                        "the file's size); auto (the default): ggml where the op library "
+                        "is built, else nbits, said in one line (docs/kernels.md)")
     p.set_defaults(handler=run)
 
     from export.eval_cli import register as register_eval

@@ -70,6 +70,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     against PyTorch are MatMulNBits' either way, so a ggml graph is judged against them."""
     from export.adapter_check import write_served_adapter_graphs
     from export.engine_graph import EngineDecoder, build_engine_graph
+    from export.gguf_blocks import repacks
     from export.gguf_source import GGUFFile, open_source
     from export.graphs import build_attention, build_decoder
     from export.memory import release
@@ -112,17 +113,20 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     # file, which the import record points at)
     source: GGUFFile | None = open_source(training, ckpt.held.reader)
 
-    def blocks(jobs: dict[str, tuple[Path, int, bool, str]]) -> dict[str, dict[str, Any]]:
-        """Each graph ``name`` → (its rewrite, accuracy level, 8-bit blocks as halves, kernel),
-        rewritten on ``threads`` threads: a rewrite is numpy over one product's blocks at a
-        time, mostly outside the GIL, and on one thread left the other cores idle."""
+    def blocks(jobs: dict[str, tuple[Path, int, bool, str, bool]]
+               ) -> dict[str, dict[str, Any]]:
+        """Each graph ``name`` → (its rewrite, accuracy level, 8-bit blocks as halves, kernel,
+        repacked), rewritten on ``threads`` threads: a rewrite is numpy over one product's
+        blocks at a time, mostly outside the GIL, and on one thread left the other cores
+        idle."""
         assert source is not None, "the file was closed"
 
-        def rewrite(name: str, dst: Path, at: int, halves: bool, by: str) -> dict[str, Any]:
+        def rewrite(name: str, dst: Path, at: int, halves: bool, by: str,
+                    repacked: bool) -> dict[str, Any]:
             figures = quantize_weights(built[name], dst, "gguf", training, level=at,
                                        halves=halves, source=source,
                                        flat=name in (ENGINE_FILE, ENGINE_MIXED_FILE),
-                                       kernel=by)
+                                       kernel=by, repack=repacked)
             release()  # the rewrite's buffers, before the next
             return figures
 
@@ -137,10 +141,11 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     # the float-activation graphs: what the checks verify (and, at level 0, what is served)
     # (with ggml's kernels a float-activation graph is GgufMatMul over the file's bytes as
     # stored: the same bytes whatever the activations, nothing split in halves)
+    repack = repacks(kernel, level)  # the served graphs' and attention.onnx's bytes
     checked_by = kernel if level == 0 else "nbits"
     rewritten = blocks({io.ATTENTION_FILE: (tmp / io.ATTENTION_FILE, ATTENTION_ACCURACY_LEVEL,
-                                            level == 0 and kernel == "nbits", kernel),
-                        **{name: (check[name], 0, checked_by == "nbits", checked_by)
+                                            level == 0 and kernel == "nbits", kernel, repack),
+                        **{name: (check[name], 0, checked_by == "nbits", checked_by, False)
                            for name in graphs if verify or level == 0}})
     attention = rewritten.pop(io.ATTENTION_FILE)
     build_seconds = time.perf_counter() - started
@@ -161,7 +166,8 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         for name in graphs:
             if name != judged or not verify:
                 _remove(check[name], SIDE_DATA)
-        rewritten.update(blocks({name: (tmp / name, level, False, kernel) for name in graphs}))
+        rewritten.update(blocks({name: (tmp / name, level, False, kernel, repack)
+                                 for name in graphs}))
     # every block read: the file's memory map goes before the sessions that judge them
     source = None
     ckpt.held.close()

@@ -130,6 +130,15 @@ def stored_rows(tensor: gguf.ReaderTensor) -> np.ndarray:
     return np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
 
 
+def repacks(kernel: str, served_level: int) -> bool:
+    """Whether an artifact's products (its served graphs and attention.onnx, which read the
+    same bytes) are written in ggml's repack layout where it has one: under ggml's kernels
+    served at int8 activations, as llama.cpp lays Q4_0 / IQ4_NL out at load (its gemv reads
+    8 rows in one stream; docs/kernels.md). At float activations the rows stay as stored,
+    for the float path's own decoders."""
+    return kernel == "ggml" and served_level != 0
+
+
 def kernel_format(kind: gguf.GGMLQuantizationType, kernel: str) -> tuple[int, ...]:
     """What rows must share to be one call of ``kernel``'s product (see :attr:`Piece.format`)."""
     return DIRECT[kind] if kernel == "nbits" else (int(kind),)
@@ -264,15 +273,18 @@ class BlockWriter:
     ``flat``: the graph's activations are (tokens, features) matrices, so a remainder and
     its Add can be one Gemm (whose inputs must be matrices). ``side``: the new initializers
     go there as they are made (else they are held in memory). ``kernel``: see
-    :data:`KERNELS` (``ggml``: :meth:`stored_product` and :meth:`stored_gather`)."""
+    :data:`KERNELS` (``ggml``: :meth:`stored_product` and :meth:`stored_gather`);
+    ``repack``: products in ggml's repack layout where it has one (not the file's tensors
+    in ``gathered``, whose rows a gather reads)."""
 
     def __init__(self, mode: str, level: int, flat: bool = False,
                  halves: bool | None = None, side: SideFile | None = None,
-                 kernel: str = "nbits") -> None:
+                 kernel: str = "nbits", repack: bool = False) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; choose one of {list(KERNELS)}")
         self.mode, self.level, self.flat, self.side = mode, level, flat, side
-        self.kernel = kernel
+        self.kernel, self.repack = kernel, repack
+        self.gathered: set[str] = set()
         # 8-bit blocks as two 4-bit products (:meth:`_byte_halves`): by default where the
         # activations are float; attention.onnx of an int8-activation artifact runs at
         # float ones on the 8-bit codes the engine graphs hold (stored once, run rarely)
@@ -489,17 +501,27 @@ class BlockWriter:
         self.node("Reshape", [value, shape], out, name)  # ids.shape + (K,)
 
     def stored_product(self, x: str, outs: list[str], pieces: list[Piece], w: str,
-                       name: str) -> None:
+                       name: str, gathered: bool = False) -> None:
         """outs[i] = x · W_iᵀ over the file's bytes of ``pieces`` (one GGUF type): one
         GgufMatMul over their rows joined, then a Split where there are several. At float
         activations (level 0) the op keeps x in float32 and dequantises the rows as ggml
-        does (``activations="float"``): the float32 model's arithmetic over the same bytes."""
+        does (``activations="float"``): the float32 model's arithmetic over the same bytes.
+        With :attr:`repack`, the same bytes re-laid out once by ggml's own repack where it
+        has a layout for the type on this CPU (Q4_0, IQ4_NL with AVX2: llama.cpp's load-time
+        repack, done here once; service/ops/gguf_repacked.h), unless a gather reads these
+        rows too (``gathered``: a tied embedding, kept as stored so it stays one tensor)."""
         rows = (pieces[0].stored if len(pieces) == 1
                 else np.concatenate([p.stored for p in pieces]))  # (N, row_bytes)
+        kind, k = int(pieces[0].ggml_type), pieces[0].k
+        layout = ops.ROWS_LAYOUT
+        if self.repack and not gathered:
+            repacked, _ = ops.repack(kind, k, rows)  # None: no layout here, rows kept
+            if repacked is not None:
+                rows, layout = repacked, ops.REPACKED_LAYOUT
         weight = self.const(f"{w}.gguf_rows", rows)
         whole = outs[0] if len(pieces) == 1 else f"{name}.gguf_joined"
-        self.node(ops.MATMUL_OP, [x, weight], whole, name, ggml_type=int(pieces[0].ggml_type),
-                  k=pieces[0].k, activations="float" if self.level == 0 else "int8")
+        self.node(ops.MATMUL_OP, [x, weight], whole, name, ggml_type=kind, k=k,
+                  activations="float" if self.level == 0 else "int8", layout=layout)
         if len(pieces) > 1:
             sizes = np.array([p.rows for p in pieces], np.int64)
             self.node("Split", [whole, self.const(f"{w}.gguf_split", sizes)], outs,
@@ -575,10 +597,12 @@ def dequantises_to(pieces: list[Piece], weight: np.ndarray, transposed: bool) ->
 def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
                   level: int = ACCURACY_LEVEL, flat: bool = False,
                   base: Path | None = None, halves: bool | None = None,
-                  side: SideFile | None = None, kernel: str = "nbits") -> dict[str, Any]:
+                  side: SideFile | None = None, kernel: str = "nbits",
+                  repack: bool = False) -> dict[str, Any]:
     """Replace, in place, every weight product whose tensors are of ``DIRECT`` types in
     ``src`` by MatMulNBits over the file's blocks (``kernel="ggml"``: GgufMatMul over the
-    file's bytes); return the figures (``fallback``: the
+    file's bytes; ``repack``: in ggml's repack layout where it has one, see
+    :meth:`BlockWriter.stored_product`); return the figures (``fallback``: the
     nodes left for our quantiser, with the bits it should use). ``model`` holds its
     weights, or with ``base`` leaves them in that directory (external data), each read
     when its blocks are checked; ``flat``: its activations are (tokens, features) matrices,
@@ -591,6 +615,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
     fallback: dict[str, dict[str, Any]] = {}
     pieces_of: dict[str, tuple[str, list[Piece]]] = {}  # node → (weight, its pieces)
     gathers: list[str] = []  # embeddings read from the blocks (the rest stay float32)
+    gathered: set[str] = set()  # the file's tensors they read
     for node in graph.node:
         found = _weight_of(node, inits, src)
         if found is None:
@@ -616,13 +641,15 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
         pieces_of[node.name] = (name, pieces)
         if node.op_type == "Gather":
             gathers.append(name)
+            gathered.update(p.tensor for p in parts)
         else:
             kept.update(types)
     readers: dict[str, list[onnx.NodeProto]] = {}  # input → the products reading it
     for node in graph.node:
         if node.name in pieces_of and node.op_type != "Gather":
             readers.setdefault(node.input[0], []).append(node)
-    writer = BlockWriter(mode, level, flat, halves, side, kernel)
+    writer = BlockWriter(mode, level, flat, halves, side, kernel, repack)
+    writer.gathered = gathered
     joined = split = 0
     embeddings: list[tuple[int, onnx.NodeProto]] = []  # (where in writer.nodes, Gather)
     for node in graph.node:
@@ -667,6 +694,9 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
                 "kept_tensors": dict(kept),
                 "kept_matmuls": sum(n.op_type == ops.MATMUL_OP for n in stored),
                 "activations": "float" if level == 0 else "int8",
+                "repacked_matmuls": sum(
+                    any(a.name == "layout" and a.s == ops.REPACKED_LAYOUT.encode()
+                        for a in n.attribute) for n in stored),
                 "joined_products": joined, "split_products": split, "kept_gathers": gathers,
                 "fallback": fallback}
     return {"method": "GGUF blocks as MatMulNBits (export/gguf_blocks.py)", "kernel": kernel,
@@ -694,7 +724,9 @@ def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],
         nodes = "+".join(p.label(n.name) for n, p in members)
         outs = [p.label(n.output[0]) for n, p in members]
         if writer.kernel == "ggml":
-            writer.stored_product(x, outs, [p for _, p in members], weights, nodes)
+            gathered = any(part.tensor in writer.gathered
+                           for _, piece in members for part, _ in piece.parts)
+            writer.stored_product(x, outs, [p for _, p in members], weights, nodes, gathered)
             joined += len(members) if len(members) > 1 else 0
         elif len(members) == 1:
             writer.matmul(x, outs[0], members[0][1].blocks, weights, nodes)
@@ -714,7 +746,8 @@ def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],
 def rewrite_file(path: Path, src: GGUFFile, mode: str = Q4_1_MODE,
                  level: int = ACCURACY_LEVEL, flat: bool = False, external: bool = False,
                  halves: bool | None = None, side: SideFile | None = None,
-                 kernel: str = "nbits") -> tuple[onnx.ModelProto, dict[str, Any]]:
+                 kernel: str = "nbits", repack: bool = False
+                 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """``path`` rewritten by :func:`rewrite_graph`: its external weights loaded, or with
     ``external`` left where they are (the model's tensors still point at them; each weight
     is read when it is checked), so that the float32 graph is never held whole; the new
@@ -722,4 +755,4 @@ def rewrite_file(path: Path, src: GGUFFile, mode: str = Q4_1_MODE,
     model = onnx.load(str(path), load_external_data=not external)
     return model, rewrite_graph(model, src, mode, level, flat, halves=halves,
                                 base=path.parent if external else None, side=side,
-                                kernel=kernel)
+                                kernel=kernel, repack=repack)

@@ -218,7 +218,7 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
                      training: dict[str, Any] | None = None,
                      flat: bool = False, level: int = ACCURACY_LEVEL,
                      halves: bool | None = None, source: GGUFFile | None = None,
-                     kernel: str = "nbits") -> dict[str, Any]:
+                     kernel: str = "nbits", repack: bool = False) -> dict[str, Any]:
     """Write ``src`` with its MatMul weights quantised by ``method`` to ``dst``.
 
     ``training`` is the checkpoint's training record: ``gguf`` finds its source file there.
@@ -228,14 +228,15 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
     two 4-bit products (default: at level 0; export/gguf_blocks.py); ``source``: gguf's
     file already opened and checked (export/gguf_source.py ``open_source``), for an export
     that rewrites several graphs; ``kernel``: gguf's kept blocks as MatMulNBits (``nbits``)
-    or as the file's bytes under GgufMatMul (``ggml``; export/gguf_blocks.py).
+    or as the file's bytes under GgufMatMul (``ggml``; export/gguf_blocks.py), with
+    ``repack`` in ggml's repack layout where it has one.
     """
     if method not in METHODS:
         raise ValueError(f"unsupported quantization {method!r}; choose one of {list(METHODS)}")
     with quiet_ort_logs():
         if method == "gguf":
             figures = _gguf_blocks(src, dst, source or open_source(training or {}), flat,
-                                   level, halves, kernel)
+                                   level, halves, kernel, repack)
         elif method in NBITS:
             figures = _matmul_nbits(src, dst, *NBITS[method], level)
         else:
@@ -290,7 +291,8 @@ def _nbits_quantizer(model: Any, bits: int, symmetric: bool,
 
 
 def _gguf_blocks(src: Path, dst: Path, source: GGUFFile,
-                 flat: bool, level: int, halves: bool | None, kernel: str) -> dict[str, Any]:
+                 flat: bool, level: int, halves: bool | None, kernel: str,
+                 repack: bool = False) -> dict[str, Any]:
     """The source GGUF file's blocks where they map onto MatMulNBits; our int4/int8 for
     the weights of other types (``fallback``, by node)."""
     import onnx
@@ -303,7 +305,8 @@ def _gguf_blocks(src: Path, dst: Path, source: GGUFFile,
     side = SideFile(_side_data(dst)) if src.parent.resolve() == dst.parent.resolve() else None
     try:
         model, figures = rewrite_file(src, source, flat=flat, external=True,
-                                      level=level, halves=halves, side=side, kernel=kernel)
+                                      level=level, halves=halves, side=side, kernel=kernel,
+                                      repack=repack)
     finally:
         if side is not None:
             side.close()
@@ -376,8 +379,10 @@ def quantize_model(gpt: GPT, model_path: Path, fp32_path: Path, tokenizer: Any,
                   method: str = "int8", level: int = ACCURACY_LEVEL,
                   kernel: str = "nbits") -> dict[str, Any]:
     """Write the ``method`` version of ``fp32_path`` to ``model_path``; return the figures."""
+    from export.gguf_blocks import repacks
+
     figures = quantize_weights(fp32_path, model_path, method, training, level=level,
-                               kernel=kernel)
+                               kernel=kernel, repack=repacks(kernel, level))
     if measure:
         figures.update(int8_figures(gpt, fp32_path, model_path, tokenizer, training, method))
     return figures

@@ -150,10 +150,11 @@ def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
                      level: int, kernel: str) -> dict[str, Any]:
     """engine.onnx with quantised weights, judged against its float32 self."""
     from export.engine_graph import EngineDecoder
+    from export.gguf_blocks import repacks
     from export.quantize import compare_decoders, quantize_weights
 
     figures = quantize_weights(fp32_path, out, method, training, flat=True, level=level,
-                               kernel=kernel)
+                               kernel=kernel, repack=repacks(kernel, level))
     if measure:
         figures.update(compare_decoders(gpt, lambda: EngineDecoder(fp32_path, gpt),
                                         lambda: EngineDecoder(out, gpt), tok, training, method))
@@ -169,12 +170,13 @@ def _quantize_attention(gpt: Any, fp32_path: Path, out: Path, training: dict[str
     that fell back) have their distance reported. Its weights are stored as the served
     graphs' (8-bit blocks split in two only where those run at float activations), so
     weights.bin holds them once."""
+    from export.gguf_blocks import repacks
     from export.quantize import ATTENTION_ACCURACY_LEVEL, quantize_weights
     from export.verify import check_attention, check_prompts, verify_attention
 
     figures = quantize_weights(fp32_path, out, method, training,
                                level=ATTENTION_ACCURACY_LEVEL, halves=served_level == 0,
-                               kernel=kernel)
+                               kernel=kernel, repack=repacks(kernel, served_level))
     if reference is None:  # --no-verify
         return figures
     if method == "gguf" and not fallback:

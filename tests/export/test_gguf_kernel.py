@@ -34,14 +34,16 @@ from service.contract.reference import OrtDecoder
 from service.contract.sessions import GgufOpsMissing, create_session
 from tests.conftest import torch_threads
 from tests.export.test_gguf_blocks import CASES, FALLBACK_CASES, KEPT, gguf_reference, write_file
+from tests.service.ops.test_gguf_repacked import file_rows
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-# Q4_1 (the default model's type), the K-quant mixes of Q4_K_M files (Q4_K beside Q6_K rows
-# in one weight), a file with F16 tensors (their weights fall back to our int8), and GPT-2
-# (one attn_qkv tensor, biases, learned positions).
-KERNEL_CASES = ("q4_1", "kquants", "mixed", "gpt2")
+# Q4_1 (the default model's type), Q4_0 (ggml's repack layout: every product but the tied
+# head), the K-quant mixes of Q4_K_M files (Q4_K beside Q6_K rows in one weight), a file
+# with F16 tensors (their weights fall back to our int8), and GPT-2 (one attn_qkv tensor,
+# biases, learned positions).
+KERNEL_CASES = ("q4_1", "q4_0", "kquants", "mixed", "gpt2")
 OPS = (service.ops.MATMUL_OP, service.ops.GATHER_OP)
 
 
@@ -100,17 +102,29 @@ def stored(model: onnx.ModelProto, name: str) -> np.ndarray:
     return numpy_helper.to_array(tensor)
 
 
+def layout(node: onnx.NodeProto) -> str:
+    return next(a.s.decode() for a in node.attribute if a.name == "layout")
+
+
+def repacks_here() -> bool:
+    """Whether ggml lays Q4_0 out in its repack layout on this CPU (AVX2)."""
+    return service.ops.repack(2, 32, np.zeros((8, 18), np.uint8))[0] is not None
+
+
 @pytest.mark.parametrize("case", [c for c in KERNEL_CASES if c != "gpt2"])
 @pytest.mark.parametrize("graph", ["model.onnx", ENGINE_FILE, ENGINE_MIXED_FILE])
 def test_products_hold_the_files_rows_once(case: str, graph: str,
                                            exported: Callable[[str], Exported]) -> None:
     """Every GgufMatMul's W is the file's rows as stored, one GGUF type a node (gguf's
-    dequantiser on those bytes gives the file's weights, rows in transformers' order); every
-    projection and the head are covered, each row once; gate | up and Q | K | V rows of one
-    type are one node; nothing else is a weight product but our quantiser's fallback."""
+    dequantiser on those bytes gives the file's weights, rows in transformers' order), or
+    for Q4_0 those rows in ggml's repack layout (every Q4_0 product but a tied head, whose
+    rows the embedding reads as stored); every projection and the head are covered, each
+    row once; gate | up and Q | K | V rows of one type are one node; nothing else is a
+    weight product but our quantiser's fallback."""
     e = exported(case)
     family = CASES[case].family
     model = onnx.load(str(e.ggml / graph))  # weights.bin read in: the models are small
+    tied = "output.weight" not in {t.name for t in gguf.GGUFReader(e.gguf).tensors}
     covered: dict[tuple[str, int | None], list[tuple[int, int]]] = {}
     for node in model.graph.node:
         if node.op_type != service.ops.MATMUL_OP:
@@ -121,6 +135,11 @@ def test_products_hold_the_files_rows_once(case: str, graph: str,
         kind = gguf.GGMLQuantizationType(attribute(node, "ggml_type"))
         assert kind in KEPT
         weights = labels(node)
+        gathered = weights[0][0] == "lm_head.w" and tied
+        repacked = kind == gguf.GGMLQuantizationType.Q4_0 and not gathered and repacks_here()
+        assert layout(node) == (service.ops.REPACKED_LAYOUT if repacked else "rows"), node.name
+        if repacked:
+            rows_bytes = file_rows(rows_bytes, kind)
         refs = [gguf_reference(e.gguf, family, w, layer) for w, layer, _ in weights]
         assert all(kind in types for _, types in refs)
         ref = np.concatenate([r[rows] for (r, _), (_, _, rows) in zip(refs, weights,
@@ -247,7 +266,7 @@ def test_refusals_write_nothing(exported: Callable[[str], Exported], tmp_path: P
                                 monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     """--kernel ggml is refused in one line, nothing written, where it cannot apply (no
-    --quantize gguf) or the op library is not built; --kernel auto then
+    --quantize gguf) or the op library is not built; --kernel auto, the default, then
     falls back to MatMulNBits, saying so; and a ggml graph loaded without the library says
     what to do instead of ONNX Runtime's unknown-op error."""
     e = exported("q4_1")
@@ -265,7 +284,7 @@ def test_refusals_write_nothing(exported: Callable[[str], Exported], tmp_path: P
     code, err = export("--quantize", "gguf", "--kernel", "ggml")
     assert code == 2 and "make gguf-ops" in err[-1], err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
-    code, err = export("--quantize", "gguf", "--kernel", "auto")
+    code, err = export("--quantize", "gguf")  # --kernel auto
     assert code == 0 and any("not built here" in line for line in err), err
     manifest = json.loads((out / "manifest.json").read_text("utf-8"))
     assert {g["kernel"] for g in manifest["graphs"]} == {"onnxruntime"}
@@ -308,7 +327,7 @@ def test_float_activations_compute_the_float32_model_over_the_same_bytes(
                     if n.op_type == service.ops.MATMUL_OP]
         assert products and all(
             next(a.s for a in n.attribute if a.name == "activations") == b"float"
-            for n in products), graph
+            and layout(n) == "rows" for n in products), graph
     assert (art / "weights.bin").stat().st_size == (e.ggml / "weights.bin").stat().st_size
     gpt = load_checkpoint(e.ckpt).model.eval()
     ids = np.random.default_rng(1).integers(3, gpt.config.vocab_size, (2, 24))
