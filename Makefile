@@ -23,14 +23,15 @@ IMPORT_FROM = $(if $(filter %.gguf,$(MODEL)),--gguf,--hf)
 # 20 greedy. A request's own temperature always wins. IMPORT_ARGS= for any other model.
 IMPORT_ARGS ?= $(if $(filter $(SMOLLM2_GGUF),$(MODEL)),--sampling temperature=0)
 # A GGUF file keeps its own blocks, computed as stored by ggml's kernels inside ONNX Runtime
-# where the op library builds (--kernel auto; else MatMulNBits, said in one line): an
+# where the op library builds (export's default --kernel auto; else MatMulNBits, said in
+# one line): an
 # artifact the file's size (float32 would be 4 bytes a weight: 4.3 GB for a 1B model). The
 # default model runs them at float activations, so it answers as its float32 weights do
 # (transformers' answers: at int8 activations, as llama.cpp runs it, its first token of
 # "What is the capital of France?" flips at a near tie; docs/export.md, "Accuracy level");
 # another file at int8 activations, llama.cpp's arithmetic and the fastest. EXPORT_ARGS=
 # replaces these options.
-GGUF_EXPORT_ARGS = --quantize gguf --kernel auto
+GGUF_EXPORT_ARGS = --quantize gguf
 EXPORT_ARGS ?= $(if $(filter %.gguf,$(MODEL)),$(GGUF_EXPORT_ARGS)$(if $(filter $(SMOLLM2_GGUF),$(MODEL)), --activations float))
 # A 4,096-token context per sequence keeps the KV pool at a laptop's size (SmolLM2's 8,192
 # would reserve 11.5 GB for 32 sequences); any serve option can be passed here.

@@ -111,13 +111,14 @@ def _model(nodes: list[Any], initializers: list[Any], opsets: dict[str, int]) ->
                                                    for d, v in opsets.items()])
 
 
-def gguf_model(type_id: int, stored: np.ndarray, k: int, activations: str = "int8") -> Any:
+def gguf_model(type_id: int, stored: np.ndarray, k: int, activations: str = "int8",
+               layout: str = "rows") -> Any:
     from onnx import helper, numpy_helper
 
     import service.ops
 
     node = helper.make_node(service.ops.MATMUL_OP, ["X", "W"], ["Y"], domain=service.ops.DOMAIN,
-                            ggml_type=type_id, k=k, activations=activations)
+                            ggml_type=type_id, k=k, activations=activations, layout=layout)
     return _model([node], [numpy_helper.from_array(stored, "W")],
                   {"": 17, service.ops.DOMAIN: 1})
 
@@ -239,6 +240,9 @@ def kernel_name(path: str) -> str:
 # of the environment variable), beside MatMulNBits at accuracy level 0, ONNX Runtime's own
 # float-activation kernel over 4-bit blocks.
 FLOAT_PATH = "float"
+# --paths repacked: GgufMatMul over W in ggml's repack layout (its "layout" attribute; the
+# types ggml repacks here: Q4_0, IQ4_NL), computed by ggml's gemv / gemm.
+REPACKED_PATH = "repacked"
 
 
 def bench_size(size: int, types: list[str], batches: list[int], threads: int,
@@ -250,6 +254,16 @@ def bench_size(size: int, types: list[str], batches: list[int], threads: int,
     for name in types:
         type_id, stored, dense = gguf_weights(name, size, size, rng)
         for path in paths:
+            if path == REPACKED_PATH:
+                import service.ops
+
+                layout, _ = service.ops.repack(type_id, size, stored)
+                if layout is not None:
+                    rows += time_kernel(gguf_model(type_id, layout, size,
+                                                   layout=service.ops.REPACKED_LAYOUT),
+                                        kernel_name(path), name, size, batches, threads,
+                                        bandwidth, flush, rng, None, clock)
+                continue
             floats = path == FLOAT_PATH
             rows += time_kernel(gguf_model(type_id, stored, size, "float" if floats else "int8"),
                                 kernel_name(path), name, size, batches, threads, bandwidth,
@@ -278,7 +292,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         for m in dict.fromkeys(r["m"] for r in mine):
             cells = []
             for kind in kinds:
-                (r,) = [r for r in mine if r["m"] == m and r["kernel"] == kind]
+                found = [r for r in mine if r["m"] == m and r["kernel"] == kind]
+                if not found:  # a layout this type does not have
+                    cells.append(f"{'-':>{widths[kind]}} {'':>6} {'':>4}")
+                    continue
+                (r,) = found
                 cells.append(f"{r['ms']:{widths[kind]}.3f} {r['gb_s']:6.1f} "
                              f"{r['of_bandwidth']:4.0%}")
             print(f"{m:>4}  " + "  ".join(cells))
@@ -295,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paths", default="auto",
                    help="GgufMatMul kernels to time, each a column (ATTNSERVE_GGUF_MATMUL_PATH: "
                         "auto, vec_dot, avx2, avx512vnni; float: its float-activation path, "
-                        "beside MatMulNBits at accuracy level 0; default auto)")
+                        "beside MatMulNBits at accuracy level 0; repacked: W in ggml's repack "
+                        "layout, for the types it has; default auto)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
     p.add_argument("--cold", action="store_true",
                    help="flush the caches before every timed run (W read from memory)")
