@@ -9,6 +9,14 @@ Usage:
         [--artifact int8=DIR ...] [--data stdlib] [--max-tokens 2048] [--window 512] \
         [--stride 256] [--threads 2] [--json results/perplexity-smollm2.json] \
         [--no-transformers] [--no-llamacpp] [--llamacpp-python .cache/llamacpp-venv/bin/python]
+        [--llama-perplexity]
+
+With ``--llama-perplexity`` every row scores llama.cpp's ``llama-perplexity`` chunks instead
+(``--window`` tokens each, back to back, scoring the second half of each from the first:
+``n_ctx - 1 - n_ctx/2`` tokens a chunk; the last 16 ids left out), and one more row is that
+program's own figure on the same file (``benchmarks.llamacpp_tools`` builds it): the text it
+reads is our ids decoded, and ``llama-tokenize`` must give those ids back, so both score
+the same tokens.
 
 The token ids are encoded once, by the first artifact's tokenizer.json (every artifact must
 have the same file: they are exports of one checkpoint, imported from the GGUF), and every
@@ -37,6 +45,9 @@ import numpy as np
 from benchmarks.measure import add_threads_option
 
 DEFAULT_LLAMACPP_PYTHON = Path(".cache/llamacpp-venv/bin/python")
+# Tokens past llama-perplexity's last chunk: the decoded text's last word may tokenise
+# differently at its cut, so the chunks end this far before it.
+LLAMA_TAIL = 16
 
 
 def _windows(plan: list[list[int]]) -> list[Any]:
@@ -103,6 +114,51 @@ def llamacpp_nll(python: Path, gguf_path: Path, ids: np.ndarray, plan: list[list
     return result
 
 
+def llama_chunks(n_tokens: int, n_ctx: int) -> list[list[int]]:
+    """llama-perplexity's windows (tools/perplexity/perplexity.cpp): chunks of ``n_ctx``
+    back to back, each scoring its tokens after the first ``n_ctx / 2 + 1`` (the logits
+    from position n_ctx / 2 on)."""
+    if n_tokens < 2 * n_ctx:
+        raise ValueError(f"llama-perplexity needs at least {2 * n_ctx} tokens, got {n_tokens}")
+    return [[s, s + n_ctx, s + n_ctx // 2 + 1] for s in range(0, n_tokens - n_ctx + 1, n_ctx)]
+
+
+def llama_perplexity(gguf_path: Path, tokenizer: Any, ids: np.ndarray, n_ctx: int,
+                     threads: int) -> dict[str, Any]:
+    """llama-perplexity's own figure on ``ids`` (chunks of ``n_ctx``), after checking that
+    llama-tokenize reads the decoded text back as the same ids."""
+    import re
+    import tempfile
+
+    from benchmarks.llamacpp_tools import tool_path
+
+    chunks = (len(ids) - LLAMA_TAIL) // n_ctx
+    text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+    with tempfile.TemporaryDirectory(prefix="llama-ppl-") as work:
+        path = Path(work, "text.txt")
+        path.write_text(text, encoding="utf-8")
+        told = subprocess.run([str(tool_path("llama-tokenize")), "-m", str(gguf_path), "-f",
+                               str(path), "--ids", "--log-disable", "--no-escape"],
+                              capture_output=True, text=True, check=True)
+        theirs = json.loads(told.stdout.strip().splitlines()[-1])
+        n = chunks * n_ctx
+        if theirs[:n] != ids[:n].tolist():
+            first = next(i for i, (a, b) in enumerate(zip(theirs, ids.tolist(), strict=False))
+                         if a != b)
+            raise RuntimeError(f"llama-tokenize reads the text differently from token {first}")
+        started = time.perf_counter()
+        done = subprocess.run([str(tool_path("llama-perplexity")), "-m", str(gguf_path), "-f",
+                               str(path), "-c", str(n_ctx), "-b", str(n_ctx), "--chunks",
+                               str(chunks), "-t", str(threads), "-tb", str(threads),
+                               "--no-escape"], capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - started
+    found = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", done.stderr + done.stdout)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"llama-perplexity failed: {(done.stderr + done.stdout)[-2000:]}")
+    return {"perplexity": float(found[1]), "plus_minus": float(found[2]),
+            "seconds": round(seconds, 3), "chunks": chunks}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", type=Path, help="the GGUF file the artifacts were imported from")
@@ -117,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--llamacpp-python", type=Path, default=DEFAULT_LLAMACPP_PYTHON)
+    p.add_argument("--llama-perplexity", action="store_true",
+                   help="score llama-perplexity's chunks of --window tokens (not --stride's "
+                        "windows) and add that program's own figure")
     p.add_argument("--llamacpp-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.llamacpp_worker:
@@ -135,9 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(tokenizers) != 1:
         p.error("the artifacts do not share one tokenizer.json")
     text, source = load_text(args.data)
-    ids, n_bytes = encode_prefix(Tokenizer.from_file(str(Path(named[0][1], "tokenizer.json"))),
-                                 text, args.max_tokens)
-    plan = [[w.begin, w.end, w.scored] for w in plan_windows(len(ids), args.window, args.stride)]
+    tokenizer = Tokenizer.from_file(str(Path(named[0][1], "tokenizer.json")))
+    ids, n_bytes = encode_prefix(tokenizer, text, args.max_tokens)
+    if args.llama_perplexity:
+        plan = llama_chunks(len(ids) - LLAMA_TAIL, args.window)
+    else:
+        plan = [[w.begin, w.end, w.scored]
+                for w in plan_windows(len(ids), args.window, args.stride)]
     scored = sum(w[1] - w[2] for w in plan)
     rows: list[dict[str, Any]] = []
 
@@ -165,7 +228,16 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{args.llamacpp_python} missing: python -m benchmarks.llamacpp_env builds it")
         out = llamacpp_nll(args.llamacpp_python, args.gguf, ids, plan, args.threads)
         add("llama.cpp", "llama.cpp", out.pop("nll_sum"), out.pop("seconds"), **out)
+    if args.llama_perplexity:
+        out = llama_perplexity(args.gguf, tokenizer, ids, args.window, args.threads)
+        ppl = out.pop("perplexity")
+        rows.append({"name": "llama-perplexity", "backend": "llama.cpp", "perplexity": ppl,
+                     **out})
+        print(f"{'llama-perplexity':>22} {'llama.cpp':>12}  perplexity {ppl:.4f} "
+              f"({ppl / rows[0]['perplexity'] - 1:+.3%}; its own +/- {out['plus_minus']})  "
+              f"{out['seconds']:.1f} s", flush=True)
     result = {"gguf": str(args.gguf), "data": source, "tokens": len(ids), "bytes": n_bytes,
+              "scheme": "llama-perplexity" if args.llama_perplexity else "sliding windows",
               "tokens_scored": scored, "window": args.window, "stride": args.stride,
               "threads": args.threads, "rows": rows}
     if args.json:
