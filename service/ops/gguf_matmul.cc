@@ -532,13 +532,18 @@ void GgufMatMulKernel::ComputeRepacked(Ort::KernelContext& ctx, const float* x, 
       static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
   if (!quantised) throw OpError(ORT_FAIL, Where(kOpName, node) + "out of memory for X");
   uint8_t* xq = quantised.get();
-  for (int64_t i = 0; i < m4; i += 4) kernels.quantize_mat4(x + i * f.k, xq + i * f.act_row_bytes, f.k);
-  for (int64_t i = m4; i < m; ++i) kernels.from_float(x + i * f.k, xq + i * f.act_row_bytes, f.k);
+  for (int64_t i = 0; i < m4; i += 4) {
+    kernels.quantize_mat4(x + i * f.k, xq + i * f.act_row_bytes, f.k);
+  }
+  for (int64_t i = m4; i < m; ++i) {
+    kernels.from_float(x + i * f.k, xq + i * f.act_row_bytes, f.k);
+  }
   // Tasks of whole groups and whole 64-byte lines of Y, about kBlockBytes of W each.
   const int64_t fit = static_cast<int64_t>(kBlockBytes / f.row_bytes) / kYLine * kYLine;
   const int64_t block_rows = std::clamp<int64_t>(fit, kYLine, kMaxBlockRows);
   RepackedJob job{&f, kernels, w, xq, y, m, m4, n, block_rows};
-  ctx.ParallelFor(RepackedBlock, static_cast<size_t>((n + block_rows - 1) / block_rows), 0, &job);
+  const size_t tasks = static_cast<size_t>((n + block_rows - 1) / block_rows);
+  ctx.ParallelFor(RepackedBlock, tasks, 0, &job);
 }
 
 struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, /*WithStatus=*/true> {
