@@ -34,8 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -127,9 +129,6 @@ def llama_perplexity(gguf_path: Path, tokenizer: Any, ids: np.ndarray, n_ctx: in
                      threads: int) -> dict[str, Any]:
     """llama-perplexity's own figure on ``ids`` (chunks of ``n_ctx``), after checking that
     llama-tokenize reads the decoded text back as the same ids."""
-    import re
-    import tempfile
-
     from benchmarks.llamacpp_tools import tool_path
 
     chunks = (len(ids) - LLAMA_TAIL) // n_ctx

@@ -279,12 +279,12 @@ class BlockWriter:
 
     def __init__(self, mode: str, level: int, flat: bool = False,
                  halves: bool | None = None, side: SideFile | None = None,
-                 kernel: str = "nbits", repack: bool = False) -> None:
+                 kernel: str = "nbits", repack: bool = False,
+                 gathered: frozenset[str] = frozenset()) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; choose one of {list(KERNELS)}")
         self.mode, self.level, self.flat, self.side = mode, level, flat, side
-        self.kernel, self.repack = kernel, repack
-        self.gathered: set[str] = set()
+        self.kernel, self.repack, self.gathered = kernel, repack, gathered
         # 8-bit blocks as two 4-bit products (:meth:`_byte_halves`): by default where the
         # activations are float; attention.onnx of an int8-activation artifact runs at
         # float ones on the 8-bit codes the engine graphs hold (stored once, run rarely)
@@ -501,7 +501,7 @@ class BlockWriter:
         self.node("Reshape", [value, shape], out, name)  # ids.shape + (K,)
 
     def stored_product(self, x: str, outs: list[str], pieces: list[Piece], w: str,
-                       name: str, gathered: bool = False) -> None:
+                       name: str) -> None:
         """outs[i] = x · W_iᵀ over the file's bytes of ``pieces`` (one GGUF type): one
         GgufMatMul over their rows joined, then a Split where there are several. At float
         activations (level 0) the op keeps x in float32 and dequantises the rows as ggml
@@ -509,11 +509,13 @@ class BlockWriter:
         With :attr:`repack`, the same bytes re-laid out once by ggml's own repack where it
         has a layout for the type on this CPU (Q4_0, IQ4_NL with AVX2: llama.cpp's load-time
         repack, done here once; service/ops/gguf_repacked.h), unless a gather reads these
-        rows too (``gathered``: a tied embedding, kept as stored so it stays one tensor)."""
+        rows too (:attr:`gathered`: a tied embedding, kept as stored so it stays one
+        tensor)."""
         rows = (pieces[0].stored if len(pieces) == 1
                 else np.concatenate([p.stored for p in pieces]))  # (N, row_bytes)
         kind, k = int(pieces[0].ggml_type), pieces[0].k
         layout = ops.ROWS_LAYOUT
+        gathered = any(part.tensor in self.gathered for p in pieces for part, _ in p.parts)
         if self.repack and not gathered:
             repacked, _ = ops.repack(kind, k, rows)  # None: no layout here, rows kept
             if repacked is not None:
@@ -648,8 +650,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
     for node in graph.node:
         if node.name in pieces_of and node.op_type != "Gather":
             readers.setdefault(node.input[0], []).append(node)
-    writer = BlockWriter(mode, level, flat, halves, side, kernel, repack)
-    writer.gathered = gathered
+    writer = BlockWriter(mode, level, flat, halves, side, kernel, repack, frozenset(gathered))
     joined = split = 0
     embeddings: list[tuple[int, onnx.NodeProto]] = []  # (where in writer.nodes, Gather)
     for node in graph.node:
@@ -724,9 +725,7 @@ def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],
         nodes = "+".join(p.label(n.name) for n, p in members)
         outs = [p.label(n.output[0]) for n, p in members]
         if writer.kernel == "ggml":
-            gathered = any(part.tensor in writer.gathered
-                           for _, piece in members for part, _ in piece.parts)
-            writer.stored_product(x, outs, [p for _, p in members], weights, nodes, gathered)
+            writer.stored_product(x, outs, [p for _, p in members], weights, nodes)
             joined += len(members) if len(members) > 1 else 0
         elif len(members) == 1:
             writer.matmul(x, outs[0], members[0][1].blocks, weights, nodes)

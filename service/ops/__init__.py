@@ -23,12 +23,13 @@ library is never loaded on a CPU it would crash with an illegal instruction.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import platform
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -141,14 +142,23 @@ def repack(ggml_type: int, k: int, rows: np.ndarray,
     rows = np.ascontiguousarray(rows, dtype=np.uint8)
     out = np.empty_like(rows)
     error = ctypes.create_string_buffer(512)
-    function = ctypes.CDLL(str(path)).attnserve_gguf_repack
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+    function = _repack_function(str(path))
     if function(ggml_type, k, rows.shape[0], rows.ctypes.data, out.ctypes.data, error,
                 len(error)):
         return None, error.value.decode("utf-8", "replace")
     return out, ""
+
+
+@functools.cache
+def _repack_function(library: str) -> Any:
+    """The library's ``attnserve_gguf_repack`` (service/ops/gguf_repacked.cc), loaded once."""
+    import ctypes
+
+    function = ctypes.CDLL(library).attnserve_gguf_repack
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+    return function
 
 
 def register(options: _SessionOptions, cache: Path | None = None) -> bool:

@@ -61,6 +61,12 @@ constexpr const char* kOpName = "GgufMatMul";
 constexpr size_t kBlockBytes = 32 * 1024;
 constexpr int64_t kYLine = 64 / sizeof(float);
 constexpr int64_t kMaxBlockRows = 64;
+// Weight rows a task takes on the vec_dot and repacked paths: about kBlockBytes of W, whole
+// 64-byte lines of Y (so whole groups of a repacked W).
+int64_t BlockRows(size_t row_bytes) {
+  const int64_t fit = static_cast<int64_t>(kBlockBytes / row_bytes) / kYLine * kYLine;
+  return std::clamp<int64_t>(fit, kYLine, kMaxBlockRows);
+}
 // Fewer activation rows than this are quantised inline: a pool dispatch costs more.
 constexpr int64_t kParallelQuantiseRows = 4;
 // Weight rows a task of the batched path unpacks and computes (whole 64-byte lines of Y,
@@ -510,8 +516,7 @@ struct GgufMatMulKernel {
       ctx.ParallelFor(BatchedBlock, tiles, 0, &job);
       return;
     }
-    const int64_t fit = static_cast<int64_t>(kBlockBytes / f.row_bytes) / kYLine * kYLine;
-    const int64_t block_rows = std::clamp<int64_t>(fit, kYLine, kMaxBlockRows);
+    const int64_t block_rows = BlockRows(f.row_bytes);
     DotJob job{&f, w_data, xq, y_data, m, n, block_rows};
     const size_t blocks = static_cast<size_t>((n + block_rows - 1) / block_rows);
     // num_batch 0: one task per block, handed out dynamically, so a thread slowed by
@@ -538,9 +543,7 @@ void GgufMatMulKernel::ComputeRepacked(Ort::KernelContext& ctx, const float* x, 
   for (int64_t i = m4; i < m; ++i) {
     kernels.from_float(x + i * f.k, xq + i * f.act_row_bytes, f.k);
   }
-  // Tasks of whole groups and whole 64-byte lines of Y, about kBlockBytes of W each.
-  const int64_t fit = static_cast<int64_t>(kBlockBytes / f.row_bytes) / kYLine * kYLine;
-  const int64_t block_rows = std::clamp<int64_t>(fit, kYLine, kMaxBlockRows);
+  const int64_t block_rows = BlockRows(f.row_bytes);
   RepackedJob job{&f, kernels, w, xq, y, m, m4, n, block_rows};
   const size_t tasks = static_cast<size_t>((n + block_rows - 1) / block_rows);
   ctx.ParallelFor(RepackedBlock, tasks, 0, &job);
