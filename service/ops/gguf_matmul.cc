@@ -72,13 +72,18 @@ constexpr int64_t kParallelQuantiseRows = 4;
 // Weight rows a task of the batched path unpacks and computes (whole 64-byte lines of Y,
 // whole groups of a repacked W).
 constexpr int64_t kBatchedRows = 16;
-// A repacked W goes to ggml where one call of its kernels reads W once: its gemv at one
-// activation row, its gemm at four (it takes rows 4 at a time and each row left over by
-// another gemv, another pass over W). Every other M goes to our batched kernels, reading
-// the layout in place. Q4_0 at 4096 x 4096, one thread, CPU ms (docs/kernels.md): 0.60
-// against 1.11 over the rows at M = 1, 0.98 against 1.32 at 4; gemm + 2 gemv 2.28 against
-// ours 1.66 at 6.
-bool GgmlTakesRepacked(int64_t m) { return m == 1 || m == 4; }
+// A repacked W goes to ggml where one call of its kernels reads W once and is faster than
+// ours: its gemv at one activation row; its gemm at four (it takes rows 4 at a time and
+// each row left over by another gemv, another pass over W) where ggml was built with
+// AVX-512, for which its gemm has a path of its own. Every other M goes to our batched
+// kernels, reading the layout in place. Q4_0 (docs/kernels.md): at 4096 x 4096, one
+// thread, CPU ms, AVX-512 EPYC: 0.60 against 1.11 over the rows at M = 1, gemm 0.98 against
+// 1.32 at 4, gemm + 2 gemv 2.28 against ours 1.66 at 6; at 16384 x 3072, 2 threads, cold,
+// AVX2-only EPYC: gemv 3.60 against 4.23, gemm 13.72 against ours over the rows 10.43.
+bool GgmlTakesRepacked(int64_t m) {
+  static const bool gemm_avx512 = ggml_cpu_has_avx512() != 0;
+  return m == 1 || (m == 4 && gemm_avx512);
+}
 
 // The ggml-cpu functions for one weight type, or null where ggml cannot compute it.
 struct CpuKernels {

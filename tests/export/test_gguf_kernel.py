@@ -106,6 +106,11 @@ def layout(node: onnx.NodeProto) -> str:
     return next(a.s.decode() for a in node.attribute if a.name == "layout")
 
 
+# What the export writes in ggml's repack layout (where ggml has it: x86 with AVX2), in
+# groups of 8 rows (IQ4_NL too: no case here).
+REPACKABLE = (gguf.GGMLQuantizationType.Q4_0,)
+
+
 def repacks_here() -> bool:
     """Whether ggml lays Q4_0 out in its repack layout on this CPU (AVX2)."""
     return service.ops.repack(2, 32, np.zeros((8, 18), np.uint8))[0] is not None
@@ -117,15 +122,16 @@ def test_products_hold_the_files_rows_once(case: str, graph: str,
                                            exported: Callable[[str], Exported]) -> None:
     """Every GgufMatMul's W is the file's rows as stored, one GGUF type a node (gguf's
     dequantiser on those bytes gives the file's weights, rows in transformers' order), or
-    for Q4_0 those rows in ggml's repack layout (every Q4_0 product but a tied head, whose
-    rows the embedding reads as stored); every projection and the head are covered, each
-    row once; gate | up and Q | K | V rows of one type are one node; nothing else is a
-    weight product but our quantiser's fallback."""
+    for Q4_0 those rows in ggml's repack layout (every Q4_0 product of whole groups of 8
+    rows but a tied head, whose rows the embedding reads as stored); every projection and
+    the head are covered, each row once; gate | up and Q | K | V rows of one type are one
+    node; nothing else is a weight product but our quantiser's fallback."""
     e = exported(case)
     family = CASES[case].family
     model = onnx.load(str(e.ggml / graph))  # weights.bin read in: the models are small
     tied = "output.weight" not in {t.name for t in gguf.GGUFReader(e.gguf).tensors}
     covered: dict[tuple[str, int | None], list[tuple[int, int]]] = {}
+    layouts: set[tuple[gguf.GGMLQuantizationType, str]] = set()
     for node in model.graph.node:
         if node.op_type != service.ops.MATMUL_OP:
             continue
@@ -136,8 +142,10 @@ def test_products_hold_the_files_rows_once(case: str, graph: str,
         assert kind in KEPT
         weights = labels(node)
         gathered = weights[0][0] == "lm_head.w" and tied
-        repacked = kind == gguf.GGMLQuantizationType.Q4_0 and not gathered and repacks_here()
+        repacked = (kind in REPACKABLE and rows_bytes.shape[0] % 8 == 0 and not gathered
+                    and repacks_here())
         assert layout(node) == (service.ops.REPACKED_LAYOUT if repacked else "rows"), node.name
+        layouts.add((kind, layout(node)))
         if repacked:
             rows_bytes = file_rows(rows_bytes, kind)
         refs = [gguf_reference(e.gguf, family, w, layer) for w, layer, _ in weights]
@@ -157,6 +165,9 @@ def test_products_hold_the_files_rows_once(case: str, graph: str,
         n = gguf_reference(e.gguf, family, w, layer)[0].shape[0]
         starts, stops = zip(*sorted(spans), strict=True)
         assert starts == (0, *stops[:-1]) and stops[-1] == n, (w, layer, spans)
+    if repacks_here():  # the cases' repackable types are laid out so somewhere
+        assert {k for k, where in layouts if where == service.ops.REPACKED_LAYOUT} == {
+            k for k, _ in layouts if k in REPACKABLE}
     if case == "q4_1":  # one type everywhere: gate | up and Q | K | V one node each
         assert sum(1 for n in model.graph.node if n.op_type == service.ops.MATMUL_OP
                    ) == 4 * cfg.n_layers + 1

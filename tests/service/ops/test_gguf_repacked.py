@@ -27,9 +27,9 @@ from tests.service.ops.test_gguf_matmul import (
 REPACKED = ("Q4_0", "IQ4_NL")
 N = 72  # whole groups of 8 rows, not of the 16-row lines a task takes: a partial last task
 K = 512
-# Q4_0: 1 ggml's gemv, 4 its gemm, the others our batched kernels reading the layout in
-# place; IQ4_NL (no batched kernels) and under vec_dot: gemm on four rows at a time, gemv on
-# the rest (2, 3, 5, 17).
+# Q4_0: 1 ggml's gemv, 4 its gemm where ggml has AVX-512, the others our batched kernels
+# reading the layout in place; IQ4_NL (no batched kernels) and under vec_dot: gemm on four
+# rows at a time, gemv on the rest (2, 3, 5, 17).
 BATCHES = (1, 2, 3, 4, 5, 8, 17, 64)
 FLOAT32 = 2e-6  # test_gguf_float's bound for float activations
 
@@ -51,9 +51,9 @@ def test_int8_products_over_the_layout_match_numpy(gguf_ops_library: Path, name:
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Against X quantised to Q8_0 as the op quantises it: float32 accumulation only; and
     one thread equal to two bit for bit (a task computes whole groups). auto: Q4_0 by ggml's
-    gemv / gemm at 1 and 4 rows, by our batched kernels reading the layout in place at the
-    others; vec_dot (no batched kernels): ggml's at every M. K = 576 (SmolLM2's width): a
-    last chunk of 2 blocks."""
+    gemv at 1 row (its gemm at 4 where ggml has AVX-512), by our batched kernels reading
+    the layout in place at the others; vec_dot (no batched kernels): ggml's at every M.
+    K = 576 (SmolLM2's width): a last chunk of 2 blocks."""
     monkeypatch.setenv(PATH_ENV, path)
     rng = np.random.default_rng(0)
     stored, layout, dense = _repacked(gguf_ops_library, name, rng, k=k)
