@@ -276,6 +276,15 @@ class AdapterSet:
         with self._lock:
             return {self._by_id[i].ref.name: s for i, s in self._resident.items()}
 
+    def activity(self) -> tuple[list[str], list[str]]:
+        """(names with requests running, names with requests waiting): running, admitted to
+        the batch (their adapter in a slot); waiting, submitted and not yet admitted, e.g.
+        for a slot (vLLM's ``running_lora_adapters`` / ``waiting_lora_adapters``)."""
+        with self._lock:
+            entries = list(self._by_id.values())
+            return ([e.ref.name for e in entries if e.running > 0],
+                    [e.ref.name for e in entries if e.in_flight > e.running])
+
     def resident_bytes(self) -> int:
         """What the resident adapters' own tensors take (their share of the slots)."""
         with self._lock:

@@ -6,6 +6,14 @@ middleware reports each request's route, status and latency. Names carry the
 rejection reasons), and latency buckets span 1 ms to 30 s. Each app has its own
 registry, so several apps in one process (tests) never collide.
 
+What an inference gateway's endpoint picker scrapes (Kubernetes Gateway API Inference
+Extension's model-server protocol; vLLM's names with our prefix, its flags take any):
+``attnserve_num_requests_waiting`` / ``_running``, ``attnserve_kv_cache_usage_perc`` (a
+fraction, 0..1), ``attnserve_lora_requests_info`` (one series a scrape: ``max_lora`` and the
+comma-separated ``running_lora_adapters`` / ``waiting_lora_adapters``, its value the time it
+was read, by which the picker takes the latest) and ``attnserve_cache_config_info``
+(``block_size``, ``num_gpu_blocks``: the prefix cache's blocks, for prefix-aware scoring).
+
 LoRA adapters are a label (``adapter``) only on the ``attnserve_lora_*`` series, and only
 names the server serves: every --lora-modules name, and the first
 ``MAX_RUNTIME_ADAPTER_LABELS`` distinct names loaded at run time; later ones are counted
@@ -17,6 +25,7 @@ without bound. Base-model requests are not counted there (they are every request
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, ClassVar
@@ -31,7 +40,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from service.engine.stats import (
     STEP_FAILURES,
@@ -121,6 +130,33 @@ class AdapterCounts:
                 for label, value in sorted(self._totals[kind].items()):
                     family.add_metric([label], value)
                 yield family
+
+
+class LoraRequestsInfo:
+    """``attnserve_lora_requests_info``, vLLM's ``vllm:lora_requests_info`` (module doc):
+    exactly one series, read from the adapters at scrape; none where the server serves no
+    adapters (as vLLM without LoRA)."""
+
+    NAME = "attnserve_lora_requests_info"
+    LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+    HELP = ("LoRA adapters of the requests running and waiting (comma-separated), and the "
+            "adapters a batch can hold; the value is the time it was read (Unix seconds).")
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.adapters: AdapterSet | None = None
+        self.clock = clock
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self.NAME, self.HELP, labels=self.LABELS)]
+
+    def collect(self) -> Iterator[Metric]:
+        if self.adapters is None:
+            return
+        running, waiting = self.adapters.activity()
+        family = GaugeMetricFamily(self.NAME, self.HELP, labels=self.LABELS)
+        family.add_metric([str(self.adapters.slots.count), ",".join(running),
+                           ",".join(waiting)], self.clock())
+        yield family
 
 
 class Metrics:
@@ -256,6 +292,12 @@ class Metrics:
             registry=r)
         self.info = Gauge("attnserve_model_info", "The served model (value is always 1).",
                           ["model", "provider", "artifact_sha256"], registry=r)
+        self.lora_info = LoraRequestsInfo()
+        r.register(self.lora_info)  # a custom collector: read at scrape
+        self.cache_config = Gauge(
+            "attnserve_cache_config_info", "The prefix cache's geometry, for a gateway's "
+            "prefix-aware scoring: tokens a block, blocks it holds (value is always 1).",
+            ["block_size", "num_gpu_blocks"], registry=r)
 
     def watch_kv_resident(self, read: Callable[[], int]) -> None:
         """Read the pool's resident bytes when /metrics is scraped (it takes a mincore walk
@@ -265,8 +307,13 @@ class Metrics:
     def watch_adapters(self, adapters: AdapterSet) -> None:
         """Read the adapters' loads, evictions and residency when /metrics is scraped."""
         self.adapter_counts.source = adapters.counts
+        self.lora_info.adapters = adapters
         self.lora_resident.set_function(lambda: len(adapters.resident()))
         self.lora_resident_bytes.set_function(adapters.resident_bytes)
+
+    def set_cache_config(self, block_size: int, blocks: int) -> None:
+        """The prefix cache's geometry (called once it exists; no series without one)."""
+        self.cache_config.labels(block_size=str(block_size), num_gpu_blocks=str(blocks)).set(1)
 
     def allow_adapter(self, name: str, configured: bool = False) -> None:
         """``name`` is served (--lora-modules, or loaded at run time): it may be a label."""

@@ -147,4 +147,6 @@ def load_engine(runtime: Runtime) -> None:
     runtime.metrics.watch_kv_resident(engine.runner.kv_resident_bytes)
     if engine.adapters is not None:
         runtime.metrics.watch_adapters(engine.adapters)
+    if (prefix := engine.prefix_stats()) is not None:
+        runtime.metrics.set_cache_config(prefix.block_size, prefix.capacity_blocks)
     runtime.engine, runtime.attention = engine, attention
