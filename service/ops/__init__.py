@@ -13,7 +13,9 @@ this module only finds it and registers it with a session's options:
 Where it is looked for, in order: ``$ATTNSERVE_GGUF_OPS`` (the .so itself, e.g. in an image
 that ships it); the build for today's sources in ``.cache/gguf-ops/<key>/`` (a library built
 from other sources is not used); where the sources are not at hand (an installed package),
-``.cache/gguf-ops/current``. Nothing here imports onnxruntime or builds anything.
+``.cache/gguf-ops/current``. A library built from older sources than these (its
+``attnserve_gguf_ops_level()`` below :data:`OPS_LEVEL`) is never used. Nothing here imports
+onnxruntime or builds anything.
 
 A portable build (``python -m service.ops.build --portable``, the one the serving image
 ships) lists in its ``build-info.json`` the CPU flags its code needs (AVX2, FMA, F16C, ...):
@@ -44,6 +46,13 @@ GATHER_OP = "GgufGather"
 # Q4_0 / IQ4_NL out (8 rows interleaved, the same bytes; service/ops/gguf_repacked.h)
 ROWS_LAYOUT = "rows"
 REPACKED_LAYOUT = "repacked_8x8"
+# What the op library must understand for the graphs this attnserve exports: 1 GgufMatMul
+# and GgufGather over the file's rows at int8 activations, 2 and activations="float", 3 and
+# layout="repacked_8x8". build.py compiles it into the library (attnserve_gguf_ops_level);
+# a library reporting less, or nothing (built from older sources), is not loaded: ONNX
+# Runtime hands an op only the attributes it asks for, so it would ignore the ones it does
+# not know and compute a repacked or float-activation node wrongly.
+OPS_LEVEL = 3
 
 
 class _SessionOptions(Protocol):
@@ -92,14 +101,40 @@ def cpu_mismatch(library: Path, cpuinfo: Path | None = None) -> str | None:
     return f"this CPU lacks {' '.join(missing)}" if missing else None
 
 
+def library_level(library: Path) -> int:
+    """The OPS_LEVEL ``library`` was built with; 0 for a build older than the level (no
+    ``attnserve_gguf_ops_level``). Loads it into the process (as a session would)."""
+    return _library_level(str(library), library.stat().st_mtime_ns)
+
+
+@functools.cache
+def _library_level(library: str, _mtime_ns: int) -> int:
+    import ctypes
+
+    function = getattr(ctypes.CDLL(library), "attnserve_gguf_ops_level", None)
+    if function is None:
+        return 0
+    function.restype = ctypes.c_int
+    return int(function())
+
+
 def _usable(library: Path) -> Path | None:
     reason = cpu_mismatch(library)
     if reason is None:
-        return library
+        try:
+            level = library_level(library)
+        except OSError as exc:  # e.g. a ggml library beside it missing
+            level, reason = -1, f"it cannot be loaded: {exc}"
+        if level >= OPS_LEVEL:
+            return library
+        reason = reason or (
+            f"built from older sources (op level {level}, this attnserve's graphs need "
+            f"{OPS_LEVEL}: it would ignore attributes it does not know); rebuild it with "
+            "`make gguf-ops` (python -m service.ops.build)")
     if str(library) not in _warned:
         _warned.add(str(library))
-        log.warning("GGUF op library %s not loaded: %s (its build-info.json requires "
-                    "them; GGUF-kernel graphs cannot run here)", library, reason)
+        log.warning("GGUF op library %s not loaded: %s; GGUF-kernel graphs cannot run here",
+                    library, reason)
     return None
 
 

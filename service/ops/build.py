@@ -51,6 +51,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from service.ops import OPS_LEVEL
+
 SOURCE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SOURCE_DIR.parents[1]
 CACHE_DIR = REPO_ROOT / ".cache" / "gguf-ops"
@@ -90,6 +92,8 @@ CMAKE_ARGS = (
     "-DGGML_OPENMP=OFF", "-DGGML_LLAMAFILE=OFF", "-DGGML_CPU_REPACK=ON",
     "-DGGML_BACKEND_DL=OFF", "-DGGML_CCACHE=OFF", "-DGGML_BUILD_TESTS=OFF",
     "-DGGML_BUILD_EXAMPLES=OFF",
+    # What the library reports to service.ops before it is loaded (attnserve_gguf_ops_level).
+    f"-DATTNSERVE_GGUF_OPS_LEVEL={OPS_LEVEL}",
 )
 # Bumped when the build's layout changes without any input above changing.
 BUILD_FORMAT = 1

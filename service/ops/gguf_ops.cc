@@ -1,6 +1,7 @@
 // RegisterCustomOps: the entry point ONNX Runtime calls when a session loads this library.
 // It registers every op of the domain "attnserve.gguf": GgufMatMul (gguf_matmul.cc) and
-// GgufGather (gguf_gather.cc).
+// GgufGather (gguf_gather.cc). attnserve_gguf_ops_level: what the library understands, read
+// by service.ops before it loads it (an older build ignores the attributes it does not know).
 
 #include <mutex>
 #include <string>
@@ -17,6 +18,11 @@ std::mutex g_register_mutex;
 std::vector<OrtCustomOpDomain*> g_domains;
 
 }  // namespace
+
+// service.ops.OPS_LEVEL of the sources this library was built from (build.py passes it).
+extern "C" __attribute__((visibility("default"))) int attnserve_gguf_ops_level() {
+  return ATTNSERVE_GGUF_OPS_LEVEL;
+}
 
 // Called by SessionOptions.register_custom_ops_library (Python) or RegisterCustomOpsLibrary.
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
