@@ -1,0 +1,172 @@
+"""attnserve on Ray Serve (service/ray_app.py) on a local two-node Ray cluster
+(``ray.cluster_utils.Cluster``: two raylets on this machine, one replica each): requests
+sent at once through Serve's proxy, base and adapters, each equal to its merged model's
+greedy tokens alone (tests/service/lora_build.py, the plain model.onnx loop); both nodes
+serve; an adapter named by Serve's multiplexing header is loaded by the replica its first
+request reaches, and later requests for it go to a replica that holds it.
+
+Skipped with its reason where Ray is not installed (``pip install .[ray]``) or cannot start.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.service.lora_build import LoraBuild, merged_greedy
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install .[ray]")
+serve = pytest.importorskip("ray.serve")
+
+from service.ray_app import NODE_HEADER, REPLICA_HEADER, build_app  # noqa: E402
+
+MULTIPLEXED = "serve_multiplexed_model_id"
+PROMPTS = ["ROMEO:", "First Citizen:", "To be, or not", "What say you", "O", "Hark"]
+
+
+@dataclass
+class Deployed:
+    url: str
+    build: LoraBuild
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def deployed(lora_build: LoraBuild, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[Deployed]:
+    from ray.cluster_utils import Cluster
+
+    root = tmp_path_factory.mktemp("ray-lora-dir")
+    for name, directory in lora_build.adapters.items():
+        shutil.copytree(directory, root / name)
+    # One proxy (on the head node) for both nodes: without this it would send every request
+    # to the replica on its own node while that one has room (Serve's default, right where
+    # every node runs a proxy, as deploy/ray/serve.yaml does).
+    os.environ["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] = "0"
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, include_dashboard=False,
+                 runtime_env={"env_vars": {"RAY_SERVE_LOG_TO_STDERR": "0"}})
+    except Exception as exc:  # no shared memory, no ports: this machine cannot run Ray
+        pytest.skip(f"Ray cannot start a local cluster here: {type(exc).__name__}: {exc}")
+    port = free_port()
+    try:
+        serve.start(proxy_location="HeadOnly",
+                    http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({
+            "serve": {"model": str(lora_build.artifact), "device": "cpu",
+                      "intra_op_threads": 1, "max_loras": 2, "max_lora_rank": 8,
+                      "runtime_lora": True, "lora_dir": str(root),
+                      "served_model_name": "tiny"},
+            "min_replicas": 2, "max_replicas": 2, "max_replicas_per_node": 1,
+            "max_adapters_per_replica": 2, "num_cpus": 1}),
+            name="attnserve", route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        wait_both_ready(url)
+        yield Deployed(url, lora_build)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        os.environ.pop("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", None)
+
+
+def wait_both_ready(url: str, timeout: float = 240.0) -> None:
+    """Until /ready has answered 200 from two replicas on two nodes (bounded)."""
+    ready: set[tuple[str, str]] = set()
+    deadline = time.monotonic() + timeout
+    while len(ready) < 2:
+        assert time.monotonic() < deadline, f"replicas ready: {ready}"
+        try:
+            r = httpx.get(f"{url}/ready", timeout=10)
+        except httpx.TransportError:
+            r = None  # the application is not routed yet
+        if r is not None and r.status_code == 200:
+            ready.add((r.headers[REPLICA_HEADER], r.headers[NODE_HEADER]))
+        else:
+            time.sleep(0.2)  # a bounded poll of a condition, not a synchronisation
+    assert len({node for _, node in ready}) == 2
+
+
+def generate(url: str, prompt: str, adapter: str = "", multiplexed: bool = False,
+             new: int = 8) -> tuple[list[int], list[int], httpx.Headers]:
+    parameters: dict[str, Any] = {"max_new_tokens": new, "details": True,
+                                  "decoder_input_details": True}
+    if adapter:
+        parameters["adapter_id"] = adapter
+    headers = {MULTIPLEXED: adapter} if multiplexed and adapter else {}
+    r = httpx.post(f"{url}/generate", json={"inputs": prompt, "parameters": parameters},
+                   headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    details = r.json()["details"]
+    return ([t["id"] for t in details["prefill"]], [t["id"] for t in details["tokens"]],
+            r.headers)
+
+
+def test_requests_at_once_through_serve_equal_one_model_alone_and_both_nodes_serve(
+        deployed: Deployed) -> None:
+    with ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
+        answers = list(pool.map(lambda p: generate(deployed.url, p), PROMPTS * 2))
+    compared = 0
+    for prompt_ids, got, _ in answers:
+        want = merged_greedy(deployed.build, "", prompt_ids, 8)
+        assert got[:len(want)] == want
+        compared += len(want)
+    assert compared >= 4 * len(answers)
+    assert len({h[NODE_HEADER] for _, _, h in answers}) == 2  # both replicas took requests
+
+
+def test_openai_streaming_passes_through_serves_proxy(deployed: Deployed) -> None:
+    with httpx.stream("POST", f"{deployed.url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "ROMEO:", "max_tokens": 6, "temperature": 0,
+            "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+
+
+def test_adapters_are_loaded_where_asked_and_later_requests_go_there(
+        deployed: Deployed) -> None:
+    """Each adapter's first request loads it on the replica it reaches; of the later ones,
+    at least 90 % go to a replica that loaded it, and every answer is its merged model's."""
+    holders: dict[str, set[str]] = {}
+    for adapter in ("alpha", "beta"):
+        _, _, headers = generate(deployed.url, "O", adapter, multiplexed=True)
+        holders[adapter] = {headers[REPLICA_HEADER]}
+    asks = [(a, p) for p in PROMPTS for a in ("alpha", "beta")]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(
+            lambda ask: generate(deployed.url, ask[1], ask[0], multiplexed=True), asks))
+    landed: Counter[bool] = Counter()
+    for (adapter, _), (prompt_ids, got, headers) in zip(asks, answers, strict=True):
+        want = merged_greedy(deployed.build, adapter, prompt_ids, 8)
+        assert got[:len(want)] == want, adapter
+        replica = headers[REPLICA_HEADER]
+        landed[replica in holders[adapter]] += 1
+        holders[adapter].add(replica)  # a second replica may load it under load
+    assert landed[True] >= 0.9 * len(asks), landed
+    assert all(len(h) <= 2 for h in holders.values())
+
+
+def test_an_adapter_not_under_lora_dir_is_a_404(deployed: Deployed) -> None:
+    r = httpx.post(f"{deployed.url}/generate", timeout=60,
+                   headers={MULTIPLEXED: "nowhere"},
+                   json={"inputs": "O", "parameters": {"adapter_id": "nowhere"}})
+    assert r.status_code == 404, r.text
+    assert "nowhere" in r.json()["error"]
