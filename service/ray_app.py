@@ -53,6 +53,9 @@ class RayServeArgs(BaseModel):
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(
         16.0, gt=0, description="ongoing requests per replica autoscaling aims at")
+    upscale_delay_s: float = Field(30.0, ge=0, description="load held this long adds replicas")
+    downscale_delay_s: float = Field(600.0, ge=0,
+                                     description="idleness held this long removes replicas")
     max_ongoing_requests: int = Field(
         64, ge=1, description="requests a replica takes at once before the proxy queues")
     max_replicas_per_node: int | None = Field(
@@ -182,7 +185,9 @@ def build_app(args: dict[str, Any]) -> Application:
         name="attnserve",
         autoscaling_config={"min_replicas": options.min_replicas,
                             "max_replicas": options.max_replicas,
-                            "target_ongoing_requests": options.target_ongoing_requests},
+                            "target_ongoing_requests": options.target_ongoing_requests,
+                            "upscale_delay_s": options.upscale_delay_s,
+                            "downscale_delay_s": options.downscale_delay_s},
         max_ongoing_requests=options.max_ongoing_requests,
         ray_actor_options={"num_cpus": options.num_cpus},
         health_check_period_s=10, graceful_shutdown_timeout_s=30, **placement)(EngineReplica)
