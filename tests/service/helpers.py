@@ -162,6 +162,19 @@ def serving(artifact: Path, log_path: Path, args: tuple[str, ...] = (),
         proc.stop()
 
 
+def gated_serving(artifact: Path, log_path: Path, args: tuple[str, ...] = (),
+                  env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """As :func:`serving`, behind a step gate left open ("+") until a test holds it."""
+    proc = ServerProcess(artifact, log_path, args, env, gate=True)
+    try:
+        assert proc.gate is not None
+        proc.gate.send("+")
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
 def one_step(runner: ModelRunner, batch: Batch) -> list[TokenEvent]:
     """One step of ``batch`` on its own (its prefill, then decode steps): each row's token."""
     events = step_alone(runner, batch)

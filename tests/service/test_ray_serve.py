@@ -10,9 +10,7 @@ Skipped with its reason where Ray is not installed (``pip install .[ray]``) or c
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -28,7 +26,8 @@ from tests.service.lora_build import LoraBuild, merged_greedy
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install .[ray]")
 serve = pytest.importorskip("ray.serve")
 
-from service.ray_app import NODE_HEADER, REPLICA_HEADER, build_app  # noqa: E402
+from service.ray_app import NODE_HEADER, REPLICA_HEADER  # noqa: E402
+from tests.service.ray_cluster import serving_on_ray  # noqa: E402
 
 MULTIPLEXED = "serve_multiplexed_model_id"
 PROMPTS = ["ROMEO:", "First Citizen:", "To be, or not", "What say you", "O", "Hark"]
@@ -40,51 +39,22 @@ class Deployed:
     build: LoraBuild
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def deployed(lora_build: LoraBuild, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[Deployed]:
-    from ray.cluster_utils import Cluster
-
     root = tmp_path_factory.mktemp("ray-lora-dir")
     for name, directory in lora_build.adapters.items():
         shutil.copytree(directory, root / name)
-    # One proxy (on the head node) for both nodes: without this it would send every request
-    # to the replica on its own node while that one has room (Serve's default, right where
-    # every node runs a proxy, as deploy/ray/serve.yaml does).
-    os.environ["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] = "0"
-    try:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-        cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address, include_dashboard=False,
-                 runtime_env={"env_vars": {"RAY_SERVE_LOG_TO_STDERR": "0"}})
-    except Exception as exc:  # no shared memory, no ports: this machine cannot run Ray
-        pytest.skip(f"Ray cannot start a local cluster here: {type(exc).__name__}: {exc}")
-    port = free_port()
-    try:
-        serve.start(proxy_location="HeadOnly",
-                    http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({
+    with serving_on_ray({
             "serve": {"model": str(lora_build.artifact), "device": "cpu",
                       "intra_op_threads": 1, "max_loras": 2, "max_lora_rank": 8,
                       "runtime_lora": True, "lora_dir": str(root),
                       "served_model_name": "tiny"},
             "min_replicas": 2, "max_replicas": 2, "max_replicas_per_node": 1,
-            "max_adapters_per_replica": 2, "num_cpus": 1}),
-            name="attnserve", route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{port}"
-        wait_both_ready(url)
-        yield Deployed(url, lora_build)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        os.environ.pop("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", None)
+            "max_adapters_per_replica": 2, "num_cpus": 1}, head_cpus=1, worker_cpus=[1]
+    ) as local:
+        wait_both_ready(local.url)
+        yield Deployed(local.url, lora_build)
 
 
 def wait_both_ready(url: str, timeout: float = 240.0) -> None:

@@ -9,8 +9,6 @@ Skipped with its reason where Ray is not installed (``pip install .[ray]``) or c
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,15 +24,10 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install .[ray
 serve = pytest.importorskip("ray.serve")
 
 from service.ray_app import NODE_HEADER, RayServeArgs, build_app  # noqa: E402
+from tests.service.ray_cluster import serving_on_ray  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["ROMEO:", "First Citizen:", "To be, or not", "What say you"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_the_deploy_config_is_a_valid_serve_config_that_builds() -> None:
@@ -75,36 +68,16 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 180.0)
 @pytest.fixture(scope="module")
 def scaling(artifact: Path, reference_greedy: Callable[[list[int], int], list[int]],
             encode: Callable[[str], list[int]]) -> Iterator[Cluster]:
-    from ray.cluster_utils import Cluster as RayCluster
+    def right(prompt: str, tokens: list[int]) -> bool:
+        return tokens == reference_greedy(encode(prompt), len(tokens))
 
-    os.environ["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] = "0"  # one proxy, two nodes
-    try:
-        cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1})
-        worker = cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address, include_dashboard=False)
-    except Exception as exc:
-        pytest.skip(f"Ray cannot start a local cluster here: {type(exc).__name__}: {exc}")
-    port = free_port()
-    try:
-        serve.start(proxy_location="HeadOnly",
-                    http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({
+    with serving_on_ray({
             "serve": {"model": str(artifact), "device": "cpu", "intra_op_threads": 1},
             "min_replicas": 1, "max_replicas": 2, "max_replicas_per_node": 1,
             "target_ongoing_requests": 1, "upscale_delay_s": 0, "downscale_delay_s": 2,
-            "num_cpus": 1}), name="attnserve", route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _ready(url), "the first replica ready")
-
-        def right(prompt: str, tokens: list[int]) -> bool:
-            return tokens == reference_greedy(encode(prompt), len(tokens))
-
-        yield Cluster(url, cluster, worker, right)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        os.environ.pop("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", None)
+            "num_cpus": 1}, head_cpus=1, worker_cpus=[1]) as local:
+        wait_until(lambda: _ready(local.url), "the first replica ready")
+        yield Cluster(local.url, local.cluster, local.workers[0], right)
 
 
 def _ready(url: str) -> bool:

@@ -24,7 +24,7 @@ from service.engine.adapters import AdapterSet, AdapterSlots
 from service.engine.stats import KVStats, LoadStats
 from service.http.metrics import Metrics
 from tests.service.engine.test_adapters import MODULES, write_adapter
-from tests.service.helpers import ServerProcess, metric_value, wait_metric
+from tests.service.helpers import ServerProcess, gated_serving, metric_value, wait_metric
 from tests.service.lora_build import LoraBuild
 
 LORA_INFO = "attnserve_lora_requests_info"
@@ -93,19 +93,12 @@ def held(lora_build: LoraBuild, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[ServerProcess]:
     """The tiny Llama with two adapters over ONE slot, prefix caching in blocks of 4, behind
     a step gate (open until a test holds it)."""
-    log = tmp_path_factory.mktemp("gateway-metrics") / "server.log"
     alpha, beta = lora_build.adapters["alpha"], lora_build.adapters["beta"]
-    proc = ServerProcess(lora_build.artifact, log,
-                         ("--served-model-name", "tiny", "--device", "cpu", "--max-loras", "1",
-                          "--max-lora-rank", "8", "--lora-modules", f"alpha={alpha}",
-                          f"beta={beta}", "--prefix-block-size", "4"), gate=True)
-    try:
-        assert proc.gate is not None
-        proc.gate.send("+")
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from gated_serving(
+        lora_build.artifact, tmp_path_factory.mktemp("gateway-metrics") / "server.log",
+        ("--served-model-name", "tiny", "--device", "cpu", "--max-loras", "1",
+         "--max-lora-rank", "8", "--lora-modules", f"alpha={alpha}", f"beta={beta}",
+         "--prefix-block-size", "4"))
 
 
 def test_a_live_servers_gauges_while_one_adapter_runs_and_another_waits(

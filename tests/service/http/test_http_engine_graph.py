@@ -19,7 +19,7 @@ import pytest
 
 from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 from service.contract.manifest import verify_manifest
-from tests.service.helpers import ServerProcess, serving, wait_metric
+from tests.service.helpers import ServerProcess, gated_serving, serving, wait_metric
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
            "What say you, my good lord? I pray", "O", "KING HENRY:"]
@@ -37,15 +37,7 @@ def engine_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFact
 def server(engine_artifact: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
     """Runs freely behind a step gate, so a test can hold the engine while requests queue."""
-    proc = ServerProcess(engine_artifact, tmp_path_factory.mktemp("log") / "server.log",
-                         gate=True)
-    try:
-        assert proc.gate is not None
-        proc.gate.send("+")
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from gated_serving(engine_artifact, tmp_path_factory.mktemp("log") / "server.log")
 
 
 def test_manifest_lists_the_engine_graphs(engine_artifact: Path) -> None:
@@ -115,17 +107,10 @@ def tuned(engine_artifact: Path, poison: int, tmp_path_factory: pytest.TempPathF
           ) -> Iterator[ServerProcess]:
     """Prefix caching in blocks of 4, fixed prefill chunks of 16, a step gate and a poison
     token."""
-    proc = ServerProcess(engine_artifact, tmp_path_factory.mktemp("log") / "server.log",
-                         ("--prefix-block-size", "4", "--prefill-chunk-tokens", "16",
-                          "--no-adaptive-prefill-chunks"),
-                         env={"ATTNSERVE_TEST_POISON": str(poison)}, gate=True)
-    try:
-        assert proc.gate is not None
-        proc.gate.send("+")
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from gated_serving(engine_artifact, tmp_path_factory.mktemp("log") / "server.log",
+                             ("--prefix-block-size", "4", "--prefill-chunk-tokens", "16",
+                              "--no-adaptive-prefill-chunks"),
+                             env={"ATTNSERVE_TEST_POISON": str(poison)})
 
 
 @pytest.fixture(scope="module")
