@@ -14,7 +14,7 @@ Where it is looked for, in order: ``$ATTNSERVE_GGUF_OPS`` (the .so itself, e.g. 
 that ships it); the build for today's sources in ``.cache/gguf-ops/<key>/`` (a library built
 from other sources is not used); where the sources are not at hand (an installed package),
 ``.cache/gguf-ops/current``. A library built from older sources than these (its
-``attnserve_gguf_ops_level()`` below :data:`OPS_LEVEL`) is never used. Nothing here imports
+``attnserve_gguf_ops_level()`` below ``build.OPS_LEVEL``) is never used. Nothing here imports
 onnxruntime or builds anything.
 
 A portable build (``python -m service.ops.build --portable``, the one the serving image
@@ -46,13 +46,6 @@ GATHER_OP = "GgufGather"
 # Q4_0 / IQ4_NL out (8 rows interleaved, the same bytes; service/ops/gguf_repacked.h)
 ROWS_LAYOUT = "rows"
 REPACKED_LAYOUT = "repacked_8x8"
-# What the op library must understand for the graphs this attnserve exports: 1 GgufMatMul
-# and GgufGather over the file's rows at int8 activations, 2 and activations="float", 3 and
-# layout="repacked_8x8". build.py compiles it into the library (attnserve_gguf_ops_level);
-# a library reporting less, or nothing (built from older sources), is not loaded: ONNX
-# Runtime hands an op only the attributes it asks for, so it would ignore the ones it does
-# not know and compute a repacked or float-activation node wrongly.
-OPS_LEVEL = 3
 
 
 class _SessionOptions(Protocol):
@@ -119,18 +112,20 @@ def _library_level(library: str, _mtime_ns: int) -> int:
 
 
 def _usable(library: Path) -> Path | None:
+    from service.ops import build  # its OPS_LEVEL: what today's graphs need (build.py)
+
     reason = cpu_mismatch(library)
     if reason is None:
         try:
             level = library_level(library)
         except OSError as exc:  # e.g. a ggml library beside it missing
             level, reason = -1, f"it cannot be loaded: {exc}"
-        if level >= OPS_LEVEL:
+        if level >= build.OPS_LEVEL:
             return library
         reason = reason or (
             f"built from older sources (op level {level}, this attnserve's graphs need "
-            f"{OPS_LEVEL}: it would ignore attributes it does not know); rebuild it with "
-            "`make gguf-ops` (python -m service.ops.build)")
+            f"{build.OPS_LEVEL}: it would ignore attributes it does not know); rebuild it "
+            "with `make gguf-ops` (python -m service.ops.build)")
     if str(library) not in _warned:
         _warned.add(str(library))
         log.warning("GGUF op library %s not loaded: %s; GGUF-kernel graphs cannot run here",

@@ -51,8 +51,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from service.ops import OPS_LEVEL
-
 SOURCE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SOURCE_DIR.parents[1]
 CACHE_DIR = REPO_ROOT / ".cache" / "gguf-ops"
@@ -79,6 +77,13 @@ MIRROR_ENV = "ATTNSERVE_DEBIAN_MIRROR"
 APT_SOURCES = Path("/etc/apt")
 DEFAULT_JOBS = 2
 
+# What the op library must understand for the graphs this attnserve exports: 1 GgufMatMul
+# and GgufGather over the file's rows at int8 activations, 2 and activations="float", 3 and
+# layout="repacked_8x8". Compiled into the library (attnserve_gguf_ops_level, below), which
+# service.ops does not load when it reports less, or nothing (built from older sources):
+# ONNX Runtime hands an op only the attributes it asks for, so it would ignore the ones it
+# does not know and compute a repacked or float-activation node wrongly.
+OPS_LEVEL = 3
 # Explicit -mno-* options win over -march=native in GCC and clang: AMX kernels crashed
 # ggml on AMX hosts (see benchmarks/llamacpp_env.py), and the op needs none.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"

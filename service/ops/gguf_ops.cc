@@ -19,7 +19,7 @@ std::vector<OrtCustomOpDomain*> g_domains;
 
 }  // namespace
 
-// service.ops.OPS_LEVEL of the sources this library was built from (build.py passes it).
+// OPS_LEVEL of the sources this library was built from (build.py passes it).
 extern "C" __attribute__((visibility("default"))) int attnserve_gguf_ops_level() {
   return ATTNSERVE_GGUF_OPS_LEVEL;
 }

@@ -45,7 +45,7 @@ def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(service.ops, "_warned", set())
     # The stand-in .so is never loaded: where the CPU passes, its level is taken as this
     # attnserve's (the level check itself: tests/service/ops/test_gguf_matmul.py).
-    monkeypatch.setattr(service.ops, "library_level", lambda _: service.ops.OPS_LEVEL)
+    monkeypatch.setattr(service.ops, "library_level", lambda _: build.OPS_LEVEL)
 
 
 def test_portable_build_requires_x86_64_v3_and_is_not_native() -> None:

@@ -476,9 +476,9 @@ def test_register_and_library_path(gguf_ops_library: Path,
 
 
 def test_the_library_reports_the_level_of_its_sources(gguf_ops_library: Path) -> None:
-    assert f"-DATTNSERVE_GGUF_OPS_LEVEL={service.ops.OPS_LEVEL}" in build.cmake_args()
-    assert f"-DATTNSERVE_GGUF_OPS_LEVEL={service.ops.OPS_LEVEL}" in build.cmake_args(True)
-    assert service.ops.library_level(gguf_ops_library) == service.ops.OPS_LEVEL
+    assert f"-DATTNSERVE_GGUF_OPS_LEVEL={build.OPS_LEVEL}" in build.cmake_args()
+    assert f"-DATTNSERVE_GGUF_OPS_LEVEL={build.OPS_LEVEL}" in build.cmake_args(True)
+    assert service.ops.library_level(gguf_ops_library) == build.OPS_LEVEL
     # a library without the function (built before it existed): level 0
     assert service.ops.library_level(gguf_ops_library.parent / "libggml-base.so.0") == 0
 
@@ -492,7 +492,7 @@ def test_a_library_of_older_sources_is_not_loaded(gguf_ops_library: Path,
     from service.contract.sessions import GgufOpsMissing, register_gguf_ops
 
     monkeypatch.setattr(service.ops, "_warned", set())
-    monkeypatch.setattr(service.ops, "OPS_LEVEL", service.ops.OPS_LEVEL + 1)
+    monkeypatch.setattr(build, "OPS_LEVEL", build.OPS_LEVEL + 1)
     monkeypatch.setenv(service.ops.ENV_VAR, str(gguf_ops_library))
     caplog.set_level("WARNING", logger="service.ops")
     assert service.ops.library_path() is None
