@@ -150,19 +150,14 @@ class EngineReplica:
         root = Path(runtime.settings.lora_dir)
         weights = await asyncio.to_thread(
             lambda: adapters.read(confined(root / name, root), name))
-        adapters.add(weights)
-        runtime.adapter_roots[name] = str(weights.path)
-        runtime.metrics.allow_adapter(name)
+        runtime.add_adapter(weights)
         self.http_app.openapi_schema = None  # the document's model names change
         log.info("adapter %s loaded for multiplexed requests", name)
         return _LoadedAdapter(self, name)
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving ``name`` (blocking: waits up to drain_timeout for its requests)."""
-        runtime = self._runtime
-        runtime.metrics.adapter_counts.sync()
-        runtime.engine.adapters.remove(name, runtime.settings.drain_timeout)
-        runtime.adapter_roots.pop(name, None)
+        self._runtime.remove_adapter(name)
         self.http_app.openapi_schema = None
         log.info("adapter %s unloaded (least recently used)", name)
 

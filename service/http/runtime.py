@@ -17,6 +17,7 @@ import numpy as np
 from service import ops
 from service.artifact.loader import Artifact
 from service.contract import io_spec as io
+from service.engine.adapters import AdapterWeights
 from service.engine.engine import Engine, EngineConfig
 from service.http.admission import AdmissionGate
 from service.http.metrics import Metrics
@@ -101,6 +102,24 @@ class Runtime:
             return list(self.adapter_roots)
         adapters = self.engine.adapters
         return adapters.names() if adapters is not None else []
+
+    def add_adapter(self, weights: AdapterWeights) -> None:
+        """Serve ``weights`` by its name from now on (a run-time load: the route's, or Ray
+        Serve's multiplexing); ValueError if the name is taken."""
+        assert self.engine is not None and self.engine.adapters is not None
+        self.engine.adapters.add(weights)
+        self.adapter_roots[weights.name] = str(weights.path)
+        self.metrics.allow_adapter(weights.name)
+
+    def remove_adapter(self, name: str) -> bool:
+        """Stop serving ``name``, waiting up to drain_timeout for its requests (False: they
+        outlasted it; it leaves when they finish). UnknownAdapter if it is not served."""
+        assert self.engine is not None and self.engine.adapters is not None
+        self.metrics.adapter_counts.sync()  # its loads and evictions, before they go
+        done = self.engine.adapters.remove(name, self.settings.drain_timeout)
+        if done:
+            self.adapter_roots.pop(name, None)
+        return done
 
     @property
     def attention_takes_adapters(self) -> bool:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,16 @@ class LocalCluster:
     url: str  # the proxy
     cluster: Any  # ray.cluster_utils.Cluster
     workers: list[Any]  # the nodes added to the head, in order
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 240.0) -> None:
+    """Until ``condition()`` holds (bounded): the cluster's state (replicas placed, engines
+    loaded) is Ray's and Serve's, which signal nothing a test could wait on, only report it
+    when asked."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.25)
 
 
 def free_port() -> int:

@@ -11,7 +11,6 @@ Skipped with its reason where Ray is not installed (``pip install .[ray]``) or c
 from __future__ import annotations
 
 import shutil
-import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install .[ray
 serve = pytest.importorskip("ray.serve")
 
 from service.ray_app import NODE_HEADER, REPLICA_HEADER  # noqa: E402
-from tests.service.ray_cluster import serving_on_ray  # noqa: E402
+from tests.service.ray_cluster import serving_on_ray, wait_until  # noqa: E402
 
 MULTIPLEXED = "serve_multiplexed_model_id"
 PROMPTS = ["ROMEO:", "First Citizen:", "To be, or not", "What say you", "O", "Hark"]
@@ -57,20 +56,20 @@ def deployed(lora_build: LoraBuild, tmp_path_factory: pytest.TempPathFactory
         yield Deployed(local.url, lora_build)
 
 
-def wait_both_ready(url: str, timeout: float = 240.0) -> None:
-    """Until /ready has answered 200 from two replicas on two nodes (bounded)."""
+def wait_both_ready(url: str) -> None:
+    """Until /ready has answered 200 from two replicas on two nodes."""
     ready: set[tuple[str, str]] = set()
-    deadline = time.monotonic() + timeout
-    while len(ready) < 2:
-        assert time.monotonic() < deadline, f"replicas ready: {ready}"
+
+    def another_ready() -> bool:
         try:
             r = httpx.get(f"{url}/ready", timeout=10)
         except httpx.TransportError:
-            r = None  # the application is not routed yet
-        if r is not None and r.status_code == 200:
+            return False  # the application is not routed yet
+        if r.status_code == 200:
             ready.add((r.headers[REPLICA_HEADER], r.headers[NODE_HEADER]))
-        else:
-            time.sleep(0.2)  # a bounded poll of a condition, not a synchronisation
+        return len(ready) == 2
+
+    wait_until(another_ready, "two replicas ready")
     assert len({node for _, node in ready}) == 2
 
 

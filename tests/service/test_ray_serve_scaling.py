@@ -10,7 +10,6 @@ Skipped with its reason where Ray is not installed (``pip install .[ray]``) or c
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install .[ray
 serve = pytest.importorskip("ray.serve")
 
 from service.ray_app import NODE_HEADER, RayServeArgs, build_app  # noqa: E402
-from tests.service.ray_cluster import serving_on_ray  # noqa: E402
+from tests.service.ray_cluster import serving_on_ray, wait_until  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["ROMEO:", "First Citizen:", "To be, or not", "What say you"]
@@ -55,14 +54,6 @@ class Cluster:
 def replicas_running() -> int:
     status = serve.status().applications["attnserve"].deployments["attnserve"]
     return int(status.replica_states.get("RUNNING", 0))
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 180.0) -> None:
-    """A bounded poll of cluster state (Serve reports it, nothing signals it)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.25)
 
 
 @pytest.fixture(scope="module")

@@ -71,15 +71,13 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request,
         directory = root / directory
     try:
         weights = await asyncio.to_thread(_read, adapters, directory, root, name)
-        adapters.add(weights)
+        runtime.add_adapter(weights)
     except AdapterError as exc:
         raise _refused(f"The lora adapter '{name}' was not loaded: {exc}",
                        "invalid_adapter", "lora_path") from None
     except ValueError:  # loaded by a request that raced this one
         raise _refused(f"The lora adapter '{name}' has already been loaded.",
                        "adapter_exists") from None
-    runtime.adapter_roots[name] = str(weights.path)
-    runtime.metrics.allow_adapter(name)
     request.app.openapi_schema = None  # the document's model names change
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -92,12 +90,11 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request,
                         **openai_errors(401, 404, 409, 413, 422, 503)})
 async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request,
                               runtime: ReadyRuntime) -> PlainTextResponse:
-    adapters = _adapters(runtime)
+    _adapters(runtime)
     name = body.lora_name
     wait = runtime.settings.drain_timeout
-    runtime.metrics.adapter_counts.sync()  # its loads and evictions, before they go
     try:
-        done = await asyncio.to_thread(adapters.remove, name, wait)
+        done = await asyncio.to_thread(runtime.remove_adapter, name)
     except UnknownAdapter:
         raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "not_found",
                        param="lora_name", code="model_not_found",
@@ -108,5 +105,4 @@ async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request,
                             f"{wait:g} s (drain_timeout): it takes no new requests and is "
                             "removed once they finish.", "conflict", param="lora_name",
                        code="adapter_busy")
-    runtime.adapter_roots.pop(name, None)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
