@@ -210,14 +210,12 @@ def of_settings(cls: type[T], options: ServeOptions, **others: Any) -> T:
 
 @dataclass(frozen=True)
 class Limits:
-    """Token limits after resolving the defaults against the model's context length."""
+    """The token limits a setting may leave unset, resolved against the model's context
+    length (every other limit is its setting as given)."""
 
     max_input_tokens: int
     max_total_tokens: int
     max_new_tokens: int
-    max_batch_size: int
-    max_batch_tokens: int
-    max_queued_requests: int
 
     @classmethod
     def resolve(cls, settings: Settings, context_length: int) -> Limits:
@@ -233,7 +231,4 @@ class Limits:
         if total > settings.max_batch_tokens:
             raise ValueError(f"max_total_tokens {total} exceeds max_batch_tokens "
                              f"{settings.max_batch_tokens}: a long request could never run")
-        return cls(max_input_tokens=max_input, max_total_tokens=total, max_new_tokens=max_new,
-                   max_batch_size=settings.max_batch_size,
-                   max_batch_tokens=settings.max_batch_tokens,
-                   max_queued_requests=settings.max_queued_requests)
+        return cls(max_input_tokens=max_input, max_total_tokens=total, max_new_tokens=max_new)

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
-from service.contract.adapter_spec import lora_file
+from service.contract.adapter_spec import adapter_modules, lora_file
 from service.contract.manifest import Manifest
 
 Runs = Literal["steps", "long passes", "fallback"]
@@ -56,6 +56,32 @@ class GraphEntry:
     cuda: bool = False  # may run on CUDA (a float16 engine.onnx; decode steps captured)
     adapters: bool = False  # LoRA adapters per row (<stem>_lora.onnx, adapter_spec.py)
     kernel: Kernel = "onnxruntime"
+
+    @property
+    def mixes_chunks(self) -> bool:
+        """A second group of rows (newcomers' prompts, a chunk) rides in each pass."""
+        return self.row_groups == 2
+
+    @classmethod
+    def of_inputs(cls, input_names: Collection[str], cuda: bool = False) -> GraphEntry:
+        """The steps entry of an engine graph with these inputs, for a session built by
+        hand (tests, benchmarks); a served graph's entry is the artifact's table's."""
+        mixed = es.chunk_name(io.INPUT_IDS) in input_names
+        file = es.ENGINE_MIXED_FILE if mixed else es.ENGINE_FILE
+        adapters = bool(adapter_modules(list(input_names)))
+        return cls(lora_file(file) if adapters else file, "steps",
+                   row_groups=2 if mixed else 1, cuda=cuda, adapters=adapters)
+
+    def check_inputs(self, input_names: Collection[str]) -> None:
+        """ValueError unless a graph with these inputs computes what this entry says
+        (its row groups, its adapters): the one place a table's entry meets a session."""
+        if self.runs == "fallback":
+            return
+        mixed = es.chunk_name(io.INPUT_IDS) in input_names
+        adapters = bool(adapter_modules(list(input_names)))
+        if mixed != self.mixes_chunks or adapters != self.adapters:
+            raise ValueError(f"the session does not compute what {self.file} does "
+                             f"({self.describe()})")
 
     def describe(self) -> str:
         """One line for logs and docs."""

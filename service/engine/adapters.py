@@ -45,6 +45,7 @@ from service.contract.peft_adapter import (
     weights_path,
 )
 from service.engine.request import AdapterRef
+from service.settings import default_of
 
 BASE = 0  # the id (and slot) of no adapter
 
@@ -102,21 +103,31 @@ def read_adapter_weights(directory: Path, name: str, widths: Mapping[str, tuple[
                           modules)
 
 
+@dataclass(frozen=True)
+class AdapterLimits:
+    """The adapter graph's slots: the settings of these names (service/settings.py), which
+    the engine passes by name (``of_settings``)."""
+
+    max_loras: int = default_of("max_loras")  # S: adapters resident at once
+    max_lora_rank: int = default_of("max_lora_rank")  # R: the largest rank a slot holds
+
+
 class AdapterSlots:
     """The adapter graph's stacked inputs: per module A (S·R, in) and B (S·R, out), slot s
     (1-based) in rows [(s − 1)·R, s·R). Written only between passes (the engine thread)."""
 
-    def __init__(self, widths: Mapping[str, tuple[int, int]], slots: int, rank: int) -> None:
-        if slots < 1 or rank < 1:
+    def __init__(self, widths: Mapping[str, tuple[int, int]], limits: AdapterLimits) -> None:
+        if limits.max_loras < 1 or limits.max_lora_rank < 1:
             raise ValueError("an adapter graph needs at least one slot of rank ≥ 1")
         self.widths = dict(widths)
-        self.count, self.rank = slots, rank
-        rows = slots * rank
+        self.limits = limits
+        self.rank = limits.max_lora_rank  # R: rows of each slot
+        rows = limits.max_loras * self.rank
         self.buffers: dict[str, np.ndarray] = {}  # input name → (S·R, in or out) float32
         for module, (width_in, width_out) in self.widths.items():
             self.buffers[spec.lora_a(module)] = np.zeros((rows, width_in), np.float32)
             self.buffers[spec.lora_b(module)] = np.zeros((rows, width_out), np.float32)
-        self._columns = np.arange(rows) // rank + 1  # (S·R,) the slot of each column
+        self._columns = np.arange(rows) // self.rank + 1  # (S·R,) the slot of each column
 
     @property
     def nbytes(self) -> int:
@@ -326,7 +337,7 @@ class AdapterSet:
 
     def _free_slot(self) -> int | None:
         taken = set(self._resident.values())
-        free = next((s for s in range(1, self.slots.count + 1) if s not in taken), None)
+        free = next((s for s in range(1, self.slots.limits.max_loras + 1) if s not in taken), None)
         if free is not None:
             return free
         idle = next((i for i in self._resident if self._by_id[i].running == 0), None)

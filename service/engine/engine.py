@@ -28,7 +28,7 @@ from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.contract.graphs import GraphEntry, GraphTable
 from service.contract.manifest import load_manifest, verify_manifest
-from service.engine.adapters import AdapterSet, lora_entries
+from service.engine.adapters import AdapterLimits, AdapterSet, lora_entries
 from service.engine.draft import DraftModel
 from service.engine.engine_graph_runner import EngineGraphRunner, takes_inputs_of
 from service.engine.model_graph_runner import ModelGraphRunner
@@ -158,7 +158,7 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     if steps.runs == "fallback":
         return ModelGraphRunner(create_session(artifact_dir / steps.file, engine.device,
                                                engine.intra_op_threads, spin_wait=spin_wait),
-                                model, pool)
+                                model, pool, entry=steps)
     if on_cuda:  # the prefix store is host memory: none on the device (cuda.py)
         return EngineGraphRunner(
             create_session(artifact_dir / steps.file, "cuda", engine.intra_op_threads,
@@ -175,8 +175,9 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
             del extra[graph]
     for graph in extra:
         log.info("%s runs %s", artifact_dir.name, graph.describe())
-    return EngineGraphRunner(session, model, pool, long_passes=extra, adapter_slots=(
-        (engine.max_loras, engine.max_lora_rank) if adapters else (0, 0)), steps=steps)
+    return EngineGraphRunner(session, model, pool, long_passes=extra, steps=steps,
+                             adapter_limits=of_settings(AdapterLimits, engine)
+                             if adapters else None)
 
 
 def add_startup_adapters(adapters: AdapterSet | None, config: EngineConfig) -> None:

@@ -48,7 +48,13 @@ from service.contract import adapter_spec
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
 from service.contract.graphs import GraphEntry, graph_for_pass
-from service.engine.adapters import AdapterSet, AdapterSlots, adapter_widths, token_slots
+from service.engine.adapters import (
+    AdapterLimits,
+    AdapterSet,
+    AdapterSlots,
+    adapter_widths,
+    token_slots,
+)
 from service.engine.cuda import UNCAPTURED, CapturedDecode, DeviceSampler, SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.pooled_runner import PooledRunner
@@ -63,17 +69,18 @@ class EngineGraphRunner(PooledRunner):
                  pool: PoolConfig,
                  long_passes: Mapping[GraphEntry, ort.InferenceSession] | None = None,
                  device: str = "cpu", cuda_graphs: bool = False,
-                 adapter_slots: tuple[int, int] = (0, 0), steps: GraphEntry | None = None
+                 adapter_limits: AdapterLimits | None = None, steps: GraphEntry | None = None
                  ) -> None:
         """``session``: the graph of every pass (engine.onnx or engine_mixed.onnx);
         ``long_passes``: the artifact's float32-weights graph, for passes of at least its
         entry's ``from_tokens`` tokens (module docstring). ``device`` "cuda": a float16
         graph on the CUDA provider, the pool in device memory, decode steps replayed as
         CUDA graphs with ``cuda_graphs`` (the session must have been created with them;
-        cuda.py). An adapter graph (``<stem>_lora.onnx``) applies each row's LoRA adapter:
-        ``adapter_slots`` is then (resident adapters, rank per slot) (adapters.py).
-        ``steps``: ``session``'s entry in the artifact's graph table (what /info reports);
-        None (a session built by hand): the entry its inputs describe."""
+        cuda.py). An adapter graph (``<stem>_lora.onnx``) applies each row's LoRA adapter,
+        in as many slots of which rank as ``adapter_limits`` says (default: the settings'
+        defaults; adapters.py). ``steps``: ``session``'s entry in the artifact's graph
+        table, what every pass and /info read of it; None (a session built by hand): the
+        entry its inputs describe."""
         n = config.n_layers
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
@@ -95,26 +102,23 @@ class EngineGraphRunner(PooledRunner):
         self.device = device
         self._greedy = es.GREEDY_IDS in outputs  # a float16 graph's argmax output
         self._past, self._present = io.past_names(n), io.present_names(n)
-        # engine_mixed.onnx (export/engine_graph.py) has a second group of rows, so a
-        # prompt chunk or newcomers' prompts ride along with a decode step: one read of
-        # the weights for both.
-        self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in inputs
-        modules = adapter_spec.adapter_modules([i.name for i in session.get_inputs()])
-        steps = steps or _entry_of(self.mixes_chunks, bool(modules), device)
-        if (steps.row_groups == 2) != self.mixes_chunks or steps.adapters != bool(modules):
-            raise ValueError(f"the session does not compute what {steps.file} does "
-                             f"({steps.describe()})")
-        self.graph_file = steps.file
+        steps = steps or GraphEntry.of_inputs(inputs, cuda=device != "cpu")
         long_passes = dict(long_passes or {})
         for graph, other in long_passes.items():
             if not takes_inputs_of(session, other):
                 raise ValueError(f"{graph.file} does not take the engine graph's inputs")
+        # which graph runs which pass: the table's entries this runner serves, steps first,
+        # each checked against its session once (_Graph); every later fact is the entry's
+        self.graphs: tuple[GraphEntry, ...] = (steps, *long_passes)
+        self._sessions = {g.file: _Graph(g, s) for g, s in ((steps, session),
+                                                             *long_passes.items())}
+        self.graph_file = steps.file
+        # engine_mixed.onnx (export/engine_graph.py) has a second group of rows, so a
+        # prompt chunk or newcomers' prompts ride along with a decode step: one read of
+        # the weights for both.
+        self.mixes_chunks = steps.mixes_chunks
         if device != "cpu" and (self.mixes_chunks or long_passes):
             raise ValueError(f"on {device}, the engine runs {es.ENGINE_FILE} alone")
-        # which graph runs which pass: the table's entries this runner serves, steps first
-        self.graphs: tuple[GraphEntry, ...] = (steps, *long_passes)
-        self._sessions = {g.file: _Graph(s) for g, s in ((self.graphs[0], session),
-                                                          *long_passes.items())}
         self.float32_passes = 0  # passes run on float32 weights
         scratch = (1, self.shape.heads, 1, self.shape.head_dim)  # (1, nkv, 1, hs)
         self._scratch = [np.zeros(scratch, self.shape.dtype) for _ in self._past]
@@ -127,12 +131,12 @@ class EngineGraphRunner(PooledRunner):
             self._sampler = DeviceSampler(device)
         self.samples_on_device = self._sampler is not None
         self.adapters = None
-        if modules:
+        if steps.adapters:
             if device != "cpu" or long_passes or cuda_graphs:
                 raise ValueError("an adapter graph runs on the CPU, alone")
             widths = adapter_widths({i.name: i.shape for i in session.get_inputs()})
-            self.adapters = AdapterSet(AdapterSlots(widths, *adapter_slots))
-        elif any(adapter_slots):
+            self.adapters = AdapterSet(AdapterSlots(widths, adapter_limits or AdapterLimits()))
+        elif adapter_limits is not None:
             raise ValueError("adapter slots for a graph that applies no LoRA adapter")
 
     @property
@@ -179,7 +183,7 @@ class EngineGraphRunner(PooledRunner):
                                 tokens)
         logits = self._bind(graph, rows, self.pool.pointers(rows.lo), self.max_len, "")
         chunk_logits = None  # bound as an output: must outlive the run
-        if graph.mixes_chunks:  # a twin may have a second group the main graph lacks
+        if graph.entry.mixes_chunks:  # a twin may have a second group the main graph lacks
             if chunk is None:
                 chunk_logits = self._bind(graph, _IDLE_ROW, self._scratch_pointers, 1,
                                           es.CHUNK_PREFIX)
@@ -187,7 +191,7 @@ class EngineGraphRunner(PooledRunner):
                 chunk_logits = self._bind(graph, chunk, self.pool.pointers(chunk.lo),
                                           self.max_len, es.CHUNK_PREFIX)
         if self.adapters is not None:
-            self._bind_adapters(graph, [rows, chunk or _IDLE_ROW] if graph.mixes_chunks
+            self._bind_adapters(graph, [rows, chunk or _IDLE_ROW] if graph.entry.mixes_chunks
                                 else [rows])
         graph.session.run_with_iobinding(graph.binding, self._shrink
                                          if tokens > len(rows.ids) else self._plain)
@@ -436,23 +440,16 @@ class EngineGraphRunner(PooledRunner):
                      np.array([total - 1]), total, index[None, :], self._lora([slot]))
 
 
-def _entry_of(mixes_chunks: bool, adapters: bool, device: str) -> GraphEntry:
-    """The graph table's entry for a steps graph with these inputs (contract/graphs.py)."""
-    file = es.ENGINE_MIXED_FILE if mixes_chunks else es.ENGINE_FILE
-    return GraphEntry(adapter_spec.lora_file(file) if adapters else file, "steps",
-                      row_groups=2 if mixes_chunks else 1, cuda=device != "cpu",
-                      adapters=adapters)
-
-
 class _Graph:
     """A session and its IO binding, reused from pass to pass (see ``_bind``)."""
 
-    def __init__(self, session: ort.InferenceSession) -> None:
+    def __init__(self, entry: GraphEntry, session: ort.InferenceSession) -> None:
+        entry.check_inputs({i.name for i in session.get_inputs()})
+        self.entry = entry
         self.session = session
         self.binding = session.io_binding()
         self.kv_bound: dict[str, tuple[int, int, int]] = {}  # group → (address, rows, length)
         self.lora_bound = -1  # adapter slots bound (adapter graphs; -1: none yet)
-        self.mixes_chunks = es.chunk_name(io.INPUT_IDS) in {i.name for i in session.get_inputs()}
 
 
 def takes_inputs_of(session: ort.InferenceSession, other: ort.InferenceSession) -> bool:

@@ -60,9 +60,11 @@ class ModelGraphRunner(PooledRunner):
     """ModelRunner over model.onnx: the past gathered from the pool, the new columns put back."""
 
     def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig,
-                 pool: PoolConfig, resident: bool | None = None) -> None:
+                 pool: PoolConfig, resident: bool | None = None,
+                 entry: GraphEntry | None = None) -> None:
         """``resident``: keep a steady batch's presents in ONNX Runtime between decode
-        steps (default: when the session runs off the host)."""
+        steps (default: when the session runs off the host). ``entry``: model.onnx's in
+        the artifact's graph table (what /info reports); None: a plain model.onnx's."""
         n = config.n_layers
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
@@ -72,8 +74,8 @@ class ModelGraphRunner(PooledRunner):
             raise ValueError(f"model.onnx does not follow the I/O contract: missing {missing}")
         super().__init__(config, pool, np.dtype(config.kv_dtype))
         self.session = session
-        self.graph_file = io.MODEL_FILE
-        self.graphs: tuple[GraphEntry, ...] = (GraphEntry(io.MODEL_FILE, "fallback"),)
+        self.graphs: tuple[GraphEntry, ...] = (entry or GraphEntry(io.MODEL_FILE, "fallback"),)
+        self.graph_file = self.graphs[0].file
         self.provider = session.get_providers()[0]
         self.device = "cuda" if self.provider == CUDA else "cpu"
         self._past = io.past_names(n)

@@ -35,7 +35,7 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         opened = artifact or open_artifact(settings)
-        metrics = Metrics(opened.limits.max_batch_tokens)
+        metrics = Metrics(settings.max_batch_tokens)
         config = opened.config
         # A grammar ends by emitting eos; a tokenizer without one gets no structured output.
         grammars = None if config.eos_token_id is None else GrammarCompiler(
@@ -44,7 +44,7 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
             opened.codec, opened.limits, config.eos_token_id,
             opened.default_max_new_tokens,
             vocab_size=config.vocab_size, extra_eos_ids=opened.extra_eos_ids,
-            grammars=grammars))
+            grammars=grammars, max_queued_requests=settings.max_queued_requests))
         app.state.runtime = runtime
         loader = asyncio.create_task(_load(runtime, on_fatal))
         try:

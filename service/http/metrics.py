@@ -154,7 +154,7 @@ class LoraRequestsInfo:
             return
         running, waiting = self.adapters.activity()
         family = GaugeMetricFamily(self.NAME, self.HELP, labels=self.LABELS)
-        family.add_metric([str(self.adapters.slots.count), ",".join(running),
+        family.add_metric([str(self.adapters.slots.limits.max_loras), ",".join(running),
                            ",".join(waiting)], self.clock())
         yield family
 
@@ -290,8 +290,10 @@ class Metrics:
         self.lora_resident_bytes = Gauge(
             "attnserve_lora_resident_bytes", "Bytes of the resident adapters' own tensors.",
             registry=r)
-        self.info = Gauge("attnserve_model_info", "The served model (value is always 1).",
-                          ["model", "provider", "artifact_sha256"], registry=r)
+        self.info = Gauge("attnserve_model_info", "The served model and the graph its "
+                          "passes run, on whose kernels (value is always 1).",
+                          ["model", "provider", "artifact_sha256", "decode_graph", "kernel"],
+                          registry=r)
         self.lora_info = LoraRequestsInfo()
         r.register(self.lora_info)  # a custom collector: read at scrape
         self.cache_config = Gauge(
@@ -319,9 +321,12 @@ class Metrics:
         """``name`` is served (--lora-modules, or loaded at run time): it may be a label."""
         self.adapter_labels.allow(name, configured)
 
-    def set_model_info(self, model: str, provider: str, artifact_sha256: str) -> None:
-        """Called once the sessions exist, when the active provider is known."""
-        self.info.labels(model=model, provider=provider, artifact_sha256=artifact_sha256).set(1)
+    def set_model_info(self, model: str, provider: str, artifact_sha256: str,
+                       decode_graph: str, kernel: str) -> None:
+        """Called once the sessions exist, when the active provider and the graph the
+        steps run (the graph table's entry the runner bound) are known."""
+        self.info.labels(model=model, provider=provider, artifact_sha256=artifact_sha256,
+                         decode_graph=decode_graph, kernel=kernel).set(1)
 
     # -- HTTP layer -------------------------------------------------------------------
 

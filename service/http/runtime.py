@@ -162,7 +162,9 @@ def load_engine(runtime: Runtime) -> None:
     attention.run([config.start_token_id], ["weights"], [0])  # pages in layer 0 only
     log.info("model %s on %s (%s), loaded and warmed up in %.0f ms", artifact.name,
              engine.provider, engine.graph_file, (time.perf_counter() - started) * 1000)
-    runtime.metrics.set_model_info(artifact.name, engine.provider, artifact.sha256)
+    steps = engine.graphs[0]
+    runtime.metrics.set_model_info(artifact.name, engine.provider, artifact.sha256,
+                                   steps.file, steps.kernel)
     runtime.metrics.watch_kv_resident(engine.runner.kv_resident_bytes)
     if engine.adapters is not None:
         runtime.metrics.watch_adapters(engine.adapters)

@@ -16,7 +16,7 @@ from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.engine.grammar import Grammar, GrammarCompiler, GrammarError, GrammarKind
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
-from service.settings import Limits
+from service.settings import Limits, default_of
 
 
 class InputError(ValueError):
@@ -37,6 +37,7 @@ class Validator:
     vocab_size: int = 0  # the model's logits width; 0: the tokenizer's
     extra_eos_ids: tuple[int, ...] = ()  # generation_config.json's eos_token_id list
     grammars: GrammarCompiler | None = None
+    max_queued_requests: int = default_of("max_queued_requests")  # the setting's
 
     def check_token_id(self, token: int, field: str) -> None:
         """Token ids a client names (stop_token_ids, logit_bias, /detokenize) must exist."""
@@ -85,9 +86,9 @@ class Validator:
 
     def check_count(self, count: int, field: str) -> None:
         """A list the queue can never hold is a client error (422), not overload (429)."""
-        if count > self.limits.max_queued_requests:
+        if count > self.max_queued_requests:
             raise InputError(field, f"{count} sequences in one request exceed "
-                                    f"max_queued_requests {self.limits.max_queued_requests}")
+                                    f"max_queued_requests {self.max_queued_requests}")
 
     def max_new_tokens(self, requested: int | None, prompt_tokens: int, field: str, *,
                        given: bool = True, author_default: int | None = None) -> int:

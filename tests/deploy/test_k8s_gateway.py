@@ -159,12 +159,12 @@ def test_the_metric_flags_name_gauges_attnserve_exposes(rendered: dict[str, dict
                                                         tmp_path: Path) -> None:
     """Every metric flag names a gauge of a real /metrics exposition (a server with
     adapters and a prefix cache), with the labels the picker reads."""
-    from service.engine.adapters import AdapterSet, AdapterSlots
+    from service.engine.adapters import AdapterLimits, AdapterSet, AdapterSlots
     from service.http.metrics import Metrics
     from tests.service.engine.test_adapters import MODULES, write_adapter
 
     metrics = Metrics(max_batch_tokens=64)
-    adapters = AdapterSet(AdapterSlots(MODULES, slots=2, rank=8))
+    adapters = AdapterSet(AdapterSlots(MODULES, AdapterLimits(max_loras=2, max_lora_rank=8)))
     write_adapter(tmp_path / "a", 4, seed=0)
     adapters.add(adapters.read(tmp_path / "a", "a"))
     metrics.watch_adapters(adapters)

@@ -17,6 +17,7 @@ from safetensors.numpy import save_file
 
 from service.contract.peft_adapter import AdapterError
 from service.engine.adapters import (
+    AdapterLimits,
     AdapterSet,
     AdapterSlots,
     UnknownAdapter,
@@ -97,7 +98,7 @@ def test_a_missing_b_and_a_missing_directory_are_refused(tmp_path: Path) -> None
 def test_the_masked_stacked_product_is_each_tokens_own_adapter(tmp_path: Path) -> None:
     """((x·A_allᵀ) ⊙ mask)·B_all, the adapter graph's computation, equals s·(x·Aᵀ)·Bᵀ of
     the token's slot (zero for the base), with adapters of different ranks padded."""
-    slots = AdapterSlots(MODULES, slots=3, rank=8)
+    slots = AdapterSlots(MODULES, AdapterLimits(max_loras=3, max_lora_rank=8))
     pairs = {1: write_adapter(tmp_path / "one", 4, seed=4),
              3: write_adapter(tmp_path / "three", 8, seed=5)}
     slots.write(1, read_adapter_weights(tmp_path / "one", "one", MODULES, 8))
@@ -122,7 +123,7 @@ def test_the_masked_stacked_product_is_each_tokens_own_adapter(tmp_path: Path) -
 
 
 def test_a_slot_written_again_holds_only_the_new_adapter(tmp_path: Path) -> None:
-    slots = AdapterSlots(MODULES, slots=1, rank=8)
+    slots = AdapterSlots(MODULES, AdapterLimits(max_loras=1, max_lora_rank=8))
     write_adapter(tmp_path / "wide", 8, seed=7)
     narrow_modules = {"model.layers.0.self_attn.q_proj": (8, 8)}
     write_adapter(tmp_path / "narrow", 2, seed=8, modules=narrow_modules)
@@ -134,7 +135,7 @@ def test_a_slot_written_again_holds_only_the_new_adapter(tmp_path: Path) -> None
 
 
 def _set(tmp_path: Path, slots: int, names: list[str]) -> AdapterSet:
-    adapters = AdapterSet(AdapterSlots(MODULES, slots=slots, rank=8))
+    adapters = AdapterSet(AdapterSlots(MODULES, AdapterLimits(max_loras=slots, max_lora_rank=8)))
     for i, name in enumerate(names):
         write_adapter(tmp_path / name, 4, seed=10 + i)
         adapters.add(adapters.read(tmp_path / name, name))

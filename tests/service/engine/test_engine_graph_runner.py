@@ -20,6 +20,7 @@ import pytest
 from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE, LOGITS_INDEX
+from service.contract.graphs import GraphEntry
 from service.contract.reference import OrtDecoder
 from service.engine.batch import Batch
 from service.engine.engine import EngineConfig, create_runner
@@ -389,6 +390,26 @@ def test_create_runner_takes_the_mixed_graph_unless_mixed_steps_are_off(
     assert (on.graph_file, on.mixes_chunks) == (ENGINE_MIXED_FILE, True)
     assert (off.graph_file, off.mixes_chunks) == (ENGINE_FILE, False)
     assert (plain.graph_file, plain.mixes_chunks) == (ENGINE_FILE, False)
+
+
+def test_a_table_entry_the_session_does_not_compute_is_refused(
+        session: ort.InferenceSession, mixed_session: ort.InferenceSession,
+        config: io.ArtifactConfig) -> None:
+    """The graph table's entry is what every pass reads of a graph (row groups, adapters):
+    a session whose inputs say otherwise is refused when the runner is made, not at a
+    pass that binds a group the graph lacks."""
+    mixed = GraphEntry(ENGINE_MIXED_FILE, "steps", row_groups=2)
+    with pytest.raises(ValueError, match=r"does not compute what engine_mixed\.onnx does"):
+        EngineGraphRunner(session, config, PoolConfig(slots=2), steps=mixed)
+    with pytest.raises(ValueError, match=r"does not compute what engine\.onnx does"):
+        EngineGraphRunner(mixed_session, config, PoolConfig(slots=2),
+                          steps=GraphEntry(ENGINE_FILE, "steps"))
+    lora = GraphEntry(ENGINE_MIXED_FILE, "steps", row_groups=2, adapters=True)
+    with pytest.raises(ValueError, match="does not compute"):
+        EngineGraphRunner(mixed_session, config, PoolConfig(slots=2), steps=lora)
+    runner = EngineGraphRunner(mixed_session, config, PoolConfig(slots=2), steps=mixed)
+    assert (runner.graph_file, runner.mixes_chunks, runner.graphs) == (
+        ENGINE_MIXED_FILE, True, (mixed,))
 
 
 def test_prompt_logprobs_through_the_batch_match_the_plain_loop(

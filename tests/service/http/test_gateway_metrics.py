@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.engine.adapters import AdapterSet, AdapterSlots
+from service.engine.adapters import AdapterLimits, AdapterSet, AdapterSlots
 from service.engine.stats import KVStats, LoadStats
 from service.http.metrics import Metrics
 from tests.service.engine.test_adapters import MODULES, write_adapter
@@ -56,7 +56,7 @@ def test_the_lora_info_series_follows_the_adapters_requests(tmp_path: Path) -> N
     """One slot, three adapters: a's request admitted, b's waiting for the slot, c idle;
     then a leaves and b runs. Exactly one series every scrape; its value the scrape time."""
     metrics = Metrics(max_batch_tokens=64)
-    adapters = AdapterSet(AdapterSlots(MODULES, slots=1, rank=8))
+    adapters = AdapterSet(AdapterSlots(MODULES, AdapterLimits(max_loras=1, max_lora_rank=8)))
     for i, name in enumerate("abc"):
         write_adapter(tmp_path / name, 4, seed=i)
         adapters.add(adapters.read(tmp_path / name, name))

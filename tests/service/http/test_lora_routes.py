@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from service.artifact.loader import open_artifact
 from service.contract import io_spec as io
-from service.engine.adapters import AdapterSet, AdapterSlots, UnknownAdapter
+from service.engine.adapters import AdapterLimits, AdapterSet, AdapterSlots, UnknownAdapter
 from service.engine.request import GenerationRequest
 from service.engine.scheduler import QueueFull
 from service.engine.stats import RequestStats
@@ -60,12 +60,13 @@ class App:
         settings = Settings(model=artifact, served_model_name=BASE, lora_dir=lora_dir,
                             **options)
         opened = open_artifact(settings)
-        metrics = Metrics(opened.limits.max_batch_tokens)
+        metrics = Metrics(settings.max_batch_tokens)
         config = opened.config
         self.runtime = Runtime(settings, opened, metrics, Validator(
             opened.codec, opened.limits, config.eos_token_id, opened.default_max_new_tokens,
             vocab_size=config.vocab_size))
-        self.adapters = AdapterSet(AdapterSlots(WIDTHS, 2, 4))
+        self.adapters = AdapterSet(AdapterSlots(WIDTHS, AdapterLimits(max_loras=2,
+                                                                      max_lora_rank=4)))
         for name, directory in self.runtime.adapter_roots.items():
             self.adapters.add(self.adapters.read(Path(directory), name))
         self.engine = RecordingEngine(self.adapters)

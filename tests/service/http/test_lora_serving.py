@@ -148,8 +148,10 @@ def test_served_adapters_are_listed_and_answer_as_their_merged_models(
     assert info["decode_graph"] == ADAPTER_GRAPH
     assert [(g["file"], g["runs"], g["row_groups"], g["adapters"]) for g in info["graphs"]] == [
         (ADAPTER_GRAPH, "steps", 2, True)]
-    beta_before = metric_value(lora.get("/metrics").text, "attnserve_lora_requests_total",
-                               {"adapter": "beta"})
+    metrics = lora.get("/metrics").text  # and the metrics name the same graph
+    assert metric_value(metrics, "attnserve_model_info", {
+        "decode_graph": ADAPTER_GRAPH, "kernel": "onnxruntime"}) == 1
+    beta_before = metric_value(metrics, "attnserve_lora_requests_total", {"adapter": "beta"})
     asks = [(adapter, prompt) for adapter in ("", "alpha", "beta") for prompt in PROMPTS[:3]]
     check_concurrent(lora, lora_build, asks)
     # the OpenAI model field picks the same adapter as TGI's adapter_id

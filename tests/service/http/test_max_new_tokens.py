@@ -11,8 +11,7 @@ from service.contract import io_spec as io
 from service.http.validation import InputError, Validator
 from service.settings import Limits
 
-LIMITS = Limits(max_input_tokens=99, max_total_tokens=100, max_new_tokens=80, max_batch_size=1,
-                max_batch_tokens=100, max_queued_requests=1)
+LIMITS = Limits(max_input_tokens=99, max_total_tokens=100, max_new_tokens=80)
 
 
 def validator(export: int | None) -> Validator:
