@@ -134,8 +134,12 @@ def test_proxy_fronts_the_replicas_and_stops_softly(resolved) -> None:
     assert bind_mounts(proxy)["/usr/local/etc/haproxy"] == (haproxy_dir, True)
     assert proxy["stop_signal"] == "SIGUSR1"  # HAProxy's soft stop: in-flight requests finish
     assert port(proxy["ports"][0])[1:] == ("8080", 8080)
+    assert port(proxy["ports"][1]) == ("127.0.0.1", "8404", 8404)  # its stats page
     config = (haproxy_dir / "haproxy.cfg").read_text()
     assert "server-template attnserve 10 attnserve:8000" in config
+    # Prefix- and adapter-aware: a consistent hash of the key the body gives.
+    assert "balance hash var(txn.route_key)" in config
+    assert "hash-type consistent" in config
     assert "option httpchk GET /ready" in config
     assert "retry-on conn-failure empty-response 503" in config
     errorfile = re.search(r"errorfile 503 /usr/local/etc/haproxy/(\S+)", config)

@@ -1,8 +1,11 @@
-"""`docker-compose --profile scale up --scale attnserve=3`: HAProxy spreads, and routes around.
+"""`docker-compose --profile scale up --scale attnserve=3`: HAProxy routes by prefix, and around.
 
 Three replicas of the serving image behind the HAProxy image (both built from Debian
 packages on the same base), Prometheus finding every replica by DNS. Requests through the
-proxy must reach every replica; with one replica killed (SIGKILL, nothing drained) under
+proxy with different prompts must reach every replica; requests sharing a prompt prefix
+must land on one replica and hit its prefix cache there (its own /metrics); an adapter's
+requests with one prompt land together whether they come as OpenAI's `model` or TGI's
+`adapter_id`; with one replica killed (SIGKILL, nothing drained) under
 load, every client still gets an answer, 200 or 503 with Retry-After, and none waits beyond
 its timeout; with every replica stopped the proxy answers 503 itself; `docker-compose stop`
 lets a stream through the proxy finish. The tests pass in any order: each brings the stack
@@ -49,17 +52,60 @@ class Scaled:
         return f"http://127.0.0.1:{self.compose.settings['PROXY_HOST_PORT']}"
 
     @property
+    def proxy_stats(self) -> str:
+        return f"http://127.0.0.1:{self.compose.settings['PROXY_STATS_HOST_PORT']}/stats;csv"
+
+    @property
     def prometheus(self) -> str:
         return f"http://127.0.0.1:{self.compose.settings['PROMETHEUS_HOST_PORT']}"
 
 
-def chat_route_count(url: str) -> float:
-    """attnserve_requests_total for the chat route answered 200, from one replica's /metrics."""
+def metrics_text(url: str) -> str:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+        return response.read().decode()
+
+
+def route_count(url: str, route: str = "/v1/chat/completions") -> float:
+    """attnserve_requests_total for `route` answered 200, from one replica's /metrics."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text(url).splitlines()
                if line.startswith("attnserve_requests_total{")
-               and 'route="/v1/chat/completions"' in line and 'status="200"' in line)
+               and f'route="{route}"' in line and 'status="200"' in line)
+
+
+def prefix_cache(url: str) -> tuple[float, float]:
+    """(hits, queries) of one replica's prefix cache, in prompt tokens."""
+    values = dict(line.split(" ", 1) for line in metrics_text(url).splitlines()
+                  if line.startswith(("attnserve_prefix_cache_hits_total ",
+                                      "attnserve_prefix_cache_queries_total ")))
+    return (float(values["attnserve_prefix_cache_hits_total"]),
+            float(values["attnserve_prefix_cache_queries_total"]))
+
+
+def wait_proxy_idle(scaled: Scaled) -> None:
+    """Until HAProxy routes to every replica and has no request in flight (its stats): a
+    replica still coming up would move keys on the hash ring, and a request still counted
+    after its answer reached the client could make the next one spill over (the hash's
+    load bound counts requests in flight)."""
+
+    def idle() -> bool | None:
+        with urllib.request.urlopen(scaled.proxy_stats, timeout=10) as response:
+            rows = response.read().decode().splitlines()
+        columns = rows[0].lstrip("# ").split(",")
+        cells = [dict(zip(columns, row.split(","), strict=False)) for row in rows[1:]]
+        ours = [c for c in cells if c["pxname"] == "attnserve"]
+        up = [c for c in ours if c["svname"] not in ("BACKEND", "FRONTEND")
+              and c["status"] == "UP"]
+        busy = [c for c in ours if c["scur"] != "0"]
+        return True if len(up) == REPLICAS and not busy else None
+
+    wait_for(idle, 60, f"HAProxy to route to {REPLICAS} replicas with no request in flight")
+
+
+def replicas_by_url(scaled: Scaled) -> dict[str, str]:
+    """Each replica's container id -> its own published URL."""
+    replicas = scaled.compose.containers("attnserve")
+    assert len(replicas) == REPLICAS
+    return {c: f"http://127.0.0.1:{scaled.compose.host_port(c)}" for c in replicas}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +116,7 @@ def scaled_stack(docker_daemon, deploy_images, deploy_model) -> Iterator[Scaled]
         first = free_port_range(REPLICAS + 1)
         return {"ATTNSERVE_HOST_PORTS": f"{first}-{first + REPLICAS}",
                 "PROXY_HOST_PORT": str(free_port_range(1)),
+                "PROXY_STATS_HOST_PORT": str(free_port_range(1)),
                 "PROMETHEUS_HOST_PORT": str(free_port_range(1))}
 
     compose = Compose(docker_daemon, "attnserve-scale", {
@@ -105,16 +152,16 @@ def scaled(scaled_stack: Scaled) -> Scaled:
 
 
 def test_requests_spread_over_every_replica(scaled) -> None:
-    replicas = scaled.compose.containers("attnserve")
-    assert len(replicas) == REPLICAS
-    direct = {c: f"http://127.0.0.1:{scaled.compose.host_port(c)}" for c in replicas}
-    before = {c: chat_route_count(url) for c, url in direct.items()}
+    direct = replicas_by_url(scaled)
+    before = {c: route_count(url) for c, url in direct.items()}
     results: list[int] = []
 
     def client(i: int) -> None:
-        for j in range(4):
+        # 24 different prompts, so 24 routing keys: each replica's share of the hash ring
+        # (a third) gets some (a replica missing all 24 has odds of 3 x (2/3)^24 = 2e-4).
+        for j in range(8):
             status, _, _ = post_json(f"{scaled.proxy}/v1/chat/completions",
-                                     chat_body(f"Count to {i + j}.", 4), CLIENT_TIMEOUT_S)
+                                     chat_body(f"Count to {8 * i + j}.", 4), CLIENT_TIMEOUT_S)
             results.append(status)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
@@ -122,10 +169,67 @@ def test_requests_spread_over_every_replica(scaled) -> None:
         thread.start()
     for thread in threads:
         thread.join(CLIENT_TIMEOUT_S * 4)
-    assert results == [200] * 12
-    served = {c: chat_route_count(url) - before[c] for c, url in direct.items()}
-    assert all(n >= 1 for n in served.values()), served  # least-connections reaches all
-    assert sum(served.values()) == 12
+    assert results == [200] * 24
+    served = {c: route_count(url) - before[c] for c, url in direct.items()}
+    assert all(n >= 1 for n in served.values()), served
+    assert sum(served.values()) == 24
+
+
+def test_a_shared_prefix_lands_on_one_replica_and_hits_its_cache(scaled) -> None:
+    direct = replicas_by_url(scaled)
+    # A prefix of this run's own (no replica has it cached): ~100 tokens, six prefix blocks.
+    prefix = f"Notes {uuid.uuid4().hex}: " + " ".join(f"river stone {i}" for i in range(30))
+    before = {c: (route_count(url, "/v1/completions"), prefix_cache(url))
+              for c, url in direct.items()}
+    answered_by = []
+    for i in range(6):  # one at a time: the replica's load never makes the hash spill over
+        wait_proxy_idle(scaled)
+        status, headers, raw = post_json(
+            f"{scaled.proxy}/v1/completions",
+            {"model": served_model(scaled), "prompt": f"{prefix}\nQuestion {i}: why?",
+             "max_tokens": 2}, CLIENT_TIMEOUT_S)
+        assert status == 200, raw[:300]
+        assert json.loads(raw)["choices"][0]["text"] is not None
+        answered_by.append(headers["x-attnserve-replica"])
+    assert len(set(answered_by)) == 1, answered_by  # the proxy names one replica
+    served = {c: route_count(url, "/v1/completions") - before[c][0]
+              for c, url in direct.items()}
+    (home,) = [c for c, n in served.items() if n]  # and the replicas' counters agree
+    assert served[home] == 6, served
+    hits, queries = (now - then for now, then in zip(prefix_cache(direct[home]),
+                                                     before[home][1], strict=True))
+    # The first request filled the cache with the prefix; the five after it hit it.
+    assert hits >= 5 * 64, (hits, queries)
+    for c, url in direct.items():
+        if c != home:
+            assert prefix_cache(url)[1] == before[c][1][1], c  # no prompt reached it
+
+
+def test_an_adapters_requests_land_together_over_both_apis(scaled) -> None:
+    # No adapter is loaded on the replicas, so each request is answered 404 by the replica
+    # the proxy chose (the routing key does not depend on the adapter being there): the
+    # OpenAI `model` and TGI's `parameters.adapter_id` name the same adapter, so one
+    # adapter and prompt go to one replica whichever API asks.
+    prompt = f"Adapter check {uuid.uuid4().hex}: what is the capital of France?"
+    for adapter in ("tenant-a", "tenant-b", "tenant-c"):
+        replicas = set()
+        for _ in range(2):
+            for path, body, marker in (
+                    ("/v1/completions", {"model": adapter, "prompt": prompt, "max_tokens": 1},
+                     "does not exist"),
+                    ("/generate", {"inputs": prompt, "parameters": {
+                        "max_new_tokens": 1, "adapter_id": adapter}}, "is not served")):
+                wait_proxy_idle(scaled)
+                status, headers, raw = post_json(f"{scaled.proxy}{path}", body,
+                                                 CLIENT_TIMEOUT_S)
+                assert status == 404 and marker in raw.decode(), (path, status, raw[:300])
+                replicas.add(headers["x-attnserve-replica"])
+        assert len(replicas) == 1, (adapter, replicas)
+
+
+def served_model(scaled: Scaled) -> str:
+    with urllib.request.urlopen(f"{scaled.proxy}/v1/models", timeout=10) as response:
+        return str(json.load(response)["data"][0]["id"])
 
 
 def test_prometheus_scrapes_every_replica(scaled, smoke) -> None:

@@ -1,0 +1,224 @@
+"""Prefix-aware routing against round robin: prefix-cache hit rate and median TTFT.
+
+Usage (from the repository root; three replicas behind the `scale` profile's proxy):
+    docker-compose --profile scale up -d --scale attnserve=3
+    python -m benchmarks.router_prefix --router http://127.0.0.1:8080 \\
+        --replicas http://127.0.0.1:8000 http://127.0.0.1:8001 http://127.0.0.1:8002 \\
+        --out results/bench/mine/router_prefix.json
+
+Every request is a streamed OpenAI completion whose prompt is one of 8 long shared prefixes
+followed by a question of its own. Rounds alternate between the two arms on the same
+replicas: **router**, every request sent to the proxy (a consistent hash of the adapter and
+the prompt's first bytes picks the replica); **round robin**, the client itself cycles over
+the replicas' own ports (no proxy hop). The hit rate is the replicas' own counters, summed:
+the delta of attnserve_prefix_cache_hits_total over attnserve_prefix_cache_queries_total
+(prompt tokens) across the round. A round starts from the caches the previous round (of the
+other arm) left. Load is bounded: ``--clients`` in flight, ``--repeats`` requests a prefix a
+round, ``--rounds`` rounds an arm, and no round starts after ``--time-limit`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import random
+import statistics
+import threading
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# Common English words: prefixes of these tokenize to about 1.3 tokens a word.
+WORDS = ("time person year way day thing man world life hand part child eye woman place "
+         "work week case point government company number group problem fact river stone "
+         "market garden window letter paper music table money story water country city "
+         "system program question night family member house office school student game "
+         "morning evening light green silver harbor engine bridge forest mountain island "
+         "winter summer autumn spring valley ocean signal camera planet journey lantern")
+
+
+def shared_prefixes(n: int, words: int, seed: int) -> list[str]:
+    """``n`` distinct prefixes of ``words`` words; distinct from their first word on, so
+    a hash of the first bytes tells them apart."""
+    rng = random.Random(seed)
+    vocabulary = WORDS.split()
+    return [f"Document {i}: " + " ".join(rng.choice(vocabulary) for _ in range(words)) + "\n\n"
+            for i in range(n)]
+
+
+def cache_counters(url: str) -> tuple[float, float]:
+    """(hits, queries) in prompt tokens from one replica's /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("attnserve_prefix_cache_hits_total", "attnserve_prefix_cache_queries_total"):
+            values[name] = float(value)
+    return (values["attnserve_prefix_cache_hits_total"],
+            values["attnserve_prefix_cache_queries_total"])
+
+
+def served_model(url: str) -> str:
+    """The model a replica serves (the first of its /v1/models): completions name it."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
+        return str(json.load(response)["data"][0]["id"])
+
+
+def streamed_ttft(url: str, model: str, prompt: str, max_tokens: int, timeout: float
+                  ) -> float:
+    """Seconds from sending a streamed completion to its first data line; raises on an
+    error status, so a failed request never counts as a fast one."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                       "temperature": 0})
+    try:
+        sent = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}: {response.read()[:200]!r}")
+        first = None
+        for raw in response:
+            if first is None and raw.startswith(b"data: {"):
+                first = time.perf_counter() - sent
+        if first is None:
+            raise RuntimeError(f"{url}: a stream without data")
+        return first
+    finally:
+        conn.close()
+
+
+@dataclass
+class Round:
+    arm: str
+    index: int
+    ttft_s: list[float] = field(default_factory=list)
+    hits: float = 0.0
+    queries: float = 0.0
+    per_replica: list[int] = field(default_factory=list)  # requests each replica's cache saw
+    wall_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def run_round(arm: str, index: int, targets: list[str], replicas: list[str], model: str,
+              prompts: list[str], clients: int, max_tokens: int, timeout: float) -> Round:
+    """Send every prompt (``clients`` at a time) to ``targets`` in turn; read the replicas'
+    cache counters before and after."""
+    before = [cache_counters(r) for r in replicas]
+    queue = iter(enumerate(prompts))
+    turn = itertools.cycle(targets)
+    lock = threading.Lock()
+    result = Round(arm, index)
+    errors: list[str] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                item = next(queue, None)
+                target = next(turn)
+            if item is None:
+                return
+            try:
+                ttft = streamed_ttft(target, model, item[1], max_tokens, timeout)
+            except (OSError, RuntimeError) as exc:
+                errors.append(repr(exc))
+                continue
+            with lock:
+                result.ttft_s.append(ttft)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    result.wall_s = time.perf_counter() - started
+    if errors:
+        raise RuntimeError(f"{arm} round {index}: {len(errors)} failed: {errors[:3]}")
+    after = [cache_counters(r) for r in replicas]
+    result.hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    result.queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    result.per_replica = [round(a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+    return result
+
+
+def workload(prefixes: list[str], repeats: int, rng: random.Random) -> list[str]:
+    """Each prefix ``repeats`` times with a question of its own, shuffled."""
+    prompts = [f"{p}Question {rng.randrange(10**6)}: what is word {k + 1} above?\nAnswer:"
+               for p in prefixes for k in range(repeats)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def summary(rounds: list[Round]) -> dict[str, dict[str, float]]:
+    """Per arm: pooled median TTFT (ms) and the hit rate over all its rounds."""
+    out = {}
+    for arm in ("router", "round_robin"):
+        mine = [r for r in rounds if r.arm == arm]
+        ttfts = [t for r in mine for t in r.ttft_s]
+        queries = sum(r.queries for r in mine)
+        out[arm] = {"rounds": len(mine), "requests": len(ttfts),
+                    "median_ttft_ms": 1000 * statistics.median(ttfts) if ttfts else 0.0,
+                    "hit_rate": sum(r.hits for r in mine) / queries if queries else 0.0}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--router", required=True, help="the proxy's URL")
+    parser.add_argument("--replicas", nargs="+", required=True, help="each replica's own URL")
+    parser.add_argument("--prefixes", type=int, default=8)
+    parser.add_argument("--prefix-words", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=4, help="requests a prefix a round")
+    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds an arm")
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds a request")
+    parser.add_argument("--time-limit", type=float, default=900.0,
+                        help="no round starts after this many seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the rounds and summary as JSON")
+    args = parser.parse_args(argv)
+    if min(args.prefixes, args.prefix_words, args.repeats, args.clients, args.rounds) < 1:
+        parser.error("--prefixes, --prefix-words, --repeats, --clients, --rounds must be >= 1")
+    rng = random.Random(args.seed)
+    prefixes = shared_prefixes(args.prefixes, args.prefix_words, args.seed)
+    arms = {"router": [args.router], "round_robin": list(args.replicas)}
+    model = served_model(args.replicas[0])
+    rounds: list[Round] = []
+    started = time.monotonic()
+    print(f"{'round':>5} {'arm':<12} {'median TTFT ms':>14} {'hit rate':>8} "
+          f"{'wall s':>7}  prompt tokens per replica")
+    for index in range(args.rounds):
+        for arm, targets in arms.items():
+            if time.monotonic() - started > args.time_limit:
+                break
+            r = run_round(arm, index, targets, args.replicas, model,
+                          workload(prefixes, args.repeats, rng), args.clients,
+                          args.max_tokens, args.timeout)
+            rounds.append(r)
+            print(f"{index:>5} {arm:<12} {1000 * statistics.median(r.ttft_s):>14.0f} "
+                  f"{r.hit_rate:>8.3f} {r.wall_s:>7.1f}  {r.per_replica}", flush=True)
+    result = summary(rounds)
+    for arm, s in result.items():
+        print(f"{arm:<12} {s['rounds']} rounds, {s['requests']} requests: median TTFT "
+              f"{s['median_ttft_ms']:.0f} ms, prefix-cache hit rate {s['hit_rate']:.3f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                        "summary": result,
+                                        "rounds": [asdict(r) | {"hit_rate": r.hit_rate}
+                                                   for r in rounds]}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
