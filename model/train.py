@@ -5,39 +5,60 @@ Usage:
     attnserve train --data notes.txt --preset tiny --out /tmp/ckpt --steps 200 --tokenizer char
     torchrun --standalone --nproc_per_node 2 --no-python attnserve train --preset tiny --out ck
 
-AdamW with cross-entropy, gradient-norm clipping at 1.0 (seed 003), a linear warm-up then
-a cosine decay to 10% of the peak learning rate, periodic validation loss and perplexity
-beside a unigram baseline, bf16 autocast on CUDA, and DistributedDataParallel when
-launched by torchrun (rank 0 writes the checkpoint). On CPU a run is a deterministic
-function of its seed. ``--resume`` continues the checkpoint in ``--out``: weights, AdamW
-moments (train_state.safetensors) and the step count; ``--steps`` is then the total, and
-since the learning rate depends on step/total and batch ``k`` on (seed, rank, k) alone, a
-resumed run ends bit-identical to one that was never interrupted.
+AdamW on the cross-entropy of random windows (seed 003's clipping at 1.0), validation loss
+and perplexity beside a unigram baseline; the loop (warm-up then cosine decay, bf16 autocast
+on CUDA, DistributedDataParallel under torchrun, rank 0 writing the checkpoint) is
+model/training_loop.py's. On CPU a run is a deterministic function of its seed.
+``--resume`` continues the checkpoint in ``--out``: weights, AdamW moments
+(train_state.safetensors) and the step count; ``--steps`` is then the total, and since the
+learning rate depends on step/total and batch ``k`` on (seed, rank, k) alone, a resumed run
+ends bit-identical to one that was never interrupted.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+import torch
+from safetensors.torch import save_model
+from tokenizers import Tokenizer
+from torch import Tensor, nn
+
+from model import distributed as dist_utils
 from model.architectures import architecture, architecture_names
-from model.checkpoint import CheckpointMeta, read_meta
-from model.config import PRESETS, GPTConfig
-from model.data import DOC_SEPARATOR, read_documents, resolve_data_path
+from model.checkpoint import (
+    Checkpoint,
+    CheckpointMeta,
+    load_checkpoint,
+    read_meta,
+    read_metrics,
+    save_checkpoint,
+)
+from model.config import PRESETS, config_from_preset
+from model.data import (
+    DOC_SEPARATOR,
+    BatchSampler,
+    TokenSplits,
+    encode_documents,
+    eval_windows,
+    read_documents,
+    resolve_data_path,
+    split_stream,
+    unigram_cross_entropy,
+)
+from model.distributed import DistInfo
+from model.gpt import GPT
+from model.tokenizer import build_tokenizer, checkpoint_special_ids, special_ids
+from model.train_state import load_train_state, make_optimizer, save_train_state
+from model.training_loop import Schedule, Stats, Step, autocast, processes, run, say
+from model.training_loop import lr_at as lr_at  # benchmarks/finetune_speed.py imports it here
 
-if TYPE_CHECKING:
-    import torch
-
-    from model.distributed import DistInfo
-    from model.gpt import GPT
-
-MIN_LR_RATIO = 0.1
+WARMUP = 0.05  # fraction of the run
 
 
 @dataclass
@@ -126,11 +147,8 @@ def check_options(opts: TrainOptions) -> None:
                          "(at least 256 bytes + 3 special tokens = 259)")
     if opts.device not in ("auto", "cpu", "cuda") and not opts.device.startswith("cuda:"):
         raise ValueError(f"unknown device {opts.device!r}; choose auto, cpu or cuda")
-    if opts.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda was asked for but CUDA is not available")
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but CUDA is not available")
     check_output(Path(opts.out), opts.resume)
 
 
@@ -151,7 +169,7 @@ def with_defaults(opts: TrainOptions) -> TrainOptions:
 
 
 def check_corpus_size(docs: list[str], context: int) -> None:
-    """Cheap bound before any tokenizer or torch work: a token covers at least one byte."""
+    """Cheap bound before any tokenizer work: a token covers at least one byte."""
     upper = sum(len(d.encode("utf-8")) for d in docs) + len(docs) * len(DOC_SEPARATOR)
     if upper < 2 * (context + 1):
         raise ValueError(
@@ -174,106 +192,36 @@ def check_output(out: Path, resume: bool) -> None:
         raise OSError(f"cannot write the checkpoint to {out}: {exc.strerror or exc}") from exc
 
 
-def pick_device(requested: str, info: DistInfo) -> torch.device:
-    import torch
-
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and info.enabled:
-        return torch.device("cuda", info.local_rank)
-    return torch.device(requested)
-
-
-def lr_at(progress: float, peak: float, warmup: float) -> float:
-    """Linear warm-up over the first ``warmup`` fraction, then cosine down to 10% of peak."""
-    if progress < warmup:
-        return peak * (progress + 1e-3) / warmup
-    decay = min(1.0, (progress - warmup) / max(1e-9, 1.0 - warmup))
-    return peak * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * decay)))
-
-
-def evaluate(model: GPT, x: torch.Tensor, y: torch.Tensor, device: torch.device,
-             batch_size: int) -> float:
-    """Mean cross-entropy (nats/token) over fixed validation windows."""
-    import torch
-
-    model.eval()
-    total = 0.0
-    for i in range(0, len(x), batch_size):
-        xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
-        with torch.no_grad(), _autocast(device):
-            loss = model(xb, targets=yb).loss
-        assert loss is not None
-        total += float(loss) * len(xb)
-    model.train()
-    return total / len(x)
-
-
-def _autocast(device: torch.device) -> Any:
-    import torch
-
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
-
-
-def _log(opts: TrainOptions, info: DistInfo, message: str) -> None:
-    if opts.verbose and info.is_main:
-        from tqdm import tqdm
-
-        tqdm.write(message, file=sys.stdout)  # above the progress bar, not through it
-        sys.stdout.flush()
-
-
-def _prepare_tokenizer(opts: TrainOptions, docs: list[str], preset_vocab: int) -> str:
-    from model.tokenizer import build_tokenizer
-
-    vocab = opts.vocab_size or preset_vocab
-    return str(build_tokenizer(opts.tokenizer, docs, vocab_size=vocab).to_str())
-
-
 def train(opts: TrainOptions) -> TrainResult:
     """Run one training job end to end; see the module docstring."""
     check_options(opts)
     opts = with_defaults(opts)
-    assert opts.preset is not None
+    assert opts.preset is not None and opts.seed is not None
+    assert opts.batch_size is not None and opts.lr is not None
     out = Path(opts.out)
     preset = PRESETS[opts.preset]
     data_path = resolve_data_path(opts.data)
     docs = read_documents(data_path)
-    context = opts.context or preset.max_seq_len
+    context, start = opts.context or preset.max_seq_len, 0
     if opts.resume:
         meta = read_meta(out)
-        context, done = meta.model.max_seq_len, int(meta.training.get("steps", 0))
-        if opts.steps is not None and opts.steps <= done:
-            raise ValueError(f"checkpoint {out} is already at step {done}; "
-                             "pass --steps larger than that to continue")
+        context, start = meta.model.max_seq_len, int(meta.training.get("steps", 0))
+    total = opts.steps if opts.steps is not None else (
+        None if opts.time_budget is not None else preset.steps)
+    if total is not None and total <= start:
+        raise ValueError(f"checkpoint {out} is already at step {start}; "
+                         "pass --steps larger than that to continue")
     check_corpus_size(docs, context)
 
-    # Bad input has been reported by now; only here do torch and friends get imported.
-    import torch
-    from tokenizers import Tokenizer
-    from tqdm import tqdm
-
-    from model import distributed as dist_utils
-    from model.checkpoint import load_checkpoint
-    from model.config import config_from_preset
-    from model.data import encode_documents, eval_windows, split_stream, unigram_cross_entropy
-    from model.tokenizer import checkpoint_special_ids, special_ids
-
-    info = dist_utils.env_info()
-    device = pick_device(opts.device, info)
     resumed = load_checkpoint(out, device="cpu") if opts.resume else None
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-    dist_utils.init(info, device)
-    try:
+    with processes(opts.device, tf32=True) as (info, device):
         if resumed is not None:
             tokenizer_json = resumed.tokenizer_path.read_text(encoding="utf-8")
         else:
             # Rank 0 trains the tokenizer; the others receive the very same vocabulary.
-            own = _prepare_tokenizer(opts, docs, preset.vocab_size) if info.is_main else None
+            vocab = opts.vocab_size or preset.vocab_size
+            own = (build_tokenizer(opts.tokenizer, docs, vocab_size=vocab).to_str()
+                   if info.is_main else None)
             tokenizer_json = dist_utils.broadcast_text(own, info, device)
         tokenizer = Tokenizer.from_str(tokenizer_json)
         specials = (checkpoint_special_ids(tokenizer, resumed.meta.tokenizer)
@@ -291,162 +239,106 @@ def train(opts: TrainOptions) -> TrainResult:
                 attn_bias=opts.attn_bias)
             if opts.context is not None:
                 config = replace(config, max_seq_len=opts.context)
-        context = config.max_seq_len
-        splits = split_stream(encode_documents(tokenizer, docs, specials.eos_token_id), context)
-        val_x, val_y = eval_windows(splits.val, context, opts.eval_tokens)
-        unigram = unigram_cross_entropy(splits.train, val_y, config.vocab_size)
+        splits = split_stream(encode_documents(tokenizer, docs, specials.eos_token_id),
+                              config.max_seq_len)
         kind = resumed.meta.tokenizer.get("kind", "bpe") if resumed else opts.tokenizer
-        tokenizer_meta = {"kind": kind, **specials.to_dict()}
-        return _run(opts, info, device, out, config, tokenizer_json, tokenizer_meta,
-                    splits.train, val_x, val_y, unigram, resumed, str(data_path), tqdm)
-    finally:
-        dist_utils.shutdown()
+        meta = CheckpointMeta(model=config, tokenizer={"kind": kind, **specials.to_dict()})
+        job = _GPTJob(opts, info, device, str(data_path), splits, meta, tokenizer_json,
+                      resumed, start)
+        metrics = ([m for m in read_metrics(out) if int(m.get("step", 0)) <= start]
+                   if resumed is not None else [])
+        job.say(f"training {opts.preset} ({job.model.num_params():,} parameters, vocab "
+                f"{config.vocab_size}, context {config.max_seq_len}) on {data_path}: "
+                f"{len(splits.train):,} train / {job.val_y.numel():,} val tokens, "
+                f"{info.world_size} process(es) on {device.type}")
+        if resumed is not None:
+            job.evaluate(start, None)
+        eval_every = opts.eval_interval or max(1, ((total - start) if total else 1000) // 5)
+        end = run(job, Schedule(start, total, opts.lr, WARMUP, eval_every, opts.time_budget),
+                  info, device, metrics, opts.progress, opts.on_checkpoint, out)
+        if opts.dump_rank_weights:
+            dump = Path(opts.dump_rank_weights)
+            dump.mkdir(parents=True, exist_ok=True)
+            save_model(job.model, str(dump / f"rank{info.rank}.safetensors"))
+        job.say(f"done: {end.step} steps in {end.wall_s:.1f} s ({end.tokens_per_s:,.0f} "
+                f"tokens/s) | train loss {end.train_loss:.4f} | val loss {job.val_loss:.4f} "
+                f"(perplexity {job.val_ppl:.1f}) vs unigram baseline {job.unigram:.4f} -> {out}")
+        return TrainResult(out=out, steps=end.step, final_train_loss=end.train_loss,
+                           final_val_loss=job.val_loss, val_perplexity=job.val_ppl,
+                           unigram_val_loss=job.unigram, tokens_per_second=end.tokens_per_s,
+                           wall_time_s=end.wall_s, num_params=job.model.num_params())
 
 
-def _run(opts: TrainOptions, info: DistInfo, device: torch.device, out: Path,
-         config: GPTConfig, tokenizer_json: str, tokenizer_meta: dict[str, Any],
-         train_ids: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, unigram: float,
-         resumed: Any, data_path: str, tqdm: Any) -> TrainResult:
-    import torch
-    from torch import nn
+class _GPTJob:
+    """What `train` gives the training loop: random windows of the corpus, the model's mean
+    cross-entropy on them, validation loss beside the unigram baseline, a checkpoint."""
 
-    from model import distributed as dist_utils
-    from model.checkpoint import save_checkpoint
-    from model.data import BatchSampler
-    from model.gpt import GPT
-    from model.train_state import load_train_state, make_optimizer, save_train_state
+    def __init__(self, opts: TrainOptions, info: DistInfo, device: torch.device,
+                 data_path: str, splits: TokenSplits, meta: CheckpointMeta, tokenizer_json: str,
+                 resumed: Checkpoint | None, start: int) -> None:
+        assert opts.seed is not None and opts.batch_size is not None and opts.lr is not None
+        self.opts, self.info, self.device, self.data_path = opts, info, device, data_path
+        self.meta, self.tokenizer_json = meta, tokenizer_json  # meta.training: at each save
+        context = meta.model.max_seq_len
+        self.val_x, self.val_y = eval_windows(splits.val, context, opts.eval_tokens)
+        self.unigram = unigram_cross_entropy(splits.train, self.val_y, meta.model.vocab_size)
+        self.val_loss = self.val_ppl = math.nan
+        self.train_tokens = len(splits.train)
+        torch.manual_seed(opts.seed)
+        self.model = GPT(meta.model)
+        if resumed is not None:
+            self.model.load_state_dict(resumed.model.state_dict())
+        self.model.to(device).train()
+        self.params = list(self.model.parameters())
+        self.optimizer = make_optimizer(self.model, opts.lr, opts.weight_decay)
+        self.sampler = BatchSampler(splits.train, context, opts.batch_size, opts.seed,
+                                    info.rank)
+        out = Path(opts.out)
+        if resumed is not None and not load_train_state(out, self.model, self.optimizer, start):
+            self.say(f"note: no optimizer state for step {start} in {out}; "
+                     "AdamW moments start from zero")
 
-    assert opts.preset is not None and opts.seed is not None
-    assert opts.batch_size is not None and opts.lr is not None
-    preset = PRESETS[opts.preset]
-    batch_size, peak_lr = opts.batch_size, opts.lr
-    start_step = int(resumed.meta.training.get("steps", 0)) if resumed is not None else 0
-    total_steps = opts.steps if opts.steps is not None else (
-        None if opts.time_budget is not None else preset.steps)
-    if total_steps is not None and total_steps <= start_step:
-        raise ValueError(f"checkpoint {out} is already at step {start_step}; "
-                         "pass --steps larger than that to continue")
+    def say(self, message: str) -> None:
+        say(message, self.info, self.opts.verbose)
 
-    torch.manual_seed(opts.seed)
-    model = GPT(config)
-    if resumed is not None:
-        model.load_state_dict(resumed.model.state_dict())
-    model.to(device).train()
-    optimizer = make_optimizer(model, peak_lr, opts.weight_decay)
-    if resumed is not None and not load_train_state(out, model, optimizer, start_step):
-        _log(opts, info, f"note: no optimizer state for step {start_step} in {out}; "
-                         "AdamW moments start from zero")
-    wrapped: nn.Module = model
-    if info.enabled:
-        from torch.nn.parallel import DistributedDataParallel
+    def step(self, k: int) -> Step:
+        x, y = self.sampler.batch(k)
+        # one batch's mean loss per rank: the step's is their mean
+        return Step([(x.to(self.device), y.to(self.device))], self.info.world_size, x.numel())
 
-        wrapped = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
-    sampler = BatchSampler(train_ids, config.max_seq_len, batch_size, opts.seed, info.rank)
+    def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+        return model(batch[0], targets=batch[1]).loss  # the batch's mean
 
-    steps_here = (total_steps - start_step) if total_steps is not None else None
-    eval_every = opts.eval_interval or max(1, (steps_here or 1000) // 5)
-    warmup = 0.05
-    metrics: list[dict[str, Any]] = []
-    if resumed is not None:
-        from model.checkpoint import read_metrics
+    def evaluate(self, step: int, train_loss: float | None) -> dict[str, Any]:
+        """Mean cross-entropy (nats/token) over the fixed validation windows."""
+        self.model.eval()
+        total, size = 0.0, self.sampler.batch_size
+        for i in range(0, len(self.val_x), size):
+            xb, yb = self.val_x[i:i + size].to(self.device), self.val_y[i:i + size].to(self.device)
+            with torch.no_grad(), autocast(self.device):
+                loss = self.model(xb, targets=yb).loss
+            assert loss is not None
+            total += float(loss) * len(xb)
+        self.model.train()
+        self.val_loss = total / len(self.val_x)
+        self.val_ppl = math.exp(min(self.val_loss, 50.0))
+        self.say(f"step {step}: val loss {self.val_loss:.4f} (perplexity {self.val_ppl:.1f}) | "
+                 f"unigram baseline {self.unigram:.4f}")
+        return {"val_loss": self.val_loss, "val_perplexity": self.val_ppl}
 
-        metrics = [m for m in read_metrics(out) if int(m.get("step", 0)) <= start_step]
-    _log(opts, info, f"training {opts.preset} ({model.num_params():,} parameters, vocab "
-                     f"{config.vocab_size}, context {config.max_seq_len}) on {data_path}: "
-                     f"{len(train_ids):,} train / {val_y.numel():,} val tokens, "
-                     f"{info.world_size} process(es) on {device.type}")
-
-    def summary(step: int, tok_s: float, wall: float) -> dict[str, Any]:
-        return {
-            "preset": opts.preset, "data": opts.data, "data_path": data_path,
-            "seed": opts.seed, "steps": step, "batch_size": batch_size,
-            "learning_rate": peak_lr, "world_size": info.world_size, "device": device.type,
-            "final_train_loss": sum(recent) / len(recent) if recent else math.nan,
-            "final_val_loss": val_loss, "final_val_perplexity": val_ppl,
-            "unigram_val_loss": unigram, "tokens_per_second": tok_s, "wall_time_s": wall,
-            "train_tokens": len(train_ids), "val_tokens": val_y.numel(),
-            "num_params": model.num_params(), "torch_version": torch.__version__,
+    def save(self, step: int, metrics: list[dict[str, Any]], stats: Stats) -> None:
+        opts, out = self.opts, Path(self.opts.out)
+        training = {
+            "preset": opts.preset, "data": opts.data, "data_path": self.data_path,
+            "seed": opts.seed, "steps": step, "batch_size": opts.batch_size,
+            "learning_rate": opts.lr, "world_size": self.info.world_size,
+            "device": self.device.type, "final_train_loss": stats.train_loss,
+            "final_val_loss": self.val_loss, "final_val_perplexity": self.val_ppl,
+            "unigram_val_loss": self.unigram, "tokens_per_second": stats.tokens_per_s,
+            "wall_time_s": stats.wall_s, "train_tokens": self.train_tokens,
+            "val_tokens": self.val_y.numel(), "num_params": self.model.num_params(),
+            "torch_version": torch.__version__,
         }
-
-    def save(step: int, training: dict[str, Any]) -> None:
-        meta = CheckpointMeta(model=config, tokenizer=dict(tokenizer_meta), training=training)
-        save_checkpoint(out, model, meta, tokenizer_json, metrics)
-        save_train_state(out, model, optimizer, step)
-        if opts.on_checkpoint is not None:
-            opts.on_checkpoint(step, out)
-
-    def run_eval(step: int) -> tuple[float, float]:
-        val = evaluate(model, val_x, val_y, device, batch_size)
-        ppl = math.exp(min(val, 50.0))
-        _log(opts, info, f"step {step}: val loss {val:.4f} (perplexity {ppl:.1f}) | "
-                         f"unigram baseline {unigram:.4f}")
-        return val, ppl
-
-    val_loss, val_ppl = run_eval(start_step) if resumed is not None else (math.nan, math.nan)
-    tokens_per_step = batch_size * config.max_seq_len * info.world_size
-    bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-               disable=not (opts.progress and info.is_main and sys.stderr.isatty()))
-    t0 = time.perf_counter()
-    step, recent = start_step, list[float]()
-    train_seconds = 0.0
-    while True:
-        elapsed = time.perf_counter() - t0
-        # Rank 0's clock decides, so every rank takes the same learning rate and stops together.
-        (elapsed,) = dist_utils.sum_across([elapsed if info.is_main else 0.0], info, device)
-        progress = max((step / total_steps) if total_steps else 0.0,
-                       (elapsed / opts.time_budget) if opts.time_budget else 0.0)
-        if progress >= 1.0:
-            break
-        lr = lr_at(progress, peak_lr, warmup)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t_step = time.perf_counter()
-        x, y = sampler.batch(step)
-        x, y = x.to(device), y.to(device)
-        with _autocast(device):
-            loss = wrapped(x, targets=y).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        (loss_sum,) = dist_utils.sum_across([float(loss.detach())], info, device)
-        train_loss = loss_sum / info.world_size
-        train_seconds += time.perf_counter() - t_step
-        step += 1
-        recent = [*recent[-9:], train_loss]
-        tok_s = tokens_per_step * (step - start_step) / max(train_seconds, 1e-9)
-        row: dict[str, Any] = {"step": step, "train_loss": train_loss, "lr": lr,
-                               "tokens_per_s": tok_s,
-                               "elapsed_s": time.perf_counter() - t0}
-        bar.update(1)
-        bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}")
-        last = total_steps is not None and step >= total_steps
-        if step % eval_every == 0 or last:
-            val_loss, val_ppl = run_eval(step)
-            row |= {"val_loss": val_loss, "val_perplexity": val_ppl}
-        metrics.append(row)
-        if info.is_main and step % eval_every == 0 and not last:
-            save(step, summary(step, tok_s, time.perf_counter() - t0))
-    bar.close()
-    if metrics and "val_loss" not in metrics[-1]:  # stopped by the time budget
-        val_loss, val_ppl = run_eval(step)
-        metrics[-1] |= {"val_loss": val_loss, "val_perplexity": val_ppl}
-    wall = time.perf_counter() - t0
-    tok_s = tokens_per_step * (step - start_step) / max(train_seconds, 1e-9)
-    final = summary(step, tok_s, wall)
-    if info.is_main:
-        save(step, final)
-    if opts.dump_rank_weights:
-        from safetensors.torch import save_model
-
-        dump = Path(opts.dump_rank_weights)
-        dump.mkdir(parents=True, exist_ok=True)
-        save_model(model, str(dump / f"rank{info.rank}.safetensors"))
-    _log(opts, info, f"done: {step} steps in {wall:.1f} s ({tok_s:,.0f} tokens/s) | "
-                     f"train loss {final['final_train_loss']:.4f} | val loss {val_loss:.4f} "
-                     f"(perplexity {val_ppl:.1f}) vs unigram baseline {unigram:.4f} -> {out}")
-    return TrainResult(out=out, steps=step, final_train_loss=final["final_train_loss"],
-                       final_val_loss=val_loss, val_perplexity=val_ppl,
-                       unigram_val_loss=unigram, tokens_per_second=tok_s, wall_time_s=wall,
-                       num_params=model.num_params())
+        save_checkpoint(out, self.model, replace(self.meta, training=training),
+                        self.tokenizer_json, metrics)
+        save_train_state(out, self.model, self.optimizer, step)

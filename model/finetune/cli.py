@@ -9,6 +9,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import time
 
 from model.finetune.options import FULL_LR, LORA_LR, FinetuneOptions
 
@@ -148,8 +149,6 @@ def _finetune(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    import time
-
     from model.finetune.merge import merge
 
     started = time.perf_counter()

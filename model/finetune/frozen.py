@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from model.checkpoint import GGUF_WEIGHTS_FILE
 from model.gguf_codes import DIRECT, Blocks, read_blocks
+from model.gguf_weights import HeldWeights
 
 
 class HeldBlocks(nn.Module):
@@ -121,9 +123,6 @@ def frozen_gguf_model(ckpt_dir: Path, config: Any) -> tuple[Any, int]:
 
     The file is read once and its memory map let go: what stays resident is the blocks.
     Matrices of float types (F16, F32) are held as float32, as the checkpoint loads them."""
-    from model.checkpoint import GGUF_WEIGHTS_FILE
-    from model.gguf_weights import HeldWeights
-
     held = HeldWeights(ckpt_dir / GGUF_WEIGHTS_FILE, config)
     kept = frozenset(DIRECT)
     model = held.model(leave=kept)  # DIRECT matrices on the meta device, the rest filled

@@ -15,6 +15,8 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from model.checkpoint import (
     TOKENIZER_FILE,
     CheckpointMeta,
@@ -23,6 +25,7 @@ from model.checkpoint import (
     read_meta,
     save_checkpoint,
 )
+from model.finetune.lora import merged_weights
 from model.finetune.options import check_output
 from model.finetune.peft_format import WEIGHTS_FILE, read_adapter
 
@@ -30,10 +33,6 @@ from model.finetune.peft_format import WEIGHTS_FILE, read_adapter
 def merge(ckpt_dir: str | Path, adapter_dir: str | Path, out: str | Path,
           force: bool = False) -> Path:
     """Write ``out``: the checkpoint ``ckpt_dir`` with the adapter merged; return it."""
-    import torch
-
-    from model.finetune.lora import merged_weights
-
     ckpt_dir, adapter_dir, out = Path(ckpt_dir), Path(adapter_dir), Path(out)
     check_output(out, resume=False, force=force)
     meta = read_meta(ckpt_dir)

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
 from torch import Tensor
 
 from model.finetune.lora import Adapter, LoRA, LoRASettings, targets_of
@@ -37,8 +39,6 @@ from service.contract.peft_adapter import (  # noqa: F401  (re-exported: the for
 def adapter_files(adapter: Adapter, base_model: str) -> dict[str, bytes]:
     """adapter_config.json and adapter_model.safetensors of ``adapter`` (name → bytes);
     ``base_model``: the path of the checkpoint it was trained over."""
-    from safetensors.torch import save
-
     s = adapter.settings
     targets = list(dict.fromkeys(lora.target.kind for lora in adapter.each()))
     config = {
@@ -63,9 +63,6 @@ def adapter_files(adapter: Adapter, base_model: str) -> dict[str, bytes]:
 def read_adapter(directory: Path, model_config: Any) -> Adapter:
     """The adapter in ``directory`` as an :class:`Adapter` for a model of
     ``model_config`` (GPTConfig), every tensor checked against the model's shapes."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     config = read_config(directory)
     path = weights_path(directory)
     try:

@@ -24,6 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from model.finetune.examples import Example, Message
+from model.sample import generate
 from service.contract.chat_template import ChatTemplate
 
 PROMPTS_FILE = Path(__file__).with_name("rehearsal_prompts.txt")
@@ -44,8 +45,6 @@ def rehearsal_examples(model: Any, tokenizer: Tokenizer, template: ChatTemplate,
     """(one chat example per prompt the base answers within MAX_NEW_TOKENS, how many it
     left unfinished). ``model``: the base GPT (an adapter wired in must be zero, as a fresh
     LoRA's B is); generated in one left-padded batch."""
-    from model.sample import generate
-
     if not prompts or not stop_ids:
         return [], len(prompts)
     encoded = [tokenizer.encode(template.render([{"role": "user", "content": p}],

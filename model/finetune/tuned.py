@@ -18,7 +18,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from model.checkpoint import GGUF_WEIGHTS_FILE, CheckpointMeta, read_meta, weights_path
+from model.checkpoint import (
+    GGUF_WEIGHTS_FILE,
+    CheckpointMeta,
+    load_checkpoint,
+    read_meta,
+    weights_path,
+)
 from model.finetune.frozen import FrozenLinear, frozen_gguf_model
 from model.finetune.lora import Adapter
 from model.finetune.loss import supervised_loss
@@ -29,8 +35,6 @@ IGNORE = -100  # a label not scored (the prompt, padding)
 def load_base(ckpt_dir: Path, full: bool) -> tuple[Any, CheckpointMeta, int]:
     """(model.gpt.GPT, its checkpoint meta, bytes of weights held as GGUF blocks). For
     LoRA every parameter is frozen; for ``full`` every one trains, in float32."""
-    from model.checkpoint import load_checkpoint
-
     meta = read_meta(ckpt_dir)
     if not full and weights_path(ckpt_dir).name == GGUF_WEIGHTS_FILE:
         model, held = frozen_gguf_model(ckpt_dir, meta.model)
