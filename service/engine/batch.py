@@ -4,7 +4,8 @@ A row is a slot of the runner's KV pool and nothing more: the pool holds its key
 values and cached length, so the batch keeps no cache and no padding, and each runner
 lays out its own inputs. A batch says what each of its rows feeds a step (``work``: the
 next part of its prompt until the prompt is in, then its newest token, and the drafts to
-verify where the speculator proposes some) and chooses its rows' tokens from what the
+verify where the speculator proposes some, each row with what its request computes it
+under: its ``ModelVariant``) and chooses its rows' tokens from what the
 runner returned (``take``, and ``take_verified`` for drafts); each row's sequence
 (service/engine/sequence.py) turns a token into text, an event and the finish.
 ``filter`` drops finished rows and ``concatenate`` merges a freshly prefilled batch into
@@ -20,7 +21,7 @@ import numpy as np
 
 from service.artifact.text import TextCodec
 from service.engine.kv_pool import Slot
-from service.engine.request import GenerationRequest, TokenEvent, TokenInfo
+from service.engine.request import GenerationRequest, ModelVariant, TokenEvent, TokenInfo
 from service.engine.runner import ModelRunner
 from service.engine.sampling import RowSampler, choose_tokens, log_softmax, top_logprobs
 from service.engine.sequence import SequenceState
@@ -72,16 +73,21 @@ class Batch:
         prompts = None if self.is_prefilled else [
             None if s.request.prompt_logprobs else np.asarray(s.request.prompt_ids, np.int64)
             for s in self.sequences]
-        adapters = [s.request.adapter.id if s.request.adapter else 0 for s in self.sequences]
-        self.slots = runner.reserve(len(self), top, prompts, adapters)
+        self.slots = runner.reserve(len(self), top, prompts, self.variants)
         if prompts is not None:
             self.prompt_done = [runner.cached_length(s) for s in self.slots]
 
     def release(self, runner: ModelRunner) -> None:
         """Give the rows' slots back to the runner."""
         if self.slots:
-            runner.leave(self.slots, [])
+            runner.leave(self.slots, [], self.variants)
             self.slots = []
+
+    @property
+    def variants(self) -> list[ModelVariant]:
+        """What each row is computed under (its request's adapter): what its passes apply
+        and what its cached prefix is keyed by."""
+        return [s.request.variant for s in self.sequences]
 
     @property
     def reserved_tokens(self) -> int:
@@ -103,7 +109,8 @@ class Batch:
             self.reserve(runner)
             return [RowWork(slot, np.asarray(seq.request.prompt_ids[done:done + chunk if chunk
                                                                      else None], np.int64),
-                            "every" if seq.request.prompt_logprobs else "last")
+                            "every" if seq.request.prompt_logprobs else "last",
+                            variant=seq.request.variant)
                     for seq, slot, done in zip(self.sequences, self.slots, self.prompt_done,
                                                strict=True)]
         tokens = self.next_tokens
@@ -112,12 +119,13 @@ class Batch:
         plain = [i for i in range(len(self)) if i not in drafts]
         want, draws = self._decode_want(runner, plain)
         rows = []
-        for i, slot in enumerate(self.slots):
+        for i, (slot, variant) in enumerate(zip(self.slots, self.variants, strict=True)):
             if i in drafts:
                 rows.append(RowWork(slot, np.concatenate([tokens[i:i + 1], drafts[i]]),
-                                    "every", drafted=True))  # (k + 1,)
+                                    "every", drafted=True, variant=variant))  # (k + 1,)
             else:
-                rows.append(RowWork(slot, tokens[i:i + 1], want, draws.get(i)))
+                rows.append(RowWork(slot, tokens[i:i + 1], want, draws.get(i),
+                                    variant=variant))
         return rows
 
     def _decode_want(self, runner: ModelRunner, rows: Sequence[int]
@@ -241,7 +249,7 @@ class Batch:
             return
         if self.next_tokens is None or not keep:
             raise ValueError("filter needs a prefilled batch and at least one row to keep")
-        self.slots = runner.leave(self.slots, keep)
+        self.slots = runner.leave(self.slots, keep, self.variants)
         self.next_tokens = self.next_tokens[np.asarray(keep, dtype=np.int64)]
         self.sequences = [self.sequences[i] for i in keep]
 

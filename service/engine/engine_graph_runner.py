@@ -248,43 +248,33 @@ class EngineGraphRunner(PooledRunner):
                                          view.ctypes.data)
             graph.lora_bound = used
 
-    def _lora(self, slots: Sequence[Slot]) -> np.ndarray:
-        """(n,) the adapter slot of each row (0: the base)."""
-        if self.adapters is None:
-            return np.zeros(len(slots), np.int64)
-        return np.fromiter((self.adapters.slot_of(s.adapter) for s in slots), np.int64,
-                           len(slots))
-
-    def _decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
-        rows, order = self._decode_rows(slots, tokens)
-        replayed = self._replay(rows, greedy_only=False)
+    def _decode(self, rows: Sequence[RowWork]) -> np.ndarray:
+        packed, order = self._pack(rows)
+        replayed = self._replay(packed, greedy_only=False)
         if replayed is not None and replayed[0] is not None:
             logits = replayed[0][:, None]  # (n, 1, V)
         else:
-            logits, _ = self._run(rows)  # (n, 1, V)
-        return self._decoded(rows, order, logits)
+            logits, _ = self._run(packed)  # (n, 1, V)
+        self._record_pass(packed, rows)
+        return _in_row_order(order, logits[:, 0])  # (B, V)
 
-    def _decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
-                    sampled: SampledRows | None) -> np.ndarray:
+    def _decode_ids(self, rows: Sequence[RowWork], sampled: SampledRows | None) -> np.ndarray:
         """``_decode`` with each row's next token chosen beside the logits: (B,) int64 in
         batch order, on a captured graph the only copy the step makes (cuda.py). Without
         ``sampled`` the argmax (the graph's own ``greedy_ids`` where it has them); with
         it, the sampler's draws."""
-        rows, order = self._decode_rows(slots, tokens)
+        packed, order = self._pack(rows)
         if sampled is not None:
-            ids = self._sampled_ids(rows, order, sampled)
+            ids = self._sampled_ids(packed, order, sampled)
         else:
-            replayed = self._replay(rows, greedy_only=True)
+            replayed = self._replay(packed, greedy_only=True)
             if replayed is None:
-                logits, _ = self._run(rows)  # (n, 1, V)
-                return self._decoded(rows, order, logits).argmax(-1)
+                logits, _ = self._run(packed)  # (n, 1, V)
+                self._record_pass(packed, rows)
+                return _in_row_order(order, logits[:, 0]).argmax(-1)
             ids = replayed[1].astype(np.int64)  # (n,) in slot order
-        self._decoded(rows, order, np.empty((len(ids), 1, 0), np.float32))
-        if order is None:
-            return ids
-        out = np.empty_like(ids)
-        out[order] = ids
-        return out
+        self._record_pass(packed, rows)
+        return _in_row_order(order, ids)
 
     def _draw(self, logits: np.ndarray, sampled: SampledRows) -> np.ndarray:
         """The sampler's draws (B,) from a mixed pass's logits (B, V), in batch order."""
@@ -329,116 +319,100 @@ class EngineGraphRunner(PooledRunner):
 
     def _mixed_pass(self, rows: Sequence[RowWork], decode: list[int], rider: list[int],
                     out: StepResult) -> None:
-        slots = [rows[i].slot for i in decode]
-        tokens = np.fromiter((rows[i].tokens[0] for i in decode), np.int64, len(decode))
-        group, order = self._decode_rows(slots, tokens)
-        riding = [rows[i] for i in rider]
-        if self.cached_length(riding[0].slot):  # one row after its cache
-            (work,) = riding
-            fed = self._extend_rows(work.slot, work.tokens,
-                                    np.array([len(work.tokens) - 1], np.int64))
-            logits, second = self._run(group, fed)  # (n, 1, V), (1, 1, V)
-            assert second is not None
-            self._record(work.slot.index, fed.total - len(work.tokens), work.tokens)
-            out.outputs[rider[0]] = second[0]  # (1, V)
-        else:  # first prompts into empty slots, one consecutive run
-            fresh = [r.slot for r in riding]
-            self.pool.assign(fresh, sorted(s.index for s in fresh))
-            prompts = [r.tokens for r in riding]
-            logits, second = self._run(group, self._prompt_rows(fresh, prompts, False))
-            assert second is not None
-            for i, last in zip(rider, self._prompted(fresh, prompts, second, False),
-                               strict=True):
-                out.outputs[i] = last  # (1, V)
-        self._save_prefix([r.slot for r in riding])
-        self._deliver_decoded(rows, decode, self._decoded(group, order, logits), out)
+        decoding, riding = [rows[i] for i in decode], [rows[i] for i in rider]
+        group, order = self._pack(decoding)
+        if not self.cached_length(riding[0].slot):  # first prompts into empty slots
+            self.pool.assign([r.slot for r in riding], sorted(r.slot.index for r in riding))
+        second, second_order = self._pack(riding)  # or one row after its cache
+        logits, second_logits = self._run(group, second)  # (n, 1, V), (m, 1, V)
+        assert second_logits is not None
+        self._record_pass(second, riding)
+        for i, last in zip(rider, _in_row_order(second_order, second_logits), strict=True):
+            out.outputs[i] = last  # (1, V)
+        self._save_prefix(riding)
+        self._record_pass(group, decoding)
+        self._deliver_decoded(rows, decode, _in_row_order(order, logits[:, 0]), out)
 
-    def _decode_rows(self, slots: Sequence[Slot], tokens: np.ndarray
-                     ) -> tuple[_Rows, np.ndarray | None]:
-        """One token per row, bound in slot order; the permutation back to batch order
-        (None when the batch is already in slot order)."""
+    def _pack(self, rows: Sequence[RowWork], every: bool = False
+              ) -> tuple[_Rows, np.ndarray | None]:
+        """The one packer: a group of a pass's ``rows`` as the graph's inputs. The rows
+        are bound in slot order over one run of consecutive slots (compacted first where
+        they are not): each row's tokens after its cache, right-padded to the longest,
+        their positions, the positions whose logits are wanted (every fed one with
+        ``every``, else each row's last) and the slot of each row's adapter. With it, the
+        permutation from bound rows to ``rows`` (None: already in slot order). Several
+        rows of more than one token are first prompts (GroupQueryAttention takes no other:
+        ``run``'s packing never makes one, ``_run`` checks the second group)."""
+        n = len(rows)
+        slots = [r.slot for r in rows]
         lo, consecutive = self.pool.span(slots)
         if not consecutive:
             lo = self.pool.compact(slots)
-        n = len(slots)
-        index = np.fromiter((s.index for s in slots), np.int64, n)  # (B,) slot per row
-        perm = np.argsort(index)  # bound row j is batch row perm[j]
-        ordered = bool((perm == np.arange(n)).all())
-        lengths = self.pool.lengths[lo:lo + n].copy()  # (n,) in slot order
-        longest = int(lengths.max()) + 1
-        self._check_room(longest)
-        bound = np.asarray(tokens if ordered else tokens[perm], np.int64)[:, None]  # (n, 1)
-        lora = self._lora(slots if ordered else [slots[j] for j in perm])  # (n,) bound order
-        return (_Rows(lo, bound, lengths[:, None], lengths, longest,
-                      np.zeros((n, 1), np.int64), lora), None if ordered else perm)
+        perm = np.argsort(np.fromiter((s.index for s in slots), np.int64, n))  # (n,)
+        ordered = bool((perm == np.arange(n)).all())  # bound row j is rows[perm[j]]
+        bound = rows if ordered else [rows[j] for j in perm]
+        starts = self.pool.lengths[lo:lo + n].astype(np.int64)  # (n,) cached, a copy
+        fed = np.fromiter((len(r.tokens) for r in bound), np.int64, n)  # (n,)
+        totals = starts + fed  # (n,) each row's length after the pass
+        width, total = int(fed.max()), int(totals.max())
+        self._check_room(total)
+        if width == 1:  # a decode group: one token a row, nothing padded
+            ids = np.fromiter((r.tokens[0] for r in bound), np.int64, n)[:, None]  # (n, 1)
+            pos = starts[:, None]  # (n, 1)
+        else:
+            ids = np.zeros((n, width), np.int64)  # (n, W) right-padded
+            pos = np.zeros((n, width), np.int64)
+            for j, r in enumerate(bound):
+                ids[j, :fed[j]] = r.tokens
+                pos[j, :fed[j]] = np.arange(starts[j], totals[j])
+        index = (np.tile(np.arange(width, dtype=np.int64), (n, 1)) if every
+                 else (fed - 1)[:, None])  # (n, W) or (n, 1)
+        adapters = self.adapters
+        lora = (np.zeros(n, np.int64) if adapters is None else  # (n,) 0: the base
+                np.fromiter((adapters.slot_of(r.variant.adapter) for r in bound), np.int64, n))
+        return (_Rows(lo, ids, pos, totals - 1, total, index, lora),
+                None if ordered else perm)
 
-    def _decoded(self, rows: _Rows, order: np.ndarray | None, logits: np.ndarray
-                 ) -> np.ndarray:
-        """Record the decoded tokens in the pool; logits (B, V) in batch order."""
-        lo, n = rows.lo, len(rows.ids)
-        self.pool.tokens[np.arange(lo, lo + n), rows.pos[:, 0]] = rows.ids[:, 0]
-        self.pool.lengths[lo:lo + n] += 1
-        if order is None:
-            return logits[:, 0]
-        out = np.empty((n, logits.shape[2]), logits.dtype)  # (B, V) back in batch order
-        out[order] = logits[:, 0]
-        return out
+    def _record_pass(self, packed: _Rows, rows: Sequence[RowWork]) -> None:
+        """The tokens a pass fed, in the pool: each row's ids at their positions and its
+        length after them; the keys the kernel wrote for a row's padding given back."""
+        lo, n = packed.lo, len(packed.ids)
+        if packed.ids.shape[1] == 1:  # a decode group, bound in slot order
+            self.pool.tokens[np.arange(lo, lo + n), packed.pos[:, 0]] = packed.ids[:, 0]
+            self.pool.lengths[lo:lo + n] = packed.seqlens + 1
+            return
+        width = packed.ids.shape[1]
+        for r in rows:
+            end = int(packed.seqlens[r.slot.index - lo]) + 1
+            self._record(r.slot.index, end - len(r.tokens), r.tokens)
+            if len(r.tokens) < width:
+                self.pool.truncate(r.slot, end)
 
-    def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                      every: bool) -> list[np.ndarray]:
-        rows = self._prompt_rows(slots, prompts, every)
-        logits, _ = self._run(rows)  # (P, W or 1, V)
-        return self._prompted(slots, prompts, logits, every)
+    def _prefill_rows(self, rows: Sequence[RowWork], every: bool) -> list[np.ndarray]:
+        packed, order = self._pack(rows, every)
+        logits, _ = self._run(packed)  # (P, W or 1, V)
+        self._record_pass(packed, rows)
+        in_order = _in_row_order(order, logits)
+        return [in_order[i, :len(r.tokens)] if every else in_order[i]
+                for i, r in enumerate(rows)]
 
-    def _prompt_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                     every: bool) -> _Rows:
-        """Whole prompts into a run of consecutive empty slots, right-padded."""
-        lo, consecutive = self.pool.span(slots)
-        if not consecutive or [s.index for s in slots] != list(range(lo, lo + len(slots))):
-            raise ValueError("engine.onnx prefills a run of consecutive empty slots in order")
-        lengths = np.fromiter((len(p) for p in prompts), np.int64, len(prompts))  # (P,)
-        width = int(lengths.max())
-        self._check_room(width)
-        ids = np.zeros((len(prompts), width), np.int64)  # (P, W) right-padded
-        pos = np.zeros((len(prompts), width), np.int64)
-        for j, p in enumerate(prompts):
-            ids[j, :len(p)] = p
-            pos[j, :len(p)] = np.arange(len(p))
-        if every:  # every position: (P, W), the padding's rows dropped below
-            index = np.tile(np.arange(width, dtype=np.int64), (len(prompts), 1))
-        else:  # each row's last real token: (P, 1)
-            index = (lengths - 1)[:, None]
-        return _Rows(lo, ids, pos, lengths - 1, width, index, self._lora(slots))
-
-    def _prompted(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                  logits: np.ndarray, every: bool) -> list[np.ndarray]:
-        """Record prefilled prompts in the pool; each row's logits (T_i or 1, V)."""
-        width = max(len(p) for p in prompts)
-        for s, p in zip(slots, prompts, strict=True):
-            self._record(s.index, 0, p)
-            if len(p) < width:  # the kernel wrote the padding's keys too: give those back
-                self.pool.truncate(s, len(p))
-        return [logits[j, :len(p)] if every else logits[j]
-                for j, p in enumerate(prompts)]
-
-    def _extend(self, slot: Slot, tokens: np.ndarray, every: bool) -> np.ndarray:
-        """Feed ``tokens`` (T,) after the row's cache: logits (T, V) of every position,
+    def _extend(self, row: RowWork, every: bool) -> np.ndarray:
+        """Feed the row's tokens (T,) after its cache: logits (T, V) of every position,
         or (1, V) of the last."""
-        index = (np.arange(len(tokens), dtype=np.int64) if every
-                 else np.array([len(tokens) - 1], np.int64))
-        rows = self._extend_rows(slot, tokens, index)
-        logits, _ = self._run(rows)  # (1, K, V)
-        self._record(slot.index, rows.total - len(tokens), tokens)
+        packed, _ = self._pack([row], every)
+        logits, _ = self._run(packed)  # (1, K, V)
+        self._record_pass(packed, [row])
         return logits[0]
 
-    def _extend_rows(self, slot: Slot, tokens: np.ndarray, index: np.ndarray) -> _Rows:
-        start = int(self.pool.lengths[slot.index])
-        total = start + len(tokens)
-        self._check_room(total)
-        pos = np.arange(start, total, dtype=np.int64)[None, :]  # (1, T)
-        return _Rows(slot.index, np.asarray(tokens, np.int64)[None, :], pos,
-                     np.array([total - 1]), total, index[None, :], self._lora([slot]))
 
+def _in_row_order(order: np.ndarray | None, bound: np.ndarray) -> np.ndarray:
+    """A pass's per-row results (n, ...) bound in slot order, in the rows' order
+    (``order``: bound row j is row order[j]; None: the same)."""
+    if order is None:
+        return bound
+    out = np.empty_like(bound)
+    out[order] = bound
+    return out
 
 class _Graph:
     """A session and its IO binding, reused from pass to pass (see ``_bind``)."""

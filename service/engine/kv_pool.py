@@ -41,14 +41,13 @@ from service.engine.process_memory import resident_pages
 
 class Slot:
     """A row's place in the pool. Shared by the batch and the pool: a move updates it.
-    ``adapter``: the id of the LoRA adapter the row's keys and values are computed under
-    (0: the base; service/engine/adapters.py), set when the row takes the slot."""
+    What the row's keys and values are computed under (its adapter) is the row's
+    (step_plan.RowWork), never the slot's."""
 
-    __slots__ = ("adapter", "index")
+    __slots__ = ("index",)
 
-    def __init__(self, index: int, adapter: int = 0) -> None:
+    def __init__(self, index: int) -> None:
         self.index = index
-        self.adapter = adapter
 
     def __repr__(self) -> str:
         return f"Slot({self.index})"

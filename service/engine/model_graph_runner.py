@@ -39,7 +39,9 @@ from service.contract import io_spec as io
 from service.contract.graphs import GraphEntry
 from service.engine.kv_pool import Slot
 from service.engine.pooled_runner import PooledRunner
+from service.engine.request import ModelVariant
 from service.engine.runner import PoolConfig
+from service.engine.step_plan import RowWork
 from service.providers import CUDA
 
 Shape = tuple[int, int, int, int]
@@ -165,15 +167,15 @@ class ModelGraphRunner(PooledRunner):
 
     # -- the protocol ----------------------------------------------------------------
 
-    def _decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
-        b = len(slots)
-        index = np.fromiter((s.index for s in slots), np.int64, b)  # (B,)
+    def _decode(self, rows: Sequence[RowWork]) -> np.ndarray:
+        b = len(rows)
+        index = np.fromiter((r.slot.index for r in rows), np.int64, b)  # (B,)
         lengths = self.pool.lengths[index]  # (B,) a copy
         width = int(lengths.max())
         self._check_room(width + 1)
         key = tuple(index.tolist())
         mask = (np.arange(width + 1)[None, :] >= (width - lengths)[:, None]).astype(np.int64)
-        ids = np.asarray(tokens, np.int64)[:, None]  # (B, 1)
+        ids = np.fromiter((r.tokens[0] for r in rows), np.int64, b)[:, None]  # (B, 1)
         pos = lengths[:, None].astype(np.int64)  # (B, 1): each row's next position
         if self.resident:
             return self._decode_resident(index, lengths, key, ids, mask, pos)
@@ -224,11 +226,11 @@ class ModelGraphRunner(PooledRunner):
             for j in range(carry.pending):
                 array[index, :, first + j] = new[:, :, j]  # (B, nkv, hs)
 
-    def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                      every: bool) -> list[np.ndarray]:
+    def _prefill_rows(self, rows: Sequence[RowWork], every: bool) -> list[np.ndarray]:
         self.settle()
-        b = len(slots)
-        index = np.fromiter((s.index for s in slots), np.int64, b)  # (B,)
+        b = len(rows)
+        prompts = [r.tokens for r in rows]
+        index = np.fromiter((r.slot.index for r in rows), np.int64, b)  # (B,)
         lengths = np.fromiter((len(p) for p in prompts), np.int64, b)  # (B,)
         width = int(lengths.max())
         self._check_room(width)
@@ -243,13 +245,14 @@ class ModelGraphRunner(PooledRunner):
         for array, new in zip(self.pool.arrays, present, strict=True):
             for i, (slot, n) in enumerate(zip(index.tolist(), lengths.tolist(), strict=True)):
                 array[slot, :, :n] = new[i, :, width - n:]  # (nkv, n, hs): the real columns
-        for s, p in zip(slots, prompts, strict=True):
-            self._record(s.index, 0, p)
+        for r in rows:
+            self._record(r.slot.index, 0, r.tokens)
         return [logits[i, width - n:] if every else logits[i, width - 1:]
                 for i, n in enumerate(lengths.tolist())]
 
-    def _extend(self, slot: Slot, tokens: np.ndarray, every: bool) -> np.ndarray:
+    def _extend(self, row: RowWork, every: bool) -> np.ndarray:
         self.settle()
+        slot, tokens = row.slot, row.tokens
         start = int(self.pool.lengths[slot.index])
         total = start + len(tokens)
         self._check_room(total)
@@ -270,13 +273,14 @@ class ModelGraphRunner(PooledRunner):
 
     def reserve(self, rows: int, top: bool = False,
                 prompts: Sequence[np.ndarray | None] | None = None,
-                adapters: Sequence[int] | None = None) -> list[Slot]:
+                variants: Sequence[ModelVariant] | None = None) -> list[Slot]:
         self.settle()
-        return super().reserve(rows, top, prompts, adapters)
+        return super().reserve(rows, top, prompts, variants)
 
-    def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
+    def leave(self, slots: Sequence[Slot], keep: Sequence[int],
+              variants: Sequence[ModelVariant] | None = None) -> list[Slot]:
         self.settle()
-        kept = super().leave(slots, keep)
+        kept = super().leave(slots, keep, variants)
         if not self.pool.used:
             self._buffers.clear()  # idle: the scratch's memory goes back
         return kept

@@ -8,12 +8,15 @@ scheduler's admission never lets more tokens in than the budget.
 
 ``run`` executes a step's plan (step_plan.py): it packs the plan's rows into passes by
 what GroupQueryAttention takes and calls the passes subclasses supply for their graph,
-all private: ``_prefill_rows`` (whole prompts into empty slots, batched), ``_decode``
+all private and all over the plan's rows (``RowWork``: slot, tokens, what it wants back,
+its adapter): ``_prefill_rows`` (whole prompts into empty slots, batched), ``_decode``
 (one token a row), ``_extend`` (several tokens after one row's cache) and, where the
 graph takes a second group of rows, ``_mixed_pass`` (the decode rows and one more group
 in one pass). ``reserve`` is where rows take KV memory: empty slots, loaded with each
 prompt's cached prefix. ``_arrange`` lays a batch's slots out as the graph needs them
 (engine.onnx binds one run of consecutive slots; model.onnx gathers, so anything goes).
+The pool and the prefix cache keep no per-row attribute: a prefix is looked up, saved and
+loaded under the ``ModelVariant`` the caller names for the row (its LoRA adapter).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from service.engine.adapters import AdapterSet
 from service.engine.cuda import SampledRows
 from service.engine.kv_pool import KVPool, PoolShape, Slot, ensure_memory
 from service.engine.prefix_cache import PrefixCache
+from service.engine.request import BASE, ModelVariant
 from service.engine.runner import PoolConfig
 from service.engine.stats import KVStats, PrefixCacheStats
 from service.engine.step_plan import PassTime, RowDraw, RowWork, StepPlan, StepResult
@@ -102,43 +106,42 @@ class PooledRunner:
 
     def reserve(self, rows: int, top: bool = False,
                 prompts: Sequence[np.ndarray | None] | None = None,
-                adapters: Sequence[int] | None = None) -> list[Slot]:
-        if adapters is not None and any(adapters) and self.adapters is None:
+                variants: Sequence[ModelVariant] | None = None) -> list[Slot]:
+        if variants is not None and self.adapters is None and any(v.adapter for v in variants):
             raise ValueError(f"{type(self).__name__} serves no LoRA adapter")
-        if adapters is not None and len(adapters) != rows:
-            raise ValueError(f"{len(adapters)} adapters for {rows} rows")
+        if variants is not None and len(variants) != rows:
+            raise ValueError(f"{len(variants)} variants for {rows} rows")
         slots = self.pool.allocate(rows, top)
-        for slot, adapter in zip(slots, adapters or [0] * rows, strict=True):
-            slot.adapter = adapter
         if prompts is None or self.prefix is None:
             return slots
         if len(prompts) != rows:
             raise ValueError(f"{len(prompts)} prompts for {rows} rows")
-        hits = [0 if p is None else self.prefix.match(np.asarray(p, np.int64), s.adapter)
-                for p, s in zip(prompts, slots, strict=True)]
+        keys = list(variants or [BASE] * rows)
+        hits = [0 if p is None else self.prefix.match(np.asarray(p, np.int64), key)
+                for p, key in zip(prompts, keys, strict=True)]
         # the rows that reuse nothing first, in order: engine.onnx prefills one run of them
         order = sorted(range(rows), key=lambda r: bool(hits[r]))
         self.pool.assign([slots[r] for r in order], sorted(s.index for s in slots))
         for r in range(rows):
             prompt = prompts[r]
             if hits[r] and prompt is not None:
-                self.prefix.load(np.asarray(prompt, np.int64), slots[r].index,
-                                 slots[r].adapter)
+                self.prefix.load(np.asarray(prompt, np.int64), slots[r].index, keys[r])
         return slots
 
     def truncate(self, slot: Slot, length: int) -> None:
         self.pool.truncate(slot, length)  # pages past ``length`` go back to the OS
 
-    def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
+    def leave(self, slots: Sequence[Slot], keep: Sequence[int],
+              variants: Sequence[ModelVariant] | None = None) -> list[Slot]:
         if not slots:
             return []
         kept_rows = {int(r) for r in keep}
         start = min(s.index for s in slots)  # the batch's run begins here, and stays
-        dropped = [s for i, s in enumerate(slots) if i not in kept_rows]
+        dropped = [i for i in range(len(slots)) if i not in kept_rows]
         if self.prefix is not None:
-            for s in dropped:  # what the request generated may start the next turn's prompt
-                self.prefix.save(s.index, s.adapter)
-        self.pool.free(dropped)
+            for i in dropped:  # what the request generated may start the next turn's prompt
+                self.prefix.save(slots[i].index, variants[i] if variants else BASE)
+        self.pool.free([slots[i] for i in dropped])
         kept = [slots[int(r)] for r in keep]
         if kept:
             self._arrange(kept, start)
@@ -176,6 +179,8 @@ class PooledRunner:
             raise ValueError("a row appears twice in one step")
         if any(len(r.tokens) == 0 for r in rows):
             raise ValueError("every row of a step feeds at least one token")
+        if self.adapters is None and any(r.variant.adapter for r in rows):
+            raise ValueError(f"{type(self).__name__} serves no LoRA adapter")
         out = StepResult([np.empty(0)] * len(rows))
         cached = [self.cached_length(r.slot) for r in rows]
         decode = [i for i, r in enumerate(rows) if cached[i] and len(r.tokens) == 1]
@@ -209,10 +214,10 @@ class PooledRunner:
 
     def _extend_row(self, work: RowWork, i: int, out: StepResult) -> None:
         """A row of several tokens after its cache, alone."""
-        logits = self._extend(work.slot, work.tokens, every=work.want == "every")
+        logits = self._extend(work, every=work.want == "every")
         out.outputs[i] = self._delivered(work, logits)
         if not work.drafted:
-            self._save_prefix([work.slot])
+            self._save_prefix([work])
 
     def _prompt_runs(self, slots: Sequence[Slot]) -> list[list[int]]:
         """Empty ``slots`` (a step's rows into them) grouped by the prefill passes that
@@ -223,28 +228,27 @@ class PooledRunner:
     def _first_prompts(self, rows: Sequence[RowWork], first: list[int], out: StepResult
                        ) -> None:
         """Rows into empty slots (one of ``_prompt_runs``), prefilled together."""
-        slots = [rows[i].slot for i in first]
-        self.pool.assign(slots, sorted(s.index for s in slots))
-        every = any(rows[i].want == "every" for i in first)
-        logits = self._prefill_rows(slots, [rows[i].tokens for i in first], every)
+        prompts = [rows[i] for i in first]
+        self.pool.assign([r.slot for r in prompts], sorted(r.slot.index for r in prompts))
+        every = any(r.want == "every" for r in prompts)
+        logits = self._prefill_rows(prompts, every)
         for i, got in zip(first, logits, strict=True):
             out.outputs[i] = self._delivered(rows[i], got)
-        self._save_prefix(slots)
+        self._save_prefix(prompts)
 
     def _decode_pass(self, rows: Sequence[RowWork], decode: list[int], out: StepResult
                      ) -> None:
         """One token a row; the tokens themselves where every row wants only those."""
-        slots = [rows[i].slot for i in decode]
-        tokens = np.fromiter((rows[i].tokens[0] for i in decode), np.int64, len(decode))
-        wants = {rows[i].want for i in decode}
+        decoding = [rows[i] for i in decode]
+        wants = {r.want for r in decoding}
         if wants <= {"argmax", "draw"}:
-            ids = self._decode_ids(slots, tokens, _draws([rows[i] for i in decode])
+            ids = self._decode_ids(decoding, _draws(decoding)
                                    if "draw" in wants else None)  # (B,)
             for j, i in enumerate(decode):
                 out.outputs[i] = ids[j:j + 1]
             out.together[tuple(decode)] = ids
             return
-        self._deliver_decoded(rows, decode, self._decode(slots, tokens), out)  # (B, V)
+        self._deliver_decoded(rows, decode, self._decode(decoding), out)  # (B, V)
 
     def _deliver_decoded(self, rows: Sequence[RowWork], decode: list[int],
                          logits: np.ndarray, out: StepResult) -> None:
@@ -282,37 +286,35 @@ class PooledRunner:
         logits (``samples_on_device``) only."""
         raise ValueError(f"{type(self).__name__} samples on the host")
 
-    def _save_prefix(self, slots: Sequence[Slot]) -> None:
-        """The rows' full blocks not cached yet go to the prefix cache: after a prompt
-        pass, and after each chunk of a chunked prompt (a chunk's worth at a time, not a
-        long prompt's whole copy in the step that ends it)."""
+    def _save_prefix(self, rows: Sequence[RowWork]) -> None:
+        """The rows' full blocks not cached yet go to the prefix cache, under each row's
+        variant: after a prompt pass, and after each chunk of a chunked prompt (a chunk's
+        worth at a time, not a long prompt's whole copy in the step that ends it)."""
         if self.prefix is not None:
-            for s in slots:
-                self.prefix.save(s.index, s.adapter)
+            for r in rows:
+                self.prefix.save(r.slot.index, r.variant)
 
     # -- the passes a graph supplies ---------------------------------------------------
 
-    def _prefill_rows(self, slots: Sequence[Slot], prompts: Sequence[np.ndarray],
-                      every: bool) -> list[np.ndarray]:
+    def _prefill_rows(self, rows: Sequence[RowWork], every: bool) -> list[np.ndarray]:
         """Whole prompts into empty slots: each row's logits, (T_i, V) with ``every``,
         else (1, V)."""
         raise NotImplementedError
 
-    def _decode(self, slots: Sequence[Slot], tokens: np.ndarray) -> np.ndarray:
-        """One token (B,) after each row's cache: logits (B, V)."""
+    def _decode(self, rows: Sequence[RowWork]) -> np.ndarray:
+        """One token after each row's cache (each row's ``tokens``, of one): logits (B, V)."""
         raise NotImplementedError
 
-    def _decode_ids(self, slots: Sequence[Slot], tokens: np.ndarray,
-                    sampled: SampledRows | None) -> np.ndarray:
+    def _decode_ids(self, rows: Sequence[RowWork], sampled: SampledRows | None) -> np.ndarray:
         """``_decode``'s next token per row, (B,) int64: the argmax, or the draws of
         ``sampled`` (``samples_on_device`` runners only). A runner whose graph picks the
         tokens itself (a float16 engine graph on the GPU) copies only those."""
         if sampled is not None:
             raise ValueError(f"{type(self).__name__} samples on the host")
-        return self._decode(slots, tokens).argmax(-1)
+        return self._decode(rows).argmax(-1)
 
-    def _extend(self, slot: Slot, tokens: np.ndarray, every: bool) -> np.ndarray:
-        """``tokens`` (T,) after one row's cache: logits (T, V) with ``every``, else the
+    def _extend(self, row: RowWork, every: bool) -> np.ndarray:
+        """The row's tokens (T,) after its cache: logits (T, V) with ``every``, else the
         last token's (1, V)."""
         raise NotImplementedError
 

@@ -11,9 +11,10 @@ Only full blocks are cached, and a lookup leaves at least one prompt token to co
 (the request needs its logits). The store copies K/V in and out of pool slots; the
 pool's rows stay contiguous per slot, which GroupQueryAttention needs.
 
-Keys and values depend on the LoRA adapter a row runs under (every projection does), so
-each adapter's chains start at a root of their own (vLLM and SGLang key the block hash by
-the LoRA too): a prefix computed under one adapter never serves another, nor the base.
+Keys and values depend on what a row runs under besides the base weights, its
+``ModelVariant`` (the LoRA adapter: every projection sees it), so each variant's chains
+start at a root of their own (vLLM and SGLang key the block hash by the LoRA too): a
+prefix computed under one variant never serves another, nor the base.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.engine.kv_pool import KVPool
+from service.engine.request import BASE, ModelVariant
 
 ROOT = 0  # the parent name of a prompt's first block, under the base model
 
 
-def root_of(adapter: int) -> int:
-    """The parent name of a prompt's first block under adapter ``adapter`` (0: the base)."""
-    return ROOT if adapter == 0 else hash(("lora", adapter)) or 1
+def root_of(variant: ModelVariant) -> int:
+    """The parent name of a prompt's first block computed under ``variant``."""
+    return ROOT if variant == BASE else hash(("variant", variant)) or 1
 
 
 @dataclass
@@ -72,12 +74,12 @@ class PrefixCache:
     def blocks_used(self) -> int:
         return len(self._blocks)
 
-    def _names(self, tokens: np.ndarray, n_blocks: int, adapter: int
+    def _names(self, tokens: np.ndarray, n_blocks: int, variant: ModelVariant
                ) -> list[tuple[int, int, bytes]]:
         """(name, parent, token bytes) for the first ``n_blocks`` blocks of ``tokens``,
-        the chain starting at ``adapter``'s root."""
+        the chain starting at ``variant``'s root."""
         out = []
-        parent = root_of(adapter)
+        parent = root_of(variant)
         bs = self.block_size
         for b in range(n_blocks):
             data = tokens[b * bs:(b + 1) * bs].astype(np.int64).tobytes()
@@ -86,30 +88,31 @@ class PrefixCache:
             parent = name
         return out
 
-    def _chain(self, tokens: np.ndarray, n_blocks: int, adapter: int) -> list[_Block]:
+    def _chain(self, tokens: np.ndarray, n_blocks: int, variant: ModelVariant
+               ) -> list[_Block]:
         chain = []
-        for name, parent, data in self._names(tokens, n_blocks, adapter):
+        for name, parent, data in self._names(tokens, n_blocks, variant):
             block = self._blocks.get(name)
             if block is None or block.parent != parent or block.tokens != data:
                 break
             chain.append(block)
         return chain
 
-    def match(self, prompt: np.ndarray, adapter: int = 0) -> int:
+    def match(self, prompt: np.ndarray, variant: ModelVariant = BASE) -> int:
         """Tokens of ``prompt`` a ``load`` would reuse now (counted as a lookup), computed
-        under ``adapter`` (0: the base).
+        under ``variant``.
 
         At most len(prompt) - 1 tokens, so the request still computes one.
         """
         self.counters.queries += len(prompt)
         return len(self._chain(prompt, (len(prompt) - 1) // self.block_size,
-                               adapter)) * self.block_size
+                               variant)) * self.block_size
 
-    def load(self, prompt: np.ndarray, slot: int, adapter: int = 0) -> int:
-        """Copy the longest cached prefix of ``prompt`` under ``adapter`` into the empty
+    def load(self, prompt: np.ndarray, slot: int, variant: ModelVariant = BASE) -> int:
+        """Copy the longest cached prefix of ``prompt`` under ``variant`` into the empty
         ``slot``; tokens reused."""
         bs = self.block_size
-        chain = self._chain(prompt, (len(prompt) - 1) // bs, adapter)
+        chain = self._chain(prompt, (len(prompt) - 1) // bs, variant)
         if not chain:
             return 0
         for block in reversed(chain):  # parents end up fresher than children
@@ -127,13 +130,13 @@ class PrefixCache:
         self.counters.hits += n
         return n
 
-    def save(self, slot: int, adapter: int = 0) -> None:
-        """Store the full blocks ``slot`` holds, computed under ``adapter``, that are not
+    def save(self, slot: int, variant: ModelVariant = BASE) -> None:
+        """Store the full blocks ``slot`` holds, computed under ``variant``, that are not
         cached yet."""
         bs = self.block_size
         length = int(self.pool.lengths[slot])
         tokens = self.pool.tokens[slot, :length]
-        names = self._names(tokens, length // bs, adapter)
+        names = self._names(tokens, length // bs, variant)
         keep: set[int] = set()
         for b, (name, parent, data) in enumerate(names):
             keep.add(name)

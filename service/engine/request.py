@@ -108,6 +108,19 @@ class AdapterRef:
     id: int
 
 
+@dataclass(frozen=True)
+class ModelVariant:
+    """What computes a row besides the base weights: its LoRA adapter, by id (0: none).
+    A row carries it (step_plan.RowWork) and the prefix cache keys blocks by it, so keys
+    and values computed under one variant never serve another; a new per-row input that
+    changes them is a field here."""
+
+    adapter: int = 0
+
+
+BASE = ModelVariant()
+
+
 @dataclass
 class GenerationRequest:
     """A tokenized, validated request; ``cancelled`` is set from the event loop."""
@@ -124,6 +137,11 @@ class GenerationRequest:
     cancelled: threading.Event = field(default_factory=threading.Event)
     adapter_name: str | None = None  # the LoRA adapter asked for (None: the base model)
     adapter: AdapterRef | None = None  # it, resolved when the engine takes the request
+
+    @property
+    def variant(self) -> ModelVariant:
+        """What its rows are computed under (its adapter once resolved)."""
+        return BASE if self.adapter is None else ModelVariant(adapter=self.adapter.id)
 
     @property
     def reserved_tokens(self) -> int:

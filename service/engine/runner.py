@@ -25,6 +25,7 @@ import numpy as np
 
 from service.contract.graphs import GraphEntry
 from service.engine.kv_pool import Slot
+from service.engine.request import ModelVariant
 from service.engine.stats import KVStats, PrefixCacheStats
 from service.engine.step_plan import StepPlan, StepResult
 
@@ -91,13 +92,13 @@ class ModelRunner(Protocol):
 
     def reserve(self, rows: int, top: bool = False,
                 prompts: Sequence[np.ndarray | None] | None = None,
-                adapters: Sequence[int] | None = None) -> list[Slot]:
+                variants: Sequence[ModelVariant] | None = None) -> list[Slot]:
         """Slots for new rows (``top``: away from the running rows): the one place rows
-        take KV memory. ``adapters``: each row's LoRA adapter id (0 or None: the base),
-        which every pass of the row then applies (``Slot.adapter``). With ``prompts``,
-        each row's slot holds its prompt's cached prefix computed under the same adapter
-        where the prefix cache has one (``cached_length`` says how much; None: not looked
-        up), and the rows that reuse nothing come first, in one consecutive run."""
+        take KV memory. With ``prompts``, each row's slot holds its prompt's cached prefix
+        computed under the row's ``variants`` entry (None: the base) where the prefix
+        cache has one (``cached_length`` says how much; None: not looked up), and the rows
+        that reuse nothing come first, in one consecutive run. The slot keeps no variant:
+        every pass reads it from the row (``RowWork.variant``)."""
         ...
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -111,9 +112,11 @@ class ModelRunner(Protocol):
         """Keep only the first ``length`` cached tokens of a row (drop rejected drafts)."""
         ...
 
-    def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
-        """Rows not in ``keep`` leave: their blocks go to the prefix cache and their slots
-        are freed. The kept slots, in ``keep`` order, laid out as the runner needs."""
+    def leave(self, slots: Sequence[Slot], keep: Sequence[int],
+              variants: Sequence[ModelVariant] | None = None) -> list[Slot]:
+        """Rows not in ``keep`` leave: their blocks go to the prefix cache, under each
+        row's variant (``variants``, one per slot; None: the base), and their slots are
+        freed. The kept slots, in ``keep`` order, laid out as the runner needs."""
         ...
 
     def join(self, groups: Sequence[Sequence[Slot]]) -> list[Slot]:

@@ -2,7 +2,8 @@
 
 The scheduler describes every step the same way (vLLM v1's ``SchedulerOutput``, whose
 ``num_scheduled_tokens`` per request is all a step is): for each row its slot, the tokens
-it feeds after what the slot holds, and what it wants back. A running row feeds its
+it feeds after what the slot holds, what it wants back, and what it is computed under
+(its ``ModelVariant``: the LoRA adapter). A running row feeds its
 newest token; a newcomer its whole prompt (or what follows a cached prefix); a long
 prompt its next chunk; a speculating row its newest token and the drafts to verify. They
 are the same thing to the runner, which packs the rows into as few passes as its graph
@@ -19,6 +20,7 @@ from typing import Literal
 import numpy as np
 
 from service.engine.kv_pool import Slot
+from service.engine.request import BASE, ModelVariant
 
 # What a row wants back: the last position's logits (1, V), every fed position's (T, V),
 # or only its next token (1,) chosen beside the logits: the argmax, or a draw with the
@@ -38,13 +40,18 @@ class RowDraw:
 
 @dataclass(frozen=True)
 class RowWork:
-    """One row's part of a step: ``tokens`` fed after the ``slot``'s cached tokens."""
+    """One row's part of a step: ``tokens`` fed after the ``slot``'s cached tokens, and
+    everything else a pass needs of the row, set from its request when the batch makes
+    it: the runner keeps nothing per row but the slot's cache."""
 
     slot: Slot
     tokens: np.ndarray  # (T,) int64
     want: Want = "last"
     draw: RowDraw | None = None  # for want "draw"
     drafted: bool = False  # tokens after the first are drafts: never prefix-cached
+    # what computes the row besides the base weights (its LoRA adapter): every pass
+    # applies it, and the prefix cache keys the row's blocks by it
+    variant: ModelVariant = BASE
 
 
 @dataclass(frozen=True)

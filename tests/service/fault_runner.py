@@ -25,6 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from service.engine.kv_pool import Slot
+from service.engine.request import ModelVariant
 from service.engine.runner import ModelRunner
 from service.engine.stats import (
     KVStats,
@@ -176,14 +177,15 @@ class ControlledRunner:
 
     def reserve(self, rows: int, top: bool = False,
                 prompts: Sequence[np.ndarray | None] | None = None,
-                adapters: Sequence[int] | None = None) -> list[Slot]:
-        return self.runner.reserve(rows, top, prompts, adapters)
+                variants: Sequence[ModelVariant] | None = None) -> list[Slot]:
+        return self.runner.reserve(rows, top, prompts, variants)
 
     def truncate(self, slot: Slot, length: int) -> None:
         self.runner.truncate(slot, length)
 
-    def leave(self, slots: Sequence[Slot], keep: Sequence[int]) -> list[Slot]:
-        return self.runner.leave(slots, keep)
+    def leave(self, slots: Sequence[Slot], keep: Sequence[int],
+              variants: Sequence[ModelVariant] | None = None) -> list[Slot]:
+        return self.runner.leave(slots, keep, variants)
 
     def join(self, groups: Sequence[Sequence[Slot]]) -> list[Slot]:
         return self.runner.join(groups)

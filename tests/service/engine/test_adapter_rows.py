@@ -20,6 +20,7 @@ from service.contract import io_spec as io
 from service.engine.adapters import UnknownAdapter
 from service.engine.engine import EngineConfig, add_startup_adapters, create_runner
 from service.engine.engine_graph_runner import EngineGraphRunner
+from service.engine.request import BASE, ModelVariant
 from service.engine.step_plan import RowWork, StepPlan
 from tests.service.lora_build import TOL, LoraBuild, expected, greedy_until_tie, held, merged_greedy
 
@@ -48,7 +49,11 @@ def test_rows_of_two_adapters_and_the_base_share_every_kind_of_pass(lora_build: 
     vocab = runner.vocab_size
     names = ["", "alpha", "beta", "alpha"]
     seqs = [list(rng.integers(3, vocab, n)) for n in (5, 9, 3, 7)]
-    slots = runner.reserve(4, adapters=[r.id if (r := refs[n]) else 0 for n in names])
+    variants = [ModelVariant(r.id) if (r := refs[n]) else BASE for n in names]  # each row's
+    slots = runner.reserve(4)
+
+    def row(i: int, tokens: list[int]) -> RowWork:
+        return RowWork(slots[i], np.asarray(tokens), variant=variants[i])
 
     def check(outputs: list[np.ndarray], rows: list[int]) -> None:
         for out, i in zip(outputs, rows, strict=True):
@@ -57,17 +62,16 @@ def test_rows_of_two_adapters_and_the_base_share_every_kind_of_pass(lora_build: 
                                        err_msg=f"row {i} under {names[i] or 'the base'}")
 
     # first prompts of three rows together (the fourth joins later)
-    check(run(runner, [RowWork(slots[i], np.asarray(seqs[i])) for i in range(3)]), [0, 1, 2])
+    check(run(runner, [row(i, seqs[i]) for i in range(3)]), [0, 1, 2])
     for _ in range(2):  # decode steps of rows under three different adapters
         for i in range(3):
             seqs[i].append(int(rng.integers(3, vocab)))
-        check(run(runner, [RowWork(slots[i], np.asarray(seqs[i][-1:])) for i in range(3)]),
-              [0, 1, 2])
+        check(run(runner, [row(i, seqs[i][-1:]) for i in range(3)]), [0, 1, 2])
     # the fourth row's prompt rides in the decode pass (the mixed graph's second group)
     for i in range(3):
         seqs[i].append(int(rng.integers(3, vocab)))
-    rows = [RowWork(slots[i], np.asarray(seqs[i][-1:])) for i in range(3)]
-    result = runner.run(StepPlan((*rows, RowWork(slots[3], np.asarray(seqs[3])))))
+    rows = [row(i, seqs[i][-1:]) for i in range(3)]
+    result = runner.run(StepPlan((*rows, row(3, seqs[3]))))
     assert len(result.passes) == 1  # one pass carried all four rows
     check(result.outputs, [0, 1, 2, 3])
     # a chunk of several tokens after beta's cache rides beside the others' decode
@@ -75,16 +79,15 @@ def test_rows_of_two_adapters_and_the_base_share_every_kind_of_pass(lora_build: 
     seqs[2].extend(more)
     for i in (0, 1, 3):
         seqs[i].append(int(rng.integers(3, vocab)))
-    rows = [RowWork(slots[i], np.asarray(seqs[i][-1:])) for i in (0, 1, 3)]
-    result = runner.run(StepPlan((*rows, RowWork(slots[2], np.asarray(more)))))
+    rows = [row(i, seqs[i][-1:]) for i in (0, 1, 3)]
+    result = runner.run(StepPlan((*rows, row(2, more))))
     check(result.outputs, [0, 1, 3, 2])
     # the alpha row leaves; the others go on, compacted
-    kept = runner.leave(slots, [0, 2, 3])
+    kept = runner.leave(slots, [0, 2, 3], variants)
     for i in (0, 2, 3):
         seqs[i].append(int(rng.integers(3, vocab)))
-    check(run(runner, [RowWork(s, np.asarray(seqs[i][-1:])) for s, i in zip(kept, (0, 2, 3),
-                                                                             strict=True)]),
-          [0, 2, 3])
+    check(run(runner, [RowWork(s, np.asarray(seqs[i][-1:]), variant=variants[i])
+                       for s, i in zip(kept, (0, 2, 3), strict=True)]), [0, 2, 3])
 
 
 def test_every_position_and_a_lone_row_after_its_cache(lora_build: LoraBuild) -> None:
@@ -97,12 +100,13 @@ def test_every_position_and_a_lone_row_after_its_cache(lora_build: LoraBuild) ->
     beta = held(adapters, "beta")
     rng = np.random.default_rng(1)
     seq = list(rng.integers(3, runner.vocab_size, 6))
-    (slot,) = runner.reserve(1, adapters=[beta.id])
-    (every,) = run(runner, [RowWork(slot, np.asarray(seq), "every")])
+    (slot,) = runner.reserve(1)
+    under_beta = ModelVariant(beta.id)
+    (every,) = run(runner, [RowWork(slot, np.asarray(seq), "every", variant=under_beta)])
     np.testing.assert_allclose(every, expected(lora_build, "beta", seq), rtol=0, atol=TOL)
     more = list(rng.integers(3, runner.vocab_size, 3))
     seq += more
-    (after,) = run(runner, [RowWork(slot, np.asarray(more), "every")])
+    (after,) = run(runner, [RowWork(slot, np.asarray(more), "every", variant=under_beta)])
     np.testing.assert_allclose(after, expected(lora_build, "beta", seq)[-3:], rtol=0, atol=TOL)
 
 
@@ -113,19 +117,21 @@ def test_a_prefix_cached_under_one_adapter_is_reused_by_it_alone(lora_build: Lor
     assert adapters is not None
     alpha = held(adapters, "alpha")
     prompt = np.asarray(np.random.default_rng(2).integers(3, runner.vocab_size, 13))
-    (slot,) = runner.reserve(1, prompts=[prompt], adapters=[alpha.id])
+    under_alpha = ModelVariant(alpha.id)
+    (slot,) = runner.reserve(1, prompts=[prompt], variants=[under_alpha])
     assert runner.cached_length(slot) == 0
-    run(runner, [RowWork(slot, prompt)])
-    runner.leave([slot], [])  # its blocks go to the prefix cache, under alpha
+    run(runner, [RowWork(slot, prompt, variant=under_alpha)])
+    runner.leave([slot], [], [under_alpha])  # its blocks go to the prefix cache, under alpha
     for name in ("", "beta", "alpha"):
         ref = held(adapters, name) if name else None
-        (slot,) = runner.reserve(1, prompts=[prompt], adapters=[ref.id if ref else 0])
+        variant = ModelVariant(ref.id) if ref else BASE
+        (slot,) = runner.reserve(1, prompts=[prompt], variants=[variant])
         cached = runner.cached_length(slot)
         assert cached == (12 if name == "alpha" else 0), name
-        (out,) = run(runner, [RowWork(slot, prompt[cached:])])
+        (out,) = run(runner, [RowWork(slot, prompt[cached:], variant=variant)])
         np.testing.assert_allclose(out[-1], expected(lora_build, name, list(prompt))[-1],
                                    rtol=0, atol=TOL, err_msg=name or "the base")
-        runner.leave([slot], [])
+        runner.leave([slot], [], [variant])
 
 
 def test_an_engine_serves_requests_of_each_adapter_as_their_merged_models(

@@ -12,6 +12,7 @@ import pytest
 
 from service.engine.kv_pool import KVPool, PoolShape, Slot
 from service.engine.prefix_cache import PrefixCache
+from service.engine.request import ModelVariant
 
 SHAPE = PoolShape(layers=4, heads=2, max_len=32, head_dim=3, dtype=np.dtype(np.float32))
 BS = 4  # tokens per block
@@ -108,21 +109,22 @@ def test_bad_sizes_are_refused() -> None:
 
 
 def test_a_prefix_computed_under_one_adapter_serves_only_that_adapter() -> None:
-    """Keys and values depend on the adapter: the same tokens saved under adapter 1 are a
-    miss for the base and for adapter 2, a hit for adapter 1, and each keeps its own."""
+    """Keys and values depend on the row's variant (its adapter): the same tokens saved
+    under adapter 1 are a miss for the base and for adapter 2, a hit for adapter 1, and
+    each keeps its own."""
     pool = KVPool(SHAPE, 4)
     cache = PrefixCache(pool, BS, capacity_blocks=16)
     tokens = list(range(200, 213))  # three full blocks and one token
     under_one = filled(pool, tokens, seed=3)
-    cache.save(under_one.index, adapter=1)
+    cache.save(under_one.index, ModelVariant(adapter=1))
     prompt = np.asarray(tokens)
     assert cache.match(prompt) == 0
-    assert cache.match(prompt, adapter=2) == 0
-    assert cache.match(prompt, adapter=1) == 12
+    assert cache.match(prompt, ModelVariant(adapter=2)) == 0
+    assert cache.match(prompt, ModelVariant(adapter=1)) == 12
     base = filled(pool, tokens, seed=4)  # other keys/values for the same tokens
     cache.save(base.index)
     (slot,) = pool.allocate(1)
-    assert cache.load(prompt, slot.index, adapter=1) == 12
+    assert cache.load(prompt, slot.index, ModelVariant(adapter=1)) == 12
     for array in pool.arrays:  # adapter 1's keys/values, not the base's
         np.testing.assert_array_equal(array[slot.index, :, :12], array[under_one.index, :, :12])
     pool.free([slot])
