@@ -90,7 +90,7 @@ def run_peft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from model.finetune.lora import targets_of
     from model.finetune.options import FinetuneOptions
     from model.finetune.supervision import IGNORE
-    from model.train import lr_at
+    from model.training_loop import lr_at
 
     opts = FinetuneOptions(ckpt=args.ckpt, data=args.data, out=str(work / "unused"),
                            eval_fraction=0.0, full=args.full, steps=args.steps, lr=args.lr,

@@ -56,7 +56,6 @@ from model.gpt import GPT
 from model.tokenizer import build_tokenizer, checkpoint_special_ids, special_ids
 from model.train_state import load_train_state, make_optimizer, save_train_state
 from model.training_loop import Schedule, Stats, Step, autocast, processes, run, say
-from model.training_loop import lr_at as lr_at  # benchmarks/finetune_speed.py imports it here
 
 WARMUP = 0.05  # fraction of the run
 

@@ -77,9 +77,8 @@ class GraphEntry:
         (its row groups, its adapters): the one place a table's entry meets a session."""
         if self.runs == "fallback":
             return
-        mixed = es.chunk_name(io.INPUT_IDS) in input_names
-        adapters = bool(adapter_modules(list(input_names)))
-        if mixed != self.mixes_chunks or adapters != self.adapters:
+        inputs_say = GraphEntry.of_inputs(input_names)
+        if (inputs_say.row_groups, inputs_say.adapters) != (self.row_groups, self.adapters):
             raise ValueError(f"the session does not compute what {self.file} does "
                              f"({self.describe()})")
 
