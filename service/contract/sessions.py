@@ -7,6 +7,8 @@ is the service's business (service/providers.py); this only applies it.
 
 from __future__ import annotations
 
+import logging
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -17,6 +19,7 @@ from service import ops
 
 CPU = "CPUExecutionProvider"
 Optimization = Literal["disable", "basic", "extended", "all"]
+log = logging.getLogger(__name__)
 
 _LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -49,6 +52,8 @@ def create_session(model: str | Path | bytes, *, threads: int = 1,
     workers sleep when a run ends instead of spinning for more work, for a session that
     takes turns with another on the same cores (a draft model beside its target: a target
     step right after four spinning draft steps took 44.9 ms instead of 22.2 ms on SmolLM2).
+    A graph over GGUF blocks (service/ops) runs on the op library where it loads, and
+    otherwise on a dequantised copy (:func:`dequantised_copy`).
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = _LEVELS[optimization]
@@ -59,21 +64,23 @@ def create_session(model: str | Path | bytes, *, threads: int = 1,
         options.add_session_config_entry("session.disable_prepacking", "1")
     if not spin_wait:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if save_optimized_to is not None:
+        options.optimized_model_filepath = str(save_optimized_to)
+    if uses_gguf_ops(model) and not ops.register(options):
+        with tempfile.TemporaryDirectory(prefix="attnserve-dequantised-") as out:
+            # the session has read (or mapped) the copy's weights once it exists
+            path, gone = dequantised_copy(model, external_data_dir, Path(out))
+            for name, value in (initializers or {}).items():
+                if name not in gone:
+                    options.add_initializer(name, value)
+            return ort.InferenceSession(str(path), options, providers=list(providers))
     if external_data_dir is not None:
         options.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", str(external_data_dir))
     for name, value in (initializers or {}).items():
         options.add_initializer(name, value)
-    if uses_gguf_ops(model):
-        register_gguf_ops(options, model)
-    if save_optimized_to is not None:
-        options.optimized_model_filepath = str(save_optimized_to)
     source = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(source, options, providers=list(providers))
-
-
-class GgufOpsMissing(RuntimeError):
-    """A graph computes over GGUF blocks (service/ops) and the op library is not built."""
 
 
 def uses_gguf_ops(model: str | Path | bytes) -> bool:
@@ -84,12 +91,19 @@ def uses_gguf_ops(model: str | Path | bytes) -> bool:
     return ops.DOMAIN.encode() in data
 
 
-def register_gguf_ops(options: ort.SessionOptions, model: str | Path | bytes) -> None:
-    """The op library registered with ``options``, or GgufOpsMissing naming what to do."""
-    if not ops.register(options):
-        what = "this graph" if isinstance(model, bytes) else Path(model).name
-        raise GgufOpsMissing(
-            f"{what} computes over GGUF blocks ({ops.MATMUL_OP}, domain {ops.DOMAIN}) and "
-            "the op library is not built here, or not for this CPU (logged above): run "
-            f"`make gguf-ops` (or set {ops.ENV_VAR}), or export the artifact again with "
-            "--kernel nbits")
+def dequantised_copy(model: str | Path | bytes, external_data_dir: Path | None,
+                     out_dir: Path) -> tuple[Path, set[str]]:
+    """A GGUF-op graph rewritten into ONNX Runtime's own ops over float32 weights, in
+    ``out_dir`` (service/ops/dequantised.py), said in one log line: where the op library
+    is not built here, or not for this CPU (logged above), the model still serves, with
+    more memory and slower. Returns the copy's path and the initializers it dropped."""
+    from service.ops.dequantised import write_dequantised
+
+    source = model if isinstance(model, bytes) else Path(model)
+    path, gone, stored, dequantised = write_dequantised(source, external_data_dir, out_dir)
+    what = "a graph" if isinstance(model, bytes) else Path(model).name
+    log.warning("%s: GGUF blocks dequantised to float32 for ONNX Runtime's own MatMul and "
+                "Gather (the op library is not loaded): %.0f MB of weights in place of %.0f "
+                "MB, and slower; `make gguf-ops` (or %s) computes the blocks as stored",
+                what, dequantised / 1e6, stored / 1e6, ops.ENV_VAR)
+    return path, gone

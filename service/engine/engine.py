@@ -152,7 +152,7 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     steps, *long = served
     pool = pool_config(engine, model, model.kv_bytes_per_token(np.dtype(model.kv_dtype).itemsize))
     log.info("%s runs %s", artifact_dir.name, steps.describe())
-    if steps.kernel == "ggml":
+    if ops.kernel_in_use(steps.kernel) == "ggml":
         log.info("GGUF blocks computed by ggml's CPU kernels inside ONNX Runtime: %s",
                  ops.library_path())
     if steps.runs == "fallback":

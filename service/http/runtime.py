@@ -76,11 +76,12 @@ class Runtime:
 
     @property
     def kernel(self) -> dict[str, str | None]:
-        """Whose kernels compute the decode graph's weights: ONNX Runtime's own, or ggml's
-        over a GGUF file's blocks (the op library then named: service/ops)."""
+        """Whose kernels compute the decode graph's weights: ONNX Runtime's own, ggml's over
+        a GGUF file's blocks (the op library then named: service/ops), or ONNX Runtime's
+        over those blocks dequantised where the library cannot load."""
         if self.engine is None:
             return {"weights": None, "library": None}
-        kernel = self.engine.graphs[0].kernel
+        kernel = ops.kernel_in_use(self.engine.graphs[0].kernel)
         library = ops.library_path() if kernel == "ggml" else None
         return {"weights": kernel, "library": None if library is None else str(library)}
 
@@ -164,7 +165,7 @@ def load_engine(runtime: Runtime) -> None:
              engine.provider, engine.graph_file, (time.perf_counter() - started) * 1000)
     steps = engine.graphs[0]
     runtime.metrics.set_model_info(artifact.name, engine.provider, artifact.sha256,
-                                   steps.file, steps.kernel)
+                                   steps.file, ops.kernel_in_use(steps.kernel))
     runtime.metrics.watch_kv_resident(engine.runner.kv_resident_bytes)
     if engine.adapters is not None:
         runtime.metrics.watch_adapters(engine.adapters)

@@ -8,7 +8,7 @@ this module only finds it and registers it with a session's options:
 
     options = onnxruntime.SessionOptions()
     if not service.ops.register(options):
-        ...  # not built: graphs using the op cannot be loaded
+        ...  # not loadable here: the graph's blocks are dequantised (dequantised.py)
 
 Where it is looked for, in order: ``$ATTNSERVE_GGUF_OPS`` (the .so itself, e.g. in an image
 that ships it); the build for today's sources in ``.cache/gguf-ops/<key>/`` (a library built
@@ -128,8 +128,8 @@ def _usable(library: Path) -> Path | None:
             "with `make gguf-ops` (python -m service.ops.build)")
     if str(library) not in _warned:
         _warned.add(str(library))
-        log.warning("GGUF op library %s not loaded: %s; GGUF-kernel graphs cannot run here",
-                    library, reason)
+        log.warning("GGUF op library %s not loaded: %s; GGUF-kernel graphs run here with "
+                    "their blocks dequantised to float32", library, reason)
     return None
 
 
@@ -154,6 +154,13 @@ def library_path(cache: Path | None = None) -> Path | None:
         return None if built is None else _usable(built)
     current = cache / build.CURRENT_LINK / build.LIBRARY_NAME
     return _usable(current) if current.is_file() else None
+
+
+def kernel_in_use(kernel: str) -> str:
+    """Whose kernels compute a graph the graph table says runs on ``kernel`` here: a GGUF
+    graph ("ggml") runs "dequantised" (float32 on ONNX Runtime's own kernels) where the op
+    library cannot load."""
+    return "dequantised" if kernel == "ggml" and library_path() is None else kernel
 
 
 def repack(ggml_type: int, k: int, rows: np.ndarray,

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.conftest import torch_threads
@@ -32,7 +33,7 @@ NEW_TOKENS = 12
 def artifact(gguf_ops_library: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Overrides tests/service/conftest.py's: the Q4_1 model exported with --kernel ggml."""
     from export.to_onnx import export_artifact
-    from model.gguf_import import import_gguf_checkpoint
+    from model.gguf.to_checkpoint import import_gguf_checkpoint
     from tests.export.test_gguf_blocks import CASES, write_file
 
     root = tmp_path_factory.mktemp("ggml-kernel")
@@ -79,3 +80,50 @@ def test_batched_greedy_tokens_equal_the_plain_loop(server: ServerProcess,
     for ids, tokens in got:
         assert ids and tokens == reference(ids, NEW_TOKENS)
     assert generate(server.url, PROMPTS[0]) == got[0]
+
+
+@pytest.fixture(scope="module")
+def dequantised_server(start_server: Callable[..., ServerProcess],
+                       tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    """The same artifact where the op library cannot load (here: a file that is no
+    library; on a host, one not built or built for another CPU)."""
+    not_a_library = tmp_path_factory.mktemp("no-ops") / "libattnserve_gguf_ops.so"
+    not_a_library.write_bytes(b"")
+    return start_server("--max-batch-size", "4", env={"ATTNSERVE_GGUF_OPS": str(not_a_library)})
+
+
+def test_without_the_library_the_blocks_serve_dequantised(dequantised_server: ServerProcess,
+                                                          artifact: Path) -> None:
+    """/info, the metrics and the log say so; the greedy tokens are the float32 model's:
+    PyTorch on the imported checkpoint, whose weights are the file's blocks dequantised."""
+    import torch
+
+    from model.checkpoint import load_checkpoint
+
+    url = dequantised_server.url
+    info = httpx.get(f"{url}/info", timeout=30).json()
+    assert info["kernel"] == {"weights": "dequantised", "library": None}
+    assert 'kernel="dequantised"' in httpx.get(f"{url}/metrics", timeout=30).text
+    assert "GGUF blocks dequantised to float32" in dequantised_server.log()
+    gpt = load_checkpoint(artifact.parent / "ckpt").model.eval()
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: generate(url, p), PROMPTS))
+    for ids, tokens in got:
+        row = list(ids)
+        with torch.no_grad(), torch_threads(1):
+            for _ in range(NEW_TOKENS):
+                row.append(int(gpt(torch.tensor([row])).logits[0, -1].argmax()))
+        assert tokens == row[len(ids):]
+
+
+def test_attention_without_the_library_equals_the_librarys(dequantised_server: ServerProcess,
+                                                           server: ServerProcess) -> None:
+    """/attention (attention.onnx at float activations, whole and cut to one layer) on the
+    dequantised copy equals the op library's over the same blocks."""
+    for body in ({"inputs": PROMPTS[3]}, {"inputs": PROMPTS[3], "layers": [1], "heads": [0]}):
+        got, want = (httpx.post(f"{s.url}/attention", json=body, timeout=120)
+                     for s in (dequantised_server, server))
+        assert got.status_code == want.status_code == 200, (got.text, want.text)
+        assert got.json()["shapes"] == want.json()["shapes"]
+        np.testing.assert_allclose(np.asarray(got.json()["attention"]["weights"]),
+                                   np.asarray(want.json()["attention"]["weights"]), atol=1e-5)

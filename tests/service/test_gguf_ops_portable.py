@@ -1,8 +1,9 @@
 """The portable GGUF op library (service/ops/build.py --portable, what the serving image
 ships) on a CPU that lacks what it was compiled for: service.ops.library_path() reads the
 flags build-info.json requires and returns None, with one log line, before anything loads
-the library (which would die with SIGILL), and the session layer then refuses the graph
-with its one-line GgufOpsMissing. Fake /proc/cpuinfo files; no library is loaded."""
+the library (which would die with SIGILL), and the session layer then serves the graph
+with its blocks dequantised (service/ops/dequantised.py). Fake /proc/cpuinfo files; no
+library is loaded."""
 
 from __future__ import annotations
 
@@ -92,16 +93,36 @@ def test_cpu_without_avx2_gets_none_and_a_log_line(tmp_path, monkeypatch, caplog
     assert options.registered == []  # never handed to ONNX Runtime: no dlopen, no SIGILL
 
 
-def test_session_layer_refuses_a_gguf_graph_in_one_line(tmp_path, monkeypatch) -> None:
-    ort = pytest.importorskip("onnxruntime")
-    from service.contract.sessions import GgufOpsMissing, register_gguf_ops
+def test_session_layer_serves_a_gguf_graph_dequantised(tmp_path, monkeypatch, caplog) -> None:
+    """No AVX2: the stand-in library is never loaded (it would crash), and a Q4_0 product
+    still runs, on ONNX Runtime's MatMul over gguf's dequantised weights, said in a line."""
+    np = pytest.importorskip("numpy")
+    gguf = pytest.importorskip("gguf")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from service.contract.sessions import create_session
 
     library = portable_library(tmp_path)
     monkeypatch.setattr(service.ops, "CPUINFO", cpuinfo(tmp_path, SANDY_BRIDGE))
     monkeypatch.setenv(service.ops.ENV_VAR, str(library))
-    with pytest.raises(GgufOpsMissing) as caught:
-        register_gguf_ops(ort.SessionOptions(), b"attnserve.gguf")
-    assert "\n" not in str(caught.value)
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((16, 64)).astype(np.float32)
+    stored = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q4_0)  # (16, 36) bytes
+    node = helper.make_node(service.ops.MATMUL_OP, ["X", "W"], ["Y"], name="proj",
+                            domain=service.ops.DOMAIN, ggml_type=2, k=64)
+    graph = helper.make_graph([node], "q4_0", [helper.make_tensor_value_info(
+        "X", TensorProto.FLOAT, [None, 64])], [helper.make_tensor_value_info(
+            "Y", TensorProto.FLOAT, None)], initializer=[numpy_helper.from_array(stored, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(service.ops.DOMAIN, 1)])
+    caplog.set_level(logging.WARNING)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    (y,) = create_session(model.SerializeToString()).run(None, {"X": x})
+    reference = x.astype(np.float64) @ gguf.quants.dequantize(stored, 2).T.astype(np.float64)
+    np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("lacks avx2" in m for m in messages)
+    assert any("dequantised to float32" in m for m in messages)
 
 
 def test_unreadable_cpuinfo_or_another_machine_is_refused(tmp_path, monkeypatch) -> None:

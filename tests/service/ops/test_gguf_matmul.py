@@ -488,9 +488,7 @@ def test_a_library_of_older_sources_is_not_loaded(gguf_ops_library: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     """An op library below the graphs' level would ignore attributes it does not know (a
     repacked layout, float activations) and compute those nodes wrongly: never loaded, one
-    log line, and a GGUF graph refused in one line."""
-    from service.contract.sessions import GgufOpsMissing, register_gguf_ops
-
+    log line (a GGUF graph then runs dequantised: test_dequantised.py)."""
     monkeypatch.setattr(service.ops, "_warned", set())
     monkeypatch.setattr(build, "OPS_LEVEL", build.OPS_LEVEL + 1)
     monkeypatch.setenv(service.ops.ENV_VAR, str(gguf_ops_library))
@@ -499,9 +497,6 @@ def test_a_library_of_older_sources_is_not_loaded(gguf_ops_library: Path,
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "service.ops"]
     assert str(gguf_ops_library) in warning and "built from older sources" in warning
     assert "make gguf-ops" in warning
-    with pytest.raises(GgufOpsMissing) as caught:
-        register_gguf_ops(ort.SessionOptions(), b"attnserve.gguf")
-    assert "\n" not in str(caught.value)
 
 
 def test_a_built_library_is_reused(gguf_ops_library: Path) -> None:
