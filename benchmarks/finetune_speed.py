@@ -74,7 +74,7 @@ def _transformers_model(ckpt: Path, work: Path) -> Any:
     if weights_path(ckpt).name == GGUF_WEIGHTS_FILE:
         return AutoModelForCausalLM.from_pretrained(str(ckpt), gguf_file=GGUF_WEIGHTS_FILE,
                                                     dtype=torch.float32)
-    from export.hf import export_hf
+    from export.to_hf import export_hf
 
     export_hf(ckpt, work / "hf")
     return AutoModelForCausalLM.from_pretrained(str(work / "hf"), dtype=torch.float32)

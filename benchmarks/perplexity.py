@@ -1,5 +1,5 @@
 """Perplexity of one GGUF model by independent implementations, on the same token ids and
-the same windows: our artifacts (ONNX Runtime, export/evaluate.py), transformers on the
+the same windows: our artifacts (ONNX Runtime, export/verify/evaluate.py), transformers on the
 file's dequantised weights, and llama.cpp on the file itself (llama-cpp-python's logits).
 
 Usage:
@@ -20,7 +20,7 @@ the same tokens.
 
 The token ids are encoded once, by the first artifact's tokenizer.json (every artifact must
 have the same file: they are exports of one checkpoint, imported from the GGUF), and every
-backend scores them with export/evaluate.py's windows and its float64 log-softmax; no
+backend scores them with export/verify/evaluate.py's windows and its float64 log-softmax; no
 backend tokenises or prepends anything itself. The first row is the reference the
 others' relative change is printed against (our fp32 artifact: the file's own weights,
 dequantised). llama.cpp runs in the overlay interpreter the benchmark builds
@@ -53,14 +53,14 @@ LLAMA_TAIL = 16
 
 
 def _windows(plan: list[list[int]]) -> list[Any]:
-    from export.evaluate import Window
+    from export.verify.evaluate import Window
 
     return [Window(*w) for w in plan]
 
 
 def _score(logits_of: Any, ids: np.ndarray, plan: list[list[int]]) -> float:
     """Summed NLL (nats) over the planned windows; ``logits_of(ids) → (T, V)``."""
-    from export.evaluate import window_nll
+    from export.verify.evaluate import window_nll
 
     return sum(window_nll(logits_of(ids[w.begin:w.end]), ids, w) for w in _windows(plan))
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tokenizers import Tokenizer
 
-    from export.evaluate import artifact_backend, encode_prefix, load_text, plan_windows
+    from export.verify.evaluate import artifact_backend, encode_prefix, load_text, plan_windows
 
     named = [a.split("=", 1) for a in args.artifact]
     if not named or any(len(n) != 2 for n in named):

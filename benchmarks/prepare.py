@@ -156,7 +156,7 @@ def export_copies(prep: Prepared, work: Path, artifacts: dict[str, Path | None],
                   needed: set[str], log: Any) -> None:
     """The transformers copy, and the artifacts in ``needed`` (``ARTIFACT_KINDS``) unless
     given; a complete one already in ``work`` (a reused ``--work`` directory) is kept."""
-    from export.hf import export_hf
+    from export.to_hf import export_hf
 
     prep.paths["ckpt"] = str(prep.ckpt)
     if "hf" not in prep.paths:

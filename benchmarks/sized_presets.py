@@ -15,7 +15,7 @@ what a user of llama.cpp would make from a real checkpoint of that shape, so its
 and ours can be timed on the very same file.
 
 The tokenizer is SmolLM2's (49,152 ids), rebuilt from the shipped SmolLM2-135M-Instruct
-GGUF by the project's own GGUF import (model/gguf_tokenizer.py): it is a tokenizer the
+GGUF by the project's own GGUF import (model/gguf/vocab.py): it is a tokenizer the
 converter recognises (pre-tokenizer ``smollm``), and engines are fed token ids, so only
 the vocabulary size matters to speed. The shapes keep Llama 3.2's body and swap its
 128,256-id vocabulary for SmolLM2's.
@@ -82,8 +82,8 @@ SHAPES: dict[str, SizedShape] = {
 def write_smollm2_tokenizer(out: Path, context_length: int) -> dict[str, int | None]:
     """tokenizer.json and its side files, rebuilt from the shipped SmolLM2 GGUF; its ids."""
     from benchmarks.smollm2_instruct_preset import source_gguf
-    from model.gguf_tokenizer import build_tokenizer, read_vocab, side_files
-    from model.gguf_weights import open_gguf, read_metadata
+    from model.gguf.reader import open_gguf, read_metadata
+    from model.gguf.vocab import build_tokenizer, read_vocab, side_files
 
     gguf = source_gguf()
     vocab = read_vocab(read_metadata(open_gguf(gguf), gguf), str(gguf))

@@ -43,7 +43,7 @@ def prepare_smollm2_instruct(work: Path) -> tuple[Path, Path, str]:
     if (CHECKPOINT / "config.json").is_file():
         ckpt = CHECKPOINT
     else:
-        from model.gguf_import import import_gguf_checkpoint
+        from model.gguf.to_checkpoint import import_gguf_checkpoint
 
         ckpt = work / "ckpt"
         if not (ckpt / "config.json").is_file():

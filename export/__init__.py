@@ -1,5 +1,9 @@
-"""torch → ONNX export. Only this package knows both PyTorch and ONNX.
+"""Checkpoint → artifacts; the only package that knows both PyTorch and ONNX.
 
-It writes artifacts through the torch-free contract in ``service.contract`` (I/O names,
-artifact config, manifest); the service never imports this package.
+``to_onnx`` writes the verified ONNX artifact the service runs (``from_blocks`` when a
+checkpoint's GGUF file is kept as blocks), ``to_hf`` a transformers copy, ``cli``
+``attnserve export`` and ``eval``. Subpackages by product: ``onnx`` the graphs, ``quantize``
+their quantised weights, ``gguf`` GGUF in and out, ``lora`` adapter graphs, ``verify``
+parity checks and perplexity. Artifacts go through the torch-free ``service.contract``;
+the service never imports this package.
 """

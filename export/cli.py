@@ -1,4 +1,5 @@
-"""`attnserve export`: checkpoint directory → verified ONNX artifact directory.
+"""`attnserve export` (checkpoint directory → verified ONNX artifact directory, Hugging Face
+copy or GGUF file) and `attnserve eval` (perplexity and bits per byte: export/verify/evaluate.py).
 
 Usage:
     attnserve export --ckpt checkpoints/smollm2-135m-instruct --out artifacts/smollm2-135m-instruct
@@ -8,18 +9,22 @@ Usage:
     attnserve export --ckpt CKPT --out model.gguf --format gguf [--outtype q8_0]
     attnserve export --adapter ADAPTER --ckpt CKPT --out lora.gguf --format gguf
     attnserve export --ckpt CKPT --out ART --engine-graph   # + engine.onnx for the service
-    attnserve eval --model ART --data stdlib                # perplexity (export/eval_cli.py)
+    attnserve eval --model artifacts/default --data stdlib
+    attnserve eval --ckpt checkpoints/default --data stdlib --json results/eval-torch.json
+    attnserve eval --model ART --data notes.txt --max-tokens 8192 --window 512 --stride 256
 
-Imports nothing heavy at module level: the root CLI registers this parser even where
-torch is not installed.
+Parsers and handlers only, nothing heavy imported at module level: the root CLI registers
+these parsers even where numpy and torch are not installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -92,10 +97,7 @@ def register(subparsers: Any) -> None:
                         "the file's size); auto (the default): ggml where the op library "
                         "is built, else nbits, said in one line (docs/kernels.md)")
     p.set_defaults(handler=run)
-
-    from export.eval_cli import register as register_eval
-
-    register_eval(subparsers)
+    _register_eval(subparsers)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "gguf":
         return _gguf(args, started)
     if args.format == "hf":
-        from export.hf import export_hf
+        from export.to_hf import export_hf
 
         export_hf(args.ckpt, args.out, args.force)
         print(f"exported {args.ckpt} → {args.out} (Hugging Face format)")
@@ -151,17 +153,82 @@ def _auto_kernel(quantize: str | None) -> str:
 
 def _gguf(args: argparse.Namespace, started: float) -> int:
     if args.adapter is not None:
-        from export.gguf_adapter import export_gguf_adapter
+        from export.gguf.adapter_file import export_gguf_adapter
 
         out = export_gguf_adapter(args.adapter, args.ckpt, args.out, args.outtype, args.force)
         print(f"exported adapter {args.adapter} (base {args.ckpt}) → {out} (llama.cpp LoRA) "
               f"in {time.perf_counter() - started:.1f}s")
         return 0
-    from export.gguf_out import export_gguf
+    from export.gguf.model_file import export_gguf
 
     out = export_gguf(args.ckpt, args.out, args.outtype, args.force,
                       log=lambda msg: print(f"  [{time.perf_counter() - started:6.1f} s] {msg}",
                                             file=sys.stderr))
     print(f"exported {args.ckpt} → {out} (GGUF, {out.stat().st_size / 2**20:,.1f} MiB) in "
           f"{time.perf_counter() - started:.1f}s")
+    return 0
+
+
+def _register_eval(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "eval", help="perplexity and bits per byte of an artifact or checkpoint on a text",
+        description="Sliding-window perplexity (Hugging Face's rule: each window scores the "
+                    "tokens the previous one did not, with the earlier tokens as context) of "
+                    "an ONNX artifact (model.onnx in ONNX Runtime) or a checkpoint (PyTorch) "
+                    "over the same token ids, so fp32, int8 and the checkpoint compare "
+                    "directly. Prints the result as JSON; progress goes to stderr.")
+    p.add_argument("--model", metavar="ARTIFACT_DIR", help="artifact directory (model.onnx)")
+    p.add_argument("--ckpt", metavar="CHECKPOINT_DIR", help="checkpoint directory (PyTorch)")
+    p.add_argument("--data", default="stdlib", metavar="FILE|stdlib",
+                   help="UTF-8 text file (documents may be separated by lines holding only "
+                        "<end>), or 'stdlib': the held-out last 10%% of the built-in corpus "
+                        "(default)")
+    p.add_argument("--max-tokens", type=int, default=4096, metavar="N",
+                   help="evaluate the first N tokens of the text (default 4096)")
+    p.add_argument("--window", type=int, default=None, metavar="W",
+                   help="tokens per forward pass (default: the model's context, at most 512)")
+    p.add_argument("--stride", type=int, default=None, metavar="S",
+                   help="tokens between window starts; each window scores the last S "
+                        "(default: W // 2)")
+    p.add_argument("--json", default=None, metavar="OUT",
+                   help="also write the result to this file (atomically)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="intra-op threads for ONNX Runtime or PyTorch (default: all cores)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(handler=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Check everything cheap first: a bad argument loads no weights and writes nothing."""
+    if (args.model is None) == (args.ckpt is None):
+        raise ValueError("give exactly one of --model ARTIFACT_DIR and --ckpt CHECKPOINT_DIR")
+    if args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    from export.verify.evaluate import (
+        artifact_backend,
+        checkpoint_backend,
+        evaluate,
+        load_text,
+        resolve_window,
+    )
+
+    # reads config.json only; the window and stride are judged against its context
+    backend = artifact_backend(args.model) if args.model else checkpoint_backend(args.ckpt)
+    window, stride = resolve_window(args.window, args.stride, backend.context)
+    text, source = load_text(args.data)
+    if backend.name == "torch":
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = evaluate(backend, text, source, max_tokens=args.max_tokens, window=window,
+                      stride=stride, threads=args.threads, progress=not args.no_progress)
+    out = json.dumps(result, indent=2)
+    if args.json:
+        from model.data import write_text_atomic
+
+        write_text_atomic(Path(args.json), out + "\n")
+    print(out)
+    sys.stdout.flush()
     return 0

@@ -9,19 +9,19 @@ about 590 s on 2 cores), and a 3B model (12 GB of float32) took 14 GB.
 Here no weight matrix is ever in float32 whole:
 
 1. The model is loaded with the matrices of kept block types left on the meta device
-   (model/gguf_weights.py ``HeldWeights``); the graph builders write a placeholder for
-   each (export/onnx_build.py), and export/gguf_blocks.py fills them with the file's
+   (model/gguf/reader.py ``HeldWeights``); the graph builders write a placeholder for
+   each (export/onnx/onnx_build.py), and export/gguf/blocks.py fills them with the file's
    blocks, tensor by tensor.
 2. The graphs are verified by the float32 rule against PyTorch, as before, in the form
    whose arithmetic is float32's: the blocks at float activations (MatMulNBits accuracy
    level 0, 8-bit blocks as two exact 4-bit products). Blocks dequantise exactly to the
    checkpoint's weights, so these graphs compute the float32 model up to summation order.
-   PyTorch's side is computed layer by layer (export/layerwise.py).
+   PyTorch's side is computed layer by layer (export/verify/layerwise.py).
 3. The served graphs (int8 activations, the default) are judged against those
    float-activation graphs as a quantised graph is judged against its float32 one
-   (token agreement and perplexity, export/quantize.py).
+   (token agreement and perplexity, export/quantize/weights.py).
 
-4. The adapter graphs (export/adapter_graph.py) are written over the final graphs; their
+4. The adapter graphs (export/lora/adapter_graph.py) are written over the final graphs; their
    base rows are checked against those graphs (there is no float32 model to merge an
    adapter into).
 
@@ -39,10 +39,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from export.gguf_source import read_as_blocks
+from export.gguf.source import read_as_blocks
 from model.checkpoint import GGUF_WEIGHTS_FILE, weights_path
-from model.gguf_codes import DIRECT
-from model.gguf_weights import open_gguf
+from model.gguf.codes import DIRECT
+from model.gguf.reader import open_gguf
 
 # the copies of the graphs verified at float activations, until the export ends
 CHECK_SUFFIX = ".check"
@@ -66,23 +66,23 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     """Write the served graphs and weights.bin into ``tmp``; return the manifest's
     figures: verification, storage, build_seconds, parameter_bytes. ``kernel``: whose
     kernels the served graphs and attention.onnx compute the blocks with
-    (export/gguf_blocks.py ``KERNELS``); the float-activation graphs the checks verify
+    (export/gguf/blocks.py ``KERNELS``); the float-activation graphs the checks verify
     against PyTorch are MatMulNBits' either way, so a ggml graph is judged against them."""
-    from export.adapter_check import write_served_adapter_graphs
-    from export.engine_graph import EngineDecoder, build_engine_graph
-    from export.gguf_blocks import repacks
-    from export.gguf_source import GGUFFile, open_source
-    from export.graphs import build_attention, build_decoder
+    from export.gguf.blocks import repacks
+    from export.gguf.source import GGUFFile, open_source
+    from export.lora.adapter_check import write_served_adapter_graphs
     from export.memory import release
-    from export.onnx_build import WeightsWriter, load_graph
-    from export.quantize import (
+    from export.onnx.engine_graph import EngineDecoder, build_engine_graph
+    from export.onnx.model_graphs import build_attention, build_decoder
+    from export.onnx.onnx_build import WeightsWriter, load_graph
+    from export.quantize.weights import (
         ATTENTION_ACCURACY_LEVEL,
         SIDE_DATA,
         compare_decoders,
         quantize_weights,
         quiet_ort_logs,
     )
-    from export.verify import check_threads, decoder_for
+    from export.verify.parity import check_threads, decoder_for
     from service.contract import io_spec as io
     from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
     from service.contract.pages import release_file_pages
@@ -207,7 +207,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
 
 
 def _remove(graph: Path, side_data: str) -> None:
-    """A graph file and its side file of weights (export/quantize.py), if there."""
+    """A graph file and its side file of weights (export/quantize/weights.py), if there."""
     graph.unlink(missing_ok=True)
     graph.with_name(graph.name + side_data).unlink(missing_ok=True)
 
@@ -216,11 +216,11 @@ def _verify_float_activations(ckpt: Any, tmp: Path, check: dict[str, Path], grap
                               attention: dict[str, Any], threads: int,
                               say: Callable[[str], None]) -> dict[str, Any]:
     """The float-activation graphs (``check``) and attention.onnx against PyTorch run
-    layer by layer, by the float32 rule (export/verify.py); the manifest's figures."""
-    from export.engine_graph import EngineDecoder, verify_engine
-    from export.layerwise import LayerwiseReference
+    layer by layer, by the float32 rule (export/verify/parity.py); the manifest's figures."""
     from export.memory import release
-    from export.verify import check_prompts, decoder_for, verify_artifact
+    from export.onnx.engine_graph import EngineDecoder, verify_engine
+    from export.verify.layerwise import LayerwiseReference
+    from export.verify.parity import check_prompts, decoder_for, verify_artifact
     from service.contract import io_spec as io
     from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
     from service.contract.pages import release_file_pages
@@ -240,7 +240,7 @@ def _verify_float_activations(ckpt: Any, tmp: Path, check: dict[str, Path], grap
         f"{'s' if threads > 1 else ''})")
     verification = {**verify_artifact(gpt, check[io.MODEL_FILE], tmp / io.ATTENTION_FILE,
                                       reference=reference, threads=threads),
-                    "reference": "PyTorch layer by layer (export/layerwise.py); graphs "
+                    "reference": "PyTorch layer by layer (export/verify/layerwise.py); graphs "
                                  "checked with the file's blocks at float activations"}
     say(f"verified at float activations: prefill "
         f"{verification['prefill']['max_abs_diff']:.2e}, decode "

@@ -1,13 +1,13 @@
 """Checkpoint directory → verified artifact directory (the whole export pipeline).
 
-    model.onnx       decoder with KV cache, the I/O contract graph (export/graphs.py)
+    model.onnx       decoder with KV cache, the I/O contract graph (export/onnx/model_graphs.py)
     attention.onnx   attention introspection graph
-    engine.onnx      with --engine-graph: the service's decoder (export/engine_graph.py)
+    engine.onnx      with --engine-graph: the service's decoder (export/onnx/engine_graph.py)
     engine_mixed.onnx  the same with a second group of rows (mixed steps), unless
                      --no-mixed-steps
     *_lora.onnx      engine.onnx, engine_mixed.onnx and attention.onnx with LoRA adapters
-                     per row (export/adapter_graph.py; not for a float16 artifact)
-    weights.bin      every graph's weights, each distinct tensor once (export/onnx_build.py)
+                     per row (export/lora/adapter_graph.py; not for a float16 artifact)
+    weights.bin      every graph's weights, each distinct tensor once (export/onnx/onnx_build.py)
     tokenizer.json   copied from the checkpoint
     chat_template.jinja, tokenizer_config.json, generation_config.json
                      copied from the checkpoint when it has them (the chat template)
@@ -41,7 +41,7 @@ from service.contract.manifest import Manifest, checkpoint_fingerprint, describe
 from service.contract.sessions import uses_gguf_ops
 
 DTYPES = ("float32", "float16")
-QUANTIZATIONS = ("int8", "int4", "int8-dynamic", "gguf")  # export/quantize.py METHODS
+QUANTIZATIONS = ("int8", "int4", "int8-dynamic", "gguf")  # export/quantize/weights.py METHODS
 ENGINE_QUANTIZATIONS = (None, "int8", "int4", "gguf")  # MatMulNBits: what engine.onnx can take
 ATTENTION_QUANTIZATIONS = ("int8", "int4", "gguf")  # attention.onnx then reads them too
 
@@ -65,7 +65,7 @@ def check_target(out: Path, force: bool) -> None:
 
 
 def check_options(opset: int, dtype: str, quantize: str | None) -> None:
-    from export.graphs import SUPPORTED_OPSETS
+    from export.onnx.model_graphs import SUPPORTED_OPSETS
 
     if opset not in SUPPORTED_OPSETS:
         raise ValueError(f"unsupported opset {opset}; choose one of {list(SUPPORTED_OPSETS)}")
@@ -83,7 +83,7 @@ def check_kernel(kernel: str, quantize: str | None) -> None:
     """``--kernel``: ggml's computes a GGUF file's blocks as stored (--quantize gguf, at int8
     or float activations) and needs the op library built here; one line where it cannot
     be used."""
-    from export.gguf_blocks import KERNELS
+    from export.gguf.blocks import KERNELS
     from service import ops
 
     if kernel not in KERNELS:
@@ -149,9 +149,9 @@ def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
                      training: dict[str, Any], method: str, measure: bool,
                      level: int, kernel: str) -> dict[str, Any]:
     """engine.onnx with quantised weights, judged against its float32 self."""
-    from export.engine_graph import EngineDecoder
-    from export.gguf_blocks import repacks
-    from export.quantize import compare_decoders, quantize_weights
+    from export.gguf.blocks import repacks
+    from export.onnx.engine_graph import EngineDecoder
+    from export.quantize.weights import compare_decoders, quantize_weights
 
     figures = quantize_weights(fp32_path, out, method, training, flat=True, level=level,
                                kernel=kernel, repack=repacks(kernel, level))
@@ -166,13 +166,13 @@ def _quantize_attention(gpt: Any, fp32_path: Path, out: Path, training: dict[str
                         served_level: int, kernel: str) -> dict[str, Any]:
     """attention.onnx over the weights the engine serves, at float activations. Kept GGUF
     blocks are the checkpoint's own weights exactly, so that graph is verified against
-    PyTorch by the float32 rule (verify.py); re-rounded ones (int4, int8, a GGUF weight
+    PyTorch by the float32 rule (parity.py); re-rounded ones (int4, int8, a GGUF weight
     that fell back) have their distance reported. Its weights are stored as the served
     graphs' (8-bit blocks split in two only where those run at float activations), so
     weights.bin holds them once."""
-    from export.gguf_blocks import repacks
-    from export.quantize import ATTENTION_ACCURACY_LEVEL, quantize_weights
-    from export.verify import check_attention, check_prompts, verify_attention
+    from export.gguf.blocks import repacks
+    from export.quantize.weights import ATTENTION_ACCURACY_LEVEL, quantize_weights
+    from export.verify.parity import check_attention, check_prompts, verify_attention
 
     figures = quantize_weights(fp32_path, out, method, training,
                                level=ATTENTION_ACCURACY_LEVEL, halves=served_level == 0,
@@ -206,11 +206,11 @@ def export_artifact(
     """Build, verify and (optionally) quantise; return the artifact directory.
 
     ``engine_graph`` also writes engine.onnx, the service-only decoder with an in-place
-    KV cache (export/engine_graph.py), and unless ``mixed_steps`` is off engine_mixed.onnx,
+    KV cache (export/onnx/engine_graph.py), and unless ``mixed_steps`` is off engine_mixed.onnx,
     the same decoder with a second group of rows for newcomers' prompts and prompt chunks
     (the server runs one or the other); model.onnx is unchanged either way. With
     ``quantize="int8"`` or ``"int4"`` both graphs get MatMulNBits weights
-    (export/quantize.py), and so does attention.onnx, which then reads the weights the
+    (export/quantize/weights.py), and so does attention.onnx, which then reads the weights the
     engine serves (at float activations: introspection, not speed). All graphs point into
     one weights.bin, each distinct tensor stored once: a --quantize gguf artifact holds
     the file's blocks and little else.
@@ -222,28 +222,28 @@ def export_artifact(
     kept blocks at float activations rather than int8 ones (docs/export.md: slower, and
     the answers of the float32 model). ``kernel="ggml"`` (--quantize gguf): the kept
     blocks as the file stores them, computed by ggml's kernels inside ONNX Runtime
-    (GgufMatMul, service/ops; export/gguf_blocks.py), the weights the file's size.
+    (GgufMatMul, service/ops; export/gguf/blocks.py), the weights the file's size.
     """
     # Everything heavy is imported before the staging directory exists, so a SIGTERM
     # never lands inside an extension module's initialisation.
-    from export.adapter_check import (
+    from export.from_blocks import builds_from_blocks, export_from_blocks
+    from export.lora.adapter_check import (
         AdapterReference,
         verify_adapter_graphs,
         write_served_adapter_graphs,
     )
-    from export.engine_graph import build_engine_graph, verify_engine
-    from export.from_blocks import builds_from_blocks, export_from_blocks
-    from export.graphs import (
+    from export.memory import release
+    from export.onnx.engine_graph import build_engine_graph, verify_engine
+    from export.onnx.float16 import halve_artifact
+    from export.onnx.model_graphs import (
         DEFAULT_OPSET,
         build_attention,
         build_decoder,
     )
-    from export.half import halve_artifact
-    from export.memory import release
-    from export.onnx_build import WeightsWriter, load_graph
-    from export.quantize import ACTIVATION_LEVELS, SIDE_DATA, gguf_advice, quantize_model
-    from export.verify import TorchReference, check_prompts, verify_artifact
-    from model.gguf_codes import DIRECT
+    from export.onnx.onnx_build import WeightsWriter, load_graph
+    from export.quantize.weights import ACTIVATION_LEVELS, SIDE_DATA, gguf_advice, quantize_model
+    from export.verify.parity import TorchReference, check_prompts, verify_artifact
+    from model.gguf.codes import DIRECT
     from service.contract.engine_spec import (
         ENGINE_FILE,
         ENGINE_FLOAT32_FILE,
@@ -277,7 +277,7 @@ def export_artifact(
     # built from the blocks: the kept types' matrices stay on the meta device
     ckpt, tok = load_source(Path(ckpt_dir), leave=frozenset(DIRECT) if from_blocks else frozenset())
     if quantize == "gguf":  # refuse before writing anything: no source file, or another one
-        from export.gguf_source import open_source
+        from export.gguf.source import open_source
 
         open_source(ckpt.meta.training, ckpt.held.reader if from_blocks else None)
     model_cfg = ckpt.meta.model
@@ -452,8 +452,8 @@ def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
     """The tokenizer and chat files, config.json and manifest.json beside the graphs,
     with the table of which graph runs which pass (``float32_pass_tokens``: from how many
     tokens engine_float32.onnx runs, where the artifact has it)."""
-    from export.graphs import attention_io_shapes, grouped_kv
-    from export.onnx_build import WEIGHTS_FILE
+    from export.onnx.model_graphs import attention_io_shapes, grouped_kv
+    from export.onnx.onnx_build import WEIGHTS_FILE
 
     shutil.copyfile(ckpt.tokenizer_path, tmp / io.TOKENIZER_FILE)
     for name in io.OPTIONAL_HF_FILES:  # chat template and friends, when the checkpoint has them
@@ -475,8 +475,9 @@ def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
     manifest = Manifest(
         files=files,
         source_checkpoint=checkpoint_fingerprint(ckpt_dir),
-        exporter={"name": "attnserve graph builder", "method": "direct (export/graphs.py, "
-                  "export/engine_graph.py)", "build_seconds": round(build_seconds, 3),
+        exporter={"name": "attnserve graph builder", "method": "direct (export/onnx/"
+                  "model_graphs.py, export/onnx/engine_graph.py)",
+                  "build_seconds": round(build_seconds, 3),
                   **({"engine_mixed_steps": mixed_steps} if engine_graph else {}),
                   "storage": storage, "versions": _versions()},
         opset=opset, kv_dtype=dtype, quantization=quantize,

@@ -2,7 +2,7 @@
 
 No pickle anywhere: weights are safetensors, everything else is JSON. A checkpoint
 imported from a GGUF file holds that file (model.gguf) instead of model.safetensors: its
-quantised blocks, dequantised when the checkpoint is loaded (model/gguf_weights.py), kept
+quantised blocks, dequantised when the checkpoint is loaded (model/gguf/reader.py), kept
 as they are by ``export --quantize gguf``. A checkpoint is built in a temporary sibling
 directory and renamed into place, so an interrupted run never leaves a directory that
 looks valid.
@@ -134,7 +134,7 @@ class Checkpoint:
     model: Any  # model.gpt.GPT
     meta: CheckpointMeta
     path: Path
-    # the GGUF file it holds as a source of dequantised weights (model/gguf_weights.py's
+    # the GGUF file it holds as a source of dequantised weights (model/gguf/reader.py's
     # HeldWeights), for a model loaded with some of them left out; None otherwise
     held: Any = None
 
@@ -186,7 +186,7 @@ def _load_held_gguf(path: Path, meta: CheckpointMeta, device: str,
     """A checkpoint holding its GGUF file: the weights dequantised from it, once. Its
     ``imported_from`` record points at the held file (the one ``--quantize gguf`` reads:
     the same bytes as the imported one, which may since have moved)."""
-    from model.gguf_weights import HeldWeights
+    from model.gguf.reader import HeldWeights
     from model.hf_config import ImportRefused
 
     try:

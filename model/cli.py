@@ -207,7 +207,7 @@ def _import(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     sampling = parse_sampling(args.sampling)
     if args.gguf is not None:
-        from model.gguf_import import import_gguf_checkpoint
+        from model.gguf.to_checkpoint import import_gguf_checkpoint
 
         source, out = args.gguf, import_gguf_checkpoint(Path(args.gguf), Path(args.out),
                                                         force=args.force, sampling=sampling,

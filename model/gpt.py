@@ -83,7 +83,7 @@ class GPT(nn.Module):
     def fill_buffers(self) -> None:
         """Compute the buffers (rotary frequencies, the sinusoidal table) of a model built
         on the meta device, whose parameters were then assigned (a checkpoint holding its
-        GGUF file: model/gguf_weights.py)."""
+        GGUF file: model/gguf/reader.py)."""
         cfg = self.config
         if self.rotary is not None:
             self.rotary.inv_freq = inverse_frequencies(cfg.rotary_dims, cfg.rope_theta,
@@ -172,7 +172,7 @@ class GPT(nn.Module):
               position_ids: Tensor | None, past_len: int) -> tuple[Tensor, LayerContext]:
         """The embedded tokens (B, T, d) and what every layer reads beside them: the first
         part of :meth:`forward`, apart so that a reference can run the layers one at a
-        time over several inputs (export/layerwise.py)."""
+        time over several inputs (export/verify/layerwise.py)."""
         b, t = input_ids.shape
         if past_len + t > self.config.max_seq_len:
             raise ValueError(

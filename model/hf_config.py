@@ -1,5 +1,5 @@
 """A Hugging Face-style config.json checked into our GPTConfig, and the refusal every import
-raises: below the importers and model/gguf_weights.py, which a checkpoint's loading uses."""
+raises: below the importers and model/gguf/reader.py, which a checkpoint's loading uses."""
 
 from __future__ import annotations
 

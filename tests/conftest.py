@@ -219,7 +219,7 @@ def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     --gguf`: a 30-layer Llama with its ChatML template; skipped when `make default-model`
     has not installed the file."""
     from model.default_model import default_gguf_path, install_hint
-    from model.gguf_import import import_gguf_checkpoint
+    from model.gguf.to_checkpoint import import_gguf_checkpoint
 
     src = default_gguf_path()
     if not src.is_file():

@@ -8,8 +8,9 @@ differs between families, in the three vocabularies a model passes through:
 - weights: Hugging Face names ↔ ours, llama.cpp's GGUF names → ours, and the layout
   transforms between them (GPT-2's Conv1D transposes, llama.cpp's Q/K row permutation);
 - computation: the PyTorch block and final norm, and the per-family nodes of the ONNX
-  graphs (norm op, MLP form, embeddings) that export/graphs.py and export/engine_graph.py
-  wrap with the parts every family shares (attention, masks, positions, LM head, I/O).
+  graphs (norm op, MLP form, embeddings) that export/onnx/model_graphs.py and
+  export/onnx/engine_graph.py wrap with the parts every family shares (attention, masks,
+  positions, LM head, I/O).
 
 This module imports neither torch nor a project module, so model/config.py can consult
 the registry while staying torch-free; the architectures read a config through the
@@ -102,7 +103,7 @@ class ModelConfig(Protocol):
 
 
 class GraphWriter(Protocol):
-    """The node writer the graph builders hand an architecture (export/onnx_build.Graph)."""
+    """The node writer the graph builders hand an architecture (export/onnx/onnx_build.Graph)."""
 
     def const(self, name: str, array: np.ndarray) -> str: ...
     def ints(self, name: str, values: list[int]) -> str: ...
@@ -121,9 +122,9 @@ CONTRIB = "com.microsoft"  # ONNX Runtime's fused operators, for engine.onnx onl
 
 class StandIn(np.ndarray):
     """The shape of a weight whose values are not in memory: a parameter left on the meta
-    device because the export builds it from a GGUF file's blocks (model/gguf_weights.py
+    device because the export builds it from a GGUF file's blocks (model/gguf/reader.py
     HeldWeights). A read-only view of one float32 zero; ``.T`` is one too; a graph builder
-    stores it as a placeholder that export/gguf_blocks.py replaces (export/onnx_build.py)."""
+    stores it as a placeholder that export/gguf/blocks.py replaces (export/onnx/onnx_build.py)."""
 
 
 def stand_in(shape: tuple[int, ...]) -> StandIn:

@@ -1,14 +1,14 @@
 """A GGUF checkpoint's frozen base: its quantised blocks, dequantised layer by layer.
 
 QLoRA's idea on llama.cpp's formats: the weights a fine-tune does not train stay in the
-form the checkpoint holds them (4-bit codes and their block scales, model/gguf_codes.py),
+form the checkpoint holds them (4-bit codes and their block scales, model/gguf/codes.py),
 and each layer's float32 weight exists only while that layer computes: built in the
 forward, dropped, built again for the backward. A fine-tune of a GGUF model then needs
 about the file's size for its base, not four bytes a weight (the 1B Llama shape's Q4_K_M
 file of 638 MiB: 884 MiB held instead of 4.3 GB of float32).
 
 The value of every weight is exactly what ``gguf.quants.dequantize`` gives (the same
-float32 operations as model/gguf_codes.py's ``Blocks.dequantize``), so the frozen model
+float32 operations as model/gguf/codes.py's ``Blocks.dequantize``), so the frozen model
 computes what a checkpoint loaded in float32 computes.
 """
 
@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from model.checkpoint import GGUF_WEIGHTS_FILE
-from model.gguf_codes import DIRECT, Blocks, read_blocks
-from model.gguf_weights import HeldWeights
+from model.gguf.codes import DIRECT, Blocks, read_blocks
+from model.gguf.reader import HeldWeights
 
 
 class HeldBlocks(nn.Module):

@@ -2,7 +2,7 @@
 
 Export writes, beside each decoder graph it serves (engine.onnx, engine_mixed.onnx) and
 beside attention.onnx, the same graph with a low-rank update added to every projection a
-LoRA adapter may adapt (export/adapter_graph.py); ``<stem>_lora.onnx`` over the same
+LoRA adapter may adapt (export/lora/adapter_graph.py); ``<stem>_lora.onnx`` over the same
 weights.bin. Kept apart from the builder so the service reads it without torch.
 
 Extra inputs (S = resident adapter slots fed this pass, R = the server's rank per slot,

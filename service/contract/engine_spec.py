@@ -1,4 +1,4 @@
-"""Names of engine.onnx, the service-only decoder graph (see export/engine_graph.py).
+"""Names of engine.onnx, the service-only decoder graph (see export/onnx/engine_graph.py).
 
 Kept apart from the builder so the service can read them without importing torch.
 
@@ -52,7 +52,7 @@ TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
 LOGITS_INDEX = "logits_index"
 MAX_SEQUENCE = "max_sequence_length"
 LOGITS_POSITIONS = "logits_positions"
-# A float16 engine graph's extra output (export/half.py): int64 [B, K], the argmax of each
+# A float16 engine graph's extra output (export/onnx/float16.py): int64 [B, K], the argmax of each
 # row's logits, so a greedy step on the GPU copies token ids, not logits, to the host.
 GREEDY_IDS = "greedy_ids"
 GATHERED_INPUTS = frozenset({LOGITS_INDEX})  # absent from engine.onnx files of before it

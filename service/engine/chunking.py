@@ -1,7 +1,7 @@
 """How many prompt tokens the next chunk of a long prefill takes.
 
 The running rows wait for every chunk. Where the runner mixes them (engine_mixed.onnx:
-the chunk rides in the decode step's pass, export/engine_graph.py), a chunk costs its
+the chunk rides in the decode step's pass, export/onnx/engine_graph.py), a chunk costs its
 tokens' arithmetic on top of the step; otherwise it is a pass of its own, which reads all
 the weights again (on a CPU a chunk of 256 tokens of a GPT-2-size model costs about
 fifteen decode steps). The adaptive budget sizes every chunk from what the engine

@@ -22,7 +22,7 @@ with model.onnx there: model_graph_runner.py). Three things keep a decode step o
   hence frozen at capture) is fed as M. Prefill, prompt chunks and any other pass run
   uncaptured (``gpu_graph_id`` −1).
 - **Only token ids come back**: the float16 graph also returns ``greedy_ids``
-  (export/half.py), so a step whose rows all decode greedily without log-probabilities
+  (export/onnx/float16.py), so a step whose rows all decode greedily without log-probabilities
   copies B int64s to the host (rows wanting "argmax"), not (B, V) logits; and a step whose rows
   also sample, with temperature, top-k and top-p alone, has a small second graph draw them
   beside the logits (``DeviceSampler``; rows wanting "draw"), from one number per

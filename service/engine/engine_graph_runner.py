@@ -113,7 +113,7 @@ class EngineGraphRunner(PooledRunner):
         self._sessions = {g.file: _Graph(g, s) for g, s in ((steps, session),
                                                              *long_passes.items())}
         self.graph_file = steps.file
-        # engine_mixed.onnx (export/engine_graph.py) has a second group of rows, so a
+        # engine_mixed.onnx (export/onnx/engine_graph.py) has a second group of rows, so a
         # prompt chunk or newcomers' prompts ride along with a decode step: one read of
         # the weights for both.
         self.mixes_chunks = steps.mixes_chunks
@@ -452,5 +452,5 @@ class _Rows:
 _NONE = np.zeros((1, 0), np.int64)  # (1, 0)
 # The mixed graph's second group when a pass has nothing for it: one row of no tokens,
 # whose attention the graph runs on a zero row over a one-position scratch cache
-# (export/engine_graph.py).
+# (export/onnx/engine_graph.py).
 _IDLE_ROW = _Rows(0, _NONE, _NONE, np.zeros(1, np.int64), 1, _NONE, np.zeros(1, np.int64))

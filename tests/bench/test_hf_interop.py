@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from export.hf import export_hf
+from export.to_hf import export_hf
 from model.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT

@@ -1,4 +1,4 @@
-"""The adapter graphs (export/adapter_graph.py): rows under different LoRA adapters and base
+"""The adapter graphs (export/lora/adapter_graph.py): rows under different LoRA adapters and base
 rows in one pass of engine_mixed_lora.onnx, against PyTorch with each adapter merged, for
 float32 and int4 (MatMulNBits) graphs; attention_lora.onnx against the merged model's
 attention.onnx; and the export writing, verifying and listing them."""
@@ -14,7 +14,7 @@ import onnx
 import pytest
 import torch
 
-from export.adapter_check import (
+from export.lora.adapter_check import (
     SLOTS,
     prefill,
     random_adapter,
@@ -22,13 +22,13 @@ from export.adapter_check import (
     token_mask,
     torch_adapter,
 )
-from export.adapter_graph import build_adapter_graph, write_adapter_graphs
-from export.engine_graph import build_engine_graph
-from export.graphs import build_attention
-from export.onnx_build import save_graphs
-from export.quantize import quantize_weights
+from export.lora.adapter_graph import build_adapter_graph, write_adapter_graphs
+from export.onnx.engine_graph import build_engine_graph
+from export.onnx.model_graphs import build_attention
+from export.onnx.onnx_build import save_graphs
+from export.quantize.weights import quantize_weights
 from export.to_onnx import export_artifact
-from export.verify import check_session
+from export.verify.parity import check_session
 from model.architectures import architecture
 from model.config import GPTConfig
 from model.finetune.lora import merged_weights

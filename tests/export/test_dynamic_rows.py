@@ -1,4 +1,4 @@
-"""export/dynamic_rows.py: quantize_dynamic's graph with one activation scale per row,
+"""export/quantize/dynamic_rows.py: quantize_dynamic's graph with one activation scale per row,
 against a numpy computation of the same arithmetic, at both opset forms of ReduceMax."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from export.dynamic_rows import per_row_activations
+from export.quantize.dynamic_rows import per_row_activations
 
 
 def quantized_matmul(tmp_path: Path, opset: int) -> tuple[onnx.ModelProto, np.ndarray]:
     """quantize_dynamic's output for one MatMul (B, T, 64) x (64, 32), and its weights, as
-    export/quantize.py calls it (7-bit weights: exact products on every x86 host)."""
+    export/quantize/weights.py calls it (7-bit weights: exact products on every x86 host)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     weights = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)

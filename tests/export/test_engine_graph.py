@@ -12,9 +12,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.engine_graph import build_engine_graph, export_engine, verify_engine
-from export.graphs import build_attention, build_decoder
-from export.onnx_build import save_graphs
+from export.onnx.engine_graph import build_engine_graph, export_engine, verify_engine
+from export.onnx.model_graphs import build_attention, build_decoder
+from export.onnx.onnx_build import save_graphs
 from export.to_onnx import export_artifact
 from model.checkpoint import load_checkpoint
 from model.config import GPTConfig

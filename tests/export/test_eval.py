@@ -22,7 +22,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from export.evaluate import (
+from export.verify.evaluate import (
     artifact_backend,
     checkpoint_backend,
     evaluate,

@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks.perplexity import DEFAULT_LLAMACPP_PYTHON, main
 from export.to_onnx import export_artifact
-from model.gguf_import import import_gguf_checkpoint
+from model.gguf.to_checkpoint import import_gguf_checkpoint
 from tests.export.test_gguf_blocks import CASES, write_file
 from tests.hf_gpt2 import sample_texts
 

@@ -36,9 +36,9 @@ def test_int8_export_reports_agreement_and_perplexity(tiny_checkpoint: Path,
 def test_int4_export_is_4_bit_asymmetric_smaller_and_close_to_fp32(
         tiny_checkpoint: Path, tiny_artifact: Path, tmp_path: Path) -> None:
     """4-bit MatMulNBits codes with a zero point per block of 32; the weights shrink below
-    int8's and the held-out perplexity, computed here by export/evaluate over the same
+    int8's and the held-out perplexity, computed here by export/verify/evaluate over the same
     windows for both artifacts, stays within 10% of float32's."""
-    from export.evaluate import artifact_backend, evaluate, load_text
+    from export.verify.evaluate import artifact_backend, evaluate, load_text
 
     out = export_artifact(tiny_checkpoint, tmp_path / "int4", quantize="int4")
     manifest = verify_manifest(out)

@@ -3,7 +3,7 @@
 
 The reference is the general export of the same file imported with ``--float32``: float32
 graphs verified against the whole PyTorch model, each weight swapped for the file's blocks
-only after the blocks were checked to dequantise to it (export/gguf_blocks.py). Both
+only after the blocks were checked to dequantise to it (export/gguf/blocks.py). Both
 exports must write the same graphs and weights.bin, byte for byte. The layer-by-layer
 reference is checked against the whole float32 model's forward on the same sequences, and
 shown to fail an export whose layer differs from the file.
@@ -20,16 +20,16 @@ import onnx
 import pytest
 import torch
 
-from export.engine_graph import EngineDecoder
 from export.from_blocks import builds_from_blocks
-from export.layerwise import LayerwiseReference
-from export.onnx_build import Graph, WeightsWriter, is_placeholder, make_model
+from export.onnx.engine_graph import EngineDecoder
+from export.onnx.onnx_build import Graph, WeightsWriter, is_placeholder, make_model
 from export.to_onnx import export_artifact
-from export.verify import VerificationError, check_prompts, decoder_for
+from export.verify.layerwise import LayerwiseReference
+from export.verify.parity import VerificationError, check_prompts, decoder_for
 from model.architectures.base import StandIn, f32
 from model.checkpoint import load_checkpoint
-from model.gguf_codes import DIRECT
-from model.gguf_import import import_gguf_checkpoint
+from model.gguf.codes import DIRECT
+from model.gguf.to_checkpoint import import_gguf_checkpoint
 from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 from tests.conftest import torch_threads
 from tests.export.test_gguf_blocks import CASES, write_file
@@ -126,7 +126,7 @@ def test_layer_by_layer_logits_are_the_whole_models(kquants: tuple[Path, Path],
             agree = full[len(prompt) - 1:].argmax(-1) == chosen
             assert agree.mean() >= 0.95
     inter = reference.intermediates(prompts.attention)
-    from export.verify import left_pad
+    from export.verify.parity import left_pad
 
     ids, mask, pos = (torch.from_numpy(a) for a in left_pad(prompts.attention))
     with torch.no_grad():
@@ -144,7 +144,7 @@ def test_a_layer_that_differs_from_the_file_fails_the_export(
     """PyTorch's side really is checked: one layer's down projection scaled in the reference
     (as a wrong tensor mapping would change it) makes the export refuse, and nothing is
     written."""
-    from model.gguf_weights import HeldWeights
+    from model.gguf.reader import HeldWeights
 
     real = HeldWeights.state
 

@@ -27,11 +27,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from export import gguf_blocks
-from export.engine_graph import EngineDecoder
+from export.gguf import blocks as gguf_blocks
+from export.onnx.engine_graph import EngineDecoder
 from export.to_onnx import export_artifact
 from model.checkpoint import load_checkpoint, read_meta
-from model.gguf_import import import_gguf_checkpoint
+from model.gguf.to_checkpoint import import_gguf_checkpoint
 from service.cli import main as cli_main
 from service.contract.engine_spec import ENGINE_FILE
 from service.contract.graphs import FLOAT32_PASS_TOKENS
@@ -357,8 +357,8 @@ def test_byte_codes_at_float_activations_are_two_exact_nibble_products(minimums:
     """At float activations an 8-bit block is two 4-bit products (ORT has no fast 8-bit
     kernel there): their sum, on an identity input, is the blocks' dequantised weight
     exactly without minimums, and within one rounding of it with them."""
-    from export.gguf_blocks import BlockWriter
-    from model.gguf_codes import Blocks
+    from export.gguf.blocks import BlockWriter
+    from model.gguf.codes import Blocks
 
     rng = np.random.default_rng(0)
     n, nb, block = 24, 4, 16
@@ -530,8 +530,8 @@ def test_fallback_bits_follow_the_bits_a_weight() -> None:
     (none the import reads now: IQ4_NL here), else int8."""
     from types import SimpleNamespace
 
-    from export.gguf_blocks import fallback_bits
-    from export.gguf_source import Part
+    from export.gguf.blocks import fallback_bits
+    from export.gguf.source import Part
 
     tensors = {name: SimpleNamespace(tensor_type=kind) for name, kind in
                (("a", Q.IQ4_NL), ("b", Q.BF16), ("c", Q.F16), ("d", Q.IQ2_XS))}
@@ -546,7 +546,7 @@ def test_fallback_bits_follow_the_bits_a_weight() -> None:
 def test_real_smollm2_blocks_are_exact() -> None:
     """The real SmolLM2 file (Q4_1 projections, Q8_0 embedding): each form's weights,
     dequantised by ONNX Runtime, equal gguf's, on real scales and minimums."""
-    from export.gguf_blocks import BlockWriter, read_blocks
+    from export.gguf.blocks import BlockWriter, read_blocks
     from model.default_model import default_gguf_path, install_hint
 
     path = default_gguf_path()
@@ -629,7 +629,7 @@ def test_int4_of_a_gguf_checkpoint_points_to_the_kept_blocks(
     """--quantize int4 of a checkpoint imported from Q4_1 blocks (or K-quants) says that
     --quantize gguf keeps them; nothing is said for types gguf would re-quantise too (F16,
     BF16), for a checkpoint not imported from GGUF, or for gguf itself."""
-    from export.quantize import gguf_advice
+    from export.quantize.weights import gguf_advice
 
     b = built("q4_1")
     said: list[str] = []

@@ -24,10 +24,10 @@ import torch
 from onnx import TensorProto, numpy_helper
 
 import service.ops
-from export.engine_graph import EngineDecoder
+from export.onnx.engine_graph import EngineDecoder
 from export.to_onnx import export_artifact
 from model.checkpoint import load_checkpoint, read_meta
-from model.gguf_import import import_gguf_checkpoint
+from model.gguf.to_checkpoint import import_gguf_checkpoint
 from service.cli import main as cli_main
 from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 from service.contract.reference import OrtDecoder

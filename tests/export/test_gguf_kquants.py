@@ -1,5 +1,5 @@
 """K-quant blocks (Q2_K-Q6_K), and the Q5_0 / Q5_1 that llama.cpp's K-quant mixes use for
-rows not a multiple of 256, kept exactly by --quantize gguf (model/gguf_codes.py).
+rows not a multiple of 256, kept exactly by --quantize gguf (model/gguf/codes.py).
 
 gguf-py has no quantiser for the K-quants, so each tensor is random block bytes (every
 byte pattern is a valid block) with chosen fp16 (super-)block scales, or gguf's quantiser's
@@ -98,10 +98,10 @@ def session(model_nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], k:
 
 def written(tensor: gguf.ReaderTensor, mode: str = "exact", level: int = 0,
             flat: bool = False, halves: bool = False) -> tuple[ort.InferenceSession, int]:
-    """The tensor's product as export/gguf_blocks.py writes it, and its MatMulNBits count:
+    """The tensor's product as export/gguf/blocks.py writes it, and its MatMulNBits count:
     by default as the int8-activation graphs hold it (8-bit blocks one product), run here
     at ``level``; ``halves``: 8-bit blocks as two 4-bit products (--activations float)."""
-    from export.gguf_blocks import BlockWriter, read_blocks
+    from export.gguf.blocks import BlockWriter, read_blocks
 
     writer = BlockWriter(mode, level, flat, halves)
     writer.matmul("x", "y", read_blocks(tensor), "w", "w")
@@ -115,7 +115,7 @@ def written(tensor: gguf.ReaderTensor, mode: str = "exact", level: int = 0,
 def test_blocks_dequantise_to_ggufs_values(qtype: Q, kind: str,
                                            tensors: dict[str, gguf.ReaderTensor]) -> None:
     """Codes, scales and minimums in the float32 operations gguf uses give its values."""
-    from model.gguf_codes import DIRECT, read_blocks
+    from model.gguf.codes import DIRECT, read_blocks
 
     tensor = tensors[f"{qtype.name}.{kind}"]
     blocks = read_blocks(tensor)
@@ -174,8 +174,8 @@ def test_centred_keeps_a_zero_point_only_where_exact() -> None:
     """z is the code nearest −m/d where (q − z)·d and m + z·d are exact in float32; 0 where
     a scale's significand leaves no room for q − z, or where m + z·d would round in float64
     already (its float64 sum looking exact); refused where even q·d would round."""
-    from export.gguf_blocks import centred
-    from model.gguf_codes import Blocks
+    from export.gguf.blocks import centred
+    from model.gguf.codes import Blocks
 
     codes = np.stack([np.tile(np.arange(16), 2), np.tile(np.arange(4), 8),
                       np.tile(np.arange(16), 2)]).astype(np.uint8)[None]  # (1, 3, 32)
@@ -192,7 +192,7 @@ def test_centred_keeps_a_zero_point_only_where_exact() -> None:
 
 def test_kept_types_are_the_advised_ones() -> None:
     """gguf_advice names every kept type (the K-quants and Q5_x too), not the float ones."""
-    from export.quantize import gguf_advice
+    from export.quantize.weights import gguf_advice
 
     record = {"imported_from": {"format": "gguf", "tensor_types": {
         "Q2_K": 1, "Q3_K": 1, "Q4_K": 1, "Q5_K": 1, "Q6_K": 1, "Q5_1": 1, "F16": 1, "F32": 1}}}

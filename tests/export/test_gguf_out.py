@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from export.gguf_out import export_gguf
+from export.gguf.model_file import export_gguf
 from model.checkpoint import load_checkpoint
 from tests.conftest import torch_threads
 from tests.llamacpp_server import llama_server
@@ -55,7 +55,7 @@ def tensors(path: Path) -> dict[str, gguf.ReaderTensor]:
 def kquant(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A random Llama written as llama.cpp writes it (permuted Q/K rows) in K-quant and
     legacy blocks, and its import (which holds the file)."""
-    from model.gguf_import import import_gguf_checkpoint
+    from model.gguf.to_checkpoint import import_gguf_checkpoint
     from tests.gguf_files import write_gguf
     from tests.hf_llama import build_hf_model
 
@@ -215,7 +215,7 @@ def test_an_adapter_file_adds_its_update_in_the_base_files_layout(kquant, tmp_pa
     """llama.cpp's adapter: general.type adapter, alpha, <tensor>.lora_a / .lora_b; the base
     file's dequantised tensor plus alpha/r · lora_b · lora_a is, tensor for tensor, the
     merged checkpoint written as GGUF (which places our rows by the import's layout)."""
-    from export.gguf_adapter import export_gguf_adapter
+    from export.gguf.adapter_file import export_gguf_adapter
     from model.finetune.merge import merge
 
     adapter_dir = random_adapter(kquant["ckpt"], tmp_path / "adapter")
@@ -293,12 +293,12 @@ def test_llama_cpp_greedy_equals_ours_for_a_finetune_merged_and_as_an_adapter(
     """A fine-tune of a GGUF file (F32 blocks, so both engines multiply the same numbers;
     Phi-3: its LoRA over fused qkv_proj / gate_up_proj): merged and written as GGUF, and
     its adapter loaded by llama-server --lora over the base file."""
-    from export.gguf_adapter import export_gguf_adapter
+    from export.gguf.adapter_file import export_gguf_adapter
     from model.finetune.lora import wire
     from model.finetune.merge import merge
     from model.finetune.peft_format import read_adapter
     from model.finetune.tuned import load_base
-    from model.gguf_import import import_gguf_checkpoint
+    from model.gguf.to_checkpoint import import_gguf_checkpoint
 
     _, hf_ckpt = families(family)
     with torch_threads(1):

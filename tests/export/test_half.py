@@ -1,4 +1,5 @@
-"""--dtype float16: the engine graphs wholly in float16 (export/half.py), against PyTorch."""
+"""--dtype float16: the engine graphs wholly in float16 (export/onnx/float16.py), against
+PyTorch."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from onnx import TensorProto
 
 from export.to_onnx import export_artifact
-from export.verify import clear_mismatches, logits_tolerance, top2_margin
+from export.verify.parity import clear_mismatches, logits_tolerance, top2_margin
 from model.checkpoint import load_checkpoint
 from service.contract import engine_spec as es
 from service.contract import io_spec as io

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.hf import export_hf
+from export.to_hf import export_hf
 from model.hf_import import import_hf_checkpoint
 from service.contract import io_spec as io
 from service.contract.manifest import verify_manifest

@@ -100,7 +100,7 @@ def test_the_torch_module_computes_squared_relu(toy: Gpt2Relu2) -> None:
 @torch.no_grad()
 def test_toy_architecture_exports_and_onnx_runtime_matches_pytorch(
         toy: Gpt2Relu2, tmp_path: Path) -> None:
-    from export.engine_graph import EngineDecoder
+    from export.onnx.engine_graph import EngineDecoder
     from export.to_onnx import export_artifact
     from service.contract import io_spec as io
     from service.contract.engine_spec import ENGINE_FILE

@@ -1,4 +1,4 @@
-"""export/verify.py's attention.onnx check: its scale-aware bound still fails real bugs.
+"""export/verify/parity.py's attention.onnx check: its scale-aware bound still fails real bugs.
 
 The tiny trained model's verified attention.onnx is broken in one place, in the graph, the
 way a graph-builder bug would break it: the causal mask left out of the softmax, two heads
@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from export.verify import VerificationError, verify_attention
+from export.verify.parity import VerificationError, verify_attention
 from model.checkpoint import load_checkpoint
 from model.gpt import GPT
 from tests.conftest import torch_threads

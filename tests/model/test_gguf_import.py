@@ -26,8 +26,8 @@ import torch
 
 from model.checkpoint import load_checkpoint, read_meta
 from model.default_model import default_gguf_path, install_hint
-from model.gguf_import import import_gguf_checkpoint
-from model.gguf_weights import _Reader, dequantize
+from model.gguf.reader import _Reader, dequantize
+from model.gguf.to_checkpoint import import_gguf_checkpoint
 from model.hf_import import ImportRefused
 from model.sample import generate
 from service.cli import main as cli_main
@@ -405,7 +405,7 @@ def test_llama_options_match_the_source_model(tmp_path: Path, overrides: dict[st
 def test_named_pre_tokenizers_split_as_llamacpp_defines_them() -> None:
     """llama.cpp's regex_exprs (src/llama-vocab.cpp): smollm isolates every digit first,
     Llama 3 groups digits by three and keeps newline runs whole."""
-    from model.gguf_tokenizer import PRE_TOKENIZERS, GGUFVocab, build_tokenizer
+    from model.gguf.vocab import PRE_TOKENIZERS, GGUFVocab, build_tokenizer
 
     def pieces(pre: str, text: str) -> list[str]:
         vocab = GGUFVocab(tokens=["a"], token_types=[1], merges=[], pre_name=pre,

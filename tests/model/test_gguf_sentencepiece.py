@@ -1,5 +1,5 @@
 """SentencePiece vocabularies in GGUF files (``tokenizer.ggml.model = llama``: Llama 2,
-Mistral, Phi-3), rebuilt by model/gguf_tokenizer.py, against the ``sentencepiece`` library
+Mistral, Phi-3), rebuilt by model/gguf/vocab.py, against the ``sentencepiece`` library
 itself (a BPE model with byte fallback trained here on the stdlib corpus, written to GGUF
 keys the way llama.cpp's converter writes them) and, where llama.cpp's tools are built,
 against llama.cpp's own tokenizer (llama-server's /tokenize) on the same file."""
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from model.gguf_tokenizer import build_tokenizer, read_vocab
+from model.gguf.vocab import build_tokenizer, read_vocab
 from service.artifact.text import TextCodec
 from tests.model.test_gguf_import import MIXED
 
@@ -189,7 +189,7 @@ def test_import_writes_the_tokenizer_the_service_runs(spm: Any, tmp_path: Path) 
     gives sentencepiece's ids (bos first, as llama.cpp adds it) and the service's codec
     decodes them back; bos and eos are special tokens."""
     from model.checkpoint import read_meta
-    from model.gguf_import import import_gguf_checkpoint
+    from model.gguf.to_checkpoint import import_gguf_checkpoint
 
     path = tmp_path / "spm.gguf"
     write_tiny_llama(path, spm_metadata(spm))

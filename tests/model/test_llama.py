@@ -289,7 +289,7 @@ def test_export_format_hf_gives_back_the_same_model(imported: tuple[str, Any, An
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from export.hf import export_hf
+    from export.to_hf import export_hf
 
     family, hf, _, root = imported
     out = export_hf(root / "ckpt", root / "back")

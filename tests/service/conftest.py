@@ -48,7 +48,7 @@ def int4_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
 def engine_artifact(artifact: Path, tiny_checkpoint: Path,
                     tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny artifact plus engine.onnx (built here with torch; servers never import it)."""
-    from export.engine_graph import export_engine
+    from export.onnx.engine_graph import export_engine
     from model.checkpoint import load_checkpoint
 
     out = tmp_path_factory.mktemp("engine") / "artifact"
@@ -61,7 +61,7 @@ def engine_artifact(artifact: Path, tiny_checkpoint: Path,
 def mixed_engine_path(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """engine.onnx of the tiny model with a second group of rows (``chunk.*``): a prompt
     chunk and the decode rows in one pass."""
-    from export.engine_graph import export_engine
+    from export.onnx.engine_graph import export_engine
     from model.checkpoint import load_checkpoint
 
     path = tmp_path_factory.mktemp("mixed-engine") / ENGINE_FILE

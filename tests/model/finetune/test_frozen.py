@@ -22,8 +22,8 @@ from torch import nn
 
 from model.checkpoint import load_checkpoint, read_meta
 from model.finetune.frozen import FrozenEmbedding, FrozenLinear, HeldBlocks, frozen_gguf_model
-from model.gguf_codes import DIRECT, read_blocks
-from model.gguf_import import import_gguf_checkpoint
+from model.gguf.codes import DIRECT, read_blocks
+from model.gguf.to_checkpoint import import_gguf_checkpoint
 from tests.conftest import torch_threads
 from tests.gguf_files import Q, TokenizerSpec, encode_tensor, random_k_blocks, write_gguf
 from tests.hf_llama import IM_END, IM_START, build_hf_model

@@ -132,7 +132,7 @@ def test_k_quant_gguf_base_with_adapter_matches_peft(tmp_path):
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from model.gguf_import import import_gguf_checkpoint
+    from model.gguf.to_checkpoint import import_gguf_checkpoint
     from tests.gguf_files import write_gguf
     from tests.hf_llama import build_hf_model
 

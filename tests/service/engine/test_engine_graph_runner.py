@@ -49,7 +49,7 @@ def session(engine_artifact: Path) -> ort.InferenceSession:
 def legacy_session(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> ort.InferenceSession:
     """engine.onnx without the ``logits_index`` input, as older artifacts hold it."""
-    from export.engine_graph import export_engine
+    from export.onnx.engine_graph import export_engine
     from model.checkpoint import load_checkpoint
 
     path = tmp_path_factory.mktemp("legacy-engine") / ENGINE_FILE

@@ -73,7 +73,7 @@ def test_a_rows_logits_do_not_depend_on_its_neighbour(
         variant: Path, encode: Callable[[str], list[int]]) -> None:
     """A prompt's logits are the same alone and beside another prompt. int8-dynamic
     quantised activations with one scale over the whole (B*T, d) tensor until each row got
-    its own (export/dynamic_rows.py); MatMulNBits (int8: per-block scales within a row) and
+    its own (export/quantize/dynamic_rows.py); MatMulNBits (int8: per-block scales within a row) and
     float16 never shared one. Plain ORT runs of model.onnx by its names, equal-length
     prompts (no padding), batch of 1 against batch of 2."""
     import numpy as np

@@ -88,7 +88,7 @@ def draft_artifact(engine_artifact: Path, tiny_checkpoint: Path,
     """A different model with the same tokenizer: the tiny model with noise in its weights."""
     import torch
 
-    from export.engine_graph import export_engine
+    from export.onnx.engine_graph import export_engine
     from export.to_onnx import export_artifact
     from model.checkpoint import load_checkpoint, save_checkpoint
 

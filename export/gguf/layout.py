@@ -78,22 +78,24 @@ def check_out(out: Path, force: bool) -> None:
 
 
 def write_atomically(writer_of: Any, out: Path) -> Path:
-    """Run ``writer_of(path)`` (which writes a complete file) on a temporary sibling of
+    """Write the file ``writer_of(path)``'s GGUFWriter holds to a temporary sibling of
     ``out`` and rename it into place; nothing is left behind if it fails."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        writer_of(tmp)
+        writer = writer_of(tmp)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
         tmp.chmod(0o644)
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return out
-
-
 
 
 @dataclass(frozen=True)

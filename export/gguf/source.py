@@ -1,18 +1,18 @@
 """The GGUF file a checkpoint was imported from, found again and checked, for --quantize gguf.
 
-model/gguf_import.py records where a checkpoint came from
+model/gguf/to_checkpoint.py records where a checkpoint came from
 (``training.imported_from``: format, path, size, sha256, architecture, tensor-type counts).
 "Is it still the same file" is answered here from the size and sha256 (checkpoints
 imported before those were recorded skip that check) and the header (the file reads as
 GGUF, with the recorded architecture and count of tensors of each type); and later,
-exactly, by export/gguf_blocks.py, which refuses unless every block it keeps dequantises
+exactly, by export/gguf/blocks.py, which refuses unless every block it keeps dequantises
 bit for bit to the checkpoint's own weight (the only check an older checkpoint gets).
 
 Which GGUF tensors make up each weight of our graphs comes from the architecture registry
 (``Architecture.gguf_sources``: llama.cpp's names and the import's own row reordering,
 e.g. llama's Q/K permutation), so a new family needs nothing here. What this module adds
-is our graphs' side: the graph builders name their initializers (export/graphs.py,
-export/engine_graph.py: ``l0.qkv.w`` / ``l0.w_qkv`` hold Q | K | V, a feed-forward
+is our graphs' side: the graph builders name their initializers (export/onnx/model_graphs.py,
+export/onnx/engine_graph.py: ``l0.qkv.w`` / ``l0.w_qkv`` hold Q | K | V, a feed-forward
 weight is ``l0.{module}.w`` after its ``ffn`` attribute) and this maps those names to
 our parameters.
 """
@@ -63,7 +63,7 @@ def open_source(training: dict[str, Any], reader: gguf.GGUFReader | None = None)
     """The GGUF file of a checkpoint's ``training`` record, or SourceRefused (one line).
     ``reader``: that file already open (a second memory map of it would count its pages
     in the process's resident set twice)."""
-    from model.gguf_weights import file_sha256, open_gguf, read_config
+    from model.gguf.reader import file_sha256, open_gguf, read_config
 
     record = training.get("imported_from")
     derived = training.get("merged_from") or training.get("finetuned_from")

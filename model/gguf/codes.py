@@ -18,7 +18,7 @@ operations (so "the same weight" is an exact equality):
   sc, 6-bit q: no rounding at all; the codes are shifted onto MatMulNBits' default zero
   point (q + 8 for 4 bits, q + 96 for 8), so neither needs a zero-point input.
 
-Float types (F16, BF16) are not read here (see export/gguf_blocks.py's fallback).
+Float types (F16, BF16) are not read here (see export/gguf/blocks.py's fallback).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Checking an adapter graph (export/adapter_graph.py): rows under an adapter and base rows
+"""Checking an adapter graph (export/lora/adapter_graph.py): rows under an adapter and base rows
 in one pass, against PyTorch with the adapter applied and against the base graph.
 
 A random rank-4 adapter on every target sits in slot 2 of S = 2 slots (slot 1 holds
 another, which no row uses: the mask must keep it out); a base row and two adapted rows
 run in one prefill pass, both row groups fed where the graph has two. Base rows must
 equal the base graph's (within :data:`BASE_TOL`: the same products, and an added zero),
-adapted rows PyTorch's logits by the float32 rule (export/verify.py). PyTorch's side is
+adapted rows PyTorch's logits by the float32 rule (export/verify/parity.py). PyTorch's side is
 computed by :meth:`AdapterReference.of` while its weights are here, with the adapter wired
 beside the frozen layers (model/finetune/lora.py: the merged model's arithmetic, without a
 copy of its weights); where there is no PyTorch model (the GGUF path, a quantised graph)
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from export.adapter_graph import target_widths
-from export.verify import attention_tolerance, check_session, logits_tolerance
+from export.lora.adapter_graph import target_widths
+from export.verify.parity import attention_tolerance, check_session, logits_tolerance
 from model.architectures import architecture
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
@@ -228,7 +228,7 @@ def verify_adapter_graphs(directory: Path, cfg: Any, reference: AdapterReference
     else engine.onnx, and attention.onnx) against PyTorch, written as check copies and
     removed; the manifest's figures, or why there are none (a family or dtype without
     them). Raises ValueError where a graph disagrees."""
-    from export.adapter_graph import write_adapter_graphs
+    from export.lora.adapter_graph import write_adapter_graphs
     from service.contract.adapter_spec import lora_file
 
     engine = next((name for name in (es.ENGINE_MIXED_FILE, es.ENGINE_FILE)
@@ -259,7 +259,7 @@ def write_served_adapter_graphs(directory: Path, cfg: Any, check: bool, say: Any
     mixed (else plain) engine one's base rows against its base graph and its adapted rows
     moved (the served graphs after quantisation, which PyTorch's float32 logits do not
     bound). The figures, or why no adapter graph was written."""
-    from export.adapter_graph import write_adapter_graphs
+    from export.lora.adapter_graph import write_adapter_graphs
     from service.contract.adapter_spec import lora_file
 
     try:

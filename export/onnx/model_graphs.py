@@ -13,7 +13,7 @@ standard ONNX operators are used, so any runtime can read the contract graph; ON
 Runtime fuses them (LayerNorm, Gelu, MatMul(Q, Transpose(K)) → FusedMatMul) when a
 session loads. The norm and MLP nodes are the architecture's (model/architectures/);
 attention, masks, positions and the LM head are written here for every family. Weight
-names and layouts are shared with engine.onnx (export/onnx_build.py stores each tensor
+names and layouts are shared with engine.onnx (export/onnx/onnx_build.py stores each tensor
 once for all three).
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from export.onnx_build import Graph, WeightsWriter, f32, make_model
+from export.onnx.onnx_build import Graph, WeightsWriter, f32, make_model
 from model.architectures import architecture
 from model.architectures.base import qkv_bias, qkv_weight
 from model.config import GPTConfig

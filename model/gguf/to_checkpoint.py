@@ -3,12 +3,12 @@
 Usage (through the CLI):
     attnserve import --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --out checkpoints/smollm2
 
-The file's metadata and tensors are read by model/gguf_weights.py. The checkpoint holds
+The file's metadata and tensors are read by model/gguf/reader.py. The checkpoint holds
 the file itself as its weights (model.gguf): the quantised blocks, which ``--quantize
 gguf`` keeps, and which loading the checkpoint dequantises (``HeldWeights``);
 ``float32=True`` (``--float32``) writes the dequantised float32 weights as
 model.safetensors instead.
-The tokenizer comes from the metadata (model/gguf_tokenizer.py), with the chat template,
+The tokenizer comes from the metadata (model/gguf/vocab.py), with the chat template,
 tokenizer_config.json and generation_config.json written beside it for the chat route.
 
 Everything is checked before anything is written, and the checkpoint is staged and
@@ -30,20 +30,20 @@ import torch
 from model.architectures.base import Architecture
 from model.checkpoint import CheckpointMeta, save_checkpoint
 from model.config import GPTConfig
-from model.gguf_tokenizer import (
-    GGUFVocab,
-    build_tokenizer,
-    checkpoint_special_ids,
-    read_vocab,
-    side_files,
-)
-from model.gguf_weights import (
+from model.gguf.reader import (
     _dequantized_state,
     _filled,
     file_sha256,
     open_gguf,
     plan_tensors,
     read_config,
+)
+from model.gguf.vocab import (
+    GGUFVocab,
+    build_tokenizer,
+    checkpoint_special_ids,
+    read_vocab,
+    side_files,
 )
 from model.hf_import import ImportRefused, check_target, with_sampling
 

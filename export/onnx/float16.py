@@ -9,7 +9,7 @@ half the bytes a decode step streams, and the types the CUDA provider's fused ke
 - **logits**, as the I/O contract says (io_spec.py): sampling and log-probabilities
   subtract numbers near each other, and the head's float16 products are cast up once;
 - **model.onnx and attention.onnx** (the reference and introspection graphs): their
-  norms and rotary angles are primitive ops (export/graphs.py), where a mean of squares
+  norms and rotary angles are primitive ops (export/onnx/model_graphs.py), where a mean of squares
   overflows float16 (65,504) once the residual stream passes 256 and a rotary angle
   ``position × inv_freq`` keeps three significant digits. engine.onnx needs none of that:
   its fused norms accumulate in float32, and GroupQueryAttention reads float16 cos/sin
@@ -34,7 +34,7 @@ from typing import Any
 import onnx
 from onnx import TensorProto, helper
 
-from export.onnx_build import WeightsWriter, load_graph
+from export.onnx.onnx_build import WeightsWriter, load_graph
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
 

@@ -14,7 +14,7 @@ The tokenizer is byte-level BPE (``tokenizer.ggml.model`` gpt2): tokens by id (p
 vocabularies filled with unused ``[PADn]`` tokens, as the converter does), types (special
 added tokens CONTROL, other added tokens USER_DEFINED), merges, special ids, whether bos
 is added, the chat template, and ``pre``: the name llama.cpp knows the pre-tokenizer by,
-recognised from the tokenizer's own split rules (model/gguf_tokenizer.py holds each
+recognised from the tokenizer's own split rules (model/gguf/vocab.py holds each
 name's rules). A pre-tokenizer llama.cpp has no name for, or a SentencePiece or character
 tokenizer, is refused: llama.cpp would tokenize it otherwise and degrade quietly
 (llama.cpp#7476).
@@ -30,7 +30,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from export.gguf_layout import (
+from export.gguf.layout import (
     FILE_TYPES,
     OUTTYPES,
     GGUFOutRefused,
@@ -42,7 +42,7 @@ from export.gguf_layout import (
 )
 from model.architectures import architecture
 from model.checkpoint import TOKENIZER_FILE, CheckpointMeta
-from model.gguf_tokenizer import CONTROL, GPT2_SPLIT, NORMAL, PRE_TOKENIZERS, USER_DEFINED
+from model.gguf.vocab import CONTROL, GPT2_SPLIT, NORMAL, PRE_TOKENIZERS, USER_DEFINED
 
 UNUSED = 5  # gguf.TokenType.UNUSED: the converter's padding tokens
 # transformers' model_type → llama.cpp's general.architecture
@@ -291,7 +291,7 @@ def export_generated(ckpt_dir: Path, meta: CheckpointMeta, out: Path, outtype: s
     kind = OUTTYPES[outtype or "f32"]
     say(f"writing {len(planned)} tensors as llama.cpp's {family} ({kind.name})")
 
-    def write(path: Path) -> None:
+    def write(path: Path) -> gguf.GGUFWriter:
         writer = gguf.GGUFWriter(str(path), family)
         writer.add_name(out.stem)
         writer.add_description("written by attnserve export --format gguf")
@@ -312,9 +312,6 @@ def export_generated(ckpt_dir: Path, meta: CheckpointMeta, out: Path, outtype: s
         writer.add_file_type(int(FILE_TYPES[kind]))
         if quantised:
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        return writer
 
     return write_atomically(write, out)

@@ -15,10 +15,10 @@ so the I/O contract is unchanged:
   packed, at session start; nothing is re-quantised per call except one activation row.
 - ``int8-dynamic``: ``quantize_dynamic`` (per-output-channel int8 weights, activations
   quantised on the fly for MatMulInteger), its activation scales then made one per row
-  (export/dynamic_rows.py) so that a row's logits do not depend on its batch.
+  (export/quantize/dynamic_rows.py) so that a row's logits do not depend on its batch.
 - ``gguf``: for a checkpoint imported from a GGUF file, that file's own Q4_0 / Q4_1 /
   Q5_0 / Q5_1 / Q8_0 and K-quant (Q2_K-Q6_K) blocks as MatMulNBits, not requantised
-  (export/gguf_blocks.py); weights with float tensors (F16, BF16) fall back to ``int8``
+  (export/gguf/blocks.py); weights with float tensors (F16, BF16) fall back to ``int8``
   one by one.
 
 Quantisation runs on the graph as exported, before ORT's fusions, so every weight MatMul
@@ -43,9 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from export.gguf_source import GGUFFile, open_source
+from export.gguf.source import GGUFFile, open_source
 from export.memory import release
-from export.verify import decoder_for
+from export.verify.parity import decoder_for
 from model.gpt import GPT
 from service.contract.reference import Decoder, agreement_with, greedy
 
@@ -84,7 +84,7 @@ def gguf_advice(training: dict[str, Any], method: str | None) -> str | None:
     record = training.get("imported_from")
     if method not in NBITS or not isinstance(record, dict) or record.get("format") != "gguf":
         return None
-    from export.gguf_blocks import DIRECT  # the types it keeps
+    from export.gguf.blocks import DIRECT  # the types it keeps
 
     types = record.get("tensor_types")
     kept = sorted({t.name for t in DIRECT} & set(types)) if isinstance(types, dict) else []
@@ -225,10 +225,10 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
     ``flat``: the graph's activations are (tokens, features) matrices, as in the engine
     graphs (``gguf`` then writes each Q4_1 remainder as one Gemm). ``level``: MatMulNBits'
     accuracy level (4: int8 activations; 0: float); ``halves``: gguf's 8-bit blocks as
-    two 4-bit products (default: at level 0; export/gguf_blocks.py); ``source``: gguf's
-    file already opened and checked (export/gguf_source.py ``open_source``), for an export
+    two 4-bit products (default: at level 0; export/gguf/blocks.py); ``source``: gguf's
+    file already opened and checked (export/gguf/source.py ``open_source``), for an export
     that rewrites several graphs; ``kernel``: gguf's kept blocks as MatMulNBits (``nbits``)
-    or as the file's bytes under GgufMatMul (``ggml``; export/gguf_blocks.py), with
+    or as the file's bytes under GgufMatMul (``ggml``; export/gguf/blocks.py), with
     ``repack`` in ggml's repack layout where it has one.
     """
     if method not in METHODS:
@@ -253,7 +253,7 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
                        "op_types": ["MatMul"],
                        "activation_scales": "per row",
                        "rows_requantised": _activations_per_row(dst)}
-    from export.onnx_build import weight_bytes
+    from export.onnx.onnx_build import weight_bytes
 
     return {"quantization": method, **figures, "fp32_bytes": weight_bytes(src),
             "quantized_bytes": weight_bytes(dst)}
@@ -261,10 +261,10 @@ def quantize_weights(src: Path, dst: Path, method: str = "int8",
 
 def _activations_per_row(path: Path) -> int:
     """``quantize_dynamic``'s graph at ``path`` with its activations quantised per row
-    (export/dynamic_rows.py), rewritten through a temporary file; the inputs rewritten."""
+    (export/quantize/dynamic_rows.py), rewritten through a temporary file; the inputs rewritten."""
     import onnx
 
-    from export.dynamic_rows import per_row_activations
+    from export.quantize.dynamic_rows import per_row_activations
 
     model = onnx.load(str(path), load_external_data=False)  # weights stay where they are
     count = per_row_activations(model)
@@ -298,7 +298,7 @@ def _gguf_blocks(src: Path, dst: Path, source: GGUFFile,
     import onnx
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-    from export.gguf_blocks import SideFile, rewrite_file
+    from export.gguf.blocks import SideFile, rewrite_file
 
     # the new weights written as they are made, where the source graph's external data is
     # in the same directory (see _save)
@@ -347,7 +347,7 @@ def _save(model: Any, dst: Path, base: Path | None = None, written: bool = False
     them into weights.bin afterwards and deletes the side files. Tensors left in
     ``base``'s external data keep pointing there when ``dst`` is in that directory, and
     are copied into the side file otherwise. ``written``: the side file holds the new
-    weights already (export/gguf_blocks.py ``SideFile``); those still in memory go after
+    weights already (export/gguf/blocks.py ``SideFile``); those still in memory go after
     them."""
     import onnx
     from onnxruntime.quantization.onnx_model import ONNXModel
@@ -379,7 +379,7 @@ def quantize_model(gpt: GPT, model_path: Path, fp32_path: Path, tokenizer: Any,
                   method: str = "int8", level: int = ACCURACY_LEVEL,
                   kernel: str = "nbits") -> dict[str, Any]:
     """Write the ``method`` version of ``fp32_path`` to ``model_path``; return the figures."""
-    from export.gguf_blocks import repacks
+    from export.gguf.blocks import repacks
 
     figures = quantize_weights(fp32_path, model_path, method, training, level=level,
                                kernel=kernel, repack=repacks(kernel, level))

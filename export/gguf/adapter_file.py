@@ -26,7 +26,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from export.gguf_layout import (
+from export.gguf.layout import (
     GGUFOutRefused,
     check_out,
     file_rows,
@@ -45,7 +45,7 @@ def base_layout(ckpt_dir: Path) -> tuple[str, dict[str, Any], dict[str, tuple[in
     """(llama.cpp family, our parameter → its GGUF rows, file tensor shapes) of the base as
     a GGUF file: the file it holds or descends from, else the file `export --format gguf`
     writes for it."""
-    from model.gguf_weights import open_gguf, read_config
+    from model.gguf.reader import open_gguf, read_config
 
     meta = read_meta(ckpt_dir)
     source = source_file(ckpt_dir, meta.training)
@@ -54,7 +54,7 @@ def base_layout(ckpt_dir: Path) -> tuple[str, dict[str, Any], dict[str, tuple[in
         _, family, arch, config = read_config(reader, source)
         shapes = {t.name: numpy_shape(t) for t in reader.tensors}
         return family, arch.gguf_sources(family, config, file_rows(reader)), shapes
-    from export.gguf_metadata import family_of, planned_shapes
+    from export.gguf.metadata import family_of, planned_shapes
 
     config = meta.model
     arch = architecture(config.arch)
@@ -114,7 +114,7 @@ def export_gguf_adapter(adapter_dir: str | os.PathLike[str], ckpt_dir: str | os.
             tensor[1][source.rows] = b[start:start + rows]
             start += rows
 
-    def write(path: Path) -> None:
+    def write(path: Path) -> gguf.GGUFWriter:
         writer = gguf.GGUFWriter(str(path), family)
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
@@ -131,9 +131,6 @@ def export_gguf_adapter(adapter_dir: str | os.PathLike[str], ckpt_dir: str | os.
                                   raw_dtype=None if kind in (gguf.GGMLQuantizationType.F32,
                                                              gguf.GGMLQuantizationType.F16)
                                   else kind)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        return writer
 
     return write_atomically(write, out)

@@ -5,7 +5,7 @@ Usage:
     attnserve export --ckpt CKPT --format gguf --out model-q8_0.gguf --outtype q8_0
 
 What llama.cpp, ollama and LM Studio run. The tensors are llama.cpp's (names, the Q/K row
-order of llama-type rotary, fused tensors, a tied head left out: export/gguf_layout.py).
+order of llama-type rotary, fused tensors, a tied head left out: export/gguf/layout.py).
 With no ``--outtype`` a checkpoint that holds its GGUF file is written back with the file's
 own blocks, byte for byte, and any other is written from its float weights as F32;
 ``--outtype`` re-encodes every matrix with gguf's own quantisers (f16, bf16, q8_0, q5_1,
@@ -19,7 +19,7 @@ import) is that file's: every hyper-parameter and the tokenizer (``tokenizer.ggm
 its ``pre``, merges or SentencePiece scores, special ids, chat template) as llama.cpp wrote
 them, so nothing is re-derived; ``general.*`` says what this file is and what it came from.
 Any other checkpoint's comes from its config and tokenizer.json
-(export/gguf_metadata.py). The file is written beside its target and renamed into place.
+(export/gguf/metadata.py). The file is written beside its target and renamed into place.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from export.gguf_layout import (
+from export.gguf.layout import (
     FILE_TYPES,
     NARROW,
     OUTTYPES,
@@ -59,7 +59,7 @@ def copy_metadata(writer: gguf.GGUFWriter, reader: gguf.GGUFReader,
                   skip: tuple[str, ...] = OWN_GENERAL) -> None:
     """Every key of ``reader`` but general.architecture and those starting with ``skip``,
     with its own value type."""
-    from model.gguf_weights import field_value
+    from model.gguf.reader import field_value
 
     for key, field in reader.fields.items():
         if key.startswith(("GGUF.", "general.architecture")) or key.startswith(skip):
@@ -84,10 +84,10 @@ def export_gguf(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     meta = read_meta(ckpt_dir)
     source = source_file(ckpt_dir, meta.training)
     if source is None:
-        from export.gguf_metadata import export_generated
+        from export.gguf.metadata import export_generated
 
         return export_generated(ckpt_dir, meta, out, outtype, say)
-    from model.gguf_weights import open_gguf, read_config
+    from model.gguf.reader import open_gguf, read_config
 
     reader = open_gguf(source)
     _, family, arch, config = read_config(reader, source)
@@ -117,8 +117,8 @@ def export_gguf(ckpt_dir: str | os.PathLike[str], out: str | os.PathLike[str],
 
 
 def _write(reader: gguf.GGUFReader, family: str, path: Path, kind: Q | None,
-           values: dict[str, Any], out: Path) -> None:
-    """The file: the source's metadata, then every tensor of the source in its order:
+           values: dict[str, Any], out: Path) -> gguf.GGUFWriter:
+    """The file's writer: the source's metadata, then every tensor of the source in order:
     copied as it is (``kind`` None, or a tensor none of our parameters fills: Llama 3's
     rope_freqs, Phi-3's rope factors), else assembled from our weights and encoded."""
     writer = gguf.GGUFWriter(str(path), family)
@@ -152,7 +152,4 @@ def _write(reader: gguf.GGUFReader, family: str, path: Path, kind: Q | None,
         writer.add_file_type(int(FILE_TYPES[kind or Q.F32]))
     if any(k not in (Q.F32, Q.F16, Q.BF16) for k in kinds):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    return writer

@@ -1,20 +1,20 @@
 """PyTorch's side of the export's checks for a model too large to hold in float32 at once.
 
-:class:`export.verify.TorchReference` decodes each check prompt greedily with PyTorch's
+:class:`export.verify.parity.TorchReference` decodes each check prompt greedily with PyTorch's
 own KV cache, one token a forward over the whole model: it needs every weight in memory
 (a 1B model's are 4.3 GB in float32, the 3B's 12 GB). :class:`LayerwiseReference`
 answers the same questions (``logits``, ``greedy``, ``intermediates``) from the same
 model, run layer-major: every check input is embedded, then each layer's weights are
-dequantised from the checkpoint's GGUF file (model/gguf_weights.py ``HeldWeights``), every
+dequantised from the checkpoint's GGUF file (model/gguf/reader.py ``HeldWeights``), every
 input goes through that layer, and its weights are dropped before the next layer's come;
 the LM head last. At most one layer (or the embedding) is in float32 at a time.
 
 A layer-major pass cannot decode: the next token needs the whole model. So the greedy
 continuations come from a graph under test that reads the file's weights exactly (the
-level-0, float-activation rewrite of model.onnx, export/gguf_blocks.py), and PyTorch
+level-0, float-activation rewrite of model.onnx, export/gguf/blocks.py), and PyTorch
 recomputes the logits of every position of those sequences, teacher-forced, in one pass.
 The checks then compare as before: logits within the float32 bound at every step, and
-greedy choices equal wherever PyTorch's margin is clear (verify.py).
+greedy choices equal wherever PyTorch's margin is clear (parity.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from export.verify import RAGGED_STEPS, CheckPrompts, TorchReference, decode_steps, left_pad
+from export.verify.parity import RAGGED_STEPS, CheckPrompts, TorchReference, decode_steps, left_pad
 from model.gpt import GPT
 from service.contract.reference import greedy
 
@@ -50,7 +50,7 @@ class LayerwiseReference(TorchReference):
     ``gpt``: the model with its large weights on the meta device; ``held``: the source of
     their values (``Checkpoint.held``); ``decoder``: makes the graph whose greedy choices
     continue the decode and ragged prompts (OrtDecoder's call shape: model.onnx's, or
-    engine.onnx's through export/engine_graph.py's EngineDecoder). Everything is computed
+    engine.onnx's through export/onnx/engine_graph.py's EngineDecoder). Everything is computed
     by :meth:`prepare`; a question it did not prepare raises.
     """
 

@@ -57,7 +57,7 @@ def logits_tolerance(cfg: Any, scale: float, kv_dtype: io.KvDtype = "float32",
     ``kv_dtype="float16"`` rounds each layer's keys and values to float16 once, by up to
     u' = 2⁻¹¹ of their size, an error the layers after carry on as they do their own:
     L·u'·max|logit| more (model.onnx of a float16 artifact). ``half``: a graph that
-    computes in float16 too (a float16 artifact's engine graphs, export/half.py). Its
+    computes in float16 too (a float16 artifact's engine graphs, export/onnx/float16.py). Its
     matrix products
     still accumulate in float32 (MLAS, cuBLAS) but round each output once to float16;
     the norms are float32. Each of a layer's two

@@ -2,7 +2,7 @@
 
 A GGUF block is 16 or 32 consecutive input weights of one output row with one scale,
 exactly ONNX Runtime's ``com.microsoft.MatMulNBits`` layout at that block size (B is
-(N, K/block, bytes), one scale per block). So the blocks are repacked (model/gguf_codes.py
+(N, K/block, bytes), one scale per block). So the blocks are repacked (model/gguf/codes.py
 reads them), and ORT's dequantised weights are gguf's (``gguf.quants.dequantize``) bit for
 bit:
 
@@ -46,7 +46,7 @@ ggml does (``activations="float"``): the float32 model's arithmetic over the sam
 fp16 → fp32 scales are exact, so the check that every block's dequantised value equals
 the checkpoint's own weight is an exact equality: it refuses a GGUF file that changed
 since the import. A weight with a tensor of another type (F16, BF16, F32) falls back to
-our own quantiser (export/quantize.py: int4 for types of at most 4.5 bits a
+our own quantiser (export/quantize/weights.py: int4 for types of at most 4.5 bits a
 weight, int8 otherwise, so int8 for every type the import reads), per weight, recorded in
 the manifest. The embedding Gather stays float32: exact for every type, and it reads one
 row per token.
@@ -65,9 +65,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from export.gguf_source import GGUFFile, Part, SourceRefused
-from export.onnx_build import is_placeholder
-from model.gguf_codes import DIRECT, Blocks, join, read_blocks
+from export.gguf.source import GGUFFile, Part, SourceRefused
+from export.onnx.onnx_build import is_placeholder
+from model.gguf.codes import DIRECT, Blocks, join, read_blocks
 from service import ops
 
 ACCURACY_LEVEL = 4  # int8 activations, as --quantize int8/int4
@@ -633,7 +633,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
                                    "types": types, "bits": fallback_bits(src, parts)}
             continue
         # A placeholder has no values to compare: the checkpoint's weight is the file's
-        # blocks by construction (a model loaded with them left, model/gguf_weights.py).
+        # blocks by construction (a model loaded with them left, model/gguf/reader.py).
         if not is_placeholder(inits[name]) and not dequantises_to(
                 pieces, _weight_array(inits[name], base), transposed):
             raise SourceRefused(
@@ -700,7 +700,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
                         for a in n.attribute) for n in stored),
                 "joined_products": joined, "split_products": split, "kept_gathers": gathers,
                 "fallback": fallback}
-    return {"method": "GGUF blocks as MatMulNBits (export/gguf_blocks.py)", "kernel": kernel,
+    return {"method": "GGUF blocks as MatMulNBits (export/gguf/blocks.py)", "kernel": kernel,
             "source": str(src.path), "accuracy_level": level,
             "block_sizes": sorted({a.i for n in nbits for a in n.attribute
                                    if a.name == "block_size"}),

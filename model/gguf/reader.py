@@ -1,6 +1,6 @@
 """A GGUF file's metadata and tensors read as our model: what loading a checkpoint that
 holds its GGUF file needs (model/checkpoint.py), and what the import builds on
-(model/gguf_import.py), below both.
+(model/gguf/to_checkpoint.py), below both.
 
 The file is read with the maintained ``gguf`` package (memory-mapped) for the
 architectures we serve (``general.architecture`` ``llama`` — SmolLM2, TinyLlama, Llama 3 —
@@ -160,7 +160,7 @@ def plan_tensors(tensors: list[gguf.ReaderTensor], expected: dict[str, tuple[int
 def read_config(reader: gguf.GGUFReader, path: Path
                 ) -> tuple[dict[str, Any], str, Architecture, GPTConfig]:
     """The file's metadata, ``general.architecture``, its registered architecture and the
-    GPTConfig it computes (export/gguf_source.py rebuilds it for --quantize gguf); raise
+    GPTConfig it computes (export/gguf/source.py rebuilds it for --quantize gguf); raise
     ImportRefused with one line."""
     def refuse(reason: str) -> ImportRefused:
         return ImportRefused(f"{path}: {reason}")
@@ -230,9 +230,9 @@ class HeldWeights:
     What a model of 1-3 B parameters needs so that no step holds all its weights in float32
     (a 1B model's are 4.3 GB): :meth:`model` with ``leave`` fills the model's
     small tensors and leaves the matrices of those GGUF types on the meta device, the
-    export builds its graphs from the file's blocks (export/gguf_blocks.py), and a
+    export builds its graphs from the file's blocks (export/gguf/blocks.py), and a
     reference that needs the values runs the layers one at a time, each one's weights
-    dequantised for it and dropped after (:meth:`filled`; export/layerwise.py).
+    dequantised for it and dropped after (:meth:`filled`; export/verify/layerwise.py).
     """
 
     def __init__(self, path: Path, config: GPTConfig) -> None:

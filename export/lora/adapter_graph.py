@@ -227,7 +227,7 @@ def build_adapter_graph(model: onnx.ModelProto, cfg: Any) -> onnx.ModelProto:
             helper.make_tensor_value_info(lora_b(target.module), TensorProto.FLOAT,
                                           [ROWS, width_out])])
     out.doc_string = (out.doc_string + " With LoRA adapters per row: lora_mask, lora.<module>"
-                      ".A/B (export/adapter_graph.py).").strip()
+                      ".A/B (export/lora/adapter_graph.py).").strip()
     return out
 
 

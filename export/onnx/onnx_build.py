@@ -96,7 +96,7 @@ def f32(tensor: Any) -> np.ndarray:
 
 def placeholder(name: str, array: StandIn) -> onnx.TensorProto:
     """An initializer with ``array``'s shape and no values: a weight that
-    export/gguf_blocks.py builds from the GGUF file's blocks. Its data points at
+    export/gguf/blocks.py builds from the GGUF file's blocks. Its data points at
     :data:`PLACEHOLDER`, which no file is named, so a graph that still holds one cannot
     load (and :meth:`WeightsWriter.add` refuses it once the graphs are final)."""
     tensor = onnx.TensorProto(name=name, dims=array.shape, data_type=TensorProto.FLOAT,

@@ -35,9 +35,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from export.graphs import lm_head
-from export.onnx_build import Graph, WeightsWriter, f32, make_model
-from export.verify import (
+from export.onnx.model_graphs import lm_head
+from export.onnx.onnx_build import Graph, WeightsWriter, f32, make_model
+from export.verify.parity import (
     TorchReference,
     clear_mismatches,
     decode_prompts,
@@ -116,7 +116,7 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
     projections' biases included. Only attention sees
     (B, T, ·), through two reshapes that alias rather than copy.
 
-    ``weights``: store the large initializers there as they are made (export/onnx_build.py's
+    ``weights``: store the large initializers there as they are made (export/onnx/onnx_build.py's
     :class:`Graph`), so the graph never holds them.
     """
     cfg = gpt.config
@@ -333,7 +333,7 @@ def _model(g: Graph, gpt: GPT, groups: list[_Rows], logits_index: bool) -> onnx.
         ]
     return make_model(g, "attnserve_engine", inputs, outputs, ENGINE_OPSET,
                       "attnserve engine decoder: GroupQueryAttention over an in-place KV "
-                      "buffer; service-only, see export/engine_graph.py", contrib=True)
+                      "buffer; service-only, see export/onnx/engine_graph.py", contrib=True)
 
 
 def export_engine(gpt: GPT, path: Path, matmul_only: bool = False,
@@ -359,7 +359,7 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
     """
     import onnxruntime as ort
 
-    from export.verify import check_session
+    from export.verify.parity import check_session
 
     cfg = gpt.config
     n = cfg.n_layers
@@ -438,7 +438,7 @@ def verify_engine(gpt: GPT, path: Path, steps: int = 64, tolerance: float | None
 
 
 class EngineDecoder:
-    """engine.onnx behind OrtDecoder's call shape, so export/quantize.py can judge an int8
+    """engine.onnx behind OrtDecoder's call shape, so export/quantize/weights.py can judge an int8
     engine graph the way it judges model.onnx.
 
     The past is opaque here: (B, nkv, length, hs) buffers (key/value heads, as the service's
@@ -455,7 +455,7 @@ class EngineDecoder:
     """
 
     def __init__(self, path: Path, gpt: GPT, threads: int = 1, capacity: int = 256) -> None:
-        from export.verify import check_session
+        from export.verify.parity import check_session
 
         self.session = check_session(path, threads)
         self.config = gpt.config

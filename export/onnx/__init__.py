@@ -1,0 +1,3 @@
+"""The graphs, node by node over one weights.bin (``onnx_build``): model.onnx and
+attention.onnx (``model_graphs``), engine.onnx and engine_mixed.onnx (``engine_graph``),
+and the engine graphs in float16 (``float16``)."""

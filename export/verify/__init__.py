@@ -1,0 +1,2 @@
+"""Figures an artifact is judged by: parity with PyTorch (``parity``; layer by layer for a
+large model, ``layerwise``), perplexity and bits per byte (``evaluate``, ``attnserve eval``)."""
