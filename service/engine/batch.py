@@ -5,9 +5,10 @@ values and cached length, so the batch keeps no cache and no padding, and each r
 lays out its own inputs. A batch says what each of its rows feeds a step (``work``: the
 next part of its prompt until the prompt is in, then its newest token, and the drafts to
 verify where the speculator proposes some, each row with what its request computes it
-under: its ``ModelVariant``) and chooses its rows' tokens from what the
-runner returned (``take``, and ``take_verified`` for drafts); each row's sequence
-(service/engine/sequence.py) turns a token into text, an event and the finish.
+under: its ``ModelVariant``) and keeps each row's state as the step gives it back
+(service/engine/step.py): its prompt's progress (``fed``), then its tokens (``advance``,
+and ``take_verified`` for drafts); each row's sequence (service/engine/sequence.py) turns
+a token into text, an event and the finish.
 ``filter`` drops finished rows and ``concatenate`` merges a freshly prefilled batch into
 the running one (the runner arranges the slots).
 """
@@ -23,7 +24,7 @@ from service.artifact.text import TextCodec
 from service.engine.kv_pool import Slot
 from service.engine.request import GenerationRequest, ModelVariant, TokenEvent, TokenInfo
 from service.engine.runner import ModelRunner
-from service.engine.sampling import RowSampler, choose_tokens, log_softmax, top_logprobs
+from service.engine.sampling import RowSampler, log_softmax, top_logprobs
 from service.engine.sequence import SequenceState
 from service.engine.speculative import Verdict
 from service.engine.step_plan import RowDraw, RowWork, Want
@@ -110,7 +111,7 @@ class Batch:
             return [RowWork(slot, np.asarray(seq.request.prompt_ids[done:done + chunk if chunk
                                                                      else None], np.int64),
                             "every" if seq.request.prompt_logprobs else "last",
-                            variant=seq.request.variant)
+                            first=not done, variant=seq.request.variant)
                     for seq, slot, done in zip(self.sequences, self.slots, self.prompt_done,
                                                strict=True)]
         tokens = self.next_tokens
@@ -139,50 +140,38 @@ class Batch:
             return "draw", {i: _row_draw(self.sequences[i], runner.vocab_size) for i in rows}
         return "last", {}
 
-    def take(self, work: Sequence[RowWork], outputs: Sequence[np.ndarray] | np.ndarray,
-             rows: Sequence[int] | None = None) -> list[TokenEvent]:
-        """Rows ``rows`` (default: all) take what the runner returned for their ``work``
-        (one each, in order: a decoding batch's may come as one (R, V) or (R,) array): the
-        prompt's next part is in (its first token once the whole prompt is), or the next
-        token, the runner's pick or chosen here from the logits."""
-        rows = range(len(self)) if rows is None else rows
-        if not self.is_prefilled:
-            for i, fed in zip(rows, work, strict=True):
-                self.prompt_done[i] += len(fed.tokens)
-            if self.prompt_left:
-                return []
-            if any(s.request.prompt_logprobs for s in self.sequences):
-                self._record_prompt_logprobs(list(outputs))
-            return self._take_logits(np.stack([o[-1] for o in outputs]), rows)  # (B, V)
-        joined = outputs if isinstance(outputs, np.ndarray) else np.concatenate(list(outputs))
-        if work and work[0].want in ("argmax", "draw"):
-            return self._take_ids(joined, rows)  # (R,)
-        return self._take_logits(joined, rows)  # (R, V)
+    def completes(self, row: int, work: RowWork) -> bool:
+        """Whether row ``row`` takes a token after feeding ``work``: a decoding row, or
+        one whose prompt it ends."""
+        return self.is_prefilled or self.prompt_done[row] + len(work.tokens) == len(
+            self.sequences[row].request.prompt_ids)
 
-    # -- choosing tokens from a step's result ------------------------------------------
+    def fed(self, row: int, work: RowWork, output: np.ndarray) -> None:
+        """Row ``row`` fed ``work``, of which the runner returned ``output``: the next part
+        of its prompt is in, with the prompt's logprobs where the request asks for them
+        (such a prompt is fed whole: never chunked, nothing reused). A decoding row's
+        state changes with its token alone."""
+        if self.is_prefilled:
+            return
+        self.prompt_done[row] += len(work.tokens)
+        if self.sequences[row].request.prompt_logprobs:
+            self._record_prompt_logprobs(self.sequences[row], output)
 
-    def _take_ids(self, tokens: np.ndarray, rows: Sequence[int]) -> list[TokenEvent]:
-        """Rows ``rows`` take the tokens (R,) the runner chose."""
-        now = time.perf_counter()
-        events = []
-        for j, i in enumerate(rows):
-            seq, token = self.sequences[i], int(tokens[j])
-            seq.sampler.observe(token)
-            events.append(self._advance(j, seq, token, None, None, now))
-        self._set_next(tokens, rows)
-        return events
+    # -- a row's tokens ----------------------------------------------------------------
 
-    def _take_logits(self, last: np.ndarray, rows: Sequence[int]) -> list[TokenEvent]:
-        """Rows ``rows`` choose their next token from their logits (R, V)."""
-        seqs = [self.sequences[i] for i in rows]
-        last = np.ascontiguousarray(last, np.float32)
-        tokens, logprobs = choose_tokens(last, [s.sampler for s in seqs],
-                                         [s.request.token_logprobs for s in seqs])
-        now = time.perf_counter()
-        events = [self._advance(j, seq, int(tokens[j]), seq.reported(logprobs[j]), last, now)
-                  for j, seq in enumerate(seqs)]
-        self._set_next(tokens, rows)
-        return events
+    def advance(self, row: int, token: int, logprob: float | None,
+                logits: np.ndarray | None, now: float) -> TokenEvent:
+        """Row ``row`` takes ``token``, which it feeds at the next step; its top logprobs
+        from its ``logits`` (V,) where the request asks for them."""
+        seq = self.sequences[row]
+        top: tuple[tuple[int, str, float], ...] = ()
+        n = seq.request.sampling.top_n_logprobs
+        if n and logits is not None:
+            top = tuple((t, self.codec.token_text(t), lp) for t, lp in top_logprobs(logits, n))
+        if self.next_tokens is None:  # (B,) its first tokens
+            self.next_tokens = np.zeros(len(self), np.int64)
+        self.next_tokens[row] = token
+        return seq.advance(token, logprob, top, self.codec, now)
 
     def take_verified(self, row: int, verdict: Verdict, logits: np.ndarray
                       ) -> list[TokenEvent]:
@@ -192,13 +181,11 @@ class Batch:
         now = time.perf_counter()
         events = []
         for token, position in zip(verdict.tokens, verdict.positions, strict=True):
-            events.append(self._advance(
-                position, seq, token,
-                None if logprobs is None else float(logprobs[position, token]), logits, now))
+            events.append(self.advance(
+                row, token, None if logprobs is None else float(logprobs[position, token]),
+                logits[position], now))
             if seq.finish is not None:
                 break
-        assert self.next_tokens is not None
-        self.next_tokens[row] = verdict.tokens[-1]
         return events
 
     def draft_room(self, runner: ModelRunner, row: int) -> int:
@@ -209,39 +196,20 @@ class Batch:
         room = runner.max_len - runner.cached_length(self.slots[row]) - 1
         return max(0, min(left, room))
 
-    def _set_next(self, tokens: np.ndarray, rows: Sequence[int]) -> None:
-        """The tokens rows ``rows`` feed at the next step."""
-        if self.next_tokens is None or len(rows) == len(self):
-            self.next_tokens = np.asarray(tokens, np.int64)  # (B,)
-        else:
-            self.next_tokens[list(rows)] = tokens
-
-    def _record_prompt_logprobs(self, logits: Sequence[np.ndarray]) -> None:
-        """Each prompt token's logprob given the tokens before it, and the request's top-n
-        alternatives at that position (OpenAI's echo with logprobs; vLLM's prompt_logprobs)."""
-        for seq, rows in zip(self.sequences, logits, strict=True):
-            if not seq.request.prompt_logprobs:
-                continue
-            ids = seq.request.prompt_ids
-            lp = log_softmax(rows[:-1])  # (n - 1, V): predicts tokens 1..n-1
-            best = _best_ids(lp, seq.request.sampling.top_n_logprobs)  # (n - 1, k)
-            text = self.codec.token_text
-            infos = [TokenInfo(ids[0], text(ids[0]), None)]
-            infos += [TokenInfo(t, text(t), float(lp[j, t]),
-                                top=tuple((int(b), text(int(b)), float(lp[j, b]))
-                                          for b in best[j]))
-                      for j, t in enumerate(ids[1:])]
-            seq.prefill = tuple(infos)
-
-    def _advance(self, row: int, seq: SequenceState, token: int, logprob: float | None,
-                 logits: np.ndarray | None, now: float) -> TokenEvent:
-        """Row ``row``'s sequence takes ``token``; its top logprobs from ``logits`` (B, V)
-        where the request asks for them."""
-        top: tuple[tuple[int, str, float], ...] = ()
-        n = seq.request.sampling.top_n_logprobs
-        if n and logits is not None:
-            top = tuple((t, self.codec.token_text(t), lp) for t, lp in top_logprobs(logits[row], n))
-        return seq.advance(token, logprob, top, self.codec, now)
+    def _record_prompt_logprobs(self, seq: SequenceState, rows: np.ndarray) -> None:
+        """Each prompt token's logprob given the tokens before it (``rows``: the prompt's
+        logits, (n, V)), and the request's top-n alternatives at that position (OpenAI's
+        echo with logprobs; vLLM's prompt_logprobs)."""
+        ids = seq.request.prompt_ids
+        lp = log_softmax(rows[:-1])  # (n - 1, V): predicts tokens 1..n-1
+        best = _best_ids(lp, seq.request.sampling.top_n_logprobs)  # (n - 1, k)
+        text = self.codec.token_text
+        infos = [TokenInfo(ids[0], text(ids[0]), None)]
+        infos += [TokenInfo(t, text(t), float(lp[j, t]),
+                            top=tuple((int(b), text(int(b)), float(lp[j, b]))
+                                      for b in best[j]))
+                  for j, t in enumerate(ids[1:])]
+        seq.prefill = tuple(infos)
 
     def filter(self, keep: Sequence[int], runner: ModelRunner) -> None:
         """Keep only the rows ``keep``; the others' slots go back to the runner."""

@@ -60,7 +60,8 @@ class DraftModel:
             self.runner.truncate(row.slot, keep)
             del row.cached[keep:]
         feed = np.asarray(history[keep:], np.int64)  # (T,) what the draft has not seen
-        logits = self.runner.run(StepPlan((RowWork(row.slot, feed),))).outputs[0][0]  # (V,)
+        logits = self.runner.run(StepPlan((RowWork(row.slot, feed, first=not keep),))
+                                 ).outputs[0][0]  # (V,)
         row.cached.extend(int(t) for t in feed)
         tokens, probs = [], []
         for i in range(self.k):

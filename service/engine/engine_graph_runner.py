@@ -321,7 +321,7 @@ class EngineGraphRunner(PooledRunner):
                     out: StepResult) -> None:
         decoding, riding = [rows[i] for i in decode], [rows[i] for i in rider]
         group, order = self._pack(decoding)
-        if not self.cached_length(riding[0].slot):  # first prompts into empty slots
+        if riding[0].first:  # prompts into empty slots
             self.pool.assign([r.slot for r in riding], sorted(r.slot.index for r in riding))
         second, second_order = self._pack(riding)  # or one row after its cache
         logits, second_logits = self._run(group, second)  # (n, 1, V), (m, 1, V)

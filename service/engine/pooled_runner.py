@@ -164,16 +164,16 @@ class PooledRunner:
 
     def run(self, plan: StepPlan) -> StepResult:
         """Execute a step's plan (runner.py), packing its rows into passes by what the
-        graph takes: rows of one token after their cache decode together; rows into empty
-        slots (first prompts) prefill together, one pass per run of slots the graph binds
-        at once (``_prompt_runs``: a step's newcomers are one run, a long prompt's first
-        chunk, reserved at the top of the pool, another); a row of several tokens after
-        its cache (a chunk, the rest of a prompt after a cached prefix, drafts to verify)
-        is a pass of its own, as GroupQueryAttention runs such a row only alone. Where the
-        graph takes a second group of rows (``mixes_chunks``), one such row, or else the
-        first run of first prompts, ride in the decode rows' pass. The order: that pass,
-        first prompts, the other rows of several tokens, the decode rows, then the drafted
-        rows."""
+        graph takes, as each row says: rows of one token after their cache decode
+        together; ``first`` rows (prompts into empty slots) prefill together, one pass per
+        run of slots the graph binds at once (``_prompt_runs``: a step's newcomers are one
+        run, a long prompt's first chunk, reserved at the top of the pool, another); any
+        other row of several tokens (a chunk, the rest of a prompt after a cached prefix,
+        drafts to verify) is a pass of its own, as GroupQueryAttention runs such a row
+        only alone. Where the graph takes a second group of rows (``mixes_chunks``), one
+        such row, or else the first run of first prompts, wanting the last logits, ride in
+        the decode rows' pass. The order: that pass, first prompts, the other rows of
+        several tokens, the decode rows, then the drafted rows."""
         rows = plan.rows
         if len({r.slot.index for r in rows}) != len(rows):
             raise ValueError("a row appears twice in one step")
@@ -182,16 +182,15 @@ class PooledRunner:
         if self.adapters is None and any(r.variant.adapter for r in rows):
             raise ValueError(f"{type(self).__name__} serves no LoRA adapter")
         out = StepResult([np.empty(0)] * len(rows))
-        cached = [self.cached_length(r.slot) for r in rows]
-        decode = [i for i, r in enumerate(rows) if cached[i] and len(r.tokens) == 1]
-        first = [i for i in range(len(rows)) if not cached[i]]
-        after = [i for i, r in enumerate(rows) if cached[i] and len(r.tokens) > 1]
-        runs = [[first[j] for j in run]  # rows into empty slots, by the pass taking them
+        first = [i for i, r in enumerate(rows) if r.first]
+        decode = [i for i, r in enumerate(rows) if not r.first and len(r.tokens) == 1]
+        alone = [i for i, r in enumerate(rows) if not r.first and len(r.tokens) > 1]
+        runs = [[first[j] for j in run]  # first rows, by the pass taking them
                 for run in self._prompt_runs([rows[i].slot for i in first])]
         rider: list[int] = []
-        if decode and self.mixes_chunks:
-            rider = next(([i] for i in after if not rows[i].drafted), [])
-            if not rider and runs and all(rows[i].want != "every" for i in runs[0]):
+        if decode and self.mixes_chunks:  # the second group returns the last logits
+            rider = next(([i] for i in alone if rows[i].want == "last"), [])
+            if not rider and runs and all(rows[i].want == "last" for i in runs[0]):
                 rider = runs[0]
         if rider:
             with _timed(out, decode + rider):
@@ -201,13 +200,13 @@ class PooledRunner:
             if run != rider:
                 with _timed(out, run):
                     self._first_prompts(rows, run, out)
-        for i in [i for i in after if not rows[i].drafted and i not in rider]:
+        for i in [i for i in alone if not rows[i].drafted and i not in rider]:
             with _timed(out, [i]):
                 self._extend_row(rows[i], i, out)
         if decode:
             with _timed(out, decode):
                 self._decode_pass(rows, decode, out)
-        for i in [i for i in after if rows[i].drafted]:
+        for i in [i for i in alone if rows[i].drafted]:
             with _timed(out, [i]):
                 self._extend_row(rows[i], i, out)
         return out

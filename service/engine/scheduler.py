@@ -295,20 +295,20 @@ class Scheduler:
             chunk = min(self.chunks.next_chunk(running, partial.prompt_left),
                         partial.prompt_left)
         prompt_tokens = fresh.prompt_left if fresh is not None else 0
-        try:
-            step = run_step(self.runner, batch, fresh, partial, chunk, self.speculator)
+        runner = self.runner
+        try:  # the step's rows: the running rows', the newcomers', the long prompt's chunk
+            step = run_step(runner, Step().add(runner, batch, speculator=self.speculator)
+                            .add(runner, fresh).add(runner, partial, chunk), self.speculator)
         except Exception as exc:
             return self._after_failure(batch, fresh, partial, exc)
-        events = step.events
-        self._record(step, prompt_tokens, chunk)
-        if events.partial:  # its prompt is in: it joins the batch
+        self._record(step, batch, fresh, partial, prompt_tokens, chunk)
+        joins = partial is not None and partial.is_prefilled  # its prompt is in
+        if joins:
             self._partial = None
-        self._send([(self._handles[s.request.id], e) for b, rows in (
-            (batch, events.running), (fresh, [[e] for e in events.fresh]),
-            (partial, [[e] for e in events.partial])) if b is not None
-            for s, row in zip(b.sequences, rows, strict=False) for e in row])
+        self._send([(self._handles[r.sequence.request.id], e) for r in step.rows
+                    for e in r.events])
         done = [self._retire(b) for b in (batch, fresh) if b is not None]
-        if events.partial and partial is not None:
+        if joins and partial is not None:
             done.append(self._retire(partial))
         kept = [b for b in done if b is not None]
         return Batch.concatenate(kept, self.runner) if kept else None
@@ -334,13 +334,14 @@ class Scheduler:
             self._publish(rest)
         return rest
 
-    def _record(self, step: Step, prompt_tokens: int, chunk: int) -> None:
-        """The step's stats: a decode step for the running rows, a prefill for the
-        newcomers and for the chunk (with no token until the prompt is in), each timed by
-        the passes that carried its rows; and what the chunk budget learns from them."""
+    def _record(self, step: Step, running: Batch | None, fresh: Batch | None,
+                partial: Batch | None, prompt_tokens: int, chunk: int) -> None:
+        """The step's stats: a decode step for the ``running`` rows, a prefill for the
+        ``fresh`` ones and for the ``partial`` one's chunk (with no token until the prompt
+        is in), each timed by the passes that carried its rows; and what the chunk budget
+        learns from them."""
         result = step.result
         assert result is not None
-        running, fresh, partial = step.running, step.fresh, step.partial
         if running is not None:
             rows = step.rows_of(running)
             seconds = result.seconds_of(rows)
@@ -348,7 +349,7 @@ class Scheduler:
                    if set(p.rows) & set(rows)):  # no other rows rode with them
                 self.chunks.observe_decode(seconds)
             self.stats.record_step(StepStats("decode", seconds, len(running),
-                                             sum(len(e) for e in step.events.running)))
+                                             sum(len(step.rows[j].events) for j in rows)))
         if fresh is not None:
             self.stats.record_step(StepStats("prefill", result.seconds_of(step.rows_of(fresh)),
                                              len(fresh), prompt_tokens))
@@ -360,7 +361,7 @@ class Scheduler:
             else:
                 self.chunks.observe_chunk(chunk, carried.seconds)
             self.stats.record_step(StepStats("prefill", carried.seconds,
-                                             len(step.events.partial), chunk))
+                                             len(step.rows[row].events), chunk))
 
     def _drop_cancelled_partial(self) -> bool:
         """Drop the partly prefilled request if it was cancelled; whether it was."""

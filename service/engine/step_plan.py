@@ -2,10 +2,11 @@
 
 The scheduler describes every step the same way (vLLM v1's ``SchedulerOutput``, whose
 ``num_scheduled_tokens`` per request is all a step is): for each row its slot, the tokens
-it feeds after what the slot holds, what it wants back, and what it is computed under
-(its ``ModelVariant``: the LoRA adapter). A running row feeds its
-newest token; a newcomer its whole prompt (or what follows a cached prefix); a long
-prompt its next chunk; a speculating row its newest token and the drafts to verify. They
+it feeds after what the slot holds (and whether it holds nothing: ``first``), what it
+wants back, and what it is computed under (its ``ModelVariant``: the LoRA adapter). A
+running row feeds its newest token; a newcomer its whole prompt (or what follows a cached
+prefix); a long prompt its next chunk; a speculating row its newest token and the drafts
+to verify. They
 are the same thing to the runner, which packs the rows into as few passes as its graph
 allows (``ModelRunner.run``) and returns, per row, only numbers. Turning them into tokens
 and events is ``apply_step``'s (service/engine/step.py).
@@ -48,6 +49,9 @@ class RowWork:
     tokens: np.ndarray  # (T,) int64
     want: Want = "last"
     draw: RowDraw | None = None  # for want "draw"
+    # the slot holds nothing before it (a prompt from its start): such rows prefill
+    # together, as GroupQueryAttention takes several rows of many tokens only so
+    first: bool = False
     drafted: bool = False  # tokens after the first are drafts: never prefix-cached
     # what computes the row besides the base weights (its LoRA adapter): every pass
     # applies it, and the prefix cache keys the row's blocks by it
@@ -78,10 +82,12 @@ class StepResult:
     together: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict)
 
     def joined(self, rows: Sequence[int]) -> np.ndarray:
-        """The outputs of one-position ``rows`` as one array, (R, V) or (R,): the pass's own
-        where it returned exactly those rows (no copy of B x V floats a step), else joined."""
+        """The last position's outputs of ``rows`` as one array, (R, V) or (R,): the pass's
+        own where it returned exactly those rows (no copy of B x V floats a step), else
+        joined."""
         block = self.together.get(tuple(rows))
-        return block if block is not None else np.concatenate([self.outputs[i] for i in rows])
+        return block if block is not None else np.concatenate(
+            [self.outputs[i][-1:] for i in rows])
 
     def seconds_of(self, rows: Sequence[int]) -> float:
         """What the passes carrying any of ``rows`` took (each pass once)."""

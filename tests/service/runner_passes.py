@@ -21,7 +21,7 @@ def prefill(runner: ModelRunner, slots: Sequence[Slot], prompts: Sequence[np.nda
             every: bool = False) -> list[np.ndarray]:
     """Whole prompts into empty slots: (T_i, V) each with ``every``, else (1, V)."""
     want: Want = "every" if every else "last"
-    return run_rows(runner, [RowWork(s, np.asarray(p, np.int64), want)
+    return run_rows(runner, [RowWork(s, np.asarray(p, np.int64), want, first=True)
                              for s, p in zip(slots, prompts, strict=True)])
 
 

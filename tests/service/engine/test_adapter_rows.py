@@ -52,8 +52,8 @@ def test_rows_of_two_adapters_and_the_base_share_every_kind_of_pass(lora_build: 
     variants = [ModelVariant(r.id) if (r := refs[n]) else BASE for n in names]  # each row's
     slots = runner.reserve(4)
 
-    def row(i: int, tokens: list[int]) -> RowWork:
-        return RowWork(slots[i], np.asarray(tokens), variant=variants[i])
+    def row(i: int, tokens: list[int], first: bool = False) -> RowWork:
+        return RowWork(slots[i], np.asarray(tokens), first=first, variant=variants[i])
 
     def check(outputs: list[np.ndarray], rows: list[int]) -> None:
         for out, i in zip(outputs, rows, strict=True):
@@ -62,7 +62,7 @@ def test_rows_of_two_adapters_and_the_base_share_every_kind_of_pass(lora_build: 
                                        err_msg=f"row {i} under {names[i] or 'the base'}")
 
     # first prompts of three rows together (the fourth joins later)
-    check(run(runner, [row(i, seqs[i]) for i in range(3)]), [0, 1, 2])
+    check(run(runner, [row(i, seqs[i], first=True) for i in range(3)]), [0, 1, 2])
     for _ in range(2):  # decode steps of rows under three different adapters
         for i in range(3):
             seqs[i].append(int(rng.integers(3, vocab)))
@@ -71,7 +71,7 @@ def test_rows_of_two_adapters_and_the_base_share_every_kind_of_pass(lora_build: 
     for i in range(3):
         seqs[i].append(int(rng.integers(3, vocab)))
     rows = [row(i, seqs[i][-1:]) for i in range(3)]
-    result = runner.run(StepPlan((*rows, row(3, seqs[3]))))
+    result = runner.run(StepPlan((*rows, row(3, seqs[3], first=True))))
     assert len(result.passes) == 1  # one pass carried all four rows
     check(result.outputs, [0, 1, 2, 3])
     # a chunk of several tokens after beta's cache rides beside the others' decode
@@ -102,7 +102,8 @@ def test_every_position_and_a_lone_row_after_its_cache(lora_build: LoraBuild) ->
     seq = list(rng.integers(3, runner.vocab_size, 6))
     (slot,) = runner.reserve(1)
     under_beta = ModelVariant(beta.id)
-    (every,) = run(runner, [RowWork(slot, np.asarray(seq), "every", variant=under_beta)])
+    (every,) = run(runner, [RowWork(slot, np.asarray(seq), "every", first=True,
+                                    variant=under_beta)])
     np.testing.assert_allclose(every, expected(lora_build, "beta", seq), rtol=0, atol=TOL)
     more = list(rng.integers(3, runner.vocab_size, 3))
     seq += more
@@ -120,7 +121,7 @@ def test_a_prefix_cached_under_one_adapter_is_reused_by_it_alone(lora_build: Lor
     under_alpha = ModelVariant(alpha.id)
     (slot,) = runner.reserve(1, prompts=[prompt], variants=[under_alpha])
     assert runner.cached_length(slot) == 0
-    run(runner, [RowWork(slot, prompt, variant=under_alpha)])
+    run(runner, [RowWork(slot, prompt, first=True, variant=under_alpha)])
     runner.leave([slot], [], [under_alpha])  # its blocks go to the prefix cache, under alpha
     for name in ("", "beta", "alpha"):
         ref = held(adapters, name) if name else None
@@ -128,7 +129,8 @@ def test_a_prefix_cached_under_one_adapter_is_reused_by_it_alone(lora_build: Lor
         (slot,) = runner.reserve(1, prompts=[prompt], variants=[variant])
         cached = runner.cached_length(slot)
         assert cached == (12 if name == "alpha" else 0), name
-        (out,) = run(runner, [RowWork(slot, prompt[cached:], variant=variant)])
+        (out,) = run(runner, [RowWork(slot, prompt[cached:], first=not cached,
+                                      variant=variant)])
         np.testing.assert_allclose(out[-1], expected(lora_build, name, list(prompt))[-1],
                                    rtol=0, atol=TOL, err_msg=name or "the base")
         runner.leave([slot], [], [variant])

@@ -30,7 +30,7 @@ from service.engine.pooled_runner import PooledRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
 from service.engine.sampling import log_softmax
-from service.engine.step import run_step
+from service.engine.step import Step, run_step
 from service.engine.step_plan import RowWork, StepPlan
 from service.providers import create_session
 from tests.service.helpers import one_step, record_graphs, run_with_joins
@@ -291,11 +291,12 @@ def test_chunked_prefill_equals_the_reference_loop(
     long.reserve(runner, top=True)
     chunks, out = 0, []
     while long.prompt_left > 0:
-        events = run_step(runner, running=running, partial=long, chunk=5).events
-        out = [e.token.id for e in events.partial]
-        assert bool(out) == (long.prompt_left == 0)
+        step = run_step(runner, Step().add(runner, running).add(runner, long, chunk=5))
+        (row, chunk) = step.rows
+        out = [e.token.id for e in chunk.events]
+        assert bool(out) == (long.prompt_left == 0) == chunk.samples
         chunks += 1
-        tokens.append(events.running[0][0].token.id)
+        tokens.append(row.events[0].token.id)
     assert chunks == -(-len(ids) // 5)
     merged = Batch.concatenate([running, long], runner)
     while len(out) < 12:
@@ -531,7 +532,8 @@ def test_newcomers_prompts_riding_in_a_decode_step_equal_the_plain_loop(
     fresh = runner.reserve(2)
     result = runner.run(StepPlan((
         *(RowWork(s, np.asarray([t])) for s, t in zip(slots, nxt, strict=True)),
-        *(RowWork(s, np.asarray(p)) for s, p in zip(fresh, newcomers, strict=True)))))
+        *(RowWork(s, np.asarray(p), first=True) for s, p in zip(fresh, newcomers,
+                                                                  strict=True)))))
     logits, firsts = np.concatenate(result.outputs[:2]), result.outputs[2:]
     assert len(result.passes) == (1 if runner.mixes_chunks else 2)
     want = np.stack([full_forward(plain, s)[0][-1] for s in seqs])  # (B, V)
@@ -567,8 +569,9 @@ def test_newcomers_and_a_long_prompts_first_chunk_in_one_step_equal_the_plain_lo
     nxt = [int(full_forward(plain, p)[0][-1].argmax()) for p in running]
     result = runner.run(StepPlan((
         *(RowWork(s, np.asarray([t])) for s, t in zip(slots, nxt, strict=True)),
-        *(RowWork(s, np.asarray(p)) for s, p in zip(fresh, newcomers, strict=True)),
-        RowWork(top, np.asarray(long[:6])))))
+        *(RowWork(s, np.asarray(p), first=True) for s, p in zip(fresh, newcomers,
+                                                                  strict=True)),
+        RowWork(top, np.asarray(long[:6]), first=True))))
     outputs = result.outputs
     for got, tokens in zip(outputs, [*([*p, t] for p, t in zip(running, nxt, strict=True)),
                                      *newcomers, long[:6]], strict=True):
@@ -603,7 +606,7 @@ def test_a_newcomer_with_a_cached_prefix_rides_and_changes_no_logit(
     assert runner.cached_length(fresh[1]) == 0
     result = runner.run(StepPlan((RowWork(first, np.asarray([token])),
                                   RowWork(fresh[0], np.asarray(newcomers[0][reused:])),
-                                  RowWork(fresh[1], np.asarray(newcomers[1])))))
+                                  RowWork(fresh[1], np.asarray(newcomers[1]), first=True))))
     assert sorted(p.rows for p in result.passes) == [(0, 1), (2,)]
     np.testing.assert_allclose(result.outputs[0][0],
                                full_forward(plain, [*shared, token])[0][-1], atol=1e-4)

@@ -19,7 +19,7 @@ from service.engine.batch import Batch
 from service.engine.engine_graph_runner import EngineGraphRunner
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import PoolConfig
-from service.engine.step import run_step
+from service.engine.step import Step, run_step
 from service.providers import create_session
 from tests.hf_llama import load_hf_model
 from tests.service.helpers import one_step, run_with_joins
@@ -74,9 +74,10 @@ def test_prompt_chunks_riding_in_decode_steps_see_only_the_window(mistral: Any,
     chunked.reserve(runner, top=True)
     out: list[int] = []
     while chunked.prompt_left > 0:  # chunks of 4 tokens: each over a cache past the window
-        events = run_step(runner, running=running, partial=chunked, chunk=4).events
-        out = [e.token.id for e in events.partial]
-        tokens.append(events.running[0][0].token.id)
+        step = run_step(runner, Step().add(runner, running).add(runner, chunked, chunk=4))
+        (row, chunk) = step.rows
+        out = [e.token.id for e in chunk.events]
+        tokens.append(row.events[0].token.id)
     merged = Batch.concatenate([running, chunked], runner)
     while len(out) < 10:
         events = one_step(runner, merged)
