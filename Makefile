@@ -139,10 +139,16 @@ deploy-smoke: venv system-deps
 ## bench: side-by-side benchmark, small, base, gpt2 and smollm2-135m (not part of `make test`; the first
 ## run also compiles llama.cpp into .cache/llamacpp-venv, ~20 min on 2 cores, once);
 ## results in results/bench/<date>/ and results/bench/latest.{json,md,png}
-.PHONY: bench
+## bench-list: every benchmark and tool, one line each; run one with
+## `python -m benchmarks NAME ...` (`python -m benchmarks NAME --help` for its options)
+.PHONY: bench bench-list
 BENCH_ARGS ?=
 bench: venv
-	$(BIN)/python -m benchmarks --presets small,base,gpt2,smollm2-135m --setup-optimum --setup-llamacpp $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks side-by-side --presets small,base,gpt2,smollm2-135m --setup-optimum \
+		--setup-llamacpp $(BENCH_ARGS)
+
+bench-list: venv
+	$(BIN)/python -m benchmarks --help
 
 ## gguf-ops: the GgufMatMul custom-op library (service/ops/: ggml's CPU kernels over GGUF
 ## bytes, for ONNX Runtime) built once into .cache/gguf-ops/ (~1.5 min on 2 cores; ONNX

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.measure import add_threads_option
+from benchmarks.lib.measure import add_threads_option
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -139,7 +139,7 @@ def measure_device(artifact_dir: Path, device: str, threads: int, prompts: list[
     it: "cpu…" runs on the CPU); ``resident=False``: under CUDA, model.onnx's whole past
     through the host at every step (as before the cache stayed on the device);
     ``cuda_graphs=False``: every kernel of a float16 artifact's decode steps launched."""
-    from benchmarks.runner_engine import EngineRunner
+    from benchmarks.lib.runner_engine import EngineRunner
     from service.engine.engine_graph_runner import EngineGraphRunner
     from service.engine.model_graph_runner import ModelGraphRunner
 

@@ -5,7 +5,7 @@ warm shared-prefix TTFT with prefix caching on vs off. Prints figures; asserts n
         [--repeats 3]
 
 Runs the scheduler in process (no HTTP) on engine.onnx exported from a checkpoint of the
-preset initialised at random (benchmarks/prepare.py); end-of-sequence is not a stop.
+preset initialised at random (benchmarks/lib/prepare.py); end-of-sequence is not a stop.
 
 - static: 32 requests submitted at once, one prefill, 32 rows decode to the end together.
 - join/leave: the same number of rows kept running (closed loop at concurrency 32) with
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import add_threads_option
+from benchmarks.lib.measure import add_threads_option
 from service.artifact.loader import open_artifact
 from service.contract import io_spec as io
 from service.engine.engine import Engine, EngineConfig
@@ -48,7 +48,7 @@ def engine_artifact(preset: str, work: Path) -> Path:
     out = work / f"{preset}-artifact"
     if (out / "engine.onnx").is_file():
         return out
-    from benchmarks.prepare import prepare_checkpoint
+    from benchmarks.lib.prepare import prepare_checkpoint
     from export.to_onnx import export_artifact
 
     prep = prepare_checkpoint(preset, work / preset, None)

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import add_threads_option
+from benchmarks.lib.measure import add_threads_option
 
 ENGINES = ("ours", "peft")
 

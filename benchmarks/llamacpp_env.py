@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.overlay_venv import create_overlay, imports_ok, overlay_python
+from benchmarks.lib.overlay_venv import create_overlay, imports_ok, overlay_python
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 OVERLAY_PACKAGES = (LLAMA_CPP_PYTHON, "diskcache")

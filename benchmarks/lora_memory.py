@@ -34,7 +34,6 @@ allocator gives back, and load + resident is what one more resident adapter cost
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -42,23 +41,25 @@ from typing import Any
 
 import httpx
 
-from benchmarks.bound_port import serving
-from benchmarks.measure import proc_memory_bytes
-from benchmarks.soak import metric
-from model.data import write_text_atomic
-from service.contract.peft_adapter import WEIGHTS_FILE, read_config
+from benchmarks.lib.serving import (
+    add_adapter_options,
+    add_server_options,
+    emit,
+    lora_modules,
+    max_rank,
+    memory,
+    metric,
+    mib,
+    served_model,
+    serving,
+)
+from service.contract.peft_adapter import WEIGHTS_FILE
 
 QUESTION = "What is the capital of France?"
-FIELDS = ("VmRSS", "RssAnon", "RssFile")
-
-
-def memory(pid: int) -> dict[str, int]:
-    got = proc_memory_bytes(pid)
-    return {k: got[k] for k in FIELDS if k in got}
 
 
 def _mib(n: float) -> float:
-    return round(n / 2**20, 2)
+    return mib(n, 2)
 
 
 def ask(client: httpx.Client, model: str, max_tokens: int) -> str:
@@ -101,8 +102,8 @@ def load(client: httpx.Client, pid: int, name: str, directory: Path, before: dic
 
 
 def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    base = served_model(url)
     with httpx.Client(base_url=url, timeout=600) as client:
-        base = client.get("/v1/models").json()["data"][0]["id"]
         ready = memory(pid)
         row, now = step(client, pid, base, args.max_tokens, ready, args.settle)
         passes: list[list[dict[str, Any]]] = []
@@ -136,36 +137,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lora_memory",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="artifact to serve")
-    parser.add_argument("--adapters-dir", type=Path, required=True)
-    parser.add_argument("--adapters", type=lambda s: [n for n in s.split(",") if n],
-                        default=["lora0", "lora1", "lora2", "lora3"],
-                        help="adapters under --adapters-dir (default lora0,...,lora3)")
+    add_adapter_options(parser)
     parser.add_argument("--runtime", action="store_true",
                         help="start with no adapter; load each at run time before its request")
-    parser.add_argument("--port", type=int, default=8152)
+    add_server_options(parser, port=8152)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--settle", type=float, default=0.5,
                         help="seconds between an answer and the reading (default 0.5)")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("server_args", nargs="*", help="after --: more `attnserve serve` options")
     args = parser.parse_args(argv)
     if not args.adapters:
         parser.error("--adapters names no adapter")
-    args.rank = max(read_config(args.adapters_dir / n).rank for n in args.adapters)
+    args.rank = max_rank(args.adapters_dir, args.adapters)
     adapters = (["--runtime-lora", "--lora-dir", str(args.adapters_dir)] if args.runtime else
-                ["--lora-modules", *(f"{n}={args.adapters_dir / n}" for n in args.adapters)])
+                ["--lora-modules", *lora_modules(args.adapters_dir, args.adapters)])
     server_args = [*adapters, "--max-loras", str(len(args.adapters)),
                    "--max-lora-rank", str(args.rank), *args.server_args]
     with serving(args.model, args.port, server_args, "lora_memory") as server:
         try:
-            result = measure(f"http://127.0.0.1:{args.port}", server.pid, args)
+            result = measure(server.url, server.pid, args)
         except (RuntimeError, httpx.HTTPError) as exc:
             print(f"lora_memory: error: {exc}", file=sys.stderr)
             return 2
-    text = json.dumps(result, indent=2, ensure_ascii=False)
-    print(text)
-    if args.out is not None:
-        write_text_atomic(args.out, text + "\n")
+    emit(result, args.out, ensure_ascii=False)
     return 0
 
 

@@ -35,10 +35,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import DEFAULT_THREADS
+from benchmarks.lib.measure import DEFAULT_THREADS
+from benchmarks.lib.serving import add_adapter_options, lora_modules, max_rank
 from benchmarks.serve.__main__ import main as serve_main
 from model.data import write_text_atomic
-from service.contract.peft_adapter import read_config
 
 RUNS = ("base-server", "spread", "lora-server-base")
 
@@ -52,10 +52,10 @@ def serve_argv(args: argparse.Namespace, run: str, out: Path) -> list[str]:
             "--server-env", f"ATTNSERVE_MAX_TOTAL_TOKENS={args.max_total_tokens}"]
     if run == "base-server":
         return argv
-    rank = max(read_config(args.adapters_dir / n).rank for n in args.adapters)
+    rank = max_rank(args.adapters_dir, args.adapters)
     argv += ["--server-env", f"ATTNSERVE_MAX_LORAS={len(args.adapters)}",
              "--server-env", f"ATTNSERVE_MAX_LORA_RANK={rank}",
-             "--lora-modules", *(f"{n}={args.adapters_dir / n}" for n in args.adapters)]
+             "--lora-modules", *lora_modules(args.adapters_dir, args.adapters)]
     spread = [*args.adapters, ""] if run == "spread" else [""]
     return [*argv, "--adapters", ",".join(spread)]
 
@@ -70,10 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True,
                         help="artifact with the adapter graphs (engine_mixed_lora.onnx)")
-    parser.add_argument("--adapters-dir", type=Path, required=True)
-    parser.add_argument("--adapters", type=lambda s: [n for n in s.split(",") if n],
-                        default=["lora0", "lora1", "lora2", "lora3"],
-                        help="adapters under --adapters-dir (default lora0,...,lora3)")
+    add_adapter_options(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=96)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import sys
@@ -50,10 +49,20 @@ from typing import Any
 
 import httpx
 
-from benchmarks.bound_port import serving
-from benchmarks.soak import QUESTIONS, SYSTEM, breakdown, vm_rss
-from model.data import write_text_atomic
-from service.contract.peft_adapter import read_config
+from benchmarks.lib.serving import (
+    add_adapter_options,
+    add_server_options,
+    breakdown,
+    emit,
+    for_duration,
+    lora_modules,
+    max_rank,
+    memory,
+    mib,
+    served_model,
+    serving,
+)
+from benchmarks.soak import QUESTIONS, SYSTEM
 
 DEFAULT_TIE_MARGIN = 0.05  # nats; float32 reorderings move logits by ~1e-4 (docs/engine.md)
 
@@ -216,23 +225,12 @@ async def churn_task(client: httpx.AsyncClient, churn: Churn, interval: float, d
         churn.counts[key] += 1
 
 
-async def sample_rss(pid: int, stop: asyncio.Event, peak: dict[str, int]) -> None:
-    while not stop.is_set():
-        peak["rss"] = max(peak["rss"], vm_rss(pid))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 1.0)
-
-
-def _mb(n: float) -> float:
-    return round(n / 2**20, 1)
-
-
 async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     questions = QUESTIONS[:args.prompts]
     churn = Churn(args.churn, str((args.adapters_dir / args.churn).resolve()))
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        rss_ready, parts_ready = vm_rss(pid), breakdown(pid)
-        base = (await client.get("/v1/models")).json()["data"][0]["id"]
+        rss_ready, parts_ready = memory(pid)["VmRSS"], breakdown(pid)
+        base = served_model(url)
         r = await client.post("/v1/load_lora_adapter",
                               json={"lora_name": churn.name, "lora_path": churn.path})
         if r.status_code != 200:
@@ -242,23 +240,18 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
                 for adapter in (None, *args.serve, churn.name)
                 for q, text in enumerate(questions)}
         reference_s = time.monotonic() - t0
-        rss_before, parts_before = vm_rss(pid), breakdown(pid)
+        rss_before, parts_before = memory(pid)["VmRSS"], breakdown(pid)
         tally = Tally()
         peak = {"rss": rss_before}
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_rss(pid, stop, peak))
-        started = time.monotonic()
-        deadline = started + args.duration
-        await asyncio.gather(
-            churn_task(client, churn, args.churn_interval, deadline),
+
+        async def sample() -> None:
+            peak["rss"] = max(peak["rss"], memory(pid)["VmRSS"])
+
+        elapsed = await for_duration(args.duration, sample, lambda end: [
+            churn_task(client, churn, args.churn_interval, end),
             *(soak_client(client, base, refs, questions, churn, args.max_tokens,
-                          args.tie_margin, seed, deadline, tally)
-              for seed in range(args.clients)))
-        elapsed = time.monotonic() - started
-        stop.set()
-        await sampler
-        await asyncio.sleep(1.0)  # the engine's last step and frees
-        rss_after, parts_after = vm_rss(pid), breakdown(pid)
+                          args.tie_margin, seed, end, tally) for seed in range(args.clients))])
+        rss_after, parts_after = memory(pid)["VmRSS"], breakdown(pid)
     margins = sorted(m for ref in refs.values() for m in ref.margins if m is not None)
     return {
         "model": base, "adapters": list(args.serve), "churned": churn.name,
@@ -272,8 +265,8 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "tie_margin": args.tie_margin,
         "reference_margins_below_tie": sum(m < args.tie_margin for m in margins),
         "reference_positions": len(margins),
-        "rss_ready_mb": _mb(rss_ready), "rss_before_mb": _mb(rss_before),
-        "rss_peak_mb": _mb(peak["rss"]), "rss_after_mb": _mb(rss_after),
+        "rss_ready_mb": mib(rss_ready), "rss_before_mb": mib(rss_before),
+        "rss_peak_mb": mib(peak["rss"]), "rss_after_mb": mib(rss_after),
         "ready": parts_ready, "before": parts_before, "after": parts_after,
         "churn": {"interval_s": args.churn_interval, **churn.counts},
         "tally": asdict(tally) | {"near_ties": tally.near_ties[:10], "wrong": tally.wrong[:10],
@@ -288,9 +281,9 @@ def server_args(args: argparse.Namespace) -> list[str]:
     """`attnserve serve` options: the --serve adapters by name, run-time loading under
     --adapters-dir, a slot for each of them and the churned one, their largest rank."""
     names = [*args.serve, args.churn]
-    rank = max(read_config(args.adapters_dir / n).rank for n in names)
-    return ["--lora-modules", *(f"{n}={args.adapters_dir / n}" for n in args.serve),
-            "--max-loras", str(args.max_loras or len(names)), "--max-lora-rank", str(rank),
+    return ["--lora-modules", *lora_modules(args.adapters_dir, args.serve),
+            "--max-loras", str(args.max_loras or len(names)),
+            "--max-lora-rank", str(max_rank(args.adapters_dir, names)),
             "--runtime-lora", "--lora-dir", str(args.adapters_dir), *args.server_args]
 
 
@@ -298,17 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lora_soak",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="artifact to serve")
-    parser.add_argument("--adapters-dir", type=Path, required=True,
-                        help="directory holding the adapters (the server's --lora-dir)")
-    parser.add_argument("--serve", type=lambda s: [n for n in s.split(",") if n],
-                        default=["lora0", "lora1", "lora2", "lora3"],
-                        help="adapters served from the start, comma-separated "
-                             "(default lora0,lora1,lora2,lora3)")
+    add_adapter_options(parser, "serve")  # the adapters served from the start
     parser.add_argument("--churn", default="lora4",
                         help="the adapter loaded and unloaded at run time (default lora4)")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="slots (default: the --serve adapters and the churned one)")
-    parser.add_argument("--port", type=int, default=8151)
+    add_server_options(parser, port=8151)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--duration", type=float, default=300.0)
     parser.add_argument("--churn-interval", type=float, default=3.0)
@@ -318,8 +306,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN,
                         help="a difference is a near tie where the reference's top-2 "
                              f"logprob margin is below this (nats; default {DEFAULT_TIE_MARGIN})")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("server_args", nargs="*", help="after --: more `attnserve serve` options")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.duration <= 0 or args.churn_interval <= 0:
         parser.error("--clients, --duration and --churn-interval must be positive")
@@ -329,14 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--churn must not be one of --serve")
     with serving(args.model, args.port, server_args(args), "lora_soak") as server:
         try:
-            result = asyncio.run(soak(f"http://127.0.0.1:{args.port}", server.pid, args))
+            result = asyncio.run(soak(server.url, server.pid, args))
         except (RuntimeError, httpx.HTTPError) as exc:
             print(f"lora_soak: error: {exc}", file=sys.stderr)
             return 2
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        write_text_atomic(args.out, text + "\n")
+    emit(result, args.out)
     tally = result["tally"]
     return 0 if not (tally["wrong_count"] or tally["failed"]) else 1
 

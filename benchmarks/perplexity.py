@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.measure import add_threads_option
+from benchmarks.lib.measure import add_threads_option
 
 DEFAULT_LLAMACPP_PYTHON = Path(".cache/llamacpp-venv/bin/python")
 # Tokens past llama-perplexity's last chunk: the decoded text's last word may tokenise

@@ -32,6 +32,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.lib.serving import metric, served_model
+
 # Common English words: prefixes of these tokenize to about 1.3 tokens a word.
 WORDS = ("time person year way day thing man world life hand part child eye woman place "
          "work week case point government company number group problem fact river stone "
@@ -54,19 +56,11 @@ def cache_counters(url: str) -> tuple[float, float]:
     """(hits, queries) in prompt tokens from one replica's /metrics."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("attnserve_prefix_cache_hits_total", "attnserve_prefix_cache_queries_total"):
-            values[name] = float(value)
-    return (values["attnserve_prefix_cache_hits_total"],
-            values["attnserve_prefix_cache_queries_total"])
-
-
-def served_model(url: str) -> str:
-    """The model a replica serves (the first of its /v1/models): completions name it."""
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
-        return str(json.load(response)["data"][0]["id"])
+    hits, queries = (metric(text, f"attnserve_prefix_cache_{name}_total")
+                     for name in ("hits", "queries"))
+    if hits is None or queries is None:
+        raise RuntimeError(f"{url}/metrics has no prefix-cache counters")
+    return hits, queries
 
 
 def streamed_ttft(url: str, model: str, prompt: str, max_tokens: int, timeout: float

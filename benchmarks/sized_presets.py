@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lib.measure import DEFAULT_THREADS, add_threads_option
 from benchmarks.llamacpp_env import LLAMA_CPP_PYTHON
 from benchmarks.llamacpp_tools import converter_command, run_logged, tool_path
-from benchmarks.measure import DEFAULT_THREADS, add_threads_option
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SIZED_DIR = REPO_ROOT / ".cache" / "bench-work" / "sized"
@@ -81,7 +81,7 @@ SHAPES: dict[str, SizedShape] = {
 
 def write_smollm2_tokenizer(out: Path, context_length: int) -> dict[str, int | None]:
     """tokenizer.json and its side files, rebuilt from the shipped SmolLM2 GGUF; its ids."""
-    from benchmarks.smollm2_instruct_preset import source_gguf
+    from benchmarks.lib.smollm2_instruct_preset import source_gguf
     from model.gguf.reader import open_gguf, read_metadata
     from model.gguf.vocab import build_tokenizer, read_vocab, side_files
 

@@ -9,7 +9,7 @@ Usage (from the repository root, in the dev venv; the tools from
     python -m benchmarks.sized_speed --gguf FILE.gguf --artifact ART_GGML --baseline ART_NBITS
 
 Each round runs both engines in turn at every batch size, so a busy machine slows both
-alike: ours through the engine itself (`benchmarks/runner_engine.py`: one static batch of
+alike: ours through the engine itself (`benchmarks/lib/runner_engine.py`: one static batch of
 random prompts, greedy, end-of-sequence no stop), llama.cpp's `llama-batched-bench -npp
 PROMPT -ntg NEW -npl B -t THREADS` (its S_TG column: B·NEW tokens over the generation
 time; its S_PP column: B·PROMPT prompt tokens over their processing time). Decode tok/s of
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import add_threads_option
+from benchmarks.lib.measure import add_threads_option
 from model.data import write_text_atomic
 
 ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|(.*)\|\s*$")
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="another artifact of ours from the same file, run in every round")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    from benchmarks.lib.runner_engine import EngineRunner
     from benchmarks.llamacpp_tools import tool_path
-    from benchmarks.runner_engine import EngineRunner
     from service.contract import io_spec as io
 
     try:

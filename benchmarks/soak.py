@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import sys
 import time
@@ -32,9 +31,17 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bound_port import serving
-from benchmarks.measure import proc_memory_bytes
-from model.data import write_text_atomic
+from benchmarks.lib.serving import (
+    add_server_options,
+    breakdown,
+    emit,
+    for_duration,
+    memory,
+    metric,
+    mib,
+    served_model,
+    serving,
+)
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 QUESTIONS = [
@@ -55,29 +62,6 @@ class Tally:
     answers: int = 0
     failures: list[str] = field(default_factory=list)
     completion_tokens: int = 0
-
-
-def status(pid: int, field: str = "VmRSS") -> int:
-    """Bytes of ``field`` of process ``pid`` (benchmarks/measure.py: proc_memory_bytes)."""
-    memory = proc_memory_bytes(pid)
-    if field not in memory:
-        raise RuntimeError(f"no {field} for pid {pid}")
-    return memory[field]
-
-
-def vm_rss(pid: int) -> int:
-    return status(pid)
-
-
-def breakdown(pid: int) -> dict[str, float]:
-    return {f"{k}_mb": round(status(pid, k) / 2**20, 1) for k in ("RssAnon", "RssFile")}
-
-
-def metric(text: str, name: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
 
 
 async def chat_client(client: httpx.AsyncClient, model: str, seed: int, deadline: float,
@@ -109,53 +93,41 @@ async def chat_client(client: httpx.AsyncClient, model: str, seed: int, deadline
                          {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
 
 
-async def sample(client: httpx.AsyncClient, pid: int, stop: asyncio.Event,
-                 peaks: dict[str, float]) -> None:
-    while not stop.is_set():
-        peaks["rss"] = max(peaks["rss"], vm_rss(pid))
-        try:
-            text = (await client.get("/metrics")).text
-            for key, name in (("tokens", "attnserve_kv_cache_tokens"),
-                              ("resident", "attnserve_kv_cache_resident_bytes")):
-                value = metric(text, name)
-                if value is not None:
-                    peaks[key] = max(peaks.get(key, 0.0), value)
-        except httpx.HTTPError:
-            pass
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 1.0)
+async def sample(client: httpx.AsyncClient, pid: int, peaks: dict[str, float]) -> None:
+    """One second's sample: the server's RSS, and the KV tokens and bytes it holds."""
+    peaks["rss"] = max(peaks["rss"], memory(pid)["VmRSS"])
+    try:
+        text = (await client.get("/metrics")).text
+        for key, name in (("tokens", "attnserve_kv_cache_tokens"),
+                          ("resident", "attnserve_kv_cache_resident_bytes")):
+            value = metric(text, name)
+            if value is not None:
+                peaks[key] = max(peaks.get(key, 0.0), value)
+    except httpx.HTTPError:
+        pass
 
 
 async def soak(url: str, pid: int, clients: int, duration: float) -> dict[str, object]:
+    model = served_model(url)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
         metrics = (await client.get("/metrics")).text
-        before = vm_rss(pid)
+        before = memory(pid)["VmRSS"]
         parts_before = breakdown(pid)
         tally = Tally()
         peaks: dict[str, float] = {"rss": float(before)}
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(sample(client, pid, stop, peaks))
-        started = time.monotonic()
-        deadline = started + duration
-        await asyncio.gather(*(chat_client(client, model, seed, deadline, tally)
-                               for seed in range(clients)))
-        elapsed = time.monotonic() - started
-        stop.set()
-        await sampler
-        await asyncio.sleep(1.0)  # the engine's last step and frees
-        after = vm_rss(pid)
+        elapsed = await for_duration(duration, lambda: sample(client, pid, peaks), lambda end: [
+            chat_client(client, model, seed, end, tally) for seed in range(clients)])
+        after = memory(pid)["VmRSS"]
         parts_after = breakdown(pid)
         final = (await client.get("/metrics")).text
     return {"model": model, "clients": clients, "duration_s": round(elapsed, 1),
-            "rss_before_mb": round(before / 2**20, 1), "rss_after_mb": round(after / 2**20, 1),
-            "rss_peak_mb": round(peaks["rss"] / 2**20, 1),
+            "rss_before_mb": mib(before), "rss_after_mb": mib(after),
+            "rss_peak_mb": mib(peaks["rss"]),
             "before": parts_before, "after": parts_after,
             "kv_tokens_peak": peaks.get("tokens"),
-            "kv_resident_peak_mb": round(peaks["resident"] / 2**20, 1)
-            if "resident" in peaks else None,
-            "kv_bytes_mb": round((metric(metrics, "attnserve_kv_cache_bytes") or 0) / 2**20, 1),
-            "kv_resident_after_mb": round(v / 2**20, 1) if (
+            "kv_resident_peak_mb": mib(peaks["resident"]) if "resident" in peaks else None,
+            "kv_bytes_mb": mib(metric(metrics, "attnserve_kv_cache_bytes") or 0),
+            "kv_resident_after_mb": mib(v) if (
                 v := metric(final, "attnserve_kv_cache_resident_bytes")) is not None else None,
             "tally": asdict(tally) | {"failures": tally.failures[:10],
                                       "failed": len(tally.failures)}}
@@ -168,11 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--model", type=Path, help="artifact to serve for the run")
     where.add_argument("--url", help="a running server (with --pid)")
     parser.add_argument("--pid", type=int, help="the running server's process id")
-    parser.add_argument("--port", type=int, default=8150)
+    add_server_options(parser, port=8150)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--duration", type=float, default=150.0)
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("server_args", nargs="*", help="after --: more `attnserve serve` options")
     args = parser.parse_args(argv)
     if args.url is not None and args.pid is None:
         parser.error("--url needs --pid (the server's RSS is read from /proc)")
@@ -182,12 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         if args.model is not None:
             server = stack.enter_context(serving(args.model, args.port, args.server_args, "soak"))
-            url, pid = f"http://127.0.0.1:{args.port}", server.pid
+            url, pid = server.url, server.pid
         result = asyncio.run(soak(url, pid, args.clients, args.duration))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        write_text_atomic(args.out, text + "\n")
+    emit(result, args.out)
     return 0 if not result["tally"]["failed"] else 1  # type: ignore[index]
 
 

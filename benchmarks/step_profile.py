@@ -4,7 +4,7 @@ Usage (from the repository root, in the dev venv):
     python -m benchmarks.step_profile --artifact artifacts/smollm2-135m-instruct \\
         [--batch 1] [--prompt 64] [--new 128] [--threads 2]
 
-The engine runs as ``benchmarks.sized_speed`` runs it (``benchmarks/runner_engine.py``: one
+The engine runs as ``benchmarks.sized_speed`` runs it (``benchmarks/lib/runner_engine.py``: one
 static batch of random prompts, greedy) with profiling switched on in every session it
 creates; the profiles are then summed per node. Printed: the median time of each node over
 the steps it ran in (so a decode step's cost, the prompt's pass counted once among ~NEW
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import add_threads_option
+from benchmarks.lib.measure import add_threads_option
 
 
 def node_medians(profiles: list[Path]) -> dict[str, tuple[str, float]]:
@@ -58,7 +58,7 @@ def profile_engine(artifact: Path, threads: int, batch: int, prompt: int, new: i
     """Run the engine with every session profiled; (its speeds, the profile files)."""
     import onnxruntime as ort
 
-    from benchmarks.runner_engine import EngineRunner
+    from benchmarks.lib.runner_engine import EngineRunner
     from benchmarks.sized_speed import ours_speeds
     from service.contract import io_spec as io
 

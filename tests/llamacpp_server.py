@@ -46,7 +46,7 @@ class LlamaServer:
 @contextmanager
 def llama_server(model: Path, lora: Path | None = None, log: Path | None = None
                  ) -> Iterator[LlamaServer]:
-    from benchmarks.bound_port import wait_ready
+    from benchmarks.lib.bound_port import wait_ready
     from benchmarks.llamacpp_tools import tool_path
 
     try:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -57,7 +58,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from benchmarks.measure import DEFAULT_THREADS
+from benchmarks.lib.measure import DEFAULT_THREADS
+from benchmarks.lib.serving import Server, load_env
 from benchmarks.serve import client as load
 from benchmarks.serve import report
 from benchmarks.serve.static import StaticBaseline
@@ -430,20 +432,15 @@ def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
                 between_rounds: Callable[[], None] | None = None) -> list[dict[str, Any]]:
     """One run per request rate and round against the server (started here without --url);
     ``between_rounds`` runs after every round but the last, the server idle."""
-    server = None
-    if args.url is None:
-        from benchmarks.http_load import Server
-
-        log_path = Path(tempfile.mkdtemp(prefix="attnserve-bench-")) / "server.log"
-        server = Server(args.model, args.server_threads,
-                        {**os.environ, **_started_server_env(args)}, log_path)
-        print(f"starting attnserve serve --model {args.model} (log: {log_path})",
-              file=sys.stderr)
     runs = []
-    try:
-        if server is not None:
-            server.wait_ready()
-        url = args.url or (server.url if server else "")
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if url is None:
+            log_path = Path(tempfile.mkdtemp(prefix="attnserve-bench-")) / "server.log"
+            print(f"starting attnserve serve --model {args.model} (log: {log_path})",
+                  file=sys.stderr)
+            url = stack.enter_context(Server(args.model, load_env(
+                args.server_threads, {**os.environ, **_started_server_env(args)}), log_path)).url
         for round_number in range(1, args.rounds + 1):
             if round_number > 1 and between_rounds is not None:
                 between_rounds()
@@ -451,15 +448,12 @@ def _serve_runs(args: argparse.Namespace, requests: list[SampleRequest],
                 run = asyncio.run(run_rate(args, url.rstrip("/"), requests, rate,
                                            attention_text))
                 run.update(command=command, round=round_number, rounds=args.rounds)
-                if server is not None:
+                if args.url is None:
                     run["server_env"] = _started_server_env(args)
                     run["server_threads"] = args.server_threads
                 write_text_atomic(out / _json_name(args, run), json.dumps(run))
                 print(report.summary(run))
                 runs.append(run)
-    finally:
-        if server is not None:
-            server.stop()
     return runs
 
 

@@ -4,7 +4,7 @@ Continuous batching is judged against the batching it replaces: the same prompts
 ``batch`` at a time in the order they were sent, each batch prefilled together and decoded
 together until its last row ends, then the next batch (what a server without joins does).
 It runs our engine directly (engine.onnx, no HTTP, no prefix cache, no chunking, no mixed
-steps: benchmarks/runner_engine.py), greedy like the HTTP run, with the same thread count.
+steps: benchmarks/lib/runner_engine.py), greedy like the HTTP run, with the same thread count.
 Rows stop where the server stops them: at ``max_new_tokens``, and at the model's end tokens
 unless the run asked the server to ignore them. Output throughput counts generated tokens
 over the wall time of all batches, prefills included, as the HTTP run's does.
@@ -31,7 +31,7 @@ from benchmarks.serve.workloads import SampleRequest
 class StaticBaseline:
     def __init__(self, artifact: Path, requests: list[SampleRequest], batch: int,
                  threads: int, ignore_eos: bool) -> None:
-        from benchmarks.runner_engine import EngineRunner
+        from benchmarks.lib.runner_engine import EngineRunner
         from service.artifact.text import TextCodec
 
         codec = TextCodec.from_file(artifact / "tokenizer.json")

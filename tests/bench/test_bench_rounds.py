@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.__main__ import main
-from benchmarks.harness import merge_rounds
-from benchmarks.report import evaluate_targets, flat_rows, pair_ratio
+from benchmarks.lib.harness import merge_rounds
+from benchmarks.lib.report import evaluate_targets, flat_rows, pair_ratio
+from benchmarks.side_by_side import main
 
 
 def payload(tps: float, ttft: float, own: float | None = None,
@@ -87,7 +87,7 @@ def test_a_worker_killed_by_a_signal_is_reported_and_logged(
     """A peer that crashes natively (llama.cpp's AMX kernel segfaulted on one host) leaves no
     result file: the engine's payload names the signal and the run's log says so, instead
     of the engine silently missing from the table."""
-    from benchmarks.harness import BenchOptions, run_worker
+    from benchmarks.lib.harness import BenchOptions, run_worker
 
     crashing = tmp_path / "python"
     crashing.write_text("#!/bin/sh\necho 'load_tensors: AMX model buffer' >&2\nkill -SEGV $$\n",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.__main__ import main
+from benchmarks.side_by_side import main
 
 ENGINES = ["torch_nocache", "torch_kv", "hf_generate", "ort_plain", "engine", "http"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

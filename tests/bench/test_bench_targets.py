@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness import kv_cache_comparison
-from benchmarks.report import evaluate_targets
+from benchmarks.lib.harness import kv_cache_comparison
+from benchmarks.lib.report import evaluate_targets
 
 
 def row(batch: int, tps: float, decode: float | None = None) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def test_real_smollm2_targets_set_ours_beside_llamacpp_on_the_same_file() -> Non
 
 
 def test_same_file_table_sets_each_precision_beside_llamacpp() -> None:
-    from benchmarks.report import same_file_lines
+    from benchmarks.lib.report import same_file_lines
 
     preset = {"params": 1, "engines": {
         "llamacpp_q4_1": {"rows": [{**row(1, 50.0), "own": {"decode_tokens_per_s": 60.0}},

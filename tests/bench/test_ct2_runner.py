@@ -23,8 +23,8 @@ def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.mark.parametrize("batch", [1, 3])
 def test_ct2_greedy_tokens_equal_ours(tiny_gpt2: tuple[Path, Path], tmp_path: Path,
                                       batch: int) -> None:
-    from benchmarks.runners_ct2 import CT2Generator, convert
-    from benchmarks.runners_torch import TorchKV
+    from benchmarks.lib.runners_ct2 import CT2Generator, convert
+    from benchmarks.lib.runners_torch import TorchKV
 
     hf, ckpt = tiny_gpt2
     figures = convert(hf, tmp_path / "ct2", "float32")

@@ -1,4 +1,4 @@
-"""benchmarks/gguf_export.py: a GGUF rewritten as f32 keeps its metadata and holds exactly
+"""benchmarks/lib/gguf_export.py: a GGUF rewritten as f32 keeps its metadata and holds exactly
 the values the blocks encode, checked against the block formulas worked out in numpy
 (Q8_0: d·q; Q4_1: d·q + m), not against the dequantiser it calls."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gguf_export import dequantize_gguf
+from benchmarks.lib.gguf_export import dequantize_gguf
 
 
 def q8_0_blocks(rows: int, blocks: int, rng: np.random.Generator) -> tuple[np.ndarray,

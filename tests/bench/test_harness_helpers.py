@@ -1,6 +1,6 @@
-"""The helpers the kept benchmarks share: a server started for a run (benchmarks/bound_port.py:
+"""The helpers the benchmarks share: a server started for a run (benchmarks/lib/serving.py:
 ``serving``), the process memory figures and the one ``--threads`` default
-(benchmarks/measure.py)."""
+(benchmarks/lib/measure.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bound_port import serving
-from benchmarks.measure import (
+from benchmarks.lib.measure import (
     DEFAULT_THREADS,
     add_threads_option,
     proc_memory_bytes,
     proc_memory_mb,
 )
+from benchmarks.lib.serving import serving
 
 
 def test_a_server_that_never_gets_ready_is_one_line_naming_the_benchmark(tmp_path: Path) -> None:

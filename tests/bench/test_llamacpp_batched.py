@@ -1,4 +1,4 @@
-"""llama.cpp's batched runner (benchmarks/runner_llamacpp.py) on the real SmolLM2 GGUF,
+"""llama.cpp's batched runner (benchmarks/lib/runner_llamacpp.py) on the real SmolLM2 GGUF,
 run by the benchmark's own worker in the llama.cpp side env: sequences decoded together
 give what each gives alone, the greedy tokens follow transformers' on the same file, and
 llama.cpp's own counters saw exactly the decode steps we asked for.
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness import worker_env
-from benchmarks.prepare import REPO_ROOT
+from benchmarks.lib.harness import worker_env
+from benchmarks.lib.prepare import REPO_ROOT
 
 LLAMACPP_PYTHON = REPO_ROOT / ".cache" / "llamacpp-venv" / "bin" / "python"
 PROMPT, NEW = 16, 12
@@ -28,7 +28,7 @@ PROMPT, NEW = 16, 12
 def run_job(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
     spec_path, out = tmp / f"{spec['job']}.spec.json", tmp / f"{spec['job']}.out.json"
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
-    proc = subprocess.run([str(LLAMACPP_PYTHON), "-m", "benchmarks.worker", str(spec_path),
+    proc = subprocess.run([str(LLAMACPP_PYTHON), "-m", "benchmarks.lib.worker", str(spec_path),
                            str(out)], env=worker_env(1), cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=300)
     payload: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {

@@ -114,7 +114,7 @@ def test_ids_equal_llamacpps_own_tokenizer(spm: Any, ours: Tokenizer, tmp_path: 
     weights): its /tokenize gives our ids, bos included."""
     import httpx
 
-    from benchmarks.bound_port import wait_ready
+    from benchmarks.lib.bound_port import wait_ready
     from benchmarks.llamacpp_tools import tool_path
 
     try:

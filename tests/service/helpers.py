@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.bound_port import wait_bound_port, wait_ready
+from benchmarks.lib.bound_port import wait_bound_port, wait_ready
 from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.contract.graphs import GraphTable

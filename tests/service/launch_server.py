@@ -71,9 +71,9 @@ def main() -> int:
 
 
 def report_bound_port(path: str) -> None:
-    """benchmarks/bound_port.py's, loaded by its path: this script runs with the service
+    """benchmarks/lib/bound_port.py's, loaded by its path: this script runs with the service
     importable, not the repository root."""
-    where = Path(__file__).resolve().parents[2] / "benchmarks" / "bound_port.py"
+    where = Path(__file__).resolve().parents[2] / "benchmarks" / "lib" / "bound_port.py"
     spec = importlib.util.spec_from_file_location("attnserve_bound_port", where)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

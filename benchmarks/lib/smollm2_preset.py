@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpt2_preset import import_built, learned_token_count, write_tokenizer
+from benchmarks.lib.gpt2_preset import import_built, learned_token_count, write_tokenizer
 
 PRESET = "smollm2-135m"
 SEED = 0

@@ -9,7 +9,7 @@ the tokenizer as a ``gpt2`` BPE with its merges and special ids from gguf.Specia
 Its converter script cannot be used as is: it identifies the pre-tokenizer by hashing the
 output of known tokenizers, and a tokenizer trained here is not one of them, so ``gpt-2``
 is named explicitly. q8_0 is made from this file by llama.cpp's own quantiser
-(benchmarks/runner_llamacpp.py).
+(benchmarks/lib/runner_llamacpp.py).
 
 ``dequantize_gguf``: a GGUF file rewritten with every tensor dequantised to f32, llama.cpp's
 f32 row on the very weights our import reads from the same file. The metadata
@@ -17,7 +17,7 @@ f32 row on the very weights our import reads from the same file. The metadata
 ``general.file_type`` becomes ALL_F32, and each tensor goes through
 ``gguf.quants.dequantize`` (the reference our importer is checked against), keeping its
 name and (reversed) shape, so llama.cpp's own Q/K row layout is untouched. llama.cpp's
-quantiser then makes q8_0 from this file (benchmarks/runner_llamacpp.py: ``quantize``).
+quantiser then makes q8_0 from this file (benchmarks/lib/runner_llamacpp.py: ``quantize``).
 """
 
 from __future__ import annotations

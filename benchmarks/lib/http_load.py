@@ -12,67 +12,12 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bound_port import LAUNCHER, wait_bound_port, wait_ready
-from benchmarks.measure import percentile, proc_memory_mb
-
-
-class Server:
-    """`attnserve serve` in a subprocess on a loopback port.
-
-    The server binds port 0 and reports the port the kernel gave it (benchmarks/bound_port.py):
-    a port picked here and bound there later could be taken by another process in between.
-    ``port`` and ``url`` wait (bounded) for that report.
-    """
-
-    def __init__(self, artifact: Path, threads: int, env: dict[str, str], log_path: Path) -> None:
-        self._port: int | None = None
-        self.port_file = log_path.with_name(f"{log_path.name}.port")
-        self.port_file.unlink(missing_ok=True)
-        self.log_path = log_path
-        # Defaults first: a variable the caller sets (e.g. a larger batch) wins.
-        env = {"ATTNSERVE_MAX_BATCH_SIZE": "32", "ATTNSERVE_LOG_LEVEL": "warning", **env,
-               "ATTNSERVE_INTRA_OP_THREADS": str(threads)}
-        self.log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(LAUNCHER), str(self.port_file), "serve", "--model",
-             str(artifact), "--host", "127.0.0.1", "--port", "0"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    @property
-    def port(self) -> int:
-        """The port the server listens on, once it has bound one (waits up to 180 s)."""
-        if self._port is None:
-            self._port = wait_bound_port(self.proc, self.port_file, 180.0, self.log_path)
-        return self._port
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        if self._port is None:
-            self._port = wait_bound_port(self.proc, self.port_file, timeout, self.log_path)
-        wait_ready(self.url, self.proc, max(0.0, deadline - time.monotonic()), self.log_path)
-
-    def peak_rss_mb(self) -> float | None:
-        return proc_memory_mb(self.proc.pid).get("VmHWM")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
+from benchmarks.lib.measure import percentile
+from benchmarks.lib.serving import Server, load_env
 
 
 def _body(text: str, n_new: int) -> dict[str, Any]:
@@ -152,10 +97,7 @@ def http_prompt_count(concurrencies: list[int], waves: int, ttft_reps: int) -> i
 def run_http(artifact: Path, texts: list[str], threads: int, n_new: int,
              concurrencies: list[int], waves: int, ttft_reps: int, work: Path,
              log: Any) -> dict[str, Any]:
-    env = {**os.environ}
-    server = Server(artifact, threads, env, work / "server.log")
-    try:
-        server.wait_ready()
+    with Server(artifact, load_env(threads, dict(os.environ)), work / "server.log") as server:
         out: dict[str, Any] = {"rows": []}
         out["ttft_ms"] = http_ttft_ms(server.url, texts[:1 + ttft_reps])
         log(f"http TTFT {out['ttft_ms']:.1f} ms")
@@ -173,5 +115,3 @@ def run_http(artifact: Path, texts: list[str], threads: int, n_new: int,
             log(f"http c={c}: {row['tokens_per_s']:.1f} tok/s")
         out["peak_rss_mb"] = server.peak_rss_mb()
         return out
-    finally:
-        server.stop()

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import GenResult
+from benchmarks.lib.measure import GenResult
 
 
 class TorchNoCache:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import GenResult
+from benchmarks.lib.measure import GenResult
 
 FTYPES = {"q8_0": 7, "q4_1": 3}  # LLAMA_FTYPE_MOSTLY_Q8_0, LLAMA_FTYPE_MOSTLY_Q4_1
 

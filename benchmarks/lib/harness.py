@@ -23,10 +23,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engines import ENGINE_ARTIFACTS, LLAMACPP_FILES
-from benchmarks.measure import DEFAULT_THREADS
-from benchmarks.prepare import REPO_ROOT, Prepared, export_copies, make_prompts
-from benchmarks.prepare import prepare_checkpoint as _prepare_checkpoint
+from benchmarks.lib.engines import ENGINE_ARTIFACTS, LLAMACPP_FILES
+from benchmarks.lib.measure import DEFAULT_THREADS
+from benchmarks.lib.prepare import REPO_ROOT, Prepared, export_copies, make_prompts
+from benchmarks.lib.prepare import prepare_checkpoint as _prepare_checkpoint
 from service.contract import io_spec as io
 
 ENGINES = ("torch_nocache", "torch_kv", "hf_generate", "ort_plain", "optimum", "engine",
@@ -105,7 +105,7 @@ def run_worker(spec: dict[str, Any], work: Path, opts: BenchOptions,
     tag = f"{spec['job']}-{spec.get('engine', '')}-{time.monotonic_ns()}"
     spec_path, out_path = work / f"{tag}.spec.json", work / f"{tag}.out.json"
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
-    cmd = [str(python or sys.executable), "-m", "benchmarks.worker", str(spec_path),
+    cmd = [str(python or sys.executable), "-m", "benchmarks.lib.worker", str(spec_path),
            str(out_path)]
     t0 = time.perf_counter()
     try:
@@ -201,7 +201,7 @@ def _prepare_peer(engine: str, prep: Prepared, opts: BenchOptions, work: Path,
     """Convert the transformers copy for a peer engine (once); an error message or None."""
     jobs = work / "jobs"
     if engine.startswith("ct2"):
-        from benchmarks.runners_ct2 import COMPUTE_TYPES
+        from benchmarks.lib.runners_ct2 import COMPUTE_TYPES
 
         if (work / engine / "model.bin").is_file():  # converted in a reused --work directory
             prep.paths[engine] = str(work / engine)
@@ -263,7 +263,7 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
     export_s = time.perf_counter() - t_export
     count = max(opts.batch_sizes)
     if "http" in engines:
-        from benchmarks.http_load import http_prompt_count
+        from benchmarks.lib.http_load import http_prompt_count
 
         count = max(count, http_prompt_count(opts.concurrency, opts.http_waves,
                                              http_ttft_reps(opts)))
@@ -330,7 +330,7 @@ def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
         if missing:
             result["http"] = {"error": f"not measured: {missing}"}
         else:
-            from benchmarks.http_load import run_http
+            from benchmarks.lib.http_load import run_http
 
             try:
                 result["http"] = run_http(Path(prep.paths["artifact"]), prompts["texts"],
@@ -496,7 +496,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
-    from benchmarks.report import chart, evaluate_targets, markdown
+    from benchmarks.lib.report import chart, evaluate_targets, markdown
 
     started = time.perf_counter()
     keep = opts.keep_work or opts.work_dir is not None

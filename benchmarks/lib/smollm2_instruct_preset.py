@@ -5,7 +5,7 @@ The source is the shipped ``SmolLM2-135M-Instruct.Q4_1.gguf`` (``make default-mo
 model/default_model.py finds it). From that one file:
 
 - llama.cpp runs the file itself (Q4_1 matrices, Q8_0 embedding), an f32 copy with every
-  tensor dequantised (benchmarks/gguf_export.py) and llama.cpp's own q8_0 of that copy;
+  tensor dequantised (benchmarks/lib/gguf_export.py) and llama.cpp's own q8_0 of that copy;
 - ``attnserve import --gguf`` dequantises it into our checkpoint
   (``checkpoints/smollm2-135m-instruct`` when present, else imported into the work
   directory), which we export fp32, int8, int4 and ``--quantize gguf`` (the file's own
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]  # not from prepare.py, which imports this
+REPO_ROOT = Path(__file__).resolve().parents[2]  # not from prepare.py, which imports this
 
 PRESET = "smollm2-135m-instruct"
 CHECKPOINT = REPO_ROOT / "checkpoints" / "smollm2-135m-instruct"

@@ -1,7 +1,7 @@
 """One benchmark job in a process of its own, so its memory figures are its own.
 
 Usage (started by the harness, not by hand):
-    python -m benchmarks.worker SPEC.json RESULT.json
+    python -m benchmarks.lib.worker SPEC.json RESULT.json
 
 SPEC names a job (ceiling, measure, kv_vs_nocache, agreement, optimum_export, ct2_convert,
 gguf_export, gguf_dequantize, llamacpp_quantize, llamacpp_agreement) and its inputs;
@@ -20,8 +20,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engines import ENGINE_ARTIFACTS, LLAMACPP_FILES
-from benchmarks.measure import measure_runner, proc_memory_mb
+from benchmarks.lib.engines import ENGINE_ARTIFACTS, LLAMACPP_FILES
+from benchmarks.lib.measure import measure_runner, proc_memory_mb
 
 TORCH_ENGINES = ("torch_nocache", "torch_kv", "hf_generate", "optimum")
 
@@ -39,36 +39,36 @@ def _make_runner(spec: dict[str, Any]) -> Any:
     if engine in TORCH_ENGINES:
         _limit_torch_threads(threads)
     if engine == "torch_nocache":
-        from benchmarks.runners_torch import TorchNoCache
+        from benchmarks.lib.runners_torch import TorchNoCache
 
         return TorchNoCache(Path(paths["ckpt"]))
     if engine == "torch_kv":
-        from benchmarks.runners_torch import TorchKV
+        from benchmarks.lib.runners_torch import TorchKV
 
         return TorchKV(Path(paths["ckpt"]))
     if engine == "hf_generate":
-        from benchmarks.runners_torch import HFGenerate
+        from benchmarks.lib.runners_torch import HFGenerate
 
         return HFGenerate(Path(paths["hf"]))
     if engine == "optimum":
-        from benchmarks.runners_torch import OptimumORT
+        from benchmarks.lib.runners_torch import OptimumORT
 
         return OptimumORT(Path(paths["optimum"]), threads)
     if engine == "ort_plain":
-        from benchmarks.runners_ort import PlainORT
+        from benchmarks.lib.runners_ort import PlainORT
 
         return PlainORT(Path(paths["artifact"]), threads)
     if engine in ENGINE_ARTIFACTS:
-        from benchmarks.runner_engine import EngineRunner
+        from benchmarks.lib.runner_engine import EngineRunner
 
         return EngineRunner(Path(paths[ENGINE_ARTIFACTS[engine]]), threads, name=engine,
                             max_len=spec.get("n_ctx"))
     if engine in ("ct2", "ct2_int8"):
-        from benchmarks.runners_ct2 import COMPUTE_TYPES, CT2Generator
+        from benchmarks.lib.runners_ct2 import COMPUTE_TYPES, CT2Generator
 
         return CT2Generator(Path(paths[engine]), threads, COMPUTE_TYPES[engine], name=engine)
     if engine in LLAMACPP_FILES:
-        from benchmarks.runner_llamacpp import LlamaCppBatched
+        from benchmarks.lib.runner_llamacpp import LlamaCppBatched
 
         return LlamaCppBatched(Path(paths[LLAMACPP_FILES[engine]]), threads, spec["n_ctx"],
                                name=engine)
@@ -94,7 +94,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     job = spec["job"]
     memory: dict[str, Any] = {}
     if job == "ceiling":
-        from benchmarks.ceiling import measure_ceiling
+        from benchmarks.lib.ceiling import measure_ceiling
 
         return {"result": measure_ceiling(spec["threads"], spec["quick"])}
     if job == "measure":
@@ -110,48 +110,48 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
         memory["peak_mb"] = proc_memory_mb().get("VmHWM")
         result: dict[str, Any] = {"rows": rows, "load_s": load_s}
         if spec["engine"] in LLAMACPP_FILES:
-            from benchmarks.runner_llamacpp import LlamaCppBatched
+            from benchmarks.lib.runner_llamacpp import LlamaCppBatched
 
             if isinstance(runner, LlamaCppBatched):  # its settings and last perf print
                 result["llamacpp"] = {**runner.info, "perf_print_last": runner.perf_print}
         return {"result": result, "memory": memory}
     if job == "kv_vs_nocache":
         _limit_torch_threads(spec["threads"])
-        from benchmarks.runners_torch import kv_vs_nocache
+        from benchmarks.lib.runners_torch import kv_vs_nocache
 
         return {"result": kv_vs_nocache(spec["config"], spec["prompt"], spec["new_tokens"])}
     if job == "agreement":
-        from benchmarks.runners_ort import greedy_agreement
+        from benchmarks.lib.runners_ort import greedy_agreement
 
         return {"result": greedy_agreement(Path(spec["fp32"]), Path(spec["int8"]),
                                            spec["prompts"], spec["new_tokens"],
                                            spec["threads"])}
     if job == "optimum_export":
         _limit_torch_threads(spec["threads"])
-        from benchmarks.runners_torch import optimum_export
+        from benchmarks.lib.runners_torch import optimum_export
 
         return {"result": optimum_export(Path(spec["hf"]), Path(spec["out"]))}
     if job == "ct2_convert":
         _limit_torch_threads(spec["threads"])
-        from benchmarks.runners_ct2 import convert
+        from benchmarks.lib.runners_ct2 import convert
 
         return {"result": convert(Path(spec["hf"]), Path(spec["out"]), spec["compute_type"])}
     if job == "gguf_export":
-        from benchmarks.gguf_export import write_gguf
+        from benchmarks.lib.gguf_export import write_gguf
 
         return {"result": write_gguf(Path(spec["hf"]), Path(spec["out"]))}
     if job == "gguf_dequantize":
-        from benchmarks.gguf_export import dequantize_gguf
+        from benchmarks.lib.gguf_export import dequantize_gguf
 
         return {"result": dequantize_gguf(Path(spec["src"]), Path(spec["out"]))}
     if job == "llamacpp_agreement":
-        from benchmarks.runner_llamacpp import LlamaCppBatched
+        from benchmarks.lib.runner_llamacpp import LlamaCppBatched
 
         runner = LlamaCppBatched(Path(spec["gguf"]), spec["threads"], spec["n_ctx"],
                                  name="agreement")
         return {"result": runner.teacher_forced(spec["prompts"], spec["expected"])}
     if job == "llamacpp_quantize":
-        from benchmarks.runner_llamacpp import quantize
+        from benchmarks.lib.runner_llamacpp import quantize
 
         return {"result": quantize(Path(spec["src"]), Path(spec["out"]), spec["kind"],
                                    spec["threads"])}

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import GenResult
+from benchmarks.lib.measure import GenResult
 
 COMPUTE_TYPES = {"ct2": "float32", "ct2_int8": "int8"}
 

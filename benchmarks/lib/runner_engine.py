@@ -9,7 +9,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from benchmarks.measure import GenResult
+from benchmarks.lib.measure import GenResult
 from service.contract import io_spec as io
 from service.engine.scheduler import RequestHandle
 from service.settings import Device

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.measure import GenResult
+from benchmarks.lib.measure import GenResult
 
 
 class PlainORT:

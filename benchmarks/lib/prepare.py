@@ -15,7 +15,7 @@ from typing import Any
 
 from model.checkpoint import read_meta
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CKPT = REPO_ROOT / "checkpoints" / "default"
 
 
@@ -89,15 +89,15 @@ def prepare_checkpoint(preset: str, work: Path, given: Path | None) -> Prepared:
     if given is not None:
         ckpt, weights = given, f"trained ({given})"
     elif preset == "gpt2":
-        from benchmarks.gpt2_preset import prepare_gpt2
+        from benchmarks.lib.gpt2_preset import prepare_gpt2
 
         ckpt, hf, weights = prepare_gpt2(work)
     elif preset == "smollm2-135m":
-        from benchmarks.smollm2_preset import prepare_smollm2
+        from benchmarks.lib.smollm2_preset import prepare_smollm2
 
         ckpt, hf, weights = prepare_smollm2(work)
     elif preset == "smollm2-135m-instruct":
-        from benchmarks.smollm2_instruct_preset import prepare_smollm2_instruct
+        from benchmarks.lib.smollm2_instruct_preset import prepare_smollm2_instruct
 
         ckpt, gguf, weights = prepare_smollm2_instruct(work)
     elif preset == "small" and _matches_preset(DEFAULT_CKPT, preset):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from benchmarks.overlay_venv import create_overlay, imports_ok, overlay_python
+from benchmarks.lib.overlay_venv import create_overlay, imports_ok, overlay_python
 
 OVERLAY_PACKAGES = (
     "optimum==2.3.0",

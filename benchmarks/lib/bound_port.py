@@ -6,12 +6,11 @@ cannot lose its port; the caller only has to learn which one it got. uvicorn log
 ("Uvicorn running on ...") only at log level info, and the benchmarks serve at warning, so
 this launcher writes it to a file instead, right after uvicorn starts listening.
 
-Usage: python benchmarks/bound_port.py PORT_FILE serve --model DIR --port 0 ...
+Usage: python benchmarks/lib/bound_port.py PORT_FILE serve --model DIR --port 0 ...
 
 Run as a script, it imports only the service (never the benchmarks package): the server
 runs exactly as `attnserve serve ...` does. ``wait_bound_port`` and ``wait_ready`` are the
-caller's side, and ``serving`` the one way a benchmark that takes ``--model ... --port``
-starts a server for its run and stops it after.
+caller's side (benchmarks/lib/serving.py starts the benchmarks' servers with them).
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +50,9 @@ def wait_bound_port(proc: subprocess.Popen[bytes], port_file: Path, timeout: flo
     while not port_file.exists():
         tail = f":\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before listening{tail}")
+            raise RuntimeError(f"the server exited with {proc.returncode} before listening{tail}")
         if time.monotonic() >= deadline:
-            raise RuntimeError(f"server reported no port within {timeout:.0f} s{tail}")
+            raise RuntimeError(f"the server reported no port within {timeout:.0f} s{tail}")
         time.sleep(0.05)
     return int(port_file.read_text())
 
@@ -82,26 +79,6 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float,
     raise RuntimeError(f"the server was not ready after {timeout:.0f} s{tail}")
 
 
-@contextmanager
-def serving(model: Path, port: int, server_args: list[str], prog: str,
-            timeout: float = 300.0) -> Iterator[subprocess.Popen[bytes]]:
-    """`attnserve serve --model MODEL --port PORT ...` for the length of a run, once ready
-    (stopped at the end); a server that never gets ready exits the benchmark with one line,
-    ``prog: why``."""
-    cli = Path(sys.executable).with_name("attnserve")
-    proc = subprocess.Popen([str(cli), "serve", "--model", str(model), "--port", str(port),
-                             *server_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        try:
-            wait_ready(f"http://127.0.0.1:{port}", proc, timeout)
-        except RuntimeError as exc:
-            raise SystemExit(f"{prog}: {str(exc).splitlines()[0]}") from None
-        yield proc
-    finally:
-        proc.terminate()
-        proc.wait(60)
-
-
 def main(argv: list[str]) -> int:
     port_file, *cli_args = argv
     report_bound_port(port_file)
@@ -112,5 +89,5 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if sys.path and Path(sys.path[0]).resolve() == LAUNCHER.parent:
-        del sys.path[0]  # benchmarks/ modules must not shadow what the service imports
+        del sys.path[0]  # benchmarks/lib/ modules must not shadow what the service imports
     sys.exit(main(sys.argv[1:]))
