@@ -9,8 +9,15 @@ replica; a request that carries the header ``serve_multiplexed_model_id: NAME`` 
 replica that already has adapter NAME loaded where one has (Serve's model multiplexing).
 The replica loads it on its first such request, from ``lora_dir/NAME`` (confined there, as
 the run-time load route is), keeps at most ``max_adapters_per_replica``, and unloads the
-least recently used, waiting for its requests in flight. The body still names the adapter
-as it would on one server (OpenAI ``model``, TGI ``parameters.adapter_id``).
+least recently used, waiting for its requests in flight.
+
+Clients name the adapter as they would on one server, in the body (OpenAI ``model``, TGI
+``parameters.adapter_id``), which Serve's proxy does not read. So by default
+(``adapter_routing: body``) the application's ingress is :class:`AdapterRouter`, as
+``ray.serve.llm``'s router is: it reads the body, and passes the request on to the replicas
+through a handle carrying the adapter as the multiplexed model id, the replica's response
+(SSE included) streamed back. With ``adapter_routing: header`` the replicas are the ingress
+themselves (one hop fewer) and a client or gateway sets ``serve_multiplexed_model_id``.
 
 Run (deploy/ray/serve.yaml; ``pip install .[ray]``)::
 
@@ -24,9 +31,11 @@ Run (deploy/ray/serve.yaml; ``pip install .[ray]``)::
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
@@ -61,6 +70,11 @@ class RayServeArgs(BaseModel):
     max_replicas_per_node: int | None = Field(
         None, ge=1, description="spread replicas over nodes (None: no limit)")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per replica")
+    adapter_routing: Literal["body", "header"] = Field(
+        "body", description="body: an ingress reads the adapter a request names (OpenAI "
+                            "model, TGI parameters.adapter_id) and routes it to a replica "
+                            "holding it; header: the replicas are the ingress and route by "
+                            "the serve_multiplexed_model_id header alone")
 
 
 class _LoadedAdapter:
@@ -161,6 +175,60 @@ class EngineReplica:
         self.http_app.openapi_schema = None
         log.info("adapter %s unloaded (least recently used)", name)
 
+    def model_name(self) -> str:
+        """The base model's name (OpenAI ``model`` naming no adapter)."""
+        return str(self._runtime.artifact.name)
+
+    async def forward(self, method: str, path: str, query: bytes,
+                      headers: list[tuple[bytes, bytes]], body: bytes
+                      ) -> AsyncIterator[dict[str, Any] | bytes]:
+        """One HTTP request run through this replica's app, as :class:`AdapterRouter`
+        passes it on: first ``{"status", "headers"}``, then the body's pieces as the app
+        sends them (an SSE stream event by event). The multiplexed model id of the handle
+        call is the app's as it is for the proxy's requests."""
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+                 "query_string": query, "root_path": "", "headers": headers,
+                 "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+        sent: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        gone = asyncio.Event()  # the router's client left: the app sees a disconnect
+        delivered = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            await sent.put(message)
+
+        async def run() -> None:
+            try:
+                await self.http_app(scope, receive, send)
+            finally:
+                await sent.put(None)
+
+        task = asyncio.create_task(run())
+        try:
+            while (message := await sent.get()) is not None:
+                if message["type"] == "http.response.start":
+                    yield {"status": message["status"],
+                           "headers": [(k.decode("latin-1"), v.decode("latin-1"))
+                                       for k, v in message.get("headers", [])]}
+                elif message["type"] == "http.response.body":
+                    if message.get("body"):
+                        yield message["body"]
+                    if not message.get("more_body"):
+                        break
+            await task
+        finally:
+            gone.set()
+            if not task.done():
+                task.cancel()
+
     def check_health(self) -> None:
         """Serve restarts a replica whose engine failed to load (a replica still loading
         is healthy: its /ready and model routes answer 503 until it is done)."""
@@ -169,9 +237,69 @@ class EngineReplica:
             raise RuntimeError(f"the model failed to load: {runtime.load_error}")
 
 
+MULTIPLEXED_HEADER = "serve_multiplexed_model_id"  # Serve's own, honoured as by its proxy
+# The routes whose JSON body names an adapter, and where: OpenAI's model, TGI's adapter_id.
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
+TGI_ROUTES = ("/generate", "/generate_stream", "/")
+
+
+def adapter_named(path: str, body: bytes, base_name: str) -> str:
+    """The adapter a request's body names ("" for the base model, or a body that is not a
+    request's JSON: the replica's route then answers it as on one server)."""
+    if path not in OPENAI_ROUTES and path not in TGI_ROUTES:
+        return ""
+    try:
+        request = json.loads(body) if body else None
+    except ValueError:
+        return ""
+    if not isinstance(request, dict):
+        return ""
+    if path in OPENAI_ROUTES:
+        model = request.get("model")
+        return model if isinstance(model, str) and model and model != base_name else ""
+    parameters = request.get("parameters")
+    adapter = parameters.get("adapter_id") if isinstance(parameters, dict) else None
+    return adapter if isinstance(adapter, str) else ""
+
+
+class AdapterRouter:
+    """The ingress with ``adapter_routing: body``: each request goes to the replicas through
+    a handle whose multiplexed model id is the adapter its body names, so Serve sends it to
+    a replica holding that adapter (and one loads it where none does)."""
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas = replicas
+        self.base_name: str | None = None
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import StreamingResponse
+
+        body = await request.body()
+        path = request.url.path
+        name = request.headers.get(MULTIPLEXED_HEADER, "")
+        if not name and (path in OPENAI_ROUTES or path in TGI_ROUTES):
+            if self.base_name is None:  # asked once, of a replica with its model loaded
+                self.base_name = await self.replicas.model_name.remote()
+            name = adapter_named(path, body, self.base_name)
+        handle = self.replicas.options(stream=True, multiplexed_model_id=name)
+        pieces = handle.forward.remote(request.method, path, request.url.query.encode(),
+                                       request.headers.raw, body)
+        start = await pieces.__anext__()
+
+        async def rest() -> AsyncIterator[bytes]:
+            async for piece in pieces:
+                yield piece
+
+        headers = dict(start["headers"])
+        headers.pop("content-length", None)  # the body is streamed on
+        return StreamingResponse(rest(), status_code=start["status"], headers=headers,
+                                 media_type=headers.get("content-type"))
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve application of deploy/ray/serve.yaml: :class:`EngineReplica` with the
-    autoscaling and placement of ``args`` (:class:`RayServeArgs`)."""
+    autoscaling and placement of ``args`` (:class:`RayServeArgs`), behind
+    :class:`AdapterRouter` unless ``adapter_routing`` is ``header``."""
     options = RayServeArgs.model_validate(args)
     placement: dict[str, Any] = {}
     if options.max_replicas_per_node is not None:
@@ -186,4 +314,9 @@ def build_app(args: dict[str, Any]) -> Application:
         max_ongoing_requests=options.max_ongoing_requests,
         ray_actor_options={"num_cpus": options.num_cpus},
         health_check_period_s=10, graceful_shutdown_timeout_s=30, **placement)(EngineReplica)
-    return deployment.bind(options.serve, options.max_adapters_per_replica)
+    replicas = deployment.bind(options.serve, options.max_adapters_per_replica)
+    if options.adapter_routing == "header":
+        return replicas
+    router = serve.deployment(name="attnserve-router", ray_actor_options={"num_cpus": 0},
+                              max_ongoing_requests=10_000)(AdapterRouter)
+    return router.bind(replicas)

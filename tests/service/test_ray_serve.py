@@ -2,8 +2,9 @@
 (``ray.cluster_utils.Cluster``: two raylets on this machine, one replica each): requests
 sent at once through Serve's proxy, base and adapters, each equal to its merged model's
 greedy tokens alone (tests/service/lora_build.py, the plain model.onnx loop); both nodes
-serve; an adapter named by Serve's multiplexing header is loaded by the replica its first
-request reaches, and later requests for it go to a replica that holds it.
+serve; an adapter named by Serve's multiplexing header, or only in the body as on one server
+(OpenAI ``model``, TGI ``adapter_id``: read by the router ingress), is loaded by the replica
+its first request reaches, and later requests for it go to a replica that holds it.
 
 Skipped with its reason where Ray is not installed (``pip install .[ray]``) or cannot start.
 """
@@ -139,3 +140,30 @@ def test_an_adapter_not_under_lora_dir_is_a_404(deployed: Deployed) -> None:
                    json={"inputs": "O", "parameters": {"adapter_id": "nowhere"}})
     assert r.status_code == 404, r.text
     assert "nowhere" in r.json()["error"]
+
+
+def test_adapters_named_in_the_body_alone_are_routed_to_their_replicas(
+        deployed: Deployed) -> None:
+    """No header: the router reads TGI's adapter_id and OpenAI's model. Later requests land
+    on a replica holding their adapter (≥ 90 %), every TGI answer is its merged model's, and
+    an OpenAI request for an adapter reaches one of its holders too."""
+    holders: dict[str, set[str]] = {}
+    for adapter in ("alpha", "beta"):
+        _, _, headers = generate(deployed.url, "Hark", adapter)
+        holders[adapter] = {headers[REPLICA_HEADER]}
+    asks = [(a, p) for p in PROMPTS for a in ("alpha", "beta")]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda ask: generate(deployed.url, ask[1], ask[0]), asks))
+    landed: Counter[bool] = Counter()
+    for (adapter, _), (prompt_ids, got, headers) in zip(asks, answers, strict=True):
+        want = merged_greedy(deployed.build, adapter, prompt_ids, 8)
+        assert got[:len(want)] == want, adapter
+        landed[headers[REPLICA_HEADER] in holders[adapter]] += 1
+        holders[adapter].add(headers[REPLICA_HEADER])
+    assert landed[True] >= 0.9 * len(asks), landed
+    for adapter in ("alpha", "beta"):
+        r = httpx.post(f"{deployed.url}/v1/completions", timeout=120, json={
+            "model": adapter, "prompt": "O", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == adapter
+        assert r.headers[REPLICA_HEADER] in holders[adapter]

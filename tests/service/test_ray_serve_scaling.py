@@ -9,6 +9,7 @@ Skipped with its reason where Ray is not installed (``pip install .[ray]``) or c
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,6 +42,28 @@ def test_the_deploy_config_is_a_valid_serve_config_that_builds() -> None:
     assert build_app(app.args) is not None
     with pytest.raises(ValueError, match="max_replicas"):
         RayServeArgs.model_validate({**app.args, "max_replicas": 0})
+
+
+def test_the_router_reads_the_adapter_where_each_api_names_it() -> None:
+    """OpenAI: ``model`` unless it is the base model's name; TGI: ``parameters.adapter_id``;
+    anything else (other routes, no JSON, no name) goes to the replicas as the base's."""
+    from service.ray_app import adapter_named
+
+    def body(value: object) -> bytes:
+        return json.dumps(value).encode()
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert adapter_named(path, body({"model": "alpha", "prompt": "x"}), "tiny") == "alpha"
+        assert adapter_named(path, body({"model": "tiny", "prompt": "x"}), "tiny") == ""
+        assert adapter_named(path, body({"prompt": "x"}), "tiny") == ""
+    for path in ("/generate", "/generate_stream", "/"):
+        assert adapter_named(path, body({"inputs": "x", "parameters": {"adapter_id": "beta"}}),
+                             "tiny") == "beta"
+        assert adapter_named(path, body({"inputs": "x", "parameters": {}}), "tiny") == ""
+        assert adapter_named(path, body({"inputs": "x"}), "tiny") == ""
+    assert adapter_named("/v1/completions", b"not json", "tiny") == ""
+    assert adapter_named("/v1/completions", body(["alpha"]), "tiny") == ""
+    assert adapter_named("/attention", body({"model": "alpha"}), "tiny") == ""
 
 
 @dataclass
