@@ -62,7 +62,7 @@ def test_the_artifact_is_the_float32_checkpoints_byte_for_byte(
     K-quants with the rewrites on two threads, as a model of over 50 M parameters has
     them)."""
     if case == "kquants":
-        monkeypatch.setattr("export.verify.check_threads", lambda gpt: 2)
+        monkeypatch.setattr("export.verify.parity.check_threads", lambda gpt: 2)
     path = write_file(tmp_path, CASES[case])
     held = import_gguf_checkpoint(path, tmp_path / "held")
     float32 = import_gguf_checkpoint(path, tmp_path / "float32", float32=True)
