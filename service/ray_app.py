@@ -19,6 +19,12 @@ through a handle carrying the adapter as the multiplexed model id, the replica's
 (SSE included) streamed back. With ``adapter_routing: header`` the replicas are the ingress
 themselves (one hop fewer) and a client or gateway sets ``serve_multiplexed_model_id``.
 
+Serve's proxy answers ``/metrics`` from whichever replica it picks. So each replica, once
+its engine is loaded, also serves its own registry on a port of its node
+(``replica_metrics_port``) and tells the router, whose ``/metrics/replicas`` lists those
+endpoints in Prometheus' HTTP service-discovery format (``http_sd_configs``), with
+``replica`` and ``node`` labels: one scrape target a replica.
+
 Run (deploy/ray/serve.yaml; ``pip install .[ray]``)::
 
     serve run deploy/ray/serve.yaml            # or: serve deploy, on a running cluster
@@ -33,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -70,6 +77,10 @@ class RayServeArgs(BaseModel):
     max_replicas_per_node: int | None = Field(
         None, ge=1, description="spread replicas over nodes (None: no limit)")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per replica")
+    replica_metrics_port: int | None = Field(
+        0, ge=0, le=65535, description="each replica's own /metrics on this port of its "
+                                       "node (0: any free one; null: none), listed by the "
+                                       "router's /metrics/replicas for Prometheus")
     adapter_routing: Literal["body", "header"] = Field(
         "body", description="body: an ingress reads the adapter a request names (OpenAI "
                             "model, TGI parameters.adapter_id) and routes it to a replica "
@@ -95,11 +106,15 @@ class _LoadedAdapter:
 class EngineReplica:
     """One engine: today's FastAPI app, built on the replica (``__serve_build_asgi_app__``)."""
 
-    def __init__(self, serve_options: dict[str, Any], max_adapters: int) -> None:
+    def __init__(self, serve_options: dict[str, Any], max_adapters: int,
+                 metrics_port: int | None = None, routed: bool = False) -> None:
         from service.settings import Settings
 
         self.settings = Settings(**serve_options)
         self.http_app: Any = None
+        self.metrics_port = metrics_port
+        self.routed = routed  # behind AdapterRouter, which lists the metrics endpoints
+        self.metrics_address: str | None = None  # host:port of this replica's own /metrics
 
         async def load(name: str) -> _LoadedAdapter | None:  # a function: Serve keeps its
             return await self._load_adapter(name)  # multiplexer on it, not on a method
@@ -231,10 +246,32 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Serve restarts a replica whose engine failed to load (a replica still loading
-        is healthy: its /ready and model routes answer 503 until it is done)."""
+        is healthy: its /ready and model routes answer 503 until it is done). A loaded one
+        (re)announces its own /metrics endpoint to the router at every check."""
         runtime = self._state()
         if runtime is not None and runtime.load_error is not None:
             raise RuntimeError(f"the model failed to load: {runtime.load_error}")
+        if runtime is not None and runtime.ready and self.metrics_port is not None:
+            self._announce_metrics(runtime)
+
+    def _announce_metrics(self, runtime: Any) -> None:
+        """Serve this replica's registry on its node (once) and tell the router where."""
+        import ray
+        from prometheus_client import start_http_server
+
+        context = serve.get_replica_context()
+        if self.metrics_address is None:
+            host = ray.util.get_node_ip_address()
+            server, _ = start_http_server(self.metrics_port or 0, addr=host,
+                                          registry=runtime.metrics.registry)
+            self.metrics_address = f"{host}:{server.server_port}"
+            log.info("replica metrics on http://%s/metrics", self.metrics_address)
+        if not self.routed:
+            return
+        router = serve.get_deployment_handle(ROUTER_NAME, context.app_name)
+        router.add_metrics_target.remote(context.replica_id.unique_id,
+                                         ray.get_runtime_context().get_node_id(),
+                                         self.metrics_address)
 
 
 MULTIPLEXED_HEADER = "serve_multiplexed_model_id"  # Serve's own, honoured as by its proxy
@@ -262,20 +299,41 @@ def adapter_named(path: str, body: bytes, base_name: str) -> str:
     return adapter if isinstance(adapter, str) else ""
 
 
+ROUTER_NAME = "attnserve-router"
+METRICS_TARGETS_PATH = "/metrics/replicas"
+# A replica announces its metrics endpoint at every health check (10 s): one not heard of
+# for three periods is gone (stopped, or its node lost).
+METRICS_TARGET_TTL_S = 30.0
+
+
 class AdapterRouter:
     """The ingress with ``adapter_routing: body``: each request goes to the replicas through
     a handle whose multiplexed model id is the adapter its body names, so Serve sends it to
-    a replica holding that adapter (and one loads it where none does)."""
+    a replica holding that adapter (and one loads it where none does). Also keeps the
+    replicas' own metrics endpoints for Prometheus (``/metrics/replicas``)."""
 
     def __init__(self, replicas: Any) -> None:
         self.replicas = replicas
         self.base_name: str | None = None
+        self.metrics_targets: dict[str, tuple[str, str, float]] = {}  # replica → node, addr, seen
+
+    def add_metrics_target(self, replica: str, node: str, address: str) -> None:
+        self.metrics_targets[replica] = (node, address, time.monotonic())
+
+    def metrics_service_discovery(self) -> list[dict[str, Any]]:
+        """The live replicas' /metrics endpoints, as Prometheus' http_sd_configs reads."""
+        now = time.monotonic()
+        return [{"targets": [address], "labels": {"replica": replica, "node": node}}
+                for replica, (node, address, seen) in sorted(self.metrics_targets.items())
+                if now - seen < METRICS_TARGET_TTL_S]
 
     async def __call__(self, request: Any) -> Any:
-        from starlette.responses import StreamingResponse
+        from starlette.responses import JSONResponse, StreamingResponse
 
-        body = await request.body()
         path = request.url.path
+        if path == METRICS_TARGETS_PATH and request.method == "GET":
+            return JSONResponse(self.metrics_service_discovery())
+        body = await request.body()
         name = request.headers.get(MULTIPLEXED_HEADER, "")
         if not name and (path in OPENAI_ROUTES or path in TGI_ROUTES):
             if self.base_name is None:  # asked once, of a replica with its model loaded
@@ -314,9 +372,11 @@ def build_app(args: dict[str, Any]) -> Application:
         max_ongoing_requests=options.max_ongoing_requests,
         ray_actor_options={"num_cpus": options.num_cpus},
         health_check_period_s=10, graceful_shutdown_timeout_s=30, **placement)(EngineReplica)
-    replicas = deployment.bind(options.serve, options.max_adapters_per_replica)
-    if options.adapter_routing == "header":
+    routed = options.adapter_routing == "body"
+    replicas = deployment.bind(options.serve, options.max_adapters_per_replica,
+                               options.replica_metrics_port, routed)
+    if not routed:
         return replicas
-    router = serve.deployment(name="attnserve-router", ray_actor_options={"num_cpus": 0},
+    router = serve.deployment(name=ROUTER_NAME, ray_actor_options={"num_cpus": 0},
                               max_ongoing_requests=10_000)(AdapterRouter)
     return router.bind(replicas)

@@ -167,3 +167,35 @@ def test_adapters_named_in_the_body_alone_are_routed_to_their_replicas(
         assert r.status_code == 200, r.text
         assert r.json()["model"] == adapter
         assert r.headers[REPLICA_HEADER] in holders[adapter]
+
+
+def generated_tokens(address: str) -> float:
+    """attnserve_generation_tokens_total, scraped from one replica's own endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://{address}/metrics", timeout=30).text
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               if family.name == "attnserve_generation_tokens"
+               for sample in family.samples if sample.name.endswith("_total"))
+
+
+def test_each_replica_serves_its_own_metrics_listed_for_prometheus(deployed: Deployed) -> None:
+    """/metrics/replicas lists one target a replica (Prometheus' http_sd format, replica and
+    node labels); a request's tokens are counted by the replica that served it alone."""
+    targets: list[dict[str, Any]] = []
+
+    def both_listed() -> bool:
+        targets[:] = httpx.get(f"{deployed.url}/metrics/replicas", timeout=10).json()
+        return len(targets) == 2
+
+    wait_until(both_listed, "both replicas' metrics endpoints listed")
+    by_replica = {t["labels"]["replica"]: t["targets"][0] for t in targets}
+    assert len({t["labels"]["node"] for t in targets}) == 2
+    before = {replica: generated_tokens(address) for replica, address in by_replica.items()}
+    r = httpx.post(f"{deployed.url}/generate", timeout=120, json={
+        "inputs": "ROMEO:", "parameters": {"max_new_tokens": 5, "details": True}})
+    assert r.status_code == 200, r.text
+    served, tokens = r.headers[REPLICA_HEADER], r.json()["details"]["generated_tokens"]
+    after = {replica: generated_tokens(address) for replica, address in by_replica.items()}
+    assert {replica: after[replica] - before[replica] for replica in by_replica} == {
+        replica: (tokens if replica == served else 0) for replica in by_replica}
