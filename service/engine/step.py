@@ -38,7 +38,7 @@ from service.engine.speculative import Proposal, Speculator, accept
 from service.engine.step_plan import RowWork, StepPlan, StepResult
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRow:
     """One row of a step: row ``index`` of ``batch`` (the request's state: its sequence,
     slot and newest token), what it feeds (``work``), whether a token comes of it
@@ -130,17 +130,18 @@ def _take(rows: list[StepRow], out: np.ndarray) -> None:
     logits = None
     logprobs: list[float | None] = [None] * len(rows)
     if out.ndim == 1:
-        tokens = out
+        tokens = out.tolist()
         for seq, token in zip(seqs, tokens, strict=True):
-            seq.sampler.observe(int(token))
+            seq.sampler.observe(token)
     else:
         logits = np.ascontiguousarray(out, np.float32)
-        tokens, lps = choose_tokens(logits, [s.sampler for s in seqs],
+        chosen, lps = choose_tokens(logits, [s.sampler for s in seqs],
                                     [s.request.token_logprobs for s in seqs])
+        tokens = chosen.tolist()
         logprobs = [s.reported(lp) for s, lp in zip(seqs, lps, strict=True)]
     now = time.perf_counter()
     for j, row in enumerate(rows):
-        row.events.append(row.batch.advance(row.index, int(tokens[j]), logprobs[j],
+        row.events.append(row.batch.advance(row.index, tokens[j], logprobs[j],
                                             None if logits is None else logits[j], now))
 
 
