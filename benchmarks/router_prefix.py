@@ -20,19 +20,22 @@ round, ``--rounds`` rounds an arm, and no round starts after ``--time-limit`` se
 from __future__ import annotations
 
 import argparse
-import http.client
+import asyncio
+import contextlib
 import itertools
 import json
 import random
 import statistics
-import threading
 import time
-import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import aiohttp
+
 from benchmarks.lib.serving import metric, served_model
+from benchmarks.serve import client as load
+from benchmarks.serve.workloads import SampleRequest
 
 # Common English words: prefixes of these tokenize to about 1.3 tokens a word.
 WORDS = ("time person year way day thing man world life hand part child eye woman place "
@@ -63,31 +66,6 @@ def cache_counters(url: str) -> tuple[float, float]:
     return hits, queries
 
 
-def streamed_ttft(url: str, model: str, prompt: str, max_tokens: int, timeout: float
-                  ) -> float:
-    """Seconds from sending a streamed completion to its first data line; raises on an
-    error status, so a failed request never counts as a fast one."""
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                       "temperature": 0})
-    try:
-        sent = time.perf_counter()
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"{url}: HTTP {response.status}: {response.read()[:200]!r}")
-        first = None
-        for raw in response:
-            if first is None and raw.startswith(b"data: {"):
-                first = time.perf_counter() - sent
-        if first is None:
-            raise RuntimeError(f"{url}: a stream without data")
-        return first
-    finally:
-        conn.close()
-
-
 @dataclass
 class Round:
     arm: str
@@ -103,46 +81,45 @@ class Round:
         return self.hits / self.queries if self.queries else 0.0
 
 
+async def send_round(targets: list[str], model: str, prompts: list[str], clients: int,
+                     max_tokens: int, timeout: float) -> tuple[list[float], float]:
+    """Every prompt as a streamed completion (the serving benchmark's client, ``clients`` in
+    flight), each to the next of ``targets`` in turn: (TTFT of each, wall seconds); raises
+    if any failed, so a failed request never counts as a fast one."""
+    requests = [SampleRequest(prompt, 0, max_tokens) for prompt in prompts]
+    complete = load.request_func("openai", model)
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = [await stack.enter_async_context(aiohttp.ClientSession(
+            base_url=t, timeout=aiohttp.ClientTimeout(total=timeout))) for t in targets]
+        turn = itertools.cycle(sessions)
+
+        async def to_next(_: aiohttp.ClientSession, req: SampleRequest,
+                          out: load.RequestOutput) -> load.RequestOutput:
+            return await complete(next(turn), req, out)
+
+        outputs, wall = await load.run_load(sessions[0], to_next, requests,
+                                            [0.0] * len(requests), clients)
+    errors = [f"{o.error}" for o in outputs if not o.success]
+    if errors:
+        raise RuntimeError(f"{len(errors)} failed: {errors[:3]}")
+    return [o.ttft for o in outputs], wall
+
+
 def run_round(arm: str, index: int, targets: list[str], replicas: list[str], model: str,
               prompts: list[str], clients: int, max_tokens: int, timeout: float) -> Round:
-    """Send every prompt (``clients`` at a time) to ``targets`` in turn; read the replicas'
-    cache counters before and after."""
+    """One round of ``send_round``; the replicas' cache counters read before and after."""
     before = [cache_counters(r) for r in replicas]
-    queue = iter(enumerate(prompts))
-    turn = itertools.cycle(targets)
-    lock = threading.Lock()
-    result = Round(arm, index)
-    errors: list[str] = []
-
-    def client() -> None:
-        while True:
-            with lock:
-                item = next(queue, None)
-                target = next(turn)
-            if item is None:
-                return
-            try:
-                ttft = streamed_ttft(target, model, item[1], max_tokens, timeout)
-            except (OSError, RuntimeError) as exc:
-                errors.append(repr(exc))
-                continue
-            with lock:
-                result.ttft_s.append(ttft)
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    result.wall_s = time.perf_counter() - started
-    if errors:
-        raise RuntimeError(f"{arm} round {index}: {len(errors)} failed: {errors[:3]}")
+    try:
+        ttfts, wall = asyncio.run(send_round(targets, model, prompts, clients, max_tokens,
+                                             timeout))
+    except RuntimeError as exc:
+        raise RuntimeError(f"{arm} round {index}: {exc}") from None
     after = [cache_counters(r) for r in replicas]
-    result.hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-    result.queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    result.per_replica = [round(a[1] - b[1]) for a, b in zip(after, before, strict=True)]
-    return result
+    return Round(arm, index, ttfts,
+                 hits=sum(a[0] - b[0] for a, b in zip(after, before, strict=True)),
+                 queries=sum(a[1] - b[1] for a, b in zip(after, before, strict=True)),
+                 per_replica=[round(a[1] - b[1]) for a, b in zip(after, before, strict=True)],
+                 wall_s=wall)
 
 
 def workload(prefixes: list[str], repeats: int, rng: random.Random) -> list[str]:

@@ -1,10 +1,7 @@
 """The harness every serving benchmark shares: a server started for the run and stopped
-after, what the benchmark reads of it (its model, its /metrics, its memory), the options
-that start it, and the one JSON result printed and written.
-
-A server started here binds its port itself (port 0 unless the benchmark names one) and
-reports it through benchmarks/lib/bound_port.py, so it can never lose a port to another
-process between being picked and being bound.
+after (on a port it binds itself and reports through benchmarks/lib/bound_port.py, so no
+other process can take it in between), what a benchmark reads of it (its model, /info,
+/metrics, memory), the options that start it, and the one JSON result printed and written.
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ from benchmarks.lib.bound_port import LAUNCHER, wait_bound_port, wait_ready
 from benchmarks.lib.measure import proc_memory_bytes, proc_memory_mb
 from model.data import write_text_atomic
 from service.contract.peft_adapter import read_config
-
-MEMORY_FIELDS = ("VmRSS", "RssAnon", "RssFile")
 
 
 class Server:
@@ -60,8 +55,8 @@ class Server:
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
-        if self._port is None:
-            self._port = wait_bound_port(self.proc, self.port_file, timeout, self.log_path)
+        self._port = self._port or wait_bound_port(self.proc, self.port_file, timeout,
+                                                   self.log_path)
         wait_ready(self.url, self.proc, max(0.0, deadline - time.monotonic()), self.log_path)
 
     def __enter__(self) -> Server:
@@ -125,8 +120,20 @@ def add_server_options(parser: argparse.ArgumentParser, port: int) -> None:
 
 def served_model(url: str) -> str:
     """The model a server serves (the first of its /v1/models): requests name it."""
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
-        return str(json.load(response)["data"][0]["id"])
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
+            return str(json.load(response)["data"][0]["id"])
+    except OSError as exc:  # refused, timed out, an error status
+        raise RuntimeError(f"{url}/v1/models: {getattr(exc, 'reason', exc)}") from None
+
+
+def server_info(url: str) -> dict[str, Any]:
+    """The server's /info, {} where it has none (llama-server)."""
+    try:
+        with urllib.request.urlopen(f"{url}/info", timeout=10) as response:
+            return dict(json.load(response))
+    except (OSError, ValueError):
+        return {}
 
 
 def metric(text: str, name: str) -> float | None:
@@ -140,9 +147,7 @@ def metric(text: str, name: str) -> float | None:
 def memory(pid: int) -> dict[str, int]:
     """Bytes of VmRSS, RssAnon and RssFile of process ``pid`` (/proc/PID/status)."""
     got = proc_memory_bytes(pid)
-    if "VmRSS" not in got:
-        raise RuntimeError(f"no VmRSS for pid {pid}")
-    return {k: got[k] for k in MEMORY_FIELDS if k in got}
+    return {k: got[k] for k in ("VmRSS", "RssAnon", "RssFile") if k in got}
 
 
 def mib(n: float, digits: int = 1) -> float:
@@ -186,16 +191,11 @@ def emit(result: dict[str, Any], out: Path | None, ensure_ascii: bool = True) ->
         write_text_atomic(out, text + "\n")
 
 
-def adapter_names(text: str) -> list[str]:
-    """``a,b,c`` → ['a', 'b', 'c'] (an option's type)."""
-    return [name for name in text.split(",") if name]
-
-
 def add_adapter_options(parser: argparse.ArgumentParser, what: str = "adapters") -> None:
     """--adapters-dir and the adapters under it a LoRA benchmark serves."""
     parser.add_argument("--adapters-dir", type=Path, required=True,
                         help="directory holding the adapters (the server's --lora-dir)")
-    parser.add_argument(f"--{what}", type=adapter_names,
+    parser.add_argument(f"--{what}", type=lambda s: [n for n in s.split(",") if n],
                         default=["lora0", "lora1", "lora2", "lora3"],
                         help="adapters under --adapters-dir, comma-separated "
                              "(default lora0,lora1,lora2,lora3)")

@@ -59,7 +59,7 @@ import aiohttp
 import numpy as np
 
 from benchmarks.lib.measure import DEFAULT_THREADS
-from benchmarks.lib.serving import Server, load_env
+from benchmarks.lib.serving import Server, load_env, served_model, server_info
 from benchmarks.serve import client as load
 from benchmarks.serve import report
 from benchmarks.serve.static import StaticBaseline
@@ -263,19 +263,6 @@ def _attention_text(tokenizer: Path, n_tokens: int, seed: int) -> str:
     return random_requests(codec, 1, n_tokens, 1, 0.0, seed + 1)[0].prompt
 
 
-async def _served_model(client: aiohttp.ClientSession) -> tuple[str, dict[str, Any]]:
-    info: dict[str, Any] = {}
-    try:
-        async with client.get("/info") as r:
-            if r.status == 200:
-                info = await r.json()
-    except load.CLIENT_ERRORS:
-        pass
-    async with client.get("/v1/models", raise_for_status=True) as r:
-        models = await r.json()
-    return str(models["data"][0]["id"]), info
-
-
 def _long_prompts(args: argparse.Namespace, info: dict[str, Any]) -> list[str]:
     """--long-join-count distinct prompts of --long-join-len tokens (else as long as the
     server takes), made before the run so that making them times nothing."""
@@ -293,8 +280,7 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
                    rate: float, attention_text: str | None) -> dict[str, Any]:
     limit = args.max_concurrency or len(requests)
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
-    async with aiohttp.ClientSession(base_url=url, timeout=timeout) as probe:
-        model, info = await _served_model(probe)
+    model, info = served_model(url), server_info(url)
     # Another server than ours (no /info: llama-server) gets a connection a request: after
     # a streamed answer llama-server's keep-alive connection fails the next request on it
     # ("Can not write request body"); ours keeps connections alive, as vLLM's bench does.
