@@ -41,25 +41,14 @@ from typing import Any
 
 import httpx
 
-from benchmarks.lib.serving import (
-    add_adapter_options,
-    add_server_options,
-    emit,
-    lora_modules,
-    max_rank,
-    memory,
-    metric,
-    mib,
-    served_model,
-    serving,
-)
+from benchmarks.lib import serving
 from service.contract.peft_adapter import WEIGHTS_FILE
 
 QUESTION = "What is the capital of France?"
 
 
 def _mib(n: float) -> float:
-    return mib(n, 2)
+    return serving.mib(n, 2)
 
 
 def ask(client: httpx.Client, model: str, max_tokens: int) -> str:
@@ -74,7 +63,7 @@ def ask(client: httpx.Client, model: str, max_tokens: int) -> str:
 def reading(pid: int, before: dict[str, int], prefix: str = "") -> tuple[dict[str, Any],
                                                                          dict[str, int]]:
     """(the figures now and their steps from ``before``, in MiB; the raw reading)."""
-    now = memory(pid)
+    now = serving.memory(pid)
     return {**{f"{prefix}{k}_mib": _mib(v) for k, v in now.items()},
             **{f"{prefix}{k}_step_mib": _mib(now[k] - before[k]) for k in now if k in before}
             }, now
@@ -85,7 +74,7 @@ def step(client: httpx.Client, pid: int, model: str, max_tokens: int, before: di
     answer = ask(client, model, max_tokens)
     time.sleep(settle)  # the engine thread's frees after the answer
     figures, now = reading(pid, before)
-    resident = metric(client.get("/metrics").text, "attnserve_lora_resident_bytes")
+    resident = serving.metric(client.get("/metrics").text, "attnserve_lora_resident_bytes")
     return {"model": model, "answer": answer, **figures,
             "lora_resident_mib": None if resident is None else _mib(resident)}, now
 
@@ -102,9 +91,9 @@ def load(client: httpx.Client, pid: int, name: str, directory: Path, before: dic
 
 
 def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
-    base = served_model(url)
+    base = serving.served_model(url)
     with httpx.Client(base_url=url, timeout=600) as client:
-        ready = memory(pid)
+        ready = serving.memory(pid)
         row, now = step(client, pid, base, args.max_tokens, ready, args.settle)
         passes: list[list[dict[str, Any]]] = []
         for pass_number in range(2):
@@ -137,28 +126,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lora_memory",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="artifact to serve")
-    add_adapter_options(parser)
+    serving.add_adapter_options(parser)
     parser.add_argument("--runtime", action="store_true",
                         help="start with no adapter; load each at run time before its request")
-    add_server_options(parser, port=8152)
+    serving.add_server_options(parser, port=8152)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--settle", type=float, default=0.5,
                         help="seconds between an answer and the reading (default 0.5)")
     args = parser.parse_args(argv)
     if not args.adapters:
         parser.error("--adapters names no adapter")
-    args.rank = max_rank(args.adapters_dir, args.adapters)
+    args.rank = serving.max_rank(args.adapters_dir, args.adapters)
     adapters = (["--runtime-lora", "--lora-dir", str(args.adapters_dir)] if args.runtime else
-                ["--lora-modules", *lora_modules(args.adapters_dir, args.adapters)])
+                ["--lora-modules", *serving.lora_modules(args.adapters_dir, args.adapters)])
     server_args = [*adapters, "--max-loras", str(len(args.adapters)),
                    "--max-lora-rank", str(args.rank), *args.server_args]
-    with serving(args.model, args.port, server_args, "lora_memory") as server:
+    with serving.started(args.model, args.port, server_args, "lora_memory") as server:
         try:
             result = measure(server.url, server.pid, args)
         except (RuntimeError, httpx.HTTPError) as exc:
             print(f"lora_memory: error: {exc}", file=sys.stderr)
             return 2
-    emit(result, args.out, ensure_ascii=False)
+    serving.emit(result, args.out, ensure_ascii=False)
     return 0
 
 

@@ -49,19 +49,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.lib.serving import (
-    add_adapter_options,
-    add_server_options,
-    breakdown,
-    emit,
-    for_duration,
-    lora_modules,
-    max_rank,
-    memory,
-    mib,
-    served_model,
-    serving,
-)
+from benchmarks.lib import serving
 from benchmarks.soak import QUESTIONS, SYSTEM
 
 DEFAULT_TIE_MARGIN = 0.05  # nats; float32 reorderings move logits by ~1e-4 (docs/engine.md)
@@ -229,8 +217,8 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     questions = QUESTIONS[:args.prompts]
     churn = Churn(args.churn, str((args.adapters_dir / args.churn).resolve()))
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        rss_ready, parts_ready = memory(pid)["VmRSS"], breakdown(pid)
-        base = served_model(url)
+        rss_ready, parts_ready = serving.memory(pid)["VmRSS"], serving.breakdown(pid)
+        base = serving.served_model(url)
         r = await client.post("/v1/load_lora_adapter",
                               json={"lora_name": churn.name, "lora_path": churn.path})
         if r.status_code != 200:
@@ -240,18 +228,18 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
                 for adapter in (None, *args.serve, churn.name)
                 for q, text in enumerate(questions)}
         reference_s = time.monotonic() - t0
-        rss_before, parts_before = memory(pid)["VmRSS"], breakdown(pid)
+        rss_before, parts_before = serving.memory(pid)["VmRSS"], serving.breakdown(pid)
         tally = Tally()
         peak = {"rss": rss_before}
 
         async def sample() -> None:
-            peak["rss"] = max(peak["rss"], memory(pid)["VmRSS"])
+            peak["rss"] = max(peak["rss"], serving.memory(pid)["VmRSS"])
 
-        elapsed = await for_duration(args.duration, sample, lambda end: [
+        elapsed = await serving.for_duration(args.duration, sample, lambda end: [
             churn_task(client, churn, args.churn_interval, end),
             *(soak_client(client, base, refs, questions, churn, args.max_tokens,
                           args.tie_margin, seed, end, tally) for seed in range(args.clients))])
-        rss_after, parts_after = memory(pid)["VmRSS"], breakdown(pid)
+        rss_after, parts_after = serving.memory(pid)["VmRSS"], serving.breakdown(pid)
     margins = sorted(m for ref in refs.values() for m in ref.margins if m is not None)
     return {
         "model": base, "adapters": list(args.serve), "churned": churn.name,
@@ -265,8 +253,8 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "tie_margin": args.tie_margin,
         "reference_margins_below_tie": sum(m < args.tie_margin for m in margins),
         "reference_positions": len(margins),
-        "rss_ready_mb": mib(rss_ready), "rss_before_mb": mib(rss_before),
-        "rss_peak_mb": mib(peak["rss"]), "rss_after_mb": mib(rss_after),
+        "rss_ready_mb": serving.mib(rss_ready), "rss_before_mb": serving.mib(rss_before),
+        "rss_peak_mb": serving.mib(peak["rss"]), "rss_after_mb": serving.mib(rss_after),
         "ready": parts_ready, "before": parts_before, "after": parts_after,
         "churn": {"interval_s": args.churn_interval, **churn.counts},
         "tally": asdict(tally) | {"near_ties": tally.near_ties[:10], "wrong": tally.wrong[:10],
@@ -281,9 +269,9 @@ def server_args(args: argparse.Namespace) -> list[str]:
     """`attnserve serve` options: the --serve adapters by name, run-time loading under
     --adapters-dir, a slot for each of them and the churned one, their largest rank."""
     names = [*args.serve, args.churn]
-    return ["--lora-modules", *lora_modules(args.adapters_dir, args.serve),
+    return ["--lora-modules", *serving.lora_modules(args.adapters_dir, args.serve),
             "--max-loras", str(args.max_loras or len(names)),
-            "--max-lora-rank", str(max_rank(args.adapters_dir, names)),
+            "--max-lora-rank", str(serving.max_rank(args.adapters_dir, names)),
             "--runtime-lora", "--lora-dir", str(args.adapters_dir), *args.server_args]
 
 
@@ -291,12 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lora_soak",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="artifact to serve")
-    add_adapter_options(parser, "serve")  # the adapters served from the start
+    serving.add_adapter_options(parser, "serve")  # the adapters served from the start
     parser.add_argument("--churn", default="lora4",
                         help="the adapter loaded and unloaded at run time (default lora4)")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="slots (default: the --serve adapters and the churned one)")
-    add_server_options(parser, port=8151)
+    serving.add_server_options(parser, port=8151)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--duration", type=float, default=300.0)
     parser.add_argument("--churn-interval", type=float, default=3.0)
@@ -313,13 +301,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prompts must be in 1..{len(QUESTIONS)} and --max-tokens ≥ 1")
     if args.churn in args.serve:
         parser.error("--churn must not be one of --serve")
-    with serving(args.model, args.port, server_args(args), "lora_soak") as server:
+    with serving.started(args.model, args.port, server_args(args), "lora_soak") as server:
         try:
             result = asyncio.run(soak(server.url, server.pid, args))
         except (RuntimeError, httpx.HTTPError) as exc:
             print(f"lora_soak: error: {exc}", file=sys.stderr)
             return 2
-    emit(result, args.out)
+    serving.emit(result, args.out)
     tally = result["tally"]
     return 0 if not (tally["wrong_count"] or tally["failed"]) else 1
 

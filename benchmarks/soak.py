@@ -31,17 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.lib.serving import (
-    add_server_options,
-    breakdown,
-    emit,
-    for_duration,
-    memory,
-    metric,
-    mib,
-    served_model,
-    serving,
-)
+from benchmarks.lib import serving
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 QUESTIONS = [
@@ -95,12 +85,12 @@ async def chat_client(client: httpx.AsyncClient, model: str, seed: int, deadline
 
 async def sample(client: httpx.AsyncClient, pid: int, peaks: dict[str, float]) -> None:
     """One second's sample: the server's RSS, and the KV tokens and bytes it holds."""
-    peaks["rss"] = max(peaks["rss"], memory(pid)["VmRSS"])
+    peaks["rss"] = max(peaks["rss"], serving.memory(pid)["VmRSS"])
     try:
         text = (await client.get("/metrics")).text
         for key, name in (("tokens", "attnserve_kv_cache_tokens"),
                           ("resident", "attnserve_kv_cache_resident_bytes")):
-            value = metric(text, name)
+            value = serving.metric(text, name)
             if value is not None:
                 peaks[key] = max(peaks.get(key, 0.0), value)
     except httpx.HTTPError:
@@ -108,27 +98,28 @@ async def sample(client: httpx.AsyncClient, pid: int, peaks: dict[str, float]) -
 
 
 async def soak(url: str, pid: int, clients: int, duration: float) -> dict[str, object]:
-    model = served_model(url)
+    model = serving.served_model(url)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         metrics = (await client.get("/metrics")).text
-        before = memory(pid)["VmRSS"]
-        parts_before = breakdown(pid)
+        before = serving.memory(pid)["VmRSS"]
+        parts_before = serving.breakdown(pid)
         tally = Tally()
         peaks: dict[str, float] = {"rss": float(before)}
-        elapsed = await for_duration(duration, lambda: sample(client, pid, peaks), lambda end: [
-            chat_client(client, model, seed, end, tally) for seed in range(clients)])
-        after = memory(pid)["VmRSS"]
-        parts_after = breakdown(pid)
+        elapsed = await serving.for_duration(
+            duration, lambda: sample(client, pid, peaks),
+            lambda end: [chat_client(client, model, seed, end, tally) for seed in range(clients)])
+        after = serving.memory(pid)["VmRSS"]
+        parts_after = serving.breakdown(pid)
         final = (await client.get("/metrics")).text
     return {"model": model, "clients": clients, "duration_s": round(elapsed, 1),
-            "rss_before_mb": mib(before), "rss_after_mb": mib(after),
-            "rss_peak_mb": mib(peaks["rss"]),
+            "rss_before_mb": serving.mib(before), "rss_after_mb": serving.mib(after),
+            "rss_peak_mb": serving.mib(peaks["rss"]),
             "before": parts_before, "after": parts_after,
             "kv_tokens_peak": peaks.get("tokens"),
-            "kv_resident_peak_mb": mib(peaks["resident"]) if "resident" in peaks else None,
-            "kv_bytes_mb": mib(metric(metrics, "attnserve_kv_cache_bytes") or 0),
-            "kv_resident_after_mb": mib(v) if (
-                v := metric(final, "attnserve_kv_cache_resident_bytes")) is not None else None,
+            "kv_resident_peak_mb": serving.mib(peaks["resident"]) if "resident" in peaks else None,
+            "kv_bytes_mb": serving.mib(serving.metric(metrics, "attnserve_kv_cache_bytes") or 0),
+            "kv_resident_after_mb": None if (v := serving.metric(
+                final, "attnserve_kv_cache_resident_bytes")) is None else serving.mib(v),
             "tally": asdict(tally) | {"failures": tally.failures[:10],
                                       "failed": len(tally.failures)}}
 
@@ -140,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--model", type=Path, help="artifact to serve for the run")
     where.add_argument("--url", help="a running server (with --pid)")
     parser.add_argument("--pid", type=int, help="the running server's process id")
-    add_server_options(parser, port=8150)
+    serving.add_server_options(parser, port=8150)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--duration", type=float, default=150.0)
     args = parser.parse_args(argv)
@@ -151,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     url, pid = args.url, args.pid
     with contextlib.ExitStack() as stack:
         if args.model is not None:
-            server = stack.enter_context(serving(args.model, args.port, args.server_args, "soak"))
+            server = stack.enter_context(
+                serving.started(args.model, args.port, args.server_args, "soak"))
             url, pid = server.url, server.pid
         result = asyncio.run(soak(url, pid, args.clients, args.duration))
-    emit(result, args.out)
+    serving.emit(result, args.out)
     return 0 if not result["tally"]["failed"] else 1  # type: ignore[index]
 
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib.serving import serving
+from benchmarks.lib import serving
 from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url
     with contextlib.ExitStack() as stack:
         if url is None:
-            url = stack.enter_context(serving(args.model, args.port, args.server_args,
-                                              "viz_open")).url
+            url = stack.enter_context(serving.started(args.model, args.port, args.server_args,
+                                                      "viz_open")).url
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
             runs = [one_run(browser, url, text, args.legacy) for _ in range(args.runs)]

@@ -93,7 +93,7 @@ def load_env(threads: int, env: dict[str, str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def serving(model: Path, port: int, server_args: Sequence[str], prog: str,
+def started(model: Path, port: int, server_args: Sequence[str], prog: str,
             timeout: float = 300.0) -> Iterator[Server]:
     """`attnserve serve --model MODEL --port PORT ...` for the length of a run, once ready
     (stopped at the end); a server that never gets ready exits the benchmark with one line,

@@ -1,5 +1,5 @@
 """The helpers the benchmarks share: a server started for a run (benchmarks/lib/serving.py:
-``serving``), the process memory figures and the one ``--threads`` default
+``started``), the process memory figures and the one ``--threads`` default
 (benchmarks/lib/measure.py)."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from benchmarks.lib.measure import (
     proc_memory_bytes,
     proc_memory_mb,
 )
-from benchmarks.lib.serving import serving
+from benchmarks.lib.serving import started
 
 
 def test_a_server_that_never_gets_ready_is_one_line_naming_the_benchmark(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit) as stopped, serving(tmp_path / "missing", 8393, [], "soak"):
+    with pytest.raises(SystemExit) as stopped, started(tmp_path / "missing", 8393, [], "soak"):
         pytest.fail("a server of a missing artifact got ready")
     message = str(stopped.value.code)
     assert message.startswith("soak: the server exited with ") and "\n" not in message
