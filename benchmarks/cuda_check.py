@@ -1,7 +1,7 @@
 """ONNX Runtime's CUDA provider beside its CPU provider, on one model, in one process.
 
 Usage (on a machine with onnxruntime-gpu and a CUDA GPU):
-    python -m benchmarks.cuda_check --artifact artifacts/smollm2-135m-instruct \\
+    python -m benchmarks cuda-check --artifact artifacts/smollm2-135m-instruct \\
         [--half artifacts/smollm2-fp16] [--int4 artifacts/smollm2-int4] [--threads 16] \\
         [--batches 1,8,32,128] \\
         [--cpu-batches 1,32] [--prompt-len 64] [--new 128] [--reps 3] [--out FILE.json]

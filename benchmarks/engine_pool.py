@@ -1,7 +1,7 @@
 """The engine's KV pool under traffic: join/leave throughput vs a static batch, and the
 warm shared-prefix TTFT with prefix caching on vs off. Prints figures; asserts nothing.
 
-    python -m benchmarks.engine_pool [--preset small | --artifact DIR] [--threads 2]
+    python -m benchmarks engine-pool [--preset small | --artifact DIR] [--threads 2]
         [--repeats 3]
 
 Runs the scheduler in process (no HTTP) on engine.onnx exported from a checkpoint of the

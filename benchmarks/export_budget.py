@@ -2,11 +2,11 @@
 and the artifact's size against the file's.
 
 Usage (from the repository root, in the dev venv):
-    python -m benchmarks.export_budget              # the shipped SmolLM2-135M-Instruct Q4_1
-    python -m benchmarks.export_budget --gguf FILE [--work DIR] [--json OUT.json]
-    python -m benchmarks.export_budget --ckpt CKPT  # skip the import: export CKPT (imported
+    python -m benchmarks export-budget              # the shipped SmolLM2-135M-Instruct Q4_1
+    python -m benchmarks export-budget --gguf FILE [--work DIR] [--json OUT.json]
+    python -m benchmarks export-budget --ckpt CKPT  # skip the import: export CKPT (imported
                                                     # from a GGUF file) and size against it
-    python -m benchmarks.export_budget --quantize int4 --no-engine-graph
+    python -m benchmarks export-budget --quantize int4 --no-engine-graph
 
 Each stage is the `attnserve` CLI in a child process of its own:
 
@@ -163,7 +163,7 @@ def default_gguf() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.export_budget", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks export-budget", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", type=Path, default=None,
                    help="GGUF file to import (default: the shipped SmolLM2-135M-Instruct)")

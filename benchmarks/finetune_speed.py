@@ -1,9 +1,9 @@
 """Fine-tuning speed and memory: `attnserve finetune` beside PEFT + transformers, one run.
 
 Usage (from the repository root, in the dev venv):
-    python -m benchmarks.finetune_speed --ckpt checkpoints/smollm2-135m-instruct \\
+    python -m benchmarks finetune-speed --ckpt checkpoints/smollm2-135m-instruct \\
         --data model/finetune/demo/train.jsonl --steps 24 [--full] [--rounds 2]
-    python -m benchmarks.finetune_speed --ckpt CKPT_1B --data ... --steps 4 \\
+    python -m benchmarks finetune-speed --ckpt CKPT_1B --data ... --steps 4 \\
         --engines ours --gradient-checkpointing          # memory at 1B
 
 Both engines train on the same token ids and labels, in the same batches, with the same

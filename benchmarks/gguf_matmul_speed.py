@@ -1,14 +1,14 @@
 """GgufMatMul's speed beside ONNX Runtime's MatMulNBits and float32 MatMul, one product.
 
 Usage (from the repository root, in the dev venv; builds the op first if need be):
-    nice -n 15 python -m benchmarks.gguf_matmul_speed           # W hot in cache
-    nice -n 15 python -m benchmarks.gguf_matmul_speed --cold    # W read from memory
-    python -m benchmarks.gguf_matmul_speed --sizes 4096 --batches 1,32 --types Q4_0 --json out.json
+    nice -n 15 python -m benchmarks gguf-matmul-speed           # W hot in cache
+    nice -n 15 python -m benchmarks gguf-matmul-speed --cold    # W read from memory
+    python -m benchmarks gguf-matmul-speed --sizes 4096 --batches 1,32 --types Q4_0 --json out.json
     # GgufMatMul's batched kernels beside its per-row vec_dot, all batched types:
-    python -m benchmarks.gguf_matmul_speed --cold --sizes 4096 --batches 1,2,8,32 \
+    python -m benchmarks gguf-matmul-speed --cold --sizes 4096 --batches 1,2,8,32 \
         --types Q4_1,Q4_0,Q8_0,Q4_K,Q6_K,Q5_0,Q5_1,Q5_K --paths auto,vec_dot
     # one thread, its CPU time: what other load on a shared machine inflates least
-    python -m benchmarks.gguf_matmul_speed --cold --threads 1 --cpu-time ...
+    python -m benchmarks gguf-matmul-speed --cold --threads 1 --cpu-time ...
 
 For each weight type (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0; Q5_0, Q5_1, Q5_K on request), size
 N = K (4096, 2048) and batch M (1, 8, 32), one-node graphs computing Y = X·Wᵀ (X float32
@@ -303,7 +303,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gguf_matmul_speed",
+    p = argparse.ArgumentParser(prog="python -m benchmarks gguf-matmul-speed",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="4096,2048", help="N = K values (default 4096,2048)")

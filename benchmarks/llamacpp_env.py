@@ -75,5 +75,5 @@ def ensure_overlay(venv: Path, log: object = print) -> Path:
     return python
 
 
-if __name__ == "__main__":  # python -m benchmarks.llamacpp_env [VENV]
+if __name__ == "__main__":  # python -m benchmarks llamacpp-env [VENV]
     print(ensure_overlay(Path(sys.argv[1] if len(sys.argv) > 1 else ".cache/llamacpp-venv")))

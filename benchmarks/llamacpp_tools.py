@@ -1,8 +1,8 @@
 """llama.cpp's own command-line tools, compiled once into a cached side directory.
 
 Usage (from the repository root, in the dev venv):
-    python -m benchmarks.llamacpp_tools --build         # download, unpack, compile (~10-15 min)
-    python -m benchmarks.llamacpp_tools --print-paths   # where the tools are (exit 1: not built)
+    python -m benchmarks llamacpp-tools --build         # download, unpack, compile (~10-15 min)
+    python -m benchmarks llamacpp-tools --print-paths   # where the tools are (exit 1: not built)
 
 The benchmark's llama.cpp runs through the Python package (benchmarks/llamacpp_env.py);
 comparing at real sizes also wants llama.cpp's own programs on the same file:
@@ -167,7 +167,7 @@ def tool_path(name: str, root: Path = TOOLS_DIR) -> Path:
                          f"{CONVERTER}")
     if not is_built(root):
         raise FileNotFoundError(f"llama.cpp tools not built in {root} "
-                                f"(python -m benchmarks.llamacpp_tools --build)")
+                                f"(python -m benchmarks llamacpp-tools --build)")
     return tool_paths(root)[name]
 
 
@@ -182,7 +182,7 @@ def converter_command(root: Path = TOOLS_DIR) -> tuple[list[str], dict[str, str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.llamacpp_tools",
+    p = argparse.ArgumentParser(prog="python -m benchmarks llamacpp-tools",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build", action="store_true",

@@ -1,7 +1,7 @@
 """Random PEFT LoRA adapters for an artifact: what the LoRA benchmarks serve.
 
 Usage (from the repository root, in the dev venv):
-    python -m benchmarks.lora_adapters --model artifacts/smollm2-135m-instruct-lora \\
+    python -m benchmarks lora-adapters --model artifacts/smollm2-135m-instruct-lora \\
         --out adapters/bench --count 4 --rank 16
 
 Writes ``--count`` adapters (``OUT/lora0``, ``OUT/lora1`` ...), each a PEFT directory
@@ -125,7 +125,7 @@ def write_adapters(artifact: Path, out: Path, count: int, rank: int, alpha: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.lora_adapters",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks lora-adapters",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True,
                         help="artifact with the adapter graph (engine_mixed_lora.onnx)")

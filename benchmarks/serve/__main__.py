@@ -3,29 +3,29 @@ as a Poisson process (or all at once), TTFT / TPOT / ITL / E2E, throughput and g
 
 Usage (from the repository root, in the dev venv):
     # against a running server (the artifact gives the tokenizer that sizes the prompts)
-    python -m benchmarks.serve --url http://127.0.0.1:8000 --model artifacts/default \\
+    python -m benchmarks serve --url http://127.0.0.1:8000 --model artifacts/default \\
         --workload random --input-len 128 --output-len 64 --num-prompts 100 \\
         --request-rate 2,8,inf --max-concurrency 32 --goodput ttft:500 tpot:50
     # or let it start `attnserve serve --model ARTIFACT` on a free port for the run
-    python -m benchmarks.serve --model artifacts/default --workload shared-prefix \\
+    python -m benchmarks serve --model artifacts/default --workload shared-prefix \\
         --num-prefixes 4 --prefix-len 192 --suffix-len 32 --output-len 32 \\
         --server-env ATTNSERVE_MAX_BATCH_SIZE=32
     # two-turn chats on the model's own template, one shared system prompt
-    python -m benchmarks.serve --model artifacts/default --workload chat --num-prefixes 1 \\
+    python -m benchmarks serve --model artifacts/default --workload chat --num-prefixes 1 \\
         --prefix-len 256 --suffix-len 24 --output-len 32 --max-concurrency 4
     # decode latency while /attention is flooded (20 at once, every second)
-    python -m benchmarks.serve --model artifacts/default --attention-flood 20
+    python -m benchmarks serve --model artifacts/default --attention-flood 20
     # running streams' inter-token gaps while a maximum-length prompt joins, every 4 s
-    python -m benchmarks.serve --model artifacts/default --long-join-interval 4
+    python -m benchmarks serve --model artifacts/default --long-join-interval 4
     # continuous batching against the same requests as static batches of 32 (in process),
     # three rounds with the static reference measured around each: the median ratio counts
-    python -m benchmarks.serve --model artifacts/default --backend openai --ignore-eos \\
+    python -m benchmarks serve --model artifacts/default --backend openai --ignore-eos \\
         --input-len 64 --output-len 128 --num-prompts 96 --max-concurrency 32 \\
         --static-baseline --rounds 3
     # LoRA adapters: request i names the i-th entry of --adapters, round-robin (an empty
     # entry: the base), as OpenAI's model or TGI's adapter_id; the server it starts serves
     # --lora-modules (benchmarks/lora_adapters.py writes random ones)
-    python -m benchmarks.serve --model artifacts/default --backend openai --ignore-eos \
+    python -m benchmarks serve --model artifacts/default --backend openai --ignore-eos \
         --lora-modules lora0=adapters/bench/lora0 lora1=adapters/bench/lora1 \
         --adapters lora0,lora1, --max-concurrency 16 --num-prompts 64
 
@@ -112,7 +112,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="base URL of a running server; without it, the benchmark "
                                  "starts `attnserve serve --model ARTIFACT` itself")
@@ -472,7 +472,7 @@ def handle(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                       if args.attention_flood else None)
     out = args.result_dir or Path("results/serve") / f"{date.today()}-{args.workload}"
     out.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks.serve " + shlex.join(
+    command = "python -m benchmarks serve " + shlex.join(
         sys.argv[1:] if argv is None else argv)
 
     static = _static_baseline(args, requests) if args.static_baseline else None

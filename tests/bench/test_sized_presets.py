@@ -89,7 +89,7 @@ def test_manifest_records_the_files_and_a_second_call_reuses_them(
 
 
 def test_tool_path_names_the_build_command_when_not_built(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="llamacpp_tools --build"):
+    with pytest.raises(FileNotFoundError, match="llamacpp-tools --build"):
         llamacpp_tools.tool_path("llama-quantize", tmp_path)
     with pytest.raises(ValueError, match=r"unknown llama\.cpp tool"):
         llamacpp_tools.tool_path("llama-cli", tmp_path)
