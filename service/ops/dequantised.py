@@ -89,16 +89,14 @@ def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
         external_data_helper.load_external_data_for_model(proto, str(base))
     graph = proto.graph
     stored = {init.name: init for init in graph.initializer}
+    dense: dict[str, np.ndarray] = {}  # W → its rows dequantised (N, K), once
     floats: dict[tuple[str, bool], str] = {}  # (W, transposed) → its float32 initializer
     used: set[str] = set()
     gguf_bytes: dict[str, int] = {}  # W → its stored bytes
-    float_bytes = 0
 
     def float_weight(node: onnx.NodeProto, transposed: bool) -> str:
-        nonlocal float_bytes
         name = node.input[1]
-        key = (name, transposed)
-        if key not in floats:
+        if name not in dense:
             if name not in stored:
                 raise ValueError(f"{node.op_type} node {node.name!r}: its weight {name!r} is "
                                  "not an initializer of the graph")
@@ -107,18 +105,19 @@ def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
             layout = layout.decode() if isinstance(layout, bytes) else layout
             rows = numpy_helper.to_array(stored[name])
             try:
-                weights = dequantise(rows, int(attrs["ggml_type"]), int(attrs["k"]), layout)
+                dense[name] = dequantise(rows, int(attrs["ggml_type"]), int(attrs["k"]),
+                                         layout)
             except (NotImplementedError, ValueError) as exc:  # gguf lacks the type
                 raise ValueError(
                     f"{node.op_type} node {node.name!r}: GGUF type {attrs['ggml_type']} "
                     f"cannot be dequantised here ({exc}); build the op library "
                     "(`make gguf-ops`) to serve this graph") from exc
-            if transposed:
-                weights = np.ascontiguousarray(weights.T)  # (K, N): MatMul's B
-            floats[key] = f"{name}.dequantised{'.t' if transposed else ''}"
-            graph.initializer.append(numpy_helper.from_array(weights, floats[key]))
             gguf_bytes[name] = rows.nbytes
-            float_bytes += weights.nbytes
+        key = (name, transposed)
+        if key not in floats:
+            weights = np.ascontiguousarray(dense[name].T) if transposed else dense[name]
+            floats[key] = f"{name}.dequantised{'.t' if transposed else ''}"  # .t: (K, N)
+            graph.initializer.append(numpy_helper.from_array(weights, floats[key]))
         return floats[key]
 
     for node in graph.node:
@@ -148,4 +147,5 @@ def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
     path = out_dir / "model.onnx"
     onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="weights.bin", size_threshold=1024)
+    float_bytes = sum(dense[name].nbytes for name, _ in floats)
     return path, gone, sum(gguf_bytes.values()), float_bytes
