@@ -8,7 +8,8 @@ The benchmark's llama.cpp runs through the Python package (benchmarks/llamacpp_e
 comparing at real sizes also wants llama.cpp's own programs on the same file:
 ``llama-batched-bench`` (its throughput table), ``llama-server`` (its HTTP serving),
 ``llama-quantize`` (its Q4_0 / Q4_K_M), ``llama-perplexity`` and ``llama-tokenize``
-(benchmarks/perplexity.py's ``--llama-perplexity``), plus ``convert_hf_to_gguf.py``, the
+(benchmarks/perplexity.py's ``--llama-perplexity``), ``llama-cvector-generator`` (control
+vectors in llama.cpp's own GGUF format, the reference for ours), plus ``convert_hf_to_gguf.py``, the
 Python converter that writes the f16 file they start from. All come from the very llama.cpp the
 pinned llama-cpp-python sdist vendors (``vendor/llama.cpp``), so the package and the tools
 agree on kernels and file format.
@@ -36,7 +37,7 @@ from benchmarks.llamacpp_env import BUILD_JOBS, LLAMA_CPP_PYTHON, NO_AMX
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOOLS_DIR = REPO_ROOT / ".cache" / "llamacpp-tools"
 TOOLS = ("llama-batched-bench", "llama-server", "llama-quantize", "llama-perplexity",
-         "llama-tokenize")
+         "llama-tokenize", "llama-cvector-generator")
 CONVERTER = "convert_hf_to_gguf.py"
 BUILD_FLAGS_FILE = "build-flags.txt"
 # Static binaries (nothing to find at run time); the server without its web UI, which
