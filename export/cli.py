@@ -12,6 +12,7 @@ Usage:
     attnserve eval --model artifacts/default --data stdlib
     attnserve eval --ckpt checkpoints/default --data stdlib --json results/eval-torch.json
     attnserve eval --model ART --data notes.txt --max-tokens 8192 --window 512 --stride 256
+    attnserve steer --ckpt CKPT --pairs pairs.jsonl --out happy.gguf [--method mean]
 
 Parsers and handlers only, nothing heavy imported at module level: the root CLI registers
 these parsers even where numpy and torch are not installed.
@@ -98,6 +99,7 @@ def register(subparsers: Any) -> None:
                         "is built, else nbits, said in one line (docs/kernels.md)")
     p.set_defaults(handler=run)
     _register_eval(subparsers)
+    _register_steer(subparsers)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,4 +233,42 @@ def run_eval(args: argparse.Namespace) -> int:
         write_text_atomic(Path(args.json), out + "\n")
     print(out)
     sys.stdout.flush()
+    return 0
+
+
+def _register_steer(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "steer", help="a control vector (llama.cpp's GGUF) from contrastive prompt pairs",
+        description="Make a control vector as llama.cpp's llama-cvector-generator does: the "
+                    "hidden-state differences of each positive and negative prompt after "
+                    "every layer but the last, reduced to one unit direction per layer, "
+                    "written as llama.cpp's control-vector GGUF file (llama-server "
+                    "--control-vector FILE). See docs/steering.md.")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory")
+    p.add_argument("--pairs", required=True, metavar="FILE.jsonl",
+                   help='one {"positive": "...", "negative": "..."} per line, prompts as '
+                        "the model reads them (no chat template is applied)")
+    p.add_argument("--out", required=True, metavar="VEC.gguf", help="control vector to write")
+    p.add_argument("--method", choices=["pca", "mean"], default="pca",
+                   help="pca (llama.cpp's default): the first principal component of the "
+                        "differences; mean: their mean")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="PyTorch threads (default: PyTorch's)")
+    p.set_defaults(handler=run_steer)
+
+
+def run_steer(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from export.steer import steer
+
+    out = steer(args.ckpt, args.pairs, args.out, args.method, args.force)
+    print(f"wrote {out} ({args.method}) from {args.pairs} in "
+          f"{time.perf_counter() - started:.1f}s")
     return 0

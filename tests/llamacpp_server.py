@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,8 +44,9 @@ class LlamaServer:
 
 
 @contextmanager
-def llama_server(model: Path, lora: Path | None = None, log: Path | None = None
-                 ) -> Iterator[LlamaServer]:
+def llama_server(model: Path, lora: Path | None = None, log: Path | None = None,
+                 args: Sequence[str] = ()) -> Iterator[LlamaServer]:
+    """``args``: more of llama-server's options (e.g. --control-vector-scaled FILE:SCALE)."""
     from benchmarks.lib.bound_port import wait_ready
     from benchmarks.llamacpp_tools import tool_path
 
@@ -58,6 +59,7 @@ def llama_server(model: Path, lora: Path | None = None, log: Path | None = None
             "-c", "512", "-t", "1", "--no-warmup"]
     if lora is not None:
         argv += ["--lora", str(lora)]
+    argv += list(args)
     out = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
