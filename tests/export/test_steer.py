@@ -1,8 +1,8 @@
 """`attnserve steer` (export/steer.py): control vectors from contrastive prompt pairs.
 
 The references are independent of the code under test: the hidden states computed block
-by block (GPT.embed / GPT.layer, one prompt at a time), the mean and numpy's SVD for the
-first principal component, the file read with gguf's own reader; and, where llama.cpp's
+by block (GPT.embed / GPT.layer, one prompt at a time), the mean and numpy's eigh of XᵀX
+for the first principal component, the file read with gguf's own reader; and, where llama.cpp's
 tools are built (`python -m benchmarks llamacpp-tools --build`; skipped otherwise), the
 vector llama-cvector-generator makes on the same model and prompts, and llama-server's
 greedy tokens with our vector loaded (--control-vector-scaled) against our steered
@@ -130,9 +130,9 @@ def test_the_pca_method_is_the_first_principal_component(checkpoint, tmp_path):
         rows, _ = expected_rows(checkpoint, PAIRS)
     got = file_directions(out)
     for i, x in enumerate(rows):
-        # uncentred, as cvector-generator's power iteration on XᵀX: X's first right
-        # singular vector, pointing where the mean difference points
-        first = np.linalg.svd(x, full_matrices=False)[2][0]
+        # uncentred, as cvector-generator's power iteration on XᵀX: XᵀX's top
+        # eigenvector, pointing where the mean difference points
+        first = np.linalg.eigh(x.T @ x)[1][:, -1]
         first = first if first @ x.mean(axis=0) >= 0 else -first
         np.testing.assert_allclose(got[f"direction.{i + 1}"], first, atol=1e-4)
         assert abs(got[f"direction.{i + 1}"] @ first) > 1 - 1e-6
@@ -246,7 +246,7 @@ def test_llama_cvector_generator_s_mean_vector_equals_ours(family, gguf_models, 
 def test_llama_cvector_generator_s_pca_vector_reads_in_ours(llama_gguf, tmp_path):
     """Read only: in llama.cpp 0.3.36 its PCA vector is no eigenvector of XᵀX (seen here:
     every eighth element 0, or blocks of 8 elements repeated, differing run to run); ours
-    is checked against numpy's SVD above."""
+    is checked against numpy's eigh of XᵀX above."""
     _, model_file = llama_gguf
     theirs = read_control_vector(generated("pca", model_file, tmp_path), d_model=64,
                                  n_layers=LLAMA_LAYERS)
