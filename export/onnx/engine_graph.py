@@ -11,8 +11,9 @@ Each row's cache starts at position 0 (no left padding); ``seqlens_k`` (total le
 per row) tells the kernel where a row ends. Learned (or sinusoidal) positions stay table
 lookups by ``position_ids``, outside the attention op; rotary models hand the kernel
 their cos/sin tables and their key/value head count instead. The skeleton below is the
-same for every family; the embeddings, norms, Q/K/V projection and MLP nodes are the
-architecture's (model/architectures/). Only the service uses this graph; model.onnx
+same for every family; the embeddings, norms, Q/K/V projection, MLP and LM head nodes are
+export/onnx/layers.py's, chosen by the model's description
+(model/architectures/description.py). Only the service uses this graph; model.onnx
 remains the contract graph for every other tool.
 
 Only the positions named by ``logits_index`` reach the LM head: a prefill wants each row's
@@ -35,7 +36,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from export.onnx.model_graphs import lm_head
+from export.onnx import layers
+from export.onnx.layers import CONTRIB
 from export.onnx.onnx_build import Graph, WeightsWriter, f32, make_model
 from export.verify.parity import (
     TorchReference,
@@ -45,7 +47,7 @@ from export.verify.parity import (
     top2_margin,
 )
 from model.architectures import architecture
-from model.architectures.base import CONTRIB
+from model.architectures.description import Description
 from model.gpt import GPT
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
@@ -119,16 +121,14 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
     ``weights``: store the large initializers there as they are made (export/onnx/onnx_build.py's
     :class:`Graph`), so the graph never holds them.
     """
-    cfg = gpt.config
-    arch = architecture(cfg.arch)
-    groups = _groups(cfg.n_layers, mixed)
+    form = architecture(gpt.config.arch).describe(gpt.config)
+    groups = _groups(len(form.layers), mixed)
     if mixed and not logits_index:
         raise ValueError("the mixed engine graph always takes logits_index")
-    nh, hs, d = cfg.n_heads, cfg.head_dim, cfg.d_model
-    eps = float(cfg.layer_norm_eps)
+    nh, hs, d = form.n_heads, form.head_dim, form.d_model
     g = Graph(weights)
-    rotary = arch.engine_tables(g, gpt)  # (cos, sin) for GroupQueryAttention, or None
-    rotary_local = arch.engine_local_tables(g, gpt)  # Gemma 3's window layers', or None
+    # (cos, sin) for GroupQueryAttention (and Gemma 3's window layers'), or None
+    rotary, rotary_local = layers.position_tables(g, form, gpt)
     minus1 = g.const("minus1", np.array([-1], np.int64))
     flat = g.const("shape_flat", np.array([-1, d], np.int64))  # [N, d]
     shapes_btc = []  # per group: [B, T, -1]
@@ -136,39 +136,39 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
         ids_shape = g.op("Shape", [r.ids], f"ids_shape{r.tag}")[0]  # [B, T]
         shapes_btc.append(g.op("Concat", [ids_shape, minus1], f"shape_btc{r.tag}",
                                axis=0)[0])
-    width = cfg.attention_width + 2 * cfg.kv_heads * hs  # q | k | v
+    width = form.attention_width + 2 * form.kv_heads * hs  # q | k | v
     # the attention output, (N, nh·hs): d wide unless the heads are wider (Qwen3)
-    flat_attn = flat if cfg.attention_width == d else g.const(
-        "shape_flat_attn", np.array([-1, cfg.attention_width], np.int64))
+    flat_attn = flat if form.attention_width == d else g.const(
+        "shape_flat_attn", np.array([-1, form.attention_width], np.int64))
     if mixed:  # both groups' tokens as one row, (1, N): the embedding sees one sequence
         row = g.const("shape_row", np.array([1, -1], np.int64))
         ids, pos = (g.op("Concat", [g.op("Reshape", [getattr(r, name), row],
                                          f"{name}_flat{r.tag}")[0] for r in groups],
                          f"{name}_row", axis=1)[0] for name in ("ids", "positions"))
         sizes = _sizes(g, [r.ids for r in groups], "tokens")  # [N1, N2]
-        chunk = _ChunkShapes(g, groups[1], width, d, cfg.vocab_size)
+        chunk = _ChunkShapes(g, groups[1], width, d, form.vocab_size)
         shapes_btc[1] = chunk.btc
     else:
         ids, pos = io.INPUT_IDS, io.POSITION_IDS
-    embed = arch.engine_embed(g, gpt, ids, pos)  # (B, T, d)
+    embed = layers.embed(g, form, gpt, ids, pos)  # (B, T, d)
     x = g.op("Reshape", [embed, flat], "embed_flat")[0]  # (N, d)
     blocks: list[Any] = list(gpt.blocks)
-    h = arch.engine_norm(g, x, blocks[0].ln_1, eps, "l0.ln1")  # (N, d)
+    h = layers.fused_norm(g, form, x, blocks[0].ln_1, "l0.ln1")  # (N, d)
     # a sliding window of W positions, the query's own included, is the kernel's
     # local_window_size W (checked against PyTorch by the export's verification)
-    for i, block in enumerate(blocks):
+    for i, (block, layer) in enumerate(zip(blocks, form.layers, strict=True)):
         a, p = block.attn, f"l{i}"
-        window: dict[str, int] = ({"local_window_size": int(cfg.sliding_window)}
-                                  if cfg.sliding_window is not None and cfg.windowed(i) else {})
+        window: dict[str, int] = ({"local_window_size": int(form.sliding_window)}
+                                  if form.sliding_window is not None and layer.windowed else {})
         rope: dict[str, int] = {"do_rotary": 0}
         tables: tuple[str, ...] = ()
-        if rotary is not None and cfg.rotates(i):  # the kernel rotates Q and K by each
-            rope = {"do_rotary": 1, "rotary_interleaved": 0}  # row's position
-            tables = rotary_local if rotary_local is not None and cfg.local_rotary(i) \
+        if rotary is not None and layer.rotary is not None:  # the kernel rotates Q and K
+            rope = {"do_rotary": 1, "rotary_interleaved": 0}  # by each row's position
+            tables = rotary_local if rotary_local is not None and layer.rotary == "local" \
                 else rotary
-        qkv = arch.engine_qkv(g, h, a, p, matmul_only)  # (N, nh·hs + 2·kv): q | k | v
-        if a.q_norm is not None:  # Qwen3: each head's query and key RMS-normalised first
-            qkv = _normed_qk(g, arch, qkv, a, cfg, eps, p)
+        qkv = layers.fused_qkv(g, form, h, a, p, matmul_only)  # (N, nh·hs + 2·kv): q | k | v
+        if form.qk_norm:  # Qwen3: each head's query and key RMS-normalised first
+            qkv = _normed_qk(g, form, qkv, a, p)
         parts = (g.op("Split", [qkv, sizes], f"{p}.qkv_split", n_out=len(groups), axis=0)
                  if mixed else [qkv])  # per group (N_g, d + 2·kv)
         attns = []
@@ -183,8 +183,8 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
                  *tables],
                 f"{p}.gqa{r.tag}", outputs=[f"{p}.attn{r.tag}", r.present[2 * i],
                                             r.present[2 * i + 1]],
-                domain=CONTRIB, num_heads=nh, kv_num_heads=cfg.kv_heads,
-                scale=float(1.0 / np.sqrt(hs)) if cfg.attn_scale is None else cfg.attn_scale,
+                domain=CONTRIB, num_heads=nh, kv_num_heads=form.kv_heads,
+                scale=float(1.0 / np.sqrt(hs)) if form.attn_scale is None else form.attn_scale,
                 **rope, **window)[0]  # (B, T, d)
             if r.tag:
                 attn = chunk.unpad(attn, f"{p}.attn_unpadded{r.tag}")  # (B, T, d)
@@ -192,21 +192,19 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
                               f"{p}.attn_flat{r.tag}")[0])  # (N_g, nh·hs)
         attn = g.op("Concat", attns, f"{p}.attn_all", axis=0)[0] if mixed else attns[0]
         o = g.op("MatMul", [attn, g.const(f"{p}.w_o", f32(a.w_o.weight).T)], f"{p}.o")[0]
-        o_bias = [g.const(f"{p}.b_o", f32(a.w_o.bias))] if a.w_o.bias is not None else []
-        if block.post_attn is not None:  # Gemma 3: attention's output normed first
+        o_bias = [g.const(f"{p}.b_o", f32(a.w_o.bias))] if form.out_bias else []
+        if form.post_norms:  # Gemma 3: attention's output normed first
             if o_bias:
                 o = g.op("Add", [o, o_bias[0]], f"{p}.o_b")[0]
-            o, o_bias = arch.engine_norm(g, o, block.post_attn, eps, f"{p}.post_attn"), []
+            o, o_bias = layers.fused_norm(g, form, o, block.post_attn, f"{p}.post_attn"), []
         # x + o (+ b_o) → x;  norm_2(x) → h
-        h, x = arch.engine_skip_norm(g, x, o, block.ln_2, o_bias, eps, f"{p}.ln2",
-                                     f"{p}.res1")
+        h, x = layers.skip_norm(g, form, x, o, block.ln_2, o_bias, f"{p}.ln2", f"{p}.res1")
         # x + mlp(h) → x;  the next block's norm_1(x) (the final norm after the last) → h
         last = i + 1 == len(blocks)
-        h, x = arch.engine_mlp(g, cfg, x, h, block.ffn, gpt.ln_f if last else blocks[i + 1].ln_1,
-                               p, "ln_f" if last else f"l{i + 1}.ln1", matmul_only,
-                               post_norm=block.post_ffn)
+        h, x = layers.fused_mlp(g, form, x, h, block, gpt.ln_f if last else blocks[i + 1].ln_1,
+                                p, "ln_f" if last else f"l{i + 1}.ln1", matmul_only)
     if not logits_index:
-        logits = lm_head(g, gpt, h, matmul_only)  # (B·T, V)
+        logits = layers.lm_head(g, form, gpt, h, matmul_only)  # (B·T, V)
         g.op("Reshape", [logits, shapes_btc[0]], "logits_bkv", outputs=[io.LOGITS])
         return _model(g, gpt, groups, logits_index)
     hs_ = g.op("Split", [h, sizes], "h_split", n_out=len(groups), axis=0) if mixed else [h]
@@ -223,7 +221,7 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
         shapes_out.append(g.op("Concat", [index_shape, chunk.vocab if r.tag else minus1],
                                f"shape_bkc{r.tag}", axis=0)[0])  # [B, K, V or -1]
     h = g.op("Concat", picked, "h_picked", axis=0)[0] if mixed else picked[0]
-    logits = lm_head(g, gpt, h, matmul_only)  # (ΣB·K, V): the head read once
+    logits = layers.lm_head(g, form, gpt, h, matmul_only)  # (ΣB·K, V): the head read once
     if mixed:
         counts = _sizes(g, [r.index for r in groups], "picked")  # [B1·K1, B2·K2]
         parts = g.op("Split", [logits, counts], "logits_split", n_out=len(groups), axis=0)
@@ -272,10 +270,10 @@ class _ChunkShapes:
         return self.g.op("Slice", [attn, self.start, self.t, self.axis1], name)[0]  # (B, T, d)
 
 
-def _normed_qk(g: Graph, arch: Any, qkv: str, attn: Any, cfg: Any, eps: float, p: str) -> str:
+def _normed_qk(g: Graph, form: Description, qkv: str, attn: Any, p: str) -> str:
     """(N, nh·hs + 2·kv) with each head's query and key normalised over hs by the
-    architecture's fused norm (GroupQueryAttention then rotates them), values as they were."""
-    nh, nkv, hs = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    model's fused norm (GroupQueryAttention then rotates them), values as they were."""
+    nh, nkv, hs = form.n_heads, form.kv_heads, form.head_dim
     q, k, v = g.op("Split", [qkv, g.const("split_q_k_v", np.array([nh * hs, nkv * hs, nkv * hs],
                                                                    np.int64))],
                    f"{p}.q_k_v", n_out=3, axis=-1)
@@ -284,7 +282,7 @@ def _normed_qk(g: Graph, arch: Any, qkv: str, attn: Any, cfg: Any, eps: float, p
         by_head = g.op("Reshape", [part, g.const(f"shape_heads{heads}",
                                                  np.array([-1, heads, hs], np.int64))],
                        f"{p}.{kind}_heads")[0]  # (N, heads, hs)
-        by_head = arch.engine_norm(g, by_head, norm, eps, f"{p}.{kind}_norm")  # (N, heads, hs)
+        by_head = layers.fused_norm(g, form, by_head, norm, f"{p}.{kind}_norm")  # (N, heads, hs)
         normed.append(g.op("Reshape", [by_head, g.const(f"shape_width{heads}", np.array(
             [-1, heads * hs], np.int64))], f"{p}.{kind}_normed")[0])  # (N, heads·hs)
     return g.op("Concat", [*normed, v], f"{p}.qkv_normed", axis=-1)[0]

@@ -11,10 +11,10 @@ as model/rotary.py forms them, grouped-query attention by folding each group's q
 heads into the query axis (the cache is multiplied as it is, never repeated). Only
 standard ONNX operators are used, so any runtime can read the contract graph; ONNX
 Runtime fuses them (LayerNorm, Gelu, MatMul(Q, Transpose(K)) → FusedMatMul) when a
-session loads. The norm and MLP nodes are the architecture's (model/architectures/);
-attention, masks, positions and the LM head are written here for every family. Weight
-names and layouts are shared with engine.onnx (export/onnx/onnx_build.py stores each tensor
-once for all three).
+session loads. The norm, MLP and LM head nodes are export/onnx/layers.py's, chosen by the
+model's description (model/architectures/description.py); attention, masks and positions
+are written here for every family. Weight names and layouts are shared with engine.onnx
+(export/onnx/onnx_build.py stores each tensor once for all three).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from export.onnx import layers
 from export.onnx.onnx_build import Graph, WeightsWriter, f32, make_model
 from model.architectures import architecture
-from model.architectures.base import qkv_bias, qkv_weight
 from model.config import GPTConfig
 from model.gpt import GPT
 from service.contract import io_spec as io
@@ -45,22 +45,6 @@ def grouped_kv(cfg: GPTConfig) -> bool:
     return cfg.kv_heads != cfg.n_heads
 
 
-def head_weight(gpt: GPT) -> np.ndarray:
-    """The LM head as (V, d), read by Gemm(transB=1): for a tied model these are the
-    embedding's own bytes, so the artifact stores the matrix once."""
-    return f32(gpt.lm_head.weight)
-
-
-def lm_head(g: Graph, gpt: GPT, h: str, matmul: bool) -> str:
-    """Logits (N, V) of flat hidden states (N, d): Gemm(transB=1) over the (V, d) head,
-    for a tied model the embedding matrix itself (stored once); a MatMul over its transpose
-    where weight quantisation must see one (it rewrites MatMul nodes only)."""
-    if matmul:
-        return g.one("MatMul", [h, g.const("lm_head.w", head_weight(gpt).T)], "lm_head")
-    name = "tok_emb" if gpt.config.tie_weights else "lm_head.weight"
-    return g.one("Gemm", [h, g.const(name, head_weight(gpt))], "lm_head", transB=1)
-
-
 class DecoderBuilder:
     """The nodes of one decoder graph; ``cached`` adds past/present, ``introspect`` adds
     every layer's attention intermediates as outputs."""
@@ -68,35 +52,28 @@ class DecoderBuilder:
     def __init__(self, gpt: GPT, cached: bool, introspect: bool,
                  kv_dtype: io.KvDtype = "float32", matmul_head: bool = False,
                  weights: WeightsWriter | None = None) -> None:
-        self.gpt, self.cfg = gpt, gpt.config
-        self.arch = architecture(gpt.config.arch)
+        self.gpt = gpt
+        self.form = architecture(gpt.config.arch).describe(gpt.config)
         self.cached, self.introspect, self.kv_dtype = cached, introspect, kv_dtype
         self.matmul_head = matmul_head
         self.g = Graph(weights)
         self.outputs: list[str] = []
 
     # -- leaves --------------------------------------------------------------------------
-    def _linear(self, x: str, weight: np.ndarray, bias: np.ndarray | None, name: str) -> str:
-        g = self.g
-        y = g.one("MatMul", [x, g.const(f"{name}.w", weight)], f"{name}.mm")
-        if bias is not None:
-            y = g.one("Add", [y, g.const(f"{name}.b", bias)], name)
-        return y
-
     def _norm(self, x: str, module: Any, name: str) -> str:
-        return self.arch.graph_norm(self.g, x, module, float(self.cfg.layer_norm_eps), name)
+        return layers.norm(self.g, self.form, x, module, name)
 
     def _heads(self, x: str, heads: int, name: str) -> str:
         """(B, T, heads·hs) → (B, heads, T, hs)."""
         g = self.g
         shaped = g.one("Reshape", [x, g.ints(f"shape_heads{heads}",
-                                             [0, 0, heads, self.cfg.head_dim])], f"{name}.bthd")
+                                             [0, 0, heads, self.form.head_dim])], f"{name}.bthd")
         return g.one("Transpose", [shaped], name, perm=[0, 2, 1, 3])
 
     def _rotate(self, x: str, cos: str, sin: str, name: str) -> str:
         """x·cos + rotate_half(x)·sin (model/rotary.py's layout), over the first rd
         dimensions of each head (all of them but under partial rotary)."""
-        g, rd, hs = self.g, self.cfg.rotary_dims, self.cfg.head_dim
+        g, rd, hs = self.g, self.form.rotary_dims, self.form.head_dim
         kept = None
         if rd < hs:  # (…, rd) turn, (…, hs − rd) pass
             x, kept = g.op("Split", [x, g.ints("split_rotary", [rd, hs - rd])],
@@ -138,16 +115,16 @@ class DecoderBuilder:
                                    g.const("neg_inf", np.array(-np.inf, np.float32))],
                          f"mask_bias{tag}")
 
-        cfg = self.cfg
-        if cfg.sliding_window is None:
+        form = self.form
+        if form.sliding_window is None:
             every = bias(causal, "")
             return every, every
         # only the last W positions (Mistral's layers, Gemma 3's window layers)
         near = g.one("Less", [g.one("Sub", [query, key], "distance"),
-                              g.const("window", np.array(cfg.sliding_window, np.int64))],
+                              g.const("window", np.array(form.sliding_window, np.int64))],
                      "in_window")
         local = bias(g.one("And", [causal, near], "causal_window"), "_window")  # (T, S)
-        return (local if not cfg.window_layers else bias(causal, "")), local
+        return (bias(causal, "") if form.global_layers else local), local
 
     def _rotary(self, rotary: Any, pos: str, p: str = "rope") -> tuple[str, str]:
         """cos, sin (B, 1, T, hs) from the positions ``pos`` (B, T, 1), as ``rotary``
@@ -169,15 +146,16 @@ class DecoderBuilder:
     # -- the block -----------------------------------------------------------------------
     def _attention(self, i: int, h: str, bias: str, rotary: tuple[str, str] | None) -> str:
         block: Any = self.gpt.blocks[i]
-        g, cfg, attn = self.g, self.cfg, block.attn
-        p, nh, nkv, hs = f"l{i}", cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        kv, width = nkv * hs, cfg.attention_width
-        qkv = self._linear(h, qkv_weight(attn), qkv_bias(attn), f"{p}.qkv")  # (B, T, w + 2kv)
+        g, form, attn = self.g, self.form, block.attn
+        p, nh, nkv, hs = f"l{i}", form.n_heads, form.kv_heads, form.head_dim
+        kv, width = nkv * hs, form.attention_width
+        qkv = layers.linear(g, h, layers.qkv_weight(attn), layers.qkv_bias(attn),
+                            f"{p}.qkv")  # (B, T, w + 2kv)
         q, k, v = g.op("Split", [qkv, g.ints(f"split_qkv{kv}", [width, kv, kv])],
                        f"{p}.split", n_out=3, axis=-1)
         q, k, v = (self._heads(q, nh, f"{p}.q"), self._heads(k, nkv, f"{p}.k_new"),
                    self._heads(v, nkv, f"{p}.v_new"))  # (B, heads, T, hs)
-        if attn.q_norm is not None:  # Qwen3: each head's query and key, over hs
+        if form.qk_norm:  # Qwen3: each head's query and key, over hs
             q = self._norm(q, attn.q_norm, f"{p}.q_norm")
             k = self._norm(k, attn.k_norm, f"{p}.k_norm")
         if rotary is not None:
@@ -200,12 +178,12 @@ class DecoderBuilder:
         kt = g.one("Transpose", [k], f"{p}.kt", perm=[0, 1, 3, 2])  # (B, nkv, hs, S)
         scores = g.one("Reshape", [g.one("MatMul", [qg, kt], f"{p}.qk"), by_head],
                        f"{p}.scores")  # (B, nh, T, S)
-        if cfg.attn_scale is None:  # QKᵀ/√hs, as PyTorch's attention divides
+        if form.attn_scale is None:  # QKᵀ/√hs, as PyTorch's attention divides
             raw = g.one("Div", [scores, g.const(f"sqrt_hs{hs}", np.array(
                 math.sqrt(hs), np.float32))], f"{p}.scaled_raw")
         else:  # Gemma 3's query_pre_attn_scalar^-1/2, multiplied as transformers does
             raw = g.one("Mul", [scores, g.const("attn_scale", np.array(
-                cfg.attn_scale, np.float32))], f"{p}.scaled_raw")
+                form.attn_scale, np.float32))], f"{p}.scaled_raw")
         scaled = g.one("Add", [raw, bias], f"{p}.scaled")
         weights = g.one("Softmax", [scaled], f"{p}.weights", axis=-1)  # (B, nh, T, S)
         ctx = g.one("MatMul", [g.one("Reshape", [weights, g.ints("shape_grouped_s",
@@ -217,67 +195,64 @@ class DecoderBuilder:
         merged = g.one("Reshape", [ctx, g.ints("shape_merge", [0, 0, width])], f"{p}.ctx")
         if self.introspect:
             self._record(i, q, k, v, scores, scaled, weights)
-        b_o = f32(attn.w_o.bias) if attn.w_o.bias is not None else None
-        return self._linear(merged, f32(attn.w_o.weight).T, b_o, f"{p}.o")  # (B, T, d)
+        b_o = f32(attn.w_o.bias) if self.form.out_bias else None
+        return layers.linear(g, merged, f32(attn.w_o.weight).T, b_o, f"{p}.o")  # (B, T, d)
 
     def _record(self, i: int, *values: str) -> None:
         """Name layer i's intermediates as outputs; k and v per query head (GQA: repeated)."""
-        g, cfg = self.g, self.cfg
-        rep = cfg.n_heads // cfg.kv_heads
+        g, form = self.g, self.form
+        rep = form.n_heads // form.kv_heads
         for kind, value in zip(io.ATTENTION_KINDS, values, strict=True):
             if kind in ("k", "v") and rep > 1:
                 value = g.one("Reshape", [g.one("Tile", [
                     g.one("Unsqueeze", [value, g.ints("axis2", [2])], f"l{i}.{kind}_5d"),
                     g.ints("tile_rep", [1, 1, rep, 1, 1])], f"l{i}.{kind}_tiled"),
-                    g.ints("shape_by_head_hs", [0, cfg.n_heads, -1, cfg.head_dim])],
+                    g.ints("shape_by_head_hs", [0, form.n_heads, -1, form.head_dim])],
                     f"l{i}.{kind}_per_head")
             name = io.attention_output_name(i, kind)
             g.op("Identity", [value], f"{name}.id", outputs=[name])
             self.outputs.append(name)
 
-    def _ffn(self, i: int, h: str) -> str:
-        block: Any = self.gpt.blocks[i]
-        return self.arch.graph_mlp(self.g, h, block.ffn, self.cfg, f"l{i}", self._linear)
-
     def _logits(self, x: str) -> None:
-        g, cfg = self.g, self.cfg
+        g, form = self.g, self.form
         h = self._norm(x, self.gpt.ln_f, "ln_f")  # (B, T, d)
-        flat = g.one("Reshape", [h, g.ints("shape_flat", [-1, cfg.d_model])], "ln_f_flat")
-        logits = lm_head(g, self.gpt, flat, self.matmul_head)  # (N, V)
+        flat = g.one("Reshape", [h, g.ints("shape_flat", [-1, form.d_model])], "ln_f_flat")
+        logits = layers.lm_head(g, self.form, self.gpt, flat, self.matmul_head)  # (N, V)
         shape = g.one("Concat", ["ids_shape", g.ints("minus1", [-1])], "shape_btv", axis=0)
         g.op("Reshape", [logits, shape], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
 
     def build(self) -> None:
-        g, gpt, cfg = self.g, self.gpt, self.cfg
+        g, gpt, form = self.g, self.gpt, self.form
         every, local = self._mask_biases()
         x = g.one("Gather", [g.const("tok_emb", f32(gpt.tok_emb.weight)), io.INPUT_IDS],
                   "tok_gather")  # (B, T, d)
         rotary = rotary_local = None
-        if gpt.rotary is not None:
+        if form.rotary:
             pos = g.one("Unsqueeze", [g.one("Cast", [io.POSITION_IDS], "pos_f",
                                             to=TensorProto.FLOAT), g.ints("axis_last", [-1])],
                         "pos_col")  # (B, T, 1)
             rotary = self._rotary(gpt.rotary, pos)
             if gpt.rotary_local is not None:
                 rotary_local = self._rotary(gpt.rotary_local, pos, "rope_local")
-            if cfg.embed_scale:  # Gemma: √d in float32
-                x = g.one("Mul", [x, g.const("embed_scale", np.array(cfg.d_model ** 0.5,
+            if form.embed_scale is not None:  # Gemma: √d in float32
+                x = g.one("Mul", [x, g.const("embed_scale", np.array(form.embed_scale,
                                                                      np.float32))], "embed")
         else:
             table: Any = gpt.pos_emb.weight if gpt.pos_emb is not None else gpt.pos_table
             x = g.one("Add", [x, g.one("Gather", [g.const("pos_emb", f32(table)),
                                                  io.POSITION_IDS], "pos_gather")], "embed")
-        for i, block in enumerate(gpt.blocks):
-            turn = (rotary_local if cfg.local_rotary(i) else rotary) if cfg.rotates(i) else None
+        for i, (block, layer) in enumerate(zip(gpt.blocks, form.layers, strict=True)):
+            turn = {"global": rotary, "local": rotary_local, None: None}[layer.rotary]
             a = self._attention(i, self._norm(x, block.ln_1, f"l{i}.ln1"),
-                                local if cfg.windowed(i) else every, turn)
+                                local if layer.windowed else every, turn)
             if self.introspect and i == len(gpt.blocks) - 1:
                 break  # nothing after the last layer's attention is an output
-            if block.post_attn is not None:  # Gemma 3's sandwich
+            if form.post_norms:  # Gemma 3's sandwich
                 a = self._norm(a, block.post_attn, f"l{i}.post_attn")
             x = g.one("Add", [x, a], f"l{i}.res1")
-            f = self._ffn(i, self._norm(x, block.ln_2, f"l{i}.ln2"))
-            if block.post_ffn is not None:
+            f = layers.mlp(g, form, self._norm(x, block.ln_2, f"l{i}.ln2"), block.ffn,
+                           f"l{i}")
+            if form.post_norms:
                 f = self._norm(f, block.post_ffn, f"l{i}.post_ffn")
             x = g.one("Add", [x, f], f"l{i}.res2")  # (B, T, d)
         if not self.introspect:

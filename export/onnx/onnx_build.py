@@ -26,9 +26,6 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from model.architectures.base import StandIn
-from model.architectures.base import f32 as base_f32
-
 WEIGHTS_FILE = "weights.bin"
 # Tensors below this many bytes (shape constants, scalars, norm scales of small models)
 # stay inside the graph file; larger ones go to weights.bin.
@@ -86,11 +83,24 @@ class Graph:
         return self.op(op_type, inputs, name, domain=domain, **attrs)[0]
 
 
+class StandIn(np.ndarray):
+    """The shape of a weight whose values are not in memory: a parameter left on the meta
+    device because the export builds it from a GGUF file's blocks (model/gguf/reader.py
+    HeldWeights). A read-only view of one float32 zero; ``.T`` is one too; a graph stores
+    it as a :func:`placeholder` that export/gguf/blocks.py replaces."""
+
+
+def stand_in(shape: tuple[int, ...]) -> StandIn:
+    return np.broadcast_to(np.zeros((), np.float32), shape).view(StandIn)
+
+
 def f32(tensor: Any) -> np.ndarray:
-    """A torch tensor (or array) as contiguous float32 numpy; a StandIn for a tensor on the
-    meta device (model/architectures/base.py)."""
+    """A torch tensor (or array) as contiguous float32 numpy, what every initializer is; a
+    :class:`StandIn` for a tensor on the meta device."""
+    if getattr(tensor, "is_meta", False):
+        return stand_in(tuple(tensor.shape))
     if hasattr(tensor, "detach"):
-        return base_f32(tensor)
+        tensor = tensor.detach().float().cpu().numpy()
     return np.ascontiguousarray(tensor, dtype=np.float32)
 
 

@@ -7,25 +7,27 @@ differs between families, in the three vocabularies a model passes through:
   GGUF metadata → config.json;
 - weights: Hugging Face names ↔ ours, llama.cpp's GGUF names → ours, and the layout
   transforms between them (GPT-2's Conv1D transposes, llama.cpp's Q/K row permutation);
-- computation: the PyTorch block and final norm, and the per-family nodes of the ONNX
-  graphs (norm op, MLP form, embeddings) that export/onnx/model_graphs.py and
-  export/onnx/engine_graph.py wrap with the parts every family shares (attention, masks,
-  positions, LM head, I/O).
+- computation: the PyTorch block and final norm, and the model's
+  :class:`~model.architectures.description.Description` (its norm, MLP form and the
+  config's options as plain values), from which export/onnx/layers.py writes every
+  family's ONNX graphs.
 
-This module imports neither torch nor a project module, so model/config.py can consult
-the registry while staying torch-free; the architectures read a config through the
-read-only :class:`ModelConfig` view that model.config.GPTConfig satisfies.
+This module imports neither torch nor a project module but the torch-free description.py,
+so model/config.py can consult the registry while staying torch-free; the architectures
+read a config through the read-only :class:`ModelConfig` view that model.config.GPTConfig
+satisfies.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
+
+from model.architectures.description import Description, LayerDescription, MlpForm, NormKind
 
 if TYPE_CHECKING:
     import gguf
@@ -102,61 +104,7 @@ class ModelConfig(Protocol):
     def kv_heads(self) -> int: ...
 
 
-class GraphWriter(Protocol):
-    """The node writer the graph builders hand an architecture (export/onnx/onnx_build.Graph)."""
-
-    def const(self, name: str, array: np.ndarray) -> str: ...
-    def ints(self, name: str, values: list[int]) -> str: ...
-    def op(self, op_type: str, inputs: list[str], name: str, n_out: int = 1,
-           outputs: list[str] | None = None, domain: str = "", **attrs: Any) -> list[str]: ...
-    def one(self, op_type: str, inputs: list[str], name: str, domain: str = "",
-            **attrs: Any) -> str: ...
-
-
 Refuse = Callable[[str], Exception]  # reason → the exception an importer raises
-# The hooks below receive the family's own torch modules (model.gpt.GPT, its blocks and
-# their layers) and read their parameters by attribute name, hence ``Any``.
-Linear = Callable[[str, np.ndarray, "np.ndarray | None", str], str]  # x, (in, out) w, b, name
-CONTRIB = "com.microsoft"  # ONNX Runtime's fused operators, for engine.onnx only
-
-
-class StandIn(np.ndarray):
-    """The shape of a weight whose values are not in memory: a parameter left on the meta
-    device because the export builds it from a GGUF file's blocks (model/gguf/reader.py
-    HeldWeights). A read-only view of one float32 zero; ``.T`` is one too; a graph builder
-    stores it as a placeholder that export/gguf/blocks.py replaces (export/onnx/onnx_build.py)."""
-
-
-def stand_in(shape: tuple[int, ...]) -> StandIn:
-    return np.broadcast_to(np.zeros((), np.float32), shape).view(StandIn)
-
-
-def f32(tensor: Any) -> np.ndarray:
-    """A torch tensor as contiguous float32 numpy (what every graph initializer is); a
-    :class:`StandIn` for one on the meta device."""
-    if getattr(tensor, "is_meta", False):
-        return stand_in(tuple(tensor.shape))
-    return np.ascontiguousarray(tensor.detach().float().cpu().numpy(), dtype=np.float32)
-
-
-def bias_of(layer: Any) -> np.ndarray | None:
-    """An nn.Linear's bias as float32 numpy, or None."""
-    return None if layer.bias is None else f32(layer.bias)
-
-
-def qkv_weight(attn: Any) -> np.ndarray:
-    """Q | K | V projections side by side, (d, d + 2·kv): one MatMul for all three."""
-    parts = [attn.w_q.weight, attn.w_k.weight, attn.w_v.weight]
-    if any(p.is_meta for p in parts):  # from the file's blocks, all three (one tensor type)
-        return stand_in((parts[0].shape[1], sum(p.shape[0] for p in parts)))
-    return np.concatenate([f32(attn.w_q.weight).T, f32(attn.w_k.weight).T,
-                           f32(attn.w_v.weight).T], axis=1)
-
-
-def qkv_bias(attn: Any) -> np.ndarray | None:
-    if attn.w_q.bias is None:
-        return None
-    return np.concatenate([f32(attn.w_q.bias), f32(attn.w_k.bias), f32(attn.w_v.bias)])
 
 
 def gguf_key(meta: dict[str, Any], family: str, refuse: Refuse) -> Callable[[str], Any]:
@@ -217,6 +165,10 @@ class Architecture:
     hf_ignored_suffixes: tuple[str, ...] = ()  # buffers some files save beside weights
     hf_class: str = ""  # the transformers class(es) a weight mismatch is reported against
     hf_tokenizer_json_only: bool = False  # refuse vocab.json + merges.txt tokenizers
+    # What the block's norms and feed-forward layer are (the torch modules of block() and
+    # final_norm(); the ONNX writer reads them from describe()).
+    norm: NormKind = "layer"
+    mlp: MlpForm = "plain"
 
     # -- configuration -------------------------------------------------------------------
     def check_config(self, config: ModelConfig) -> list[str]:
@@ -347,71 +299,24 @@ class Architecture:
     def final_norm(self, config: ModelConfig) -> nn.Module:
         raise NotImplementedError
 
-    # -- model.onnx and attention.onnx (standard ONNX operators) -------------------------
-    def graph_norm(self, g: GraphWriter, x: str, norm: Any, eps: float,
-                   name: str) -> str:
-        raise NotImplementedError
-
-    def graph_activation(self, g: GraphWriter, x: str, kind: str, name: str) -> str:
-        """relu, gelu (exact) or gelu_tanh of ``x`` in standard ONNX operators."""
-        if kind == "relu":
-            return g.one("Relu", [x], name)
-        half, one = g.const("half", np.array(0.5, np.float32)), g.const("one", np.array(
-            1.0, np.float32))
-        if kind == "gelu":  # x · ½(1 + erf(x/√2)), exact
-            erf = g.one("Erf", [g.one("Div", [x, g.const("sqrt2", np.array(
-                math.sqrt(2.0), np.float32))], f"{name}.scaled")], f"{name}.erf")
-        else:  # gelu_tanh: x · ½(1 + tanh(√(2/π)(x + 0.044715x³)))
-            cube = g.one("Mul", [g.one("Pow", [x, g.const("three", np.array(3.0, np.float32))],
-                                       f"{name}.cube_raw"),
-                                 g.const("gelu_c", np.array(0.044715, np.float32))],
-                         f"{name}.cube")
-            inner = g.one("Mul", [g.one("Add", [x, cube], f"{name}.poly"),
-                                  g.const("gelu_k", np.array(math.sqrt(2 / math.pi),
-                                                             np.float32))], f"{name}.inner")
-            erf = g.one("Tanh", [inner], f"{name}.tanh")
-        gate = g.one("Add", [erf, one], f"{name}.gate")
-        return g.one("Mul", [g.one("Mul", [x, gate], f"{name}.xg"), half], name)
-
-    def graph_mlp(self, g: GraphWriter, h: str, mlp: Any, config: ModelConfig, prefix: str,
-                  linear: Linear) -> str:
-        """The feed-forward layer of hidden states (B, T, d) → (B, T, d)."""
-        raise NotImplementedError
-
-    # -- engine.onnx (ONNX Runtime's fused operators; hidden states flat, (N, d)) ---------
-    def engine_tables(self, g: GraphWriter, gpt: Any) -> tuple[str, str] | None:
-        """Declare the per-position tables first; rotary families return the (cos, sin)
-        tables GroupQueryAttention rotates Q and K with, the others None."""
-        raise NotImplementedError
-
-    def engine_embed(self, g: GraphWriter, gpt: Any, input_ids: str,
-                     position_ids: str) -> str:
-        """Token (and position) embeddings, (B, T, d)."""
-        raise NotImplementedError
-
-    def engine_norm(self, g: GraphWriter, x: str, norm: Any, eps: float,
-                    name: str) -> str:
-        raise NotImplementedError
-
-    def engine_skip_norm(self, g: GraphWriter, x: str, y: str, norm: Any,
-                         bias: list[str], eps: float, name: str, residual: str
-                         ) -> tuple[str, str]:
-        """(norm(x + y + bias), x + y + bias), named ``name`` and ``residual``."""
-        raise NotImplementedError
-
-    def engine_qkv(self, g: GraphWriter, h: str, attn: Any, prefix: str,
-                   matmul_only: bool) -> str:
-        """q | k | v of flat hidden states, (N, d + 2·kv)."""
-        raise NotImplementedError
-
-    def engine_mlp(self, g: GraphWriter, config: ModelConfig, x: str, h: str, mlp: Any,
-                   next_norm: Any, prefix: str, next_name: str, matmul_only: bool,
-                   post_norm: Any = None) -> tuple[str, str]:
-        """The feed-forward layer of ``h`` added to the residual ``x``, then the next norm
-        (the next block's first, or the final one): (normed, residual); ``post_norm``:
-        a norm of the layer's output before the residual (Gemma 3's sandwich)."""
-        raise NotImplementedError
-
-    def engine_local_tables(self, g: GraphWriter, gpt: Any) -> tuple[str, str] | None:
-        """The window layers' own rotary tables (Gemma 3), or None."""
-        return None
+    # -- the ONNX graphs -----------------------------------------------------------------
+    def describe(self, config: ModelConfig) -> Description:
+        """The model as export/onnx/layers.py writes it: this family's norm and MLP form,
+        the config's options, per layer its window and rotary tables."""
+        layers = tuple(LayerDescription(
+            windowed=config.windowed(i),
+            rotary=None if not config.rotates(i) else "local" if config.local_rotary(i)
+            else "global") for i in range(config.n_layers))
+        return Description(
+            vocab_size=config.vocab_size, d_model=config.d_model, n_heads=config.n_heads,
+            kv_heads=config.kv_heads, head_dim=config.head_dim,
+            rotary_dims=config.rotary_dims, max_seq_len=config.max_seq_len,
+            norm=self.norm, eps=float(config.layer_norm_eps), mlp=self.mlp,
+            activation=config.activation,
+            # the plain layer (GPT-2's) is always biased; the gated one as configured
+            mlp_bias=self.mlp == "plain" or config.mlp_bias,
+            qkv_bias=config.attn_bias or config.qkv_bias, out_bias=config.attn_bias,
+            rotary=config.position == "rope", sliding_window=config.sliding_window,
+            layers=layers, qk_norm=config.qk_norm, post_norms=config.post_norms,
+            embed_scale=config.d_model ** 0.5 if config.embed_scale else None,
+            attn_scale=config.attn_scale, tied_head=config.tie_weights)

@@ -18,20 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from model.architectures.base import (
-    CONTRIB,
-    Architecture,
-    GraphWriter,
-    Linear,
-    LoRATarget,
-    ModelConfig,
-    Refuse,
-    bias_of,
-    f32,
-    gguf_key,
-    qkv_bias,
-    qkv_weight,
-)
+from model.architectures.base import Architecture, LoRATarget, ModelConfig, Refuse, gguf_key
 from model.attention import CausalSelfAttention
 from model.block import PreNormBlock
 from model.config import GPTConfig
@@ -70,6 +57,8 @@ class Gpt2(Architecture):
     positions = ("learned", "sinusoidal")
     activations = ("relu", "gelu", "gelu_tanh")
     default_preset = "small"
+    norm = "layer"
+    mlp = "plain"
     hf_class = "GPT2LMHeadModel"
     # Buffers older transformers versions saved with the weights (the causal mask).
     hf_ignored_suffixes = (".attn.bias", ".attn.masked_bias")
@@ -294,93 +283,6 @@ class Gpt2(Architecture):
 
     def final_norm(self, config: ModelConfig) -> nn.Module:
         return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-
-    # -- model.onnx and attention.onnx ---------------------------------------------------
-    def graph_norm(self, g: GraphWriter, x: str, norm: Any, eps: float,
-                   name: str) -> str:
-        w = g.const(f"{name}.w", f32(norm.weight))
-        return g.one("LayerNormalization", [x, w, g.const(f"{name}.b", f32(norm.bias))],
-                     name, axis=-1, epsilon=eps)
-
-    def graph_mlp(self, g: GraphWriter, h: str, mlp: Any, config: ModelConfig,
-                  prefix: str, linear: Linear) -> str:
-        up = linear(h, f32(mlp.up.weight).T, bias_of(mlp.up), f"{prefix}.up")
-        act = self.graph_activation(g, up, config.activation, f"{prefix}.act")
-        return linear(act, f32(mlp.down.weight).T, bias_of(mlp.down), f"{prefix}.down")
-
-    # -- engine.onnx ---------------------------------------------------------------------
-    def engine_tables(self, g: GraphWriter, gpt: Any) -> tuple[str, str] | None:
-        """The token and position tables (learned or sinusoidal), gathered per token."""
-        g.const("tok_emb", f32(gpt.tok_emb.weight))  # (V, d)
-        table: Any = gpt.pos_emb.weight if gpt.pos_emb is not None else gpt.pos_table
-        g.const("pos_emb", f32(table))  # (L, d)
-        return None
-
-    def engine_embed(self, g: GraphWriter, gpt: Any, input_ids: str,
-                     position_ids: str) -> str:
-        return g.op("Add", [g.op("Gather", ["tok_emb", input_ids], "tok_gather")[0],
-                            g.op("Gather", ["pos_emb", position_ids], "pos_gather")[0]],
-                    "embed")[0]  # (B, T, d)
-
-    def engine_norm(self, g: GraphWriter, x: str, norm: Any, eps: float,
-                    name: str) -> str:
-        return g.op("LayerNormalization", [x, g.const(f"{name}.w", f32(norm.weight)),
-                                           g.const(f"{name}.b", f32(norm.bias))],
-                    name, axis=-1, epsilon=eps)[0]  # (N, d)
-
-    def engine_skip_norm(self, g: GraphWriter, x: str, y: str, norm: Any,
-                         bias: list[str], eps: float, name: str, residual: str
-                         ) -> tuple[str, str]:
-        h, x = g.op("SkipLayerNormalization",
-                    [x, y, g.const(f"{name}.w", f32(norm.weight)),
-                     g.const(f"{name}.b", f32(norm.bias)), *bias],
-                    name, outputs=[name, "", "", residual], domain=CONTRIB,
-                    epsilon=eps)[0::3]
-        return h, x
-
-    def engine_qkv(self, g: GraphWriter, h: str, attn: Any, prefix: str,
-                   matmul_only: bool) -> str:
-        p, w_qkv, b_qkv = prefix, qkv_weight(attn), qkv_bias(attn)  # (d, 3d): q | k | v
-        if b_qkv is None:
-            return g.op("MatMul", [h, g.const(f"{p}.w_qkv", w_qkv)], f"{p}.qkv")[0]  # (N, 3d)
-        if matmul_only:  # GPT-2's biases as an Add, so weight quantisation sees the MatMul
-            return g.op("Add", [g.op("MatMul", [h, g.const(f"{p}.w_qkv", w_qkv)],
-                                     f"{p}.qkv_mm")[0], g.const(f"{p}.b_qkv", b_qkv)],
-                        f"{p}.qkv")[0]  # (N, 3d)
-        return g.op("Gemm", [h, g.const(f"{p}.w_qkv", w_qkv), g.const(f"{p}.b_qkv", b_qkv)],
-                    f"{p}.qkv")[0]  # (N, 3d)
-
-    def engine_activation(self, g: GraphWriter, h: str, up_w: str, up_b: str,
-                          kind: str, prefix: str, matmul_only: bool) -> str:
-        """act(h·up_w + up_b), the bias folded into ORT's fused activation kernels."""
-        p = prefix
-        if kind == "relu" and matmul_only:
-            up = g.op("Add", [g.op("MatMul", [h, up_w], f"{p}.up_mm")[0], up_b], f"{p}.up")[0]
-            return g.op("Relu", [up], f"{p}.act")[0]  # (N, d_ff)
-        if kind == "relu":
-            return g.op("FusedGemm", [h, up_w, up_b], f"{p}.up", domain=CONTRIB,
-                        activation="Relu")[0]  # (N, d_ff)
-        up = g.op("MatMul", [h, up_w], f"{p}.up")[0]
-        if kind == "gelu_tanh":  # GPT-2's tanh approximation, bias folded in
-            return g.op("FastGelu", [up, up_b], f"{p}.act", domain=CONTRIB)[0]
-        return g.op("BiasGelu", [up, up_b], f"{p}.act", domain=CONTRIB)[0]  # exact (erf)
-
-    def engine_mlp(self, g: GraphWriter, config: ModelConfig, x: str, h: str, mlp: Any,
-                   next_norm: Any, prefix: str, next_name: str, matmul_only: bool,
-                   post_norm: Any = None) -> tuple[str, str]:
-        p, q, eps = prefix, next_name, float(config.layer_norm_eps)
-        up_w = g.const(f"{p}.up.w", f32(mlp.up.weight).T)
-        up_b = g.const(f"{p}.up.b", f32(mlp.up.bias))
-        act = self.engine_activation(g, h, up_w, up_b, config.activation, p, matmul_only)
-        down = g.op("MatMul", [act, g.const(f"{p}.down.w", f32(mlp.down.weight).T)],
-                    f"{p}.down")[0]  # (N, d), bias added inside the next SkipLayerNorm
-        # x + down + b_down → x;  next LN(x) → h
-        h, x = g.op("SkipLayerNormalization",
-                    [x, down, g.const(f"{q}.w", f32(next_norm.weight)),
-                     g.const(f"{q}.b", f32(next_norm.bias)),
-                     g.const(f"{p}.down.b", f32(mlp.down.bias))],
-                    q, outputs=[q, "", "", f"{p}.res2"], domain=CONTRIB, epsilon=eps)[0::3]
-        return h, x
 
 
 ARCHITECTURE = Gpt2()

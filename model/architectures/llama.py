@@ -21,25 +21,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.architectures.base import (
-    CONTRIB,
-    Architecture,
-    GraphWriter,
-    Linear,
-    LoRATarget,
-    ModelConfig,
-    Refuse,
-    bias_of,
-    f32,
-    gguf_key,
-    qkv_bias,
-    qkv_weight,
-)
+from model.architectures.base import Architecture, LoRATarget, ModelConfig, Refuse, gguf_key
 from model.attention import CausalSelfAttention
 from model.block import PreNormBlock
 from model.config import GPTConfig
@@ -158,6 +144,8 @@ class Llama(Architecture):
     split_biases = True
     head_options = True
     default_preset = "llama-small"
+    norm = "rms"
+    mlp = "gated"
     hf_class = ("LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / SmolLM3ForCausalLM / "
                 "MistralForCausalLM / Phi3ForCausalLM / Gemma3ForCausalLM")
     hf_tokenizer_json_only = True
@@ -532,121 +520,6 @@ class Llama(Architecture):
 
     def final_norm(self, config: ModelConfig) -> nn.Module:
         return RMSNorm(config.d_model, config.layer_norm_eps)
-
-    # -- model.onnx and attention.onnx ---------------------------------------------------
-    def graph_norm(self, g: GraphWriter, x: str, norm: Any, eps: float, name: str) -> str:
-        """RMSNorm: w · x / sqrt(mean(x²) + ε), the pattern ORT fuses into one kernel."""
-        w = g.const(f"{name}.w", f32(norm.weight))
-        var = g.one("ReduceMean", [g.one("Pow", [x, g.const("two", np.array(2.0, np.float32))],
-                                         f"{name}.sq"), g.ints("axis_last", [-1])],
-                    f"{name}.var", keepdims=1)  # (B, T, 1)
-        std = g.one("Sqrt", [g.one("Add", [var, g.const("rms_eps", np.array(eps, np.float32))],
-                                   f"{name}.var_eps")], f"{name}.std")
-        return g.one("Mul", [w, g.one("Div", [x, std], f"{name}.unit")], name)  # (B, T, d)
-
-    def graph_mlp(self, g: GraphWriter, h: str, mlp: Any, config: ModelConfig, prefix: str,
-                  linear: Linear) -> str:
-        """SwiGLU: down(silu(gate(h)) ⊙ up(h)); GeGLU with gelu_tanh (Gemma)."""
-        p = prefix
-        gate = linear(h, f32(mlp.gate.weight).T, bias_of(mlp.gate), f"{p}.gate")
-        if config.activation == "gelu_tanh":
-            silu = self.graph_activation(g, gate, "gelu_tanh", f"{p}.gelu")
-        else:
-            silu = g.one("Mul", [gate, g.one("Sigmoid", [gate], f"{p}.sig")], f"{p}.silu")
-        up = linear(h, f32(mlp.up.weight).T, bias_of(mlp.up), f"{p}.up")
-        act = g.one("Mul", [silu, up], f"{p}.glu")
-        return linear(act, f32(mlp.down.weight).T, bias_of(mlp.down), f"{p}.down")
-
-    # -- engine.onnx ---------------------------------------------------------------------
-    def engine_tables(self, g: GraphWriter, gpt: Any) -> tuple[str, str] | None:
-        """cos/sin of max_seq_len rows as model/rotary.py computes them, (L, hs/2) each:
-        GroupQueryAttention rotates Q and K itself (``do_rotary``)."""
-        return _tables(g, gpt.rotary, gpt.config.max_seq_len, "rope")
-
-    def engine_local_tables(self, g: GraphWriter, gpt: Any) -> tuple[str, str] | None:
-        """Gemma 3's window layers' tables, of their own rotary base; None elsewhere."""
-        if gpt.rotary_local is None:
-            return None
-        return _tables(g, gpt.rotary_local, gpt.config.max_seq_len, "rope_local")
-
-    def engine_embed(self, g: GraphWriter, gpt: Any, input_ids: str, position_ids: str) -> str:
-        x = g.op("Gather", [g.const("tok_emb", f32(gpt.tok_emb.weight)), input_ids],
-                 "tok_gather")[0]  # (B, T, d)
-        if gpt.config.embed_scale:  # Gemma: √d in float32
-            x = g.op("Mul", [x, g.const("embed_scale", np.array(gpt.config.d_model ** 0.5,
-                                                                np.float32))], "embed")[0]
-        return x
-
-    def engine_norm(self, g: GraphWriter, x: str, norm: Any, eps: float, name: str) -> str:
-        return g.op("SimplifiedLayerNormalization", [x, g.const(f"{name}.w", f32(norm.weight))],
-                    name, axis=-1, epsilon=eps)[0]  # (N, d)
-
-    def engine_skip_norm(self, g: GraphWriter, x: str, y: str, norm: Any, bias: list[str],
-                         eps: float, name: str, residual: str) -> tuple[str, str]:
-        h, x = g.op("SkipSimplifiedLayerNormalization",
-                    [x, y, g.const(f"{name}.w", f32(norm.weight)), *bias],
-                    name, outputs=[name, "", "", residual], domain=CONTRIB,
-                    epsilon=eps)[0::3]
-        return h, x
-
-    def _affine(self, g: GraphWriter, inp: str, w: str, b: str | None, name: str,
-                matmul_only: bool) -> str:
-        """inp·w (+ b): one Gemm, or MatMul + Add where weight quantisation must see it."""
-        if b is None:
-            return g.op("MatMul", [inp, w], name)[0]
-        if matmul_only:
-            return g.op("Add", [g.op("MatMul", [inp, w], f"{name}.mm")[0], b], name)[0]
-        return g.op("Gemm", [inp, w, b], name)[0]
-
-    def _linear(self, g: GraphWriter, inp: str, layer: Any, name: str, bias: bool,
-                matmul_only: bool) -> str:
-        w = g.const(f"{name}.w", f32(layer.weight).T)  # (in, out)
-        b = g.const(f"{name}.b", f32(layer.bias)) if bias else None
-        return self._affine(g, inp, w, b, name, matmul_only)
-
-    def engine_qkv(self, g: GraphWriter, h: str, attn: Any, prefix: str,
-                   matmul_only: bool) -> str:
-        raw_b_qkv = qkv_bias(attn)  # Qwen2 biases q | k | v
-        b_qkv = None if raw_b_qkv is None else g.const(f"{prefix}.b_qkv", raw_b_qkv)
-        return self._affine(g, h, g.const(f"{prefix}.w_qkv", qkv_weight(attn)), b_qkv,
-                            f"{prefix}.qkv", matmul_only)  # (N, d + 2·kv)
-
-    def engine_mlp(self, g: GraphWriter, config: ModelConfig, x: str, h: str, mlp: Any,
-                   next_norm: Any, prefix: str, next_name: str, matmul_only: bool,
-                   post_norm: Any = None) -> tuple[str, str]:
-        p, bias = prefix, config.mlp_bias
-        gate = self._linear(g, h, mlp.gate, f"{p}.gate", bias, matmul_only)  # (N, d_ff)
-        if config.activation == "gelu_tanh":  # GeGLU: ONNX Runtime's tanh-approximate GELU
-            silu = g.op("FastGelu", [gate], f"{p}.gelu", domain=CONTRIB)[0]
-        else:
-            silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sig")[0]], f"{p}.silu")[0]
-        act = g.op("Mul", [silu, self._linear(g, h, mlp.up, f"{p}.up", bias, matmul_only)],
-                   f"{p}.glu")[0]
-        down = g.op("MatMul", [act, g.const(f"{p}.down.w", f32(mlp.down.weight).T)],
-                    f"{p}.down")[0]  # (N, d)
-        down_bias = [g.const(f"{p}.down.b", f32(mlp.down.bias))] if bias else []
-        if post_norm is not None:  # Gemma 3: the MLP's output normed before the residual
-            if down_bias:
-                down = g.op("Add", [down, down_bias[0]], f"{p}.down_b")[0]
-            down = self.engine_norm(g, down, post_norm, float(config.layer_norm_eps),
-                                    f"{p}.post_ffn")
-            down_bias = []
-        return self.engine_skip_norm(g, x, down, next_norm, down_bias,
-                                     float(config.layer_norm_eps), next_name, f"{p}.res2")
-
-
-def _tables(g: GraphWriter, rotary: Any, length: int, name: str) -> tuple[str, str]:
-    """cos/sin of ``length`` rows as model/rotary.py computes them, (L, rd/2) each, times
-    LongRoPE's attention factor (1 elsewhere): GroupQueryAttention's rotary caches."""
-    inv_freq: Tensor = rotary.inv_freq
-    with torch.no_grad():
-        angles = (torch.arange(length)[:, None].float() * inv_freq).numpy()  # (L, rd/2)
-    # numpy's cos and sin, on one thread: once, an export's engine.onnx got a cos table
-    # whose rows past 4096 (the second of PyTorch's two threads' halves) were up to 1.5e-4
-    # off, its engine_mixed.onnx the right one; not seen again in thousands of calls
-    scale = np.float32(rotary.scale)
-    return (g.const(f"{name}.cos", np.cos(angles) * scale),  # (L, rd/2)
-            g.const(f"{name}.sin", np.sin(angles) * scale))  # (L, rd/2)
 
 
 _FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),

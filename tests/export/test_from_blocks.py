@@ -22,11 +22,10 @@ import torch
 
 from export.from_blocks import builds_from_blocks
 from export.onnx.engine_graph import EngineDecoder
-from export.onnx.onnx_build import Graph, WeightsWriter, is_placeholder, make_model
+from export.onnx.onnx_build import Graph, StandIn, WeightsWriter, f32, is_placeholder, make_model
 from export.to_onnx import export_artifact
 from export.verify.layerwise import LayerwiseReference
 from export.verify.parity import VerificationError, check_prompts, decoder_for
-from model.architectures.base import StandIn, f32
 from model.checkpoint import load_checkpoint
 from model.gguf.codes import DIRECT
 from model.gguf.to_checkpoint import import_gguf_checkpoint

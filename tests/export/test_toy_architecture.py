@@ -2,10 +2,12 @@
 
 The toy family below is GPT-2 with a squared-ReLU feed-forward layer (Primer, So et al.
 2021; Nemotron-4 uses it): its whole definition is the class in this file, registered at
-run time. A random model of it goes through the normal paths — checkpoint, `attnserve
-export` with --engine-graph (which verifies model.onnx and engine.onnx against PyTorch
-itself) — and the test then compares ONNX Runtime's logits with the PyTorch model's on
-its own, with a numpy reference for the new activation.
+run time, plus its one exception for the ONNX writer, the new activation's nodes (an
+entry in export/onnx/layers.py's ACTIVATIONS). A random model of it goes through the
+normal paths — checkpoint, `attnserve export` with --engine-graph (which verifies
+model.onnx and engine.onnx against PyTorch itself) — and the test then compares ONNX
+Runtime's logits with the PyTorch model's on its own, with a numpy reference for the new
+activation.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from export.onnx import layers
+from export.onnx.onnx_build import Graph
 from model.architectures import UnknownArchitecture, architecture, register, unregister
-from model.architectures.base import GraphWriter, ModelConfig
+from model.architectures.base import ModelConfig
 from model.architectures.gpt2 import Gpt2
 from model.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from model.config import GPTConfig
@@ -44,21 +48,17 @@ class Gpt2Relu2(Gpt2):
     def activation(self, config: ModelConfig) -> nn.Module:
         return SquaredReLU()
 
-    def graph_activation(self, g: GraphWriter, x: str, kind: str, name: str) -> str:
-        r = g.one("Relu", [x], f"{name}.relu")
-        return g.one("Mul", [r, r], name)
 
-    def engine_activation(self, g: GraphWriter, h: str, up_w: str, up_b: str, kind: str,
-                          prefix: str, matmul_only: bool) -> str:
-        up = g.op("Add", [g.op("MatMul", [h, up_w], f"{prefix}.up_mm")[0], up_b],
-                  f"{prefix}.up")[0]  # (N, d_ff)
-        r = g.op("Relu", [up], f"{prefix}.relu")[0]
-        return g.op("Mul", [r, r], f"{prefix}.act")[0]
+def relu2_nodes(g: Graph, x: str, name: str) -> str:
+    """relu(x)² in standard ONNX operators, for every graph the export writes."""
+    r = g.one("Relu", [x], f"{name}.relu")
+    return g.one("Mul", [r, r], name)
 
 
 @pytest.fixture
-def toy() -> Iterator[Gpt2Relu2]:
+def toy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gpt2Relu2]:
     arch = register(Gpt2Relu2())
+    monkeypatch.setitem(layers.ACTIVATIONS, "relu2", relu2_nodes)
     yield arch
     unregister(arch.name)
 
