@@ -216,9 +216,9 @@ def position_tables(g: Graph, form: Description, gpt: Any
         table: Any = gpt.pos_emb.weight if gpt.pos_emb is not None else gpt.pos_table
         g.const("pos_emb", f32(table))  # (L, d)
         return None, None
-    local = None if gpt.rotary_local is None else _tables(g, gpt.rotary_local,
-                                                          form.max_seq_len, "rope_local")
-    return _tables(g, gpt.rotary, form.max_seq_len, "rope"), local
+    every = _tables(g, gpt.rotary, form.max_seq_len, "rope")
+    return every, None if gpt.rotary_local is None else _tables(
+        g, gpt.rotary_local, form.max_seq_len, "rope_local")
 
 
 def _tables(g: Graph, rotary: Any, length: int, name: str) -> tuple[str, str]:
