@@ -7,6 +7,8 @@ converter writes), the Q/K layout against the converter's permutation
 
 from __future__ import annotations
 
+from typing import Any
+
 import gguf
 import numpy as np
 import pytest
@@ -126,3 +128,50 @@ def test_hf_names_round_trip_through_transformers(family: str) -> None:
         assert torch.equal(back[name], tensor), name
     ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
     assert (hf_model(ids).logits - model(ids).logits).abs().max() <= 1e-5
+
+
+LLAMA = {"arch": "llama", "position": "rope", "activation": "silu", "vocab_size": 16,
+         "d_model": 32, "n_heads": 2, "n_layers": 3, "d_ff": 24}
+DESCRIBED = {
+    "gpt2": {"vocab_size": 16, "d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 24,
+             "activation": "gelu_tanh", "attn_bias": True, "tie_weights": True},
+    "seeds": {"vocab_size": 16, "d_model": 32, "n_heads": 2, "n_layers": 2, "d_ff": 24,
+              "position": "sinusoidal"},
+    "qwen2": {**LLAMA, "n_kv_heads": 1, "qkv_bias": True},
+    "smollm3": {**LLAMA, "nope_layers": (2,)},
+    "mistral": {**LLAMA, "sliding_window": 4},
+    "gemma3": {**LLAMA, "activation": "gelu_tanh", "qk_norm": True, "head_size": 32,
+               "embed_scale": True, "post_norms": True, "attn_scale": 0.25,
+               "sliding_window": 4, "window_layers": (0, 1), "local_rope_theta": 100.0},
+    "llama-biased": {**LLAMA, "attn_bias": True, "mlp_bias": True},
+}
+
+
+@pytest.mark.parametrize("name", DESCRIBED)
+def test_the_description_says_what_the_torch_modules_compute(name: str) -> None:
+    """export/onnx/layers.py writes nodes from the description alone: each of its choices
+    must be what the family's torch modules (the reference the export verifies) hold."""
+    from model.architectures.llama import RMSNorm
+
+    config = GPTConfig(**DESCRIBED[name])
+    gpt: Any = GPT(config)
+    form = architecture(config.arch).describe(config)
+    block = gpt.blocks[0]
+    assert form.norm == ("rms" if isinstance(block.ln_1, RMSNorm) else "layer")
+    assert isinstance(block.ln_1, RMSNorm | torch.nn.LayerNorm)
+    assert form.mlp == ("gated" if hasattr(block.ffn, "gate") else "plain")
+    assert form.mlp_bias == (block.ffn.up.bias is not None)
+    assert form.qkv_bias == (block.attn.w_q.bias is not None)
+    assert form.out_bias == (block.attn.w_o.bias is not None)
+    assert form.qk_norm == (block.attn.q_norm is not None)
+    assert form.post_norms == (block.post_attn is not None)
+    assert form.rotary == (gpt.rotary is not None)
+    assert form.tied_head == (gpt.lm_head.weight is gpt.tok_emb.weight)
+    assert form.attention_width == block.attn.w_q.weight.shape[0]
+    expected = {"gemma3": [(True, "local"), (True, "local"), (False, "global")],
+                "smollm3": [(False, "global"), (False, "global"), (False, None)],
+                "mistral": [(True, "global")] * 3}.get(name)
+    if expected is not None:
+        assert [(layer.windowed, layer.rotary) for layer in form.layers] == expected
+    assert form.global_layers == (name != "mistral")
+    assert (form.embed_scale is not None) == (name == "gemma3")
