@@ -50,7 +50,7 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import date, datetime
 from pathlib import Path
 from typing import Any
@@ -76,24 +76,22 @@ from model.data import write_text_atomic
 WORKLOADS = ("random", "shared-prefix", "chat")
 
 
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected rates like 2,8,inf: {text!r}") from None
-    if not rates or any(not r > 0 for r in rates):
-        raise argparse.ArgumentTypeError(f"request rates must be positive: {text!r}")
-    return rates
+def _numbers(example: str, rule: str, ok: Callable[[float], bool]) -> Callable[[str], list[float]]:
+    """An option's type: comma-separated numbers, at least one, each ``ok``."""
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {example}: {text!r}") from None
+        if not values or not all(ok(v) for v in values):
+            raise argparse.ArgumentTypeError(f"{rule}: {text!r}")
+        return values
+    return parse
 
 
-def _percentiles(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected percentiles like 50,90,99: {text!r}") from None
-    if not values or any(not 0 < v < 100 for v in values):
-        raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100): {text!r}")
-    return values
+_rates = _numbers("rates like 2,8,inf", "request rates must be positive", lambda r: r > 0)
+_percentiles = _numbers("percentiles like 50,90,99", "percentiles must be in (0, 100)",
+                        lambda v: 0 < v < 100)
 
 
 def _adapter_spread(text: str) -> list[str | None]:
@@ -256,24 +254,22 @@ def _chat_renderer(args: argparse.Namespace, tokenizer: Path, codec: Any
     return lambda messages: template.render(messages)
 
 
-def _attention_text(tokenizer: Path, n_tokens: int, seed: int) -> str:
+def _random_prompts(tokenizer: Path, n_tokens: int, seeds: Iterable[int]) -> list[str]:
+    """One random prompt of ``n_tokens`` tokens per seed (the workload's random prompts)."""
     from service.artifact.text import TextCodec
 
     codec = TextCodec.from_file(tokenizer)
-    return random_requests(codec, 1, n_tokens, 1, 0.0, seed + 1)[0].prompt
+    return [random_requests(codec, 1, n_tokens, 1, 0.0, seed)[0].prompt for seed in seeds]
 
 
 def _long_prompts(args: argparse.Namespace, info: dict[str, Any]) -> list[str]:
     """--long-join-count distinct prompts of --long-join-len tokens (else as long as the
     server takes), made before the run so that making them times nothing."""
-    from service.artifact.text import TextCodec
-
     n = args.long_join_len or info.get("limits", {}).get("max_input_tokens")
     if not n:
         raise ValueError("the server's /info has no max_input_tokens: give --long-join-len")
-    codec = TextCodec.from_file(_tokenizer_path(args))
-    return [random_requests(codec, 1, int(n), 1, 0.0, args.seed + 1000 + k)[0].prompt
-            for k in range(args.long_join_count)]
+    seeds = range(args.seed + 1000, args.seed + 1000 + args.long_join_count)
+    return _random_prompts(_tokenizer_path(args), int(n), seeds)
 
 
 async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequest],
@@ -468,7 +464,7 @@ def handle(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                          "--url, start the server with them")
     tokenizer = _tokenizer_path(args)
     requests = spread_adapters(build_requests(args, tokenizer), args.adapters or [])
-    attention_text = (_attention_text(tokenizer, args.attention_input_len, args.seed)
+    attention_text = (_random_prompts(tokenizer, args.attention_input_len, [args.seed + 1])[0]
                       if args.attention_flood else None)
     out = args.result_dir or Path("results/serve") / f"{date.today()}-{args.workload}"
     out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,20 +70,17 @@ def tpot(out: RequestOutput) -> float | None:
     return (out.latency - out.ttft) / (out.output_tokens - 1)
 
 
+def token_times(out: RequestOutput) -> list[float]:
+    """When each token of a stream arrived, in seconds after the run began."""
+    return list(itertools.accumulate(out.itl, initial=out.start_time + out.ttft))
+
+
 def peak_output_rate(done: Sequence[RequestOutput]) -> tuple[float, int]:
     """(most tokens received in one wall-clock second, most requests in flight at once)."""
     if not done:
         return 0.0, 0
     t0 = min(o.start_time for o in done)
-    buckets: dict[int, int] = {}
-    for o in done:
-        t = o.start_time + o.ttft
-        stamps = [t]
-        for gap in o.itl:
-            t += gap
-            stamps.append(t)
-        for s in stamps:
-            buckets[int(s - t0)] = buckets.get(int(s - t0), 0) + 1
+    buckets = Counter(int(t - t0) for o in done for t in token_times(o))
     # Sweep over half-open [start, end): a departure before an arrival at the same instant.
     events = sorted([(o.start_time, 1) for o in done]
                     + [(o.start_time + o.latency, -1) for o in done])
@@ -138,16 +136,6 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration: float,
         "errors": [o.error for o in outputs],
     })
     return result
-
-
-def token_times(out: RequestOutput) -> list[float]:
-    """When each token of a stream arrived, in seconds after the run began."""
-    t = out.start_time + out.ttft
-    times = [t]
-    for gap in out.itl:
-        t += gap
-        times.append(t)
-    return times
 
 
 def itl_during_windows(outputs: Sequence[RequestOutput], windows: Sequence[tuple[float, float]],
