@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.lib.measure import add_threads_option
+from benchmarks.lib.measure import add_threads_option, shared_prefix
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -97,15 +97,6 @@ def logits_by_names(artifact_dir: Path, prompt: list[int], threads: int) -> dict
             "logit_scale": float(np.abs(cpu).max()),
             "argmax_cuda": int(cuda.argmax()), "argmax_cpu": int(cpu.argmax()),
             "argmax_agrees": bool(cuda.argmax() == cpu.argmax())}
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def half_logits_by_names(artifact_dir: Path, prompt: list[int]) -> np.ndarray:

@@ -49,7 +49,7 @@ def built_with(venv: Path) -> str | None:
         return None
 
 
-def ensure_overlay(venv: Path, log: object = print) -> Path:
+def ensure_overlay(venv: Path) -> Path:
     """Create (once) the overlay venv and return its python; raise OSError on failure.
 
     The build log goes to VENV/build.log so a failed compile can be read afterwards.
@@ -60,8 +60,7 @@ def ensure_overlay(venv: Path, log: object = print) -> Path:
     if not python.exists():
         create_overlay(venv)
     env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=BUILD_JOBS, CMAKE_ARGS=CMAKE_ARGS)
-    if callable(log):
-        log(f"building {LLAMA_CPP_PYTHON} into {venv} (compiles llama.cpp: ~20 min on 2 cores)")
+    print(f"building {LLAMA_CPP_PYTHON} into {venv} (compiles llama.cpp: ~20 min on 2 cores)")
     with open(venv / "build.log", "w", encoding="utf-8") as build_log:
         result = subprocess.run(
             [str(python), "-m", "pip", "install", "--no-deps", "--no-cache-dir",
@@ -70,8 +69,7 @@ def ensure_overlay(venv: Path, log: object = print) -> Path:
     if result.returncode != 0 or not has_llama_cpp(python):
         raise OSError(f"could not build llama-cpp-python in {venv}; see {venv / 'build.log'}")
     (venv / BUILD_FLAGS_FILE).write_text(CMAKE_ARGS, encoding="utf-8")
-    if callable(log):
-        log(f"llama.cpp overlay ready in {venv}")
+    print(f"llama.cpp overlay ready in {venv}")
     return python
 
 

@@ -140,7 +140,7 @@ def _optimum(args: argparse.Namespace) -> tuple[Path | None, str]:
     if args.setup_optimum:
         try:
             return ensure_overlay(args.optimum_venv), ""
-        except (OSError, Exception) as exc:
+        except Exception as exc:
             return None, f"optimum could not be installed here: {exc}"
     return None, (f"optimum not installed (transformers 5 in .venv is too new for it); "
                   f"run with --setup-optimum to build {args.optimum_venv}")
@@ -152,7 +152,7 @@ def _llamacpp(args: argparse.Namespace) -> tuple[Path | None, str]:
     if args.setup_llamacpp:  # builds once, and again when the build flags changed
         try:
             return ensure_overlay(args.llamacpp_venv), ""
-        except (OSError, Exception) as exc:
+        except Exception as exc:
             return None, f"llama-cpp-python could not be built here: {exc}"
     python = overlay_python(args.llamacpp_venv)
     if python.exists() and has_llama_cpp(python):

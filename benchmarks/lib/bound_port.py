@@ -43,16 +43,21 @@ def report_bound_port(path: str) -> None:
     uvicorn.Server.startup = reporting_startup  # type: ignore[method-assign]
 
 
+def _tail(log: Path | None) -> str:
+    """The end of the server's log, for an error that says why it stopped."""
+    return f":\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
+
+
 def wait_bound_port(proc: subprocess.Popen[bytes], port_file: Path, timeout: float,
                     log: Path | None = None) -> int:
     """The port ``proc`` reported in ``port_file`` (bounded wait; fails early if it exits)."""
     deadline = time.monotonic() + timeout
     while not port_file.exists():
-        tail = f":\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before listening{tail}")
+            raise RuntimeError(f"the server exited with {proc.returncode} before listening"
+                               f"{_tail(log)}")
         if time.monotonic() >= deadline:
-            raise RuntimeError(f"the server reported no port within {timeout:.0f} s{tail}")
+            raise RuntimeError(f"the server reported no port within {timeout:.0f} s{_tail(log)}")
         time.sleep(0.05)
     return int(port_file.read_text())
 
@@ -67,16 +72,14 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float,
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = f":\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
-            raise RuntimeError(f"the server exited with {proc.returncode} before ready{tail}")
+            raise RuntimeError(f"the server exited with {proc.returncode} before ready{_tail(log)}")
         try:
             if httpx.get(f"{url}{probe}", timeout=2.0).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(interval)
-    tail = f":\n{log.read_text(errors='replace')[-3000:]}" if log and log.exists() else ""
-    raise RuntimeError(f"the server was not ready after {timeout:.0f} s{tail}")
+    raise RuntimeError(f"the server was not ready after {timeout:.0f} s{_tail(log)}")
 
 
 def main(argv: list[str]) -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.engines import ENGINE_ARTIFACTS, LLAMACPP_FILES
-from benchmarks.lib.measure import DEFAULT_THREADS
+from benchmarks.lib.measure import DEFAULT_THREADS, shared_prefix
 from benchmarks.lib.prepare import REPO_ROOT, Prepared, export_copies, make_prompts
 from benchmarks.lib.prepare import prepare_checkpoint as _prepare_checkpoint
 from service.contract import io_spec as io
@@ -240,13 +240,9 @@ def _prepare_peer(engine: str, prep: Prepared, opts: BenchOptions, work: Path,
 
 
 def _artifacts_needed(engines: list[str]) -> set[str]:
-    needed = set()
-    if {"ort_plain", "engine", "engine_int8", "http"} & set(engines):
-        needed.add("artifact")
-    for engine, key in ENGINE_ARTIFACTS.items():
-        if engine in engines:
-            needed.add(key)
-    return needed
+    needed = {key for engine, key in ENGINE_ARTIFACTS.items() if engine in engines}
+    return needed | ({"artifact"} if {"ort_plain", "engine_int8", "http"} & set(engines)
+                     else set())
 
 
 def run_preset(preset: str, opts: BenchOptions, work: Path) -> dict[str, Any]:
@@ -418,8 +414,7 @@ def _greedy_consistency(result: dict[str, Any]) -> None:
                 row["greedy_rows_equal_torch_kv"] = same / len(mine)
             base = ours.get(row["batch"])
             if mine is not None and base is not None:
-                prefixes = [next((i for i, (a, b) in enumerate(zip(m, e, strict=True))
-                                  if a != b), len(m)) for m, e in zip(mine, base, strict=True)]
+                prefixes = [shared_prefix(m, e) for m, e in zip(mine, base, strict=True)]
                 row["greedy_prefix_equal_engine"] = sum(prefixes) / len(prefixes)
                 row["greedy_first_equal_engine"] = sum(p > 0 for p in prefixes) / len(prefixes)
                 row["greedy_rows_equal_engine"] = sum(
@@ -429,17 +424,17 @@ def _greedy_consistency(result: dict[str, Any]) -> None:
 def _long_and_agreement(result: dict[str, Any], prep: Prepared, prompts: dict[str, Any],
                         opts: BenchOptions, work: Path, kv_compare: bool = True) -> None:
     t1 = time.perf_counter()
-    if not kv_compare:
+    if kv_compare:
+        config = dict(prep.model_config)
+        config["max_seq_len"] = max(config["max_seq_len"],
+                                    opts.prompt_tokens + opts.long_new_tokens)
+        payload = run_worker({"job": "kv_vs_nocache", "threads": opts.threads, "config": config,
+                              "prompt": prompts["ids"][0], "new_tokens": opts.long_new_tokens},
+                             work / "jobs", opts)
+        result["kv_vs_nocache"] = payload.get("result", {"error": payload.get("error")})
+        result["timings_s"]["kv_vs_nocache"] = time.perf_counter() - t1
+    else:
         result["kv_vs_nocache"] = {"error": "not run: no PyTorch engine in this preset's list"}
-        _int8_agreement(result, prep, prompts, opts, work)
-        return
-    config = dict(prep.model_config)
-    config["max_seq_len"] = max(config["max_seq_len"], opts.prompt_tokens + opts.long_new_tokens)
-    payload = run_worker({"job": "kv_vs_nocache", "threads": opts.threads, "config": config,
-                          "prompt": prompts["ids"][0], "new_tokens": opts.long_new_tokens},
-                         work / "jobs", opts)
-    result["kv_vs_nocache"] = payload.get("result", {"error": payload.get("error")})
-    result["timings_s"]["kv_vs_nocache"] = time.perf_counter() - t1
     _int8_agreement(result, prep, prompts, opts, work)
 
 

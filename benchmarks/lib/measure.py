@@ -70,6 +70,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two generations share."""
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
 def summarize(batch: int, n_new: int, results: list[GenResult]) -> dict[str, Any]:
     """Figures of one row from its timed repetitions (rates: medians over repetitions)."""
     rates = [batch * n_new / r.total_s for r in results]

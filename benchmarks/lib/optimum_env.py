@@ -29,7 +29,7 @@ def has_optimum(python: Path) -> bool:
     return imports_ok(python, probe)
 
 
-def ensure_overlay(venv: Path, log: object = print) -> Path:
+def ensure_overlay(venv: Path) -> Path:
     """Create (once) the overlay venv and return its python; raise OSError on failure."""
     python = overlay_python(venv)
     if python.exists() and has_optimum(python):
@@ -41,6 +41,5 @@ def ensure_overlay(venv: Path, log: object = print) -> Path:
     if result.returncode != 0 or not has_optimum(python):
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["import failed"]
         raise OSError(f"could not set up Optimum in {venv}: {tail[0]}")
-    if callable(log):
-        log(f"optimum overlay ready in {venv}")
+    print(f"optimum overlay ready in {venv}")
     return python
