@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import time
@@ -84,11 +85,11 @@ CLIENT_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
 async def _sse(response: aiohttp.ClientResponse) -> Any:
+    """The stream's JSON events (``[DONE]`` is none)."""
     async for raw in response.content:  # one line at a time
         line = raw.decode("utf-8")
-        if line.startswith("data:"):
-            data = line[len("data:"):].strip()
-            yield None if data == "[DONE]" else json.loads(data)
+        if line.startswith("data:") and (data := line[len("data:"):].strip()) != "[DONE]":
+            yield json.loads(data)
 
 
 async def _failed(response: aiohttp.ClientResponse, out: RequestOutput) -> RequestOutput:
@@ -111,8 +112,6 @@ async def tgi_request(client: aiohttp.ClientSession, req: SampleRequest,
         if r.status != 200:
             return await _failed(r, out)
         async for event in _sse(r):
-            if event is None:
-                continue
             if "error" in event:
                 out.error = f"{event.get('error_type')}: {event['error']}"
                 return out
@@ -142,8 +141,6 @@ async def openai_request(client: aiohttp.ClientSession, req: SampleRequest, out:
         if r.status != 200:
             return await _failed(r, out)
         async for event in _sse(r):
-            if event is None:
-                continue
             if "error" in event:
                 out.error = str(event["error"])
                 return out
@@ -172,13 +169,7 @@ def request_func(backend: str, model: str | None, ignore_eos: bool = False) -> R
     if backend == "openai":
         if not model:
             raise ValueError("the openai backend needs the served model name")
-        name = model
-
-        async def call(client: aiohttp.ClientSession, req: SampleRequest,
-                       out: RequestOutput) -> RequestOutput:
-            return await openai_request(client, req, out, name, ignore_eos)
-
-        return call
+        return functools.partial(openai_request, model=model, ignore_eos=ignore_eos)
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 
