@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 
 from benchmarks.lib import serving
+from benchmarks.lib.measure import shared_prefix
 from benchmarks.soak import QUESTIONS, SYSTEM
 
 DEFAULT_TIE_MARGIN = 0.05  # nats; float32 reorderings move logits by ~1e-4 (docs/engine.md)
@@ -76,8 +77,7 @@ def compare(reference: Reference, tokens: list[str], tie_margin: float
     margin there): a near tie parts where that margin is below ``tie_margin``."""
     if tokens == reference.tokens:
         return "same", None, None
-    first = next((i for i, (a, b) in enumerate(zip(reference.tokens, tokens, strict=False))
-                  if a != b), min(len(reference.tokens), len(tokens)))
+    first = shared_prefix(reference.tokens, tokens)
     margin = reference.margins[first] if first < len(reference.margins) else None
     if margin is not None and margin < tie_margin:
         return "near_tie", first, margin

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.lib.measure import add_threads_option
+from benchmarks.lib.measure import add_threads_option, shared_prefix
 
 DEFAULT_LLAMACPP_PYTHON = Path(".cache/llamacpp-venv/bin/python")
 # Tokens past llama-perplexity's last chunk: the decoded text's last word may tokenise
@@ -142,8 +142,7 @@ def llama_perplexity(gguf_path: Path, tokenizer: Any, ids: np.ndarray, n_ctx: in
         theirs = json.loads(told.stdout.strip().splitlines()[-1])
         n = chunks * n_ctx
         if theirs[:n] != ids[:n].tolist():
-            first = next(i for i, (a, b) in enumerate(zip(theirs, ids.tolist(), strict=False))
-                         if a != b)
+            first = shared_prefix(theirs, ids.tolist())
             raise RuntimeError(f"llama-tokenize reads the text differently from token {first}")
         started = time.perf_counter()
         done = subprocess.run([str(tool_path("llama-perplexity")), "-m", str(gguf_path), "-f",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -70,8 +71,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two generations share."""
+def shared_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading tokens (ids or texts) two generations share."""
     pairs = enumerate(zip(a, b, strict=False))
     return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
