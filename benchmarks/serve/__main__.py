@@ -388,14 +388,10 @@ def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
             "suffix_len": args.suffix_len, "output_len": args.output_len}
 
 
-def _rate_name(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
-
-
 def _json_name(args: argparse.Namespace, run: dict[str, Any]) -> str:
     label = f"{args.label}-" if args.label else ""
     round_part = f"-round{run['round']}" if run["rounds"] > 1 else ""
-    return (f"{label}{args.backend}-{args.workload}-rate{_rate_name(run['request_rate'])}"
+    return (f"{label}{args.backend}-{args.workload}-rate{report.rate_of(run)}"
             f"{round_part}.json")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from pathlib import Path
@@ -13,14 +14,15 @@ TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1
           "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 
 
-def _rate(run: dict[str, Any]) -> str:
+def rate_of(run: dict[str, Any]) -> str:
+    """The run's request rate as the command line and the file names write it."""
     rate = run["request_rate"]
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
 def _rate_round(run: dict[str, Any]) -> str:
     """The rate, and the round when the run is one of several (--rounds)."""
-    return f"{_rate(run)}, round {run['round']}" if run.get("rounds", 1) > 1 else _rate(run)
+    return f"{rate_of(run)}, round {run['round']}" if run.get("rounds", 1) > 1 else rate_of(run)
 
 
 def summary(run: dict[str, Any]) -> str:
@@ -35,7 +37,7 @@ def summary(run: dict[str, Any]) -> str:
     row("Failed requests:", run["failed"])
     if run.get("max_concurrency"):
         row("Maximum request concurrency:", run["max_concurrency"])
-    row("Request rate configured (RPS):", _rate(run))
+    row("Request rate configured (RPS):", rate_of(run))
     row("Benchmark duration (s):", run["duration"])
     row("Total input tokens:", run["total_input_tokens"])
     row("Total generated tokens:", run["total_output_tokens"])
@@ -98,7 +100,7 @@ def static_rounds(runs: list[dict[str, Any]]) -> str:
                   if r["request_rate"] == rate and r.get("static_baseline")]
         if ratios:
             each = ", ".join(f"{x:.3f}" for x in ratios)
-            lines.append(f"rate {_rate({'request_rate': rate})}: continuous ÷ static, median "
+            lines.append(f"rate {rate_of({'request_rate': rate})}: continuous ÷ static, median "
                          f"of {len(ratios)} rounds: {statistics.median(ratios):.3f}× "
                          f"(rounds: {each})")
     return "\n".join(lines)
@@ -153,7 +155,7 @@ def markdown(runs: list[dict[str, Any]], command: str) -> str:
     floods = [r for r in runs if r.get("attention_flood")]
     for run in floods:
         f = run["attention_flood"]
-        lines += ["", f"Rate {_rate(run)}: /attention flood of {f['concurrency']} at once "
+        lines += ["", f"Rate {rate_of(run)}: /attention flood of {f['concurrency']} at once "
                   f"every {f['interval_s']:g} s during the run: {f['sent']} sent, {f['ok']} "
                   f"answered 200, {f['rejected']} answered 429, other {f['other'] or 'none'}."]
     return "\n".join(lines) + "\n"
@@ -171,22 +173,15 @@ def figure(runs: list[dict[str, Any]], path: Path) -> None:
     for run in runs:
         label = f"{run['workload']} @ {_rate_round(run)}/s"
         itls = np.sort([g * 1000 for gaps in run["itls"] for g in gaps])
-        if len(itls):
-            axes[0].plot(itls, np.arange(1, len(itls) + 1) / len(itls), label=label)
         ttfts = np.sort([t * 1000 for t, e in zip(run["ttfts"], run["errors"], strict=True)
                          if not e])
-        if len(ttfts):
-            axes[1].plot(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), label=label)
-        stamps = []
-        for start, ttft, gaps, err in zip(run["start_times"], run["ttfts"], run["itls"],
-                                          run["errors"], strict=True):
-            if err:
-                continue
-            t = start + ttft
-            stamps.append(t)
-            for g in gaps:
-                t += g
-                stamps.append(t)
+        for ax, ms in ((axes[0], itls), (axes[1], ttfts)):
+            if len(ms):
+                ax.plot(ms, np.arange(1, len(ms) + 1) / len(ms), label=label)  # the CDF
+        # each token's arrival, in seconds after the run began (stats.token_times)
+        stamps = [t for start, ttft, gaps, err in zip(run["start_times"], run["ttfts"],
+                                                      run["itls"], run["errors"], strict=True)
+                  if not err for t in itertools.accumulate(gaps, initial=start + ttft)]
         if stamps:
             edges = np.arange(0, math.ceil(max(stamps)) + 1.0, 1.0)
             counts, _ = np.histogram(stamps, bins=edges)
