@@ -1,12 +1,13 @@
 """Orchestrate one benchmark run: prepare each preset, run every engine in its own worker
 process, then write JSON, Markdown and PNG and print one PASS/MISS line per target.
 
-An engine whose prerequisites are missing (no optimum, no service engine in this tree, an
-export that failed) is recorded as not measured with the reason, never silently dropped.
+An engine whose prerequisites are missing (no optimum, no CTranslate2, an export that
+failed) is recorded as not measured with the reason, never silently dropped.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -167,24 +168,12 @@ def _engine_missing(engine: str, prep: Prepared, opts: BenchOptions) -> str | No
     key = needs.get(engine)
     if key and key not in prep.paths:
         return f"no {key} (see notes)"
-    if engine in (*ENGINE_ARTIFACTS, "http"):
-        import importlib.util
-
-        module = "service.engine.scheduler" if engine != "http" else "service.serve_cli"
-        try:
-            if importlib.util.find_spec(module) is None:
-                return f"{module} is not in this tree yet"
-        except ModuleNotFoundError:
-            return f"{module} is not in this tree yet"
     if engine == "optimum" and opts.optimum_python is None:
         return opts.optimum_note or "optimum is not installed"
     if engine in PEER_ENGINES and prep.preset not in PEER_PRESETS[engine]:
         return f"{engine} runs on the {' and '.join(PEER_PRESETS[engine])} preset(s)"
-    if engine.startswith("ct2"):
-        import importlib.util
-
-        if importlib.util.find_spec("ctranslate2") is None:
-            return "ctranslate2 is not installed"
+    if engine.startswith("ct2") and importlib.util.find_spec("ctranslate2") is None:
+        return "ctranslate2 is not installed"
     if engine.startswith("llamacpp") and opts.llamacpp_python is None:
         return opts.llamacpp_note or "llama-cpp-python side env is not built"
     return None
