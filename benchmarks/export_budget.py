@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from model.data import write_text_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 # issue 34's budgets: the SmolLM2-135M --quantize gguf export (a file of under SMALL_FILE
 # bytes) at most 1.5 GB and 60 s; a 1B file's (under ONE_B_FILE: Llama-3.2-1B's Q4_K_M is
@@ -156,12 +158,6 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def default_gguf() -> Path:
-    from model.default_model import default_gguf_path
-
-    return default_gguf_path()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks export-budget", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     if args.ckpt is None:
-        args.gguf = args.gguf or default_gguf()
+        from model.default_model import default_gguf_path
+
+        args.gguf = args.gguf or default_gguf_path()
         if not args.gguf.is_file():
             print(f"export_budget: no GGUF file at {args.gguf} (make default-model, or "
                   "--gguf FILE)", file=sys.stderr)
@@ -190,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(args, work)
     print(table(result))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n", "utf-8")
+        write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
     failed = [s for s in result["stages"] if s["returncode"] != 0]
     for s in failed:
         print(f"export_budget: {s['name']} exited {s['returncode']}", file=sys.stderr)
