@@ -3,7 +3,8 @@
 ``model.onnx`` is one merged decoder graph: the same graph runs prefill (past tensors of
 length 0) and cached decode, because the past is simply concatenated in front of this
 call's keys and values. ``attention.onnx`` is the introspection graph: no cache, every
-layer's Q, K, V, raw and scaled scores and attention weights as outputs.
+layer's Q, K, V, raw and scaled scores and attention weights as outputs, and the logit
+lens, residual norms and head attribution (export/onnx/lens_graph.py).
 
 Both compute what GPT.forward computes, op for op (the export verifies it against
 PyTorch): the boolean mask of ``attention_allowed``, rotary angles from ``position_ids``
@@ -26,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from export.onnx import layers
+from export.onnx import layers, lens_graph
 from export.onnx.onnx_build import Graph, WeightsWriter, f32, make_model
 from model.architectures import architecture
 from model.config import GPTConfig
@@ -241,12 +242,11 @@ class DecoderBuilder:
             table: Any = gpt.pos_emb.weight if gpt.pos_emb is not None else gpt.pos_table
             x = g.one("Add", [x, g.one("Gather", [g.const("pos_emb", f32(table)),
                                                  io.POSITION_IDS], "pos_gather")], "embed")
+        embedded, taps = x, []
         for i, (block, layer) in enumerate(zip(gpt.blocks, form.layers, strict=True)):
             turn = {"global": rotary, "local": rotary_local, None: None}[layer.rotary]
-            a = self._attention(i, self._norm(x, block.ln_1, f"l{i}.ln1"),
-                                local if layer.windowed else every, turn)
-            if self.introspect and i == len(gpt.blocks) - 1:
-                break  # nothing after the last layer's attention is an output
+            a = out = self._attention(i, self._norm(x, block.ln_1, f"l{i}.ln1"),
+                                      local if layer.windowed else every, turn)
             if form.post_norms:  # Gemma 3's sandwich
                 a = self._norm(a, block.post_attn, f"l{i}.post_attn")
             x = g.one("Add", [x, a], f"l{i}.res1")
@@ -255,11 +255,14 @@ class DecoderBuilder:
             if form.post_norms:
                 f = self._norm(f, block.post_ffn, f"l{i}.post_ffn")
             x = g.one("Add", [x, f], f"l{i}.res2")  # (B, T, d)
-        if not self.introspect:
+            taps.append(lens_graph.LayerTaps(f"l{i}.ctx", out, f, x))
+        if self.introspect:  # the logit lens and attribution (export/onnx/lens_graph.py)
+            self.outputs += lens_graph.write(g, form, gpt, embedded, taps)
+        else:
             self._logits(x)
 
 
-def _value_infos(shapes: dict[str, list[str]], static: dict[str, int],
+def _value_infos(shapes: dict[str, list[Any]], static: dict[str, int],
                  dtypes: dict[str, Any]) -> list[onnx.ValueInfoProto]:
     return [helper.make_tensor_value_info(name, dtypes.get(name, TensorProto.FLOAT),
                                           [static.get(dim, dim) for dim in dims])
@@ -289,7 +292,7 @@ def build_decoder(gpt: GPT, opset: int = DEFAULT_OPSET, kv_dtype: io.KvDtype = "
                       "I/O per service/contract/io_spec.py")
 
 
-def attention_io_shapes(n_layers: int) -> dict[str, dict[str, list[str]]]:
+def attention_io_shapes(n_layers: int) -> dict[str, dict[str, list[Any]]]:
     """Symbolic shapes of attention.onnx (no cache: keys span the query sequence)."""
     seq = [io.BATCH, io.SEQUENCE]
     per_head = [io.BATCH, "num_heads", io.SEQUENCE, "head_dim"]
@@ -298,7 +301,8 @@ def attention_io_shapes(n_layers: int) -> dict[str, dict[str, list[str]]]:
         io.attention_output_name(i, k): per_head if k in ("q", "k", "v") else square
         for i in range(n_layers) for k in io.ATTENTION_KINDS
     }
-    return {"inputs": {name: seq for name in io.attention_input_names()}, "outputs": outputs}
+    return {"inputs": {name: seq for name in io.attention_input_names()},
+            "outputs": {**outputs, **lens_graph.output_shapes(n_layers)}}
 
 
 def build_attention(gpt: GPT, opset: int = DEFAULT_OPSET,
@@ -307,12 +311,16 @@ def build_attention(gpt: GPT, opset: int = DEFAULT_OPSET,
     ``weights``: as :func:`build_decoder`'s."""
     cfg = gpt.config
     builder = DecoderBuilder(gpt.eval(), cached=False, introspect=True, weights=weights)
+    lens_graph.declare_inputs(builder.g)
     builder.build()
     shapes = attention_io_shapes(cfg.n_layers)
     static = {"num_heads": cfg.n_heads, "head_dim": cfg.head_dim}
     ints = {name: TensorProto.INT64 for name in io.attention_input_names()}
+    ints |= {name: TensorProto.INT64 for name in lens_graph.input_shapes()}
+    int_outputs = {name: TensorProto.INT64 for name in lens_graph.int64_outputs(cfg.n_layers)}
+    inputs = shapes["inputs"] | lens_graph.input_shapes()
     return make_model(builder.g, "attnserve_attention",
-                      _value_infos(shapes["inputs"], static, ints),
-                      _value_infos(shapes["outputs"], static, {}), opset,
+                      _value_infos(inputs, static, ints),
+                      _value_infos(shapes["outputs"], static, int_outputs), opset,
                       "attnserve attention introspection: q, k, v, scores, scaled_scores, "
-                      "weights")
+                      "weights; logit lens, residual norms, attribution")
