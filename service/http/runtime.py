@@ -26,6 +26,7 @@ from service.low_priority import Offload, low_priority_threads
 from service.providers import create_session
 from service.settings import Settings
 from service.viz.attention_model import AttentionModel
+from service.viz.look_inside import LookInside
 
 log = logging.getLogger("attnserve")
 
@@ -134,6 +135,14 @@ class Runtime:
         (the route checked the name and ``attention_takes_adapters``)."""
         assert self.attention is not None
         return self.attention.run(ids, kinds, layers, adapter=adapter)
+
+    def look_inside(self, ids: Sequence[int], kinds: Sequence[str], layers: Sequence[int],
+                    adapter: str | None, inside: LookInside
+                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """As :meth:`attend`, and what ``inside`` asks, in one pass (the route checked
+        that the attention model ``looks_inside``)."""
+        assert self.attention is not None
+        return self.attention.look(ids, kinds, layers, adapter, inside)
 
 
 def configured_adapters(entries: Iterable[str]) -> dict[str, str]:

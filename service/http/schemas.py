@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from service.contract.io_spec import ATTENTION_KINDS
+from service.contract.lens_spec import INPUT_DEFAULTS, MAX_TOP_K, TOP_K
+from service.viz.look_inside import MEMBERS as LOOK_INSIDE
 
 
 def _integral(value: Any) -> Any:
@@ -31,6 +33,7 @@ NonEmptyText = Annotated[str, Field(min_length=1)]
 SEED_BOUND = 2**53
 Seed = Annotated[int, Field(ge=0, lt=SEED_BOUND), Integral]
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
+MAX_LENS_TOP_K, DEFAULT_LENS_TOP_K = MAX_TOP_K, INPUT_DEFAULTS[TOP_K]
 
 
 class Strict(BaseModel):
@@ -103,7 +106,12 @@ AttentionKindName = Literal["q", "k", "v", "scores", "scaled_scores", "weights"]
 assert set(AttentionKindName.__args__) == set(ATTENTION_KINDS)  # type: ignore[attr-defined]
 
 
-def _weights_only() -> list[AttentionKindName]:
+# what the residual stream says (service/viz/look_inside.py), beside the attention maps
+LookInsideName = Literal["logit_lens", "head_attribution", "residual_norms"]
+assert set(LookInsideName.__args__) == set(LOOK_INSIDE)  # type: ignore[attr-defined]
+
+
+def _weights_only() -> list[AttentionKindName | LookInsideName]:
     return ["weights"]
 
 
@@ -111,7 +119,15 @@ class AttentionRequest(Strict):
     inputs: NonEmptyText
     layers: list[Annotated[int, Field(ge=0), Integral]] | None = Field(None, min_length=1)
     heads: list[Annotated[int, Field(ge=0), Integral]] | None = Field(None, min_length=1)
-    include: list[AttentionKindName] = Field(default_factory=_weights_only, min_length=1)
+    include: list[AttentionKindName | LookInsideName] = Field(
+        default_factory=_weights_only, min_length=1)
+    top_k: Annotated[int, Field(ge=1, le=MAX_LENS_TOP_K), Integral] = Field(
+        DEFAULT_LENS_TOP_K, description="logit_lens: the tokens shown per layer and position")
+    target: Annotated[int, Field(ge=0), Integral] | None = Field(
+        None, description="a token id: its probability and rank in logit_lens, the token "
+                          "head_attribution explains (absent: the model's own next token)")
+    position: Annotated[int, Field(ge=0), Integral] | None = Field(
+        None, description="head_attribution's token position (absent: the last)")
     format: Literal["json", "npz", "png", "bertviz"] = "json"
     adapter_id: NonEmptyText | None = Field(
         None, description="the attention of the model under this LoRA adapter (501 where "

@@ -1,5 +1,6 @@
 """attention.onnx for the /attention dump and the /viz page: Q, K, V, scores, scaled scores
-and weights of the requested layers for one sequence.
+and weights of the requested layers for one sequence, and in the same pass the logit lens,
+residual norms and head attribution (service/viz/look_inside.py) where the graph has them.
 
 Kept apart from the decode runners (service/engine): it runs rarely, on its own session,
 below the decode loop's priority (service/low_priority.py).
@@ -38,9 +39,11 @@ import onnxruntime as ort
 
 from service.contract import adapter_spec as spec
 from service.contract import io_spec as io
+from service.contract import lens_spec as lens
 from service.contract import sessions
 from service.engine.adapters import AdapterSet, AdapterWeights
 from service.viz.graph_cut import ExternalTensor, cut, external_tensors
+from service.viz.look_inside import LookInside
 
 CUT_SESSIONS = 4  # cut sessions kept (a viewer's layer, its step view's, all weights, one more)
 ADAPTERS_KEPT = 2  # adapters whose stacked inputs are kept (a viewer compares one at a time)
@@ -96,6 +99,7 @@ class AttentionModel:
         missing = sorted(set(self._outputs) - available)
         if missing:
             raise ValueError(f"attention.onnx lacks outputs {missing[:4]}...")
+        self._looks_inside = set(lens.inspect_output_names(config.n_layers)) <= available
         self._files: dict[str, np.memmap] = {}
         self._base = _Graph(io.ATTENTION_FILE, source,
                             source.read_bytes() if source is not None else None,
@@ -120,12 +124,26 @@ class AttentionModel:
         has attention_lora.onnx."""
         return self.adapters is not None and self._lora_source is not None
 
+    @property
+    def looks_inside(self) -> bool:
+        """Whether attention.onnx has the logit lens, residual norms and attribution
+        (service/contract/lens_spec.py): artifacts exported before them do not."""
+        return self._looks_inside
+
     def run(self, token_ids: Sequence[int], kinds: Sequence[str],
             layers: Sequence[int] | None = None, adapter: str | None = None
             ) -> dict[str, np.ndarray]:
         """{kind: (len(layers), heads, T, T or hs)} for one sequence, in the layout bertviz
         uses; ``layers`` in the order given (default: every layer); under the LoRA adapter
         served as ``adapter`` when one is named (UnknownAdapter if it is not served)."""
+        return self.look(token_ids, kinds, layers, adapter)[0]
+
+    def look(self, token_ids: Sequence[int], kinds: Sequence[str],
+             layers: Sequence[int] | None = None, adapter: str | None = None,
+             inside: LookInside | None = None
+             ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """As :meth:`run`, and in the same pass what ``inside`` asks (LookInside.collect's
+        arrays; empty without it). Needs :attr:`looks_inside` for ``inside``."""
         layers = list(range(self.config.n_layers)) if layers is None else list(layers)
         ids = np.asarray([token_ids], dtype=np.int64)  # (1, T)
         feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: np.ones_like(ids),
@@ -138,10 +156,19 @@ class AttentionModel:
             feeds |= inputs
             feeds[spec.LORA_MASK] = np.ones((ids.shape[1], rows), np.float32)  # (T, R)
         names = [io.attention_output_name(i, k) for k in kinds for i in layers]
-        values = self._session(graph, names).run(names, feeds, self._run_options)
+        extra = inside.outputs(layers) if inside is not None else []
+        if inside is not None:
+            feeds |= inside.feeds()
+        values = self._session(graph, names + extra).run(names + extra, feeds,
+                                                         self._run_options)
         n = len(layers)  # each value (1, nh, T, T or hs)
-        return {k: np.concatenate(values[j * n:(j + 1) * n], axis=0)  # (n, nh, T, ...)
+        maps = {k: np.concatenate(values[j * n:(j + 1) * n], axis=0)  # (n, nh, T, ...)
                 for j, k in enumerate(kinds)}
+        if inside is None:
+            return maps, {}
+        fetched = dict(zip(extra, values[len(names):], strict=True))
+        return maps, inside.collect(fetched, layers, self.config.n_layers,
+                                    self.config.n_heads)
 
     def _lora_graph(self) -> _Graph:
         if self._lora_source is None or self.adapters is None:

@@ -11,6 +11,13 @@ so those entries are ``null`` in the json format (npz keeps the real -inf).
 as one ``(1, heads, query, key)`` nested list per layer and ``tokens`` as plain strings, so
 a notebook passes ``[torch.tensor(a) for a in data["attention"]]`` straight to bertviz.
 
+``include`` may also name ``logit_lens`` (each requested layer's residual through the final
+norm and LM head: the top ``top_k`` tokens and probabilities per position, and ``target``'s
+probability and rank), ``residual_norms`` and ``head_attribution`` (direct logit
+attribution of ``target``, default the model's next token, at ``position``, default the
+last): computed in the same pass (service/viz/look_inside.py). An artifact exported before
+them answers 409 for those and keeps serving the maps.
+
 ``adapter_id`` asks for the attention under a served LoRA adapter (404 for a name not
 served): the attention model runs attention_lora.onnx with that adapter's weights; 501
 for an artifact without that graph.
@@ -35,6 +42,7 @@ from service.http.responses import TgiError, tgi_errors
 from service.http.runtime import Runtime
 from service.http.schemas import AttentionRequest
 from service.http.validation import InputError
+from service.viz.look_inside import HEAD_ATTRIBUTION, MEMBERS, LookInside, inside_json
 from service.viz.render import heatmap_grid
 
 router = APIRouter(tags=["attention"], dependencies=[Depends(require_api_key)])
@@ -81,9 +89,10 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
     ids = runtime.validator.tokenize(body.inputs, "inputs")
     layers = _pick(body.layers, config.n_layers, "layers")
     heads = _pick(body.heads, config.n_heads, "heads")
-    kinds = list(dict.fromkeys(body.include))
-    if body.format in ("png", "bertviz") and kinds != ["weights"]:
+    included = list(dict.fromkeys(body.include))
+    if body.format in ("png", "bertviz") and included != ["weights"]:
         raise InputError("include", f"the {body.format} format carries only ['weights']")
+    kinds = [k for k in included if k not in MEMBERS]
     adapter = adapter_of_id(body.adapter_id, runtime, "adapter_id")
     if adapter is not None and not runtime.attention_takes_adapters:
         raise ApiError(501, "adapter_id: this artifact has no attention_lora.onnx (export "
@@ -91,19 +100,57 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
                             "base model's only; ask without adapter_id", "not_implemented",
                        param="adapter_id", code="not_implemented")
     assert runtime.attention is not None
+    inside = _look_inside(body, runtime, ids, [k for k in included if k in MEMBERS], adapter)
     # Bounded (settings attention_max_concurrent/_queued; 429 beyond): running and encoding
     # a request costs seconds of CPU, and unbounded floods of them starve decoding.
     async with runtime.attention_gate.admit():
-        computed = await asyncio.get_running_loop().run_in_executor(
-            runtime.attention_threads, runtime.attend, ids, kinds, layers, adapter)
+        if inside is None:
+            computed = await asyncio.get_running_loop().run_in_executor(
+                runtime.attention_threads, runtime.attend, ids, kinds, layers, adapter)
+            seen: dict[str, np.ndarray] = {}
+        else:
+            computed, seen = await asyncio.get_running_loop().run_in_executor(
+                runtime.attention_threads, runtime.look_inside, ids, kinds, layers, adapter,
+                inside)
         # Encoding can take seconds (all kinds at full length is ~55 MB of JSON): off the
         # event loop, so the token streams of other requests do not stall meanwhile.
-        return await asyncio.to_thread(render, body, runtime, ids, layers, heads, computed)
+        return await asyncio.to_thread(render, body, runtime, ids, layers, heads, computed,
+                                       seen)
+
+
+def _look_inside(body: AttentionRequest, runtime: Runtime, ids: list[int],
+                 members: list[str], adapter: str | None) -> LookInside | None:
+    """The request's logit_lens / head_attribution / residual_norms, checked (None: none)."""
+    if not members:
+        return None
+    assert runtime.attention is not None
+    if not runtime.attention.looks_inside:
+        raise ApiError(409, f"include: {members} need an attention.onnx exported with the "
+                            "logit lens and attribution outputs; this artifact predates them: "
+                            "re-export it (attnserve export) to ask for them (the attention "
+                            "maps still work)", "artifact_outdated", param="include",
+                       code="artifact_outdated")
+    if adapter is not None and HEAD_ATTRIBUTION in members:
+        raise ApiError(501, "adapter_id: head_attribution under an adapter is not computed "
+                            "(each head's output misses o_proj's LoRA update); ask without "
+                            "adapter_id, or for logit_lens / residual_norms",
+                       "not_implemented", param="adapter_id", code="not_implemented")
+    vocab = runtime.artifact.config.vocab_size
+    if body.target is not None and body.target >= vocab:
+        raise InputError("target", f"{body.target} out of range: the vocabulary has {vocab}")
+    if body.position is not None and body.position >= len(ids):
+        raise InputError("position", f"{body.position} out of range: the input has "
+                                     f"{len(ids)} tokens")
+    return LookInside(tuple(members), body.top_k, body.target,
+                      -1 if body.position is None else body.position)
 
 
 def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: list[int],
-           heads: list[int], computed: dict[str, np.ndarray]) -> Response:
-    """``computed``: {kind: (len(layers), all heads, ...)}, the requested layers in order."""
+           heads: list[int], computed: dict[str, np.ndarray],
+           seen: dict[str, np.ndarray] | None = None) -> Response:
+    """``computed``: {kind: (len(layers), all heads, ...)}, the requested layers in order;
+    ``seen``: LookInside.collect's arrays (logit lens, norms, attribution), if asked."""
+    seen = seen or {}
     codec = runtime.artifact.codec
     all_heads = heads == list(range(runtime.artifact.config.n_heads))
     arrays = {k: v if all_heads else np.ascontiguousarray(v[:, heads])
@@ -123,7 +170,7 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
             "tokens": np.asarray(tokens, dtype=np.str_),
             "layers": np.asarray(layers, dtype=np.int64),
             "heads": np.asarray(heads, dtype=np.int64),
-            "kv_heads": np.asarray(kv_heads, dtype=np.int64), **arrays}
+            "kv_heads": np.asarray(kv_heads, dtype=np.int64), **arrays, **seen}
         np.savez(buffer, **contents)
         return Response(buffer.getvalue(), media_type="application/octet-stream",
                         headers={"Content-Disposition": 'attachment; filename="attention.npz"'})
@@ -141,6 +188,7 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
         "layout": "(layers, heads, query, key); q, k, v: (layers, heads, token, head_dim); "
                   "k and v of query head h are those of key/value head kv_heads[h]",
         "shapes": {k: list(v.shape) for k, v in arrays.items()},
+        **inside_json(seen, body, codec.token_text, len(ids)),
     }, arrays), media_type="application/json")
 
 
