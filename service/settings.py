@@ -155,7 +155,16 @@ class ServeOptions(BaseModel):
         None, description="the directory runtime-loaded adapters must lie under (symlinks "
                           "leading out are refused); required with runtime_lora")
 
-    @field_validator("lora_modules", mode="before")
+    control_vectors: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="llama.cpp control vectors to serve, NAME=FILE each (a GGUF file "
+                        "`attnserve steer` or llama-cvector-generator wrote); a request "
+                        "chooses one with a scale (TGI's parameters.control_vector, OpenAI's "
+                        "control_vector); in the environment, separated by spaces or commas")
+    max_control_scale: float = Field(
+        4.0, gt=0, description="the largest |scale| a request may steer with; beyond it, "
+                               "422")
+
+    @field_validator("lora_modules", "control_vectors", mode="before")
     @classmethod
     def _split_modules(cls, value: Any) -> Any:
         # the environment gives one string: NAME=DIR entries apart by spaces or commas

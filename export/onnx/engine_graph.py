@@ -56,6 +56,8 @@ from service.contract.engine_spec import (
     LOGITS_POSITIONS,
     MAX_SEQUENCE,
     SEQLENS_K,
+    STEER,
+    STEER_ROWS,
     TOTAL_SEQUENCE_LENGTH,
 )
 
@@ -95,8 +97,8 @@ def _groups(n_layers: int, mixed: bool) -> list[_Rows]:
 
 
 def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool = True,
-                       mixed: bool = False,
-                       weights: WeightsWriter | None = None) -> onnx.ModelProto:
+                       mixed: bool = False, weights: WeightsWriter | None = None,
+                       steering: bool = True) -> onnx.ModelProto:
     """The decoder as fused ONNX Runtime nodes, weights from ``gpt``, for every family.
 
     ``logits_index=False`` writes the graph as exported before that input existed (logits
@@ -120,6 +122,10 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
 
     ``weights``: store the large initializers there as they are made (export/onnx/onnx_build.py's
     :class:`Graph`), so the graph never holds them.
+
+    ``steering``: the ``steer`` input (engine_spec.py), each row's control vector added
+    after every block but the first (:func:`_token_rows`); its default of zeros steers
+    nothing, and the two gathers and one add a layer cost a decode step little (docs/steering.md).
     """
     form = architecture(gpt.config.arch).describe(gpt.config)
     groups = _groups(len(form.layers), mixed)
@@ -150,6 +156,8 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
         shapes_btc[1] = chunk.btc
     else:
         ids, pos = io.INPUT_IDS, io.POSITION_IDS
+    # each token's row of ``steer`` (N,): the gathers' index at every layer
+    token_rows = _token_rows(g, groups) if steering else None
     embed = layers.embed(g, form, gpt, ids, pos)  # (B, T, d)
     x = g.op("Reshape", [embed, flat], "embed_flat")[0]  # (N, d)
     blocks: list[Any] = list(gpt.blocks)
@@ -201,12 +209,17 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
         h, x = layers.skip_norm(g, form, x, o, block.ln_2, o_bias, f"{p}.ln2", f"{p}.res1")
         # x + mlp(h) → x;  the next block's norm_1(x) (the final norm after the last) → h
         last = i + 1 == len(blocks)
+        steer = None
+        if token_rows is not None and i > 0:  # block 0's output is never steered
+            layer_rows = g.op("Gather", [STEER, _scalar(g, f"{p}.steer_layer", i)],
+                              f"{p}.steer_rows", axis=1)[0]  # (R, d)
+            steer = g.op("Gather", [layer_rows, token_rows], f"{p}.steer", axis=0)[0]  # (N, d)
         h, x = layers.fused_mlp(g, form, x, h, block, gpt.ln_f if last else blocks[i + 1].ln_1,
-                                p, "ln_f" if last else f"l{i + 1}.ln1", matmul_only)
+                                p, "ln_f" if last else f"l{i + 1}.ln1", matmul_only, steer)
     if not logits_index:
         logits = layers.lm_head(g, form, gpt, h, matmul_only)  # (B·T, V)
         g.op("Reshape", [logits, shapes_btc[0]], "logits_bkv", outputs=[io.LOGITS])
-        return _model(g, gpt, groups, logits_index)
+        return _model(g, gpt, groups, logits_index, steering)
     hs_ = g.op("Split", [h, sizes], "h_split", n_out=len(groups), axis=0) if mixed else [h]
     picked, shapes_out = [], []
     for part, r, shape_btc in zip(hs_, groups, shapes_btc, strict=True):
@@ -230,7 +243,39 @@ def build_engine_graph(gpt: GPT, matmul_only: bool = False, logits_index: bool =
     for part, r, shape_out in zip(parts, groups, shapes_out, strict=True):
         g.op("Reshape", [part, shape_out], f"logits_bkv{r.tag}", outputs=[r.logits],
              **_exact(r))  # (B, K, V)
-    return _model(g, gpt, groups, logits_index)
+    return _model(g, gpt, groups, logits_index, steering)
+
+
+def _token_rows(g: Graph, groups: list[_Rows]) -> str:
+    """(N,) int64: the row of ``steer`` each flat token reads, in the flat order (the first
+    group's B·T tokens, then the second's): its row in the pass, the second group's counted
+    after the first's, modulo R, so the default one row of zeros serves every token."""
+    one, zero = _scalar(g, "steer.one", 1), _scalar(g, "steer.zero", 0)
+    flat_1d = g.const("steer.flat", np.array([-1], np.int64))
+    per_group, offset = [], None
+    for r in groups:
+        bt = g.op("Shape", [r.ids], f"steer.bt{r.tag}")[0]  # [B, T]
+        ones = g.op("ConstantOfShape", [bt], f"steer.ones{r.tag}",
+                    value=helper.make_tensor("one", TensorProto.INT64, [1], [1]))[0]  # (B, T)
+        rows = g.op("CumSum", [ones, zero], f"steer.counted{r.tag}")[0]  # (B, T): 1 … B
+        rows = g.op("Sub", [rows, one], f"steer.rows_bt{r.tag}")[0]  # (B, T): 0 … B − 1
+        rows = g.op("Reshape", [rows, flat_1d], f"steer.rows{r.tag}")[0]  # (B·T,)
+        if offset is not None:  # the second group's rows follow the first's B
+            rows = g.op("Add", [rows, offset], f"steer.rows_after{r.tag}")[0]
+        per_group.append(rows)
+        offset = g.op("Gather", [bt, zero], f"steer.b{r.tag}")[0]  # B, a scalar
+    rows = per_group[0] if len(per_group) == 1 else g.op("Concat", per_group, "steer.rows_all",
+                                                         axis=0)[0]  # (N,)
+    count = g.op("Gather", [g.op("Shape", [STEER], "steer.shape")[0], zero],
+                 "steer.r")[0]  # R
+    return g.op("Mod", [rows, count], "steer.token_rows")[0]  # (N,)
+
+
+def _scalar(g: Graph, name: str, value: int) -> str:
+    """A 0-d int64 (an initializer's array would come out 1-d): Gather's index for a slice
+    without the axis."""
+    return g.op("Constant", [], name, value=helper.make_tensor(name, TensorProto.INT64, [],
+                                                              [value]))[0]
 
 
 class _ChunkShapes:
@@ -302,10 +347,17 @@ def _sizes(g: Graph, tensors: list[str], name: str) -> str:
                 f"split_{name}", axis=0)[0]
 
 
-def _model(g: Graph, gpt: GPT, groups: list[_Rows], logits_index: bool) -> onnx.ModelProto:
-    """Wrap the nodes with the engine's I/O (engine_spec.py): a cache of kv heads."""
+def _model(g: Graph, gpt: GPT, groups: list[_Rows], logits_index: bool,
+           steering: bool) -> onnx.ModelProto:
+    """Wrap the nodes with the engine's I/O (engine_spec.py): a cache of kv heads; ``steer``
+    an input with a default (an initializer of the same name: ONNX Runtime takes it when
+    none is bound, and never folds it as a constant)."""
     cfg = gpt.config
     inputs, outputs = [], []
+    if steering:
+        g.const(STEER, np.zeros((1, cfg.n_layers, cfg.d_model), np.float32))
+        inputs.append(helper.make_tensor_value_info(STEER, TensorProto.FLOAT,
+                                                    [STEER_ROWS, cfg.n_layers, cfg.d_model]))
     for j, r in enumerate(groups):
         b, t = (io.BATCH, io.SEQUENCE) if j == 0 else (es.chunk_name(io.BATCH),
                                                        es.chunk_name(io.SEQUENCE))

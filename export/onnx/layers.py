@@ -182,10 +182,13 @@ def _biased_activation(g: Graph, form: Description, h: str, up: Any, prefix: str
 
 
 def fused_mlp(g: Graph, form: Description, x: str, h: str, block: Any, next_norm: Any,
-              prefix: str, next_name: str, matmul_only: bool) -> tuple[str, str]:
+              prefix: str, next_name: str, matmul_only: bool,
+              steer: str | None = None) -> tuple[str, str]:
     """The block's feed-forward layer of ``h`` added to the residual ``x``, then the next
     norm (the next block's first, or the final one): (normed, residual). The down
-    projection's bias joins the skip norm, unless a post-norm (Gemma 3) comes first."""
+    projection's bias joins the skip norm, unless a post-norm (Gemma 3) comes first.
+    ``steer`` (N, d), each token's control vector, joins the residual too: the block's
+    output is x + mlp + steer, where llama.cpp adds it (model/steering.py)."""
     p, ffn = prefix, block.ffn
     if form.mlp == "gated":
         gate = _engine_linear(g, h, ffn.gate, f"{p}.gate", form.mlp_bias, matmul_only)
@@ -203,6 +206,8 @@ def fused_mlp(g: Graph, form: Description, x: str, h: str, block: Any, next_norm
         if bias:
             down = g.op("Add", [down, bias[0]], f"{p}.down_b")[0]
         down, bias = fused_norm(g, form, down, block.post_ffn, f"{p}.post_ffn"), []
+    if steer is not None:
+        down = g.op("Add", [down, steer], f"{p}.steered")[0]  # (N, d)
     return skip_norm(g, form, x, down, next_norm, bias, next_name, f"{p}.res2")
 
 

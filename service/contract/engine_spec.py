@@ -19,6 +19,12 @@ engine.onnx  (B = batch_size, T = sequence_length, M = max_sequence_length ≤ m
 
 Rows are right-padded: a row's cache and its new tokens start at column 0.
 
+steer (float32) [R, n_layers, d_model]: each row's control vector, per layer (row j of
+the pass, the second group's rows after the first's; layer 0's never read: llama.cpp
+steers blocks 1 … n_layers − 1, model/steering.py); added to the residual stream after
+each block. An input with a default, one row of zeros (R = 1: every token reads row 0),
+so a caller that binds none steers nothing; files exported before it lack it.
+
 engine_mixed.onnx (``--engine-graph`` writes it beside engine.onnx, over the same
 weights.bin) is the same decoder with a second group of rows, every
 name above prefixed ``chunk.`` (its own batch, sequence, cache-length and logits-position
@@ -56,6 +62,8 @@ LOGITS_POSITIONS = "logits_positions"
 # row's logits, so a greedy step on the GPU copies token ids, not logits, to the host.
 GREEDY_IDS = "greedy_ids"
 GATHERED_INPUTS = frozenset({LOGITS_INDEX})  # absent from engine.onnx files of before it
+STEER = "steer"  # [R, n_layers, d]: the rows' control vectors (an input with a default)
+STEER_ROWS = "steer_rows"  # its R
 
 
 CHUNK_PREFIX = "chunk."  # the mixed graph's second group of rows (see below)

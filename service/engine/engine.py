@@ -29,6 +29,7 @@ from service.contract import io_spec as io
 from service.contract.graphs import GraphEntry, GraphTable
 from service.contract.manifest import load_manifest, verify_manifest
 from service.engine.adapters import AdapterLimits, AdapterSet, lora_entries
+from service.engine.control_vectors import ControlVectors, control_entries
 from service.engine.draft import DraftModel
 from service.engine.engine_graph_runner import EngineGraphRunner, takes_inputs_of
 from service.engine.model_graph_runner import ModelGraphRunner
@@ -189,6 +190,23 @@ def add_startup_adapters(adapters: AdapterSet | None, config: EngineConfig) -> N
         log.info("serving LoRA adapter %s from %s", name, directory)
 
 
+def add_startup_control_vectors(runner: ModelRunner, config: EngineConfig) -> None:
+    """Serve the control vectors ``--control-vectors`` names (NAME=FILE each), every one read
+    and checked against the model now: one that does not fit stops the server with one
+    line, as does a graph that cannot steer (an export of before ``steer``, model.onnx,
+    CUDA)."""
+    entries = control_entries(config.control_vectors)
+    if not entries:
+        return
+    vectors = runner.control_vectors
+    if vectors is None:
+        raise ValueError(f"{runner.graph_file} on {runner.device} applies no control vector "
+                         "(the engine graph on the CPU does, exported since it takes steer)")
+    for name, path in entries:
+        vectors.add(name, vectors.read(path))
+        log.info("serving control vector %s from %s", name, path)
+
+
 class Engine:
     """A runner, its KV pool and prefix cache, and the scheduler loop over them."""
 
@@ -204,6 +222,7 @@ class Engine:
         model = artifact.config
         runner = create_runner(artifact.path, model, config)
         add_startup_adapters(runner.adapters, config)
+        add_startup_control_vectors(runner, config)
         kv = runner.kv_stats()
         log.info("decoding with %s: KV pool of %d slots x up to %d tokens, budget %d tokens "
                  "(%.1f MiB)%s", runner.graph_file, kv.slots,
@@ -249,6 +268,11 @@ class Engine:
     def adapters(self) -> AdapterSet | None:
         """The LoRA adapters served (None: the engine applies none)."""
         return self.runner.adapters
+
+    @property
+    def control_vectors(self) -> ControlVectors | None:
+        """The control vectors served (None: the graph applies none)."""
+        return self.runner.control_vectors
 
     @property
     def graphs(self) -> tuple[GraphEntry, ...]:

@@ -55,9 +55,11 @@ from service.engine.adapters import (
     adapter_widths,
     token_slots,
 )
+from service.engine.control_vectors import ControlVectors
 from service.engine.cuda import UNCAPTURED, CapturedDecode, DeviceSampler, SampledRows
 from service.engine.kv_pool import Slot
 from service.engine.pooled_runner import PooledRunner
+from service.engine.request import Steering
 from service.engine.runner import PoolConfig
 from service.engine.step_plan import RowWork, StepResult
 
@@ -138,6 +140,11 @@ class EngineGraphRunner(PooledRunner):
             self.adapters = AdapterSet(AdapterSlots(widths, adapter_limits or AdapterLimits()))
         elif adapter_limits is not None:
             raise ValueError("adapter slots for a graph that applies no LoRA adapter")
+        # every engine graph exported since takes each row's control vector (``steer``, an
+        # input with a default); a float16 one (CUDA) would take it in float16: not offered
+        if device == "cpu" and all(g.steers for g in self._sessions.values()):
+            self.control_vectors = ControlVectors(n, config.d_model)
+        self._no_steer = np.zeros((1, n, config.d_model), np.float32)  # steer's default
 
     @property
     def float32_pass_tokens(self) -> int | None:
@@ -190,9 +197,11 @@ class EngineGraphRunner(PooledRunner):
             else:
                 chunk_logits = self._bind(graph, chunk, self.pool.pointers(chunk.lo),
                                           self.max_len, es.CHUNK_PREFIX)
+        groups = [rows, chunk or _IDLE_ROW] if graph.entry.mixes_chunks else [rows]
         if self.adapters is not None:
-            self._bind_adapters(graph, [rows, chunk or _IDLE_ROW] if graph.entry.mixes_chunks
-                                else [rows])
+            self._bind_adapters(graph, groups)
+        if self.control_vectors is not None:
+            self._bind_steering(graph, groups)
         graph.session.run_with_iobinding(graph.binding, self._shrink
                                          if tokens > len(rows.ids) else self._plain)
         if not self._gathers:  # (n, K, V) of the old graph's (n, T, V)
@@ -247,6 +256,21 @@ class EngineGraphRunner(PooledRunner):
                 graph.binding.bind_input(name, "cpu", 0, np.float32, list(view.shape),
                                          view.ctypes.data)
             graph.lora_bound = used
+
+    def _bind_steering(self, graph: _Graph, groups: Sequence[_Rows]) -> None:
+        """The pass's ``steer``, (R, n_layers, d): each bound row's control vector table,
+        both groups' rows in the graph's order, zeros for a row without; a pass where no
+        row steers binds the graph's default (one row of zeros), once."""
+        vectors = self.control_vectors
+        assert vectors is not None
+        steering = [s for g in groups for s in g.steering]
+        if not any(steering):
+            if graph.steer_bound is not self._no_steer:
+                graph.bind_steer(self._no_steer)
+            return
+        zeros = self._no_steer[0]  # (L, d)
+        graph.bind_steer(np.stack([zeros if s is None else vectors.table(s)
+                                   for s in steering]))  # (R, L, d)
 
     def _decode(self, rows: Sequence[RowWork]) -> np.ndarray:
         packed, order = self._pack(rows)
@@ -339,7 +363,8 @@ class EngineGraphRunner(PooledRunner):
         are bound in slot order over one run of consecutive slots (compacted first where
         they are not): each row's tokens after its cache, right-padded to the longest,
         their positions, the positions whose logits are wanted (every fed one with
-        ``every``, else each row's last) and the slot of each row's adapter. With it, the
+        ``every``, else each row's last), the slot of each row's adapter and its control
+        vector. With it, the
         permutation from bound rows to ``rows`` (None: already in slot order). Several
         rows of more than one token are first prompts (GroupQueryAttention takes no other:
         ``run``'s packing never makes one, ``_run`` checks the second group)."""
@@ -370,7 +395,8 @@ class EngineGraphRunner(PooledRunner):
         adapters = self.adapters
         lora = (np.zeros(n, np.int64) if adapters is None else  # (n,) 0: the base
                 np.fromiter((adapters.slot_of(r.variant.adapter) for r in bound), np.int64, n))
-        return (_Rows(lo, ids, pos, totals - 1, total, index, lora),
+        steering = tuple(r.variant.steering for r in bound)
+        return (_Rows(lo, ids, pos, totals - 1, total, index, lora, steering),
                 None if ordered else perm)
 
     def _record_pass(self, packed: _Rows, rows: Sequence[RowWork]) -> None:
@@ -424,6 +450,17 @@ class _Graph:
         self.binding = session.io_binding()
         self.kv_bound: dict[str, tuple[int, int, int]] = {}  # group → (address, rows, length)
         self.lora_bound = -1  # adapter slots bound (adapter graphs; -1: none yet)
+        # whether it takes each row's control vector (engine_spec.STEER: an input with a
+        # default, so listed among the overridable initializers, not the inputs)
+        self.steers = es.STEER in {i.name for i in session.get_overridable_initializers()}
+        self.steer_bound: np.ndarray | None = None  # the steer array bound now
+
+    def bind_steer(self, steer: np.ndarray) -> None:
+        """Bind (R, L, d) ``steer`` by address (bind_cpu_input looks for the name among
+        the inputs proper, which an input with a default is not), kept alive while bound."""
+        self.binding.bind_input(es.STEER, "cpu", 0, np.float32, list(steer.shape),
+                                steer.ctypes.data)
+        self.steer_bound = steer
 
 
 def takes_inputs_of(session: ort.InferenceSession, other: ort.InferenceSession) -> bool:
@@ -447,10 +484,12 @@ class _Rows:
     total: int  # the longest row's total length
     index: np.ndarray  # (n, K) positions whose logits are wanted
     lora: np.ndarray  # (n,) each row's adapter slot (0: the base; adapter graphs)
+    steering: tuple[Steering | None, ...]  # each row's control vector (None: none)
 
 
 _NONE = np.zeros((1, 0), np.int64)  # (1, 0)
 # The mixed graph's second group when a pass has nothing for it: one row of no tokens,
 # whose attention the graph runs on a zero row over a one-position scratch cache
 # (export/onnx/engine_graph.py).
-_IDLE_ROW = _Rows(0, _NONE, _NONE, np.zeros(1, np.int64), 1, _NONE, np.zeros(1, np.int64))
+_IDLE_ROW = _Rows(0, _NONE, _NONE, np.zeros(1, np.int64), 1, _NONE, np.zeros(1, np.int64),
+                  (None,))

@@ -29,6 +29,7 @@ import numpy as np
 
 from service.contract import io_spec as io
 from service.engine.adapters import AdapterSet
+from service.engine.control_vectors import ControlVectors
 from service.engine.cuda import SampledRows
 from service.engine.kv_pool import KVPool, PoolShape, Slot, ensure_memory
 from service.engine.prefix_cache import PrefixCache
@@ -48,6 +49,7 @@ class PooledRunner:
     mixes_chunks: bool = False  # a second group of rows rides in the decode pass
     samples_on_device: bool = False  # decoding rows may want draws made beside the logits
     adapters: AdapterSet | None = None  # the LoRA adapters its graph applies per row
+    control_vectors: ControlVectors | None = None  # the control vectors it adds per row
 
     @property
     def float32_pass_tokens(self) -> int | None:
@@ -107,8 +109,8 @@ class PooledRunner:
     def reserve(self, rows: int, top: bool = False,
                 prompts: Sequence[np.ndarray | None] | None = None,
                 variants: Sequence[ModelVariant] | None = None) -> list[Slot]:
-        if variants is not None and self.adapters is None and any(v.adapter for v in variants):
-            raise ValueError(f"{type(self).__name__} serves no LoRA adapter")
+        if variants is not None:
+            self._check_variants(variants)
         if variants is not None and len(variants) != rows:
             raise ValueError(f"{len(variants)} variants for {rows} rows")
         slots = self.pool.allocate(rows, top)
@@ -127,6 +129,13 @@ class PooledRunner:
             if hits[r] and prompt is not None:
                 self.prefix.load(np.asarray(prompt, np.int64), slots[r].index, keys[r])
         return slots
+
+    def _check_variants(self, variants: Sequence[ModelVariant]) -> None:
+        """ValueError for a row under an adapter or control vector the graph cannot apply."""
+        if self.adapters is None and any(v.adapter for v in variants):
+            raise ValueError(f"{type(self).__name__} serves no LoRA adapter")
+        if self.control_vectors is None and any(v.steering for v in variants):
+            raise ValueError(f"{type(self).__name__} applies no control vector")
 
     def truncate(self, slot: Slot, length: int) -> None:
         self.pool.truncate(slot, length)  # pages past ``length`` go back to the OS
@@ -179,8 +188,7 @@ class PooledRunner:
             raise ValueError("a row appears twice in one step")
         if any(len(r.tokens) == 0 for r in rows):
             raise ValueError("every row of a step feeds at least one token")
-        if self.adapters is None and any(r.variant.adapter for r in rows):
-            raise ValueError(f"{type(self).__name__} serves no LoRA adapter")
+        self._check_variants([r.variant for r in rows])
         out = StepResult([np.empty(0)] * len(rows))
         first = [i for i, r in enumerate(rows) if r.first]
         decode = [i for i, r in enumerate(rows) if not r.first and len(r.tokens) == 1]

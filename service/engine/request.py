@@ -109,13 +109,38 @@ class AdapterRef:
 
 
 @dataclass(frozen=True)
+class ControlChoice:
+    """The control vector a request asks for: a served one's name, the scale its directions
+    are multiplied by, and the layers it steers (inclusive, as llama.cpp's
+    ``--control-vector-layer-range``; None: all)."""
+
+    name: str
+    scale: float = 1.0
+    layers: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Steering:
+    """A control vector a row runs under: the choice, with the id its directions were
+    loaded as (service/engine/control_vectors.py; never reused, so a vector loaded again
+    under the same name is another)."""
+
+    name: str
+    id: int
+    scale: float = 1.0
+    layers: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class ModelVariant:
-    """What computes a row besides the base weights: its LoRA adapter, by id (0: none).
-    A row carries it (step_plan.RowWork) and the prefix cache keys blocks by it, so keys
-    and values computed under one variant never serve another; a new per-row input that
-    changes them is a field here."""
+    """What computes a row besides the base weights: its LoRA adapter, by id (0: none), and
+    its control vector with its scale and layers (None: none). A row carries it
+    (step_plan.RowWork) and the prefix cache keys blocks by it, so keys and values computed
+    under one variant never serve another; a new per-row input that changes them is a
+    field here."""
 
     adapter: int = 0
+    steering: Steering | None = None
 
 
 BASE = ModelVariant()
@@ -137,11 +162,16 @@ class GenerationRequest:
     cancelled: threading.Event = field(default_factory=threading.Event)
     adapter_name: str | None = None  # the LoRA adapter asked for (None: the base model)
     adapter: AdapterRef | None = None  # it, resolved when the engine takes the request
+    control_vector: ControlChoice | None = None  # the control vector asked for (None: none)
+    steering: Steering | None = None  # it, resolved when the engine takes the request
 
     @property
     def variant(self) -> ModelVariant:
-        """What its rows are computed under (its adapter once resolved)."""
-        return BASE if self.adapter is None else ModelVariant(adapter=self.adapter.id)
+        """What its rows are computed under (its adapter and control vector once resolved)."""
+        if self.adapter is None and self.steering is None:
+            return BASE
+        return ModelVariant(adapter=0 if self.adapter is None else self.adapter.id,
+                            steering=self.steering)
 
     @property
     def reserved_tokens(self) -> int:

@@ -31,6 +31,7 @@ from service.engine.step_plan import StepPlan, StepResult
 
 if TYPE_CHECKING:
     from service.engine.adapters import AdapterSet
+    from service.engine.control_vectors import ControlVectors
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ModelRunner(Protocol):
     mixes_chunks: bool  # a row after its cache, or first prompts, ride in the decode pass
     samples_on_device: bool  # decoding rows may want draws (``RowWork.want`` "draw")
     adapters: AdapterSet | None  # the LoRA adapters its graph applies per row, if any
+    control_vectors: ControlVectors | None  # the control vectors it adds per row, if any
     graphs: tuple[GraphEntry, ...]  # the artifact's graphs it runs (contract/graphs.py)
 
     @property

@@ -44,6 +44,7 @@ from service.contract.peft_adapter import AdapterError
 from service.engine.adapters import UnknownAdapter
 from service.engine.batch import Batch
 from service.engine.chunking import ChunkBudget
+from service.engine.control_vectors import UnknownControlVector
 from service.engine.process_memory import release_freed_heap
 from service.engine.request import ErrorEvent, Event, GenerationRequest
 from service.engine.runner import ModelRunner
@@ -174,7 +175,8 @@ class Scheduler:
 
     def submit(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
         """Queue requests, all or none; raise QueueFull past max_queued_requests, and
-        UnknownAdapter for a LoRA adapter the engine does not serve."""
+        UnknownAdapter for a LoRA adapter the engine does not serve, UnknownControlVector
+        for a control vector."""
         handles = [RequestHandle(r, self) for r in requests]
         with self._cv:
             if self._stopping or self._thread is None:
@@ -182,6 +184,7 @@ class Scheduler:
             if len(self._waiting) + len(handles) > self.limits.max_queued_requests:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting "
                                 f"(max_queued_requests {self.limits.max_queued_requests})")
+            self._resolve_steering(requests)
             self._resolve_adapters(requests)
             for h in handles:
                 self._handles[h.request.id] = h
@@ -189,6 +192,20 @@ class Scheduler:
             self.stats.record_queue(len(self._waiting))
             self._cv.notify()
         return handles
+
+    def _resolve_steering(self, requests: Sequence[GenerationRequest]) -> None:
+        """Each request's control vector by name, all or none (a vector unloaded later
+        keeps serving the rows that resolved it)."""
+        asked = [r for r in requests if r.control_vector is not None]
+        vectors = self.runner.control_vectors if asked else None
+        resolved = []
+        for r in asked:
+            if r.control_vector is not None:
+                if vectors is None:
+                    raise UnknownControlVector(r.control_vector.name)
+                resolved.append((r, vectors.resolve(r.control_vector)))
+        for r, steering in resolved:
+            r.steering = steering
 
     def _resolve_adapters(self, requests: Sequence[GenerationRequest]) -> None:
         """Each request's adapter by name, counted in flight (an unload waits for it) until

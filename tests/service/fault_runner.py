@@ -133,6 +133,7 @@ class ControlledRunner:
         self.float32_pass_tokens = runner.float32_pass_tokens
         self.graphs = runner.graphs
         self.adapters = runner.adapters
+        self.control_vectors = runner.control_vectors
 
     def _pass(self, prompts: Sequence[np.ndarray] = ()) -> None:
         if self.gate is not None and not self.gate.next():

@@ -1,0 +1,121 @@
+"""The control vectors a server serves, by name: each row's steering, as the graph takes it.
+
+A vector is llama.cpp's control-vector file (service/contract/control_vector.py), held as
+one (n_layers, d) float32 table: row ``k`` is the direction added after block ``k``, row 0
+and any layer the file has no direction for zeros (llama.cpp never steers the first
+block's output). A request names a vector, a scale and optionally a layer range
+(request.ControlChoice); :meth:`ControlVectors.resolve` turns it into the row's
+``Steering`` (the vector's id: a vector loaded again under its name is another, so the
+prefix cache never mixes them), and :meth:`ControlVectors.table` into the (n_layers, d)
+rows the engine graph's ``steer`` input takes: the directions times the scale in float32,
+as llama.cpp multiplies them when it reads the file, zero outside the range.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from service.contract.control_vector import ControlVectorError, read_control_vector
+from service.engine.request import ControlChoice, Steering
+
+_KEPT_TABLES = 256  # scaled tables kept for reuse across steps
+
+
+class UnknownControlVector(LookupError):
+    """A request names a control vector the server does not serve (404)."""
+
+
+class ControlVectors:
+    """The served vectors of a model of ``n_layers`` blocks ``d_model`` wide. Thread-safe:
+    requests resolve names on the event loop, the engine reads tables on its thread."""
+
+    def __init__(self, n_layers: int, d_model: int) -> None:
+        self.n_layers, self.d_model = n_layers, d_model
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._named: dict[str, int] = {}  # name → id
+        self._tables: dict[int, np.ndarray] = {}  # id → (n_layers, d) directions
+        self._scaled: dict[Steering, np.ndarray] = {}  # the steer rows each steering made
+
+    def read(self, path: str | os.PathLike[str]) -> np.ndarray:
+        """A file's directions as a (n_layers, d) table; ControlVectorError (one line) for a
+        file llama.cpp would refuse, or whose width or layers do not fit the model."""
+        vector = read_control_vector(path, self.d_model, self.n_layers)
+        table = np.zeros((self.n_layers, self.d_model), np.float32)  # (L, d)
+        for layer, direction in vector.directions.items():
+            table[layer] = direction
+        return table
+
+    def add(self, name: str, table: np.ndarray) -> int:
+        """Serve ``table`` (from :meth:`read`) as ``name``, replacing one of that name: its id."""
+        if table.shape != (self.n_layers, self.d_model):
+            raise ControlVectorError(f"control vector {name}: a table of {table.shape}, the "
+                                     f"model takes ({self.n_layers}, {self.d_model})")
+        with self._lock:
+            vector_id = next(self._ids)
+            self._named[name] = vector_id
+            self._tables[vector_id] = table
+            return vector_id
+
+    def remove(self, name: str) -> None:
+        """Stop serving ``name``; rows already running under it keep their table."""
+        with self._lock:
+            if self._named.pop(name, None) is None:
+                raise UnknownControlVector(name)
+
+    @property
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._named)
+
+    def layers_of(self, name: str) -> list[int]:
+        """The layers ``name`` has a direction for."""
+        with self._lock:
+            table = self._tables[self._named[name]]
+        return [k for k in range(1, self.n_layers) if table[k].any()]
+
+    def resolve(self, choice: ControlChoice) -> Steering:
+        """The steering a request runs under; UnknownControlVector for a name not served."""
+        with self._lock:
+            vector_id = self._named.get(choice.name)
+        if vector_id is None:
+            raise UnknownControlVector(choice.name)
+        return Steering(choice.name, vector_id, choice.scale, choice.layers)
+
+    def table(self, steering: Steering) -> np.ndarray:
+        """The (n_layers, d) rows a row under ``steering`` adds after each block: the
+        directions times the scale (float32), zero outside its layers (computed once)."""
+        made = self._scaled.get(steering)
+        if made is not None:
+            return made
+        with self._lock:
+            table = self._tables[steering.id]
+        scaled = table * np.float32(steering.scale)  # (L, d), as llama.cpp scales on load
+        if steering.layers is not None:
+            start, end = steering.layers
+            outside = [k for k in range(self.n_layers) if not start <= k <= end]
+            scaled[outside] = 0.0
+        if len(self._scaled) >= _KEPT_TABLES:  # requests choose scales freely: bounded
+            self._scaled.clear()
+        self._scaled[steering] = scaled
+        return scaled
+
+
+def control_entries(entries: Sequence[str]) -> list[tuple[str, Path]]:
+    """``--control-vectors``' NAME=FILE entries as (name, file); ValueError with one line
+    for a malformed entry or a name given twice."""
+    out: list[tuple[str, Path]] = []
+    for entry in entries:
+        name, sep, file = entry.partition("=")
+        if not sep or not name or not file:
+            raise ValueError(f"--control-vectors entry {entry!r} is not NAME=FILE")
+        if any(name == seen for seen, _ in out):
+            raise ValueError(f"--control-vectors names {name!r} twice")
+        out.append((name, Path(file)))
+    return out
