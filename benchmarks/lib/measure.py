@@ -1,4 +1,5 @@
-"""The measurement loop every engine shares, and the process memory figures.
+"""The measurement loop every engine shares, the process memory figures, and how many
+leading tokens two generations share.
 
 A row is one engine at one batch size: a short warm-up generation on the same shapes,
 then ``reps`` timed generations of exactly ``n_new`` tokens per row. Tokens/s counts
