@@ -136,6 +136,8 @@ def _look_inside(body: AttentionRequest, runtime: Runtime, ids: list[int],
                             "adapter_id, or for logit_lens / residual_norms",
                        "not_implemented", param="adapter_id", code="not_implemented")
     vocab = runtime.artifact.config.vocab_size
+    if body.top_k > vocab:
+        raise InputError("top_k", f"{body.top_k} is more than the vocabulary's {vocab}")
     if body.target is not None and body.target >= vocab:
         raise InputError("target", f"{body.target} out of range: the vocabulary has {vocab}")
     if body.position is not None and body.position >= len(ids):
