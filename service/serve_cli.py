@@ -107,10 +107,29 @@ def run(args: argparse.Namespace) -> int:
     artifact = open_artifact(settings)
     if settings.serves_adapters:
         check_adapters(settings, artifact.path)
+    check_control_vectors(settings, artifact.config)
 
     from service.server import serve
 
     return serve(settings, artifact)
+
+
+def check_control_vectors(settings: Any, config: Any) -> None:
+    """Every ``--control-vectors`` file read and checked against the model (its width, its
+    layers) before the server starts: the first that does not fit stops it with one line
+    (the engine reads them again when it loads)."""
+    from service.contract.control_vector import read_control_vector
+    from service.engine.control_vectors import control_entries
+
+    entries = control_entries(settings.control_vectors)
+    if entries and not settings.engine_graph:
+        raise ValueError("control vectors are applied by the engine graph: drop "
+                         "--no-engine-graph")
+    for name, path in entries:
+        try:
+            read_control_vector(path, config.d_model, config.n_layers)
+        except OSError as exc:
+            raise ValueError(f"--control-vectors {name}: {exc}") from None
 
 
 def check_adapters(settings: Any, artifact_dir: Path) -> None:

@@ -542,7 +542,8 @@ class Scheduler:
             time_to_first_token=(seq.first_token_time - req.arrival)
             if seq and seq.first_token_time is not None else None,
             inter_token_latencies=tuple(seq.inter_token_latencies) if seq else (),
-            adapter=req.adapter.name if req.adapter is not None else None))
+            adapter=req.adapter.name if req.adapter is not None else None,
+            control_vector=req.steering.name if req.steering is not None else None))
 
     def _send(self, pairs: list[tuple[RequestHandle, Event]]) -> None:
         """Queue events for the event loop; :meth:`_publish` hands them over."""

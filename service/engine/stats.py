@@ -83,6 +83,7 @@ class RequestStats:
     time_to_first_token: float | None
     inter_token_latencies: tuple[float, ...]
     adapter: str | None = None  # the LoRA adapter it ran under (None: the base)
+    control_vector: str | None = None  # the control vector it steered with (None: none)
 
 
 # Why a step raised and what the scheduler did: "retried" (its newcomers were prefilled

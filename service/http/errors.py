@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.engine.adapters import UnknownAdapter
+from service.engine.control_vectors import UnknownControlVector
 from service.engine.scheduler import EngineStopped, QueueFull
 from service.http.admission import Overloaded
 from service.http.validation import InputError
@@ -137,6 +138,17 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(request, ApiError(
             404, f"parameters.adapter_id: adapter {name!r} is not served by this server",
             "not_found", param="parameters.adapter_id", code="model_not_found"))
+
+    @app.exception_handler(UnknownControlVector)
+    async def unknown_control_vector(request: Request, exc: UnknownControlVector
+                                     ) -> JSONResponse:
+        # unloaded between the route's check and the engine's submit: the same 404
+        from service.http.control_vectors import unknown_vector
+
+        field = "control_vector" if is_openai_path(request.url.path) \
+            else "parameters.control_vector"
+        return error_response(request, unknown_vector(str(exc.args[0]) if exc.args else "",
+                                                      field))
 
     @app.exception_handler(EngineStopped)
     async def stopped(request: Request, exc: EngineStopped) -> JSONResponse:

@@ -282,6 +282,14 @@ class Metrics:
         self.lora_tokens = Counter("attnserve_lora_generated_tokens",
                                    "Tokens generated under each LoRA adapter.", ["adapter"],
                                    registry=r)
+        # the vector label takes the served names only (--control-vectors: bounded)
+        self.control_requests = Counter(
+            "attnserve_control_vector_requests", "Requests that steered with each control "
+            "vector (finished, cancelled or failed); unsteered requests are not counted.",
+            ["vector"], registry=r)
+        self.control_tokens = Counter(
+            "attnserve_control_vector_generated_tokens",
+            "Tokens generated under each control vector.", ["vector"], registry=r)
         self.adapter_counts = AdapterCounts(self.adapter_labels)
         r.register(self.adapter_counts)  # a custom collector: read at scrape
         self.lora_resident = Gauge("attnserve_lora_resident",
@@ -406,6 +414,9 @@ class Metrics:
             label = self.adapter_labels.of(stats.adapter)
             self.lora_requests.labels(adapter=label).inc()
             self.lora_tokens.labels(adapter=label).inc(stats.generated_tokens)
+        if stats.control_vector is not None:
+            self.control_requests.labels(vector=stats.control_vector).inc()
+            self.control_tokens.labels(vector=stats.control_vector).inc(stats.generated_tokens)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

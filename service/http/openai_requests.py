@@ -18,6 +18,7 @@ from service.engine.grammar import Grammar
 from service.engine.request import FinishInfo, GenerationRequest, SamplingParams, TokenEvent
 from service.engine.scheduler import RequestHandle
 from service.http.adapters import adapter_of_model
+from service.http.control_vectors import control_choice
 from service.http.errors import ApiError
 from service.http.openai_schemas import (
     ChatCompletionRequest,
@@ -76,6 +77,7 @@ def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[s
     """n requests per prompt, under the LoRA adapter ``body.model`` names (if any);
     ``prompts`` are (field, token ids); ``token_logprobs``: the client asked for logprobs."""
     adapter = adapter_of_model(body.model, runtime)
+    steering = control_choice(body.control_vector, runtime, "control_vector")
     validator = runtime.validator
     validator.check_count(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
     defaults = runtime.artifact.generation_defaults
@@ -92,7 +94,8 @@ def build_requests(body: OpenAISampling, runtime: Runtime, prompts: list[tuple[s
                 max_field, prompt_logprobs=prompt_logprobs, stop_token_ids=stop_ids,
                 max_new_given=length_given, author_max_new_tokens=defaults.max_new_tokens,
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-                token_logprobs=token_logprobs, adapter_name=adapter))
+                token_logprobs=token_logprobs, adapter_name=adapter,
+                control_vector=steering))
     return requests
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import ConfigDict, Field
 
-from service.http.schemas import Integral, NonEmptyText, Seed, Strict
+from service.http.schemas import ControlVectorChoice, Integral, NonEmptyText, Seed, Strict
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31), Integral]
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]  # checked against the vocabulary
@@ -75,6 +75,8 @@ class OpenAISampling(Strict):
     min_tokens: Annotated[int, Field(ge=0), Integral] = 0
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    # ours: steer with a served control vector (GET /info lists them)
+    control_vector: ControlVectorChoice | None = None
 
     @property
     def stop_sequences(self) -> list[str]:

@@ -53,6 +53,18 @@ class RegexGrammar(Strict):
 Grammar = Annotated[JsonGrammar | RegexGrammar, Field(discriminator="type")]
 
 
+class ControlVectorChoice(Strict):
+    """A served control vector and its scale (docs/steering.md), and optionally the layers
+    it steers (inclusive, llama.cpp's --control-vector-layer-range)."""
+
+    name: NonEmptyText
+    scale: float = Field(1.0, allow_inf_nan=False, description="the directions are "
+                         "multiplied by it; |scale| at most --max-control-scale")
+    layers: Annotated[list[Annotated[int, Field(ge=1), Integral]],
+                      Field(min_length=2, max_length=2)] | None = Field(
+        None, description="[first, last] layer steered (absent: every layer)")
+
+
 class GenerateParameters(Strict):
     """TGI's parameters; temperature, top_k, top_p or typical_p other than neutral turn
     sampling on."""
@@ -76,6 +88,8 @@ class GenerateParameters(Strict):
     adapter_id: NonEmptyText | None = Field(
         None, description="a LoRA adapter the server serves (GET /v1/models lists them); "
                           "absent: the base model")
+    control_vector: ControlVectorChoice | None = Field(
+        None, description="steer with a served control vector (GET /info lists them)")
     # Sent by TGI's own client; accepted at their neutral values only.
     best_of: Annotated[int, Field(ge=1, le=1), Integral] | None = None
     watermark: Annotated[Literal[False], BeforeValidator(_bool_only)] = False

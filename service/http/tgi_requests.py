@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from service.engine.request import GenerationRequest, SamplingParams
 from service.http.adapters import adapter_of_id
+from service.http.control_vectors import control_choice
 from service.http.runtime import Runtime
 from service.http.schemas import GenerateParameters, GenerateRequest, JsonGrammar, StreamRequest
 
@@ -45,7 +46,9 @@ def build_request(runtime: Runtime, text: str, params: GenerateParameters,
                            prompt_logprobs=params.decoder_input_details,
                            token_logprobs=(stream or params.details
                                            or params.decoder_input_details),
-                           adapter_name=params.adapter_id)
+                           adapter_name=params.adapter_id,
+                           control_vector=control_choice(params.control_vector, runtime,
+                                                         "parameters.control_vector"))
 
 
 def generate_requests(body: GenerateRequest, runtime: Runtime) -> list[GenerationRequest]:

@@ -15,7 +15,12 @@ from typing import Any
 from service.artifact.text import TextCodec
 from service.contract import io_spec as io
 from service.engine.grammar import Grammar, GrammarCompiler, GrammarError, GrammarKind
-from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+from service.engine.request import (
+    ControlChoice,
+    GenerationRequest,
+    SamplingParams,
+    StoppingCriteria,
+)
 from service.settings import Limits, default_of
 
 
@@ -119,6 +124,7 @@ class Validator:
         stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, min_tokens: int = 0,
         max_new_given: bool = True, author_max_new_tokens: int | None = None,
         token_logprobs: bool = True, adapter_name: str | None = None,
+        control_vector: ControlChoice | None = None,
     ) -> GenerationRequest:
         """``max_new_given`` and ``author_max_new_tokens``: see ``max_new_tokens``."""
         max_new_tokens = self.max_new_tokens(max_new_tokens, len(prompt_ids), max_new_field,
@@ -137,4 +143,4 @@ class Validator:
                 max_new_tokens, tuple(stop), eos_token_id=eos, extra_eos_ids=self.extra_eos_ids,
                 stop_token_ids=stop_token_ids, min_tokens=min_tokens),
             prompt_logprobs=prompt_logprobs, token_logprobs=token_logprobs,
-            adapter_name=adapter_name)
+            adapter_name=adapter_name, control_vector=control_vector)

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from service.http.control_vectors import control_vector_names
 from service.http.deps import RuntimeDep, require_api_key
 from service.http.responses import Status, tgi_errors
 
@@ -71,6 +72,8 @@ async def info(runtime: RuntimeDep) -> dict[str, Any]:
             "max_queued_requests": settings.max_queued_requests,
             "max_body_bytes": settings.max_body_bytes,
         },
+        "control_vectors": control_vector_names(runtime),
+        "max_control_scale": settings.max_control_scale,
         "auth": settings.api_key is not None,
         "chat_template": artifact.chat_template.origin,
         "generation_defaults": artifact.generation_defaults.to_dict(),

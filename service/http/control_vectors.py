@@ -1,0 +1,54 @@
+"""Which control vector a request steers with: a served one's name, a scale within
+``--max-control-scale``, and optionally a layer range (docs/steering.md).
+
+TGI's routes read ``parameters.control_vector``, the OpenAI routes the extra body field
+``control_vector``; both ``{"name", "scale", "layers"?}``. A name the server does not serve
+is a 404 in the route's error shape, a scale beyond the maximum or a range that ends before
+it starts a 422 naming the field; the engine refuses an unknown name again
+(``UnknownControlVector``, the same 404) where it was unloaded between this check and the
+submit.
+"""
+
+from __future__ import annotations
+
+from service.engine.control_vectors import control_entries
+from service.engine.request import ControlChoice
+from service.http.errors import ApiError
+from service.http.runtime import Runtime
+from service.http.schemas import ControlVectorChoice
+from service.http.validation import InputError
+
+
+def control_vector_names(runtime: Runtime) -> list[str]:
+    """The vectors a request may name now: the engine's; before it exists, the settings'."""
+    engine = runtime.engine
+    if engine is None:
+        return [name for name, _ in control_entries(runtime.settings.control_vectors)]
+    vectors = engine.control_vectors
+    return vectors.names if vectors is not None else []
+
+
+def unknown_vector(name: str, field: str) -> ApiError:
+    return ApiError(404, f"{field}.name: control vector {name!r} is not served by this "
+                         "server", "not_found", param=f"{field}.name",
+                    code="control_vector_not_found", openai_type="NotFoundError")
+
+
+def control_choice(choice: ControlVectorChoice | None, runtime: Runtime,
+                   field: str) -> ControlChoice | None:
+    """The engine's form of a request's ``choice`` (None: no vector), checked."""
+    if choice is None:
+        return None
+    if choice.name not in control_vector_names(runtime):
+        raise unknown_vector(choice.name, field)
+    limit = runtime.settings.max_control_scale
+    if abs(choice.scale) > limit:
+        raise InputError(f"{field}.scale", f"|scale| must be <= {limit} "
+                                           f"(--max-control-scale); given {choice.scale}")
+    layers = None
+    if choice.layers is not None:
+        start, end = choice.layers
+        if start > end:
+            raise InputError(f"{field}.layers", f"[{start}, {end}] ends before it starts")
+        layers = (start, end)
+    return ControlChoice(choice.name, choice.scale, layers)
