@@ -21,6 +21,10 @@ sum to the logit. A head's output is its z placed in its slice of an otherwise z
 (nh, W) block through o_proj's own weight, so the weight's layout is o_proj's. Gemma 3's
 post-attention norm is linearised the same way (the scale of the whole attention output
 divides each head's); its post-MLP norm needs none (the MLP is one term).
+
+Both products read the weights by the names o_proj and the LM head store them under, so
+weight quantisation rewrites them as it rewrites those (MatMulNBits, the GGUF blocks' ops:
+seen on int4 and GGUF exports, the terms still summing to the graph's own logit).
 """
 
 from __future__ import annotations
