@@ -163,6 +163,13 @@ class ServeOptions(BaseModel):
     max_control_scale: float = Field(
         4.0, gt=0, description="the largest |scale| a request may steer with; beyond it, "
                                "422")
+    runtime_control_vectors: bool = Field(
+        False, description="allow POST /v1/load_control_vector and /v1/unload_control_vector"
+                           ", reading files only under control_vector_dir")
+    control_vector_dir: Path | None = Field(
+        None, description="the directory run-time loaded control vectors must lie under "
+                          "(symlinks leading out are refused); required with "
+                          "runtime_control_vectors")
 
     @field_validator("lora_modules", "control_vectors", mode="before")
     @classmethod
@@ -177,6 +184,13 @@ class ServeOptions(BaseModel):
         if self.runtime_lora and self.lora_dir is None:
             raise ValueError("runtime_lora needs lora_dir: the directory adapters may be "
                              "loaded from")
+        return self
+
+    @model_validator(mode="after")
+    def _runtime_vectors_read_under_a_directory(self) -> ServeOptions:
+        if self.runtime_control_vectors and self.control_vector_dir is None:
+            raise ValueError("runtime_control_vectors needs control_vector_dir: the directory "
+                             "control vectors may be loaded from")
         return self
 
     @property

@@ -64,10 +64,13 @@ class ControlVectors:
             return vector_id
 
     def remove(self, name: str) -> None:
-        """Stop serving ``name``; rows already running under it keep their table."""
+        """Stop serving ``name``; rows already running under it keep their directions
+        (``Steering.directions``)."""
         with self._lock:
-            if self._named.pop(name, None) is None:
+            vector_id = self._named.pop(name, None)
+            if vector_id is None:
                 raise UnknownControlVector(name)
+            del self._tables[vector_id]
 
     @property
     def names(self) -> list[str]:
@@ -84,9 +87,10 @@ class ControlVectors:
         """The steering a request runs under; UnknownControlVector for a name not served."""
         with self._lock:
             vector_id = self._named.get(choice.name)
-        if vector_id is None:
-            raise UnknownControlVector(choice.name)
-        return Steering(choice.name, vector_id, choice.scale, choice.layers)
+            if vector_id is None:
+                raise UnknownControlVector(choice.name)
+            return Steering(choice.name, vector_id, choice.scale, choice.layers,
+                            self._tables[vector_id])
 
     def table(self, steering: Steering) -> np.ndarray:
         """The (n_layers, d) rows a row under ``steering`` adds after each block: the
@@ -94,9 +98,8 @@ class ControlVectors:
         made = self._scaled.get(steering)
         if made is not None:
             return made
-        with self._lock:
-            table = self._tables[steering.id]
-        scaled = table * np.float32(steering.scale)  # (L, d), as llama.cpp scales on load
+        # (L, d): as llama.cpp scales them when it reads the file
+        scaled = steering.directions * np.float32(steering.scale)
         if steering.layers is not None:
             start, end = steering.layers
             outside = [k for k in range(self.n_layers) if not start <= k <= end]
@@ -105,6 +108,21 @@ class ControlVectors:
             self._scaled.clear()
         self._scaled[steering] = scaled
         return scaled
+
+
+def confined_file(path: Path, root: Path) -> Path:
+    """``path`` with every symlink resolved, if it is a file under ``root`` (resolved too);
+    ControlVectorError otherwise: a run-time load reads nothing outside that directory."""
+    try:
+        resolved = path.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:
+        raise ControlVectorError(f"{path} does not exist") from exc
+    if not resolved.is_file():
+        raise ControlVectorError(f"{path} is not a file")
+    if not resolved.is_relative_to(root.resolve()):
+        raise ControlVectorError(f"{path} leads outside the control-vector directory "
+                                 "(--control-vector-dir); only files under it may be loaded")
+    return resolved
 
 
 def control_entries(entries: Sequence[str]) -> list[tuple[str, Path]]:

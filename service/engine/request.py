@@ -123,12 +123,15 @@ class ControlChoice:
 class Steering:
     """A control vector a row runs under: the choice, with the id its directions were
     loaded as (service/engine/control_vectors.py; never reused, so a vector loaded again
-    under the same name is another)."""
+    under the same name is another) and the directions themselves, (n_layers, d), which
+    the row keeps while it runs even if the vector is unloaded meanwhile (not compared:
+    the id says which they are)."""
 
     name: str
     id: int
     scale: float = 1.0
     layers: tuple[int, int] | None = None
+    directions: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

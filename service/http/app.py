@@ -67,6 +67,7 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
     from service.http.routes import (
         attention,
         chat,
+        control_vectors,
         generate,
         health,
         lora,
@@ -79,6 +80,8 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
         app.include_router(module.router)
     if settings.runtime_lora:  # vLLM registers them only when runtime updates are allowed
         app.include_router(lora.router)
+    if settings.runtime_control_vectors:  # as for adapters: only when allowed
+        app.include_router(control_vectors.router)
     viz.install(app)
     install_openapi(app)
     return app

@@ -58,6 +58,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 
                    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 REJECTION_REASONS = ("queue_full", "attention_busy", "validation", "too_large", "unauthorized")
+MAX_VECTOR_LABELS = 64  # distinct control-vector names given their own label
 MAX_RUNTIME_ADAPTER_LABELS = 64  # distinct run-time adapter names given their own label
 OTHER_ADAPTERS = "other"  # the label of the run-time names beyond those
 
@@ -282,7 +283,7 @@ class Metrics:
         self.lora_tokens = Counter("attnserve_lora_generated_tokens",
                                    "Tokens generated under each LoRA adapter.", ["adapter"],
                                    registry=r)
-        # the vector label takes the served names only (--control-vectors: bounded)
+        self._vector_labels: set[str] = set()  # the vector label's values (_vector_label)
         self.control_requests = Counter(
             "attnserve_control_vector_requests", "Requests that steered with each control "
             "vector (finished, cancelled or failed); unsteered requests are not counted.",
@@ -415,8 +416,16 @@ class Metrics:
             self.lora_requests.labels(adapter=label).inc()
             self.lora_tokens.labels(adapter=label).inc(stats.generated_tokens)
         if stats.control_vector is not None:
-            self.control_requests.labels(vector=stats.control_vector).inc()
-            self.control_tokens.labels(vector=stats.control_vector).inc(stats.generated_tokens)
+            label = self._vector_label(stats.control_vector)
+            self.control_requests.labels(vector=label).inc()
+            self.control_tokens.labels(vector=label).inc(stats.generated_tokens)
+
+    def _vector_label(self, name: str) -> str:
+        """``name``, for the first MAX_VECTOR_LABELS names seen; "other" after them, so
+        vectors loaded and unloaded at run time cannot grow the exposition without bound."""
+        if name not in self._vector_labels and len(self._vector_labels) < MAX_VECTOR_LABELS:
+            self._vector_labels.add(name)
+        return name if name in self._vector_labels else "other"
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
