@@ -24,6 +24,7 @@ from service.engine.adapters import AdapterSet, UnknownAdapter
 from service.engine.engine import EngineConfig, add_startup_adapters, create_runner
 from service.providers import create_session
 from service.viz.attention_model import AttentionModel
+from service.viz.look_inside import LookInside
 from tests.service.lora_build import LoraBuild, held
 
 KINDS = ["weights", "scores", "q", "v"]
@@ -129,3 +130,31 @@ def test_attention_under_an_adapter_is_the_merged_models(build: Build) -> None:
 def test_without_adapters_served_the_model_applies_none(build: Build) -> None:
     model = attention_model(build, None)
     assert not model.applies_adapters
+
+
+def test_the_logit_lens_under_an_adapter_is_the_merged_models(build: Build) -> None:
+    """attention_lora.onnx carries attention.onnx's lens and norms; under the adapter they
+    are the merged model's (the residual stream after each adapted block)."""
+    config = io.ArtifactConfig.load(build.artifact)
+    ids, layers = list(range(5, 29)), [config.n_layers - 1, 0]
+    inside = LookInside(("logit_lens", "residual_norms"), top_k=4, target=9)
+    model = attention_model(build, engine_adapters(build))
+    assert model.looks_inside
+    _, got = model.look(ids, ["weights"], layers, "alpha", inside)
+    _, base = model.look(ids, ["weights"], layers, None, inside)
+    x = np.asarray([ids], np.int64)
+    names = inside.outputs(layers)
+    values = build.merged.run(names, {io.INPUT_IDS: x, io.ATTENTION_MASK: np.ones_like(x),
+                                      io.POSITION_IDS: np.arange(len(ids))[None, :]}
+                              | inside.feeds())
+    want = inside.collect(dict(zip(names, values, strict=True)), layers, config.n_layers,
+                          config.n_heads)
+    assert set(got) == set(want) == {"residual_norms", "logit_lens.top_ids",
+                                     "logit_lens.top_probs", "logit_lens.target_probs",
+                                     "logit_lens.target_ranks"}
+    np.testing.assert_allclose(got["residual_norms"], want["residual_norms"], rtol=1e-5)
+    np.testing.assert_allclose(got["logit_lens.top_probs"], want["logit_lens.top_probs"],
+                               atol=1e-5)
+    np.testing.assert_allclose(got["logit_lens.target_probs"],
+                               want["logit_lens.target_probs"], atol=1e-5)
+    assert np.abs(base["residual_norms"] - want["residual_norms"]).max() > 1e-3
