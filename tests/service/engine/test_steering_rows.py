@@ -2,8 +2,9 @@
 every request's greedy tokens equal those of the PyTorch model steered with its vector
 alone (model/steering.py's ``steered``, llama.cpp's rule), whether it shares its passes
 with rows under other vectors and scales, with plain rows, with a LoRA adapter's rows,
-with a prompt prefilled in chunks beside decode rows; and the prefix cache reuses a
-prompt's keys and values only under the same vector and scale.
+with a prompt prefilled in chunks beside decode rows, with drafted tokens verified
+(prompt lookup); and the prefix cache reuses a prompt's keys and values only under the
+same vector and scale.
 
 The model is a random 4-layer Llama saved as a checkpoint here and exported with its
 engine graphs; the vectors are written as llama.cpp control-vector files and read back by
@@ -241,3 +242,19 @@ def test_rows_with_adapters_and_rows_with_vectors_share_the_adapter_graph(
         with context:
             want = greedy_until_tie(last, request.prompt_ids, 10)
         assert len(want) >= 4 and tokens[:len(want)] == want, (adapter, choice)
+
+
+def test_steered_rows_verify_drafts_under_their_own_vector(build: SteerBuild) -> None:
+    """Prompt lookup proposes drafts from each row's repeating text; the verification pass
+    of several tokens after the cache steers them as the row's decode steps do."""
+    engine = engine_of(build, speculative_model="ngram", num_speculative_tokens=3,
+                       speculative_adaptive=False, speculative_max_batch_rows=8,
+                       prefix_caching=False)
+    vocab = build.model.config.vocab_size
+    loops = prompts(vocab, [4, 5, 3], seed=5)
+    choices = [ControlChoice("calm", 1.0), ControlChoice("late", -0.7), None]
+    requests = [greedy(loop * 4, 16, c) for loop, c in zip(loops, choices, strict=True)]
+    [got] = generate(engine, [requests])
+    check(build, requests, got)
+    speculator = engine.scheduler.speculator
+    assert speculator is not None and speculator.counters.drafts > 0
