@@ -72,6 +72,12 @@ export function attention(inputs, { layers = null, include = ["weights"], adapte
   return call("attention", { body, binary: true });
 }
 
+/** /attention's logit lens and head attribution (JSON) at ``position`` (the query). */
+export function lookInside(inputs, position, { topK = 5 } = {}) {
+  return call("attention", { body: { inputs, include: ["logit_lens", "head_attribution"],
+    top_k: topK, position } });
+}
+
 // --- npz: a zip archive of .npy files (numpy.savez stores them uncompressed, zip64 headers) ---
 
 const utf8 = new TextDecoder();

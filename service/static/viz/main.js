@@ -9,6 +9,7 @@ import { headColour, tokenLabel } from "./colors.js";
 import { CompareView } from "./compareview.js";
 import { HeadView } from "./headview.js";
 import { DEFAULT_BUDGET, LayerStore } from "./layers.js";
+import { LensView } from "./lensview.js";
 import { ModelView, legend } from "./modelview.js";
 import { StepView } from "./stepview.js";
 
@@ -37,6 +38,7 @@ const modelView = new ModelView($("model-grid"), {
 }, (l, h) => { state.layer = l; state.head = h; syncControls(); render(); }, (i) => setQuery(i));
 const stepView = new StepView($("step"));
 const compareView = new CompareView($("view-compare"));
+const lensView = new LensView($("lens"), (i) => setQuery(i));
 modelView.setScale($("scale").value);
 
 function setStatus(stateName, message) {
@@ -278,6 +280,7 @@ async function render() {
   if (view === "head") await renderHead();
   else if (view === "model") await renderModel();
   else if (view === "compare") await renderCompare();
+  else if (view === "lens") await renderLens();
   else await renderStep();
   if (model === state.model && view === state.view) $("views").dataset.rendered = view;
 }
@@ -359,6 +362,28 @@ async function renderCompare() {
   if (model !== state.model || store !== model.adapterStore || state.view !== "compare"
       || state.layer !== layer) return;
   compareView.show(model, model.adapter, layer, state.head, base, tuned);
+}
+
+/** The logit lens of every layer and the attribution at the query, one request each query. */
+async function renderLens() {
+  const { model, query } = state;
+  const key = `${query}`;
+  model.lens = model.lens || new Map();
+  let data = model.lens.get(key);
+  if (data === undefined) {
+    setStatus("busy", "Computing the logit lens and head attribution…");
+    try {
+      data = await api.lookInside(model.text, query);
+    } catch (error) {
+      if (model === state.model) showError(error);
+      return;
+    }
+    model.lens.set(key, data);
+    setStatus("ready", `${model.T} tokens · logit lens of ${model.L} layers`);
+  }
+  if (model === state.model && state.view === "lens" && state.query === query) {
+    lensView.show(data, model.tokens, query);
+  }
 }
 
 async function renderStep() {

@@ -396,6 +396,47 @@ def test_three_views_over_prompt_and_continuation(chromium: Any, server: Any,
     page.context.close()
 
 
+def test_logit_lens_and_head_attribution_views(chromium: Any, server: Any,
+                                                client: httpx.Client, shots: Path) -> None:
+    """The lens table shows /attention's logit_lens (top token and probability of every
+    layer and position) and the attribution grid its head_attribution at the query; moving
+    the query asks again. The reference is /attention JSON fetched by the test."""
+    page, watch = open_page(chromium, server.url)
+    run_prompt(page, PROMPT, continuation=False)
+    t = page.evaluate("() => window.attnviz.state.model.T")
+    page.click("[data-view=lens]")
+    for query in (t - 1, 3):
+        if query != t - 1:  # a lens cell picks its position as the query
+            page.click(f"#lens-table td[data-layer='0'][data-pos='{query}']")
+        page.wait_for_selector(f"#lens[data-query='{query}'] #attr-table")
+        assert page.input_value("#query") == str(query)
+        want = client.post("/attention", json={
+            "inputs": PROMPT, "include": ["logit_lens", "head_attribution"], "top_k": 5,
+            "position": query}).json()
+        shown = page.evaluate("""() => ({
+            lens: [...document.querySelectorAll('#lens-table td')].map((c) => [
+                Number(c.dataset.layer), Number(c.dataset.pos), Number(c.dataset.token),
+                Number(c.dataset.prob)]),
+            attr: [...document.querySelectorAll('#attr-table td')].map((c) => [
+                Number(c.dataset.layer), c.dataset.head, Number(c.dataset.value)]),
+            target: Number(document.querySelector('#lens [data-target]').dataset.target)})""")
+        lens = want["logit_lens"]
+        assert len(shown["lens"]) == len(want["layers"]) * t
+        for layer, pos, token, prob in shown["lens"]:
+            row = want["layers"].index(layer)
+            assert token == lens["top_ids"][row][pos][0]
+            assert prob == pytest.approx(lens["top_probs"][row][pos][0], abs=1e-6)
+        attr = want["head_attribution"]
+        assert shown["target"] == attr["target"] and attr["position"] == query
+        for layer, head, value in shown["attr"]:
+            expected = attr["mlp"][layer] if head == "mlp" else attr["heads"][layer][int(head)]
+            assert value == pytest.approx(expected, abs=1e-6)
+        assert len(shown["attr"]) == len(attr["heads"]) * (len(attr["heads"][0]) + 1)
+    save_shot(page.locator("#views"), shots / "lens-view.png")
+    watch.assert_clean()
+    page.context.close()
+
+
 # ---------------------------------------------------------------------------- layer by layer
 
 
