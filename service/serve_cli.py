@@ -107,24 +107,37 @@ def run(args: argparse.Namespace) -> int:
     artifact = open_artifact(settings)
     if settings.serves_adapters:
         check_adapters(settings, artifact.path)
-    check_control_vectors(settings, artifact.config)
+    check_control_vectors(settings, artifact.config, artifact.path)
 
     from service.server import serve
 
     return serve(settings, artifact)
 
 
-def check_control_vectors(settings: Any, config: Any) -> None:
+def check_control_vectors(settings: Any, config: Any, artifact_dir: Path) -> None:
     """Every ``--control-vectors`` file read and checked against the model (its width, its
-    layers) before the server starts: the first that does not fit stops it with one line
-    (the engine reads them again when it loads)."""
+    layers) before the server starts, and the graph that will run checked to take
+    ``steer``: the first that does not fit stops it with one line (the engine reads them
+    again when it loads)."""
     from service.contract.control_vector import read_control_vector
+    from service.contract.engine_spec import STEER
+    from service.contract.graphs import GraphTable
+    from service.contract.manifest import load_manifest
     from service.engine.control_vectors import control_entries
+    from service.viz.graph_cut import graph_input_shapes
 
     entries = control_entries(settings.control_vectors)
-    if entries and not settings.engine_graph:
-        raise ValueError("control vectors are applied by the engine graph: drop "
-                         "--no-engine-graph")
+    if not entries and not settings.runtime_control_vectors:
+        return
+    if not settings.engine_graph or settings.device == "cuda":
+        raise ValueError("control vectors are applied by the engine graph on the CPU: drop "
+                         "--no-engine-graph / --device cuda")
+    graph = GraphTable.of(load_manifest(artifact_dir)).served(
+        engine_graph=True, mixed_steps=settings.mixed_steps, on_cuda=False,
+        adapters=settings.serves_adapters)[0]
+    if STEER not in graph_input_shapes((artifact_dir / graph.file).read_bytes()):
+        raise ValueError(f"{graph.file} takes no {STEER} input: export the artifact again "
+                         "(with its engine graphs) to serve control vectors")
     for name, path in entries:
         try:
             read_control_vector(path, config.d_model, config.n_layers)

@@ -103,3 +103,29 @@ def test_without_the_setting_the_routes_do_not_exist(engine_artifact: Path,
     for plain in serving(engine_artifact, tmp_path / "server.log"):
         assert post(plain, "/v1/load_control_vector", {"name": "g", "path": "x"}
                     ).status_code == 404
+
+
+def test_a_graph_exported_before_steer_refuses_vectors_at_start(
+        engine_artifact: Path, tiny_checkpoint: Path, vector_dir: Path, tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    import onnx
+
+    from export.onnx.engine_graph import build_engine_graph
+    from service.contract.engine_spec import ENGINE_FILE
+    from tests.service.helpers import record_graphs
+
+    old = tmp_path / "artifact"
+    shutil.copytree(engine_artifact, old)
+    model = load_checkpoint(tiny_checkpoint).model.eval()
+    onnx.save_model(build_engine_graph(model, steering=False), str(old / ENGINE_FILE))
+    record_graphs(old)
+    result = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--model", str(old),
+                             "--port", "0", "--control-vectors",
+                             f"g={vector_dir / 'inside' / 'good.gguf'}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "engine.onnx takes no steer input" in result.stderr
+    assert result.stderr.count("\n") == 1  # one line, no traceback
