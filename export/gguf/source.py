@@ -64,6 +64,7 @@ def open_source(training: dict[str, Any], reader: gguf.GGUFReader | None = None)
     ``reader``: that file already open (a second memory map of it would count its pages
     in the process's resident set twice)."""
     from model.gguf.reader import file_sha256, open_gguf, read_config
+    from service.contract.pages import release_file_pages
 
     record = training.get("imported_from")
     derived = training.get("merged_from") or training.get("finetuned_from")
@@ -85,6 +86,7 @@ def open_source(training: dict[str, Any], reader: gguf.GGUFReader | None = None)
         raise SourceRefused(f"--quantize gguf: {exc}") from exc
     if "sha256" in record:
         _check_recorded(record, "sha256", file_sha256(reader), path)
+        release_file_pages(path)  # the hash read every page: none is needed yet
     family = _field(reader, "general.architecture")
     types = dict(Counter(t.tensor_type.name for t in reader.tensors))
     if family != record.get("architecture") or types != record.get("tensor_types"):

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from export.memory import release
 from model.gpt import GPT
 from model.sample import generate
 from service.contract import io_spec as io
@@ -457,6 +458,7 @@ def verify_artifact(gpt: GPT, model_path: Path, attention_path: Path,
     ``reference``: PyTorch's side, shared with later checks; prepared from
     ``check_prompts(gpt.config, seed, decode_steps)``, it needs PyTorch's weights no more."""
     figures = verify_decoder(gpt, model_path, kv_dtype, seed, decode_steps, reference, threads)
+    release()  # the decoder's session, before attention.onnx's (at 3B, 0.6 GB of the peak)
     figures["attention"] = verify_attention(gpt, attention_path, reference=reference,
                                             threads=threads)
     figures["tolerance"] = {"logits": figures["tolerance"],

@@ -85,6 +85,21 @@ def file_mappings(path: Path, smaps: Path = Path("/proc/self/smaps")) -> list[Ma
             if r.name == target or r.name.startswith(inside)]
 
 
+def release_range(start: int, length: int) -> int:
+    """Drop the resident pages lying wholly inside ``[start, start + length)`` of a
+    read-only file mapping (a page shared with bytes around it stays); the bytes dropped.
+    Cheaper than :func:`release_file_pages` (no walk of /proc) where the caller knows the
+    range, e.g. one tensor of a memory-mapped GGUF file. Never for memory anyone wrote:
+    MADV_DONTNEED would lose a written private page."""
+    if MADVISE is None or length <= 0:
+        return 0
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + length) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last <= first or MADVISE(first, last - first, mmap.MADV_DONTNEED) != 0:
+        return 0
+    return last - first
+
+
 def release_file_pages(path: Path) -> int:
     """Drop this process's resident pages of the file ``path`` (or of the files under the
     directory ``path``) in every mapping where none was written; the bytes that were
