@@ -206,6 +206,8 @@ struct GgufGatherOp : Ort::CustomOpBase<GgufGatherOp, GgufGatherKernel, /*WithSt
         return;  // no k: CreateKernelV2 reports it, naming the node
       }
       y.emplace_back(k);
+      std::vector<std::string> names;
+      NameUnknownDims(y, names);
       status = ctx.SetOutputShape(0, y).release();
     });
     return guard ? guard : status;

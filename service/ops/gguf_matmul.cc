@@ -601,6 +601,8 @@ struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, /*WithSt
       if (x.empty() || w.size() != 2) return;  // rank unknown: nothing to say
       Ort::ShapeInferContext::Shape y(x);
       y.back() = w[0];
+      std::vector<std::string> names;
+      NameUnknownDims(y, names);
       status = ctx.SetOutputShape(0, y).release();
     });
     return guard ? guard : status;

@@ -7,6 +7,7 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#include <atomic>
 #include <cstdint>
 #include <cstddef>
 #include <cstdlib>
@@ -83,6 +84,22 @@ struct AlignedScratch {
 };
 
 // Run `body`, turning any exception into an OrtStatus: nothing may unwind into ORT.
+// ONNX Runtime hands an op's shape inference a dimension with neither value nor name as the
+// integer -1 and writes it back as the value -1, which ONNX's inference of later nodes takes
+// as known (Slice asserts on it, Reshape refuses it). Each such dimension of an output gets a
+// name of its own instead; ``names`` holds the strings until the shape is set.
+inline void NameUnknownDims(Ort::ShapeInferContext::Shape& shape,
+                            std::vector<std::string>& names) {
+  static std::atomic<uint64_t> next{0};
+  names.reserve(shape.size());  // no reallocation: the shape points into these strings
+  for (auto& dim : shape) {
+    if (dim.IsInt() && dim.AsInt() < 0) {
+      names.push_back("gguf_dim_" + std::to_string(next++));
+      dim = Ort::ShapeInferContext::SymbolicInteger(names.back().c_str());
+    }
+  }
+}
+
 template <typename Body>
 OrtStatusPtr Guarded(const OrtApi& api, const char* op, Body&& body) noexcept {
   try {

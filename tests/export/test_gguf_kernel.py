@@ -78,13 +78,15 @@ def exported(gguf_ops_library: Path, tmp_path_factory: pytest.TempPathFactory
 def labels(node: onnx.NodeProto) -> list[tuple[str, int | None, slice]]:
     """(graph weight kind, layer, rows) of each weight a GgufMatMul's W holds, from its
     name: l3.qkv.w.gguf_rows, l3.gate.w+l3.up.w.gguf_rows (joined), l3.qkv.w.rows0-256.gguf_rows
-    (the rows of one type in a weight of several), lm_head.w.gguf_rows."""
+    (the rows of one type in a weight of several), lm_head.w.gguf_rows (tok_emb.gguf_rows:
+    the tied head of attention.onnx's lens)."""
     found: list[tuple[str, int | None, slice]] = []
     for name in node.input[1].removesuffix(".gguf_rows").split("+"):
         rows = slice(None)
         if (match := re.fullmatch(r"(.+)\.rows(\d+)-(\d+)", name)) is not None:
             name, rows = match[1], slice(int(match[2]), int(match[3]))
-        if name in ("lm_head.w", "lm_head.weight"):
+        # the tied head: attention.onnx's lens names the product by the embedding it reads
+        if name in ("lm_head.w", "lm_head.weight", "tok_emb"):
             found.append(("lm_head.w", None, rows))
             continue
         layer, _, kind = name.partition(".")
