@@ -452,7 +452,9 @@ class _Graph:
         self.lora_bound = -1  # adapter slots bound (adapter graphs; -1: none yet)
         # whether it takes each row's control vector (engine_spec.STEER: an input with a
         # default, so listed among the overridable initializers, not the inputs)
-        self.steers = es.STEER in {i.name for i in session.get_overridable_initializers()}
+        # (float32 only: a float16 graph's steer is float16, and no vector is offered there)
+        self.steers = any(i.name == es.STEER and i.type == "tensor(float)"
+                          for i in session.get_overridable_initializers())
         self.steer_bound: np.ndarray | None = None  # the steer array bound now
 
     def bind_steer(self, steer: np.ndarray) -> None:
