@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from service.engine.control_vectors import control_entries
 from service.engine.request import ControlChoice
-from service.http.errors import ApiError
+from service.http.errors import unknown_vector
 from service.http.runtime import Runtime
 from service.http.schemas import ControlVectorChoice
 from service.http.validation import InputError
@@ -26,12 +26,6 @@ def control_vector_names(runtime: Runtime) -> list[str]:
         return [name for name, _ in control_entries(runtime.settings.control_vectors)]
     vectors = engine.control_vectors
     return vectors.names if vectors is not None else []
-
-
-def unknown_vector(name: str, field: str) -> ApiError:
-    return ApiError(404, f"{field}.name: control vector {name!r} is not served by this "
-                         "server", "not_found", param=f"{field}.name",
-                    code="control_vector_not_found", openai_type="NotFoundError")
 
 
 def control_choice(choice: ControlVectorChoice | None, runtime: Runtime,

@@ -143,8 +143,6 @@ def install_error_handlers(app: FastAPI) -> None:
     async def unknown_control_vector(request: Request, exc: UnknownControlVector
                                      ) -> JSONResponse:
         # unloaded between the route's check and the engine's submit: the same 404
-        from service.http.control_vectors import unknown_vector
-
         field = "control_vector" if is_openai_path(request.url.path) \
             else "parameters.control_vector"
         return error_response(request, unknown_vector(str(exc.args[0]) if exc.args else "",
@@ -177,3 +175,10 @@ def install_error_handlers(app: FastAPI) -> None:
                       413: "too_large"}.get(exc.status_code, "http")
         return error_response(request, ApiError(exc.status_code, str(exc.detail), error_type,
                                                 headers=getattr(exc, "headers", None)))
+
+
+def unknown_vector(name: str, field: str) -> ApiError:
+    """The 404 for a control vector this server does not serve, naming the field."""
+    return ApiError(404, f"{field}.name: control vector {name!r} is not served by this "
+                         "server", "not_found", param=f"{field}.name",
+                    code="control_vector_not_found", openai_type="NotFoundError")
