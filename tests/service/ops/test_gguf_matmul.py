@@ -397,6 +397,38 @@ def test_each_path_matches_numpy(gguf_ops_library: Path, path: str,
             assert row_error(y, weight_type.as_computed(x, stored, dense)) <= EXACT, (name, m)
 
 
+# The bytes of each batched type's block that hold its codes (ggml's block layouts): set
+# to 0xFF, every code is the type's largest (15, 31 with Q5's fifth bit, 63 for Q6_K).
+CODE_BYTES = {"Q4_0": slice(2, 18), "Q4_1": slice(4, 20), "Q5_0": slice(2, 22),
+              "Q5_1": slice(4, 24), "Q8_0": slice(2, 34), "Q4_K": slice(16, 144),
+              "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512vnni"])
+def test_largest_codes_against_largest_activations(gguf_ops_library: Path, path: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """AVX2 adds several maddubs results in int16 before widening them (gguf_batched_kernels.inc,
+    SumsPerWidening): exact only while the sums cannot pass 2^15. Every code at its largest
+    against activations quantised to ±127 (constant rows of either sign) is the extreme."""
+    monkeypatch.setenv(PATH_ENV, path)
+    for name, code_bytes in CODE_BYTES.items():
+        weight_type = TYPES[name]
+        qtype = GGMLQuantizationType(weight_type.type_id)
+        stored, _ = weight_type.make(np.random.default_rng(7), N, K)
+        blocks = stored.reshape(N, -1, GGML_QUANT_SIZES[qtype][1])  # a view of stored
+        blocks[..., code_bytes] = 0xFF
+        dense = dequantize(stored, qtype).astype(np.float64)
+        try:
+            sess = session(matmul_model(weight_type.type_id, K), gguf_ops_library)
+        except Exception as exc:
+            if "this CPU runs only" in str(exc):
+                pytest.skip(f"{path}: {exc}")
+            raise
+        x = np.repeat(np.array([[1.0], [-1.0], [3.0], [-0.5], [2.0]], np.float32), K, axis=1)
+        (y,) = sess.run(None, {"X": x, "W": stored})
+        assert row_error(y, weight_type.as_computed(x, stored, dense)) <= EXACT, name
+
+
 def test_an_unknown_path_is_refused(gguf_ops_library: Path,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PATH_ENV, "fastest")
