@@ -19,7 +19,8 @@ output through its slice of o_proj, the biases, each MLP's output); the final no
 linearised with the scale of the whole residual (RMS, or LayerNorm's standard deviation),
 that one scale divides every component, and LayerNorm also centres each; each is then put
 through the LM head and read at the target. With the norm's β as one more term the terms
-sum to the logit. A head's output is its z placed in its slice of an otherwise zero
+sum to the logit. A control vector (the ``steer`` input) is one more component per layer,
+its row added after the block. A head's output is its z placed in its slice of an otherwise zero
 (nh, W) block through o_proj's own weight, so the weight's layout is o_proj's. Gemma 3's
 post-attention norm is linearised the same way (the scale of the whole attention output
 divides each head's); its post-MLP norm needs none (the MLP is one term).
@@ -50,7 +51,8 @@ class LayerTaps:
     merged: str  # the heads' outputs side by side, o_proj's input (B, T, W)
     attention: str  # o_proj's output with its bias, before any post norm (B, T, d)
     mlp: str  # the MLP's output as the residual adds it (post-normed under Gemma 3)
-    residual: str  # the residual stream after the block (B, T, d)
+    residual: str  # the residual stream after the block, steered (B, T, d)
+    steer: str | None = None  # the control vector's row added after the block (d,)
 
 
 def declare_inputs(g: Graph) -> None:
@@ -200,7 +202,7 @@ def _attribution(g: Graph, form: Description, gpt: Any, table: np.ndarray, embed
         down_bias = _row(g, mlp, f"l{i}.down.b" if has_down_bias else None, f"{p}.down_bias")
         if has_down_bias:
             mlp = g.one("Sub", [mlp, down_bias], f"{p}.mlp")
-        rows += [heads, o_bias, mlp, down_bias]
+        rows += [heads, o_bias, mlp, down_bias, _row(g, mlp, tap.steer, f"{p}.steer")]
     components = g.one("Concat", rows, "attribution.components", axis=1)  # (B, n − 1, d)
     ln_w = "ln_f.w"
     terms = [_linearised(g, form, components, scale, ln_w, "attribution.linear")]

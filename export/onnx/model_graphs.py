@@ -4,7 +4,9 @@
 length 0) and cached decode, because the past is simply concatenated in front of this
 call's keys and values. ``attention.onnx`` is the introspection graph: no cache, every
 layer's Q, K, V, raw and scaled scores and attention weights as outputs, and the logit
-lens, residual norms and head attribution (export/onnx/lens_graph.py).
+lens, residual norms and head attribution (export/onnx/lens_graph.py), all under an
+optional control vector (the ``steer`` input, added after each block k >= 1 as the engine
+graphs add each row's).
 
 Both compute what GPT.forward computes, op for op (the export verifies it against
 PyTorch): the boolean mask of ``attention_allowed``, rotary angles from ``position_ids``
@@ -222,6 +224,15 @@ class DecoderBuilder:
         shape = g.one("Concat", ["ids_shape", g.ints("minus1", [-1])], "shape_btv", axis=0)
         g.op("Reshape", [logits, shape], "logits_btv", outputs=[io.LOGITS])  # (B, T, V)
 
+    def _steer_row(self, i: int) -> str | None:
+        """attention.onnx: the control vector's row i (d,), added after block i as llama.cpp
+        adds it (model/steering.py: never after block 0); None in model.onnx."""
+        if not self.introspect or i == 0:
+            return None
+        g = self.g
+        return g.one("Gather", [io.STEER, g.const(f"steer_layer{i}", np.array(i, np.int64))],
+                     f"l{i}.steer", axis=0)  # (d,)
+
     def build(self) -> None:
         g, gpt, form = self.g, self.gpt, self.form
         every, local = self._mask_biases()
@@ -255,7 +266,10 @@ class DecoderBuilder:
             if form.post_norms:
                 f = self._norm(f, block.post_ffn, f"l{i}.post_ffn")
             x = g.one("Add", [x, f], f"l{i}.res2")  # (B, T, d)
-            taps.append(lens_graph.LayerTaps(f"l{i}.ctx", out, f, x))
+            steer = self._steer_row(i)
+            if steer is not None:
+                x = g.one("Add", [x, steer], f"l{i}.steered")  # (B, T, d)
+            taps.append(lens_graph.LayerTaps(f"l{i}.ctx", out, f, x, steer))
         if self.introspect:  # the logit lens and attribution (export/onnx/lens_graph.py)
             self.outputs += lens_graph.write(g, form, gpt, embedded, taps)
         else:
@@ -312,15 +326,18 @@ def build_attention(gpt: GPT, opset: int = DEFAULT_OPSET,
     cfg = gpt.config
     builder = DecoderBuilder(gpt.eval(), cached=False, introspect=True, weights=weights)
     lens_graph.declare_inputs(builder.g)
+    builder.g.const(io.STEER, np.zeros((cfg.n_layers, cfg.d_model), np.float32))  # steers nothing
     builder.build()
     shapes = attention_io_shapes(cfg.n_layers)
     static = {"num_heads": cfg.n_heads, "head_dim": cfg.head_dim}
     ints = {name: TensorProto.INT64 for name in io.attention_input_names()}
     ints |= {name: TensorProto.INT64 for name in lens_graph.input_shapes()}
     int_outputs = {name: TensorProto.INT64 for name in lens_graph.int64_outputs(cfg.n_layers)}
-    inputs = shapes["inputs"] | lens_graph.input_shapes()
+    inputs = shapes["inputs"] | lens_graph.input_shapes() | {
+        io.STEER: [cfg.n_layers, cfg.d_model]}
     return make_model(builder.g, "attnserve_attention",
                       _value_infos(inputs, static, ints),
                       _value_infos(shapes["outputs"], static, int_outputs), opset,
                       "attnserve attention introspection: q, k, v, scores, scaled_scores, "
-                      "weights; logit lens, residual norms, attribution")
+                      "weights; logit lens, residual norms, attribution; steer: a control "
+                      "vector")

@@ -62,7 +62,7 @@ LOGITS_POSITIONS = "logits_positions"
 # row's logits, so a greedy step on the GPU copies token ids, not logits, to the host.
 GREEDY_IDS = "greedy_ids"
 GATHERED_INPUTS = frozenset({LOGITS_INDEX})  # absent from engine.onnx files of before it
-STEER = "steer"  # [R, n_layers, d]: the rows' control vectors (an input with a default)
+STEER = io.STEER  # [R, n_layers, d]: the rows' control vectors (an input with a default)
 STEER_ROWS = "steer_rows"  # its R
 
 

@@ -15,6 +15,12 @@ model.onnx  (B = batch_size, T = sequence_length, P = past_sequence_length)
 
 attention.onnx (introspection, no cache)
     inputs   input_ids, attention_mask, position_ids  [B, T]
+             steer (float32) [n_layers, d_model]: a control vector, row k added to the
+             residual stream after block k (row 0 never read: llama.cpp steers blocks
+             1 … n_layers − 1, model/steering.py), every row and position alike; an input
+             with a default of zeros, so a caller that binds none steers nothing; files
+             exported before it lack it (the engine graphs' [R, n_layers, d] steer:
+             engine_spec.py)
     outputs  attention.{i}.{q,k,v}  [B, num_heads, T, head_dim]  (k, v per query head)
              attention.{i}.{scores,scaled_scores,weights}  [B, num_heads, T, T]
 """
@@ -57,6 +63,7 @@ INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 LOGITS = "logits"
+STEER = "steer"  # a control vector added after each block (attention.onnx, the engine graphs)
 
 ATTENTION_KINDS = ("q", "k", "v", "scores", "scaled_scores", "weights")
 AttentionKind = Literal["q", "k", "v", "scores", "scaled_scores", "weights"]

@@ -12,6 +12,8 @@ input_ids, attention_mask and position_ids still works):
     inspect.target (int64) [1]      a token id; -1 (default): attribution's target is the
                                     model's own next token, and the lens has none
     inspect.position (int64) [1]    the position attribution looks at (default -1: the last)
+The control vector the residual stream is steered by, ``steer``, is io_spec.py's: the
+lens, norms and attribution all read the steered stream.
 
 Outputs (B = batch, T = tokens, L = layers):
     residual_norm.{i}      [B, T]      the residual stream's L2 norm after layer i
@@ -35,8 +37,10 @@ LENS_KINDS = ("top_ids", "top_probs", "target_prob", "target_rank")
 ATTRIBUTION_TARGET = "attribution.target"
 ATTRIBUTION_LOGIT = "attribution.logit"
 ATTRIBUTION_TERMS = "attribution.terms"
-# one layer's rows of attribution.terms, after its heads' (one per head)
-LAYER_TERMS = ("attention_bias", "mlp", "mlp_bias")
+# one layer's rows of attribution.terms, after its heads' (one per head); the control
+# vector's (io_spec.STEER's row added after the block) only in graphs that take steer
+LAYER_TERMS = ("attention_bias", "mlp", "mlp_bias", "control_vector")
+UNSTEERED_LAYER_TERMS = LAYER_TERMS[:3]  # graphs exported before steer
 
 
 def residual_norm_name(layer: int) -> str:
@@ -49,15 +53,17 @@ def lens_output_name(layer: int, kind: str) -> str:
     return f"lens.{layer}.{kind}"
 
 
-def terms(n_layers: int, n_heads: int) -> list[str]:
+def terms(n_layers: int, n_heads: int, steered: bool = True) -> list[str]:
     """The rows of attribution.terms, in order: ``embedding``; per layer i ``l{i}.head{h}``
-    for each head, then ``l{i}.attention_bias``, ``l{i}.mlp``, ``l{i}.mlp_bias``; last
-    ``norm_bias`` (the final LayerNorm's β; 0 under RMSNorm). Their sum is the logit (no
-    family has an LM-head bias)."""
+    for each head, then ``l{i}.attention_bias``, ``l{i}.mlp``, ``l{i}.mlp_bias`` and (a
+    graph that takes steer, ``steered``) ``l{i}.control_vector``, the steer row added
+    after block i (0 at layer 0 and without a vector); last ``norm_bias`` (the final
+    LayerNorm's β; 0 under RMSNorm). Their sum is the logit (no family has an LM-head
+    bias)."""
     rows = ["embedding"]
     for i in range(n_layers):
         rows += [f"l{i}.head{h}" for h in range(n_heads)]
-        rows += [f"l{i}.{t}" for t in LAYER_TERMS]
+        rows += [f"l{i}.{t}" for t in (LAYER_TERMS if steered else UNSTEERED_LAYER_TERMS)]
     return [*rows, "norm_bias"]
 
 

@@ -52,8 +52,9 @@ class LookInside:
         """The fetched ``values`` (batch of one) as named arrays: ``residual_norms``
         (layers, T); ``logit_lens.top_ids`` / ``.top_probs`` (layers, T, k) and, with a
         target, ``.target_probs`` / ``.target_ranks`` (layers, T); ``head_attribution.*``
-        (``heads`` (L, nh), ``attention``, ``attention_bias``, ``mlp``, ``mlp_bias`` (L,),
-        ``embedding``, ``norm_bias``, ``logit``, ``target``: scalars)."""
+        (``heads`` (L, nh), ``attention``, ``attention_bias``, ``mlp``, ``mlp_bias`` and,
+        where the graph takes steer, ``control_vector`` (L,); ``embedding``,
+        ``norm_bias``, ``logit``, ``target``: scalars)."""
         out: dict[str, np.ndarray] = {}
         if RESIDUAL_NORMS in self.members:
             out[RESIDUAL_NORMS] = np.stack(
@@ -73,18 +74,17 @@ class LookInside:
 def _attribution(values: dict[str, np.ndarray], n_layers: int, n_heads: int
                  ) -> dict[str, np.ndarray]:
     """attribution.terms split by lens_spec.terms' order: per layer its heads, then its
-    attention bias, MLP and MLP bias."""
+    attention bias, MLP, MLP bias and (a graph that takes steer) control vector."""
     terms = values[lens.ATTRIBUTION_TERMS][0]  # (n,)
-    per_layer = terms[1:-1].reshape(n_layers, n_heads + len(lens.LAYER_TERMS))
+    per_layer = terms[1:-1].reshape(n_layers, -1)  # (L, nh + the layer's other terms)
     heads = per_layer[:, :n_heads]  # (L, nh)
     p = f"{HEAD_ATTRIBUTION}."
+    named = {f"{p}{name}": per_layer[:, n_heads + j]
+             for j, name in enumerate(lens.LAYER_TERMS[:per_layer.shape[1] - n_heads])}
     return {f"{p}target": values[lens.ATTRIBUTION_TARGET][0],
             f"{p}logit": values[lens.ATTRIBUTION_LOGIT][0, 0],
             f"{p}embedding": terms[0], f"{p}heads": heads,
-            f"{p}attention": heads.sum(axis=1),
-            f"{p}attention_bias": per_layer[:, n_heads],
-            f"{p}mlp": per_layer[:, n_heads + 1], f"{p}mlp_bias": per_layer[:, n_heads + 2],
-            f"{p}norm_bias": terms[-1]}
+            f"{p}attention": heads.sum(axis=1), **named, f"{p}norm_bias": terms[-1]}
 
 
 def inside_json(seen: dict[str, np.ndarray], request: Any, token_text: Callable[[int], str],
@@ -92,7 +92,8 @@ def inside_json(seen: dict[str, np.ndarray], request: Any, token_text: Callable[
     """The JSON members of ``seen`` (LookInside.collect's arrays; {} when none were asked):
     ``residual_norms`` (layers, T); ``logit_lens`` with each top id's text; and
     ``head_attribution``, whose terms (embedding, heads, attention_bias, mlp, mlp_bias,
-    norm_bias; ``attention`` is its heads' sum) add up to ``logit``."""
+    control_vector where the graph has it, norm_bias; ``attention`` is its heads' sum)
+    add up to ``logit``."""
     out: dict[str, Any] = {}
     if RESIDUAL_NORMS in seen:
         out[RESIDUAL_NORMS] = seen[RESIDUAL_NORMS].tolist()
@@ -116,9 +117,9 @@ def inside_json(seen: dict[str, np.ndarray], request: Any, token_text: Callable[
             "position": position, "target": target, "target_token": token_text(target),
             "logit": float(seen[f"{p}logit"]),
             "layout": "heads: (layers, heads); attention (its heads' sum), attention_bias, "
-                      "mlp, mlp_bias: (layers,); every term plus embedding and norm_bias "
-                      "adds up to logit (the model has no LM-head bias)",
+                      "mlp, mlp_bias, control_vector: (layers,); every term plus embedding "
+                      "and norm_bias adds up to logit (the model has no LM-head bias)",
             **{key: seen[f"{p}{key}"].tolist() for key in (
                 "embedding", "heads", "attention", "attention_bias", "mlp", "mlp_bias",
-                "norm_bias")}}
+                "control_vector", "norm_bias") if f"{p}{key}" in seen}}
     return out

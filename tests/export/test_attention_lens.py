@@ -7,6 +7,10 @@ residual, the attribution TransformerLens' direct logit attribution written out 
 (the final residual's norm scale for every component, LayerNorm centring each). For the
 llama, qwen2 and gemma3 layouts (random-weight transformers models imported as
 ``attnserve import`` does) and GPT-2's (biases everywhere, a LayerNorm, a tied head).
+
+Under a control vector (the graph's ``steer`` input) the reference is the same hooks on the
+model inside model/steering.py's ``steered()``, on 3-layer llama and GPT-2 layouts: the
+vector added after block 1 reaches layer 2's attention.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from model.checkpoint import load_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.hf_import import import_hf_checkpoint
+from model.steering import steered
 from service.contract import io_spec as io
 from service.contract import lens_spec as lens
 from service.viz.graph_cut import cut
@@ -33,9 +38,9 @@ FAMILIES = ("llama", "qwen2", "gemma3", "gpt2")
 T = 11
 
 
-def _gpt2_layout() -> GPT:
+def _gpt2_layout(n_layers: int = 2) -> GPT:
     torch.manual_seed(4)
-    gpt = GPT(GPTConfig(vocab_size=97, d_model=32, n_heads=4, n_layers=2, d_ff=64,
+    gpt = GPT(GPTConfig(vocab_size=97, d_model=32, n_heads=4, n_layers=n_layers, d_ff=64,
                         max_seq_len=32, activation="gelu_tanh", attn_bias=True,
                         tie_weights=True)).eval()
     with torch.no_grad():  # biases and norms away from their 0 and 1 initialisation
@@ -89,10 +94,12 @@ class Recorded:
 
 
 def _run(session: ort.InferenceSession, ids: torch.Tensor, names: list[str],
-         **inputs: int) -> dict[str, np.ndarray]:
+         steer: np.ndarray | None = None, **inputs: int) -> dict[str, np.ndarray]:
     feeds = {io.INPUT_IDS: ids.numpy(), io.ATTENTION_MASK: np.ones_like(ids.numpy()),
              io.POSITION_IDS: np.arange(ids.shape[1], dtype=np.int64)[None, :]}
     feeds |= {name: np.array([value], np.int64) for name, value in inputs.items()}
+    if steer is not None:
+        feeds[io.STEER] = steer
     return dict(zip(names, session.run(names, feeds), strict=True))
 
 
@@ -142,8 +149,10 @@ def test_logit_lens_and_norms_equal_the_torch_heads_of_each_residual(
                                   seen.logits[0].argmax(-1).numpy())
 
 
-def _attribution(gpt: GPT, seen: Recorded, position: int, target: int) -> np.ndarray:
-    """TransformerLens' direct logit attribution in torch, in lens_spec.terms' order."""
+def _attribution(gpt: GPT, seen: Recorded, position: int, target: int,
+                 added: torch.Tensor | None = None) -> np.ndarray:
+    """TransformerLens' direct logit attribution in torch, in lens_spec.terms' order;
+    ``added``: (L, d), what steered() added after each block (None: nothing)."""
     cfg, u = gpt.config, gpt.lm_head.weight[target]  # (d,)
     ln_f: Any = gpt.ln_f
     final = seen.residual[-1][0, position]  # (d,)
@@ -173,8 +182,9 @@ def _attribution(gpt: GPT, seen: Recorded, position: int, target: int) -> np.nda
         mlp = seen.mlp[i][0, position]
         down = block.ffn.down.bias
         down_bias = down if down is not None and block.post_ffn is None else torch.zeros_like(mlp)
+        steer = added[i] if added is not None else torch.zeros_like(mlp)
         terms += [*logit_of(heads), logit_of(o_bias), logit_of(mlp - down_bias),
-                  logit_of(down_bias)]
+                  logit_of(down_bias), logit_of(steer)]
     beta = ln_f.bias @ u if layer_norm else torch.tensor(0.0)
     return torch.stack([*terms, beta]).detach().numpy()
 
@@ -219,3 +229,104 @@ def test_the_maps_cut_from_the_graph_keep_none_of_its_look_inside_nodes(
     assert looking and not kept & looking
     assert {o.name for o in maps.graph.output} == set(
         io.attention_output_names(gpt.config.n_layers))
+
+
+# ---------------------------------------------------------------------------- control vectors
+
+STEERED_FAMILIES = ("llama", "gpt2")
+SCALE = 2.0
+
+
+@pytest.fixture(scope="module", params=STEERED_FAMILIES)
+def deep(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[GPT, ort.InferenceSession]:
+    """Three layers: a direction added after block 1 reaches layer 2's attention."""
+    if request.param == "gpt2":
+        gpt = _gpt2_layout(n_layers=3)
+    else:
+        root = tmp_path_factory.mktemp(request.param)
+        build_hf_model(root / "hf", request.param, seed=3, num_hidden_layers=3)
+        import_hf_checkpoint(root / "hf", root / "ckpt")
+        gpt = load_checkpoint(root / "ckpt").model.eval()
+    graph = build_attention(gpt)
+    return gpt, ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _directions(gpt: GPT) -> dict[int, np.ndarray]:
+    """A random direction of norm about 1 for each steerable layer (1 … L − 1)."""
+    rng = np.random.default_rng(9)
+    d = gpt.config.d_model
+    return {k: (rng.standard_normal(d) / np.sqrt(d)).astype(np.float32)
+            for k in range(1, gpt.config.n_layers)}
+
+
+def _rows(gpt: GPT, directions: dict[int, np.ndarray], scale: float) -> np.ndarray:
+    """The (L, d) steer rows the service binds: each direction times the scale in float32;
+    row 0 filled with junk, which the graph must never read (block 0 is never steered)."""
+    rows = np.full((gpt.config.n_layers, gpt.config.d_model), 100.0, np.float32)
+    for k, direction in directions.items():
+        rows[k] = direction * np.float32(scale)
+    return rows
+
+
+def test_a_control_vector_steers_the_maps_lens_and_attribution_as_steered_does(
+        deep: tuple[GPT, ort.InferenceSession]) -> None:
+    gpt, session = deep
+    ids, n, k = _ids(gpt), gpt.config.n_layers, 5
+    directions = _directions(gpt)
+    maps = [io.attention_output_name(i, "weights") for i in range(n)]
+    names = [*maps, *(lens.residual_norm_name(i) for i in range(n)),
+             *(lens.lens_output_name(i, kind) for i in range(n)
+               for kind in ("top_ids", "top_probs")),
+             lens.ATTRIBUTION_TARGET, lens.ATTRIBUTION_LOGIT, lens.ATTRIBUTION_TERMS]
+    got = _run(session, ids, names, _rows(gpt, directions, SCALE), **{lens.TOP_K: k})
+    plain = _run(session, ids, names, **{lens.TOP_K: k})
+    with steered(gpt, directions, SCALE), torch.no_grad():
+        seen = Recorded(gpt, ids)
+        inter = gpt(ids, return_intermediates=True).intermediates
+        assert inter is not None
+        target = int(seen.logits[0, -1].argmax())
+        added = torch.stack([torch.zeros(gpt.config.d_model),
+                             *(torch.from_numpy(directions[i]) * SCALE for i in range(1, n))])
+        want_terms = _attribution(gpt, seen, -1, target, added)
+    for i in range(n):
+        np.testing.assert_allclose(got[maps[i]][0], inter[i].weights[0].numpy(), atol=1e-5)
+        np.testing.assert_allclose(got[lens.residual_norm_name(i)][0],
+                                   seen.residual[i][0].norm(dim=-1).numpy(), rtol=1e-5)
+        with torch.no_grad():
+            probs = torch.softmax(gpt.head(seen.residual[i])[0].double(), -1)  # (T, V)
+        want_p, want_ids = probs.topk(k, -1)
+        np.testing.assert_allclose(got[lens.lens_output_name(i, "top_probs")][0],
+                                   want_p.numpy(), atol=1e-5)
+        apart = np.abs(np.diff(want_p.numpy(), axis=-1)[:, 0]) > 1e-5
+        np.testing.assert_array_equal(got[lens.lens_output_name(i, "top_ids")][0][apart, 0],
+                                      want_ids[:, 0].numpy()[apart])
+    # blocks 0 and 1 read an unsteered stream; layer 2's attention reads the vector
+    for i in (0, 1):
+        np.testing.assert_array_equal(got[maps[i]], plain[maps[i]])
+    assert np.abs(got[maps[2]] - plain[maps[2]]).max() > 1e-3
+    np.testing.assert_array_equal(got[lens.residual_norm_name(0)],
+                                  plain[lens.residual_norm_name(0)])
+    # attribution: the vector is a term of its own, and the terms still sum to the logit
+    assert got[lens.ATTRIBUTION_TARGET].tolist() == [target]
+    terms = got[lens.ATTRIBUTION_TERMS][0]
+    rows = lens.terms(n, gpt.config.n_heads)
+    assert terms.shape == (len(rows),)
+    np.testing.assert_allclose(terms, want_terms, atol=1e-4)
+    logit = float(seen.logits[0, -1, target])
+    assert got[lens.ATTRIBUTION_LOGIT][0, 0] == pytest.approx(logit, abs=1e-4)
+    assert float(terms.astype(np.float64).sum()) == pytest.approx(logit, abs=1e-4)
+    steer_terms = terms[[rows.index(f"l{i}.control_vector") for i in range(n)]]
+    assert steer_terms[0] == 0.0 and np.abs(steer_terms[1:]).max() > 1e-3
+
+
+def test_a_control_vector_at_scale_zero_changes_nothing(
+        deep: tuple[GPT, ort.InferenceSession]) -> None:
+    gpt, session = deep
+    ids, n = _ids(gpt), gpt.config.n_layers
+    names = [*io.attention_output_names(n), *lens.inspect_output_names(n)]
+    zero = _rows(gpt, _directions(gpt), 0.0)
+    zero[0] = 0.0
+    got, plain = _run(session, ids, names, zero), _run(session, ids, names)
+    for name in names:
+        np.testing.assert_array_equal(got[name], plain[name], err_msg=name)
