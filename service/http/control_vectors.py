@@ -7,11 +7,16 @@ is a 404 in the route's error shape, a scale beyond the maximum or a range that 
 it starts a 422 naming the field; the engine refuses an unknown name again
 (``UnknownControlVector``, the same 404) where it was unloaded between this check and the
 submit.
+
+/attention takes the same ``control_vector`` (the same checks, the same 404 and 422) and
+binds :func:`control_rows`, the vector's scaled rows, to attention.onnx's ``steer``.
 """
 
 from __future__ import annotations
 
-from service.engine.control_vectors import control_entries
+import numpy as np
+
+from service.engine.control_vectors import UnknownControlVector, control_entries
 from service.engine.request import ControlChoice
 from service.http.errors import unknown_vector
 from service.http.runtime import Runtime
@@ -46,3 +51,17 @@ def control_choice(choice: ControlVectorChoice | None, runtime: Runtime,
             raise InputError(f"{field}.layers", f"[{start}, {end}] ends before it starts")
         layers = (start, end)
     return ControlChoice(choice.name, choice.scale, layers)
+
+
+def control_rows(choice: ControlChoice, runtime: Runtime, field: str) -> np.ndarray:
+    """The (n_layers, d) rows a request under ``choice`` (from :func:`control_choice`) adds
+    after each block, as the engine adds a steered row's; the 404 for a name unloaded
+    since the check."""
+    engine = runtime.engine
+    vectors = engine.control_vectors if engine is not None else None
+    try:
+        if vectors is None:
+            raise UnknownControlVector(choice.name)
+        return vectors.table(vectors.resolve(choice))
+    except UnknownControlVector:
+        raise unknown_vector(choice.name, field) from None

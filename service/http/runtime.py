@@ -130,19 +130,21 @@ class Runtime:
         return self.attention is not None and self.attention.applies_adapters
 
     def attend(self, ids: Sequence[int], kinds: Sequence[str], layers: Sequence[int],
-               adapter: str | None = None) -> dict[str, np.ndarray]:
+               adapter: str | None = None, steer: np.ndarray | None = None
+               ) -> dict[str, np.ndarray]:
         """The attention model over ``ids`` (blocking), under ``adapter`` when one is named
-        (the route checked the name and ``attention_takes_adapters``)."""
+        (the route checked the name and ``attention_takes_adapters``), steered by ``steer``
+        (n_layers, d) when given (the route checked that the graph takes it)."""
         assert self.attention is not None
-        return self.attention.run(ids, kinds, layers, adapter=adapter)
+        return self.attention.run(ids, kinds, layers, adapter=adapter, steer=steer)
 
     def look_inside(self, ids: Sequence[int], kinds: Sequence[str], layers: Sequence[int],
-                    adapter: str | None, inside: LookInside
+                    adapter: str | None, inside: LookInside, steer: np.ndarray | None = None
                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """As :meth:`attend`, and what ``inside`` asks, in one pass (the route checked
         that the attention model ``looks_inside``)."""
         assert self.attention is not None
-        return self.attention.look(ids, kinds, layers, adapter, inside)
+        return self.attention.look(ids, kinds, layers, adapter, inside, steer)
 
 
 def configured_adapters(entries: Iterable[str]) -> dict[str, str]:

@@ -146,6 +146,9 @@ class AttentionRequest(Strict):
     adapter_id: NonEmptyText | None = Field(
         None, description="the attention of the model under this LoRA adapter (501 where "
                           "the attention model applies none yet); absent: the base model")
+    control_vector: ControlVectorChoice | None = Field(
+        None, description="the attention of the model steered by a served control vector "
+                          "(GET /info lists them), as /generate's parameters.control_vector")
 
 
 class TgiTokenizeRequest(Strict):

@@ -24,6 +24,11 @@ token's mask 1. The tensors come from the engine's AdapterSet as a copy
 rewrites in place when it evicts an adapter, between its steps, while this runs on the
 attention threads; the copy is taken under the lock every slot write holds, once per
 adapter (kept here by the adapter's id, which is never reused), not once per request.
+
+Under a control vector (``run(..., steer=rows)``) the same graph runs with its ``steer``
+input bound to the vector's scaled (n_layers, d) rows (service/contract/io_spec.py), the
+maps and the look-inside outputs alike; attention_lora.onnx, a rewrite of attention.onnx,
+takes it too where its attention.onnx did.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from service.contract import io_spec as io
 from service.contract import lens_spec as lens
 from service.contract import sessions
 from service.engine.adapters import AdapterSet, AdapterWeights
-from service.viz.graph_cut import ExternalTensor, cut, external_tensors
+from service.viz.graph_cut import ExternalTensor, cut, external_tensors, graph_input_shapes
 from service.viz.look_inside import LookInside
 
 CUT_SESSIONS = 4  # cut sessions kept (a viewer's layer, its step view's, all weights, one more)
@@ -82,6 +87,7 @@ class _Graph:
     data: bytes | None  # its bytes, to cut; None once it proved uncuttable (control flow)
     weights: dict[str, ort.OrtValue]
     whole: ort.InferenceSession | None = None  # the uncut graph (made when first needed)
+    steers: bool = False  # whether it takes a control vector (io_spec.STEER, float32)
 
 
 class AttentionModel:
@@ -101,10 +107,14 @@ class AttentionModel:
             raise ValueError(f"attention.onnx lacks outputs {missing[:4]}...")
         self._looks_inside = set(lens.inspect_output_names(config.n_layers)) <= available
         self._files: dict[str, np.memmap] = {}
+        # steer is an input with a default: listed among the overridable initializers (a
+        # float32 one only, as the engine graphs' steer: engine_graph_runner.py)
+        steers = any(i.name == io.STEER and i.type == "tensor(float)"
+                     for i in session.get_overridable_initializers())
         self._base = _Graph(io.ATTENTION_FILE, source,
                             source.read_bytes() if source is not None else None,
                             shared_weights(source, self._files) if source is not None else {},
-                            session)
+                            session, steers)
         lora = source.parent / spec.lora_file(source.name) if source is not None else None
         self._lora_source = lora if lora is not None and lora.is_file() else None
         self._lora: _Graph | None = None  # opened on the first request under an adapter
@@ -125,22 +135,35 @@ class AttentionModel:
         return self.adapters is not None and self._lora_source is not None
 
     @property
+    def steers(self) -> bool:
+        """Whether attention.onnx takes a control vector (``steer``): artifacts exported
+        before it do not."""
+        return self._base.steers
+
+    def steers_under_adapters(self) -> bool:
+        """Whether attention_lora.onnx takes a control vector too (opens that graph; needs
+        :attr:`applies_adapters`)."""
+        return self._lora_graph().steers
+
+    @property
     def looks_inside(self) -> bool:
         """Whether attention.onnx has the logit lens, residual norms and attribution
         (service/contract/lens_spec.py): artifacts exported before them do not."""
         return self._looks_inside
 
     def run(self, token_ids: Sequence[int], kinds: Sequence[str],
-            layers: Sequence[int] | None = None, adapter: str | None = None
-            ) -> dict[str, np.ndarray]:
+            layers: Sequence[int] | None = None, adapter: str | None = None,
+            steer: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """{kind: (len(layers), heads, T, T or hs)} for one sequence, in the layout bertviz
         uses; ``layers`` in the order given (default: every layer); under the LoRA adapter
-        served as ``adapter`` when one is named (UnknownAdapter if it is not served)."""
-        return self.look(token_ids, kinds, layers, adapter)[0]
+        served as ``adapter`` when one is named (UnknownAdapter if it is not served);
+        steered by ``steer`` (n_layers, d), a control vector's scaled rows, when given
+        (needs :attr:`steers`, or :meth:`steers_under_adapters` with an adapter)."""
+        return self.look(token_ids, kinds, layers, adapter, steer=steer)[0]
 
     def look(self, token_ids: Sequence[int], kinds: Sequence[str],
              layers: Sequence[int] | None = None, adapter: str | None = None,
-             inside: LookInside | None = None
+             inside: LookInside | None = None, steer: np.ndarray | None = None
              ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """As :meth:`run`, and in the same pass what ``inside`` asks (LookInside.collect's
         arrays; empty without it). Needs :attr:`looks_inside` for ``inside``."""
@@ -155,6 +178,10 @@ class AttentionModel:
             rows = len(next(iter(inputs.values())))
             feeds |= inputs
             feeds[spec.LORA_MASK] = np.ones((ids.shape[1], rows), np.float32)  # (T, R)
+        if steer is not None:
+            if not graph.steers:
+                raise ValueError(f"{graph.name} takes no control vector (no {io.STEER} input)")
+            feeds[io.STEER] = np.asarray(steer, np.float32)  # (n_layers, d)
         names = [io.attention_output_name(i, k) for k in kinds for i in layers]
         extra = inside.outputs(layers) if inside is not None else []
         if inside is not None:
@@ -175,9 +202,10 @@ class AttentionModel:
             raise RuntimeError("no adapter graph (attention_lora.onnx) or no adapters served")
         with self._lock:
             if self._lora is None:
-                self._lora = _Graph(self._lora_source.name, self._lora_source,
-                                    self._lora_source.read_bytes(),
-                                    shared_weights(self._lora_source, self._files))
+                data = self._lora_source.read_bytes()
+                self._lora = _Graph(self._lora_source.name, self._lora_source, data,
+                                    shared_weights(self._lora_source, self._files),
+                                    steers=io.STEER in graph_input_shapes(data))
             return self._lora
 
     def _inputs_of(self, name: str) -> dict[str, np.ndarray]:

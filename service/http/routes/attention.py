@@ -21,6 +21,12 @@ them answers 409 for those and keeps serving the maps.
 ``adapter_id`` asks for the attention under a served LoRA adapter (404 for a name not
 served): the attention model runs attention_lora.onnx with that adapter's weights; 501
 for an artifact without that graph.
+
+``control_vector`` ({name, scale, layers?}, checked as /generate's: 404 for a name not
+served, 422 for a scale beyond --max-control-scale) asks for everything above under a
+served control vector: its scaled rows are bound to the graph's ``steer`` input, added
+after each block as the engine adds a steered row's. An artifact whose attention.onnx (or,
+with ``adapter_id``, attention_lora.onnx) predates that input answers 409.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ import numpy as np
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
+from service.contract import io_spec as io
+from service.contract.adapter_spec import lora_file
 from service.http.adapters import adapter_of_id
+from service.http.control_vectors import control_choice, control_rows
 from service.http.deps import ReadyRuntime, require_api_key
 from service.http.errors import ApiError
 from service.http.responses import TgiError, tgi_errors
@@ -80,7 +89,7 @@ def _json_safe(a: np.ndarray) -> Any:
                                               "type": "string", "format": "binary"}},
                                           "image/png": {"schema": {"type": "string",
                                                                    "format": "binary"}}}},
-                        **tgi_errors(401, 404, 413, 422, 501, 503),
+                        **tgi_errors(401, 404, 409, 413, 422, 501, 503),
                         429: {"model": TgiError, "description":
                               "/attention is at capacity: attention_max_concurrent running "
                               "and attention_max_queued waiting (Retry-After: 1)"}})
@@ -100,22 +109,45 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
                             "base model's only; ask without adapter_id", "not_implemented",
                        param="adapter_id", code="not_implemented")
     assert runtime.attention is not None
+    steer = _steer(body, runtime, adapter)
     inside = _look_inside(body, runtime, ids, [k for k in included if k in MEMBERS], adapter)
     # Bounded (settings attention_max_concurrent/_queued; 429 beyond): running and encoding
     # a request costs seconds of CPU, and unbounded floods of them starve decoding.
     async with runtime.attention_gate.admit():
         if inside is None:
             computed = await asyncio.get_running_loop().run_in_executor(
-                runtime.attention_threads, runtime.attend, ids, kinds, layers, adapter)
+                runtime.attention_threads, runtime.attend, ids, kinds, layers, adapter, steer)
             seen: dict[str, np.ndarray] = {}
         else:
             computed, seen = await asyncio.get_running_loop().run_in_executor(
                 runtime.attention_threads, runtime.look_inside, ids, kinds, layers, adapter,
-                inside)
+                inside, steer)
         # Encoding can take seconds (all kinds at full length is ~55 MB of JSON): off the
         # event loop, so the token streams of other requests do not stall meanwhile.
         return await asyncio.to_thread(render, body, runtime, ids, layers, heads, computed,
                                        seen)
+
+
+def _steer(body: AttentionRequest, runtime: Runtime, adapter: str | None
+           ) -> np.ndarray | None:
+    """The request's control vector as the (n_layers, d) rows to bind (None: none), checked
+    as /generate checks it; 409 where the graph to run takes none."""
+    choice = control_choice(body.control_vector, runtime, "control_vector")
+    if choice is None:
+        return None
+    assert runtime.attention is not None
+    if not runtime.attention.steers:
+        graph = io.ATTENTION_FILE
+    elif adapter is not None and not runtime.attention.steers_under_adapters():
+        graph = lora_file(io.ATTENTION_FILE)
+    else:
+        return control_rows(choice, runtime, "control_vector")
+    raise ApiError(409, f"control_vector: this artifact's {graph} takes no control vector "
+                        "(it was exported before /attention took one): re-export it "
+                        "(attnserve export) to ask for one"
+                        + (", or ask without adapter_id" if graph != io.ATTENTION_FILE
+                           else "; without control_vector the maps still work"),
+                   "artifact_outdated", param="control_vector", code="artifact_outdated")
 
 
 def _look_inside(body: AttentionRequest, runtime: Runtime, ids: list[int],

@@ -10,24 +10,34 @@ vectors, /metrics counts them.
 The model: a random 3-layer Llama made by transformers, imported, exported with its
 engine graphs and as GGUF; the vector: `attnserve steer`'s mean vector of three prompt
 pairs (tests/export/test_steer.py checks it against llama-cvector-generator).
+
+/attention under the same vector: its maps, logit lens and attribution are the PyTorch
+model's under ``steered()`` (forward hooks), scale 0 is no vector, and it refuses as
+/generate does (404, 422), or with 409 where attention.onnx takes no ``steer``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+import onnx
 import pytest
 
 from model.checkpoint import load_checkpoint
-from model.steering import steered
+from model.steering import block_outputs, steered
+from service.contract import io_spec as io
 from service.contract.control_vector import ControlVector, write_control_vector
+from service.contract.manifest import FileEntry, load_manifest, sha256_file
 from tests.conftest import torch_threads
 from tests.export.test_steer import FLOAT32, PAIRS, ours_greedy, write_pairs
 from tests.service.helpers import ServerProcess, metric_value, serving, wait_metric
@@ -174,3 +184,107 @@ def test_a_file_that_does_not_fit_the_model_stops_the_start_in_one_line(
     assert result.returncode == 2
     assert "width 32" in result.stderr and "d_model is 64" in result.stderr
     assert result.stderr.count("\n") == 1  # one line, no traceback
+
+
+# ---------------------------------------------------------------------------- /attention
+
+
+def attention(server: ServerProcess, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}/attention", json=body, timeout=60)
+
+
+def steered_torch(build: Steered, ids: list[int], scale: float
+                  ) -> tuple[np.ndarray, list[Any], Any]:
+    """The PyTorch model under steered(): every layer's attention weights (L, nh, T, T),
+    each layer's logit lens (its block's output through the final norm and the LM head,
+    as probabilities (T, V)) and the logits (T, V)."""
+    import torch
+
+    from service.contract.control_vector import read_control_vector
+
+    model = load_checkpoint(build.checkpoint).model.eval()
+    with steered(model, read_control_vector(build.vector).directions, scale), torch.no_grad():
+        out = model(torch.tensor([ids]), return_intermediates=True)
+        lens = [torch.softmax(model.head(r)[0].double(), -1)
+                for r in block_outputs(model, torch.tensor([ids]))]
+    weights = np.stack([i.weights[0].numpy() for i in out.intermediates])
+    return weights, lens, out.logits[0]
+
+
+def test_attention_under_a_vector_is_the_steered_torch_model(build: Steered,
+                                                             server: ServerProcess) -> None:
+    text = TEXTS[1]
+    ids = ids_of(server, text)
+    control = {"name": "v", "scale": SCALE}
+    r = attention(server, {"inputs": text, "control_vector": control,
+                           "include": ["weights", "logit_lens", "head_attribution"]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want, lens_probs, logits = steered_torch(build, ids, SCALE)
+    np.testing.assert_allclose(np.asarray(body["attention"]["weights"]), want, atol=1e-5)
+    unsteered = attention(server, {"inputs": text}).json()["attention"]["weights"]
+    assert np.abs(np.asarray(unsteered)[2] - want[2]).max() > 1e-3  # the vector matters
+    lens = body["logit_lens"]
+    for layer, probs in enumerate(lens_probs):  # (T, V) each
+        top_p, top_ids = probs.topk(2, -1)
+        apart = (top_p[:, 0] - top_p[:, 1] > 1e-5).numpy()
+        got_top1 = np.asarray(lens["top_ids"][layer])[:, 0]
+        np.testing.assert_array_equal(got_top1[apart], top_ids[:, 0].numpy()[apart])
+        np.testing.assert_allclose(np.asarray(lens["top_probs"][layer])[:, 0],
+                                   top_p[:, 0].numpy(), atol=1e-5)
+    attr = body["head_attribution"]
+    target = int(logits[-1].argmax())
+    assert attr["target"] == target
+    assert attr["logit"] == pytest.approx(float(logits[-1, target]), abs=1e-4)
+    assert attr["control_vector"][0] == 0.0 and max(map(abs, attr["control_vector"])) > 1e-3
+    total = (attr["embedding"] + np.sum(attr["heads"]) + sum(attr["attention_bias"])
+             + sum(attr["mlp"]) + sum(attr["mlp_bias"]) + sum(attr["control_vector"])
+             + attr["norm_bias"])
+    assert total == pytest.approx(float(logits[-1, target]), abs=1e-3)
+
+
+def test_attention_under_a_vector_at_scale_zero_is_the_unsteered(server: ServerProcess
+                                                                 ) -> None:
+    members = {"inputs": TEXTS[0], "include": ["weights", "logit_lens", "residual_norms"]}
+    plain = attention(server, members).json()
+    zero = attention(server, members | {"control_vector": {"name": "v", "scale": 0}}).json()
+    assert zero == plain
+
+
+def test_attention_refuses_a_vector_as_generate_does(server: ServerProcess) -> None:
+    unknown = attention(server, {"inputs": "hello", "control_vector": {"name": "nope"}})
+    assert unknown.status_code == 404
+    assert unknown.json()["error_type"] == "not_found"
+    assert unknown.json()["error"] == \
+        "control_vector.name: control vector 'nope' is not served by this server"
+    for control in ({"name": "v", "scale": -4.5}, {"name": "v", "layers": [2, 1]}):
+        generated = httpx.post(f"{server.url}/generate", timeout=30, json={
+            "inputs": "hello", "parameters": {"control_vector": control}})
+        attended = attention(server, {"inputs": "hello", "control_vector": control})
+        assert (generated.status_code, attended.status_code) == (422, 422), attended.text
+        assert attended.json()["error"] == generated.json()["error"].replace(
+            "parameters.control_vector", "control_vector")
+
+
+def test_an_attention_graph_without_steer_answers_409_naming_the_field(
+        build: Steered, tmp_path: Path) -> None:
+    old = tmp_path / "old"
+    shutil.copytree(build.artifact, old)
+    graph = old / io.ATTENTION_FILE
+    model = onnx.load(str(graph), load_external_data=False)
+    kept = [i for i in model.graph.input if i.name != io.STEER]  # steer: a constant now
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    onnx.save(model, str(graph))
+    manifest = load_manifest(old)
+    manifest.files[io.ATTENTION_FILE] = FileEntry(sha256_file(graph), graph.stat().st_size)
+    dataclasses.replace(manifest).write(old)
+    with contextmanager(serving)(old, tmp_path / "server.log",
+                                 ("--control-vectors", f"v={build.vector}")) as proc:
+        r = attention(proc, {"inputs": "hello", "control_vector": {"name": "v"}})
+        assert r.status_code == 409, r.text
+        assert "control_vector" in r.json()["error"] and "re-export" in r.json()["error"]
+        assert attention(proc, {"inputs": "hello"}).status_code == 200
+        steered_text = httpx.post(f"{proc.url}/generate", timeout=60, json={
+            "inputs": "hello", "parameters": {"control_vector": {"name": "v"}}})
+        assert steered_text.status_code == 200  # the engine graph still steers

@@ -158,3 +158,29 @@ def test_the_logit_lens_under_an_adapter_is_the_merged_models(build: Build) -> N
     np.testing.assert_allclose(got["logit_lens.target_probs"],
                                want["logit_lens.target_probs"], atol=1e-5)
     assert np.abs(base["residual_norms"] - want["residual_norms"]).max() > 1e-3
+
+
+def test_a_control_vector_under_an_adapter_is_the_merged_models_steered(build: Build) -> None:
+    """attention_lora.onnx takes attention.onnx's steer: under an adapter and a control
+    vector the maps and the residual norms are the merged model's under the same rows."""
+    config = io.ArtifactConfig.load(build.artifact)
+    ids, layers = list(range(5, 29)), [config.n_layers - 1, 0]
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((config.n_layers, config.d_model)).astype(np.float32)  # (L, d)
+    inside = LookInside(("residual_norms",))
+    model = attention_model(build, engine_adapters(build))
+    assert model.steers and model.steers_under_adapters()
+    maps, got = model.look(ids, KINDS, layers, "alpha", inside, steer=rows)
+    _, unsteered = model.look(ids, KINDS, layers, "alpha", inside)
+    x = np.asarray([ids], np.int64)
+    names = [*(io.attention_output_name(i, k) for k in KINDS for i in layers),
+             *inside.outputs(layers)]
+    values = dict(zip(names, build.merged.run(names, {
+        io.INPUT_IDS: x, io.ATTENTION_MASK: np.ones_like(x),
+        io.POSITION_IDS: np.arange(len(ids))[None, :], io.STEER: rows}), strict=True))
+    check(maps, {k: np.concatenate([values[io.attention_output_name(i, k)] for i in layers])
+                 for k in KINDS}, "under a control vector")
+    want = inside.collect(values, layers, config.n_layers, config.n_heads)
+    np.testing.assert_allclose(got["residual_norms"], want["residual_norms"], rtol=1e-5)
+    # the vector reached the stream (after block 1: the last layer's norms)
+    assert np.abs(got["residual_norms"] - unsteered["residual_norms"]).max() > 1e-3
