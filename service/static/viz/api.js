@@ -64,11 +64,15 @@ export async function adapterNames() {
 }
 
 /** /attention as npz: {name: {shape, data}}; float arrays stay float32 (exact server values).
- *  ``adapter``: the name of a served LoRA adapter to compute under (null: the base). */
-export function attention(inputs, { layers = null, include = ["weights"], adapter = null } = {}) {
+ *  ``adapter``: the name of a served LoRA adapter to compute under (null: the base);
+ *  ``vector``: {name, scale} of a served control vector to steer by (null: none). */
+export function attention(inputs, {
+  layers = null, include = ["weights"], adapter = null, vector = null,
+} = {}) {
   const body = { inputs, include, format: "npz" };
   if (layers !== null) body.layers = layers;
   if (adapter !== null) body.adapter_id = adapter;
+  if (vector !== null) body.control_vector = { name: vector.name, scale: vector.scale };
   return call("attention", { body, binary: true });
 }
 

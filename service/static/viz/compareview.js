@@ -1,5 +1,6 @@
-// Adapter vs base: one head's attention map under the base model, the same under a LoRA
-// adapter, and their difference (adapter − base) side by side, for one input. α maps use
+// Two variants of the model side by side: one head's attention map without and with a
+// change, and their difference (with − without), for one input: the base model and a LoRA
+// adapter, or the model (base or adapter) without and with a control vector. α maps use
 // viridis as the other views do; the difference a diverging blue–neutral–red scale centred
 // on 0 and stretched to this head's largest |Δα|, the range printed under it. One cell is
 // read out (hover or click one; at first, the cell that changed most), its numbers at full
@@ -39,8 +40,9 @@ export class CompareView {
     });
   }
 
-  /** model: {T, tokens}; adapter: its name; base, tuned: that layer's (H, T, T) maps. */
-  show(model, adapter, layer, head, base, tuned) {
+  /** model: {T, tokens}; titles: {base, adapter, diff}, the panels' captions (the
+   *  "adapter" panel holds the changed variant); base, tuned: that layer's (H, T, T) maps. */
+  show(model, titles, layer, head, base, tuned) {
     const { T, tokens } = model;
     const offset = head * T * T;
     this.base = base.subarray(offset, offset + T * T);
@@ -52,8 +54,10 @@ export class CompareView {
       this.diff[p] = this.tuned[p] - this.base[p];
       if (Math.abs(this.diff[p]) > range) { range = Math.abs(this.diff[p]); most = p; }
     }
-    Object.assign(this, { model, adapter, layer, head, range });
-    this.panels.querySelector(".compare-title[data-kind='adapter']").textContent = `adapter ${adapter}`;
+    Object.assign(this, { model, titles, layer, head, range });
+    for (const [kind, title] of Object.entries(titles)) {
+      this.panels.querySelector(`.compare-title[data-kind='${kind}']`).textContent = title;
+    }
     const dark = isDark();
     const scaled = (d) => divergingRgb(range > 0 ? d / range : 0, dark);
     this.cell = Math.max(1, Math.floor(SIDE / T));
@@ -73,7 +77,7 @@ export class CompareView {
     }
     this.select(Math.floor(most / T), most % T);
     Object.assign(this.panels.dataset, {
-      layer, head, adapter, cell: this.cell, margin: this.margin, ready: "true",
+      layer, head, cell: this.cell, margin: this.margin, ready: "true",
     });
   }
 
@@ -122,7 +126,7 @@ export class CompareView {
     });
     const masked = j > i ? " (masked: a later key)" : "";
     this.readout.textContent = `query ${i} “${tokenLabel(tokens[i].text)}” → key ${j} `
-      + `“${tokenLabel(tokens[j].text)}”${masked}: base α = ${fmt(this.base[p], 5)}, `
-      + `${this.adapter} α = ${fmt(this.tuned[p], 5)}, Δα = ${fmt(this.diff[p], 5)}`;
+      + `“${tokenLabel(tokens[j].text)}”${masked}: ${this.titles.base} α = ${fmt(this.base[p], 5)}, `
+      + `${this.titles.adapter} α = ${fmt(this.tuned[p], 5)}, Δα = ${fmt(this.diff[p], 5)}`;
   }
 }

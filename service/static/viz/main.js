@@ -1,8 +1,10 @@
 // The viewer's state and wiring: prompt → (optional /generate) → /attention → three views,
-// and a fourth, adapter vs base, while a LoRA adapter is chosen.
+// and a fourth, a comparison, while a LoRA adapter or a control vector is chosen: adapter
+// vs base, or (with a vector) the model without vs with the vector.
 // Attention comes layer by layer (layers.js): the page opens on one layer's maps, the model
 // view fills in as its layers arrive, and the step view fetches one layer's q, k, v. The
-// comparison keeps the adapter's maps in a second store, fetched with adapter_id.
+// comparison keeps the adapter's maps in a second store, fetched with adapter_id, and the
+// steered maps in a third, fetched with control_vector (and the adapter, if one is chosen).
 
 import * as api from "./api.js";
 import { headColour, tokenLabel } from "./colors.js";
@@ -21,7 +23,9 @@ const state = {
   info: null,
   text: "",
   model: null,        // {L, H, T, tokens, store: LayerStore of the weights,
-                      //  adapter: name or null, adapterStore: LayerStore under it or null}
+                      //  adapter: name or null, adapterStore: LayerStore under it or null,
+                      //  vector: {name, scale} or null, vectorStore: LayerStore steered by
+                      //  it (under the adapter, if any) or null}
   layers: new Map(),  // layer → npz of every kind for that layer (step view), a few kept
   budget: DEFAULT_BUDGET,  // bytes of maps per /attention request and kept (layers.js)
   layer: 0,
@@ -89,6 +93,7 @@ async function connect() {
     + ` · d_model ${c.d_model} · context ${c.max_seq_len} · ${state.info.provider}`;
   $("max-new").max = state.info.limits.max_new_tokens;
   await listAdapters();
+  listVectors();
   setStatus("idle", "Enter a prompt.");
   $("run").disabled = false;
 }
@@ -109,20 +114,57 @@ async function listAdapters() {
   $("adapter-pick").hidden = names.length === 0;
 }
 
-$("adapter").addEventListener("change", (e) => {
-  if (!state.model) return;  // applies to the next input
-  useAdapter(state.model, e.target.value);
-  syncControls();
-  render();
-});
+/** The control-vector picker: shown when GET /info lists control vectors; the scale is
+ *  bounded by the server's --max-control-scale. */
+function listVectors() {
+  const names = state.info.control_vectors || [];
+  const select = $("vector");
+  const chosen = select.value;
+  select.replaceChildren(select.options[0], ...names.map((name) => Object.assign(
+    document.createElement("option"), { value: name, textContent: name })));
+  select.value = names.includes(chosen) ? chosen : "";
+  const limit = state.info.max_control_scale;
+  Object.assign($("vector-scale"), { min: -limit, max: limit });
+  $("vector-pick").hidden = names.length === 0;
+}
 
-/** Compare ``model``'s input under adapter ``name`` ("" for none) with the base; the
- *  comparison opens when one is chosen and closes with it. */
-function useAdapter(model, name) {
-  model.adapter = name || null;
-  model.adapterStore = name ? new LayerStore(
-    (layers) => api.attention(model.text, { layers, adapter: name }), model, state.budget) : null;
-  if (name) state.view = "compare";
+/** The chosen control vector, {name, scale}, or null. */
+function chosenVector() {
+  const name = $("vector").value;
+  if (!name) return null;
+  const scale = Number($("vector-scale").value);
+  return { name, scale: Number.isFinite(scale) ? scale : 1 };
+}
+
+for (const id of ["adapter", "vector", "vector-scale"]) {
+  $(id).addEventListener("change", () => {
+    if (!state.model) return;  // applies to the next input
+    useVariant(state.model);
+    syncControls();
+    render();
+  });
+}
+
+/** Compare ``model``'s input under the chosen adapter with the base, or, with a control
+ *  vector chosen, without and with the vector (under the adapter, if one is chosen); the
+ *  comparison opens when either is chosen and closes with them. */
+function useVariant(model) {
+  const adapter = $("adapter").value || null;
+  if (adapter !== model.adapter || !model.adapterStore) {
+    model.adapterStore = adapter ? new LayerStore(
+      (layers) => api.attention(model.text, { layers, adapter }), model, state.budget) : null;
+  }
+  model.adapter = adapter;
+  const vector = chosenVector();
+  const same = vector && model.vector && vector.name === model.vector.name
+    && vector.scale === model.vector.scale && model.vectorAdapter === adapter;
+  if (!same) {
+    model.vectorStore = vector ? new LayerStore(
+      (layers) => api.attention(model.text, { layers, adapter, vector }), model,
+      state.budget) : null;
+  }
+  Object.assign(model, { vector, vectorAdapter: adapter });
+  if (adapter || vector) state.view = "compare";
   else if (state.view === "compare") state.view = "head";
 }
 
@@ -186,7 +228,7 @@ function load(text, promptChars, npz, layer) {
     state.budget);
   store.add(npz);
   state.model = { L, H, T, tokens, store, text };
-  useAdapter(state.model, $("adapter").value);
+  useVariant(state.model);
   state.layers = new Map();
   state.layer = layer;
   state.head = Math.min(state.head, H - 1);
@@ -242,7 +284,9 @@ function syncControls() {
   for (const tab of document.querySelectorAll(".tabs [data-view]")) {
     tab.setAttribute("aria-selected", tab.dataset.view === state.view);
   }
-  document.querySelector(".tabs [data-view=compare]").hidden = !state.model?.adapter;
+  const compareTab = document.querySelector(".tabs [data-view=compare]");
+  compareTab.hidden = !state.model?.adapter && !state.model?.vector;
+  compareTab.textContent = state.model?.vector ? "With vs without vector" : "Adapter vs base";
   for (const view of document.querySelectorAll(".view")) view.hidden = view.dataset.view !== state.view;
   $("views").dataset.view = state.view;
 }
@@ -341,27 +385,61 @@ async function fillModelView(model) {
   if (alive()) setStatus("ready", `${model.T} tokens · ${model.L} × ${model.H} maps · all layers`);
 }
 
-/** Base, adapter and their difference for the current (layer, head). */
+/** The panels of the comparison: [without, with] stores (null: the base's, layerMaps),
+ *  their captions and the hint. */
+function comparison(model) {
+  if (!model.vector) {
+    return { stores: [null, model.adapterStore], titles: {
+      base: "base", adapter: `adapter ${model.adapter}`, diff: "Δα = adapter − base",
+    }, hint: "One head's attention under the base model, under the adapter, and what the "
+      + "fine-tune changed: Δα = adapter − base, blue where the adapter attends less, red "
+      + "where more, scaled to this head's largest change. Hover or click a cell to read it out." };
+  }
+  const without = model.adapter ? `adapter ${model.adapter}` : "base";
+  const { name, scale } = model.vector;
+  return { stores: [model.adapterStore, model.vectorStore], titles: {
+    base: `${without}, no vector`, adapter: `${without}, vector ${name} × ${scale}`,
+    diff: "Δα = with − without vector",
+  }, hint: `One head's attention without and with control vector ${name} at scale ${scale} `
+    + `(${without}), and what the vector changed: Δα = with − without, blue where the `
+    + "steered model attends less, red where more, scaled to this head's largest change. A "
+    + "vector is added after each layer from layer 1 on, so layers 0 and 1 never change. "
+    + "Hover or click a cell to read it out." };
+}
+
+/** ``store``'s maps of ``layer`` (null: the base's), fetched when not held; undefined when
+ *  the fetch failed or the comparison changed meanwhile. */
+async function variantMaps(model, store, layer) {
+  if (store === null) return layerMaps(layer);
+  let maps = store.get(layer);
+  if (maps === undefined) {
+    setStatus("busy", `Fetching layer ${layer} for the comparison…`);
+    try {
+      maps = await store.need(layer);
+    } catch (error) {
+      if (model === state.model) showError(error);
+      return undefined;
+    }
+    setStatus("ready", `${model.T} tokens · layer ${layer} for the comparison loaded`);
+  }
+  return maps;
+}
+
+/** Without, with and their difference for the current (layer, head). */
 async function renderCompare() {
   const { layer, model } = state;
-  const store = model.adapterStore;
+  const { stores, titles, hint } = comparison(model);
   delete $("compare").dataset.ready;
-  const base = await layerMaps(layer);
+  const base = await variantMaps(model, stores[0], layer);
   if (base === undefined) return;
-  let tuned = store.get(layer);
-  if (tuned === undefined) {
-    setStatus("busy", `Fetching layer ${layer} under adapter ${model.adapter}…`);
-    try {
-      tuned = await store.need(layer);
-    } catch (error) {
-      if (model === state.model && store === model.adapterStore) showError(error);
-      return;
-    }
-    setStatus("ready", `${model.T} tokens · layer ${layer} under ${model.adapter} loaded`);
-  }
-  if (model !== state.model || store !== model.adapterStore || state.view !== "compare"
-      || state.layer !== layer) return;
-  compareView.show(model, model.adapter, layer, state.head, base, tuned);
+  const tuned = await variantMaps(model, stores[1], layer);
+  if (tuned === undefined) return;
+  const now = comparison(state.model).stores;
+  if (model !== state.model || now[0] !== stores[0] || now[1] !== stores[1]
+      || state.view !== "compare" || state.layer !== layer) return;
+  $("compare-hint").textContent = hint;
+  $("compare").dataset.variant = model.vector ? "vector" : "adapter";
+  compareView.show(model, titles, layer, state.head, base, tuned);
 }
 
 /** The logit lens of every layer and the attribution at the query, one request each query. */

@@ -33,8 +33,9 @@ import pytest
 from PIL import Image
 
 from service.contract import io_spec as io
+from service.contract.control_vector import ControlVector, write_control_vector
 from tests.conftest import tiny_corpus, torch_threads
-from tests.service.helpers import ServerProcess
+from tests.service.helpers import ServerProcess, serving
 
 KEY = "viz-test-key"
 PROMPT = "Return the number of items in the container."
@@ -648,11 +649,14 @@ def lora_server(lora_build: Any, tmp_path_factory: pytest.TempPathFactory
 
 
 def head_weights(client: httpx.Client, text: str, layer: int, head: int,
-                 adapter: str | None = None) -> np.ndarray:
+                 adapter: str | None = None, vector: dict[str, Any] | None = None
+                 ) -> np.ndarray:
     """/attention JSON weights of one (layer, head), (T, T), as float64 of the float32s."""
     body: dict[str, Any] = {"inputs": text, "layers": [layer], "heads": [head]}
     if adapter is not None:
         body["adapter_id"] = adapter
+    if vector is not None:
+        body["control_vector"] = vector
     r = client.post("/attention", json=body)
     assert r.status_code == 200, r.text
     return np.asarray(r.json()["attention"]["weights"][0][0], np.float64)
@@ -718,6 +722,83 @@ def test_an_adapter_is_compared_with_the_base(chromium: Any, lora_server: Server
     # no adapter: the comparison closes, the page is the base's as before
     page.select_option("#adapter", "")
     assert page.is_hidden(".tabs [data-view=compare]") and page.is_hidden("#view-compare")
+    assert page.get_attribute(".tabs [data-view=head]", "aria-selected") == "true"
+    watch.assert_clean()
+    page.context.close()
+
+
+# ------------------------------------------------------------------ with vs without vector
+
+
+@pytest.fixture(scope="module")
+def steer_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A random-weight Llama of three layers (a vector added after block 1 reaches layer 2's
+    attention), exported with its engine graphs, serving one control vector, ``v``: random
+    directions for layers 1 and 2."""
+    pytest.importorskip("transformers")
+    from export.to_onnx import export_artifact
+    from model.hf_import import import_hf_checkpoint
+    from tests.hf_llama import build_hf_model
+
+    root = tmp_path_factory.mktemp("viz-steer")
+    with torch_threads(1):
+        build_hf_model(root / "hf", "llama", seed=1, num_hidden_layers=3)
+        ckpt = import_hf_checkpoint(root / "hf", root / "ckpt")
+        artifact = export_artifact(ckpt, root / "artifact", engine_graph=True, verify=False)
+    d = io.ArtifactConfig.load(artifact).d_model
+    rng = np.random.default_rng(2)
+    vector = write_control_vector(ControlVector(
+        {k: (rng.standard_normal(d) / np.sqrt(d)).astype(np.float32) for k in (1, 2)}),
+        root / "v.gguf")
+    yield from serving(artifact, root / "server.log",
+                       ("--device", "cpu", "--control-vectors", f"v={vector}"))
+
+
+def test_a_control_vector_is_compared_with_none(chromium: Any, steer_server: ServerProcess,
+                                                shots: Path) -> None:
+    server = steer_server
+    page, watch = open_page(chromium, server.url, key=None)
+    page.wait_for_function(RUN_ENABLED)
+    page.wait_for_selector("#vector-pick:not([hidden])")
+    assert page.is_hidden("#adapter-pick")  # no adapter served: only the vector is offered
+    assert page.eval_on_selector_all("#vector option", "(os) => os.map((o) => o.value)") == [
+        "", "v"]
+    assert page.get_attribute("#vector-scale", "max") == "4"  # --max-control-scale's default
+    page.fill("#vector-scale", "3")
+    page.select_option("#vector", "v")
+    run_prompt(page, PROMPT, continuation=False)
+    page.wait_for_selector("#compare[data-ready][data-layer='0'][data-head='0']")
+    tab = ".tabs [data-view=compare]"
+    assert page.get_attribute(tab, "aria-selected") == "true"
+    assert page.inner_text(tab) == "With vs without vector"
+    assert page.inner_text(".compare-title[data-kind='base']") == "base, no vector"
+    assert page.inner_text(".compare-title[data-kind='adapter']") == "base, vector v × 3"
+    # layer 0 reads the embedding: no vector reaches it, the difference is nothing
+    assert float(page.get_attribute("#compare-range", "data-range")) == 0.0
+    control = {"name": "v", "scale": 3}
+    page.select_option("#layer", "2")
+    page.select_option("#head", "1")
+    page.wait_for_selector("#compare[data-ready][data-layer='2'][data-head='1']")
+    for kind in ("base", "adapter", "diff"):
+        assert canvas_ink(page, f"#compare canvas[data-kind='{kind}']") > 0, kind
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        without = head_weights(client, PROMPT, 2, 1)
+        steered = head_weights(client, PROMPT, 2, 1, vector=control)
+    diff = steered - without  # (T, T)
+    cell = compared_cell(page)
+    i, j = int(cell["i"]), int(cell["j"])
+    assert abs(diff[i, j]) == np.abs(diff).max() > 1e-4
+    assert (cell["base"], cell["adapter"], cell["diff"]) == (without[i, j], steered[i, j],
+                                                             diff[i, j])
+    assert float(page.get_attribute("#compare-range", "data-range")) == np.abs(diff).max()
+    save_shot(page.locator("#views"), shots / "vector-compare.png")
+    bodies = attention_bodies(watch)
+    assert {json.dumps(b.get("control_vector")) for b in bodies} == {
+        "null", json.dumps(control)}
+    assert [b["layers"] for b in bodies if b.get("control_vector")] == [[0], [2]]
+    # no vector: the comparison closes, the page is the base's as before
+    page.select_option("#vector", "")
+    assert page.is_hidden(tab) and page.is_hidden("#view-compare")
     assert page.get_attribute(".tabs [data-view=head]", "aria-selected") == "true"
     watch.assert_clean()
     page.context.close()
