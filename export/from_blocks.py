@@ -72,7 +72,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     from export.gguf.source import GGUFFile, open_source
     from export.lora.adapter_check import write_served_adapter_graphs
     from export.memory import release
-    from export.onnx.engine_graph import EngineDecoder, build_engine_graph
+    from export.onnx.engine_graph import build_engine_graph
     from export.onnx.model_graphs import build_attention, build_decoder
     from export.onnx.onnx_build import WeightsWriter, load_graph
     from export.quantize.weights import (
@@ -82,6 +82,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         quantize_weights,
         quiet_ort_logs,
     )
+    from export.verify.engine_parity import EngineDecoder
     from export.verify.parity import check_threads, decoder_for
     from service.contract import io_spec as io
     from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
@@ -218,7 +219,7 @@ def _verify_float_activations(ckpt: Any, tmp: Path, check: dict[str, Path], grap
     """The float-activation graphs (``check``) and attention.onnx against PyTorch run
     layer by layer, by the float32 rule (export/verify/parity.py); the manifest's figures."""
     from export.memory import release
-    from export.onnx.engine_graph import EngineDecoder, verify_engine
+    from export.verify.engine_parity import EngineDecoder, verify_engine
     from export.verify.layerwise import LayerwiseReference
     from export.verify.parity import check_prompts, decoder_for, verify_artifact
     from service.contract import io_spec as io

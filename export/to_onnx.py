@@ -150,8 +150,8 @@ def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
                      level: int, kernel: str) -> dict[str, Any]:
     """engine.onnx with quantised weights, judged against its float32 self."""
     from export.gguf.blocks import repacks
-    from export.onnx.engine_graph import EngineDecoder
     from export.quantize.weights import compare_decoders, quantize_weights
+    from export.verify.engine_parity import EngineDecoder
 
     figures = quantize_weights(fp32_path, out, method, training, flat=True, level=level,
                                kernel=kernel, repack=repacks(kernel, level))
@@ -233,7 +233,7 @@ def export_artifact(
         write_served_adapter_graphs,
     )
     from export.memory import release
-    from export.onnx.engine_graph import build_engine_graph, verify_engine
+    from export.onnx.engine_graph import build_engine_graph
     from export.onnx.float16 import halve_artifact
     from export.onnx.model_graphs import (
         DEFAULT_OPSET,
@@ -242,6 +242,7 @@ def export_artifact(
     )
     from export.onnx.onnx_build import WeightsWriter, load_graph
     from export.quantize.weights import ACTIVATION_LEVELS, SIDE_DATA, gguf_advice, quantize_model
+    from export.verify.engine_parity import verify_engine
     from export.verify.parity import TorchReference, check_prompts, verify_artifact
     from model.gguf.codes import DIRECT
     from service.contract.engine_spec import (

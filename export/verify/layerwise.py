@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from export.verify.parity import RAGGED_STEPS, CheckPrompts, TorchReference, decode_steps, left_pad
+from export.verify.parity import CheckPrompts, TorchReference, left_pad
 from model.gpt import GPT
 from service.contract.pages import release_file_pages
 from service.contract.reference import greedy
@@ -51,7 +51,7 @@ class LayerwiseReference(TorchReference):
     ``gpt``: the model with its large weights on the meta device; ``held``: the source of
     their values (``Checkpoint.held``); ``decoder``: makes the graph whose greedy choices
     continue the decode and ragged prompts (OrtDecoder's call shape: model.onnx's, or
-    engine.onnx's through export/onnx/engine_graph.py's EngineDecoder). Everything is computed
+    engine.onnx's through export/verify/engine_parity.py's EngineDecoder). Everything is computed
     by :meth:`prepare`; a question it did not prepare raises.
     """
 
@@ -61,10 +61,7 @@ class LayerwiseReference(TorchReference):
         self.decoder = decoder
 
     def prepare(self, prompts: CheckPrompts) -> LayerwiseReference:
-        cfg = self.gpt.config
-        steps = decode_steps(cfg, prompts.decode, prompts.decode_steps)
-        continued = [(p, steps) for p in prompts.decode] + [(p, RAGGED_STEPS)
-                                                            for p in prompts.ragged]
+        continued = prompts.continued(self.gpt.config)
         dec = self.decoder()
         groups: dict[int, list[list[int]]] = {}  # steps → its prompts, decoded as one batch
         for p, n in continued:

@@ -17,7 +17,7 @@ ORT is driven only through the names in service/contract/io_spec.py, as any clie
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +112,25 @@ def clear_mismatches(margins: list[float], tolerance: float) -> list[float]:
     margin exceeds twice the rounding tolerance (closer calls are near-ties)."""
     return [m for m in margins if m > 2 * tolerance]
 
+
+@dataclass
+class DecodeParity:
+    """A teacher-forced decode's figures so far: the largest logit difference from PyTorch,
+    and PyTorch's top-2 margin at every greedy disagreement (judged by
+    :func:`clear_mismatches` once the tolerance is known)."""
+
+    worst: float = 0.0
+    margins: list[float] = field(default_factory=list)
+
+    def add(self, got: np.ndarray, ref: np.ndarray) -> None:
+        """One step's logits (B, V) against PyTorch's (B, V)."""
+        self.worst = max(self.worst, float(np.abs(got - ref).max()))
+        self.margins += [top2_margin(ref[row])
+                         for row in np.flatnonzero(got.argmax(-1) != ref.argmax(-1))]
+
+
 DECODE_STEPS = 64
+DECODE_LENGTHS = (8, 5)  # different, so that padding is exercised
 PREFILL_BATCH, PREFILL_LENGTH = 4, 16
 RAGGED_LENGTHS, RAGGED_STEPS = (3, 11, 6), 8
 ATTENTION_SEED, ATTENTION_LENGTHS = 1, (12, 7)
@@ -156,16 +174,36 @@ def check_threads(gpt: GPT) -> int:
     return os.cpu_count() or 1
 
 
-def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, ...]:
-    """ids, attention_mask, position_ids for a left-padded batch (int64)."""
+def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, ...]:
+    """ids, attention_mask, position_ids for a batch left-padded with 0 (int64)."""
     width = max(len(p) for p in prompts)
-    ids = np.full((len(prompts), width), pad_id, np.int64)
+    ids = np.zeros((len(prompts), width), np.int64)
     mask = np.zeros((len(prompts), width), np.int64)
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = p
         mask[row, width - len(p):] = 1
     pos = np.clip(mask.cumsum(-1) - 1, 0, None).astype(np.int64)
     return ids, mask, pos
+
+
+@dataclass(frozen=True)
+class Continuations:
+    """PyTorch's greedy continuations of a batch of prompts (:meth:`TorchReference.greedy`),
+    read step by step as a teacher-forced decode feeds them."""
+
+    tokens: tuple[list[int], ...]  # each prompt and its greedy tokens
+    logits: tuple[np.ndarray, ...]  # each (len − 1, V): row i follows tokens[: i + 1]
+    lengths: list[int]  # the prompts'
+
+    def expected(self, step: int) -> np.ndarray:
+        """(B, V): the next-token logits after each prompt and ``step`` of its tokens."""
+        return np.stack([r[k - 1 + step] for r, k in zip(self.logits, self.lengths,
+                                                          strict=True)])
+
+    def fed(self, step: int) -> np.ndarray:
+        """(B,) int64: each row's greedy token number ``step`` (from 0), fed after it."""
+        return np.array([s[k + step] for s, k in zip(self.tokens, self.lengths, strict=True)],
+                        np.int64)
 
 
 class TorchReference:
@@ -191,11 +229,8 @@ class TorchReference:
         PyTorch's weights can go before any ONNX Runtime session is made (a float32 session
         holds a second copy of every weight); returns self."""
         self.logits(prompts.prefill)
-        for prompt in prompts.decode:
-            self.greedy(prompt, decode_steps(self.gpt.config, prompts.decode,
-                                             prompts.decode_steps))
-        for prompt in prompts.ragged:
-            self.greedy(prompt, RAGGED_STEPS)
+        for prompt, steps in prompts.continued(self.gpt.config):
+            self.greedy(prompt, steps)
         self.intermediates(prompts.attention)
         return self
 
@@ -236,6 +271,10 @@ class TorchReference:
             self._greedy[key] = (tokens, full.float().numpy())
         return self._greedy[key]
 
+    def continuations(self, prompts: list[list[int]], steps: int) -> Continuations:
+        tokens, logits = zip(*(self.greedy(p, steps) for p in prompts), strict=True)
+        return Continuations(tokens, logits, [len(p) for p in prompts])
+
 
 def random_prompts(rng: np.random.Generator, vocab: int, lengths: list[int]) -> list[list[int]]:
     return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
@@ -248,24 +287,27 @@ class CheckPrompts:
 
     prefill: np.ndarray  # (B, T) int64, unpadded
     decode: list[list[int]]
-    decode_steps: int  # as asked; decode_steps() clips it to the context
     ragged: list[list[int]]
     attention: list[list[int]]
 
+    def continued(self, cfg: Any) -> list[tuple[list[int], int]]:
+        """Each decode and ragged prompt with the greedy steps its check continues it by."""
+        steps = decode_steps(cfg, self.decode, DECODE_STEPS)
+        return [(p, steps) for p in self.decode] + [(p, RAGGED_STEPS) for p in self.ragged]
 
-def check_prompts(cfg: Any, seed: int = 0, steps: int = DECODE_STEPS,
-                  attention_seed: int = ATTENTION_SEED) -> CheckPrompts:
-    """The prompts of :func:`verify_decoder` (``seed``: prefill, then decode, then ragged,
-    one generator) and :func:`verify_attention` (``attention_seed``)."""
-    rng = np.random.default_rng(seed)
+
+def check_prompts(cfg: Any) -> CheckPrompts:
+    """The prompts of :func:`verify_decoder` (prefill, then decode, then ragged, from one
+    generator of seed 0) and :func:`verify_attention` (``ATTENTION_SEED``'s)."""
+    rng = np.random.default_rng(0)
     length = min(PREFILL_LENGTH, cfg.max_seq_len)
     prefill = np.asarray(random_prompts(rng, cfg.vocab_size, [length] * PREFILL_BATCH),
                          np.int64)
-    decode = decode_prompts(rng, cfg.vocab_size)
+    decode = random_prompts(rng, cfg.vocab_size, list(DECODE_LENGTHS))
     ragged = random_prompts(rng, cfg.vocab_size, list(RAGGED_LENGTHS))
-    attention = random_prompts(np.random.default_rng(attention_seed), cfg.vocab_size,
+    attention = random_prompts(np.random.default_rng(ATTENTION_SEED), cfg.vocab_size,
                                list(ATTENTION_LENGTHS))
-    return CheckPrompts(prefill, decode, steps, ragged, attention)
+    return CheckPrompts(prefill, decode, ragged, attention)
 
 
 def decode_steps(cfg: Any, prompts: list[list[int]], steps: int) -> int:
@@ -288,66 +330,46 @@ def check_prefill(gpt: GPT, dec: OrtDecoder, ids: np.ndarray,
             "prompt_length": length, "past_length": 0, "scale": logit_scale(ref)}
 
 
-def decode_prompts(rng: np.random.Generator, vocab: int,
-                   lengths: tuple[int, ...] = (8, 5)) -> list[list[int]]:
-    """The decode check's prompts, of different lengths so that padding is exercised."""
-    return random_prompts(rng, vocab, list(lengths))
-
-
 def check_decode(gpt: GPT, dec: OrtDecoder, prompts: list[list[int]],
-                 steps: int = DECODE_STEPS,
                  reference: TorchReference | None = None) -> dict[str, Any]:
     """Cached decode vs full recomputation, teacher-forced with PyTorch's greedy tokens
     (left-padded rows of different lengths)."""
-    reference = reference or TorchReference(gpt)
-    steps = decode_steps(gpt.config, prompts, steps)
-    seqs, refs = zip(*(reference.greedy(p, steps) for p in prompts), strict=True)
+    steps = decode_steps(gpt.config, prompts, DECODE_STEPS)
+    forced = (reference or TorchReference(gpt)).continuations(prompts, steps)
     batch = len(prompts)
     ids, mask, pos = left_pad(prompts)
     logits, past = dec(ids, mask, pos, dec.empty_past(batch))
-    worst, margins = 0.0, []
+    parity = DecodeParity()  # its margins judged in verify_decoder: near-ties or not
     for step in range(steps):
-        for row, p in enumerate(prompts):
-            ref = refs[row][len(p) - 1 + step]  # next-token logits this call gives
-            got = logits[row, -1].astype(np.float32)
-            worst = max(worst, float(np.abs(got - ref).max()))
-            if np.argmax(got) != np.argmax(ref):  # judged in verify_decoder: near-tie or not
-                margins.append(top2_margin(ref))
+        parity.add(logits[:, -1].astype(np.float32), forced.expected(step))
         if step == steps - 1:
             break
-        nxt = np.array([[s[len(p) + step]] for s, p in zip(seqs, prompts, strict=True)],
-                       np.int64)  # (B, 1)
         mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
         pos = pos[:, -1:] + 1
-        logits, past = dec(nxt, mask, pos, past)
-    return {"max_abs_diff": worst, "steps": steps, "batch": batch,
-            "prompt_lengths": [len(p) for p in prompts], "prompts": prompts,
+        logits, past = dec(forced.fed(step)[:, None], mask, pos, past)  # (B, 1) fed
+    margins = parity.margins
+    return {"max_abs_diff": parity.worst, "steps": steps, "batch": batch,
+            "prompt_lengths": forced.lengths, "prompts": prompts,
             "greedy_mismatches": len(margins), "greedy_tokens_identical": not margins,
-            "mismatch_margins": margins, "scale": logit_scale(*refs)}
+            "mismatch_margins": margins, "scale": logit_scale(*forced.logits)}
 
 
 def check_ragged(gpt: GPT, dec: OrtDecoder, prompts: list[list[int]],
-                 steps: int = RAGGED_STEPS,
                  reference: TorchReference | None = None) -> dict[str, Any]:
     """A left-padded batch must give, row by row, what each prompt gives alone."""
-    reference = reference or TorchReference(gpt)
-    seqs, refs = zip(*(reference.greedy(p, steps) for p in prompts), strict=True)
+    forced = (reference or TorchReference(gpt)).continuations(prompts, RAGGED_STEPS)
     ids, mask, pos = left_pad(prompts)
     logits, past = dec(ids, mask, pos, dec.empty_past(len(prompts)))
     worst = 0.0
-    for row, p in enumerate(prompts):  # the whole prompt, each row as if alone
-        worst = max(worst, float(np.abs(logits[row, -len(p):] - refs[row][:len(p)]).max()))
-    for step in range(1, steps):
-        nxt = np.array([[s[len(p) + step - 1]] for s, p in zip(seqs, prompts, strict=True)],
-                       np.int64)  # (B, 1)
-        mask = np.concatenate([mask, np.ones((len(seqs), 1), np.int64)], axis=1)
+    for row, (k, ref) in enumerate(zip(forced.lengths, forced.logits, strict=True)):
+        worst = max(worst, float(np.abs(logits[row, -k:] - ref[:k]).max()))  # as if alone
+    for step in range(1, RAGGED_STEPS):
+        mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
         pos = pos[:, -1:] + 1
-        logits, past = dec(nxt, mask, pos, past)
-        for row, p in enumerate(prompts):
-            worst = max(worst, float(np.abs(logits[row, -1] - refs[row][len(p) - 1 + step]
-                                            ).max()))
-    return {"max_abs_diff": worst, "rows": len(prompts), "lengths": [len(p) for p in prompts],
-            "decode_steps": steps, "scale": logit_scale(*refs)}
+        logits, past = dec(forced.fed(step - 1)[:, None], mask, pos, past)  # (B, 1) fed
+        worst = max(worst, float(np.abs(logits[:, -1] - forced.expected(step)).max()))
+    return {"max_abs_diff": worst, "rows": len(prompts), "lengths": forced.lengths,
+            "decode_steps": RAGGED_STEPS, "scale": logit_scale(*forced.logits)}
 
 
 @torch.no_grad()
@@ -393,7 +415,6 @@ def check_attention(gpt: GPT, path: str | Path, prompts: list[list[int]],
 
 
 def verify_decoder(gpt: GPT, model_path: Path, kv_dtype: io.KvDtype = "float32",
-                   seed: int = 0, decode_steps: int = DECODE_STEPS,
                    reference: TorchReference | None = None, threads: int = 1
                    ) -> dict[str, Any]:
     """model.onnx checks only (prefill, cached decode, ragged batch); raise on a violation.
@@ -401,14 +422,13 @@ def verify_decoder(gpt: GPT, model_path: Path, kv_dtype: io.KvDtype = "float32",
     Pass the same ``reference`` to re-verify another graph of the same model cheaply.
     """
     gpt.eval()
-    prompts = check_prompts(gpt.config, seed, decode_steps)
+    prompts = check_prompts(gpt.config)
     dec = decoder_for(model_path, gpt, kv_dtype, threads)
     reference = reference or TorchReference(gpt)
     figures: dict[str, Any] = {
         "prefill": check_prefill(gpt, dec, prompts.prefill, reference),
-        "decode": check_decode(gpt, dec, prompts.decode, steps=decode_steps,
-                               reference=reference),
-        "ragged_batch": check_ragged(gpt, dec, prompts.ragged, reference=reference),
+        "decode": check_decode(gpt, dec, prompts.decode, reference),
+        "ragged_batch": check_ragged(gpt, dec, prompts.ragged, reference),
     }
     del dec
     checks = ("prefill", "decode", "ragged_batch")
@@ -427,11 +447,10 @@ def verify_decoder(gpt: GPT, model_path: Path, kv_dtype: io.KvDtype = "float32",
     return figures
 
 
-def verify_attention(gpt: GPT, attention_path: Path, seed: int = ATTENTION_SEED,
-                     reference: TorchReference | None = None, threads: int = 1
-                     ) -> dict[str, Any]:
+def verify_attention(gpt: GPT, attention_path: Path, reference: TorchReference | None = None,
+                     threads: int = 1) -> dict[str, Any]:
     """attention.onnx checks; raise on a violation."""
-    prompts = check_prompts(gpt.config, attention_seed=seed).attention
+    prompts = check_prompts(gpt.config).attention
     att = check_attention(gpt, attention_path, prompts, reference, threads)
     tol = att["tolerance"] = attention_tolerance(gpt.config, att["qk_scale"])
     problems = []
@@ -449,15 +468,14 @@ def verify_attention(gpt: GPT, attention_path: Path, seed: int = ATTENTION_SEED,
 
 
 def verify_artifact(gpt: GPT, model_path: Path, attention_path: Path,
-                    kv_dtype: io.KvDtype = "float32", seed: int = 0,
-                    decode_steps: int = DECODE_STEPS,
+                    kv_dtype: io.KvDtype = "float32",
                     reference: TorchReference | None = None, threads: int = 1
                     ) -> dict[str, Any]:
     """Run every check; raise VerificationError on a violation, else return the figures.
 
     ``reference``: PyTorch's side, shared with later checks; prepared from
-    ``check_prompts(gpt.config, seed, decode_steps)``, it needs PyTorch's weights no more."""
-    figures = verify_decoder(gpt, model_path, kv_dtype, seed, decode_steps, reference, threads)
+    ``check_prompts(gpt.config)``, it needs PyTorch's weights no more."""
+    figures = verify_decoder(gpt, model_path, kv_dtype, reference, threads)
     release()  # the decoder's session, before attention.onnx's (at 3B, 0.6 GB of the peak)
     figures["attention"] = verify_attention(gpt, attention_path, reference=reference,
                                             threads=threads)

@@ -26,7 +26,7 @@ def np_kv_dtype(kv_dtype: io.KvDtype) -> type[np.floating[Any]]:
 
 class Decoder(Protocol):
     """What the greedy loop drives: model.onnx (:class:`OrtDecoder`) or an engine graph
-    behind the same call (export/onnx/engine_graph.py ``EngineDecoder``); the past is opaque."""
+    behind the same call (export/verify/engine_parity.py ``EngineDecoder``); the past is opaque."""
 
     def empty_past(self, batch: int) -> Any: ...
 

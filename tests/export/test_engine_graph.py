@@ -12,10 +12,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.onnx.engine_graph import build_engine_graph, export_engine, verify_engine
+from export.onnx.engine_graph import build_engine_graph, export_engine
 from export.onnx.model_graphs import build_attention, build_decoder
 from export.onnx.onnx_build import save_graphs
 from export.to_onnx import export_artifact
+from export.verify.engine_parity import verify_engine
 from model.checkpoint import load_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from export.from_blocks import builds_from_blocks
-from export.onnx.engine_graph import EngineDecoder
 from export.onnx.onnx_build import Graph, StandIn, WeightsWriter, f32, is_placeholder, make_model
 from export.to_onnx import export_artifact
+from export.verify.engine_parity import EngineDecoder
 from export.verify.layerwise import LayerwiseReference
 from export.verify.parity import VerificationError, check_prompts, decoder_for
 from model.checkpoint import load_checkpoint

@@ -28,8 +28,8 @@ import torch
 from onnx import TensorProto, helper
 
 from export.gguf import blocks as gguf_blocks
-from export.onnx.engine_graph import EngineDecoder
 from export.to_onnx import export_artifact
+from export.verify.engine_parity import EngineDecoder
 from model.checkpoint import load_checkpoint, read_meta
 from model.gguf.to_checkpoint import import_gguf_checkpoint
 from service.cli import main as cli_main

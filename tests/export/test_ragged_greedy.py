@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from export.onnx.engine_graph import EngineDecoder
+from export.verify.engine_parity import EngineDecoder
 from model.checkpoint import load_checkpoint
 from model.sample import generate
 from service.contract import io_spec as io

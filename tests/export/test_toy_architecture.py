@@ -100,8 +100,8 @@ def test_the_torch_module_computes_squared_relu(toy: Gpt2Relu2) -> None:
 @torch.no_grad()
 def test_toy_architecture_exports_and_onnx_runtime_matches_pytorch(
         toy: Gpt2Relu2, tmp_path: Path) -> None:
-    from export.onnx.engine_graph import EngineDecoder
     from export.to_onnx import export_artifact
+    from export.verify.engine_parity import EngineDecoder
     from service.contract import io_spec as io
     from service.contract.engine_spec import ENGINE_FILE
     from service.contract.sessions import create_session
