@@ -32,10 +32,10 @@ from export.gguf.layout import (
     file_rows,
     numpy_shape,
     source_file,
-    write_atomically,
 )
 from model.architectures import architecture
 from model.checkpoint import read_meta
+from service.contract.atomic_gguf import write_atomically
 
 ADAPTER_TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
                  "bf16": gguf.GGMLQuantizationType.BF16}

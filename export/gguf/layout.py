@@ -12,13 +12,11 @@ a checkpoint (a fine-tune, a merge) records its base (``finetuned_from`` / ``mer
 whose file gives the metadata (hyper-parameters, tokenizer) the new file keeps.
 
 Also here, shared by the model and adapter writers: the output types and their encoding
-with gguf's own quantisers, and the atomic write of the file.
+with gguf's own quantisers (the file is written by service/contract/atomic_gguf.py).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,27 +73,6 @@ def check_out(out: Path, force: bool) -> None:
         raise GGUFOutRefused(f"--out {out} is a directory; give the file to write")
     if out.exists() and not force:
         raise GGUFOutRefused(f"{out} exists; pass --force to replace it")
-
-
-def write_atomically(writer_of: Any, out: Path) -> Path:
-    """Write the file ``writer_of(path)``'s GGUFWriter holds to a temporary sibling of
-    ``out`` and rename it into place; nothing is left behind if it fails."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        writer = writer_of(tmp)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        tmp.chmod(0o644)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,11 @@ from export.gguf.layout import (
     encode,
     kind_for,
     layouts,
-    write_atomically,
 )
 from model.architectures import architecture
 from model.checkpoint import TOKENIZER_FILE, CheckpointMeta
 from model.gguf.vocab import CONTROL, GPT2_SPLIT, NORMAL, PRE_TOKENIZERS, USER_DEFINED
+from service.contract.atomic_gguf import write_atomically
 
 UNUSED = 5  # gguf.TokenType.UNUSED: the converter's padding tokens
 # transformers' model_type → llama.cpp's general.architecture

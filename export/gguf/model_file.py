@@ -45,9 +45,9 @@ from export.gguf.layout import (
     layouts,
     numpy_shape,
     source_file,
-    write_atomically,
 )
 from model.checkpoint import GGUF_WEIGHTS_FILE, read_meta
+from service.contract.atomic_gguf import write_atomically
 
 Q = gguf.GGMLQuantizationType
 # general.* keys a written file sets itself (the rest of the source's general.* is kept)
@@ -55,14 +55,13 @@ OWN_GENERAL = ("general.file_type", "general.quantization_version", "general.nam
                "general.description", "general.base_model.")
 
 
-def copy_metadata(writer: gguf.GGUFWriter, reader: gguf.GGUFReader,
-                  skip: tuple[str, ...] = OWN_GENERAL) -> None:
-    """Every key of ``reader`` but general.architecture and those starting with ``skip``,
-    with its own value type."""
+def copy_metadata(writer: gguf.GGUFWriter, reader: gguf.GGUFReader) -> None:
+    """Every key of ``reader`` but general.architecture and those starting with
+    ``OWN_GENERAL``, with its own value type."""
     from model.gguf.reader import field_value
 
     for key, field in reader.fields.items():
-        if key.startswith(("GGUF.", "general.architecture")) or key.startswith(skip):
+        if key.startswith(("GGUF.", "general.architecture")) or key.startswith(OWN_GENERAL):
             continue
         kinds = field.types
         sub = kinds[1] if kinds[0] == gguf.GGUFValueType.ARRAY and len(kinds) > 1 else None

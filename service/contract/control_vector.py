@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +26,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from service.contract.atomic_gguf import write_atomically
+
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFWriter
 
 ARCHITECTURE = "controlvector"
 MODEL_HINT_KEY = f"{ARCHITECTURE}.model_hint"
@@ -144,25 +145,15 @@ def write_control_vector(vector: ControlVector, path: str | os.PathLike[str]) ->
     out = Path(path)
     if out.suffix != ".gguf":
         raise ControlVectorError(f"{out}: a control vector's file name ends in .gguf")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+
+    def write(tmp: Path) -> GGUFWriter:
         writer = gguf.GGUFWriter(tmp, ARCHITECTURE)
         writer.add_string(MODEL_HINT_KEY, vector.model_hint)
         writer.add_int32(LAYER_COUNT_KEY, len(vector.layers))
         for layer in vector.layers:
             writer.add_tensor(f"{TENSOR_PREFIX}{layer}",
                               np.ascontiguousarray(vector.directions[layer]))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        tmp.chmod(0o644)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
+        return writer
+
+    return write_atomically(write, out)
 
