@@ -5,7 +5,8 @@ is a 404, and the run-time routes do not exist. With adapters (a tiny Llama and 
 adapters, tests/service/lora_build.py): requests of the base and of each adapter, sent at
 once, each answer as its merged model (`attnserve merge`) alone; an adapter loaded at run
 time serves, adapters are evicted and placed again, and an unload waits for the request in
-flight.
+flight; /attention under an adapter and a control vector at once is the merged model's
+attention.onnx under the vector's rows.
 """
 
 from __future__ import annotations
@@ -13,13 +14,18 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from service.contract import adapter_spec
+from service.contract import io_spec as io
+from service.contract.control_vector import ControlVector, write_control_vector
+from service.contract.manifest import FileEntry, load_manifest, sha256_file
 from tests.service.helpers import ServerProcess, metric_value, serving, write_peft_adapter
 from tests.service.lora_build import LoraBuild, merged_greedy
 
@@ -197,3 +203,74 @@ def test_adapters_loaded_evicted_and_unloaded_at_run_time_answer_rightly(
     assert lora.post("/v1/completions", json={"model": "zero", "prompt": "a"}
                      ).status_code == 404
     assert [c["id"] for c in lora.get("/v1/models").json()["data"]] == ["tiny", "alpha", "beta"]
+
+
+# ---------------------------------------------------- /attention: adapter and control vector
+
+
+def _vector(lora_build: LoraBuild, root: Path) -> tuple[Path, np.ndarray]:
+    """A random control vector for the tiny Llama (layer 1, its only steerable one) and the
+    (n_layers, d) rows it adds at scale 2."""
+    config = io.ArtifactConfig.load(lora_build.artifact)
+    rng = np.random.default_rng(4)
+    direction = (rng.standard_normal(config.d_model) / np.sqrt(config.d_model)).astype(np.float32)
+    rows = np.zeros((config.n_layers, config.d_model), np.float32)
+    rows[1] = direction * np.float32(2.0)
+    return write_control_vector(ControlVector({1: direction}), root / "v.gguf"), rows
+
+
+def test_attention_under_an_adapter_and_a_vector_is_the_merged_model_steered(
+        lora_build: LoraBuild, lora_root: Path, tmp_path: Path) -> None:
+    """Both at once: attention_lora.onnx with the adapter's weights and the vector's rows,
+    against the merged model's attention.onnx under the same rows; an artifact whose
+    attention_lora.onnx predates steer answers 409 for the pair (each alone still works)."""
+    import onnx
+    import onnxruntime as ort
+
+    vector, rows = _vector(lora_build, tmp_path)
+    args = ("--device", "cpu", "--lora-modules", f"alpha={lora_root / 'alpha'}",
+            "--control-vectors", f"v={vector}")
+    body = {"inputs": PROMPTS[1], "include": ["weights", "residual_norms"],
+            "adapter_id": "alpha", "control_vector": {"name": "v", "scale": 2.0}}
+    with contextmanager(serving)(lora_build.artifact, tmp_path / "server.log", args) as proc:
+        r = httpx.post(f"{proc.url}/attention", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        adapted = httpx.post(f"{proc.url}/attention", timeout=60, json={
+            k: v for k, v in body.items() if k != "control_vector"}).json()
+    ids = np.asarray([[t["id"] for t in got["tokens"]]], np.int64)
+    config = io.ArtifactConfig.load(lora_build.artifact)
+    merged = ort.InferenceSession(str(lora_build.merged["alpha"] / io.ATTENTION_FILE),
+                                  providers=["CPUExecutionProvider"])
+    names = [*(io.attention_output_name(i, "weights") for i in range(config.n_layers)),
+             *(f"residual_norm.{i}" for i in range(config.n_layers))]
+    want = merged.run(names, {io.INPUT_IDS: ids, io.ATTENTION_MASK: np.ones_like(ids),
+                              io.POSITION_IDS: np.arange(ids.shape[1])[None, :],
+                              io.STEER: rows})
+    n = config.n_layers
+    np.testing.assert_allclose(got["attention"]["weights"], np.concatenate(want[:n]),
+                               atol=1e-5)
+    np.testing.assert_allclose(got["residual_norms"], np.concatenate(want[n:]), rtol=1e-5)
+    # the vector reached the stream after block 1
+    assert np.abs(np.asarray(got["residual_norms"]) - adapted["residual_norms"]).max() > 1e-3
+
+    old = tmp_path / "old"
+    shutil.copytree(lora_build.artifact, old)
+    graph = old / adapter_spec.lora_file(io.ATTENTION_FILE)
+    model = onnx.load(str(graph), load_external_data=False)
+    kept = [i for i in model.graph.input if i.name != io.STEER]  # steer: a constant now
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    onnx.save(model, str(graph))
+    manifest = load_manifest(old)
+    manifest.files[graph.name] = FileEntry(sha256_file(graph), graph.stat().st_size)
+    manifest.write(old)
+    with contextmanager(serving)(old, tmp_path / "old.log", args) as proc:
+        r = httpx.post(f"{proc.url}/attention", json=body, timeout=60)
+        assert r.status_code == 409, r.text
+        error = r.json()["error"]
+        assert error.startswith("control_vector: ") and "attention_lora.onnx" in error
+        assert "adapter_id" in error
+        for alone in ("adapter_id", "control_vector"):
+            one = {k: v for k, v in body.items() if k != alone}
+            assert httpx.post(f"{proc.url}/attention", json=one, timeout=60).status_code == 200
