@@ -132,7 +132,8 @@ function listVectors() {
 function chosenVector() {
   const name = $("vector").value;
   if (!name) return null;
-  const scale = Number($("vector-scale").value);
+  const typed = $("vector-scale").value.trim();
+  const scale = typed === "" ? NaN : Number(typed);  // Number("") would be 0
   return { name, scale: Number.isFinite(scale) ? scale : 1 };
 }
 
