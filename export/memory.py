@@ -9,23 +9,12 @@ returns them. Elsewhere (macOS, musl) this only collects garbage.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
-import sys
 
-_TRIM = None
-if sys.platform.startswith("linux"):
-    try:
-        _TRIM = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"),
-                        "malloc_trim", None)
-    except OSError:
-        _TRIM = None
+from service.contract.pages import release_freed_heap
 
 
 def release() -> None:
     """Collect garbage, then give the allocator's free pages back (glibc)."""
     gc.collect()
-    if _TRIM is not None:
-        _TRIM(0)
-
+    release_freed_heap()

@@ -17,7 +17,7 @@ bit:
   with scale d·sc and minimum −dmin·m, both exact in float32 (fp16 times a 6-bit integer),
   and 5-bit codes (Q5_1, Q5_K) held as 8-bit ones. MatMulNBits' (q − zp)·d can only hold
   it with a float zero point zp = −m/d, which rounds (≤ 2.4e-7 off on random Q4_1
-  weights). Kept exact instead (``Q4_1_MODE = "exact"``, the default; measured in docs/export.md):
+  weights). Kept exact instead (``Q4_1_MODE = "exact"``; measured in docs/export.md):
   MatMulNBits with an integer zero point z per block (the code nearest −m/d) computes
   x·(d·(q − z)), and the remainders add (x summed per block) · (m + z·d)ᵀ, one small
   MatMul K/block wide; inputs shared by several projections are summed once (see
@@ -30,9 +30,7 @@ Q6_K in some layers) two. Products that read the same input have their pieces of
 in one MatMulNBits over the joined rows, then a Split (gate and up); a product of several
 formats is the Concat of its pieces' outputs. Where the activations are (tokens, features)
 matrices (the engine graphs), each remainder and its Add are one Gemm. Joining and Gemms
-cut the small nodes the exact form adds, 420 to 210 on SmolLM2, where the engine at batch
-1 (2 threads, prompt 64 → 128 tokens, alternating processes) went from 84.7 / 81.5 / 85.0
-to 88.0 / 86.5 / 84.1 tok/s (docs/export.md).
+halve the small nodes the exact form adds (docs/export.md measures them).
 
 ``kernel="ggml"`` writes the products over the file's bytes instead: each run of rows of one
 GGUF type is a uint8 (N, row_bytes) initializer, the tensor's rows exactly as stored (in the
@@ -75,8 +73,7 @@ ACCURACY_LEVEL = 4  # int8 activations, as --quantize int8/int4
 # whose kernels compute the kept blocks: ONNX Runtime's MatMulNBits over the blocks repacked
 # (float32 scales), or ggml's over the file's bytes (GgufMatMul, service/ops)
 KERNELS = ("nbits", "ggml")
-Q4_1_MODES = ("exact", "float-zp")
-Q4_1_MODE = "exact"
+Q4_1_MODE = "exact"  # the export's; BlockWriter also writes "float-zp" (module docstring)
 CHECK_ROWS = 4096  # rows of a weight dequantised at a time to check it (dequantises_to)
 # initializers smaller than this stay in the graph (as onnx.save leaves them): shapes, which
 # ONNX Runtime's shape inference reads from the graph itself
@@ -607,9 +604,8 @@ def dequantises_to(pieces: list[Piece], weight: np.ndarray, transposed: bool) ->
     return True
 
 
-def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
-                  level: int = ACCURACY_LEVEL, flat: bool = False,
-                  base: Path | None = None, halves: bool | None = None,
+def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, level: int = ACCURACY_LEVEL,
+                  flat: bool = False, base: Path | None = None, halves: bool | None = None,
                   side: SideFile | None = None, kernel: str = "nbits",
                   repack: bool = False) -> dict[str, Any]:
     """Replace, in place, every weight product whose tensors are of ``DIRECT`` types in
@@ -620,8 +616,6 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
     weights, or with ``base`` leaves them in that directory (external data), each read
     when its blocks are checked; ``flat``: its activations are (tokens, features) matrices,
     ``side``: where the new initializers are written (see :class:`BlockWriter`)."""
-    if mode not in Q4_1_MODES:
-        raise ValueError(f"unknown Q4_1 mode {mode!r}; choose one of {list(Q4_1_MODES)}")
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     kept: Counter[str] = Counter()
@@ -661,7 +655,8 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
     for node in graph.node:
         if node.name in pieces_of and node.op_type != "Gather":
             readers.setdefault(node.input[0], []).append(node)
-    writer = BlockWriter(mode, level, flat, halves, side, kernel, repack, frozenset(gathered))
+    writer = BlockWriter(Q4_1_MODE, level, flat, halves, side, kernel, repack,
+                         frozenset(gathered))
     joined = split = 0
     embeddings: list[tuple[int, onnx.NodeProto]] = []  # (where in writer.nodes, Gather)
     for node in graph.node:
@@ -716,7 +711,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, mode: str = Q4_1_MODE,
             "source": str(src.path), "accuracy_level": level,
             "block_sizes": sorted({a.i for n in nbits for a in n.attribute
                                    if a.name == "block_size"}),
-            "q4_1": mode, "uncentred_blocks": writer.uncentred, "kept_tensors": dict(kept),
+            "q4_1": Q4_1_MODE, "uncentred_blocks": writer.uncentred, "kept_tensors": dict(kept),
             "kept_matmuls": len(nbits), "joined_products": joined, "split_products": split,
             "kept_gathers": gathers, "fallback": fallback}
 
@@ -756,16 +751,14 @@ def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],
     return joined, split
 
 
-def rewrite_file(path: Path, src: GGUFFile, mode: str = Q4_1_MODE,
-                 level: int = ACCURACY_LEVEL, flat: bool = False, external: bool = False,
+def rewrite_file(path: Path, src: GGUFFile, level: int = ACCURACY_LEVEL, flat: bool = False,
                  halves: bool | None = None, side: SideFile | None = None,
                  kernel: str = "nbits", repack: bool = False
                  ) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """``path`` rewritten by :func:`rewrite_graph`: its external weights loaded, or with
-    ``external`` left where they are (the model's tensors still point at them; each weight
-    is read when it is checked), so that the float32 graph is never held whole; the new
-    weights written to ``side`` as they are made, where given."""
-    model = onnx.load(str(path), load_external_data=not external)
-    return model, rewrite_graph(model, src, mode, level, flat, halves=halves,
-                                base=path.parent if external else None, side=side,
-                                kernel=kernel, repack=repack)
+    """``path`` rewritten by :func:`rewrite_graph`, its external weights left where they
+    are (the model's tensors still point at them; each weight is read when it is checked),
+    so that the float32 graph is never held whole; the new weights written to ``side`` as
+    they are made, where given."""
+    model = onnx.load(str(path), load_external_data=False)
+    return model, rewrite_graph(model, src, level, flat, base=path.parent, halves=halves,
+                                side=side, kernel=kernel, repack=repack)

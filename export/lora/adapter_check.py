@@ -30,6 +30,7 @@ from service.contract.adapter_spec import LORA_MASK, LORA_SUFFIX, lora_a, lora_b
 
 RANK, SLOTS, SLOT = 4, 2, 1  # the checked adapter: rank 4, in slot 2 (index 1) of 2
 ALPHA = 8.0
+SEED = 0  # the checked adapter's (drawn_inputs)
 BASE_TOL = 1e-5  # a base row against the base graph: the same products plus zero
 PROMPT_TOKENS = 6
 CHECK_SUFFIX = ".check"  # the adapter graphs of the float32 graphs, until checked
@@ -50,47 +51,54 @@ def random_adapter(cfg: Any, seed: int, rank: int = RANK) -> Lora:
     return out
 
 
-def slot_inputs(cfg: Any, slots: list[Lora | None], rank: int = RANK,
-                alpha: float = ALPHA) -> dict[str, np.ndarray]:
-    """Every module's A (S·R, in) and B (S·R, out) for these slots (None: empty, zeros),
-    B transposed and scaled by alpha / r, as adapter_spec.py lays them out."""
+def drawn_inputs(cfg: Any) -> tuple[np.ndarray, Lora, Lora]:
+    """The check's two prompts (2, T), its adapter and the idle slot's, from ``SEED``."""
+    rng = np.random.default_rng(SEED + 1)
+    prompts = rng.integers(0, cfg.vocab_size, (2, PROMPT_TOKENS)).astype(np.int64)
+    return prompts, random_adapter(cfg, SEED), random_adapter(cfg, SEED + 2)
+
+
+def slot_inputs(cfg: Any, slots: list[Lora | None]) -> dict[str, np.ndarray]:
+    """Every module's A (S·R, in) and B (S·R, out) for these slots (None: empty, zeros) of
+    R = ``RANK`` rows, B transposed and scaled by ALPHA / r, as adapter_spec.py lays them
+    out."""
     feed: dict[str, np.ndarray] = {}
     for target in architecture(cfg.arch).lora_targets(cfg):
         width_in, width_out = target_widths(target, cfg)
-        a = np.zeros((len(slots) * rank, width_in), np.float32)
-        b = np.zeros((len(slots) * rank, width_out), np.float32)
+        a = np.zeros((len(slots) * RANK, width_in), np.float32)
+        b = np.zeros((len(slots) * RANK, width_out), np.float32)
         for s, lora in enumerate(slots):
             if lora is not None and target.module in lora:
                 la, lb = lora[target.module]
                 r = la.shape[0]
-                a[s * rank:s * rank + r] = la
-                b[s * rank:s * rank + r] = lb.T * (alpha / r)
+                a[s * RANK:s * RANK + r] = la
+                b[s * RANK:s * RANK + r] = lb.T * (ALPHA / r)
         feed[lora_a(target.module)], feed[lora_b(target.module)] = a, b
     return feed
 
 
-def token_mask(slot_of_token: list[int | None], slots: int, rank: int = RANK) -> np.ndarray:
+def token_mask(slot_of_token: list[int | None], slots: int) -> np.ndarray:
     """lora_mask (N, S·R): ones in each token's slot's R columns; a base token all 0."""
-    mask = np.zeros((len(slot_of_token), slots * rank), np.float32)
+    mask = np.zeros((len(slot_of_token), slots * RANK), np.float32)
     for n, s in enumerate(slot_of_token):
         if s is not None:
-            mask[n, s * rank:(s + 1) * rank] = 1.0
+            mask[n, s * RANK:(s + 1) * RANK] = 1.0
     return mask
 
 
-def torch_adapter(cfg: Any, lora: Lora, alpha: float = ALPHA) -> Any:
+def torch_adapter(cfg: Any, lora: Lora) -> Any:
     """``lora`` as model/finetune/lora.py's Adapter (to wire, or to merge)."""
     from model.finetune.lora import Adapter, LoRA, LoRASettings
 
     loras = []
     for target in architecture(cfg.arch).lora_targets(cfg):
         a, b = lora[target.module]
-        module = LoRA(target, a.shape[1], b.shape[0], a.shape[0], alpha / a.shape[0], 0.0)
+        module = LoRA(target, a.shape[1], b.shape[0], a.shape[0], ALPHA / a.shape[0], 0.0)
         with torch.no_grad():
             module.lora_A.copy_(torch.from_numpy(a))
             module.lora_B.copy_(torch.from_numpy(b))
         loras.append(module)
-    return Adapter(loras, LoRASettings(rank=RANK, alpha=alpha, dropout=0.0))
+    return Adapter(loras, LoRASettings(rank=RANK, alpha=ALPHA, dropout=0.0))
 
 
 @dataclass
@@ -107,13 +115,11 @@ class AdapterReference:
 
     @classmethod
     @torch.no_grad()
-    def of(cls, gpt: Any, seed: int = 0) -> AdapterReference:
+    def of(cls, gpt: Any) -> AdapterReference:
         from model.finetune.lora import AdaptedLinear, wire
 
         cfg = gpt.config
-        adapter = random_adapter(cfg, seed)
-        rng = np.random.default_rng(seed + 1)
-        prompts = rng.integers(0, cfg.vocab_size, (2, PROMPT_TOKENS)).astype(np.int64)
+        prompts, adapter, idle = drawn_inputs(cfg)
         wired = torch_adapter(cfg, adapter)
         wire(gpt, wired)
         try:
@@ -129,7 +135,7 @@ class AdapterReference:
         weights = [inter.weights.numpy() for inter in out.intermediates]
         qk = max(float((i.q.norm(dim=-1).amax(-1) * i.k.norm(dim=-1).amax(-1)).max())
                  for i in out.intermediates) / cfg.head_dim ** 0.5
-        return cls(adapter, random_adapter(cfg, seed + 2), prompts, logits, weights, qk)
+        return cls(adapter, idle, prompts, logits, weights, qk)
 
 
 def prefill(session: Any, cfg: Any, groups: list[np.ndarray],
@@ -150,16 +156,12 @@ def prefill(session: Any, cfg: Any, groups: list[np.ndarray],
 
 
 def check_engine_adapter(lora_path: Path, base_path: Path, cfg: Any,
-                         reference: AdapterReference | None, seed: int = 0,
-                         threads: int = 1) -> dict[str, Any]:
+                         reference: AdapterReference | None, threads: int = 1
+                         ) -> dict[str, Any]:
     """An engine adapter graph against its base graph and (given) PyTorch; the manifest's
     figures. Raises ValueError where a row disagrees."""
-    if reference is None:
-        rng = np.random.default_rng(seed + 1)
-        prompts = rng.integers(0, cfg.vocab_size, (2, PROMPT_TOKENS)).astype(np.int64)
-        adapter, idle = random_adapter(cfg, seed), random_adapter(cfg, seed + 2)
-    else:
-        prompts, adapter, idle = reference.prompts, reference.adapter, reference.idle
+    prompts, adapter, idle = drawn_inputs(cfg) if reference is None else (
+        reference.prompts, reference.adapter, reference.idle)
     # rows: prompt 0 as base, prompt 1 and prompt 0 under slot 2 (the last: the chunk group)
     rows = np.stack([prompts[0], prompts[1], prompts[0]])  # (3, T)
     base = check_session(base_path, threads)  # one session at a time: each holds the weights
@@ -201,10 +203,10 @@ def check_engine_adapter(lora_path: Path, base_path: Path, cfg: Any,
     return figures
 
 
-def check_attention_adapter(lora_path: Path, cfg: Any, reference: AdapterReference,
-                            threads: int = 1) -> dict[str, Any]:
+def check_attention_adapter(lora_path: Path, cfg: Any, reference: AdapterReference
+                            ) -> dict[str, Any]:
     """attention_lora.onnx's weights for prompt 1 under slot 2 against PyTorch's."""
-    session = check_session(lora_path, threads)
+    session = check_session(lora_path)
     ids = reference.prompts[1:]  # (1, T)
     t = ids.shape[1]
     names = [io.attention_output_name(i, "weights") for i in range(cfg.n_layers)]
@@ -222,8 +224,8 @@ def check_attention_adapter(lora_path: Path, cfg: Any, reference: AdapterReferen
     return {"weights_max_abs_diff": worst, "tolerance": tolerance}
 
 
-def verify_adapter_graphs(directory: Path, cfg: Any, reference: AdapterReference,
-                          threads: int = 1) -> dict[str, Any]:
+def verify_adapter_graphs(directory: Path, cfg: Any, reference: AdapterReference
+                          ) -> dict[str, Any]:
     """The adapter graphs of the float32 graphs in ``directory`` (the mixed engine graph,
     else engine.onnx, and attention.onnx) against PyTorch, written as check copies and
     removed; the manifest's figures, or why there are none (a family or dtype without
@@ -243,10 +245,9 @@ def verify_adapter_graphs(directory: Path, cfg: Any, reference: AdapterReference
         if engine:
             figures[lora_file(engine)] = check_engine_adapter(
                 directory / f"{lora_file(engine)}{CHECK_SUFFIX}", directory / engine, cfg,
-                reference, threads=threads)
+                reference)
         figures[lora_file(io.ATTENTION_FILE)] = check_attention_adapter(
-            directory / f"{lora_file(io.ATTENTION_FILE)}{CHECK_SUFFIX}", cfg, reference,
-            threads)
+            directory / f"{lora_file(io.ATTENTION_FILE)}{CHECK_SUFFIX}", cfg, reference)
     finally:
         for path in written:
             path.unlink(missing_ok=True)

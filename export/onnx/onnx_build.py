@@ -272,18 +272,16 @@ class WeightsWriter:
                         "unique_tensors": len(self._index)}
 
 
-def save_graphs(directory: Path, models: Mapping[str, onnx.ModelProto],
-                base: Path | None = None) -> dict[str, Any]:
+def save_graphs(directory: Path, models: Mapping[str, onnx.ModelProto]) -> dict[str, Any]:
     """Write each ``models[file]`` into ``directory`` with its large initializers stored
     once, across all graphs, in weights.bin; return sizes for the manifest.
 
     Equal tensors (same dtype, shape and bytes) share one entry whatever their names,
-    so the tied embedding, or a weight two graphs read, costs its bytes once. Initializers
-    that are already external are read from ``base``. weights.bin is written under a
-    temporary name and renamed, so a failure leaves the previous one in place. (Graphs
-    built one at a time: :class:`WeightsWriter`.)
+    so the tied embedding, or a weight two graphs read, costs its bytes once. weights.bin is
+    written under a temporary name and renamed, so a failure leaves the previous one in
+    place. (Graphs built one at a time: :class:`WeightsWriter`.)
     """
-    with WeightsWriter(directory, base) as writer:
+    with WeightsWriter(directory) as writer:
         for file_name, model in models.items():
             writer.add(file_name, model)
     return writer.figures

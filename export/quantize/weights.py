@@ -304,9 +304,8 @@ def _gguf_blocks(src: Path, dst: Path, source: GGUFFile,
     # in the same directory (see _save)
     side = SideFile(_side_data(dst)) if src.parent.resolve() == dst.parent.resolve() else None
     try:
-        model, figures = rewrite_file(src, source, flat=flat, external=True,
-                                      level=level, halves=halves, side=side, kernel=kernel,
-                                      repack=repack)
+        model, figures = rewrite_file(src, source, level=level, flat=flat, halves=halves,
+                                      side=side, kernel=kernel, repack=repack)
     finally:
         if side is not None:
             side.close()

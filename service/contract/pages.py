@@ -1,6 +1,8 @@
 """This process's mappings of files, and dropping the pages it only read from them: what
 the service does once its sessions are loaded (service/engine/process_memory.py) and the export
-once a check's session has packed its weights (export/from_blocks.py).
+once a check's session has packed its weights (export/from_blocks.py). Also the C heap's free
+pages given back (glibc's ``malloc_trim``), by the server when idle and by the export
+between stages (export/memory.py).
 
 ONNX Runtime memory-maps a graph's external weights and packs each product's into a buffer
 of its own; the pages the packing read stay resident in the mapping, beside the packed
@@ -37,6 +39,19 @@ def libc_function(name: str, argtypes: list[type], restype: type) -> Callable[..
 
 MADVISE = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
                         ctypes.c_int)
+_MALLOC_TRIM = libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)  # glibc only
+
+
+def can_release() -> bool:
+    """Whether this process's C library can give freed heap pages back."""
+    return _MALLOC_TRIM is not None
+
+
+def release_freed_heap() -> bool:
+    """Return the free pages of every malloc arena to the OS; True when any were."""
+    if _MALLOC_TRIM is None:
+        return False
+    return bool(_MALLOC_TRIM(0))
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,12 @@ import numpy as np
 from service.contract.pages import MADVISE as _MADVISE
 from service.contract.pages import (
     Mapping,
+    can_release,
     file_mappings,
     libc_function,
     regions,
     release_file_pages,
+    release_freed_heap,
 )
 
 __all__ = ["Mapping", "anonymous_mappings", "can_release", "collapse_to_huge_pages",
@@ -53,21 +55,8 @@ HUGE_PAGE = 2 << 20
 COLLAPSE_MIN_RESIDENT = 0.9  # share of a 2 MiB range in RAM: never fill a sparse one
 
 
-_MALLOC_TRIM = libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 _MINCORE = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
                           ctypes.c_int)
-
-
-def can_release() -> bool:
-    """Whether this process's C library can give freed heap pages back."""
-    return _MALLOC_TRIM is not None
-
-
-def release_freed_heap() -> bool:
-    """Return the free pages of every malloc arena to the OS; True when any were."""
-    if _MALLOC_TRIM is None:
-        return False
-    return bool(_MALLOC_TRIM(0))
 
 
 def anonymous_mappings(smaps: Path = Path("/proc/self/smaps")) -> list[Mapping]:
