@@ -27,8 +27,7 @@ position's logits; its wanted rows are picked out here.
 A quantised artifact may carry the same graph with float32 weights as well
 (engine_float32.onnx, its weights already in weights.bin; service/contract/graphs.py is the
 table of which graph runs which pass). ONNX Runtime's MatMulNBits beats a float32 GEMM by
-5x at one row but loses to it from a few dozen rows on (block 32, level 4, on a 576 x 1536
-weight: 303 against 195 us at 32 rows, 19.4 against 12.3 ms at 2,048), so a pass of at
+5x at one row but loses to it from a few dozen rows on (docs/engine.md), so a pass of at
 least the table's ``from_tokens`` tokens (a long prompt, a prompt chunk with the decode
 rows) runs on float32 weights. They are not packed: ONNX Runtime reads them where it
 memory-mapped weights.bin, so they cost page cache shared with the file rather than a
@@ -152,10 +151,9 @@ class EngineGraphRunner(PooledRunner):
         return min((g.from_tokens for g in self.graphs if g.runs == "long passes"),
                    default=None)
 
-    def _graph_for(self, rows: int, tokens: int) -> _Graph:
-        """The graph for a pass of ``rows`` sequences and ``tokens`` tokens (rows × padded
-        length, both groups): the table's lookup, which goes by tokens alone."""
-        del rows
+    def _graph_for(self, tokens: int) -> _Graph:
+        """The graph for a pass of ``tokens`` tokens (rows × padded length, both groups):
+        the table's lookup."""
         graph = graph_for_pass(self.graphs, tokens)
         self.float32_passes += graph.weights == "float32"
         return self._sessions[graph.file]
@@ -186,8 +184,7 @@ class EngineGraphRunner(PooledRunner):
         if chunk is not None and len(chunk.ids) > 1 and chunk.total > chunk.ids.shape[1]:
             raise ValueError("several rows of the second group must all be first prompts")
         tokens = rows.ids.size + (chunk.ids.size if chunk is not None else 0)
-        graph = self._graph_for(len(rows.ids) + (len(chunk.ids) if chunk is not None else 0),
-                                tokens)
+        graph = self._graph_for(tokens)
         logits = self._bind(graph, rows, self.pool.pointers(rows.lo), self.max_len, "")
         chunk_logits = None  # bound as an output: must outlive the run
         if graph.entry.mixes_chunks:  # a twin may have a second group the main graph lacks
@@ -440,6 +437,7 @@ def _in_row_order(order: np.ndarray | None, bound: np.ndarray) -> np.ndarray:
     out[order] = bound
     return out
 
+
 class _Graph:
     """A session and its IO binding, reused from pass to pass (see ``_bind``)."""
 
@@ -470,9 +468,8 @@ def takes_inputs_of(session: ort.InferenceSession, other: ort.InferenceSession) 
     plus a second group of rows, left idle (engine_mixed.onnx's float32 weights beside a
     quantised engine.onnx, with mixed steps off)."""
     mine = {i.name for i in session.get_inputs()}
-    extra = {i.name for i in other.get_inputs()} - mine
-    return mine <= {i.name for i in other.get_inputs()} and all(
-        name.startswith(es.CHUNK_PREFIX) for name in extra)
+    theirs = {i.name for i in other.get_inputs()}
+    return mine <= theirs and all(name.startswith(es.CHUNK_PREFIX) for name in theirs - mine)
 
 
 @dataclass(frozen=True)

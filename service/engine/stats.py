@@ -67,10 +67,6 @@ class LoadStats:
     prefilling: int = 0  # requests part-way through a chunked prefill
     speculation: SpeculationStats | None = None
 
-    @property
-    def kv_cache_tokens(self) -> int:
-        return self.kv.tokens
-
 
 @dataclass(frozen=True)
 class RequestStats:

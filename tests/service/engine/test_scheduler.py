@@ -130,7 +130,7 @@ def test_requests_join_a_running_batch_and_match_the_reference(
     assert max(s.batch_size for s in stats.steps if s.phase == "decode") == 4
     assert sorted(r.generated_tokens for r in stats.requests) == [12, 12, 12, 40]
     assert stats.loads[-1].running == stats.loads[-1].waiting == 0
-    assert stats.loads[-1].kv_cache_tokens == 0
+    assert stats.loads[-1].kv.tokens == 0
 
 
 @pytest.mark.parametrize("bounded", [False, True])
