@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.lib.measure import GenResult
 from service.contract import io_spec as io
+from service.engine.request import ControlChoice
 from service.engine.scheduler import RequestHandle
 from service.settings import Device
 
@@ -18,10 +20,11 @@ from service.settings import Device
 class EngineRunner:
     def __init__(self, artifact_dir: Path, threads: int, name: str = "engine",
                  max_len: int | None = None, device: Device = "cpu",
-                 cuda_graphs: bool = True, max_batch_size: int = 64) -> None:
+                 cuda_graphs: bool = True, max_batch_size: int = 64,
+                 control_vectors: Sequence[str] = ()) -> None:
         """``max_len``: tokens per KV slot (the server's --max-total-tokens), default the
-        model's context; ``device``, ``cuda_graphs`` and ``max_batch_size``: the server's
-        flags of those names."""
+        model's context; ``device``, ``cuda_graphs``, ``max_batch_size`` and
+        ``control_vectors`` (NAME=FILE each): the server's flags of those names."""
         from service.artifact.loader import open_artifact
         from service.engine.engine import Engine, EngineConfig
         from service.settings import Settings
@@ -37,24 +40,30 @@ class EngineRunner:
         # engine.onnx, not engine_mixed.onnx); end-of-sequence is not a stop.
         self.engine = Engine.from_artifact(artifact, EngineConfig(
             device=device, intra_op_threads=threads, max_batch_size=max_batch_size,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=cuda_graphs, control_vectors=tuple(control_vectors),
             max_batch_tokens=1 << 20, max_queued_requests=1024, max_total_tokens=max_total,
             prefix_caching=False, prefill_chunk_tokens=0, mixed_steps=False), warmup=False)
         self.loop = asyncio.new_event_loop()
         self.engine.start(self.loop)
 
-    def generate(self, prompts: list[list[int]], n_new: int) -> GenResult:
-        """Exactly ``n_new`` greedy tokens per row (end-of-sequence is not a stop)."""
-        return self.generate_until(prompts, [n_new] * len(prompts), stop_at_eos=False)
+    def generate(self, prompts: list[list[int]], n_new: int,
+                 controls: Sequence[ControlChoice | None] | None = None) -> GenResult:
+        """Exactly ``n_new`` greedy tokens per row (end-of-sequence is not a stop);
+        ``controls``: row i's control vector, one the engine serves (None: none)."""
+        return self.generate_until(prompts, [n_new] * len(prompts), stop_at_eos=False,
+                                   controls=controls)
 
     def generate_until(self, prompts: list[list[int]], max_new: list[int],
-                       stop_at_eos: bool) -> GenResult:
+                       stop_at_eos: bool,
+                       controls: Sequence[ControlChoice | None] | None = None) -> GenResult:
         """Greedy, up to ``max_new[i]`` tokens for row i; with ``stop_at_eos`` a row also ends
         at the model's end tokens, as the server ends it (the batch runs on without it)."""
-        return self.loop.run_until_complete(self._generate(prompts, max_new, stop_at_eos))
+        return self.loop.run_until_complete(self._generate(
+            prompts, max_new, stop_at_eos, controls or [None] * len(prompts)))
 
     async def _generate(self, prompts: list[list[int]], max_new: list[int],
-                        stop_at_eos: bool) -> GenResult:
+                        stop_at_eos: bool,
+                        controls: Sequence[ControlChoice | None]) -> GenResult:
         from service.engine.request import (
             ErrorEvent,
             GenerationRequest,
@@ -70,8 +79,9 @@ class EngineRunner:
         requests = [GenerationRequest(prompt_ids=list(p), sampling=SamplingParams(),
                                       stopping=StoppingCriteria(
                                           max_new_tokens=n, eos_token_id=eos,
-                                          extra_eos_ids=extra), token_logprobs=False)
-                    for p, n in zip(prompts, max_new, strict=True)]
+                                          extra_eos_ids=extra), token_logprobs=False,
+                                      control_vector=c)
+                    for p, n, c in zip(prompts, max_new, controls, strict=True)]
         t0 = time.perf_counter()
         handles = self.engine.submit(requests)
 
