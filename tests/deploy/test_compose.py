@@ -175,6 +175,30 @@ def test_api_key_is_passed_through_only_when_set(docker_compose) -> None:
     assert with_key["services"]["attnserve"]["environment"]["ATTNSERVE_API_KEY"] == "s3cret"
 
 
+LORA_PASS_THROUGH = ("ATTNSERVE_LORA_MODULES", "ATTNSERVE_RUNTIME_LORA", "ATTNSERVE_MAX_LORAS",
+                     "ATTNSERVE_MAX_LORA_RANK")
+
+
+def test_adapters_are_a_read_only_mount_served_only_when_named(docker_compose,
+                                                              tmp_path) -> None:
+    default = REPO / "deploy" / "adapters"
+    unset = compose_config(docker_compose, env={name: "" for name in LORA_PASS_THROUGH})
+    svc = unset["services"]["attnserve"]
+    assert bind_mounts(svc)["/adapters"] == (default, True)
+    assert not list(default.glob("*/adapter_config.json"))  # the default holds no adapter
+    # unset, nothing reaches the server: it serves no adapter and runs no adapter graph
+    assert all(svc["environment"][name] in (None, "") for name in LORA_PASS_THROUGH)
+    assert svc["environment"]["ATTNSERVE_LORA_DIR"] == "/adapters"  # read with runtime_lora
+    named = compose_config(docker_compose, env={
+        "ATTNSERVE_ADAPTERS_DIR": str(tmp_path), "ATTNSERVE_LORA_MODULES": "sql=/adapters/sql",
+        "ATTNSERVE_RUNTIME_LORA": "true", "ATTNSERVE_MAX_LORAS": "8",
+        "ATTNSERVE_MAX_LORA_RANK": "32"})["services"]["attnserve"]
+    assert bind_mounts(named)["/adapters"] == (tmp_path, True)
+    assert {name: named["environment"][name] for name in LORA_PASS_THROUGH} == {
+        "ATTNSERVE_LORA_MODULES": "sql=/adapters/sql", "ATTNSERVE_RUNTIME_LORA": "true",
+        "ATTNSERVE_MAX_LORAS": "8", "ATTNSERVE_MAX_LORA_RANK": "32"}
+
+
 def test_startup_order_waits_for_health(resolved) -> None:
     services = resolved["services"]
     assert services["prometheus"]["depends_on"] == {"attnserve": {"condition": "service_healthy"}}

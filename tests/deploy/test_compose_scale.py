@@ -5,7 +5,10 @@ packages on the same base), Prometheus finding every replica by DNS. Requests th
 proxy with different prompts must reach every replica; requests sharing a prompt prefix
 must land on one replica and hit its prefix cache there (its own /metrics); an adapter's
 requests with one prompt land together whether they come as OpenAI's `model` or TGI's
-`adapter_id`; with one replica killed (SIGKILL, nothing drained) under
+`adapter_id`; three real PEFT adapters, served by every replica from a read-only mount
+(`ATTNSERVE_ADAPTERS_DIR`, `ATTNSERVE_LORA_MODULES`), answer as PEFT over transformers does,
+each on one replica (the header and the replicas' adapter counters agree); with one replica
+killed (SIGKILL, nothing drained) under
 load, every client still gets an answer, 200 or 503 with Retry-After, and none waits beyond
 its timeout; with every replica stopped the proxy answers 503 itself; `docker-compose stop`
 lets a stream through the proxy finish. The tests pass in any order: each brings the stack
@@ -25,6 +28,8 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,6 +46,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 REPLICAS = 3
 START_S = 240.0  # three replicas load at once on a small machine
 CLIENT_TIMEOUT_S = 60.0  # a hang would show up as this
+# The adapters every replica serves: name -> the seed of PEFT's random A and B.
+ADAPTER_SEEDS = {"lora-alpha": 1, "lora-beta": 2, "lora-gamma": 3}
+ADAPTER_PROMPT = "The three primary colors are"
+ADAPTER_TOKENS = 8
+NEAR_TIE = 0.01  # a reference top-2 logit margin below this would not decide the token
 
 
 @dataclass
@@ -81,6 +91,13 @@ def prefix_cache(url: str) -> tuple[float, float]:
             float(values["attnserve_prefix_cache_queries_total"]))
 
 
+def lora_requests(url: str) -> dict[str, float]:
+    """attnserve_lora_requests_total by adapter, from one replica's /metrics."""
+    found = (re.match(r'attnserve_lora_requests_total\{adapter="([^"]+)"\} (\S+)$', line)
+             for line in metrics_text(url).splitlines())
+    return {m.group(1): float(m.group(2)) for m in found if m}
+
+
 def wait_proxy_idle(scaled: Scaled) -> None:
     """Until HAProxy routes to every replica and has no request in flight (its stats): a
     replica still coming up would move keys on the hash ring, and a request still counted
@@ -108,9 +125,78 @@ def replicas_by_url(scaled: Scaled) -> dict[str, str]:
     return {c: f"http://127.0.0.1:{scaled.compose.host_port(c)}" for c in replicas}
 
 
+@dataclass
+class Adapters:
+    """PEFT adapters over the deploy model and what PEFT answers with each."""
+
+    directory: Path  # ATTNSERVE_ADAPTERS_DIR: one PEFT adapter directory per name
+    prompt_ids: list[int]  # ADAPTER_PROMPT by transformers' tokenizer of the GGUF file
+    greedy: dict[str, list[int]]  # "" (the base) and each name -> greedy tokens
+    text: dict[str, str]  # the same, decoded as an OpenAI completion's text
+
+    @property
+    def lora_modules(self) -> str:
+        """ATTNSERVE_LORA_MODULES: each adapter where the replicas mount it."""
+        return " ".join(f"{name}=/adapters/{name}" for name in ADAPTER_SEEDS)
+
+
+def peft_greedy(model: Any, ids: list[int], eos: int) -> list[int]:
+    """ADAPTER_TOKENS greedy tokens (the stop token kept, as the server keeps it) by a
+    plain loop over the whole sequence, each one decided by a clear top-2 margin."""
+    import torch
+
+    seq: list[int] = list(ids)
+    with torch.no_grad():
+        for _ in range(ADAPTER_TOKENS):
+            logits = model(torch.tensor([seq])).logits[0, -1]  # (V,)
+            top = torch.topk(logits, 2).values
+            assert top[0] - top[1] >= NEAR_TIE, f"a near tie after {seq[len(ids):]}"
+            seq.append(int(logits.argmax()))
+            if seq[-1] == eos:
+                break
+    return seq[len(ids):]
+
+
 @pytest.fixture(scope="module")
-def scaled_stack(docker_daemon, deploy_images, deploy_model) -> Iterator[Scaled]:
-    """The scaled compose project, made once per module (and storage driver)."""
+def adapters(tmp_path_factory: pytest.TempPathFactory,
+             smollm2_transformers: tuple[Any, Any]) -> Adapters:
+    """Three LoRA adapters written by PEFT over transformers' model of the SmolLM2 GGUF file
+    that the deploy model is exported from (PEFT's own random A and B,
+    ``init_lora_weights=False``: B is not zero, so each changes the answer), and their greedy
+    answers from that PEFT model: a reference that shares neither attnserve's adapter code
+    nor its export, and knows nothing of the router."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from tests.conftest import torch_threads
+
+    model, tok = smollm2_transformers
+    directory = tmp_path_factory.mktemp("adapters")
+    ids = tok(ADAPTER_PROMPT, add_special_tokens=False)["input_ids"]
+    eos = int(model.generation_config.eos_token_id)
+    with torch_threads(1):  # a shared machine: one thread is enough for 8 tokens
+        greedy = {"": peft_greedy(model, ids, eos)}
+        for name, seed in ADAPTER_SEEDS.items():
+            torch.manual_seed(seed)
+            config = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
+            # a copy: PEFT wraps the model it is given, and the session's is shared
+            peft_model = get_peft_model(copy.deepcopy(model), config).eval()
+            peft_model.save_pretrained(str(directory / name))
+            greedy[name] = peft_greedy(peft_model, ids, eos)
+            del peft_model
+    for path in (directory, *directory.rglob("*")):  # the replicas run as uid 10001
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    text = {k: tok.decode(v, skip_special_tokens=True) for k, v in greedy.items()}
+    return Adapters(directory, ids, greedy, text)
+
+
+@pytest.fixture(scope="module")
+def scaled_stack(docker_daemon, deploy_images, deploy_model, adapters) -> Iterator[Scaled]:
+    """The scaled compose project, made once per module (and storage driver), every replica
+    serving the adapters."""
 
     def ports() -> dict[str, str]:
         first = free_port_range(REPLICAS + 1)
@@ -123,6 +209,8 @@ def scaled_stack(docker_daemon, deploy_images, deploy_model) -> Iterator[Scaled]
         "ATTNSERVE_MODEL_DIR": str(deploy_model),
         # three replicas share the machine's cores: one ONNX Runtime thread each
         "ATTNSERVE_INTRA_OP_THREADS": "1",
+        "ATTNSERVE_ADAPTERS_DIR": str(adapters.directory),
+        "ATTNSERVE_LORA_MODULES": adapters.lora_modules,
     }, profiles=("scale",), ports=ports)
     compose.down()
     try:
@@ -206,8 +294,8 @@ def test_a_shared_prefix_lands_on_one_replica_and_hits_its_cache(scaled) -> None
 
 
 def test_an_adapters_requests_land_together_over_both_apis(scaled) -> None:
-    # No adapter is loaded on the replicas, so each request is answered 404 by the replica
-    # the proxy chose (the routing key does not depend on the adapter being there): the
+    # No replica serves these adapters, so each request is answered 404 by the replica the
+    # proxy chose (the routing key does not depend on the adapter being there): the
     # OpenAI `model` and TGI's `parameters.adapter_id` name the same adapter, so one
     # adapter and prompt go to one replica whichever API asks.
     prompt = f"Adapter check {uuid.uuid4().hex}: what is the capital of France?"
@@ -225,6 +313,58 @@ def test_an_adapters_requests_land_together_over_both_apis(scaled) -> None:
                 assert status == 404 and marker in raw.decode(), (path, status, raw[:300])
                 replicas.add(headers["x-attnserve-replica"])
         assert len(replicas) == 1, (adapter, replicas)
+
+
+def test_served_adapters_answer_as_peft_each_on_one_replica(scaled, adapters) -> None:
+    # Every replica serves the three adapters (ATTNSERVE_LORA_MODULES over the read-only
+    # /adapters mount); the proxy sends each adapter's requests, as OpenAI's `model` and as
+    # TGI's `adapter_id`, to one replica, whose answers are PEFT's greedy tokens.
+    direct = replicas_by_url(scaled)
+    before = {c: lora_requests(url) for c, url in direct.items()}
+    base = {"prompt": ADAPTER_PROMPT, "max_tokens": ADAPTER_TOKENS, "temperature": 0}
+    status, _, raw = post_json(f"{scaled.proxy}/v1/completions",
+                               {**base, "model": served_model(scaled)}, CLIENT_TIMEOUT_S)
+    assert status == 200, raw[:300]
+    assert json.loads(raw)["choices"][0]["text"] == adapters.text[""]
+    answered_by: dict[str, set[str]] = {}
+    for name in ADAPTER_SEEDS:
+        assert adapters.greedy[name] != adapters.greedy[""], name  # the adapter matters
+        for _ in range(2):
+            wait_proxy_idle(scaled)
+            status, headers, raw = post_json(f"{scaled.proxy}/v1/completions",
+                                             {**base, "model": name}, CLIENT_TIMEOUT_S)
+            assert status == 200, (name, raw[:300])
+            assert json.loads(raw)["choices"][0]["text"] == adapters.text[name], name
+            answered_by.setdefault(name, set()).add(headers["x-attnserve-replica"])
+            wait_proxy_idle(scaled)
+            status, headers, raw = post_json(f"{scaled.proxy}/generate", {
+                "inputs": ADAPTER_PROMPT, "parameters": {
+                    "max_new_tokens": ADAPTER_TOKENS, "adapter_id": name, "details": True,
+                    "decoder_input_details": True}}, CLIENT_TIMEOUT_S)
+            assert status == 200, (name, raw[:300])
+            details = json.loads(raw)["details"]
+            assert [t["id"] for t in details["prefill"]] == adapters.prompt_ids
+            assert [t["id"] for t in details["tokens"]] == adapters.greedy[name], name
+            answered_by[name].add(headers["x-attnserve-replica"])
+    assert all(len(slots) == 1 for slots in answered_by.values()), answered_by
+
+    def grown() -> dict[str, dict[str, float]] | None:
+        """adapter -> replica -> its requests since `before`, once all 12 are counted (a
+        replica counts a request when its engine reports it, not before the answer)."""
+        now = {c: lora_requests(url) for c, url in direct.items()}
+        counted = {name: {c: now[c].get(name, 0.0) - before[c].get(name, 0.0)
+                          for c in direct} for name in ADAPTER_SEEDS}
+        return counted if sum(sum(n.values()) for n in counted.values()) >= 12 else None
+
+    counted = wait_for(grown, 30, "the replicas to count the 12 adapter requests")
+    homes: dict[str, str] = {}  # the proxy's slot name -> the container that counted
+    for name, per_replica in counted.items():
+        (home,) = [c for c, n in per_replica.items() if n]  # one replica ran them all
+        assert per_replica[home] == 4, (name, per_replica)
+        (slot,) = answered_by[name]
+        assert homes.setdefault(slot, home) == home, (slot, homes, home)  # header agrees
+    assert len(set(homes.values())) == len(homes), homes
+    print("adapters by replica:", {name: slots.pop() for name, slots in answered_by.items()})
 
 
 def served_model(scaled: Scaled) -> str:
