@@ -7,7 +7,7 @@ onnxscript rewriter took 220 s per graph on 2 cores, building it takes well unde
 
 The graphs name their weights the same way and lay them out the same way (projections
 as (in, out) for MatMul, the embedding as (V, d) for Gather and, through Gemm's
-``transB``, for a tied LM head), so :func:`save_graphs` stores each distinct tensor once
+``transB``, for a tied LM head), so :class:`WeightsWriter` stores each distinct tensor once
 in ``weights.bin`` and every graph points at its offset (ONNX external data). Large
 tensors start at 64 KiB boundaries, which lets ONNX Runtime memory-map them on CPU
 instead of reading a private copy per session.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -156,10 +155,11 @@ def _tensor_bytes(tensor: onnx.TensorProto, base: Path | None) -> bytes:
 
 
 class WeightsWriter:
-    """:func:`save_graphs` one graph at a time: ``add`` moves a graph's large initializers
-    into weights.bin (each distinct tensor once, across every graph added) and writes the
-    graph file, and :meth:`store` writes one initializer while its graph is being built
-    (:class:`Graph`), so no graph ever holds its weights. Building SmolLM2-135M's four
+    """Graphs saved over one weights.bin: ``add`` moves a graph's large initializers into it
+    (each distinct tensor once across every graph added: equal dtype, shape and bytes share
+    one entry whatever their names) and writes the graph file, and :meth:`store` writes one
+    initializer while its graph is being built (:class:`Graph`), so no graph ever holds its
+    weights. Building SmolLM2-135M's four
     float32 graphs that way instead of holding them all until one save took that stage
     from 4.4 GB to 1.0 GB (the process, PyTorch's model included; docs/export.md).
 
@@ -272,23 +272,8 @@ class WeightsWriter:
                         "unique_tensors": len(self._index)}
 
 
-def save_graphs(directory: Path, models: Mapping[str, onnx.ModelProto]) -> dict[str, Any]:
-    """Write each ``models[file]`` into ``directory`` with its large initializers stored
-    once, across all graphs, in weights.bin; return sizes for the manifest.
-
-    Equal tensors (same dtype, shape and bytes) share one entry whatever their names,
-    so the tied embedding, or a weight two graphs read, costs its bytes once. weights.bin is
-    written under a temporary name and renamed, so a failure leaves the previous one in
-    place. (Graphs built one at a time: :class:`WeightsWriter`.)
-    """
-    with WeightsWriter(directory) as writer:
-        for file_name, model in models.items():
-            writer.add(file_name, model)
-    return writer.figures
-
-
 def load_graph(path: Path) -> onnx.ModelProto:
-    """A graph as written by :func:`save_graphs`, its external tensors left on disk."""
+    """A graph as :class:`WeightsWriter` wrote it, its external tensors left on disk."""
     return onnx.load(str(path), load_external_data=False)
 
 

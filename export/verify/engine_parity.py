@@ -1,13 +1,8 @@
-"""engine.onnx against PyTorch, and engine.onnx behind model.onnx's decoder call.
-
-:func:`verify_engine` is the export's check of engine.onnx and engine_mixed.onnx by
-parity.py's rule: logits within :func:`logits_tolerance`, greedy choices equal wherever
-PyTorch's choice is clear. :class:`EngineDecoder` lets the checks written for model.onnx
-(export/quantize/weights.py's figures, layerwise.py's continuations) drive an engine graph.
-
-Both bind each layer's key/value buffer as its past and its present (:func:`_run_in_place`),
-so the kernel writes the new positions in place, as in the service's KV pool.
-"""
+"""The engine graphs against PyTorch by parity.py's rule (:func:`verify_engine`), and
+behind model.onnx's decoder call (:class:`EngineDecoder`) for the checks written for it
+(export/quantize/weights.py's figures, layerwise.py's continuations). Both bind each
+layer's key/value buffer as its past and its present (:func:`_run_in_place`): the kernel
+writes in place, as into the service's KV pool."""
 
 from __future__ import annotations
 
@@ -92,7 +87,7 @@ def verify_engine(gpt: GPT, path: Path, steps: int = DECODE_STEPS,
     shape = (len(lens), cfg.kv_heads, length, cfg.head_dim)
     caches = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.dtype(dtype)))
               for _ in range(2 * cfg.n_layers)]
-    greedy = es.GREEDY_IDS in {o.name for o in session.get_outputs()}
+    greedy = es.GREEDY_IDS in {o.name for o in session.get_outputs()}  # a float16 graph's
     extra = [es.GREEDY_IDS, *([es.chunk_name(es.GREEDY_IDS)] if idle else [])] if greedy else []
     greedy_equal = True  # greedy_ids == argmax(logits), every row and step
     t = max(lens)

@@ -1,10 +1,5 @@
-"""A GGUF file written whole or not at all.
-
-Every GGUF file the project writes (the model and LoRA adapter for llama.cpp in
-export/gguf/, a control vector in control_vector.py) goes through :func:`write_atomically`:
-a temporary sibling holds the writer's header, keys and tensors and is renamed into place
-only once complete, so a failed or interrupted write leaves nothing behind.
-"""
+"""A GGUF file written whole or not at all: every one the project writes (export/gguf/'s
+model and LoRA adapter, control_vector.py's vectors) goes through :func:`write_atomically`."""
 
 from __future__ import annotations
 

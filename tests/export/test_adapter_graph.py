@@ -25,7 +25,7 @@ from export.lora.adapter_check import (
 from export.lora.adapter_graph import build_adapter_graph, write_adapter_graphs
 from export.onnx.engine_graph import build_engine_graph
 from export.onnx.model_graphs import build_attention
-from export.onnx.onnx_build import save_graphs
+from export.onnx.onnx_build import WeightsWriter
 from export.quantize.weights import quantize_weights
 from export.to_onnx import export_artifact
 from export.verify.parity import check_session
@@ -85,8 +85,8 @@ def test_rows_under_two_adapters_and_a_base_row_equal_the_merged_models(
     if int4:
         _int4_exact(gpt)
     cfg = gpt.config
-    save_graphs(tmp_path, {ENGINE_MIXED_FILE: build_engine_graph(gpt, matmul_only=int4,
-                                                                 mixed=True)})
+    with WeightsWriter(tmp_path) as weights:
+        weights.add(ENGINE_MIXED_FILE, build_engine_graph(gpt, matmul_only=int4, mixed=True))
     base_file = ENGINE_MIXED_FILE
     if int4:
         base_file = "engine_mixed_int4.onnx"
@@ -131,8 +131,9 @@ def test_attention_lora_under_an_adapter_equals_the_merged_models_attention(
     merged = _merged(gpt, lora)
     (tmp_path / "base").mkdir()
     (tmp_path / "merged").mkdir()
-    save_graphs(tmp_path / "base", {io.ATTENTION_FILE: build_attention(gpt)})
-    save_graphs(tmp_path / "merged", {io.ATTENTION_FILE: build_attention(merged)})
+    for directory, model in (("base", gpt), ("merged", merged)):
+        with WeightsWriter(tmp_path / directory) as weights:
+            weights.add(io.ATTENTION_FILE, build_attention(model))
     (written,) = write_adapter_graphs(tmp_path / "base", cfg, [io.ATTENTION_FILE])
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 7)).astype(np.int64)
     feed = {io.INPUT_IDS: ids, io.ATTENTION_MASK: np.ones_like(ids),

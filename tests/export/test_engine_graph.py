@@ -14,7 +14,7 @@ import torch
 
 from export.onnx.engine_graph import build_engine_graph, export_engine
 from export.onnx.model_graphs import build_attention, build_decoder
-from export.onnx.onnx_build import save_graphs
+from export.onnx.onnx_build import WeightsWriter
 from export.to_onnx import export_artifact
 from export.verify.engine_parity import verify_engine
 from model.checkpoint import load_checkpoint
@@ -133,7 +133,9 @@ def test_a_tied_embedding_is_stored_once_across_all_graphs(tmp_path: Path) -> No
     gpt = GPT(cfg).eval()
     graphs = {"model.onnx": build_decoder(gpt), "attention.onnx": build_attention(gpt),
               ENGINE_FILE: build_engine_graph(gpt)}
-    save_graphs(tmp_path, graphs)
+    with WeightsWriter(tmp_path) as weights:
+        for name, graph in graphs.items():
+            weights.add(name, graph)
     embedding = gpt.tok_emb.weight.detach().numpy().tobytes()  # 512 KiB
     blob = (tmp_path / "weights.bin").read_bytes()
     assert blob.count(embedding) == 1
