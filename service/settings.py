@@ -7,6 +7,7 @@ context length when the model loads (see ``Limits.resolve``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -229,6 +230,20 @@ def of_settings(cls: type[T], options: ServeOptions, **others: Any) -> T:
     (no hand mapping), and ``others`` for the fields that are not settings."""
     return cls(**{f.name: getattr(options, f.name) for f in fields(cls)  # type: ignore[arg-type]
                   if f.name in ServeOptions.model_fields}, **others)
+
+
+def named_paths(entries: Sequence[str], option: str, what: str) -> list[tuple[str, Path]]:
+    """``option``'s NAME=``what`` entries (``--lora-modules``, ``--control-vectors``) as
+    (name, path); ValueError with one line for a malformed entry or a name given twice."""
+    out: list[tuple[str, Path]] = []
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"{option} entry {entry!r} is not NAME={what}")
+        if any(name == seen for seen, _ in out):
+            raise ValueError(f"{option} names {name!r} twice")
+        out.append((name, Path(path)))
+    return out
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from service.contract.peft_adapter import (
     weights_path,
 )
 from service.engine.request import AdapterRef
-from service.settings import default_of
+from service.settings import default_of, named_paths
 
 BASE = 0  # the id (and slot) of no adapter
 
@@ -357,17 +357,8 @@ def adapter_widths(input_shapes: Mapping[str, Sequence[Any]]) -> dict[str, tuple
 
 
 def lora_entries(entries: Sequence[str]) -> list[tuple[str, Path]]:
-    """``--lora-modules``' NAME=DIR entries as (name, directory); ValueError with one line
-    for a malformed entry or a name given twice."""
-    out: list[tuple[str, Path]] = []
-    for entry in entries:
-        name, sep, directory = entry.partition("=")
-        if not sep or not name or not directory:
-            raise ValueError(f"--lora-modules entry {entry!r} is not NAME=DIR")
-        if any(name == seen for seen, _ in out):
-            raise ValueError(f"--lora-modules names {name!r} twice")
-        out.append((name, Path(directory)))
-    return out
+    """``--lora-modules``' NAME=DIR entries as (name, directory) (``named_paths``)."""
+    return named_paths(entries, "--lora-modules", "DIR")
 
 
 def confined(directory: Path, root: Path) -> Path:

@@ -23,6 +23,7 @@ import numpy as np
 
 from service.contract.control_vector import ControlVectorError, read_control_vector
 from service.engine.request import ControlChoice, Steering
+from service.settings import named_paths
 
 _KEPT_TABLES = 256  # scaled tables kept for reuse across steps
 
@@ -126,14 +127,5 @@ def confined_file(path: Path, root: Path) -> Path:
 
 
 def control_entries(entries: Sequence[str]) -> list[tuple[str, Path]]:
-    """``--control-vectors``' NAME=FILE entries as (name, file); ValueError with one line
-    for a malformed entry or a name given twice."""
-    out: list[tuple[str, Path]] = []
-    for entry in entries:
-        name, sep, file = entry.partition("=")
-        if not sep or not name or not file:
-            raise ValueError(f"--control-vectors entry {entry!r} is not NAME=FILE")
-        if any(name == seen for seen, _ in out):
-            raise ValueError(f"--control-vectors names {name!r} twice")
-        out.append((name, Path(file)))
-    return out
+    """``--control-vectors``' NAME=FILE entries as (name, file) (``named_paths``)."""
+    return named_paths(entries, "--control-vectors", "FILE")
