@@ -98,7 +98,8 @@ struct Unpacked {
 namespace avx2 {
 namespace {
 constexpr bool kVnni = false;
-constexpr int kMX = 2;  // 16 vector registers: 2 x 2 float and 2 x 2 integer accumulators
+constexpr int kMX = 2;  // 16 vector registers: 2 x 2 float, int16 and int32 accumulators (3 x 2 where
+                        // the int32 ones are not kept: AllRowsOf)
 constexpr int kRW = 2;
 #include "gguf_batched_kernels.inc"
 }  // namespace
