@@ -344,18 +344,14 @@ def export_artifact(
                 f"decode {verification['decode']['max_abs_diff']:.2e} over "
                 f"{verification['decode']['steps']} steps (tolerance "
                 f"{verification['tolerance']['logits']:.2e})")
-            if engine_graph:
-                verification["engine"] = verify_engine(
-                    gpt, engine_path, prompts=verification["decode"]["prompts"],
-                    reference=reference, dtype=dtype)
-                say(f"verified engine.onnx: {verification['engine']['max_abs_diff']:.2e} "
-                    f"over {verification['engine']['steps']} steps, cache updated in place")
-            if engine_graph and mixed_steps:
-                verification["engine_mixed"] = verify_engine(
-                    gpt, mixed_path, prompts=verification["decode"]["prompts"],
-                    reference=reference, dtype=dtype)
-                say(f"verified {ENGINE_MIXED_FILE}: "
-                    f"{verification['engine_mixed']['max_abs_diff']:.2e}")
+            for key, path, wanted in (("engine", engine_path, engine_graph),
+                                      ("engine_mixed", mixed_path, engine_graph and mixed_steps)):
+                if wanted:
+                    checked = verification[key] = verify_engine(
+                        gpt, path, prompts=verification["decode"]["prompts"],
+                        reference=reference, dtype=dtype)
+                    say(f"verified {path.name}: {checked['max_abs_diff']:.2e} over "
+                        f"{checked['steps']} steps, cache updated in place")
             assert adapter_reference is not None
             verification["adapters"] = verify_adapter_graphs(tmp, gpt.config,
                                                              adapter_reference)
