@@ -208,6 +208,23 @@ def test_adapters_loaded_evicted_and_unloaded_at_run_time_answer_rightly(
 # ---------------------------------------------------- /attention: adapter and control vector
 
 
+def test_head_attribution_under_an_adapter_is_501_naming_adapter_id(
+        lora: httpx.Client) -> None:
+    """Each head's output through o_proj misses o_proj's LoRA update, so attribution under an
+    adapter is refused (501, the field named); the lens under it, and attribution without
+    it, are answered."""
+    body: dict[str, Any] = {"inputs": PROMPTS[0], "include": ["head_attribution"],
+                            "adapter_id": "alpha"}
+    r = lora.post("/attention", json=body)
+    assert r.status_code == 501, r.text
+    assert r.json()["error"].startswith("adapter_id: head_attribution under an adapter")
+    assert lora.post("/attention", json={**body, "include": ["logit_lens"]}).status_code == 200
+    del body["adapter_id"]
+    r = lora.post("/attention", json=body)
+    assert r.status_code == 200, r.text
+    assert "head_attribution" in r.json()
+
+
 def _vector(lora_build: LoraBuild, root: Path) -> tuple[Path, np.ndarray]:
     """A random control vector for the tiny Llama (layer 1, its only steerable one) and the
     (n_layers, d) rows it adds at scale 2."""
