@@ -21,11 +21,9 @@ Two kinds of pages stay resident after the work that needed them is done:
 And one kind of page costs time: a decode step streams every weight, and the weights ONNX
 Runtime packed at load sit in 4 KiB pages, so one step walks ~130,000 of them through the
 TLB. ``MADV_COLLAPSE`` (Linux 6.1+) moves a mapping's pages into 2 MiB pages at once,
-whatever the system's transparent-huge-page mode. Measured on SmolLM2-135M-Instruct (fp32
-engine.onnx, 2 threads, three alternating processes): a batch-1 decode step took 21.1-21.8
-ms instead of 22.6-23.1 ms. Only 2 MiB ranges already nearly all in RAM are collapsed, so
-memory that is reserved but not yet used is not made resident (and the KV pool, advised
-against huge pages, is never touched).
+whatever the system's transparent-huge-page mode (docs/engine.md measures it). Only 2 MiB
+ranges already nearly all in RAM are collapsed, so memory that is reserved but not yet used
+is not made resident (and the KV pool, advised against huge pages, is never touched).
 """
 
 from __future__ import annotations
