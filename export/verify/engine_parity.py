@@ -18,9 +18,9 @@ from export.verify.parity import (
     TorchReference,
     check_session,
     clear_mismatches,
-    decode_steps,
     logits_tolerance,
     random_prompts,
+    steps_within_context,
 )
 from model.gpt import GPT
 from service.contract import engine_spec as es
@@ -75,7 +75,7 @@ def verify_engine(gpt: GPT, path: Path, steps: int = DECODE_STEPS,
     cfg = gpt.config
     if prompts is None:
         prompts = random_prompts(np.random.default_rng(0), cfg.vocab_size, list(DECODE_LENGTHS))
-    steps = decode_steps(cfg, prompts, steps)
+    steps = steps_within_context(cfg, prompts, steps)
     forced = (reference or TorchReference(gpt)).continuations(prompts, steps)
     session = check_session(path, threads)
     idle = _idle_inputs(session, cfg, dtype)

@@ -292,7 +292,7 @@ class CheckPrompts:
 
     def continued(self, cfg: Any) -> list[tuple[list[int], int]]:
         """Each decode and ragged prompt with the greedy steps its check continues it by."""
-        steps = decode_steps(cfg, self.decode, DECODE_STEPS)
+        steps = steps_within_context(cfg, self.decode, DECODE_STEPS)
         return [(p, steps) for p in self.decode] + [(p, RAGGED_STEPS) for p in self.ragged]
 
 
@@ -310,7 +310,7 @@ def check_prompts(cfg: Any) -> CheckPrompts:
     return CheckPrompts(prefill, decode, ragged, attention)
 
 
-def decode_steps(cfg: Any, prompts: list[list[int]], steps: int) -> int:
+def steps_within_context(cfg: Any, prompts: list[list[int]], steps: int) -> int:
     """``steps`` decode steps after ``prompts``, as many as the context leaves room for."""
     return max(1, min(steps, cfg.max_seq_len - max(len(p) for p in prompts)))
 
@@ -334,7 +334,7 @@ def check_decode(gpt: GPT, dec: OrtDecoder, prompts: list[list[int]],
                  reference: TorchReference | None = None) -> dict[str, Any]:
     """Cached decode vs full recomputation, teacher-forced with PyTorch's greedy tokens
     (left-padded rows of different lengths)."""
-    steps = decode_steps(gpt.config, prompts, DECODE_STEPS)
+    steps = steps_within_context(gpt.config, prompts, DECODE_STEPS)
     forced = (reference or TorchReference(gpt)).continuations(prompts, steps)
     batch = len(prompts)
     ids, mask, pos = left_pad(prompts)
