@@ -9,10 +9,13 @@ it starts a 422 naming the field; the engine refuses an unknown name again
 submit.
 
 /attention takes the same ``control_vector`` (the same checks, the same 404 and 422) and
-binds :func:`control_rows`, the vector's scaled rows, to attention.onnx's ``steer``.
+binds :func:`control_rows`, the vector's scaled rows, to attention.onnx's ``steer``; its
+response names the vector it was computed under (:func:`control_echo`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -65,3 +68,10 @@ def control_rows(choice: ControlChoice, runtime: Runtime, field: str) -> np.ndar
         return vectors.table(vectors.resolve(choice))
     except UnknownControlVector:
         raise unknown_vector(choice.name, field) from None
+
+
+def control_echo(choice: ControlChoice, n_layers: int) -> dict[str, Any]:
+    """``choice`` as a response names it, resolved: ``layers`` absent in the request is
+    the blocks a vector is added after, 1 … n_layers − 1 (block 0's output never is)."""
+    layers = choice.layers if choice.layers is not None else (1, n_layers - 1)
+    return {"name": choice.name, "scale": choice.scale, "layers": list(layers)}

@@ -26,7 +26,9 @@ for an artifact without that graph.
 served, 422 for a scale beyond --max-control-scale) asks for everything above under a
 served control vector: its scaled rows are bound to the graph's ``steer`` input, added
 after each block as the engine adds a steered row's. An artifact whose attention.onnx (or,
-with ``adapter_id``, attention_lora.onnx) predates that input answers 409.
+with ``adapter_id``, attention_lora.onnx) predates that input answers 409. The response
+names the vector it was computed under, resolved (``control_vector``: name, scale, layers;
+npz: ``control_vector.name``, ``.scale``, ``.layers``); without one it has no such member.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from fastapi.responses import Response
 
 from service.contract import io_spec as io
 from service.contract.adapter_spec import lora_file
+from service.engine.request import ControlChoice
 from service.http.adapters import adapter_of_id
-from service.http.control_vectors import control_choice, control_rows
+from service.http.control_vectors import control_choice, control_echo, control_rows
 from service.http.deps import ReadyRuntime, require_api_key
 from service.http.errors import ApiError
 from service.http.responses import TgiError, tgi_errors
@@ -82,9 +85,19 @@ def _json_safe(a: np.ndarray) -> Any:
     return walk(values)
 
 
+# The JSON body's one member declared here: the rest is the docstring's and docs/api.md's.
+_JSON_SCHEMA = {"type": "object", "properties": {"control_vector": {
+    "type": "object", "description": "the control vector it was computed under (only when "
+    "the request named one): layers resolved, [1, n_layers - 1] where none were given",
+    "properties": {"name": {"type": "string"}, "scale": {"type": "number"},
+                   "layers": {"type": "array", "items": {"type": "integer"},
+                              "minItems": 2, "maxItems": 2}},
+    "required": ["name", "scale", "layers"]}}}
+
+
 @router.post("/attention", summary="Attention matrices of every layer and head (bertviz layout)",
              responses={200: {"description": "format json (default) or bertviz: JSON; npz; png",
-                              "content": {"application/json": {"schema": {"type": "object"}},
+                              "content": {"application/json": {"schema": _JSON_SCHEMA},
                                           "application/octet-stream": {"schema": {
                                               "type": "string", "format": "binary"}},
                                           "image/png": {"schema": {"type": "string",
@@ -109,7 +122,9 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
                             "base model's only; ask without adapter_id", "not_implemented",
                        param="adapter_id", code="not_implemented")
     assert runtime.attention is not None
-    steer = _steer(body, runtime, adapter)
+    choice = control_choice(body.control_vector, runtime, "control_vector")
+    steer = _steer(choice, runtime, adapter)
+    control = None if choice is None else control_echo(choice, config.n_layers)
     inside = _look_inside(body, runtime, ids, [k for k in included if k in MEMBERS], adapter)
     # Bounded (settings attention_max_concurrent/_queued; 429 beyond): running and encoding
     # a request costs seconds of CPU, and unbounded floods of them starve decoding.
@@ -125,14 +140,13 @@ async def attention(body: AttentionRequest, runtime: ReadyRuntime) -> Response:
         # Encoding can take seconds (all kinds at full length is ~55 MB of JSON): off the
         # event loop, so the token streams of other requests do not stall meanwhile.
         return await asyncio.to_thread(render, body, runtime, ids, layers, heads, computed,
-                                       seen)
+                                       seen, control)
 
 
-def _steer(body: AttentionRequest, runtime: Runtime, adapter: str | None
+def _steer(choice: ControlChoice | None, runtime: Runtime, adapter: str | None
            ) -> np.ndarray | None:
-    """The request's control vector as the (n_layers, d) rows to bind (None: none), checked
-    as /generate checks it; 409 where the graph to run takes none."""
-    choice = control_choice(body.control_vector, runtime, "control_vector")
+    """The request's control vector (checked as /generate checks it) as the (n_layers, d)
+    rows to bind (None: none); 409 where the graph to run takes none."""
     if choice is None:
         return None
     assert runtime.attention is not None
@@ -181,10 +195,13 @@ def _look_inside(body: AttentionRequest, runtime: Runtime, ids: list[int],
 
 def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: list[int],
            heads: list[int], computed: dict[str, np.ndarray],
-           seen: dict[str, np.ndarray] | None = None) -> Response:
+           seen: dict[str, np.ndarray] | None = None,
+           control: dict[str, Any] | None = None) -> Response:
     """``computed``: {kind: (len(layers), all heads, ...)}, the requested layers in order;
-    ``seen``: LookInside.collect's arrays (logit lens, norms, attribution), if asked."""
+    ``seen``: LookInside.collect's arrays (logit lens, norms, attribution), if asked;
+    ``control``: the control vector it was computed under (control_echo), if any."""
     seen = seen or {}
+    echo = {} if control is None else {"control_vector": control}
     codec = runtime.artifact.codec
     all_heads = heads == list(range(runtime.artifact.config.n_heads))
     arrays = {k: v if all_heads else np.ascontiguousarray(v[:, heads])
@@ -205,6 +222,10 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
             "layers": np.asarray(layers, dtype=np.int64),
             "heads": np.asarray(heads, dtype=np.int64),
             "kv_heads": np.asarray(kv_heads, dtype=np.int64), **arrays, **seen}
+        if control is not None:
+            contents |= {"control_vector.name": np.asarray(control["name"], dtype=np.str_),
+                         "control_vector.scale": np.asarray(control["scale"], np.float64),
+                         "control_vector.layers": np.asarray(control["layers"], np.int64)}
         np.savez(buffer, **contents)
         return Response(buffer.getvalue(), media_type="application/octet-stream",
                         headers={"Content-Disposition": 'attachment; filename="attention.npz"'})
@@ -213,7 +234,7 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
     if body.format == "bertviz":
         return Response(runtime.attention_encoder.call(encode_bertviz, {
             "model": runtime.artifact.name, "tokens": tokens, "token_ids": ids,
-            "layers": layers, "heads": heads,
+            "layers": layers, "heads": heads, **echo,
         }, arrays["weights"]), media_type="application/json")
     return Response(runtime.attention_encoder.call(encode_json, {
         "model": runtime.artifact.name,
@@ -222,7 +243,7 @@ def render(body: AttentionRequest, runtime: Runtime, ids: list[int], layers: lis
         "layout": "(layers, heads, query, key); q, k, v: (layers, heads, token, head_dim); "
                   "k and v of query head h are those of key/value head kv_heads[h]",
         "shapes": {k: list(v.shape) for k, v in arrays.items()},
-        **inside_json(seen, body, codec.token_text, len(ids)),
+        **inside_json(seen, body, codec.token_text, len(ids)), **echo,
     }, arrays), media_type="application/json")
 
 

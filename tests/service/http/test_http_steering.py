@@ -19,6 +19,7 @@ model's under ``steered()`` (forward hooks), scale 0 is no vector, and it refuse
 from __future__ import annotations
 
 import dataclasses
+import io as io_
 import shutil
 import subprocess
 import sys
@@ -248,7 +249,39 @@ def test_attention_under_a_vector_at_scale_zero_is_the_unsteered(server: ServerP
     members = {"inputs": TEXTS[0], "include": ["weights", "logit_lens", "residual_norms"]}
     plain = attention(server, members).json()
     zero = attention(server, members | {"control_vector": {"name": "v", "scale": 0}}).json()
+    assert zero.pop("control_vector") == {"name": "v", "scale": 0, "layers": [1, LAYERS - 1]}
     assert zero == plain
+
+
+def test_attention_names_the_vector_it_was_computed_under(server: ServerProcess) -> None:
+    """JSON (and bertviz) ``control_vector`` and npz ``control_vector.*`` echo the request's
+    vector with its layers resolved (absent: 1 … n_layers − 1, which computes what naming
+    that range computes); without a vector there is no such member."""
+    members = {"inputs": TEXTS[1], "include": ["weights", "logit_lens"]}
+    given = attention(server, members | {"control_vector": {
+        "name": "v", "scale": 1.5, "layers": [2, 2]}}).json()
+    assert given["control_vector"] == {"name": "v", "scale": 1.5, "layers": [2, 2]}
+    resolved = attention(server, members | {"control_vector": {"name": "v"}}).json()
+    assert resolved["control_vector"] == {"name": "v", "scale": 1.0, "layers": [1, LAYERS - 1]}
+    explicit = attention(server, members | {"control_vector": {
+        "name": "v", "layers": [1, LAYERS - 1]}}).json()
+    assert explicit == resolved
+    assert "control_vector" not in attention(server, members).json()
+    bertviz = attention(server, {"inputs": TEXTS[1], "format": "bertviz",
+                                 "control_vector": {"name": "v", "scale": -2}}).json()
+    assert bertviz["control_vector"] == {"name": "v", "scale": -2, "layers": [1, LAYERS - 1]}
+    npz = attention(server, members | {"format": "npz", "control_vector": {
+        "name": "v", "scale": 1.5, "layers": [2, 2]}})
+    with np.load(io_.BytesIO(npz.content)) as archive:
+        assert str(archive["control_vector.name"]) == "v"
+        assert float(archive["control_vector.scale"]) == 1.5
+        assert archive["control_vector.layers"].tolist() == [2, 2]
+    plain = attention(server, members | {"format": "npz"})
+    with np.load(io_.BytesIO(plain.content)) as archive:
+        assert not [k for k in archive.files if k.startswith("control_vector")]
+    declared = httpx.get(f"{server.url}/openapi.json").json()["paths"]["/attention"]["post"][
+        "responses"]["200"]["content"]["application/json"]["schema"]["properties"]
+    assert declared["control_vector"]["required"] == ["name", "scale", "layers"]
 
 
 def test_attention_refuses_a_vector_as_generate_does(server: ServerProcess) -> None:
