@@ -76,10 +76,12 @@ export function attention(inputs, {
   return call("attention", { body, binary: true });
 }
 
-/** /attention's logit lens and head attribution (JSON) at ``position`` (the query). */
-export function lookInside(inputs, position, { topK = 5 } = {}) {
-  return call("attention", { body: { inputs, include: ["logit_lens", "head_attribution"],
-    top_k: topK, position } });
+/** /attention's logit lens and head attribution (JSON) at ``position`` (the query);
+ *  ``vector``: {name, scale} of a served control vector to steer by (null: none). */
+export function lookInside(inputs, position, { topK = 5, vector = null } = {}) {
+  const body = { inputs, include: ["logit_lens", "head_attribution"], top_k: topK, position };
+  if (vector !== null) body.control_vector = { name: vector.name, scale: vector.scale };
+  return call("attention", { body });
 }
 
 // --- npz: a zip archive of .npy files (numpy.savez stores them uncompressed, zip64 headers) ---

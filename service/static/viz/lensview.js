@@ -4,7 +4,8 @@
 // token's probability in viridis, the cell's top-k on hover. Attribution: layers × heads,
 // each head's direct contribution to the target's logit at the chosen position (the query)
 // on a diverging blue–neutral–red scale stretched to the largest |contribution|. Values at
-// full precision in data attributes.
+// full precision in data attributes. Under a control vector (the response's control_vector,
+// echoed by /attention) both captions name it.
 
 import { divergingRgb, fmt, isDark, tokenLabel, viridisCss } from "./colors.js";
 
@@ -51,8 +52,11 @@ export class LensView {
       });
       table.append(tr);
     }
+    const vector = data.control_vector;
+    const under = vector ? `, under control vector ${vector.name} × ${vector.scale}` : "";
     const caption = cell("p", `Head attribution at ${query}: ${tokenLabel(tokens[query].text, 16)} → `
-      + `${tokenLabel(attr.target_token, 16)} (logit ${fmt(attr.logit, 3)})`, { target: attr.target });
+      + `${tokenLabel(attr.target_token, 16)} (logit ${fmt(attr.logit, 3)})${under}`,
+    { target: attr.target });
     caption.className = "hint";
     const grid = document.createElement("table");
     grid.id = "attr-table";
@@ -76,8 +80,9 @@ export class LensView {
       });
       grid.append(tr);
     }
-    this.root.replaceChildren(cell("p", "Logit lens: each layer's top next token", {}), table,
-      caption, grid);
+    this.root.replaceChildren(cell("p", `Logit lens: each layer's top next token${under}`, {}),
+      table, caption, grid);
     this.root.dataset.query = query;
+    this.root.dataset.vector = vector ? `${vector.name} ${vector.scale}` : "";
   }
 }

@@ -443,16 +443,18 @@ async function renderCompare() {
   compareView.show(model, titles, layer, state.head, base, tuned);
 }
 
-/** The logit lens of every layer and the attribution at the query, one request each query. */
+/** The logit lens of every layer and the attribution at the query, one request each query
+ *  and control vector (the chosen one, if any: both are computed under it). */
 async function renderLens() {
   const { model, query } = state;
-  const key = `${query}`;
+  const vector = model.vector;
+  const key = lensKey(query, vector);
   model.lens = model.lens || new Map();
   let data = model.lens.get(key);
   if (data === undefined) {
     setStatus("busy", "Computing the logit lens and head attribution…");
     try {
-      data = await api.lookInside(model.text, query);
+      data = await api.lookInside(model.text, query, { vector });
     } catch (error) {
       if (model === state.model) showError(error);
       return;
@@ -460,9 +462,14 @@ async function renderLens() {
     model.lens.set(key, data);
     setStatus("ready", `${model.T} tokens · logit lens of ${model.L} layers`);
   }
-  if (model === state.model && state.view === "lens" && state.query === query) {
+  if (model === state.model && state.view === "lens"
+      && lensKey(state.query, model.vector) === key) {
     lensView.show(data, model.tokens, query);
   }
+}
+
+function lensKey(query, vector) {
+  return vector ? `${query} ${vector.name} ${vector.scale}` : `${query}`;
 }
 
 async function renderStep() {

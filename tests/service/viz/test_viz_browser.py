@@ -397,6 +397,30 @@ def test_three_views_over_prompt_and_continuation(chromium: Any, server: Any,
     page.context.close()
 
 
+def check_lens(page: Any, want: dict[str, Any], t: int, query: int) -> None:
+    """The lens table and the attribution grid on ``page`` hold ``want``'s (/attention JSON
+    with logit_lens and head_attribution at ``query``) values."""
+    shown = page.evaluate("""() => ({
+        lens: [...document.querySelectorAll('#lens-table td')].map((c) => [
+            Number(c.dataset.layer), Number(c.dataset.pos), Number(c.dataset.token),
+            Number(c.dataset.prob)]),
+        attr: [...document.querySelectorAll('#attr-table td')].map((c) => [
+            Number(c.dataset.layer), c.dataset.head, Number(c.dataset.value)]),
+        target: Number(document.querySelector('#lens [data-target]').dataset.target)})""")
+    lens = want["logit_lens"]
+    assert len(shown["lens"]) == len(want["layers"]) * t
+    for layer, pos, token, prob in shown["lens"]:
+        row = want["layers"].index(layer)
+        assert token == lens["top_ids"][row][pos][0]
+        assert prob == pytest.approx(lens["top_probs"][row][pos][0], abs=1e-6)
+    attr = want["head_attribution"]
+    assert shown["target"] == attr["target"] and attr["position"] == query
+    for layer, head, value in shown["attr"]:
+        expected = attr["mlp"][layer] if head == "mlp" else attr["heads"][layer][int(head)]
+        assert value == pytest.approx(expected, abs=1e-6)
+    assert len(shown["attr"]) == len(attr["heads"]) * (len(attr["heads"][0]) + 1)
+
+
 def test_logit_lens_and_head_attribution_views(chromium: Any, server: Any,
                                                 client: httpx.Client, shots: Path) -> None:
     """The lens table shows /attention's logit_lens (top token and probability of every
@@ -414,25 +438,8 @@ def test_logit_lens_and_head_attribution_views(chromium: Any, server: Any,
         want = client.post("/attention", json={
             "inputs": PROMPT, "include": ["logit_lens", "head_attribution"], "top_k": 5,
             "position": query}).json()
-        shown = page.evaluate("""() => ({
-            lens: [...document.querySelectorAll('#lens-table td')].map((c) => [
-                Number(c.dataset.layer), Number(c.dataset.pos), Number(c.dataset.token),
-                Number(c.dataset.prob)]),
-            attr: [...document.querySelectorAll('#attr-table td')].map((c) => [
-                Number(c.dataset.layer), c.dataset.head, Number(c.dataset.value)]),
-            target: Number(document.querySelector('#lens [data-target]').dataset.target)})""")
-        lens = want["logit_lens"]
-        assert len(shown["lens"]) == len(want["layers"]) * t
-        for layer, pos, token, prob in shown["lens"]:
-            row = want["layers"].index(layer)
-            assert token == lens["top_ids"][row][pos][0]
-            assert prob == pytest.approx(lens["top_probs"][row][pos][0], abs=1e-6)
-        attr = want["head_attribution"]
-        assert shown["target"] == attr["target"] and attr["position"] == query
-        for layer, head, value in shown["attr"]:
-            expected = attr["mlp"][layer] if head == "mlp" else attr["heads"][layer][int(head)]
-            assert value == pytest.approx(expected, abs=1e-6)
-        assert len(shown["attr"]) == len(attr["heads"]) * (len(attr["heads"][0]) + 1)
+        check_lens(page, want, t, query)
+        assert "control vector" not in page.inner_text("#lens")
     save_shot(page.locator("#views"), shots / "lens-view.png")
     watch.assert_clean()
     page.context.close()
@@ -800,5 +807,44 @@ def test_a_control_vector_is_compared_with_none(chromium: Any, steer_server: Ser
     page.select_option("#vector", "")
     assert page.is_hidden(tab) and page.is_hidden("#view-compare")
     assert page.get_attribute(".tabs [data-view=head]", "aria-selected") == "true"
+    watch.assert_clean()
+    page.context.close()
+
+
+def test_the_lens_and_attribution_are_computed_under_the_chosen_vector(
+        chromium: Any, steer_server: ServerProcess, shots: Path) -> None:
+    """With a vector and a scale picked, the lens and attribution views hold /attention's
+    values under that vector (not the unsteered ones) and their captions name it; with
+    none picked again they are the unsteered model's."""
+    page, watch = open_page(chromium, steer_server.url, key=None)
+    page.wait_for_function(RUN_ENABLED)
+    page.wait_for_selector("#vector-pick:not([hidden])")
+    page.fill("#vector-scale", "3")
+    page.select_option("#vector", "v")
+    run_prompt(page, PROMPT, continuation=False)
+    t = page.evaluate("() => window.attnviz.state.model.T")
+    page.click("[data-view=lens]")
+    page.wait_for_selector(f"#lens[data-query='{t - 1}'][data-vector='v 3'] #attr-table")
+    members = {"inputs": PROMPT, "include": ["logit_lens", "head_attribution"], "top_k": 5,
+               "position": t - 1}
+    control = {"name": "v", "scale": 3}
+    with httpx.Client(base_url=steer_server.url, timeout=120) as client:
+        steered = client.post("/attention", json=members | {"control_vector": control}).json()
+        plain = client.post("/attention", json=members).json()
+    # the vector changes what the lens and attribution show, so the check below can tell
+    assert steered["head_attribution"]["heads"] != plain["head_attribution"]["heads"]
+    check_lens(page, steered, t, t - 1)
+    text = page.inner_text("#lens")
+    assert "Logit lens: each layer's top next token, under control vector v × 3" in text
+    assert text.count("under control vector v × 3") == 2  # the lens's and attribution's
+    save_shot(page.locator("#views"), shots / "lens-vector.png")
+    lens_bodies = [b for b in attention_bodies(watch) if "logit_lens" in b["include"]]
+    assert [b.get("control_vector") for b in lens_bodies] == [control]
+    # no vector: the lens is the unsteered model's again, its caption names none
+    page.select_option("#vector", "")
+    page.click("[data-view=lens]")
+    page.wait_for_selector(f"#lens[data-query='{t - 1}'][data-vector=''] #attr-table")
+    check_lens(page, plain, t, t - 1)
+    assert "control vector" not in page.inner_text("#lens")
     watch.assert_clean()
     page.context.close()
