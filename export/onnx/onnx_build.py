@@ -187,10 +187,11 @@ class WeightsWriter:
     def _staged(self, file_name: str) -> Path:
         return self.directory / f".{file_name}.tmp"
 
-    def _put(self, data_type: int, dims: list[int], data: Any) -> tuple[int, int, bool]:
+    def _put(self, data_type: int, data: Any) -> tuple[int, int, bool]:
         """(offset, length, whether written now) of these bytes in the file, written unless
-        equal ones were."""
-        digest = hashlib.sha256(bytes([data_type]) + repr(dims).encode())
+        equal ones were, whatever their shape (each graph's tensor proto keeps its own dims:
+        attention.onnx's (L, d) ``steer`` default shares the steps graphs' (1, L, d) zeros)."""
+        digest = hashlib.sha256(bytes([data_type]))
         digest.update(data)
         key = digest.digest()
         self._referenced += memoryview(data).nbytes
@@ -226,7 +227,7 @@ class WeightsWriter:
             array = array.astype(array.dtype.newbyteorder("<"))
         tensor = onnx.TensorProto(name=name, dims=array.shape,
                                   data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-        offset, length, _ = self._put(tensor.data_type, list(array.shape),
+        offset, length, _ = self._put(tensor.data_type,
                                       np.ascontiguousarray(array).data.cast("B"))
         self._point(tensor, self._tmp.name, offset, length)
         return tensor
@@ -247,7 +248,7 @@ class WeightsWriter:
             data = _tensor_bytes(tensor, self.base)
             if len(data) < EXTERNAL_MIN_BYTES:
                 continue
-            offset, length, new = self._put(tensor.data_type, list(tensor.dims), data)
+            offset, length, new = self._put(tensor.data_type, data)
             self.added[file_name] = self.added.get(file_name, 0) + (length if new else 0)
             del data
             self._point(tensor, WEIGHTS_FILE, offset, length)
