@@ -263,3 +263,25 @@ def write_peft_adapter(directory: Path, widths: dict[str, tuple[int, int]], rank
         tensors[f"{key}.lora_B.weight"] = np.full((width_out, rank), b_value, np.float32)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     return directory
+
+
+def without_steer(artifact: Path, out: Path, graph_file: str) -> Path:
+    """A copy of ``artifact`` at ``out`` whose ``graph_file`` predates control vectors:
+    ``steer`` no longer an input (its default a constant), the manifest's hash updated."""
+    import shutil
+
+    import onnx
+
+    from service.contract.manifest import FileEntry, sha256_file
+
+    shutil.copytree(artifact, out)
+    graph = out / graph_file
+    model = onnx.load(str(graph), load_external_data=False)
+    kept = [i for i in model.graph.input if i.name != io.STEER]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    onnx.save(model, str(graph))
+    manifest = load_manifest(out)
+    manifest.files[graph_file] = FileEntry(sha256_file(graph), graph.stat().st_size)
+    manifest.write(out)
+    return out

@@ -18,9 +18,7 @@ model's under ``steered()`` (forward hooks), scale 0 is no vector, and it refuse
 
 from __future__ import annotations
 
-import dataclasses
 import io as io_
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,17 +29,21 @@ from typing import Any
 
 import httpx
 import numpy as np
-import onnx
 import pytest
 
 from model.checkpoint import load_checkpoint
 from model.steering import block_outputs, steered
 from service.contract import io_spec as io
 from service.contract.control_vector import ControlVector, write_control_vector
-from service.contract.manifest import FileEntry, load_manifest, sha256_file
 from tests.conftest import torch_threads
 from tests.export.test_steer import FLOAT32, PAIRS, ours_greedy, write_pairs
-from tests.service.helpers import ServerProcess, metric_value, serving, wait_metric
+from tests.service.helpers import (
+    ServerProcess,
+    metric_value,
+    serving,
+    wait_metric,
+    without_steer,
+)
 
 LAYERS = 3
 SCALE = 4.0
@@ -301,17 +303,7 @@ def test_attention_refuses_a_vector_as_generate_does(server: ServerProcess) -> N
 
 def test_an_attention_graph_without_steer_answers_409_naming_the_field(
         build: Steered, tmp_path: Path) -> None:
-    old = tmp_path / "old"
-    shutil.copytree(build.artifact, old)
-    graph = old / io.ATTENTION_FILE
-    model = onnx.load(str(graph), load_external_data=False)
-    kept = [i for i in model.graph.input if i.name != io.STEER]  # steer: a constant now
-    del model.graph.input[:]
-    model.graph.input.extend(kept)
-    onnx.save(model, str(graph))
-    manifest = load_manifest(old)
-    manifest.files[io.ATTENTION_FILE] = FileEntry(sha256_file(graph), graph.stat().st_size)
-    dataclasses.replace(manifest).write(old)
+    old = without_steer(build.artifact, tmp_path / "old", io.ATTENTION_FILE)
     with contextmanager(serving)(old, tmp_path / "server.log",
                                  ("--control-vectors", f"v={build.vector}")) as proc:
         r = attention(proc, {"inputs": "hello", "control_vector": {"name": "v"}})

@@ -25,8 +25,13 @@ import pytest
 from service.contract import adapter_spec
 from service.contract import io_spec as io
 from service.contract.control_vector import ControlVector, write_control_vector
-from service.contract.manifest import FileEntry, load_manifest, sha256_file
-from tests.service.helpers import ServerProcess, metric_value, serving, write_peft_adapter
+from tests.service.helpers import (
+    ServerProcess,
+    metric_value,
+    serving,
+    without_steer,
+    write_peft_adapter,
+)
 from tests.service.lora_build import LoraBuild, merged_greedy
 
 ADAPTER_GRAPH = adapter_spec.lora_file("engine_mixed.onnx")
@@ -241,7 +246,6 @@ def test_attention_under_an_adapter_and_a_vector_is_the_merged_model_steered(
     """Both at once: attention_lora.onnx with the adapter's weights and the vector's rows,
     against the merged model's attention.onnx under the same rows; an artifact whose
     attention_lora.onnx predates steer answers 409 for the pair (each alone still works)."""
-    import onnx
     import onnxruntime as ort
 
     vector, rows = _vector(lora_build, tmp_path)
@@ -271,17 +275,8 @@ def test_attention_under_an_adapter_and_a_vector_is_the_merged_model_steered(
     # the vector reached the stream after block 1
     assert np.abs(np.asarray(got["residual_norms"]) - adapted["residual_norms"]).max() > 1e-3
 
-    old = tmp_path / "old"
-    shutil.copytree(lora_build.artifact, old)
-    graph = old / adapter_spec.lora_file(io.ATTENTION_FILE)
-    model = onnx.load(str(graph), load_external_data=False)
-    kept = [i for i in model.graph.input if i.name != io.STEER]  # steer: a constant now
-    del model.graph.input[:]
-    model.graph.input.extend(kept)
-    onnx.save(model, str(graph))
-    manifest = load_manifest(old)
-    manifest.files[graph.name] = FileEntry(sha256_file(graph), graph.stat().st_size)
-    manifest.write(old)
+    old = without_steer(lora_build.artifact, tmp_path / "old",
+                        adapter_spec.lora_file(io.ATTENTION_FILE))
     with contextmanager(serving)(old, tmp_path / "old.log", args) as proc:
         r = httpx.post(f"{proc.url}/attention", json=body, timeout=60)
         assert r.status_code == 409, r.text

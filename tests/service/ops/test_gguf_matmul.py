@@ -372,6 +372,17 @@ def test_batched_path_at_its_threshold(gguf_ops_library: Path, name: str) -> Non
         assert row_error(y, weight_type.as_computed(x, stored, dense)) <= EXACT, (name, m)
 
 
+def forced_session(model: bytes, library: Path, path: str) -> ort.InferenceSession:
+    """A session on the kernel path ATTNSERVE_GGUF_MATMUL_PATH forces; the test skips where
+    this CPU lacks its instruction set."""
+    try:
+        return session(model, library)
+    except Exception as exc:
+        if "this CPU runs only" in str(exc):
+            pytest.skip(f"{path}: {exc}")
+        raise
+
+
 @pytest.mark.parametrize("path", ["avx2", "avx512vnni", "vec_dot"])
 def test_each_path_matches_numpy(gguf_ops_library: Path, path: str,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -384,12 +395,7 @@ def test_each_path_matches_numpy(gguf_ops_library: Path, path: str,
         k = K if name.endswith("_K") else 576
         rng = np.random.default_rng(6)
         stored, dense = weight_type.make(rng, N, k)
-        try:
-            sess = session(matmul_model(weight_type.type_id, k), gguf_ops_library)
-        except Exception as exc:
-            if "this CPU runs only" in str(exc):
-                pytest.skip(f"{path}: {exc}")
-            raise
+        sess = forced_session(matmul_model(weight_type.type_id, k), gguf_ops_library, path)
         for m in (1, 5):
             x = rng.standard_normal((m, k)).astype(np.float32)
             (y,) = sess.run(None, {"X": x, "W": stored})
@@ -418,12 +424,7 @@ def test_largest_codes_against_largest_activations(gguf_ops_library: Path, path:
         blocks = stored.reshape(N, -1, GGML_QUANT_SIZES[qtype][1])  # a view of stored
         blocks[..., code_bytes] = 0xFF
         dense = dequantize(stored, qtype).astype(np.float64)
-        try:
-            sess = session(matmul_model(weight_type.type_id, K), gguf_ops_library)
-        except Exception as exc:
-            if "this CPU runs only" in str(exc):
-                pytest.skip(f"{path}: {exc}")
-            raise
+        sess = forced_session(matmul_model(weight_type.type_id, K), gguf_ops_library, path)
         x = np.repeat(np.array([[1.0], [-1.0], [3.0], [-0.5], [2.0]], np.float32), K, axis=1)
         (y,) = sess.run(None, {"X": x, "W": stored})
         assert row_error(y, weight_type.as_computed(x, stored, dense)) <= EXACT, name
