@@ -72,8 +72,6 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     from export.gguf.source import GGUFFile, open_source
     from export.lora.adapter_check import write_served_adapter_graphs
     from export.memory import release
-    from export.onnx.engine_graph import build_engine_graph
-    from export.onnx.model_graphs import build_attention, build_decoder
     from export.onnx.onnx_build import WeightsWriter, load_graph
     from export.quantize.weights import (
         ATTENTION_ACCURACY_LEVEL,
@@ -82,6 +80,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         quantize_weights,
         quiet_ort_logs,
     )
+    from export.to_onnx import build_graphs
     from export.verify.engine_parity import EngineDecoder
     from export.verify.parity import check_threads, decoder_for
     from service.contract import io_spec as io
@@ -96,15 +95,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     graphs = [io.MODEL_FILE, *([ENGINE_FILE] if engine_graph else []),
               *([ENGINE_MIXED_FILE] if engine_graph and mixed_steps else [])]
     with WeightsWriter(tmp) as weights:  # the small tensors; placeholders for the blocks
-        weights.add(io.MODEL_FILE, build_decoder(gpt, opset, "float32", weights=weights,
-                                                 matmul_head=True))
-        weights.add(io.ATTENTION_FILE, build_attention(gpt, opset, weights=weights))
-        if engine_graph:
-            weights.add(ENGINE_FILE, build_engine_graph(gpt, matmul_only=True,
-                                                        weights=weights))
-        if engine_graph and mixed_steps:
-            weights.add(ENGINE_MIXED_FILE, build_engine_graph(gpt, matmul_only=True,
-                                                              mixed=True, weights=weights))
+        build_graphs(gpt, weights, opset, "float32", True, engine_graph, mixed_steps)
     built = {name: tmp / f".{name}{PLACEHOLDER_SUFFIX}" for name in (*graphs, io.ATTENTION_FILE)}
     for name, path in built.items():
         os.replace(tmp / name, path)
@@ -219,7 +210,8 @@ def _verify_float_activations(ckpt: Any, tmp: Path, check: dict[str, Path], grap
     """The float-activation graphs (``check``) and attention.onnx against PyTorch run
     layer by layer, by the float32 rule (export/verify/parity.py); the manifest's figures."""
     from export.memory import release
-    from export.verify.engine_parity import EngineDecoder, verify_engine
+    from export.to_onnx import say_verified, verify_engines
+    from export.verify.engine_parity import EngineDecoder
     from export.verify.layerwise import LayerwiseReference
     from export.verify.parity import check_prompts, decoder_for, verify_artifact
     from service.contract import io_spec as io
@@ -243,21 +235,12 @@ def _verify_float_activations(ckpt: Any, tmp: Path, check: dict[str, Path], grap
                                       reference=reference, threads=threads),
                     "reference": "PyTorch layer by layer (export/verify/layerwise.py); graphs "
                                  "checked with the file's blocks at float activations"}
-    say(f"verified at float activations: prefill "
-        f"{verification['prefill']['max_abs_diff']:.2e}, decode "
-        f"{verification['decode']['max_abs_diff']:.2e} over "
-        f"{verification['decode']['steps']} steps (tolerance "
-        f"{verification['tolerance']['logits']:.2e}); attention.onnx "
-        f"{verification['attention']['weights_max_abs_diff']:.2e}")
+    say_verified(verification, say, " at float activations")
     verification["attention_quantized"] = {**attention, "verified": True,
                                            **verification["attention"]}
-    for name, key in ((ENGINE_FILE, "engine"), (ENGINE_MIXED_FILE, "engine_mixed")):
-        if name in graphs:
-            verification[key] = verify_engine(gpt, check[name], reference=reference,
-                                              prompts=verification["decode"]["prompts"],
-                                              threads=threads)
-            say(f"verified {name} at float activations: "
-                f"{verification[key]['max_abs_diff']:.2e}")
+    verify_engines(gpt, {key: check[name] for name, key in ((ENGINE_FILE, "engine"),
+                                                            (ENGINE_MIXED_FILE, "engine_mixed"))
+                         if name in graphs}, verification, reference, say, threads=threads)
     del reference
     release()
     return verification

@@ -145,20 +145,55 @@ def artifact_config(ckpt: Any, model_name: str, kv_dtype: io.KvDtype,
     )
 
 
-def _quantize_engine(gpt: Any, fp32_path: Path, out: Path, tok: Any,
-                     training: dict[str, Any], method: str, measure: bool,
-                     level: int, kernel: str) -> dict[str, Any]:
-    """engine.onnx with quantised weights, judged against its float32 self."""
-    from export.gguf.blocks import repacks
-    from export.quantize.weights import compare_decoders, quantize_weights
-    from export.verify.engine_parity import EngineDecoder
+def build_graphs(gpt: Any, weights: Any, opset: int, dtype: io.KvDtype, matmul: bool,
+                 engine_graph: bool, mixed_steps: bool) -> None:
+    """model.onnx, attention.onnx and the engine graphs asked for into ``weights``'
+    directory, each graph's weights written as it is built (no graph holds them in
+    memory). ``matmul``: every weight product a MatMul, for quantisation to rewrite."""
+    from export.onnx.engine_graph import build_engine_graph
+    from export.onnx.model_graphs import build_attention, build_decoder
+    from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
 
-    figures = quantize_weights(fp32_path, out, method, training, flat=True, level=level,
-                               kernel=kernel, repack=repacks(kernel, level))
-    if measure:
-        figures.update(compare_decoders(gpt, lambda: EngineDecoder(fp32_path, gpt),
-                                        lambda: EngineDecoder(out, gpt), tok, training, method))
-    return figures
+    weights.add(io.MODEL_FILE, build_decoder(gpt, opset, dtype, weights=weights,
+                                             matmul_head=matmul))
+    weights.add(io.ATTENTION_FILE, build_attention(gpt, opset, weights=weights))
+    if engine_graph:
+        weights.add(ENGINE_FILE, build_engine_graph(gpt, matmul_only=matmul, weights=weights))
+    if engine_graph and mixed_steps:
+        weights.add(ENGINE_MIXED_FILE, build_engine_graph(gpt, matmul_only=matmul, mixed=True,
+                                                          weights=weights))
+
+
+def verify_engines(gpt: Any, paths: dict[str, Path], verification: dict[str, Any],
+                   reference: Any, say: Any, dtype: io.KvDtype = "float32",
+                   threads: int = 1) -> None:
+    """Each engine graph (``paths``: its key in ``verification`` → its file) against
+    PyTorch, fed model.onnx's decode prompts (export/verify/engine_parity.py)."""
+    from export.verify.engine_parity import verify_engine
+
+    for key, path in paths.items():
+        checked = verification[key] = verify_engine(
+            gpt, path, prompts=verification["decode"]["prompts"], reference=reference,
+            dtype=dtype, threads=threads)
+        say(f"verified {path.name}: {checked['max_abs_diff']:.2e} over "
+            f"{checked['steps']} steps, cache updated in place")
+
+
+def say_verified(verification: dict[str, Any], say: Any, how: str = "") -> None:
+    """model.onnx's and attention.onnx's checks (verify_artifact's figures) in a line."""
+    say(f"verified{how}: prefill {verification['prefill']['max_abs_diff']:.2e}, "
+        f"decode {verification['decode']['max_abs_diff']:.2e} over "
+        f"{verification['decode']['steps']} steps (tolerance "
+        f"{verification['tolerance']['logits']:.2e}); attention.onnx "
+        f"{verification['attention']['weights_max_abs_diff']:.2e}")
+
+
+def _aside(path: Path) -> Path:
+    """``path`` renamed to a hidden float32 copy beside it, which its quantised version
+    replaces; the copy's path."""
+    fp32 = path.with_name(f".{path.name}.fp32")
+    os.replace(path, fp32)
+    return fp32
 
 
 def _quantize_attention(gpt: Any, fp32_path: Path, out: Path, training: dict[str, Any],
@@ -235,15 +270,16 @@ def export_artifact(
     from export.memory import release
     from export.onnx.engine_graph import build_engine_graph
     from export.onnx.float16 import halve_artifact
-    from export.onnx.model_graphs import (
-        DEFAULT_OPSET,
-        build_attention,
-        build_decoder,
-    )
+    from export.onnx.model_graphs import DEFAULT_OPSET
     from export.onnx.onnx_build import WeightsWriter, load_graph
-    from export.quantize.weights import ACTIVATION_LEVELS, SIDE_DATA, gguf_advice, quantize_model
-    from export.verify.engine_parity import verify_engine
-    from export.verify.parity import TorchReference, check_prompts, verify_artifact
+    from export.quantize.weights import (
+        ACTIVATION_LEVELS,
+        SIDE_DATA,
+        gguf_advice,
+        quantize_graph,
+    )
+    from export.verify.engine_parity import EngineDecoder
+    from export.verify.parity import TorchReference, check_prompts, decoder_for, verify_artifact
     from model.gguf.codes import DIRECT
     from service.contract.engine_spec import (
         ENGINE_FILE,
@@ -305,17 +341,8 @@ def export_artifact(
         started = time.perf_counter()
         model_path, attention_path = tmp / io.MODEL_FILE, tmp / io.ATTENTION_FILE
         engine_path, mixed_path = tmp / ENGINE_FILE, tmp / ENGINE_MIXED_FILE
-        # each graph's weights written as it is built: no graph holds them in memory
         with WeightsWriter(tmp) as weights:
-            weights.add(io.MODEL_FILE, build_decoder(gpt, opset, dtype, weights=weights,
-                                                     matmul_head=bool(quantize)))
-            weights.add(io.ATTENTION_FILE, build_attention(gpt, opset, weights=weights))
-            if engine_graph:
-                weights.add(ENGINE_FILE, build_engine_graph(gpt, matmul_only=bool(quantize),
-                                                            weights=weights))
-            if engine_graph and mixed_steps:
-                weights.add(ENGINE_MIXED_FILE, build_engine_graph(
-                    gpt, matmul_only=bool(quantize), mixed=True, weights=weights))
+            build_graphs(gpt, weights, opset, dtype, bool(quantize), engine_graph, mixed_steps)
             if twin:  # float32, for wide passes: its LM head the embedding's bytes (built
                 # now, while PyTorch's weights are here; its tensors are the graphs' above)
                 weights.add(ENGINE_FLOAT32_FILE, build_engine_graph(gpt, mixed=mixed_steps,
@@ -340,18 +367,10 @@ def export_artifact(
         if verify:
             verification = verify_artifact(gpt, model_path, attention_path, dtype,
                                            reference=reference)
-            say(f"verified: prefill {verification['prefill']['max_abs_diff']:.2e}, "
-                f"decode {verification['decode']['max_abs_diff']:.2e} over "
-                f"{verification['decode']['steps']} steps (tolerance "
-                f"{verification['tolerance']['logits']:.2e})")
-            for key, path, wanted in (("engine", engine_path, engine_graph),
-                                      ("engine_mixed", mixed_path, engine_graph and mixed_steps)):
-                if wanted:
-                    checked = verification[key] = verify_engine(
-                        gpt, path, prompts=verification["decode"]["prompts"],
-                        reference=reference, dtype=dtype)
-                    say(f"verified {path.name}: {checked['max_abs_diff']:.2e} over "
-                        f"{checked['steps']} steps, cache updated in place")
+            say_verified(verification, say)
+            verify_engines(gpt, {key: path for key, path in (("engine", engine_path),
+                                                             ("engine_mixed", mixed_path))
+                                 if path.is_file()}, verification, reference, say, dtype)
             assert adapter_reference is not None
             verification["adapters"] = verify_adapter_graphs(tmp, gpt.config,
                                                              adapter_reference)
@@ -359,11 +378,9 @@ def export_artifact(
         if quantize is not None:
             if (advice := gguf_advice(ckpt.meta.training, quantize)) is not None:
                 say(advice)
-            fp32_model = tmp / f".{io.MODEL_FILE}.fp32"
-            os.replace(model_path, fp32_model)
-            quantization = quantize_model(gpt, model_path, fp32_model, tok, ckpt.meta.training,
-                                         measure=verify, method=quantize, level=level,
-                                         kernel=kernel)
+            quantization = quantize_graph(
+                gpt, _aside(model_path), model_path, tok, ckpt.meta.training, quantize, level,
+                kernel, decoder=(lambda p: decoder_for(p, gpt, "float32")) if verify else None)
             say(f"{quantize}: token agreement {quantization.get('token_agreement')}, "
                 f"perplexity change {quantization.get('perplexity_relative_change')}")
             kept_types = ", ".join(sorted(t.name for t in DIRECT))
@@ -374,29 +391,24 @@ def export_artifact(
                     f"{kept_types}): {f.get('as')} instead")
             verification["quantized"] = quantization
             if quantize in ATTENTION_QUANTIZATIONS:
-                fp32_attention = tmp / f".{io.ATTENTION_FILE}.fp32"
-                os.replace(attention_path, fp32_attention)
                 verification["attention_quantized"] = _quantize_attention(
-                    gpt, fp32_attention, attention_path, ckpt.meta.training, quantize,
+                    gpt, _aside(attention_path), attention_path, ckpt.meta.training, quantize,
                     reference, quantization.get("fallback"), level, kernel)
                 if verify:
                     say(f"{quantize} attention.onnx: attention weights "
                         f"{verification['attention_quantized']['weights_max_abs_diff']:.2e} "
                         "from PyTorch's")
+            # judged on engine.onnx: engine_mixed.onnx's is the same rewrite
+            for key, path, judged in (("engine_quantized", engine_path, verify),
+                                      ("engine_mixed_quantized", mixed_path, False)):
+                if path.is_file():
+                    verification[key] = quantize_graph(
+                        gpt, _aside(path), path, tok, ckpt.meta.training, quantize, level,
+                        kernel, flat=True,
+                        decoder=(lambda p: EngineDecoder(p, gpt)) if judged else None)
             if engine_graph:
-                fp32_engine = tmp / f".{ENGINE_FILE}.fp32"
-                os.replace(engine_path, fp32_engine)
-                verification["engine_quantized"] = _quantize_engine(
-                    gpt, fp32_engine, engine_path, tok, ckpt.meta.training, quantize, verify,
-                    level, kernel)
                 say(f"{quantize} engine.onnx: token agreement "
                     f"{verification['engine_quantized'].get('token_agreement')}")
-            if engine_graph and mixed_steps:  # the same rewrite; judged above on engine.onnx
-                fp32_mixed = tmp / f".{ENGINE_MIXED_FILE}.fp32"
-                os.replace(mixed_path, fp32_mixed)
-                verification["engine_mixed_quantized"] = _quantize_engine(
-                    gpt, fp32_mixed, mixed_path, tok, ckpt.meta.training, quantize, False,
-                    level, kernel)
             # one weights.bin again, each graph loaded and stored in turn, in the order
             # they always had; the graphs as quantised stay on disk, with the old
             # weights.bin, until the block ends
@@ -413,11 +425,8 @@ def export_artifact(
                 say(f"{ENGINE_FLOAT32_FILE} +"
                     f"{storage['opt_in_bytes'][ENGINE_FLOAT32_FILE] / 1e6:.1f} MB")
             if twin and verify:
-                verification["engine_float32"] = verify_engine(
-                    gpt, tmp / ENGINE_FLOAT32_FILE, prompts=verification["decode"]["prompts"],
-                    reference=reference)
-                say(f"verified {ENGINE_FLOAT32_FILE}: "
-                    f"{verification['engine_float32']['max_abs_diff']:.2e}")
+                verify_engines(gpt, {"engine_float32": tmp / ENGINE_FLOAT32_FILE}, verification,
+                               reference, say)
             for stale in [*tmp.glob(".*.fp32"), *tmp.glob(f"*.onnx{SIDE_DATA}")]:
                 stale.unlink()  # the float32 graphs, and quantised weights now in weights.bin
         # the served graphs are final: their adapter graphs, over the same weights.bin

@@ -45,7 +45,6 @@ import numpy as np
 
 from export.gguf.source import GGUFFile, open_source
 from export.memory import release
-from export.verify.parity import decoder_for
 from model.gpt import GPT
 from service.contract.reference import Decoder, agreement_with, greedy
 
@@ -140,14 +139,6 @@ def perplexity(dec: Decoder, windows: np.ndarray) -> float:
         logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
         nll[row] = -np.take_along_axis(logp, window[1:, None], axis=-1)[:, 0]
     return float(math.exp(nll.mean()))
-
-
-def int8_figures(gpt: GPT, fp32_path: Path, int8_path: Path, tokenizer: Any,
-                 training: dict[str, Any], method: str = "int8") -> dict[str, Any]:
-    """Compare the int8 model.onnx with the float32 one on held-out text."""
-    return compare_decoders(gpt, lambda: decoder_for(fp32_path, gpt, "float32"),
-                            lambda: decoder_for(int8_path, gpt, "float32"), tokenizer,
-                            training, method)
 
 
 def compare_decoders(gpt: GPT, reference: Callable[[], Decoder],
@@ -373,15 +364,16 @@ def _matmul_nbits(src: Path, dst: Path, bits: int, symmetric: bool,
             "float_matmuls_left": sum(n.op_type == "MatMul" for n in out.graph.node)}
 
 
-def quantize_model(gpt: GPT, model_path: Path, fp32_path: Path, tokenizer: Any,
-                  training: dict[str, Any], measure: bool = True,
-                  method: str = "int8", level: int = ACCURACY_LEVEL,
-                  kernel: str = "nbits") -> dict[str, Any]:
-    """Write the ``method`` version of ``fp32_path`` to ``model_path``; return the figures."""
+def quantize_graph(gpt: GPT, src: Path, dst: Path, tokenizer: Any, training: dict[str, Any],
+                   method: str, level: int, kernel: str, flat: bool = False,
+                   decoder: Callable[[Path], Decoder] | None = None) -> dict[str, Any]:
+    """Write the ``method`` version of the float32 graph ``src`` to ``dst``; return the
+    figures. ``decoder`` (what runs either graph): the two compared on held-out text."""
     from export.gguf.blocks import repacks
 
-    figures = quantize_weights(fp32_path, model_path, method, training, level=level,
+    figures = quantize_weights(src, dst, method, training, flat=flat, level=level,
                                kernel=kernel, repack=repacks(kernel, level))
-    if measure:
-        figures.update(int8_figures(gpt, fp32_path, model_path, tokenizer, training, method))
+    if decoder is not None:
+        figures.update(compare_decoders(gpt, lambda: decoder(src), lambda: decoder(dst),
+                                        tokenizer, training, method))
     return figures
