@@ -72,6 +72,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     from export.gguf.source import GGUFFile, open_source
     from export.lora.adapter_check import write_served_adapter_graphs
     from export.memory import release
+    from export.onnx.model_graphs import build_graphs
     from export.onnx.onnx_build import WeightsWriter, load_graph
     from export.quantize.weights import (
         ATTENTION_ACCURACY_LEVEL,
@@ -80,7 +81,6 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         quantize_weights,
         quiet_ort_logs,
     )
-    from export.to_onnx import build_graphs
     from export.verify.engine_parity import EngineDecoder
     from export.verify.parity import check_threads, decoder_for
     from service.contract import io_spec as io
@@ -210,10 +210,9 @@ def _verify_float_activations(ckpt: Any, tmp: Path, check: dict[str, Path], grap
     """The float-activation graphs (``check``) and attention.onnx against PyTorch run
     layer by layer, by the float32 rule (export/verify/parity.py); the manifest's figures."""
     from export.memory import release
-    from export.to_onnx import say_verified, verify_engines
-    from export.verify.engine_parity import EngineDecoder
+    from export.verify.engine_parity import EngineDecoder, verify_engines
     from export.verify.layerwise import LayerwiseReference
-    from export.verify.parity import check_prompts, decoder_for, verify_artifact
+    from export.verify.parity import check_prompts, decoder_for, described, verify_artifact
     from service.contract import io_spec as io
     from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
     from service.contract.pages import release_file_pages
@@ -235,7 +234,7 @@ def _verify_float_activations(ckpt: Any, tmp: Path, check: dict[str, Path], grap
                                       reference=reference, threads=threads),
                     "reference": "PyTorch layer by layer (export/verify/layerwise.py); graphs "
                                  "checked with the file's blocks at float activations"}
-    say_verified(verification, say, " at float activations")
+    say(described(verification, " at float activations"))
     verification["attention_quantized"] = {**attention, "verified": True,
                                            **verification["attention"]}
     verify_engines(gpt, {key: check[name] for name, key in ((ENGINE_FILE, "engine"),

@@ -145,49 +145,6 @@ def artifact_config(ckpt: Any, model_name: str, kv_dtype: io.KvDtype,
     )
 
 
-def build_graphs(gpt: Any, weights: Any, opset: int, dtype: io.KvDtype, matmul: bool,
-                 engine_graph: bool, mixed_steps: bool) -> None:
-    """model.onnx, attention.onnx and the engine graphs asked for into ``weights``'
-    directory, each graph's weights written as it is built (no graph holds them in
-    memory). ``matmul``: every weight product a MatMul, for quantisation to rewrite."""
-    from export.onnx.engine_graph import build_engine_graph
-    from export.onnx.model_graphs import build_attention, build_decoder
-    from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
-
-    weights.add(io.MODEL_FILE, build_decoder(gpt, opset, dtype, weights=weights,
-                                             matmul_head=matmul))
-    weights.add(io.ATTENTION_FILE, build_attention(gpt, opset, weights=weights))
-    if engine_graph:
-        weights.add(ENGINE_FILE, build_engine_graph(gpt, matmul_only=matmul, weights=weights))
-    if engine_graph and mixed_steps:
-        weights.add(ENGINE_MIXED_FILE, build_engine_graph(gpt, matmul_only=matmul, mixed=True,
-                                                          weights=weights))
-
-
-def verify_engines(gpt: Any, paths: dict[str, Path], verification: dict[str, Any],
-                   reference: Any, say: Any, dtype: io.KvDtype = "float32",
-                   threads: int = 1) -> None:
-    """Each engine graph (``paths``: its key in ``verification`` → its file) against
-    PyTorch, fed model.onnx's decode prompts (export/verify/engine_parity.py)."""
-    from export.verify.engine_parity import verify_engine
-
-    for key, path in paths.items():
-        checked = verification[key] = verify_engine(
-            gpt, path, prompts=verification["decode"]["prompts"], reference=reference,
-            dtype=dtype, threads=threads)
-        say(f"verified {path.name}: {checked['max_abs_diff']:.2e} over "
-            f"{checked['steps']} steps, cache updated in place")
-
-
-def say_verified(verification: dict[str, Any], say: Any, how: str = "") -> None:
-    """model.onnx's and attention.onnx's checks (verify_artifact's figures) in a line."""
-    say(f"verified{how}: prefill {verification['prefill']['max_abs_diff']:.2e}, "
-        f"decode {verification['decode']['max_abs_diff']:.2e} over "
-        f"{verification['decode']['steps']} steps (tolerance "
-        f"{verification['tolerance']['logits']:.2e}); attention.onnx "
-        f"{verification['attention']['weights_max_abs_diff']:.2e}")
-
-
 def _aside(path: Path) -> Path:
     """``path`` renamed to a hidden float32 copy beside it, which its quantised version
     replaces; the copy's path."""
@@ -270,7 +227,7 @@ def export_artifact(
     from export.memory import release
     from export.onnx.engine_graph import build_engine_graph
     from export.onnx.float16 import halve_artifact
-    from export.onnx.model_graphs import DEFAULT_OPSET
+    from export.onnx.model_graphs import DEFAULT_OPSET, build_graphs
     from export.onnx.onnx_build import WeightsWriter, load_graph
     from export.quantize.weights import (
         ACTIVATION_LEVELS,
@@ -278,8 +235,14 @@ def export_artifact(
         gguf_advice,
         quantize_graph,
     )
-    from export.verify.engine_parity import EngineDecoder
-    from export.verify.parity import TorchReference, check_prompts, decoder_for, verify_artifact
+    from export.verify.engine_parity import EngineDecoder, verify_engines
+    from export.verify.parity import (
+        TorchReference,
+        check_prompts,
+        decoder_for,
+        described,
+        verify_artifact,
+    )
     from model.gguf.codes import DIRECT
     from service.contract.engine_spec import (
         ENGINE_FILE,
@@ -367,7 +330,7 @@ def export_artifact(
         if verify:
             verification = verify_artifact(gpt, model_path, attention_path, dtype,
                                            reference=reference)
-            say_verified(verification, say)
+            say(described(verification))
             verify_engines(gpt, {key: path for key, path in (("engine", engine_path),
                                                              ("engine_mixed", mixed_path))
                                  if path.is_file()}, verification, reference, say, dtype)

@@ -341,3 +341,21 @@ def build_attention(gpt: GPT, opset: int = DEFAULT_OPSET,
                       "attnserve attention introspection: q, k, v, scores, scaled_scores, "
                       "weights; logit lens, residual norms, attribution; steer: a control "
                       "vector")
+
+
+def build_graphs(gpt: GPT, weights: WeightsWriter, opset: int, dtype: io.KvDtype,
+                 matmul: bool, engine_graph: bool, mixed_steps: bool) -> None:
+    """model.onnx, attention.onnx and the engine graphs asked for into ``weights``'
+    directory, each graph's weights written as it is built (no graph holds them in
+    memory). ``matmul``: every weight product a MatMul, for quantisation to rewrite."""
+    from export.onnx.engine_graph import build_engine_graph
+    from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE
+
+    weights.add(io.MODEL_FILE, build_decoder(gpt, opset, dtype, weights=weights,
+                                             matmul_head=matmul))
+    weights.add(io.ATTENTION_FILE, build_attention(gpt, opset, weights=weights))
+    if engine_graph:
+        weights.add(ENGINE_FILE, build_engine_graph(gpt, matmul_only=matmul, weights=weights))
+    if engine_graph and mixed_steps:
+        weights.add(ENGINE_MIXED_FILE, build_engine_graph(gpt, matmul_only=matmul, mixed=True,
+                                                          weights=weights))

@@ -6,6 +6,7 @@ writes in place, as into the service's KV pool."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,19 @@ def verify_engine(gpt: GPT, path: Path, steps: int = DECODE_STEPS,
     if not (parity.worst <= tolerance and not decided and in_place and greedy_equal):
         raise ValueError(f"engine.onnx disagrees with PyTorch: {result}")
     return result
+
+
+def verify_engines(gpt: GPT, paths: dict[str, Path], verification: dict[str, Any],
+                   reference: TorchReference | None, say: Callable[[str], None],
+                   dtype: io.KvDtype = "float32", threads: int = 1) -> None:
+    """:func:`verify_engine` of each engine graph (``paths``: its key in ``verification``
+    → its file), fed model.onnx's decode prompts (``verification``'s)."""
+    for key, path in paths.items():
+        checked = verification[key] = verify_engine(
+            gpt, path, prompts=verification["decode"]["prompts"], reference=reference,
+            dtype=dtype, threads=threads)
+        say(f"verified {path.name}: {checked['max_abs_diff']:.2e} over "
+            f"{checked['steps']} steps, cache updated in place")
 
 
 class EngineDecoder:

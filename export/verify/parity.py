@@ -483,3 +483,11 @@ def verify_artifact(gpt: GPT, model_path: Path, attention_path: Path,
                             "attention_weights": figures["attention"]["tolerance"]}
     figures["passed"] = True
     return figures
+
+
+def described(figures: dict[str, Any], how: str = "") -> str:
+    """:func:`verify_artifact`'s figures in a line."""
+    return (f"verified{how}: prefill {figures['prefill']['max_abs_diff']:.2e}, decode "
+            f"{figures['decode']['max_abs_diff']:.2e} over {figures['decode']['steps']} steps "
+            f"(tolerance {figures['tolerance']['logits']:.2e}); attention.onnx "
+            f"{figures['attention']['weights_max_abs_diff']:.2e}")
