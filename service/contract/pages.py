@@ -1,5 +1,5 @@
 """This process's mappings of files, and dropping the pages it only read from them: what
-the service does once its sessions are loaded (service/engine/process_memory.py) and the export
+the service does once its sessions are loaded (service/engine/engine.py) and the export
 once a check's session has packed its weights (export/from_blocks.py). Also the C heap's free
 pages given back (glibc's ``malloc_trim``), by the server when idle and by the export
 between stages (export/memory.py).

@@ -28,12 +28,13 @@ from service.artifact.loader import Artifact
 from service.contract import io_spec as io
 from service.contract.graphs import GraphEntry, GraphTable
 from service.contract.manifest import load_manifest, verify_manifest
+from service.contract.pages import release_file_pages
 from service.engine.adapters import AdapterLimits, AdapterSet, lora_entries
 from service.engine.control_vectors import ControlVectors, control_entries
 from service.engine.draft import DraftModel
 from service.engine.engine_graph_runner import EngineGraphRunner, takes_inputs_of
 from service.engine.model_graph_runner import ModelGraphRunner
-from service.engine.process_memory import collapse_to_huge_pages, release_file_pages
+from service.engine.process_memory import collapse_to_huge_pages
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
 from service.engine.runner import ModelRunner, PoolConfig
 from service.engine.scheduler import RequestHandle, Scheduler, SchedulerLimits

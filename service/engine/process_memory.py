@@ -1,29 +1,15 @@
-"""The server's resident memory: what it gives back (freed heap, read-once weights) and how
-its weights sit in it (2 MiB pages).
+"""How the server's weights sit in its memory: 2 MiB pages.
 
-Two kinds of pages stay resident after the work that needed them is done:
+(What it gives back, its C heap's freed pages when idle and the weight pages read once at
+load, is service/contract/pages.py's: after a 90-second soak of 16 chat clients on the real
+SmolLM2, ``malloc_trim(0)`` gave back 84 MB of the server's 157 MB growth.)
 
-- **The C heap's holes.** glibc's malloc keeps what a thread frees inside its arena for
-  reuse; only an arena's top is returned by itself, so the holes that a busy period leaves
-  (numpy logits, ONNX Runtime's per-run buffers, event objects) stay. Measured on the real
-  SmolLM2 after a 90-second soak of 16 chat clients: 84 MB of the server's 157 MB growth
-  came back with one ``malloc_trim(0)`` (the rest was the 64 MiB prefix store), which walks
-  every arena and releases their whole free pages (glibc 2.8+). Other C libraries (musl,
-  macOS) have no ``malloc_trim``; there it is a no-op.
-- **Weights read once at load.** ONNX Runtime memory-maps weights.bin and packs each
-  MatMul's weight into its own buffer. A tensor that some node still reads unpacked stays
-  mapped, with every page the packing touched: the tied embedding of SmolLM2 (113 MB) is
-  packed for the LM head and read by the embedding Gather, which needs a few rows per
-  token. Dropping the mapping's pages (``MADV_DONTNEED``, only where no page was written,
-  so nothing is lost: a read faults the page back in from the file or the page cache) takes
-  its resident size from 110 MB to the rows in use.
-
-And one kind of page costs time: a decode step streams every weight, and the weights ONNX
-Runtime packed at load sit in 4 KiB pages, so one step walks ~130,000 of them through the
-TLB. ``MADV_COLLAPSE`` (Linux 6.1+) moves a mapping's pages into 2 MiB pages at once,
-whatever the system's transparent-huge-page mode (docs/engine.md measures it). Only 2 MiB
-ranges already nearly all in RAM are collapsed, so memory that is reserved but not yet used
-is not made resident (and the KV pool, advised against huge pages, is never touched).
+A decode step streams every weight, and the weights ONNX Runtime packed at load sit in
+4 KiB pages, so one step walks ~130,000 of them through the TLB. ``MADV_COLLAPSE`` (Linux
+6.1+) moves a mapping's pages into 2 MiB pages at once, whatever the system's
+transparent-huge-page mode (docs/engine.md measures it). Only 2 MiB ranges already nearly
+all in RAM are collapsed, so memory that is reserved but not yet used is not made resident
+(and the KV pool, advised against huge pages, is never touched).
 """
 
 from __future__ import annotations
@@ -35,18 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from service.contract.pages import MADVISE as _MADVISE
-from service.contract.pages import (
-    Mapping,
-    can_release,
-    file_mappings,
-    libc_function,
-    regions,
-    release_file_pages,
-    release_freed_heap,
-)
-
-__all__ = ["Mapping", "anonymous_mappings", "can_release", "collapse_to_huge_pages",
-           "file_mappings", "release_file_pages", "release_freed_heap", "resident_pages"]
+from service.contract.pages import Mapping, libc_function, regions
 
 MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)  # Linux 6.1+; Python 3.11 lacks the name
 HUGE_PAGE = 2 << 20

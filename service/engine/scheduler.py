@@ -9,7 +9,7 @@ and chooses the passes. Finished and cancelled rows retire at once, and each ste
 events go back to the event loop with one ``call_soon_threadsafe``, once the step's stats
 and the load after it are recorded (so a response is in /metrics before it completes).
 Each time it runs out of work it gives the C heap's freed pages back to the OS
-(service/engine/process_memory.py), so the server's memory after a busy period returns to what
+(service/contract/pages.py), so the server's memory after a busy period returns to what
 it holds.
 
 With ``max_batch_prefill_tokens``, newcomers that arrive while rows decode join a step
@@ -40,12 +40,12 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from service.artifact.text import TextCodec
+from service.contract.pages import release_freed_heap
 from service.contract.peft_adapter import AdapterError
 from service.engine.adapters import UnknownAdapter
 from service.engine.batch import Batch
 from service.engine.chunking import ChunkBudget
 from service.engine.control_vectors import UnknownControlVector
-from service.engine.process_memory import release_freed_heap
 from service.engine.request import ErrorEvent, Event, GenerationRequest
 from service.engine.runner import ModelRunner
 from service.engine.sequence import SequenceState

@@ -1,5 +1,6 @@
 """Freed C heap pages go back to the OS when the engine idles, weights read once at load
-leave memory, and written memory moves into 2 MiB pages (service/engine/process_memory.py).
+leave memory (service/contract/pages.py), and written memory moves into 2 MiB pages
+(service/engine/process_memory.py).
 
 The reference is the kernel's own count: RssAnon in /proc/self/status, read in a child
 process that fragments its heap with libc's malloc, the weights file's resident pages and
@@ -26,6 +27,7 @@ import service.engine.engine as engine_module
 from service.artifact.loader import open_artifact
 from service.artifact.text import TextCodec
 from service.contract import io_spec as io
+from service.contract import pages
 from service.engine import process_memory as resident_module
 from service.engine import scheduler as scheduler_module
 from service.engine.engine import Engine, EngineConfig
@@ -41,12 +43,12 @@ from service.engine.scheduler import Scheduler, SchedulerLimits
 from service.providers import create_session
 from service.settings import Settings
 
-pytestmark = pytest.mark.skipif(not resident_module.can_release(),
+pytestmark = pytest.mark.skipif(not pages.can_release(),
                                 reason="no malloc_trim (not glibc)")
 
 FRAGMENT_AND_RELEASE = textwrap.dedent("""
     import ctypes, json
-    from service.engine.process_memory import release_freed_heap
+    from service.contract.pages import release_freed_heap
 
     def anon_mb():
         for line in open("/proc/self/status"):
@@ -90,13 +92,13 @@ def test_dropped_file_pages_leave_memory_and_read_back_the_same(tmp_path: Path) 
     try:
         assert shared[:] == data and private[:] == data  # every page read: resident
         private[0] = (data[0] + 1) % 256
-        before = sorted(resident_module.file_mappings(tmp_path), key=lambda m: m.written_bytes)
+        before = sorted(pages.file_mappings(tmp_path), key=lambda m: m.written_bytes)
         assert before[0].resident_bytes == len(data) and before[1].resident_bytes > 0
         assert [m.written_bytes for m in before] == [0, mmap.PAGESIZE]
 
-        assert resident_module.release_file_pages(tmp_path) == len(data)
+        assert pages.release_file_pages(tmp_path) == len(data)
 
-        after = sorted(resident_module.file_mappings(path), key=lambda m: m.written_bytes)
+        after = sorted(pages.file_mappings(path), key=lambda m: m.written_bytes)
         assert [m.resident_bytes for m in after] == [0, before[1].resident_bytes]
         assert shared[:] == data  # faulted back in from the file
         assert private[0] == (data[0] + 1) % 256 and private[1:] == data[1:]
@@ -223,9 +225,9 @@ def test_weights_read_once_at_load_leave_memory_and_the_engine_still_matches_the
         return collapsed[-1]
 
     def measured_release(path: Path) -> int:
-        resident.append(sum(m.resident_bytes for m in resident_module.file_mappings(path)))
-        released = resident_module.release_file_pages(path)
-        resident.append(sum(m.resident_bytes for m in resident_module.file_mappings(path)))
+        resident.append(sum(m.resident_bytes for m in pages.file_mappings(path)))
+        released = pages.release_file_pages(path)
+        resident.append(sum(m.resident_bytes for m in pages.file_mappings(path)))
         return released
 
     monkeypatch.setattr(engine_module, "release_file_pages", measured_release)
