@@ -420,12 +420,7 @@ class EngineGraphRunner(PooledRunner):
                 for i, r in enumerate(rows)]
 
     def _extend(self, row: RowWork, every: bool) -> np.ndarray:
-        """Feed the row's tokens (T,) after its cache: logits (T, V) of every position,
-        or (1, V) of the last."""
-        packed, _ = self._pack([row], every)
-        logits, _ = self._run(packed)  # (1, K, V)
-        self._record_pass(packed, [row])
-        return logits[0]
+        return self._prefill_rows([row], every)[0]  # one row: packed like a prompt's
 
 
 def _in_row_order(order: np.ndarray | None, bound: np.ndarray) -> np.ndarray:

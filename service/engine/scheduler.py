@@ -346,8 +346,9 @@ class Scheduler:
         rest = self._step(batch, None, partial) if batch or partial else None
         self._publish(rest)
         for seq in fresh.sequences:
-            alone = self._step(None, self._new_batch([seq.request]), None)
-            rest = self._join(rest, alone)
+            kept = [b for b in (rest, self._step(None, self._new_batch([seq.request]), None))
+                    if b is not None]
+            rest = Batch.concatenate(kept, self.runner) if kept else None
             self._publish(rest)
         return rest
 
@@ -469,13 +470,6 @@ class Scheduler:
             self._fail_step(batch, exc)
             return
         self._partial = batch
-
-    def _join(self, batch: Batch | None, fresh: Batch | None) -> Batch | None:
-        if fresh is None:
-            return batch
-        if batch is None:
-            return fresh
-        return Batch.concatenate([batch, fresh], self.runner)
 
     def _new_batch(self, requests: list[GenerationRequest]) -> Batch:
         return Batch.from_requests(requests, self.codec, self.runner.vocab_size)
