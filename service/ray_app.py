@@ -81,6 +81,11 @@ class RayServeArgs(BaseModel):
         0, ge=0, le=65535, description="each replica's own /metrics on this port of its "
                                        "node (0: any free one; null: none), listed by the "
                                        "router's /metrics/replicas for Prometheus")
+    router_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources the router's actor asks for "
+                                          "(adapter_routing: body), to keep it off the "
+                                          "engines' nodes: e.g. {ingress: 0.01} where only "
+                                          "the head node (Serve's proxy) declares ingress")
     adapter_routing: Literal["body", "header"] = Field(
         "body", description="body: an ingress reads the adapter a request names (OpenAI "
                             "model, TGI parameters.adapter_id) and routes it to a replica "
@@ -377,6 +382,8 @@ def build_app(args: dict[str, Any]) -> Application:
                                options.replica_metrics_port, routed)
     if not routed:
         return replicas
-    router = serve.deployment(name=ROUTER_NAME, ray_actor_options={"num_cpus": 0},
+    router = serve.deployment(name=ROUTER_NAME,
+                              ray_actor_options={"num_cpus": 0,
+                                                 "resources": options.router_resources},
                               max_ongoing_requests=10_000)(AdapterRouter)
     return router.bind(replicas)
