@@ -6,6 +6,10 @@ Usage (from the repository root, in the dev venv with the ray extra; ``make arti
     # the engines on CPU 1, everything else (Ray's head, Serve's proxy and the adapter
     # router, the load clients) on CPU 0: a cluster whose proxy has cores of its own
     python -m benchmarks ray-serve --engine-cpus 1 --other-cpus 0 --rounds 2
+    # where adapters land: 3 replicas, 4 adapters named in the body
+    python -m benchmarks lora-adapters --model ARTIFACT --out /tmp/adapters --count 4 --rank 8
+    python -m benchmarks ray-serve --arms ray-adapters --adapters /tmp/adapters --replicas 3 \
+        --rounds 1
 
 Each round runs its arms one after the other on the same machine:
 
@@ -18,7 +22,12 @@ Each round runs its arms one after the other on the same machine:
   are the ingress) or body (the adapter router in front, placed on the head by a custom
   resource), all ``--clients`` on the proxy.
 
-Every arm's load is ``python -m benchmarks serve`` (streamed OpenAI completions, random
+* **ray-adapters**: body routing with the PEFT adapters of ``--adapters`` served at run
+  time, ``--adapter-requests`` short completions naming them in turn, ``--clients`` at a
+  time: the replicas each adapter was served by, and the share of its requests after
+  warm-up that went to a replica holding it (the response header names the replica).
+
+The throughput arms' load is ``python -m benchmarks serve`` (streamed OpenAI completions, random
 prompts of ``--input-len`` tokens, ``--output-len`` new ones with ``--ignore-eos``). With
 ``--engine-cpus`` and ``--other-cpus`` the engines (the direct servers, the Ray nodes that hold
 replicas) are pinned to the first set and everything else to the second, with
@@ -29,6 +38,7 @@ ratios; writes them to ``--out``. Asserts nothing.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -44,9 +54,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.lib.serving import Server, emit, load_env
+from benchmarks.lib.serving import Server, emit, load_env, max_rank
 
-ARMS = ("direct", "ray-header", "ray-body")
+ARMS = ("direct", "ray-header", "ray-body", "ray-adapters")
 INGRESS_RESOURCE = "attnserve_ingress"  # declared by the head node only
 
 
@@ -148,7 +158,12 @@ def placed(title: str) -> list[list[int]]:
     return sorted(found)
 
 
-def through_ray(args: argparse.Namespace, out: Path, label: str, routing: str) -> float:
+@contextlib.contextmanager
+def on_ray(args: argparse.Namespace, label: str, routing: str,
+           serve_options: dict[str, Any] | None = None,
+           app_options: dict[str, Any] | None = None) -> Iterator[str]:
+    """service/ray_app.py on a fresh local cluster (a head with the proxy and no CPU for
+    engines, one node a replica); yields the proxy's URL once every replica is ready."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -172,11 +187,12 @@ def through_ray(args: argparse.Namespace, out: Path, label: str, routing: str) -
         serve.start(proxy_location="HeadOnly",
                     http_options={"host": "127.0.0.1", "port": port})
         app = build_app({"serve": {"model": str(args.artifact.resolve()), "intra_op_threads": 1,
-                                   "max_batch_size": 32, "log_level": "warning"},
+                                   "max_batch_size": 32, "log_level": "warning",
+                                   **(serve_options or {})},
                          "min_replicas": args.replicas, "max_replicas": args.replicas,
                          "max_replicas_per_node": 1, "num_cpus": 1,
                          "adapter_routing": routing,
-                         "router_resources": {INGRESS_RESOURCE: 0.01}})
+                         "router_resources": {INGRESS_RESOURCE: 0.01}, **(app_options or {})})
         serve.run(app, name="attnserve", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
         replicas_ready(url, args.replicas)
@@ -184,12 +200,67 @@ def through_ray(args: argparse.Namespace, out: Path, label: str, routing: str) -
         print(json.dumps({label: {"replica_cpus": placed(actor + "attnserve"),
                                   "router_cpus": placed(actor + "attnserve-router"),
                                   "proxy_cpus": placed("ray::ProxyActor")}}), flush=True)
-        run = load(url, args, args.clients, args.requests, label, out, args.other_cpus)
-        return finish([run], [label], out)[0]
+        yield url
     finally:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+
+
+def through_ray(args: argparse.Namespace, out: Path, label: str, routing: str) -> float:
+    with on_ray(args, label, routing) as url:
+        run = load(url, args, args.clients, args.requests, label, out, args.other_cpus)
+        return finish([run], [label], out)[0]
+
+
+async def adapter_requests(url: str, names: list[str], count: int, clients: int,
+                           new_tokens: int) -> list[tuple[int, str, str]]:
+    """``count`` OpenAI completions naming the adapters in turn (request i: names[i % n]),
+    ``clients`` at a time; (i, adapter, the replica that answered) of each."""
+    served: list[tuple[int, str, str]] = []
+    queue = iter(range(count))
+
+    async def client(http: httpx.AsyncClient) -> None:
+        for i in queue:
+            name = names[i % len(names)]
+            response = await http.post(f"{url}/v1/completions", json={
+                "model": name, "prompt": f"Question {i}: what is", "max_tokens": new_tokens,
+                "temperature": 0})
+            if response.status_code != 200:
+                raise SystemExit(f"ray-serve: adapter {name}: HTTP {response.status_code}: "
+                                 f"{response.text[:200]}")
+            served.append((i, name, response.headers.get("x-attnserve-replica", "")))
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+    return sorted(served)
+
+
+def adapter_landing(args: argparse.Namespace, label: str) -> dict[str, Any]:
+    """Adapters named in the body through the router: per adapter, the replicas that served
+    it, and after warm-up (each adapter's first ``--replicas`` requests) the share of its
+    requests sent to a replica that had served it before (so holds it: each replica keeps
+    every adapter it loads, ``max_adapters_per_replica`` = the adapters' count)."""
+    names = sorted(p.name for p in args.adapters.iterdir() if p.is_dir())
+    if not names:
+        raise SystemExit(f"ray-serve: --adapters {args.adapters} holds no adapter directory")
+    serve_options = {"max_loras": len(names), "max_lora_rank": max_rank(args.adapters, names),
+                     "runtime_lora": True, "lora_dir": str(args.adapters.resolve())}
+    with on_ray(args, label, "body", serve_options,
+                {"max_adapters_per_replica": len(names)}) as url:
+        served = asyncio.run(adapter_requests(url, names, args.adapter_requests, args.clients,
+                                              16))
+    seen: dict[str, list[str]] = {name: [] for name in names}  # replicas, in request order
+    hits = after_warmup = 0
+    for _, name, replica in served:
+        if len(seen[name]) >= args.replicas:
+            after_warmup += 1
+            hits += replica in seen[name]
+        seen[name].append(replica)
+    return {"adapters": len(names), "requests": len(served),
+            "replicas_per_adapter": {n: len(set(r)) for n, r in seen.items()},
+            "landing_on_holder": round(hits / after_warmup, 3) if after_warmup else None,
+            "after_warmup": after_warmup}
 
 
 def main() -> int:
@@ -205,12 +276,18 @@ def main() -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
     parser.add_argument("--engine-cpus", type=cpus, help="e.g. 1: the engines' CPUs")
     parser.add_argument("--other-cpus", type=cpus, help="e.g. 0: everything else's")
+    parser.add_argument("--adapters", type=Path,
+                        help="ray-adapters: a directory of PEFT adapters (python -m benchmarks "
+                             "lora-adapters --model ARTIFACT --out DIR --count 4)")
+    parser.add_argument("--adapter-requests", type=int, default=96)
     parser.add_argument("--work", type=Path, help="the runs' logs and results (a temp dir)")
     parser.add_argument("--out", type=Path, help="the rounds and ratios as JSON")
     args = parser.parse_args()
     arms = [a for a in args.arms.split(",") if a]
-    if any(a not in ARMS for a in arms) or "direct" not in arms:
-        parser.error(f"--arms {args.arms}: of {', '.join(ARMS)}, with direct (the ratios' base)")
+    if not arms or any(a not in ARMS for a in arms):
+        parser.error(f"--arms {args.arms}: of {', '.join(ARMS)}")
+    if "ray-adapters" in arms and (args.adapters is None or not args.adapters.is_dir()):
+        parser.error("--arms ray-adapters needs --adapters DIR (a directory of PEFT adapters)")
     if (args.engine_cpus is None) != (args.other_cpus is None):
         parser.error("--engine-cpus and --other-cpus go together")
     if args.clients % args.replicas or args.requests % args.replicas:
@@ -225,13 +302,14 @@ def main() -> int:
         for arm in arms:
             label = f"{arm}-r{number}"
             row[arm] = (direct(args, work, label) if arm == "direct"
+                        else adapter_landing(args, label) if arm == "ray-adapters"
                         else through_ray(args, work, label, arm.removeprefix("ray-")))
-        for arm in (a for a in arms if a != "direct"):
+        for arm in (a for a in ("ray-header", "ray-body") if a in arms and "direct" in arms):
             row[f"{arm}/direct"] = round(row[arm] / row["direct"], 3)
         print(json.dumps(row), flush=True)
         rounds.append(row)
     ratios = {key: statistics.median(r[key] for r in rounds)
-              for key in rounds[0] if key.endswith("/direct")}
+              for key in rounds[0] if key.endswith("/direct")}  # tokens/s through Serve ÷ direct
     emit({"config": {k: (sorted(v) if isinstance(v, set) else str(v) if isinstance(v, Path)
                          else v) for k, v in vars(args).items()},
           "work": str(work), "rounds": rounds, "median_ratios": ratios}, args.out)
