@@ -64,10 +64,10 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
                        mixed_steps: bool, level: int, verify: bool,
                        say: Callable[[str], None], kernel: str = "nbits") -> dict[str, Any]:
     """Write the served graphs and weights.bin into ``tmp``; return the manifest's
-    figures: verification, storage, build_seconds, parameter_bytes. ``kernel``: whose
-    kernels the served graphs and attention.onnx compute the blocks with
-    (export/gguf/blocks.py ``KERNELS``); the float-activation graphs the checks verify
-    against PyTorch are MatMulNBits' either way, so a ggml graph is judged against them."""
+    figures: verification, storage, build_seconds. ``kernel``: whose kernels the served
+    graphs and attention.onnx compute the blocks with (export/gguf/blocks.py ``KERNELS``);
+    the float-activation graphs the checks verify against PyTorch are MatMulNBits' either
+    way, so a ggml graph is judged against them."""
     from export.gguf.blocks import repacks
     from export.gguf.source import GGUFFile, open_source
     from export.lora.adapter_check import write_served_adapter_graphs
@@ -193,9 +193,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     served = write_served_adapter_graphs(tmp, gpt.config, verify, say, threads)
     if verify:
         verification["adapters_served"] = served
-    parameter_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
-    return {"verification": verification, "storage": storage,
-            "build_seconds": build_seconds, "parameter_bytes": parameter_bytes}
+    return {"verification": verification, "storage": storage, "build_seconds": build_seconds}
 
 
 def _remove(graph: Path, side_data: str) -> None:

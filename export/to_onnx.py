@@ -297,9 +297,7 @@ def export_artifact(
                                       mixed_steps=mixed_steps, level=level,
                                       verify=verify, say=say, kernel=kernel)
             _write_rest(tmp, ckpt, tok, Path(ckpt_dir), out, model_name, dtype, opset, quantize,
-                        engine_graph, mixed_steps, float32_pass_tokens, done["storage"],
-                        done["parameter_bytes"], done["build_seconds"], done["verification"],
-                        say)
+                        engine_graph, mixed_steps, float32_pass_tokens, say, **done)
             return out
         started = time.perf_counter()
         model_path, attention_path = tmp / io.MODEL_FILE, tmp / io.ATTENTION_FILE
@@ -311,7 +309,6 @@ def export_artifact(
                 weights.add(ENGINE_FLOAT32_FILE, build_engine_graph(gpt, mixed=mixed_steps,
                                                                     weights=weights))
         storage = weights.figures
-        parameter_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
         build_seconds = time.perf_counter() - started
         say(f"built {', '.join(sorted(p.name for p in tmp.glob('*.onnx')))} in "
             f"{build_seconds:.1f}s")
@@ -399,8 +396,8 @@ def export_artifact(
         if verify:
             verification["adapters_served"] = served
         _write_rest(tmp, ckpt, tok, Path(ckpt_dir), out, model_name, dtype, opset, quantize,
-                    engine_graph, mixed_steps, float32_pass_tokens, storage, parameter_bytes,
-                    build_seconds, verification, say)
+                    engine_graph, mixed_steps, float32_pass_tokens, say, storage=storage,
+                    build_seconds=build_seconds, verification=verification)
     return out
 
 
@@ -416,8 +413,8 @@ def _adapter_figures(verification: dict[str, Any]) -> str:
 def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
                 model_name: str | None, dtype: io.KvDtype, opset: int, quantize: str | None,
                 engine_graph: bool, mixed_steps: bool, float32_pass_tokens: int,
-                storage: dict[str, Any], parameter_bytes: int, build_seconds: float,
-                verification: dict[str, Any], say: Any) -> None:
+                say: Any, *, storage: dict[str, Any], build_seconds: float,
+                verification: dict[str, Any]) -> None:
     """The tokenizer and chat files, config.json and manifest.json beside the graphs,
     with the table of which graph runs which pass (``float32_pass_tokens``: from how many
     tokens engine_float32.onnx runs, where the artifact has it)."""
@@ -431,6 +428,7 @@ def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
     config = artifact_config(ckpt, model_name or out.name, dtype, tok)
     (tmp / io.CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n", "utf-8")
     files = describe_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
+    parameter_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters())
     storage.update(artifact_bytes=sum(e.size for e in files.values()),
                    parameter_bytes=parameter_bytes)
     say(f"artifact {storage['artifact_bytes'] / 1e6:.1f} MB for "
