@@ -149,7 +149,7 @@ class AdapterSlots:
 
     def mask(self, token_slots: np.ndarray, used: int) -> np.ndarray:
         """(N, used·R) float32: 1 where a token's slot owns the column (``token_slots``
-        (N,), 0 for a base token)."""
+        (N,): each fed token's row's slot, padding included; 0 for a base token)."""
         columns = self._columns[:used * self.rank]  # (used·R,)
         return (np.asarray(token_slots)[:, None] == columns[None, :]).astype(np.float32)
 
@@ -375,8 +375,3 @@ def confined(directory: Path, root: Path) -> Path:
         raise AdapterError(f"{directory} leads outside the adapter directory (--lora-dir); "
                            "only adapters under it may be loaded")
     return resolved
-
-
-def token_slots(row_slots: Sequence[int] | np.ndarray, tokens_per_row: int) -> np.ndarray:
-    """(n·T,) each fed token's slot, rows of ``tokens_per_row`` tokens (padding included)."""
-    return np.repeat(np.asarray(row_slots, np.int64), tokens_per_row)

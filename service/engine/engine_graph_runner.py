@@ -52,7 +52,6 @@ from service.engine.adapters import (
     AdapterSet,
     AdapterSlots,
     adapter_widths,
-    token_slots,
 )
 from service.engine.control_vectors import ControlVectors
 from service.engine.cuda import UNCAPTURED, CapturedDecode, DeviceSampler, SampledRows
@@ -244,7 +243,7 @@ class EngineGraphRunner(PooledRunner):
         which ONNX Runtime's MatMul defines as zeros, so it reads no adapter weight."""
         assert self.adapters is not None
         slots = self.adapters.slots
-        per_token = np.concatenate([token_slots(g.lora, g.ids.shape[1]) for g in groups])
+        per_token = np.concatenate([np.repeat(g.lora, g.ids.shape[1]) for g in groups])  # (N,)
         used = int(per_token.max(initial=0))
         mask = slots.mask(per_token, used)  # (N, used·R)
         graph.binding.bind_cpu_input(adapter_spec.LORA_MASK, mask)
