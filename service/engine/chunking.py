@@ -14,6 +14,8 @@ engine is prefilled in one pass, since nobody waits for it. The fixed budget
 
 from __future__ import annotations
 
+from service.engine.speculative import moving_average
+
 MIN_CHUNK_TOKENS = 16  # below this a pass is mostly fixed cost (weights read once per pass)
 MIN_MIXED_CHUNK_TOKENS = 8  # a riding chunk has no such cost; fewer tokens, more steps
 MIXED_SHARE = 0.5  # a mixed chunk's own cost, as a share of the decode step it rides in
@@ -29,23 +31,20 @@ class ChunkBudget:
         self.decode_s: float | None = None  # a decode step of the running batch
         self.token_s: float | None = None  # one prompt token of a chunk
 
-    def _smooth(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
-
     def observe_decode(self, seconds: float) -> None:
-        self.decode_s = self._smooth(self.decode_s, seconds)
+        self.decode_s = moving_average(self.decode_s, seconds, self.smoothing)
 
     def observe_chunk(self, tokens: int, seconds: float) -> None:
         """A chunk that was a pass of its own."""
         if tokens > 0:
-            self.token_s = self._smooth(self.token_s, seconds / tokens)
+            self.token_s = moving_average(self.token_s, seconds / tokens, self.smoothing)
 
     def observe_mixed(self, tokens: int, seconds: float) -> None:
         """A decode step that carried a chunk of ``tokens``: the chunk's share is what the
         step took beyond a plain decode step."""
         if tokens > 0 and self.decode_s is not None:
             extra = max(seconds - self.decode_s, 0.0)
-            self.token_s = self._smooth(self.token_s, extra / tokens)
+            self.token_s = moving_average(self.token_s, extra / tokens, self.smoothing)
 
     def next_chunk(self, running: bool, left: int) -> int:
         """Tokens of the next pass for a prompt with ``left`` tokens still to prefill."""
