@@ -20,7 +20,7 @@ import numpy as np
 from service.engine.kv_pool import Slot
 from service.engine.request import SamplingParams
 from service.engine.runner import ModelRunner
-from service.engine.sampling import warp
+from service.engine.sampling import draw, warp
 from service.engine.speculative import Proposal
 from service.engine.step_plan import RowWork, StepPlan
 
@@ -81,10 +81,7 @@ class DraftModel:
         if rng is None:
             return int(np.argmax(logits)), logits[:0]
         q = warp(logits.astype(np.float64), params)  # (V,)
-        cdf = np.cumsum(q)
-        token = int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"),
-                        q.shape[0] - 1))
-        return token, q
+        return draw(q, rng), q
 
     def release(self, key: int) -> None:
         """The sequence left the batch: give its draft slot back."""

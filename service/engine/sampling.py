@@ -77,10 +77,14 @@ class RowSampler:
         x = self.processed_logits(logits)
         if self.rng is None:
             return int(np.argmax(x))
-        probs = warp(x, self.params)
-        cdf = np.cumsum(probs)
-        u = self.rng.random() * cdf[-1]
-        return int(min(np.searchsorted(cdf, u, side="right"), probs.shape[0] - 1))
+        return draw(warp(x, self.params), self.rng)
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from ``probs`` (V,) with one uniform u of ``rng``: the first id where their
+    cumulative sum, in id order, exceeds u times its total (as the device sampler draws)."""
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
 
 
 def _mask_unless_all(x: np.ndarray, ids: np.ndarray) -> None:
