@@ -290,8 +290,8 @@ def main() -> int:
         parser.error("--arms ray-adapters needs --adapters DIR (a directory of PEFT adapters)")
     if (args.engine_cpus is None) != (args.other_cpus is None):
         parser.error("--engine-cpus and --other-cpus go together")
-    if args.clients % args.replicas or args.requests % args.replicas:
-        parser.error("--clients and --requests must split evenly over --replicas")
+    if "direct" in arms and (args.clients % args.replicas or args.requests % args.replicas):
+        parser.error("direct: --clients and --requests must split evenly over --replicas")
     if not (args.artifact / "manifest.json").is_file():
         parser.error(f"--artifact {args.artifact}: no manifest.json (make artifact)")
     work = args.work or Path(tempfile.mkdtemp(prefix="attnserve-ray-bench-"))
