@@ -187,15 +187,9 @@ def model_hint(meta: CheckpointMeta) -> str:
     """llama.cpp's name for the model's architecture (cvector-generator writes the GGUF
     model's ``general.architecture``), or our own where llama.cpp has none."""
     from export.gguf.layout import GGUFOutRefused
-    from export.gguf.metadata import family_of
-    from model.architectures import architecture
+    from export.gguf.metadata import family_of, model_type
 
-    config = meta.model
-    if config.arch == "gpt":
-        hf = {"model_type": "gpt2"}
-    else:
-        hf = architecture(config.arch).hf_config(config, {})
     try:
-        return family_of(config, hf)
+        return family_of(meta.model)
     except GGUFOutRefused:
-        return str(hf.get("model_type", config.arch))
+        return model_type(meta.model)

@@ -58,8 +58,7 @@ def base_layout(ckpt_dir: Path) -> tuple[str, dict[str, Any], dict[str, tuple[in
 
     config = meta.model
     arch = architecture(config.arch)
-    hf = arch.hf_config(config, {}) if config.arch != "gpt" else {"model_type": "gpt2"}
-    family = family_of(config, hf)
+    family = family_of(config)
     state = _shapes_only(config)
     shapes = planned_shapes(arch, family, config, state)
     return family, arch.gguf_sources(family, config, {n: s[0] for n, s in shapes.items()}), \

@@ -52,34 +52,41 @@ SMOLLM3_NOPE_STEP = 4  # llama.cpp's smollm3 graph: no rotary in every fourth la
 DIGITS = r"\p{N}"
 
 
-def family_of(config: Any, hf: dict[str, Any]) -> str:
+def model_type(config: Any) -> str:
+    """transformers' ``model_type`` of the model (gpt2 for our own GPT)."""
+    if config.arch == "gpt":
+        return "gpt2"
+    return str(architecture(config.arch).hf_config(config, {})["model_type"])
+
+
+def family_of(config: Any) -> str:
     """llama.cpp's architecture for the model, or GGUFOutRefused naming what it lacks."""
-    model_type = str(hf.get("model_type"))
+    kind = model_type(config)
     if config.arch == "gpt":
         if config.activation != "gelu_tanh":
             raise GGUFOutRefused(f"llama.cpp's gpt2 computes the tanh GELU; this GPT's "
                                  f"{config.activation} has no llama.cpp architecture")
         return "gpt2"
-    if model_type not in FAMILIES:
-        raise GGUFOutRefused(f"no llama.cpp architecture for transformers' {model_type}")
+    if kind not in FAMILIES:
+        raise GGUFOutRefused(f"no llama.cpp architecture for transformers' {kind}")
     window = config.sliding_window
-    if window is not None and window < config.max_seq_len and model_type in ("mistral", "phi3"):
-        raise GGUFOutRefused(f"llama.cpp's {FAMILIES[model_type]} graph attends to the whole "
+    if window is not None and window < config.max_seq_len and kind in ("mistral", "phi3"):
+        raise GGUFOutRefused(f"llama.cpp's {FAMILIES[kind]} graph attends to the whole "
                              f"past; this model's window of {window} positions would be lost")
-    if model_type == "smollm3":
+    if kind == "smollm3":
         every_fourth = tuple(i for i in range(config.n_layers)
                              if (i + 1) % SMOLLM3_NOPE_STEP == 0)
         if tuple(config.nope_layers) != every_fourth:
             raise GGUFOutRefused(f"llama.cpp's smollm3 leaves rotary out of every fourth "
                                  f"layer {list(every_fourth)}, this model of layers "
                                  f"{list(config.nope_layers)}")
-    if model_type == "gemma3_text":
+    if kind == "gemma3_text":
         wanted = config.head_dim ** -0.5
         if config.attn_scale is not None and not math.isclose(config.attn_scale, wanted,
                                                               rel_tol=1e-6):
             raise GGUFOutRefused(f"llama.cpp's gemma3 scales queries by 1/√head_dim "
                                  f"({wanted:.6g}); this model by {config.attn_scale:.6g}")
-    return FAMILIES[model_type]
+    return FAMILIES[kind]
 
 
 def hyper_parameters(writer: gguf.GGUFWriter, family: str, config: Any,
@@ -280,7 +287,7 @@ def export_generated(ckpt_dir: Path, meta: CheckpointMeta, out: Path, outtype: s
     special = {k: meta.tokenizer.get(k) for k in ("pad_token_id", "bos_token_id",
                                                    "eos_token_id")}
     hf = arch.hf_config(config, special) if config.arch != "gpt" else {"model_type": "gpt2"}
-    family = family_of(config, hf)
+    family = family_of(config)
     model = load_checkpoint(ckpt_dir).model
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     if family == "gpt2":
