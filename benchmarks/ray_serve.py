@@ -23,9 +23,10 @@ Each round runs its arms one after the other on the same machine:
   resource), all ``--clients`` on the proxy.
 
 * **ray-adapters**: body routing with the PEFT adapters of ``--adapters`` served at run
-  time, ``--adapter-requests`` short completions naming them in turn, ``--clients`` at a
-  time: the replicas each adapter was served by, and the share of its requests after
-  warm-up that went to a replica holding it (the response header names the replica).
+  time: one request for each alone (the warm-up), then ``--adapter-requests`` short
+  completions naming them in turn, ``--clients`` at a time; the replicas each adapter was
+  served by, and the share of the later requests sent to a replica holding it (the
+  response header names the replica).
 
 The throughput arms' load is ``python -m benchmarks serve`` (streamed OpenAI completions, random
 prompts of ``--input-len`` tokens, ``--output-len`` new ones with ``--ignore-eos``). With
@@ -215,32 +216,38 @@ def through_ray(args: argparse.Namespace, out: Path, label: str, routing: str) -
 
 async def adapter_requests(url: str, names: list[str], count: int, clients: int,
                            new_tokens: int) -> list[tuple[int, str, str]]:
-    """``count`` OpenAI completions naming the adapters in turn (request i: names[i % n]),
-    ``clients`` at a time; (i, adapter, the replica that answered) of each."""
+    """One OpenAI completion for each adapter alone (the warm-up: the replica it reaches
+    loads it), then ``count`` naming them in turn (request i: names[i % n]), ``clients`` at
+    a time; (i, adapter, the replica that answered) of each, the warm-up's i negative."""
     served: list[tuple[int, str, str]] = []
+
+    async def one(http: httpx.AsyncClient, i: int, name: str) -> None:
+        response = await http.post(f"{url}/v1/completions", json={
+            "model": name, "prompt": f"Question {i}: what is", "max_tokens": new_tokens,
+            "temperature": 0})
+        if response.status_code != 200:
+            raise SystemExit(f"ray-serve: adapter {name}: HTTP {response.status_code}: "
+                             f"{response.text[:200]}")
+        served.append((i, name, response.headers.get("x-attnserve-replica", "")))
+
     queue = iter(range(count))
 
     async def client(http: httpx.AsyncClient) -> None:
         for i in queue:
-            name = names[i % len(names)]
-            response = await http.post(f"{url}/v1/completions", json={
-                "model": name, "prompt": f"Question {i}: what is", "max_tokens": new_tokens,
-                "temperature": 0})
-            if response.status_code != 200:
-                raise SystemExit(f"ray-serve: adapter {name}: HTTP {response.status_code}: "
-                                 f"{response.text[:200]}")
-            served.append((i, name, response.headers.get("x-attnserve-replica", "")))
+            await one(http, i, names[i % len(names)])
 
     async with httpx.AsyncClient(timeout=600) as http:
+        for k, name in enumerate(names):
+            await one(http, k - len(names), name)
         await asyncio.gather(*(client(http) for _ in range(clients)))
     return sorted(served)
 
 
 def adapter_landing(args: argparse.Namespace, label: str) -> dict[str, Any]:
     """Adapters named in the body through the router: per adapter, the replicas that served
-    it, and after warm-up (each adapter's first ``--replicas`` requests) the share of its
-    requests sent to a replica that had served it before (so holds it: each replica keeps
-    every adapter it loads, ``max_adapters_per_replica`` = the adapters' count)."""
+    it, and after the warm-up (one request each, alone) the share of its requests sent to a
+    replica that had served it before, so holds it (each replica keeps every adapter it
+    loads: ``max_adapters_per_replica`` is the adapters' count)."""
     names = sorted(p.name for p in args.adapters.iterdir() if p.is_dir())
     if not names:
         raise SystemExit(f"ray-serve: --adapters {args.adapters} holds no adapter directory")
@@ -251,16 +258,14 @@ def adapter_landing(args: argparse.Namespace, label: str) -> dict[str, Any]:
         served = asyncio.run(adapter_requests(url, names, args.adapter_requests, args.clients,
                                               16))
     seen: dict[str, list[str]] = {name: [] for name in names}  # replicas, in request order
-    hits = after_warmup = 0
-    for _, name, replica in served:
-        if len(seen[name]) >= args.replicas:
-            after_warmup += 1
-            hits += replica in seen[name]
+    hits = 0
+    for i, name, replica in served:
+        hits += i >= 0 and replica in seen[name]
         seen[name].append(replica)
-    return {"adapters": len(names), "requests": len(served),
+    measured = sum(i >= 0 for i, _, _ in served)
+    return {"adapters": len(names), "requests_after_warmup": measured,
             "replicas_per_adapter": {n: len(set(r)) for n, r in seen.items()},
-            "landing_on_holder": round(hits / after_warmup, 3) if after_warmup else None,
-            "after_warmup": after_warmup}
+            "landing_on_holder": round(hits / measured, 3) if measured else None}
 
 
 def main() -> int:
