@@ -257,6 +257,13 @@ def adapter_landing(args: argparse.Namespace, label: str) -> dict[str, Any]:
                 {"max_adapters_per_replica": len(names)}) as url:
         served = asyncio.run(adapter_requests(url, names, args.adapter_requests, args.clients,
                                               16))
+    return landing(served, names)
+
+
+def landing(served: list[tuple[int, str, str]], names: list[str]) -> dict[str, Any]:
+    """From (i, adapter, replica) in request order, the warm-up's i negative: the replicas
+    each adapter was served by, and the share of requests i >= 0 whose replica had served
+    that adapter before."""
     seen: dict[str, list[str]] = {name: [] for name in names}  # replicas, in request order
     hits = 0
     for i, name, replica in served:
