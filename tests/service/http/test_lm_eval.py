@@ -23,7 +23,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import lm_eval  # noqa: F401 - a dev dependency (its CLI runs below): missing is
 import pytest
 
 from tests.conftest import torch_threads
-from tests.service.helpers import ServerProcess, serving
+from tests.service.helpers import ServerProcess
 
 # The real model's server, and transformers' model of the GGUF file when no earlier test of
 # the session loaded it (~15 s): 1-2 min on a quiet 2-core machine, more under load.
@@ -133,9 +134,21 @@ def tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(deploy_model: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:
-    yield from serving(deploy_model, tmp_path_factory.mktemp("lm-eval") / "server.log")
+def starting_server(deploy_model: Path, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[ServerProcess]:
+    """The real model's server, started but not waited for: it loads while the reference
+    is built (`server`)."""
+    proc = ServerProcess(deploy_model, tmp_path_factory.mktemp("lm-eval") / "server.log")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def server(starting_server: ServerProcess, reference: Any) -> ServerProcess:
+    starting_server.wait_ready()
+    return starting_server
 
 
 @pytest.fixture(scope="module")
@@ -174,19 +187,35 @@ def reference(smollm2_transformers: tuple[Any, Any], tasks: Path) -> Iterator[An
         yield run
 
 
-def run_cli(tasks: Path, out: Path, task: str, *args: str) -> dict[int, dict[str, Any]]:
-    """`lm-eval run` in a subprocess, as a user runs it, hub off; its per-item samples."""
+@contextmanager
+def cli_run(tasks: Path, out: Path, task: str, *args: str
+            ) -> Iterator[Callable[[], dict[int, dict[str, Any]]]]:
+    """`lm-eval run` started in a subprocess, as a user runs it, hub off; the body runs
+    beside it (the in-process reference: the CLI mostly waits on our server), and the
+    function yielded waits for it and returns its per-item samples."""
     env = {**os.environ, **OFFLINE, "HF_HOME": str(out / "hf-home")}
+    log = out / "lm-eval.log"
     started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "run", *args, "--tasks", task, "--include_path",
-         str(tasks), "--log_samples", "--output_path", str(out)],
-        cwd=out, env=env, capture_output=True, text=True, timeout=900, check=False)
-    print(f"\nlm-eval {args[1]} {task}: {time.perf_counter() - started:.1f} s")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    [samples] = out.glob(f"*/samples_{task}_*.jsonl")
-    rows = [json.loads(line) for line in samples.read_text("utf-8").splitlines()]
-    return {r["doc_id"]: r for r in rows}
+    with log.open("w", encoding="utf-8") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lm_eval", "run", *args, "--tasks", task,
+             "--include_path", str(tasks), "--log_samples", "--output_path", str(out)],
+            cwd=out, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+
+    def samples() -> dict[int, dict[str, Any]]:
+        returncode = proc.wait(timeout=900)
+        print(f"\nlm-eval {args[1]} {task}: {time.perf_counter() - started:.1f} s")
+        assert returncode == 0, log.read_text("utf-8")[-6000:]
+        [found] = out.glob(f"*/samples_{task}_*.jsonl")
+        rows = [json.loads(line) for line in found.read_text("utf-8").splitlines()]
+        return {r["doc_id"]: r for r in rows}
+
+    try:
+        yield samples
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def scores(sample: dict[str, Any]) -> list[tuple[float, bool]]:
@@ -197,10 +226,11 @@ def scores(sample: dict[str, Any]) -> list[tuple[float, bool]]:
 def test_local_completions_multiple_choice_matches_transformers(
         server: ServerProcess, tasks: Path, deploy_model: Path, reference: Any,
         tmp_path: Path) -> None:
-    ours = run_cli(tasks, tmp_path, "attnserve_mc", "--model", "local-completions",
-                   "--model_args", f"model={NAME},base_url={server.url}/v1/completions,"
-                   f"tokenizer_backend=huggingface,tokenizer={deploy_model}")
-    theirs = reference("attnserve_mc", False)
+    with cli_run(tasks, tmp_path, "attnserve_mc", "--model", "local-completions",
+                 "--model_args", f"model={NAME},base_url={server.url}/v1/completions,"
+                 f"tokenizer_backend=huggingface,tokenizer={deploy_model}") as samples:
+        theirs = reference("attnserve_mc", False)
+        ours = samples()
     assert sorted(ours) == sorted(theirs) == list(range(len(MULTIPLE_CHOICE)))
     worst = 0.0
     for doc_id, sample in ours.items():
@@ -218,10 +248,11 @@ def test_local_completions_multiple_choice_matches_transformers(
 
 def test_local_chat_completions_generate_until_matches_transformers(
         server: ServerProcess, tasks: Path, reference: Any, tmp_path: Path) -> None:
-    ours = run_cli(tasks, tmp_path, "attnserve_gen", "--model", "local-chat-completions",
-                   "--model_args", f"model={NAME},base_url={server.url}/v1/chat/completions",
-                   "--apply_chat_template")
-    theirs = reference("attnserve_gen", True)
+    with cli_run(tasks, tmp_path, "attnserve_gen", "--model", "local-chat-completions",
+                 "--model_args", f"model={NAME},base_url={server.url}/v1/chat/completions",
+                 "--apply_chat_template") as samples:
+        theirs = reference("attnserve_gen", True)
+        ours = samples()
     assert sorted(ours) == sorted(theirs) == list(range(len(QUESTIONS)))
     for doc_id, sample in ours.items():
         assert sample["doc"] == theirs[doc_id]["doc"]
