@@ -147,6 +147,18 @@ def tiny_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="session")
+def tiny_engine_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+                         ) -> Path:
+    """``tiny_checkpoint`` exported with --engine-graph (engine.onnx, engine_mixed.onnx and
+    their adapter graphs), verified: one export read by the export and HTTP tests alike."""
+    from export.to_onnx import export_artifact
+
+    out = tmp_path_factory.mktemp("tiny-engine-artifact") / "artifact"
+    with torch_threads(1):
+        return export_artifact(tiny_checkpoint, out, engine_graph=True)
+
+
+@pytest.fixture(scope="session")
 def served_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A random-weight GPT-2 saved by transformers (12 layers × 12 heads, width 96,
     vocab.json + merges.txt) whose greedy decoding of one prompt ends at <|endoftext|>."""

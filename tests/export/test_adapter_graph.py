@@ -27,7 +27,6 @@ from export.onnx.engine_graph import build_engine_graph
 from export.onnx.model_graphs import build_attention
 from export.onnx.onnx_build import WeightsWriter
 from export.quantize.weights import quantize_weights
-from export.to_onnx import export_artifact
 from export.verify.parity import check_session
 from model.architectures import architecture
 from model.config import GPTConfig
@@ -158,9 +157,8 @@ def test_a_graph_whose_projection_is_missing_is_refused_in_one_line() -> None:
 
 
 @pytest.fixture(scope="module")
-def engine_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("adapter-artifact") / "artifact"
-    return export_artifact(tiny_checkpoint, out, engine_graph=True)
+def engine_artifact(tiny_engine_artifact: Path) -> Path:
+    return tiny_engine_artifact
 
 
 def test_export_writes_verifies_and_lists_the_adapter_graphs(engine_artifact: Path) -> None:

@@ -34,9 +34,8 @@ from service.contract.engine_spec import (
 
 
 @pytest.fixture(scope="module")
-def engine_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engine-artifact") / "artifact"
-    return export_artifact(tiny_checkpoint, out, engine_graph=True)
+def engine_artifact(tiny_engine_artifact: Path) -> Path:
+    return tiny_engine_artifact
 
 
 def test_engine_graph_is_listed_in_the_manifest_with_its_sha256(engine_artifact: Path) -> None:
@@ -332,12 +331,12 @@ def test_mixed_graph_decodes_rows_and_feeds_a_chunk_in_one_pass_as_pytorch(arch:
     np.testing.assert_allclose(nxt[0, 0], ref[2, fed], atol=1e-4)
 
 
-def test_engine_graph_writes_a_mixed_twin_unless_told_not_to(tiny_checkpoint: Path,
-                                                           tmp_path: Path) -> None:
+def test_engine_graph_writes_a_mixed_twin_unless_told_not_to(
+        tiny_checkpoint: Path, engine_artifact: Path, tmp_path: Path) -> None:
     """`--engine-graph` writes engine.onnx (one group of rows) and engine_mixed.onnx (two,
     over the same weights.bin), both verified and in the manifest; `--no-mixed-steps`
     only the first."""
-    both = export_artifact(tiny_checkpoint, tmp_path / "both", engine_graph=True)
+    both = engine_artifact
     one = export_artifact(tiny_checkpoint, tmp_path / "one", engine_graph=True,
                           mixed_steps=False, verify=False)
     for out, mixed in ((both, True), (one, False)):

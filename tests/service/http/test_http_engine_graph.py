@@ -26,11 +26,9 @@ PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further", "To be",
 
 
 @pytest.fixture(scope="module")
-def engine_artifact(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from export.to_onnx import export_artifact
-
-    out = tmp_path_factory.mktemp("engine-http") / "artifact"
-    return export_artifact(tiny_checkpoint, out, engine_graph=True)
+def engine_artifact(tiny_engine_artifact: Path) -> Path:
+    """The tiny model with engine.onnx and engine_mixed.onnx (the session's export)."""
+    return tiny_engine_artifact
 
 
 @pytest.fixture(scope="module")
