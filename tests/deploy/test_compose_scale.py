@@ -471,19 +471,46 @@ def test_a_replica_killed_under_load_is_routed_around(scaled) -> None:
           f"{retried} retried by the proxy")
 
 
+def test_compose_stop_drains_a_stream_through_the_proxy(scaled) -> None:
+    # Everything back (the `scaled` fixture: every replica healthy and routed to), then a
+    # stream through HAProxy while the whole stack stops: compose stops the proxy first with
+    # SIGUSR1 (soft stop: it stops listening and lets the stream finish), then the replicas
+    # with SIGTERM (each drains).
+    stream = Stream(f"{scaled.proxy}/v1/chat/completions",
+                    chat_body("Tell me about rivers.", 64, stream=True, ignore_eos=True)).start()
+    assert stream.first_chunk.wait(60), "no token within 60 s"
+    scaled.compose.run("stop", timeout=180)
+    events = stream.join(30)
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = [e for e in events[:-1] if "choices" in e]
+    assert not [e for e in events[:-1] if "error" in e], events[-3:]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    (proxy,) = scaled.compose.containers("proxy")
+    state = scaled.compose.inspect(proxy)["State"]
+    assert state["Status"] == "exited" and not state["OOMKilled"]
+
+
 @pytest.fixture
 def unserved(scaled_stack: Scaled) -> Scaled:
     """The proxy running with every replica stopped (`docker-compose stop attnserve`). After
-    the kill test (the proxy up, one replica killed) only the stop runs; the stack is brought
-    up first when the proxy is not running (the first test, or after the stop test): no need
-    to bring a killed replica back and wait for it to be healthy only to stop it."""
+    the stop test before it in this file (the whole stack made and stopped) only the proxy's
+    container is started again; after the kill test (the proxy up, one replica killed) only
+    the stop runs: no need to bring replicas back and wait for them to be healthy only to
+    stop them. In any other order (nothing made yet) the stack is brought up first."""
     compose = scaled_stack.compose
+
+    def running(container: str) -> bool:
+        return compose.inspect(container)["State"]["Running"] is True
 
     def proxy_running() -> bool:
         proxies = compose.containers("proxy")
-        return len(proxies) == 1 and compose.inspect(proxies[0])["State"]["Running"] is True
+        return len(proxies) == 1 and running(proxies[0])
 
-    if not proxy_running():
+    proxies = compose.containers("proxy")
+    if len(proxies) == 1 and not running(proxies[0]) and len(
+            compose.containers("attnserve")) == REPLICAS:
+        compose.daemon.docker("start", proxies[0])
+    elif not proxy_running():
         compose.up("-d", "--no-build", "--scale", f"attnserve={REPLICAS}", timeout=420)
         compose.wait_healthy("attnserve", REPLICAS, START_S)
     compose.run("stop", "--timeout", "20", "attnserve", timeout=120)
@@ -519,22 +546,3 @@ def test_the_proxy_answers_503_with_retry_after_when_no_replica_is_ready(unserve
     except TimeoutError as exc:
         pytest.fail(f"{exc}: no line answered by the proxy itself (503 with SC, sC or sQ):\n"
                     f"{scaled.compose.logs('proxy', tail=40)}")
-
-
-def test_compose_stop_drains_a_stream_through_the_proxy(scaled) -> None:
-    # Everything back (the `scaled` fixture: every replica healthy and routed to), then a
-    # stream through HAProxy while the whole stack stops: compose stops the proxy first with
-    # SIGUSR1 (soft stop: it stops listening and lets the stream finish), then the replicas
-    # with SIGTERM (each drains).
-    stream = Stream(f"{scaled.proxy}/v1/chat/completions",
-                    chat_body("Tell me about rivers.", 64, stream=True, ignore_eos=True)).start()
-    assert stream.first_chunk.wait(60), "no token within 60 s"
-    scaled.compose.run("stop", timeout=180)
-    events = stream.join(30)
-    assert events and events[-1] == "[DONE]", events[-3:]
-    chunks = [e for e in events[:-1] if "choices" in e]
-    assert not [e for e in events[:-1] if "error" in e], events[-3:]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    (proxy,) = scaled.compose.containers("proxy")
-    state = scaled.compose.inspect(proxy)["State"]
-    assert state["Status"] == "exited" and not state["OOMKilled"]
