@@ -6,7 +6,8 @@ file dequantised to float32), and the reference is transformers' float32 dequant
 the very same file, so the two must agree item by item:
 
 - ``local-completions`` with its defaults (``tokenized_requests=True``: token-id prompts,
-  ``echo``, ``logprobs: 1``, ``max_tokens: 1``) on a multiple-choice task: every item's
+  ``echo``, ``logprobs: 1``, ``max_tokens: 1``) but CONCURRENT requests at a time (its 112
+  requests one by one were the test's longest wait) on a multiple-choice task: every item's
   chosen answer and greedy flags equal, every log-likelihood within LOGLIKELIHOOD_TOLERANCE;
 - ``local-chat-completions`` with ``--apply_chat_template`` on a generate-until task
   (greedy, MAX_GEN_TOKS): every generation equal to the ``hf`` model's with the same
@@ -48,6 +49,7 @@ MAX_GEN_TOKS = 12
 # logits is 0.013 ("What language is spoken in Brazil?" was replaced: its first token was a
 # 5e-5 tie between "The" and "In", which the two implementations could break either way).
 LOGLIKELIHOOD_TOLERANCE = 5e-4
+CONCURRENT = 4  # local-completions' num_concurrent: the server batches them as it does any
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 # (context, choices, answer): the continuation scored is " " + choice
@@ -228,7 +230,8 @@ def test_local_completions_multiple_choice_matches_transformers(
         tmp_path: Path) -> None:
     with cli_run(tasks, tmp_path, "attnserve_mc", "--model", "local-completions",
                  "--model_args", f"model={NAME},base_url={server.url}/v1/completions,"
-                 f"tokenizer_backend=huggingface,tokenizer={deploy_model}") as samples:
+                 f"tokenizer_backend=huggingface,tokenizer={deploy_model},"
+                 f"num_concurrent={CONCURRENT}") as samples:
         theirs = reference("attnserve_mc", False)
         ours = samples()
     assert sorted(ours) == sorted(theirs) == list(range(len(MULTIPLE_CHOICE)))
