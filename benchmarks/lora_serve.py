@@ -36,7 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.measure import DEFAULT_THREADS
-from benchmarks.lib.serving import add_adapter_options, lora_modules, max_rank
+from benchmarks.lib.serving import (
+    add_adapter_options,
+    lora_modules,
+    max_rank,
+    output_throughput,
+)
 from benchmarks.serve.__main__ import main as serve_main
 from model.data import write_text_atomic
 
@@ -58,11 +63,6 @@ def serve_argv(args: argparse.Namespace, run: str, out: Path) -> list[str]:
              "--lora-modules", *lora_modules(args.adapters_dir, args.adapters)]
     spread = [*args.adapters, ""] if run == "spread" else [""]
     return [*argv, "--adapters", ",".join(spread)]
-
-
-def output_throughput(out: Path) -> float:
-    (path,) = sorted(out.glob("*.json"))
-    return float(json.loads(path.read_text())["output_throughput"])
 
 
 def main(argv: list[str] | None = None) -> int:

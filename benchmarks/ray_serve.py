@@ -55,7 +55,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.lib.serving import Server, emit, load_env, max_rank
+from benchmarks.lib.serving import Server, emit, load_env, max_rank, output_throughput
 
 ARMS = ("direct", "ray-header", "ray-body", "ray-adapters")
 INGRESS_RESOURCE = "attnserve_ingress"  # declared by the head node only
@@ -87,17 +87,11 @@ def load(url: str, args: argparse.Namespace, clients: int, prompts: int, label: 
                             preexec_fn=(lambda: os.sched_setaffinity(0, where)) if where else None)
 
 
-def throughput(out: Path, label: str) -> float:
-    """Output tokens/s of one finished run (its result file)."""
-    result = sorted((out / label).glob("*.json"))[-1]
-    return float(json.loads(result.read_text())["output_throughput"])
-
-
 def finish(runs: list[subprocess.Popen[bytes]], labels: list[str], out: Path) -> list[float]:
     for run, label in zip(runs, labels, strict=True):
         if run.wait() != 0:
             raise SystemExit(f"ray-serve: the load run {label} failed: see {out / label}.log")
-    return [throughput(out, label) for label in labels]
+    return [output_throughput(out / label) for label in labels]
 
 
 def direct(args: argparse.Namespace, out: Path, label: str) -> float:

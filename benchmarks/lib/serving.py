@@ -144,6 +144,13 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
+def output_throughput(result_dir: Path) -> float:
+    """Output tokens/s of one finished ``benchmarks serve`` run: its newest result file in
+    ``result_dir`` (its ``--result-dir``)."""
+    result = sorted(result_dir.glob("*.json"))[-1]
+    return float(json.loads(result.read_text())["output_throughput"])
+
+
 def memory(pid: int) -> dict[str, int]:
     """Bytes of VmRSS, RssAnon and RssFile of process ``pid`` (/proc/PID/status)."""
     got = proc_memory_bytes(pid)
