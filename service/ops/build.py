@@ -62,7 +62,7 @@ CURRENT_LINK = "current"
 INFO_FILE = "build-info.json"
 SOURCES = ("gguf_ops.h", "gguf_ops.cc", "gguf_matmul.cc", "gguf_gather.cc", "gguf_batched.h",
            "gguf_batched.cc", "gguf_batched_kernels.inc", "gguf_float.h", "gguf_float.cc",
-           "gguf_repacked.h", "gguf_repacked.cc",
+           "gguf_repacked.h", "gguf_repacked.cc", "gguf_rowdot.h", "gguf_rowdot.cc",
            "CMakeLists.txt")
 
 # Equal to benchmarks/llamacpp_env.py's pin (a test checks): the kernels the benchmark's

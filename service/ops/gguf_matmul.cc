@@ -23,7 +23,8 @@
 // Batches: for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, from 2 or 3 rows
 // (batched::MinBatch), each tile of weight rows is unpacked once and dotted with every row
 // of X by our int8 kernels (gguf_batched.cc: AVX-512 VNNI or AVX2, chosen at run time); at
-// M = 1, for every other type, and on CPUs without AVX2, one ggml vec_dot per pair of rows.
+// M = 1, for every other type, and on CPUs without AVX2, one ggml vec_dot per pair of rows
+// (for Q4_K and Q6_K on AVX-512 VNNI CPUs, our row dot in its place: gguf_rowdot.h).
 // ATTNSERVE_GGUF_MATMUL_PATH (auto, vec_dot, avx2, avx512vnni) overrides the choice when a
 // session is created (tests, benchmarks).
 //
@@ -47,6 +48,7 @@
 #include "ggml.h"
 #include "gguf_batched.h"
 #include "gguf_float.h"
+#include "gguf_rowdot.h"
 #include "gguf_ops.h"
 #include "gguf_repacked.h"
 
@@ -245,9 +247,16 @@ void QuantiseRow(void* data, size_t row) {
   }
 }
 
+// How far ahead of ggml's vec_dot the rows are prefetched: measured on the Xeon of
+// docs/kernels.md, one Q4_K / Q6_K product at M = 1 (4096 x 4096, one thread's CPU time)
+// took 0.9-1.0 / 1.0-1.6 ms with 4 KB against 1.3-1.5 / 1.3-1.7 without (2 KB and 8 KB
+// no better), and the 1B Q4_K_M preset decoded at 24-25 tok/s against 19-20.
+constexpr size_t kPrefetchBytes = 4096;
+
 // One ParallelFor task: a block of weight rows against every activation row.
 struct DotJob {
   const WeightFormat* format;
+  ggml_vec_dot_t dot;   // ggml's vec_dot for the type, or ours (PathChoice::row_dot)
   const uint8_t* w;     // (N, row_bytes)
   const uint8_t* acts;  // (M, act_row_bytes)
   float* y;             // (M, N)
@@ -265,10 +274,21 @@ void DotBlock(void* data, size_t block) {
   // Activation rows inner: the block's weight rows are read from memory once and then
   // dotted from cache with every row of X. nrc=1: the two-row kernels exist on ARM only.
   float sums[kMaxBlockRows];
+  // ggml's vec_dot streams a row without prefetching: the first activation row asks for
+  // the bytes kPrefetchBytes ahead of each row as it starts it (ours prefetch themselves).
+  const bool prefetch = job.dot == f.vec_dot;
+  const uint8_t* end = job.w + n1 * f.row_bytes;
   for (int64_t i = 0; i < job.m; ++i) {
     const uint8_t* a = job.acts + i * f.act_row_bytes;
     for (int64_t r = n0; r < n1; ++r) {
-      f.vec_dot(k, sums + (r - n0), 0, job.w + r * f.row_bytes, 0, a, 0, 1);
+      const uint8_t* row = job.w + r * f.row_bytes;
+      if (prefetch && i == 0) {
+        const uint8_t* ahead = row + kPrefetchBytes;
+        for (const uint8_t* p = ahead; p < ahead + f.row_bytes && p < end; p += 64) {
+          __builtin_prefetch(p, 0, 3);
+        }
+      }
+      job.dot(k, sums + (r - n0), 0, row, 0, a, 0, 1);
     }
     std::copy(sums, sums + (n1 - n0), job.y + i * job.n + n0);  // Y[i, n0:n1], one burst
   }
@@ -364,6 +384,9 @@ void BatchedBlock(void* data, size_t block) {
 struct PathChoice {
   batched::Isa isa = batched::Isa::kNone;  // kNone: vec_dot only
   int64_t min_batch = 1;
+  // Below min_batch: our row dot in place of ggml's vec_dot where it has one (auto only;
+  // gguf_rowdot.h), else null.
+  ggml_vec_dot_t row_dot = nullptr;
   floatpath::Level float_level = floatpath::Level::kGeneric;  // activations="float"
 };
 
@@ -375,6 +398,7 @@ PathChoice ChoosePath(const std::string& node, ggml_type type) {
   if (path == "auto") {
     choice.isa = batched::Covers(type, here) ? here : batched::Isa::kNone;
     choice.min_batch = batched::MinBatch(type);
+    choice.row_dot = rowdot::For(type);
   } else if (path == "avx2" || path == "avx512vnni") {
     const batched::Isa want = path == "avx2" ? batched::Isa::kAvx2 : batched::Isa::kVnni;
     if (here == batched::Isa::kNone || (want == batched::Isa::kVnni && here != want)) {
@@ -522,7 +546,8 @@ struct GgufMatMulKernel {
       return;
     }
     const int64_t block_rows = BlockRows(f.row_bytes);
-    DotJob job{&f, w_data, xq, y_data, m, n, block_rows};
+    DotJob job{&f, path.row_dot != nullptr ? path.row_dot : f.vec_dot, w_data, xq, y_data,
+               m, n, block_rows};
     const size_t blocks = static_cast<size_t>((n + block_rows - 1) / block_rows);
     // num_batch 0: one task per block, handed out dynamically, so a thread slowed by
     // other load takes fewer blocks.

@@ -430,6 +430,38 @@ def test_largest_codes_against_largest_activations(gguf_ops_library: Path, path:
         assert row_error(y, weight_type.as_computed(x, stored, dense)) <= EXACT, name
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_row_dot_below_the_batched_threshold(gguf_ops_library: Path, name: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_K and Q6_K at 1 and 2 rows on the auto path: our row dot (gguf_rowdot.cc) on an
+    AVX-512 VNNI CPU, ggml's vec_dot elsewhere. Against numpy on random blocks and with every
+    code at its largest against activations at ±127 (maddubs' int16 pair sums), K of one
+    super-block and of sixteen; and against ggml's vec_dot alone (ATTNSERVE_GGUF_MATMUL_PATH
+    =vec_dot), which sums the same integers in another float order (on other CPUs both are
+    ggml's: the numpy checks still hold)."""
+    weight_type = TYPES[name]
+    qtype = GGMLQuantizationType(weight_type.type_id)
+    rng = np.random.default_rng(8)
+    for k in (256, 4096):
+        random_w, _ = weight_type.make(rng, N, k)
+        largest = random_w.copy()
+        blocks = largest.reshape(N, -1, GGML_QUANT_SIZES[qtype][1])
+        blocks[..., CODE_BYTES[name]] = 0xFF
+        xs = [rng.standard_normal((m, k)).astype(np.float32) for m in (1, 2)]
+        xs.append(np.repeat(np.array([[1.0], [-1.0]], np.float32), k, axis=1))
+        for stored in (random_w, largest):
+            dense = dequantize(stored, qtype).astype(np.float64)
+            results = {}
+            for path in ("auto", "vec_dot"):
+                monkeypatch.setenv(PATH_ENV, path)
+                sess = session(matmul_model(weight_type.type_id, k), gguf_ops_library)
+                results[path] = [sess.run(None, {"X": x, "W": stored})[0] for x in xs]
+            for x, auto, ggml in zip(xs, results["auto"], results["vec_dot"], strict=True):
+                expected = weight_type.as_computed(x, stored, dense)
+                assert row_error(auto, expected) <= EXACT, (name, k, x.shape)
+                assert row_error(auto, ggml.astype(np.float64)) <= EXACT, (name, k, x.shape)
+
+
 def test_an_unknown_path_is_refused(gguf_ops_library: Path,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PATH_ENV, "fastest")

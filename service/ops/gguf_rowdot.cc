@@ -1,0 +1,241 @@
+// Row dots of ours for Q4_K and Q6_K against Q8_K on AVX-512: see gguf_rowdot.h. The
+// blocks as ggml stores them (ggml-common.h):
+//   block_q4_K (144 bytes): d, dmin (fp16); scales[12]: 8 6-bit scales and 8 6-bit mins;
+//     qs[128]: byte 32j + l holds weight 64j + l (low nibble) and 64j + 32 + l (high);
+//     w = d·scale_s·q − dmin·min_s over sub-block s of 32 weights.
+//   block_q6_K (210 bytes): ql[128] low 4 bits, qh[64] high 2 bits, scales[16] int8, d
+//     (fp16); w = d·scale_s·(q − 32) over sub-block s of 16 weights.
+//   block_q8_K (292 bytes): d (float), qs[256] int8, bsums[16]: the sums of each 16 codes.
+
+#include "gguf_rowdot.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define ATTNSERVE_ROWDOT_X86 1
+#include <immintrin.h>
+#endif
+
+namespace attnserve_gguf {
+namespace rowdot {
+
+#if defined(ATTNSERVE_ROWDOT_X86)
+#if defined(__clang__)
+#pragma clang attribute push(                                                             \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))), \
+    apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+// GCC 12's AVX-512 headers fill a lane with _mm256_undefined_*() and warn about it (GCC
+// bug 105593, fixed in 13): nothing of ours is uninitialised.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+namespace {
+
+constexpr int kSuperBlock = 256;  // weights a K-quant block
+constexpr size_t kQ4KBytes = 144;
+constexpr size_t kQ6KBytes = 210;
+constexpr size_t kQ8KBytes = 292;
+// Software prefetch this many blocks ahead of the one being dotted (into the next rows at a
+// row's end: W's rows are contiguous). Without it the kernel waited on memory between
+// blocks: one Q4_K product (4096 x 4096, one thread's CPU time) 1.3-1.7 ms without, 0.8-1.0
+// with 32 blocks (4.6 KB) ahead; served, the 1B Q4_K_M preset's batch 1 went from 19-20 to
+// 30 tok/s on the Xeon of docs/kernels.md (results/bench/2026-12-03-xeon-rowdot/).
+constexpr int kPrefetchBlocks = 32;
+
+// The cache lines of the block `ahead` blocks after `block` (`bytes` long each).
+inline void PrefetchAhead(const uint8_t* block, size_t bytes) {
+  const uint8_t* target = block + kPrefetchBlocks * bytes;
+  for (size_t line = 0; line < bytes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(target + line), _MM_HINT_T0);
+  }
+}
+
+inline float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return _cvtsh_ss(h);
+}
+
+// Q8_K's scale and codes.
+inline float ActScale(const uint8_t* block) {
+  float d;
+  std::memcpy(&d, block, sizeof d);
+  return d;
+}
+inline const int8_t* ActCodes(const uint8_t* block) {
+  return reinterpret_cast<const int8_t*>(block + 4);
+}
+inline const int16_t* ActSums(const uint8_t* block) {
+  return reinterpret_cast<const int16_t*>(block + 4 + kSuperBlock);
+}
+
+// 64 activation codes: y[a, a + 32) then y[b, b + 32).
+inline __m512i Halves(const int8_t* y, int a, int b) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + a));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + b));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// A vpermw index: int16 lanes [0, 16) take lane a of the source, [16, 32) lane b; with
+// `eighths`, lanes [8i, 8i + 8) take lane a + i (Q6_K's 16-weight sub-blocks).
+inline __m512i LaneIndex(int a, int b, bool eighths) {
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 32; ++i) {
+    idx[i] = static_cast<int16_t>(eighths ? a + i / 8 : (i < 16 ? a : b));
+  }
+  return _mm512_load_si512(idx);
+}
+
+inline float Sum4(__m128 v) {
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
+}
+
+inline float Sum16(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));  // + the other 256-bit half
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));  // + the neighbouring 128 bits
+  return Sum4(_mm512_castps512_ps128(v));
+}
+
+// Q4_K · Q8_K over n weights. Per super-block: two 64-byte loads of qs; their low and high
+// nibbles are sub-blocks (0 | 2), (1 | 3), (4 | 6), (5 | 7), each against the two matching
+// 32-code halves of y; maddubs gives int16 pair sums, dpwssd multiplies them by the
+// sub-block's scale (vpermw spreads the 8 scales over the lanes) and sums into int32.
+void DotQ4K(int n, float* s, size_t, const void* vx, size_t, const void* vy, size_t, int) {
+  const auto* x = static_cast<const uint8_t*>(vx);
+  const auto* y = static_cast<const uint8_t*>(vy);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i lo0 = LaneIndex(0, 2, false), hi0 = LaneIndex(1, 3, false);
+  const __m512i lo1 = LaneIndex(4, 6, false), hi1 = LaneIndex(5, 7, false);
+  __m512 acc = _mm512_setzero_ps();
+  __m128 acc_min = _mm_setzero_ps();
+  for (int b = 0; b < n / kSuperBlock; ++b, x += kQ4KBytes, y += kQ8KBytes) {
+    PrefetchAhead(x, kQ4KBytes);
+    const float yd = ActScale(y);
+    const int8_t* q8 = ActCodes(y);
+    // The 8 scales then the 8 mins as bytes (ggml's unpacking of the 12 bytes).
+    uint32_t t[4];
+    std::memcpy(t, x + 4, 12);
+    t[3] = ((t[2] >> 4) & 0x0f0f0f0f) | (((t[1] >> 6) & 0x03030303) << 4);
+    const uint32_t mins_lo = t[1] & 0x3f3f3f3f;
+    t[1] = (t[2] & 0x0f0f0f0f) | (((t[0] >> 6) & 0x03030303) << 4);
+    t[2] = mins_lo;
+    t[0] &= 0x3f3f3f3f;
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+    const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(bytes));  // lanes 0-7
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(bytes, 8));         // (8,) int16
+
+    const __m512i w0 = _mm512_loadu_si512(x + 16);  // sub-blocks 0-3
+    const __m512i w1 = _mm512_loadu_si512(x + 80);  // 4-7
+    const __m512i p0 = _mm512_maddubs_epi16(_mm512_and_si512(w0, nibble), Halves(q8, 0, 64));
+    const __m512i p1 = _mm512_maddubs_epi16(
+        _mm512_and_si512(_mm512_srli_epi16(w0, 4), nibble), Halves(q8, 32, 96));
+    const __m512i p2 = _mm512_maddubs_epi16(_mm512_and_si512(w1, nibble), Halves(q8, 128, 192));
+    const __m512i p3 = _mm512_maddubs_epi16(
+        _mm512_and_si512(_mm512_srli_epi16(w1, 4), nibble), Halves(q8, 160, 224));
+    __m512i even = _mm512_dpwssd_epi32(_mm512_setzero_si512(), p0,
+                                       _mm512_permutexvar_epi16(lo0, scales));
+    __m512i odd = _mm512_dpwssd_epi32(_mm512_setzero_si512(), p1,
+                                      _mm512_permutexvar_epi16(hi0, scales));
+    even = _mm512_dpwssd_epi32(even, p2, _mm512_permutexvar_epi16(lo1, scales));
+    odd = _mm512_dpwssd_epi32(odd, p3, _mm512_permutexvar_epi16(hi1, scales));
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(yd * Half(x)),
+                          _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd)), acc);
+    // The mins against the sums of each 32 codes (bsums in pairs).
+    const int16_t* sums = ActSums(y);
+    const __m128i pairs =
+        _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sums)),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums + 8)));
+    acc_min = _mm_fmadd_ps(_mm_set1_ps(yd * Half(x + 2)),
+                           _mm_cvtepi32_ps(_mm_madd_epi16(mins, pairs)), acc_min);
+  }
+  *s = Sum16(acc) - Sum4(acc_min);
+}
+
+// Q6_K · Q8_K over n weights. Per half super-block (128 weights): ql's 64 bytes give the low
+// 4 bits of weights [0, 64) (low nibbles) and [64, 128) (high), qh's 32 bytes, twice, the 2
+// high bits (shifted by 0 | 2 and 4 | 6 per 256-bit half); the codes u = q + 32 (0-63)
+// against 64 contiguous activation codes each. The −32 is taken once per super-block from
+// y's 16-code sums, which have Q6_K's sub-block size.
+void DotQ6K(int n, float* s, size_t, const void* vx, size_t, const void* vy, size_t, int) {
+  const auto* x = static_cast<const uint8_t*>(vx);
+  const auto* y = static_cast<const uint8_t*>(vy);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), two_bits = _mm512_set1_epi8(0x03);
+  const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+  const __m512i lo[2] = {LaneIndex(0, 0, true), LaneIndex(8, 0, true)};
+  const __m512i hi[2] = {LaneIndex(4, 0, true), LaneIndex(12, 0, true)};
+  __m512 acc = _mm512_setzero_ps();
+  for (int b = 0; b < n / kSuperBlock; ++b, x += kQ6KBytes, y += kQ8KBytes) {
+    PrefetchAhead(x, kQ6KBytes);
+    const uint8_t* ql = x;
+    const uint8_t* qh = x + 128;
+    const __m128i scale_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 192));
+    const __m256i scales16 = _mm256_cvtepi8_epi16(scale_bytes);  // (16,) int16
+    const __m512i scales = _mm512_castsi256_si512(scales16);
+    const int8_t* q8 = ActCodes(y);
+    __m512i sum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const __m512i low4 = _mm512_loadu_si512(ql + 64 * h);
+      const __m512i high2 = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+      const __m512i u_lo = _mm512_or_si512(
+          _mm512_and_si512(low4, nibble),
+          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high2, shift_lo), two_bits), 4));
+      const __m512i u_hi = _mm512_or_si512(
+          _mm512_and_si512(_mm512_srli_epi16(low4, 4), nibble),
+          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high2, shift_hi), two_bits), 4));
+      const __m512i y_lo = _mm512_loadu_si512(q8 + 128 * h);
+      const __m512i y_hi = _mm512_loadu_si512(q8 + 128 * h + 64);
+      sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(u_lo, y_lo),
+                                _mm512_permutexvar_epi16(lo[h], scales));
+      sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(u_hi, y_hi),
+                                _mm512_permutexvar_epi16(hi[h], scales));
+    }
+    // Σ scale_s · 32 · (sum of sub-block s's codes), taken off in int32.
+    const __m256i offset = _mm256_madd_epi16(
+        scales16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ActSums(y))));
+    sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(_mm256_slli_epi32(offset, 5)));
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(ActScale(y) * Half(x + 208)), _mm512_cvtepi32_ps(sum),
+                          acc);
+  }
+  *s = Sum16(acc);
+}
+
+}  // namespace
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
+
+ggml_vec_dot_t For(ggml_type type) {
+  static const bool here =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c");
+  if (!here) return nullptr;
+  switch (type) {
+    case GGML_TYPE_Q4_K: return DotQ4K;
+    case GGML_TYPE_Q6_K: return DotQ6K;
+    default: return nullptr;
+  }
+}
+
+#else  // not x86: ggml's vec_dot everywhere
+
+ggml_vec_dot_t For(ggml_type) { return nullptr; }
+
+#endif
+
+}  // namespace rowdot
+}  // namespace attnserve_gguf
