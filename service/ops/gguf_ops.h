@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <sstream>
 #include <stdexcept>
@@ -22,6 +23,18 @@
 namespace attnserve_gguf {
 
 constexpr const char* kDomain = "attnserve.gguf";
+
+// A Q4_K / Q5_K block's 12 bytes of packed 6-bit scales and mins as 16 bytes: the 8
+// scales, then the 8 mins (ggml's unpacking of the block's utmp words). Scalar: the kernels
+// of every instruction set call it.
+inline void KQuantScalesAndMins(const uint8_t* packed, uint32_t out[4]) {
+  std::memcpy(out, packed, 12);
+  out[3] = ((out[2] >> 4) & 0x0f0f0f0f) | (((out[1] >> 6) & 0x03030303) << 4);
+  const uint32_t mins_lo = out[1] & 0x3f3f3f3f;
+  out[1] = (out[2] & 0x0f0f0f0f) | (((out[0] >> 6) & 0x03030303) << 4);
+  out[2] = mins_lo;
+  out[0] &= 0x3f3f3f3f;
+}
 
 // A bad input or attribute, raised inside an op and returned to ONNX Runtime as a status.
 struct OpError : std::runtime_error {

@@ -8,6 +8,7 @@
 //   block_q8_K (292 bytes): d (float), qs[256] int8, bsums[16]: the sums of each 16 codes.
 
 #include "gguf_rowdot.h"
+#include "gguf_ops.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -120,14 +121,8 @@ void DotQ4K(int n, float* s, size_t, const void* vx, size_t, const void* vy, siz
     PrefetchAhead(x, kQ4KBytes);
     const float yd = ActScale(y);
     const int8_t* q8 = ActCodes(y);
-    // The 8 scales then the 8 mins as bytes (ggml's unpacking of the 12 bytes).
-    uint32_t t[4];
-    std::memcpy(t, x + 4, 12);
-    t[3] = ((t[2] >> 4) & 0x0f0f0f0f) | (((t[1] >> 6) & 0x03030303) << 4);
-    const uint32_t mins_lo = t[1] & 0x3f3f3f3f;
-    t[1] = (t[2] & 0x0f0f0f0f) | (((t[0] >> 6) & 0x03030303) << 4);
-    t[2] = mins_lo;
-    t[0] &= 0x3f3f3f3f;
+    uint32_t t[4];  // the 8 scales then the 8 mins as bytes
+    KQuantScalesAndMins(x + 4, t);
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
     const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(bytes));  // lanes 0-7
     const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(bytes, 8));         // (8,) int16
