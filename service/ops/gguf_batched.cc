@@ -101,6 +101,7 @@ constexpr bool kVnni = false;
 constexpr int kMX = 2;  // 16 vector registers: 2 x 2 float, int16 and int32 accumulators (3 x 2 where
                         // the int32 ones are not kept: AllRowsOf)
 constexpr int kRW = 2;
+constexpr int kPairsRW = 1;  // unused: rows are not paired here
 #include "gguf_batched_kernels.inc"
 }  // namespace
 void PrepareRow(Kind kind, const uint8_t* xq, const Acts& a, int64_t i, int8_t* scratch) {
@@ -125,12 +126,19 @@ void DotRows(Kind kind, const uint8_t* w, size_t row_bytes, int64_t r0, int64_t 
 #else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+// GCC 12's AVX-512 headers fill a lane with _mm512_undefined_*() and warn about it (GCC
+// bug 105593, fixed in 13): nothing of ours is uninitialised.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 namespace vnni {
 namespace {
 constexpr bool kVnni = true;
-constexpr int kMX = 4;  // 32 vector registers: 4 x 3 float and 4 x 3 integer accumulators
-constexpr int kRW = 3;
+constexpr int kMX = 4;       // activation rows a step
+constexpr int kRW = 3;       // unused: rows are paired here
+constexpr int kPairsRW = 2;  // pairs of weight rows a step (MicroPairs): 4 x 2 float and 4 x 2
+                             // integer 512-bit accumulators of 32 registers (3 pairs spilled)
 #include "gguf_batched_kernels.inc"
 }  // namespace
 void PrepareRow(Kind kind, const uint8_t* xq, const Acts& a, int64_t i, int8_t* scratch) {
@@ -144,6 +152,7 @@ void DotRows(Kind kind, const uint8_t* w, size_t row_bytes, int64_t r0, int64_t 
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 #endif
 
@@ -237,7 +246,8 @@ void DotRows(Isa isa, ggml_type type, const uint8_t* w, size_t row_bytes, int64_
   if (!KindOf(type, &kind) || (repacked && (kind != Kind::kQ4_0 || r0 % 8 != 0))) std::abort();
 #if defined(ATTNSERVE_GGUF_X86)
   thread_local AlignedScratch scratch;
-  const size_t rows = static_cast<size_t>(r1 - r0), kp = static_cast<size_t>(acts.kp);
+  // Whole pairs of rows (the VNNI kernels' layout).
+  const size_t rows = static_cast<size_t>(r1 - r0 + 1) / 2 * 2, kp = static_cast<size_t>(acts.kp);
   const size_t lanes = kp / static_cast<size_t>(acts.lane_k);
   const size_t u_bytes = rows * kp, s_bytes = Up64(rows * lanes * 4);
   uint8_t* base = scratch.Get(u_bytes + 2 * s_bytes);

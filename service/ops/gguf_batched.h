@@ -37,7 +37,8 @@ int64_t MinBatch(ggml_type type);
 // X quantised by ggml (M rows of the type's vec_dot_type), re-laid out for the kernels:
 // K in "lane groups" of lane_k weights (32; 16 for Q6_K, its scales' granularity), padded
 // with zeros to whole chunks of 8 groups (kp), and interleaved within a chunk so that one
-// 256-bit integer dot accumulates group j in lane j (gguf_batched.cc).
+// 256-bit integer dot accumulates group j in lane j (gguf_batched.cc; the AVX-512 VNNI
+// kernels broadcast it to both halves of a 512-bit dot over a pair of weight rows).
 struct Acts {
   int64_t m = 0;
   int64_t k = 0;

@@ -388,7 +388,8 @@ def test_each_path_matches_numpy(gguf_ops_library: Path, path: str,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Every batched type on each instruction set this CPU runs (ATTNSERVE_GGUF_MATMUL_PATH
     forces one, at every M), and on ggml's vec_dot alone; K = 576 (SmolLM2's width: not a
-    whole number of the kernels' 256-weight chunks) for the 32-weight types."""
+    whole number of the kernels' 256-weight chunks) for the 32-weight types; M = 5, 6, 7 leave
+    each remainder of the VNNI kernels' four activation rows a step."""
     monkeypatch.setenv(PATH_ENV, path)
     for name in BATCHED:
         weight_type = TYPES[name]
@@ -396,7 +397,7 @@ def test_each_path_matches_numpy(gguf_ops_library: Path, path: str,
         rng = np.random.default_rng(6)
         stored, dense = weight_type.make(rng, N, k)
         sess = forced_session(matmul_model(weight_type.type_id, k), gguf_ops_library, path)
-        for m in (1, 5):
+        for m in (1, 5, 6, 7):
             x = rng.standard_normal((m, k)).astype(np.float32)
             (y,) = sess.run(None, {"X": x, "W": stored})
             assert row_error(y, x.astype(np.float64) @ dense.T) <= weight_type.tolerance, name
