@@ -5,7 +5,9 @@
 //    lanes with AVX-512 but Q6_K): each group of weights that shares a scale is decoded to
 //    float codes in registers and dotted with every activation row in turn; per group the
 //    sum is scaled, y = Σ_g d_g·Σ q·x (+ m_g·Σ x for the types with mins, Σ x per group
-//    computed once a call). No dequantised copy.
+//    computed once a call); with AVX-512, Q4_0 and Q4_1 two weight rows at a time, their
+//    scales converted 16 groups at once, nibbles picked from a table of the group's 16
+//    weights (TableRows). No dequantised copy.
 //  * a tile, from 4 rows, for every type ggml dequantises, and on CPUs without AVX2: the
 //    task's rows dequantised once (our decoders, exactly ggml's values, or ggml's
 //    to_float) into thread-local scratch, then dot products of 4 activation rows x 4 (2)
@@ -33,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace attnserve_gguf {
 namespace floatpath {
@@ -352,31 +355,10 @@ inline __m512 Floats16x(__m128i b) {
   return _mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 }
 
-// One group of each type on 16 lanes: 2 vectors of 16 floats (1 for Q6_K's 16 weights),
-// the same codes, scale and min as the AVX2 decoders' Group.
+// A Q8_0 or Q4_K group on 16 lanes: 2 vectors of 16 floats, the same codes, scale and min
+// as the AVX2 decoders' Group (Q4_0 and Q4_1 have TableRows, below).
 template <class T>
 void Group512(const uint8_t* row, int64_t g, __m512* c, float* d, float* m);
-
-template <>
-void Group512<Q4_0>(const uint8_t* row, int64_t g, __m512* c, float* d, float* /*m*/) {
-  const uint8_t* b = row + g * 18;
-  *d = Half(b);
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-  const __m128i low = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  c[0] = Floats16x<true>(_mm_sub_epi8(_mm_and_si128(q, low), eight));
-  c[1] = Floats16x<true>(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low), eight));
-}
-
-template <>
-void Group512<Q4_1>(const uint8_t* row, int64_t g, __m512* c, float* d, float* m) {
-  const uint8_t* b = row + g * 20;
-  *d = Half(b);
-  *m = Half(b + 2);
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  c[0] = Floats16x<false>(_mm_and_si128(q, low));
-  c[1] = Floats16x<false>(_mm_and_si128(_mm_srli_epi16(q, 4), low));
-}
 
 template <>
 void Group512<Q8_0>(const uint8_t* row, int64_t g, __m512* c, float* d, float* /*m*/) {
@@ -424,6 +406,117 @@ struct FusedAvx512 {
     for (int i = 0; i < MI; ++i) y[i * ldy] = _mm512_reduce_add_ps(total[i]) + mins[i];
   }
 };
+
+// Q4_0's and Q4_1's blocks: an fp16 scale at the start (Q4_1: its min in the next 2
+// bytes), then 16 bytes of nibbles (byte l: weight l low, weight l + 16 high).
+template <class T> struct Blocks;
+template <> struct Blocks<Q4_0> { static constexpr int kBytes = 18, kCodes = 2; };
+template <> struct Blocks<Q4_1> { static constexpr int kBytes = 20, kCodes = 4; };
+
+// Each row's groups' scales (and table offsets: Q4_1's mins, Q4_0's −8·d) as floats,
+// gathered and converted 16 groups a vector, not one scalar conversion a group:
+// (rows, stride) each, stride >= groups.
+template <class T>
+void TableScales(const uint8_t* row, size_t row_bytes, int64_t rows, int64_t groups,
+                 int64_t stride, float* scales, float* offsets) {
+  constexpr int kBytes = Blocks<T>::kBytes;
+  const __m512i at = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(kBytes));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int run = static_cast<int>(std::min<int64_t>(16, groups - g0));
+      const __mmask16 live = static_cast<__mmask16>((1u << run) - 1);
+      // fp16 d in the low half of each dword, Q4_1's m in the high half
+      const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at,
+                                                     row + r * row_bytes + g0 * kBytes, 1);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+      _mm512_store_ps(scales + r * stride + g0, d);
+      if (std::is_same_v<T, Q4_1>) {
+        const __m512i m = _mm512_srli_epi32(dm, 16);
+        _mm512_store_ps(offsets + r * stride + g0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(m)));
+      } else if (std::is_same_v<T, Q4_0>) {  // d·c − 8·d = d·(c − 8), exact
+        _mm512_store_ps(offsets + r * stride + g0, _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)));
+      }
+    }
+  }
+}
+
+// A decode step's Q4_0 or Q4_1 products on AVX-512: y for MI <= 3 activation rows against
+// RJ weight rows, their scales from TableScales. A weight here is a float lane (an int8
+// product takes a byte), so decoding, not bandwidth, bounds these products (SmolLM2's
+// layers are Q4_1), and a group is decoded in few vector operations: its 16 possible
+// weights d·c + m computed once as a table (one FMA, the scale and offset broadcast from
+// memory: loads, not shuffles), and each byte's low and high nibble picked from it with
+// vpermps, which reads only the low 4 bits of an index: no masking, no int-to-float
+// conversion, no min term. Measured (docs/kernels.md, "Float activations"): 1.3-1.5x
+// FusedAvx512's time a product, which converted each group's fp16 scalars and summed
+// its mins; Q8_0 (no table: 256 codes) stays there, this shape measured slower for it.
+template <class T, int MI, int RJ>
+void TableRows(const uint8_t* row, size_t row_bytes, int64_t k, const float* x, int64_t ldx,
+               const float* scales, const float* offsets, int64_t stride, float* y,
+               int64_t ldy) {
+  constexpr int kBytes = Blocks<T>::kBytes, kCodes = Blocks<T>::kCodes;
+  __m512 total[MI][RJ][2];  // two sums a pair: two FMAs a group in flight
+  for (int i = 0; i < MI; ++i) {
+    for (int j = 0; j < RJ; ++j) total[i][j][0] = total[i][j][1] = _mm512_setzero_ps();
+  }
+  const __m512 codes = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    __m512 xv[MI][2];
+    for (int i = 0; i < MI; ++i) {
+      const float* xg = x + i * ldx + g * kGroup;
+      xv[i][0] = _mm512_loadu_ps(xg);
+      xv[i][1] = _mm512_loadu_ps(xg + 16);
+    }
+    for (int j = 0; j < RJ; ++j) {
+      const uint8_t* q = row + j * row_bytes + g * kBytes + kCodes;
+      const __m512 vd = _mm512_set1_ps(scales[j * stride + g]);
+      const __m512i bytes =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      const __m512 table = _mm512_fmadd_ps(codes, vd, _mm512_set1_ps(offsets[j * stride + g]));
+      const __m512 w0 = _mm512_permutexvar_ps(bytes, table);
+      const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+      for (int i = 0; i < MI; ++i) {
+        total[i][j][0] = _mm512_fmadd_ps(w0, xv[i][0], total[i][j][0]);
+        total[i][j][1] = _mm512_fmadd_ps(w1, xv[i][1], total[i][j][1]);
+      }
+    }
+  }
+  for (int i = 0; i < MI; ++i) {
+    for (int j = 0; j < RJ; ++j) {
+      y[i * ldy + j] = _mm512_reduce_add_ps(_mm512_add_ps(total[i][j][0], total[i][j][1]));
+    }
+  }
+}
+
+thread_local AlignedScratch table_scales;  // a task's rows' scales and table offsets
+
+// Y[:, r0:r1] by TableRows, two weight rows a step, their scales converted first.
+template <class T>
+void TableFusedRows(const uint8_t* w, size_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
+                    float* y, int64_t ldy) {
+  const int64_t groups = a.k / kGroup, stride = (groups + 15) / 16 * 16, rows = r1 - r0;
+  float* const scales = table_scales.As<float>(static_cast<size_t>(2 * rows * stride));
+  float* const offsets = scales + rows * stride;
+  TableScales<T>(w + r0 * row_bytes, row_bytes, rows, groups, stride, scales, offsets);
+  int64_t r = 0;
+  auto step = [&](auto rj) {  // rows r, r + 1, … r + RJ - 1
+    constexpr int RJ = decltype(rj)::value;
+    const uint8_t* row = w + (r0 + r) * row_bytes;
+    const float* sc = scales + r * stride;
+    const float* of = offsets + r * stride;
+    float* yr = y + r0 + r;
+    switch (a.m) {  // below kTileFrom
+      case 3: TableRows<T, 3, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy); break;
+      case 2: TableRows<T, 2, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy); break;
+      default: TableRows<T, 1, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy);
+    }
+    r += RJ;
+  };
+  while (r + 2 <= rows) step(std::integral_constant<int, 2>());
+  if (r < rows) step(std::integral_constant<int, 1>());
+}
 
 // out[16·j + l] = src[l][p0 + j] for j, l < 16: sixteen rows' 16 floats transposed (the
 // usual unpack / 128-bit shuffle network), so packing a panel costs no scalar stores.
@@ -500,8 +593,8 @@ FusedFn Fused(ggml_type type, Level level) {
 #if defined(ATTNSERVE_GGUF_X86)
   if (level == Level::kAvx512) {  // Q6_K's 16-weight groups stay on 8 lanes
     switch (type) {
-      case GGML_TYPE_Q4_0: return FusedRows<FusedAvx512<Q4_0>>;
-      case GGML_TYPE_Q4_1: return FusedRows<FusedAvx512<Q4_1>>;
+      case GGML_TYPE_Q4_0: return TableFusedRows<Q4_0>;
+      case GGML_TYPE_Q4_1: return TableFusedRows<Q4_1>;
       case GGML_TYPE_Q8_0: return FusedRows<FusedAvx512<Q8_0>>;
       case GGML_TYPE_Q4_K: return FusedRows<FusedAvx512<Q4_K>>;
       default: break;
@@ -721,8 +814,9 @@ const char* LevelName(Level level) {
 }
 
 bool NeedsGroupSums(ggml_type type, Level level, int64_t m) {
+  // (TableRows folds Q4_1's mins into its table)
   return m < kTileFrom && Fused(type, level) != nullptr &&
-         (type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q4_K);
+         ((type == GGML_TYPE_Q4_1 && level != Level::kAvx512) || type == GGML_TYPE_Q4_K);
 }
 
 void GroupSums(const float* x, int64_t m, int64_t k, float* sums) {

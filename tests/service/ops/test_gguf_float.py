@@ -72,6 +72,22 @@ def test_each_float_path_matches_numpy(gguf_ops_library: Path, path: str,
         assert max(errors.values()) <= FLOAT32, (name, errors)
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_decode_steps_over_long_rows_of_the_legacy_types(gguf_ops_library: Path,
+                                                        name: str) -> None:
+    """A decode step's rows (M = 1-3) of 35 groups: two whole runs of the 16 groups whose
+    scales the AVX-512 kernel converts at once, and a partial third; N = 67 ends in a
+    single weight row after pairs. Against numpy in float64, on the auto path."""
+    rng = np.random.default_rng(4)
+    k = 35 * 32
+    stored, dense = TYPES[name].make(rng, N, k)
+    sess = session(matmul_model(TYPES[name].type_id, k, activations="float"), gguf_ops_library)
+    for m in (1, 2, 3):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        (y,) = sess.run(None, {"X": x, "W": stored})
+        assert row_error(y, x.astype(np.float64) @ dense.T) <= FLOAT32, (name, m)
+
+
 def test_float_activations_are_the_float32_product_not_an_int8_one(
         gguf_ops_library: Path) -> None:
     """The point of the attribute: with it the product is float32's; without it, X is
