@@ -119,19 +119,7 @@ void DotRows(Kind kind, const uint8_t* w, size_t row_bytes, int64_t r0, int64_t 
 #endif
 
 // --- AVX-512 VNNI (+VL, BW) on 256-bit vectors: dpbusd, 32 vector registers ---------------
-#if defined(__clang__)
-#pragma clang attribute push(                                                             \
-    __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))), \
-    apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
-// GCC 12's AVX-512 headers fill a lane with _mm512_undefined_*() and warn about it (GCC
-// bug 105593, fixed in 13): nothing of ours is uninitialised.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+ATTNSERVE_BEGIN_AVX512_VNNI
 namespace vnni {
 namespace {
 constexpr bool kVnni = true;
@@ -149,12 +137,7 @@ void DotRows(Kind kind, const uint8_t* w, size_t row_bytes, int64_t r0, int64_t 
   DotRowsImpl(kind, w, row_bytes, r0, r1, a, y, ldy, scratch, repacked);
 }
 }  // namespace vnni
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC diagnostic pop
-#pragma GCC pop_options
-#endif
+ATTNSERVE_END_AVX512_VNNI
 
 #endif  // ATTNSERVE_GGUF_X86
 

@@ -36,6 +36,25 @@ inline void KQuantScalesAndMins(const uint8_t* packed, uint32_t out[4]) {
   out[0] &= 0x3f3f3f3f;
 }
 
+// The AVX-512 VNNI kernels' target (gguf_batched.cc, gguf_rowdot.cc), pushed before them and
+// popped after, with GCC or clang. GCC 12's AVX-512 headers fill a lane with
+// _mm*_undefined_*() and warn about it (GCC bug 105593, fixed in 13): nothing of ours is
+// uninitialised, so those two warnings are off inside.
+#if defined(__clang__)
+#define ATTNSERVE_BEGIN_AVX512_VNNI                                                          \
+  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c,avx512f,avx512vl,"  \
+          "avx512bw,avx512vnni\"))), apply_to = function)")
+#define ATTNSERVE_END_AVX512_VNNI _Pragma("clang attribute pop")
+#else
+#define ATTNSERVE_BEGIN_AVX512_VNNI                                        \
+  _Pragma("GCC push_options")                                              \
+  _Pragma("GCC target(\"avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni\")") \
+  _Pragma("GCC diagnostic push")                                           \
+  _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")                   \
+  _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
+#define ATTNSERVE_END_AVX512_VNNI _Pragma("GCC diagnostic pop") _Pragma("GCC pop_options")
+#endif
+
 // A bad input or attribute, raised inside an op and returned to ONNX Runtime as a status.
 struct OpError : std::runtime_error {
   OrtErrorCode code;

@@ -23,19 +23,7 @@ namespace attnserve_gguf {
 namespace rowdot {
 
 #if defined(ATTNSERVE_ROWDOT_X86)
-#if defined(__clang__)
-#pragma clang attribute push(                                                             \
-    __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))), \
-    apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
-// GCC 12's AVX-512 headers fill a lane with _mm256_undefined_*() and warn about it (GCC
-// bug 105593, fixed in 13): nothing of ours is uninitialised.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+ATTNSERVE_BEGIN_AVX512_VNNI
 namespace {
 
 constexpr int kSuperBlock = 256;  // weights a K-quant block
@@ -205,12 +193,7 @@ void DotQ6K(int n, float* s, size_t, const void* vx, size_t, const void* vy, siz
 }
 
 }  // namespace
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC diagnostic pop
-#pragma GCC pop_options
-#endif
+ATTNSERVE_END_AVX512_VNNI
 
 ggml_vec_dot_t For(ggml_type type) {
   static const bool here =
