@@ -1,13 +1,13 @@
 // The float-activation path of GgufMatMul: see gguf_float.h.
 //
 // Three ways to a task's products, each reading a weight row from memory once a call:
-//  * fused, below 4 activation rows (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K with AVX2 + FMA; on 16
-//    lanes with AVX-512 but Q6_K): each group of weights that shares a scale is decoded to
-//    float codes in registers and dotted with every activation row in turn; per group the
-//    sum is scaled, y = Σ_g d_g·Σ q·x (+ m_g·Σ x for the types with mins, Σ x per group
-//    computed once a call); with AVX-512, Q4_0 and Q4_1 two weight rows at a time, their
-//    scales converted 16 groups at once, nibbles picked from a table of the group's 16
-//    weights (TableRows). No dequantised copy.
+//  * fused, below 4 activation rows (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): each group of weights
+//    that shares a scale is decoded in registers and dotted with every activation row in
+//    turn. With AVX2 + FMA (and Q8_0 on AVX-512) as float codes, the sum scaled per group,
+//    y = Σ_g d_g·Σ q·x (+ m_g·Σ x for the types with mins, Σ x per group computed once a
+//    call); with AVX-512 the others as weights (StepRows), two weight rows at a time, their
+//    scales converted first, 4-bit codes picked from a table of the group's 16 weights,
+//    Q6_K's 6-bit codes converted. No dequantised copy.
 //  * a tile, from 4 rows, for every type ggml dequantises, and on CPUs without AVX2: the
 //    task's rows dequantised once (our decoders, exactly ggml's values, or ggml's
 //    to_float) into thread-local scratch, then dot products of 4 activation rows x 4 (2)
@@ -60,6 +60,7 @@ constexpr int64_t kWideFrom = 16;
 constexpr int64_t kGroup = 32;
 
 thread_local AlignedScratch tile;  // a task's dequantised rows
+thread_local AlignedScratch step_scales;  // a task's rows' scales and offsets (StepScales)
 
 // y[i, j] = x_i · w_j for MI activation rows (ldx apart) and RJ dequantised rows.
 // Eight partial sums a pair, so that the compiler can keep them in vector lanes (a single
@@ -355,8 +356,8 @@ inline __m512 Floats16x(__m128i b) {
   return _mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 }
 
-// A Q8_0 or Q4_K group on 16 lanes: 2 vectors of 16 floats, the same codes, scale and min
-// as the AVX2 decoders' Group (Q4_0 and Q4_1 have TableRows, below).
+// A Q8_0 group on 16 lanes: 2 vectors of 16 floats, the same codes and scale as the AVX2
+// decoder's Group (Q4_0, Q4_1, Q4_K and Q6_K have StepRows, below).
 template <class T>
 void Group512(const uint8_t* row, int64_t g, __m512* c, float* d, float* m);
 
@@ -366,14 +367,6 @@ void Group512<Q8_0>(const uint8_t* row, int64_t g, __m512* c, float* d, float* /
   *d = Half(b);
   c[0] = Floats16x<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
   c[1] = Floats16x<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)));
-}
-
-template <>
-void Group512<Q4_K>(const uint8_t* row, int64_t g, __m512* c, float* d, float* m) {
-  Q4_K::Scales(row, g, d, m);
-  const __m256i codes = Q4_K::Codes(row, g);
-  c[0] = Floats16x<false>(_mm256_castsi256_si128(codes));
-  c[1] = Floats16x<false>(_mm256_extracti128_si256(codes, 1));
 }
 
 // y[i] for MI activation rows against one weight row, 16 lanes: FusedAvx2's sums with half
@@ -407,19 +400,84 @@ struct FusedAvx512 {
   }
 };
 
-// Q4_0's and Q4_1's blocks: an fp16 scale at the start (Q4_1: its min in the next 2
-// bytes), then 16 bytes of nibbles (byte l: weight l low, weight l + 16 high).
-template <class T> struct Blocks;
-template <> struct Blocks<Q4_0> { static constexpr int kBytes = 18, kCodes = 2; };
-template <> struct Blocks<Q4_1> { static constexpr int kBytes = 20, kCodes = 4; };
+// How a decode step's kernel on AVX-512 (StepRows) reads a type: kSpans spans of 32
+// weights a step; a scale and an offset for every kScaleWeights weights (StepScales), so
+// that weight = scale·code + offset; Weights(): the step's spans as floats, w[2s] and
+// w[2s + 1] span s's weights 0-15 and 16-31.
+//
+// The 4-bit types through a table: a group's 16 possible weights are one FMA over 0…15,
+// and each code picks its weight with vpermps, which reads only the low 4 bits of an
+// index (no masking, no int-to-float conversion, no min term). Q4_0 and Q4_1: a block of
+// 32 weights, an fp16 scale first (Q4_1: its min in the next 2 bytes), then 16 bytes of
+// nibbles (byte l: weight l low, weight l + 16 high).
+template <class T> struct StepDecode {
+  static constexpr int kBytes = std::is_same_v<T, Q4_1> ? 20 : 18, kCodes = kBytes - 16;
+  static constexpr int kSpans = 1, kScaleWeights = 32;
+  static void Weights(const uint8_t* row, int64_t g, const float* scales, const float* offsets,
+                      __m512* w) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kBytes + kCodes)));
+    const __m512 table = Table(scales[g], offsets[g]);
+    w[0] = _mm512_permutexvar_ps(bytes, table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  }
+  static __m512 Table(float scale, float offset) {
+    const __m512 codes = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_fmadd_ps(codes, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+  }
+};
+// Q4_K: groups 2p and 2p + 1 of a super-block are the low and high nibbles of the same 32
+// bytes (at 16 + 32p), widened once for both.
+template <> struct StepDecode<Q4_K> {
+  static constexpr int kSpans = 2, kScaleWeights = 32;
+  static void Weights(const uint8_t* row, int64_t g, const float* scales, const float* offsets,
+                      __m512* w) {
+    const uint8_t* q = row + (g / 8) * 144 + 16 + 16 * (g % 8);  // g even
+    const __m512i low = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i high =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    const __m512 even = StepDecode<Q4_1>::Table(scales[g], offsets[g]);
+    const __m512 odd = StepDecode<Q4_1>::Table(scales[g + 1], offsets[g + 1]);
+    w[0] = _mm512_permutexvar_ps(low, even);
+    w[1] = _mm512_permutexvar_ps(high, even);
+    w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(low, 4), odd);
+    w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(high, 4), odd);
+  }
+};
+// Q6_K (6-bit codes: no 16-entry table): span g = 32h + 8v of its super-block's 256 (h < 2,
+// v < 4, Q6_K's comment above) is 32 bytes of ql and the 2 bits 2v of 32 bytes of qh, put
+// together 32 codes at once on bytes, then widened and converted; a scale per 16 weights,
+// offset −32·scale.
+template <> struct StepDecode<Q6_K> {
+  static constexpr int kSpans = 1, kScaleWeights = 16;
+  static void Weights(const uint8_t* row, int64_t g, const float* scales, const float* offsets,
+                      __m512* w) {
+    const uint8_t* b = row + (g / 8) * 210;
+    const int h = static_cast<int>(g % 8) / 4, v = static_cast<int>(g % 4);
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (v & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i nibbles = _mm256_and_si256(v >= 2 ? _mm256_srli_epi16(ql, 4) : ql,
+                                             _mm256_set1_epi8(0x0F));
+    const __m256i top = _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * v)), _mm256_set1_epi8(3)), 4);
+    const __m256i codes = _mm256_or_si256(nibbles, top);
+    for (int half = 0; half < 2; ++half) {
+      const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+          half ? _mm256_extracti128_si256(codes, 1) : _mm256_castsi256_si128(codes)));
+      w[half] = _mm512_fmadd_ps(c, _mm512_set1_ps(scales[2 * g + half]),
+                                _mm512_set1_ps(offsets[2 * g + half]));
+    }
+  }
+};
 
-// Each row's groups' scales (and table offsets: Q4_1's mins, Q4_0's −8·d) as floats,
-// gathered and converted 16 groups a vector, not one scalar conversion a group:
-// (rows, stride) each, stride >= groups.
+// Each row's scales and offsets (StepDecode) as floats: (rows, stride) each, stride >= the
+// row's count of them. Q4_0 and Q4_1: the fp16 scales (and Q4_1's mins; Q4_0's offset is
+// −8·d, so d·c − 8·d = d·(c − 8) exactly) gathered and converted 16 groups a vector, not
+// one scalar conversion a group.
 template <class T>
-void TableScales(const uint8_t* row, size_t row_bytes, int64_t rows, int64_t groups,
-                 int64_t stride, float* scales, float* offsets) {
-  constexpr int kBytes = Blocks<T>::kBytes;
+void StepScales(const uint8_t* row, size_t row_bytes, int64_t rows, int64_t groups,
+                int64_t stride, float* scales, float* offsets) {
+  constexpr int kBytes = StepDecode<T>::kBytes;
   const __m512i at = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32(kBytes));
@@ -432,54 +490,95 @@ void TableScales(const uint8_t* row, size_t row_bytes, int64_t rows, int64_t gro
                                                      row + r * row_bytes + g0 * kBytes, 1);
       const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
       _mm512_store_ps(scales + r * stride + g0, d);
-      if (std::is_same_v<T, Q4_1>) {
+      if constexpr (std::is_same_v<T, Q4_1>) {
         const __m512i m = _mm512_srli_epi32(dm, 16);
         _mm512_store_ps(offsets + r * stride + g0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(m)));
-      } else if (std::is_same_v<T, Q4_0>) {  // d·c − 8·d = d·(c − 8), exact
+      } else {
         _mm512_store_ps(offsets + r * stride + g0, _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)));
       }
     }
   }
 }
 
-// A decode step's Q4_0 or Q4_1 products on AVX-512: y for MI <= 3 activation rows against
-// RJ weight rows, their scales from TableScales. A weight here is a float lane (an int8
-// product takes a byte), so decoding, not bandwidth, bounds these products (SmolLM2's
-// layers are Q4_1), and a group is decoded in few vector operations: its 16 possible
-// weights d·c + m computed once as a table (one FMA, the scale and offset broadcast from
-// memory: loads, not shuffles), and each byte's low and high nibble picked from it with
-// vpermps, which reads only the low 4 bits of an index: no masking, no int-to-float
-// conversion, no min term. Measured (docs/kernels.md, "Float activations"): 1.3-1.5x
-// FusedAvx512's time a product, which converted each group's fp16 scalars and summed
-// its mins; Q8_0 (no table: 256 codes) stays there, this shape measured slower for it.
+// per_block(block, its scales, its offsets) for each K-quant super-block of `rows` rows:
+// kScales of each (of `count` a row) a super-block of kBytes.
+template <int kBytes, int kScales, class PerBlock>
+void EachSuperBlock(const uint8_t* row, size_t row_bytes, int64_t rows, int64_t count,
+                    int64_t stride, float* scales, float* offsets, PerBlock&& per_block) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t s = 0; s < count / kScales; ++s) {
+      per_block(row + r * row_bytes + s * kBytes, scales + r * stride + kScales * s,
+                offsets + r * stride + kScales * s);
+    }
+  }
+}
+
+// Q4_K: a super-block's 8 scales d·sc and offsets −dmin·m from its packed 6-bit scales and
+// mins (ggml's get_scale_min_k4, as KQuantScalesAndMins unpacks them).
+template <>
+void StepScales<Q4_K>(const uint8_t* row, size_t row_bytes, int64_t rows, int64_t groups,
+                      int64_t stride, float* scales, float* offsets) {
+  EachSuperBlock<144, 8>(row, row_bytes, rows, groups, stride, scales, offsets,
+                         [](const uint8_t* b, float* sc, float* of) {
+    uint32_t unpacked[4];  // the 8 scales, then the 8 mins, a byte each
+    KQuantScalesAndMins(b + 4, unpacked);
+    const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unpacked))));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unpacked + 2))));
+    _mm256_store_ps(sc, _mm256_mul_ps(_mm256_set1_ps(Half(b)), codes));
+    _mm256_store_ps(of, _mm256_mul_ps(_mm256_set1_ps(-Half(b + 2)), mins));
+  });
+}
+
+// Q6_K: a super-block's 16 scales d·sc (int8 sc) and offsets −32·d·sc (exact).
+template <>
+void StepScales<Q6_K>(const uint8_t* row, size_t row_bytes, int64_t rows, int64_t groups,
+                      int64_t stride, float* scales, float* offsets) {
+  EachSuperBlock<210, 16>(row, row_bytes, rows, groups, stride, scales, offsets,
+                          [](const uint8_t* b, float* sc, float* of) {
+    const __m512 d = _mm512_mul_ps(
+        _mm512_set1_ps(Half(b + 208)),
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+    _mm512_store_ps(sc, d);
+    _mm512_store_ps(of, _mm512_mul_ps(d, _mm512_set1_ps(-32.0f)));
+  });
+}
+
+// A decode step's Q4_0, Q4_1, Q4_K or Q6_K products on AVX-512: y for MI <= 3 activation
+// rows against RJ weight rows, decoded by StepDecode<T> with the scales of StepScales. A
+// weight here is a float lane (an int8 product takes a byte), so decoding, not bandwidth,
+// bounds these products (SmolLM2's layers are Q4_1), and a span is decoded in few vector
+// operations, the scales broadcast from memory (loads, not shuffles), two weight rows
+// sharing each activation load. Measured (docs/kernels.md, "Float activations"): Q4_0 and
+// Q4_1 1.3-1.5x faster a product than FusedAvx512, which converted each group's fp16
+// scalars and summed its mins; Q4_K 1.4-2.3x at 1-3 rows (FusedAvx512), Q6_K 2.0-2.5x
+// (FusedAvx2's 8 lanes); Q8_0 (no table: 256 codes) stays on FusedAvx512, this shape
+// measured slower for it.
 template <class T, int MI, int RJ>
-void TableRows(const uint8_t* row, size_t row_bytes, int64_t k, const float* x, int64_t ldx,
-               const float* scales, const float* offsets, int64_t stride, float* y,
-               int64_t ldy) {
-  constexpr int kBytes = Blocks<T>::kBytes, kCodes = Blocks<T>::kCodes;
-  __m512 total[MI][RJ][2];  // two sums a pair: two FMAs a group in flight
+void StepRows(const uint8_t* row, size_t row_bytes, int64_t k, const float* x, int64_t ldx,
+              const float* scales, const float* offsets, int64_t stride, float* y,
+              int64_t ldy) {
+  constexpr int kSpans = StepDecode<T>::kSpans;
+  __m512 total[MI][RJ][2];  // two sums a pair: two FMAs a span in flight
   for (int i = 0; i < MI; ++i) {
     for (int j = 0; j < RJ; ++j) total[i][j][0] = total[i][j][1] = _mm512_setzero_ps();
   }
-  const __m512 codes = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    __m512 xv[MI][2];
-    for (int i = 0; i < MI; ++i) {
-      const float* xg = x + i * ldx + g * kGroup;
-      xv[i][0] = _mm512_loadu_ps(xg);
-      xv[i][1] = _mm512_loadu_ps(xg + 16);
-    }
+  for (int64_t g0 = 0; g0 < k / kGroup; g0 += kSpans) {
+    __m512 w[RJ][2 * kSpans];
     for (int j = 0; j < RJ; ++j) {
-      const uint8_t* q = row + j * row_bytes + g * kBytes + kCodes;
-      const __m512 vd = _mm512_set1_ps(scales[j * stride + g]);
-      const __m512i bytes =
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-      const __m512 table = _mm512_fmadd_ps(codes, vd, _mm512_set1_ps(offsets[j * stride + g]));
-      const __m512 w0 = _mm512_permutexvar_ps(bytes, table);
-      const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+      StepDecode<T>::Weights(row + j * row_bytes, g0, scales + j * stride,
+                             offsets + j * stride, w[j]);
+    }
+    for (int s = 0; s < kSpans; ++s) {
       for (int i = 0; i < MI; ++i) {
-        total[i][j][0] = _mm512_fmadd_ps(w0, xv[i][0], total[i][j][0]);
-        total[i][j][1] = _mm512_fmadd_ps(w1, xv[i][1], total[i][j][1]);
+        const float* xs = x + i * ldx + (g0 + s) * kGroup;
+        const __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
+        for (int j = 0; j < RJ; ++j) {
+          total[i][j][0] = _mm512_fmadd_ps(w[j][2 * s], x0, total[i][j][0]);
+          total[i][j][1] = _mm512_fmadd_ps(w[j][2 * s + 1], x1, total[i][j][1]);
+        }
       }
     }
   }
@@ -490,16 +589,15 @@ void TableRows(const uint8_t* row, size_t row_bytes, int64_t k, const float* x, 
   }
 }
 
-thread_local AlignedScratch table_scales;  // a task's rows' scales and table offsets
-
-// Y[:, r0:r1] by TableRows, two weight rows a step, their scales converted first.
+// Y[:, r0:r1] by StepRows, two weight rows a step, their scales converted first.
 template <class T>
-void TableFusedRows(const uint8_t* w, size_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
-                    float* y, int64_t ldy) {
-  const int64_t groups = a.k / kGroup, stride = (groups + 15) / 16 * 16, rows = r1 - r0;
-  float* const scales = table_scales.As<float>(static_cast<size_t>(2 * rows * stride));
+void StepFusedRows(const uint8_t* w, size_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
+                   float* y, int64_t ldy) {
+  const int64_t groups = a.k / StepDecode<T>::kScaleWeights, stride = (groups + 15) / 16 * 16;
+  const int64_t rows = r1 - r0;
+  float* const scales = step_scales.As<float>(static_cast<size_t>(2 * rows * stride));
   float* const offsets = scales + rows * stride;
-  TableScales<T>(w + r0 * row_bytes, row_bytes, rows, groups, stride, scales, offsets);
+  StepScales<T>(w + r0 * row_bytes, row_bytes, rows, groups, stride, scales, offsets);
   int64_t r = 0;
   auto step = [&](auto rj) {  // rows r, r + 1, … r + RJ - 1
     constexpr int RJ = decltype(rj)::value;
@@ -508,14 +606,29 @@ void TableFusedRows(const uint8_t* w, size_t row_bytes, int64_t r0, int64_t r1, 
     const float* of = offsets + r * stride;
     float* yr = y + r0 + r;
     switch (a.m) {  // below kTileFrom
-      case 3: TableRows<T, 3, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy); break;
-      case 2: TableRows<T, 2, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy); break;
-      default: TableRows<T, 1, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy);
+      case 3: StepRows<T, 3, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy); break;
+      case 2: StepRows<T, 2, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy); break;
+      default: StepRows<T, 1, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy);
     }
     r += RJ;
   };
   while (r + 2 <= rows) step(std::integral_constant<int, 2>());
   if (r < rows) step(std::integral_constant<int, 1>());
+}
+
+// A tile's row as floats from StepDecode (its scales from StepScales): on AVX-512 several
+// times faster than Dequantise's 8 lanes and scalar scales. Weights are scale·code + offset
+// rounded once (ggml rounds Q4_0's, Q4_1's and Q4_K's product, then the sum; Q6_K's are
+// its values exactly), within the summation-order tolerance every path is held to.
+template <class T>
+void StepDequantise(const uint8_t* row, int64_t k, const float* scales, const float* offsets,
+                    float* out) {
+  constexpr int kSpans = StepDecode<T>::kSpans;
+  for (int64_t g0 = 0; g0 < k / kGroup; g0 += kSpans) {
+    __m512 w[2 * kSpans];
+    StepDecode<T>::Weights(row, g0, scales, offsets, w);
+    for (int v = 0; v < 2 * kSpans; ++v) _mm512_storeu_ps(out + g0 * kGroup + 16 * v, w[v]);
+  }
 }
 
 // out[16·j + l] = src[l][p0 + j] for j, l < 16: sixteen rows' 16 floats transposed (the
@@ -591,12 +704,13 @@ using FusedFn = void (*)(const uint8_t*, size_t, int64_t, int64_t, const Acts&, 
 // The fused kernel for `type`, or null (the tile path).
 FusedFn Fused(ggml_type type, Level level) {
 #if defined(ATTNSERVE_GGUF_X86)
-  if (level == Level::kAvx512) {  // Q6_K's 16-weight groups stay on 8 lanes
+  if (level == Level::kAvx512) {
     switch (type) {
-      case GGML_TYPE_Q4_0: return TableFusedRows<Q4_0>;
-      case GGML_TYPE_Q4_1: return TableFusedRows<Q4_1>;
+      case GGML_TYPE_Q4_0: return StepFusedRows<Q4_0>;
+      case GGML_TYPE_Q4_1: return StepFusedRows<Q4_1>;
       case GGML_TYPE_Q8_0: return FusedRows<FusedAvx512<Q8_0>>;
-      case GGML_TYPE_Q4_K: return FusedRows<FusedAvx512<Q4_K>>;
+      case GGML_TYPE_Q4_K: return StepFusedRows<Q4_K>;
+      case GGML_TYPE_Q6_K: return StepFusedRows<Q6_K>;
       default: break;
     }
   }
@@ -635,6 +749,33 @@ DequantiseFn Decoder(ggml_type type, Level level) {
   (void)type;
   (void)level;
   return nullptr;
+}
+
+// The tile's decoder on AVX-512 (StepDecode's types): the task's rows' scales first
+// (`scales`, as StepScales), then each row (`row`, as StepDequantise); else all null.
+struct StepDecoder {
+  using ScalesFn = void (*)(const uint8_t*, size_t, int64_t, int64_t, int64_t, float*, float*);
+  using RowFn = void (*)(const uint8_t*, int64_t, const float*, const float*, float*);
+  ScalesFn scales = nullptr;
+  RowFn row = nullptr;
+  int64_t scale_weights = 0;  // weights a scale
+};
+
+StepDecoder StepDecoderFor(ggml_type type, Level level) {
+#if defined(ATTNSERVE_GGUF_X86)
+  if (level == Level::kAvx512) {
+    switch (type) {
+      case GGML_TYPE_Q4_0: return {StepScales<Q4_0>, StepDequantise<Q4_0>, 32};
+      case GGML_TYPE_Q4_1: return {StepScales<Q4_1>, StepDequantise<Q4_1>, 32};
+      case GGML_TYPE_Q4_K: return {StepScales<Q4_K>, StepDequantise<Q4_K>, 32};
+      case GGML_TYPE_Q6_K: return {StepScales<Q6_K>, StepDequantise<Q6_K>, 16};
+      default: break;
+    }
+  }
+#endif
+  (void)type;
+  (void)level;
+  return {};
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
@@ -738,13 +879,25 @@ void OuterRows(RowFn&& dequantise, int64_t rows, const Acts& a, float* y, int64_
 void TileRows(ggml_type type, Level level, const uint8_t* w, size_t row_bytes, int64_t r0,
               int64_t r1, const Acts& a, float* y, int64_t ldy) {
   const int64_t rows = r1 - r0, k = a.k;
+  const StepDecoder decoder = StepDecoderFor(type, level);
   const DequantiseFn ours = Decoder(type, level);
   const ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
+  int64_t stride = 0;  // the task's rows' scales and offsets, for `decoder`
+  float* scales = nullptr;
+  if (decoder.row != nullptr) {
+    const int64_t groups = k / decoder.scale_weights;
+    stride = (groups + 15) / 16 * 16;
+    scales = step_scales.As<float>(static_cast<size_t>(2 * rows * stride));
+    decoder.scales(w + r0 * row_bytes, row_bytes, rows, groups, stride, scales,
+                scales + rows * stride);
+  }
   // Row r of the task in floats, at `out` (F32 rows: read where they are).
   auto dequantise = [&](int64_t r, float* out) -> const float* {
     const uint8_t* row = w + (r0 + r) * row_bytes;
     if (type == GGML_TYPE_F32) return reinterpret_cast<const float*>(row);
-    if (ours) {
+    if (decoder.row != nullptr) {
+      decoder.row(row, k, scales + r * stride, scales + (rows + r) * stride, out);
+    } else if (ours) {
       ours(row, k, out);
     } else {
       to_float(row, out, k);
@@ -814,9 +967,9 @@ const char* LevelName(Level level) {
 }
 
 bool NeedsGroupSums(ggml_type type, Level level, int64_t m) {
-  // (TableRows folds Q4_1's mins into its table)
-  return m < kTileFrom && Fused(type, level) != nullptr &&
-         ((type == GGML_TYPE_Q4_1 && level != Level::kAvx512) || type == GGML_TYPE_Q4_K);
+  // (StepRows folds Q4_1's and Q4_K's mins into its weights)
+  return m < kTileFrom && Fused(type, level) != nullptr && level != Level::kAvx512 &&
+         (type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q4_K);
 }
 
 void GroupSums(const float* x, int64_t m, int64_t k, float* sums) {

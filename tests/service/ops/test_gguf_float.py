@@ -14,8 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 
 from tests.service.ops.test_gguf_matmul import (
+    CODE_BYTES,
     PATH_ENV,
     TYPES,
     matmul_model,
@@ -72,20 +75,32 @@ def test_each_float_path_matches_numpy(gguf_ops_library: Path, path: str,
         assert max(errors.values()) <= FLOAT32, (name, errors)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
-def test_decode_steps_over_long_rows_of_the_legacy_types(gguf_ops_library: Path,
-                                                        name: str) -> None:
-    """A decode step's rows (M = 1-3) of 35 groups: two whole runs of the 16 groups whose
-    scales the AVX-512 kernel converts at once, and a partial third; N = 67 ends in a
-    single weight row after pairs. Against numpy in float64, on the auto path."""
+# Rows of 35 groups for the 32-weight types: two whole runs of the 16 groups whose scales
+# the AVX-512 kernel converts at once, and a partial third; 5 super-blocks (40 groups) for
+# the K-quants, whose decode-step kernel takes two groups (Q4_K: a byte's two nibbles) a span.
+LONG_ROWS = {"Q4_0": 35 * 32, "Q4_1": 35 * 32, "Q8_0": 35 * 32, "Q4_K": 5 * 256,
+             "Q6_K": 5 * 256}
+
+
+@pytest.mark.parametrize("name", list(LONG_ROWS))
+def test_decode_steps_over_long_rows(gguf_ops_library: Path, name: str) -> None:
+    """A decode step's rows (M = 1-3, in registers) and M = 5 (through the dequantised tile)
+    over long rows, on random blocks and with every code at its largest (Q6_K's top two bits
+    come from a separate byte); N = 67 ends in a single weight row after pairs. Against
+    numpy in float64, on the auto path."""
     rng = np.random.default_rng(4)
-    k = 35 * 32
-    stored, dense = TYPES[name].make(rng, N, k)
+    k = LONG_ROWS[name]
+    qtype = GGMLQuantizationType(TYPES[name].type_id)
+    random_w, _ = TYPES[name].make(rng, N, k)
+    largest = random_w.copy()
+    largest.reshape(N, -1, GGML_QUANT_SIZES[qtype][1])[..., CODE_BYTES[name]] = 0xFF
     sess = session(matmul_model(TYPES[name].type_id, k, activations="float"), gguf_ops_library)
-    for m in (1, 2, 3):
-        x = rng.standard_normal((m, k)).astype(np.float32)
-        (y,) = sess.run(None, {"X": x, "W": stored})
-        assert row_error(y, x.astype(np.float64) @ dense.T) <= FLOAT32, (name, m)
+    for stored in (random_w, largest):
+        dense = dequantize(stored, qtype).astype(np.float64)
+        for m in (1, 2, 3, 5):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            (y,) = sess.run(None, {"X": x, "W": stored})
+            assert row_error(y, x.astype(np.float64) @ dense.T) <= FLOAT32, (name, m)
 
 
 def test_float_activations_are_the_float32_product_not_an_int8_one(
