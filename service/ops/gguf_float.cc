@@ -9,7 +9,8 @@
 //    scales converted first, 4-bit codes picked from a table of the group's 16 weights,
 //    Q6_K's 6-bit codes converted. No dequantised copy.
 //  * a tile, from 4 rows, for every type ggml dequantises, and on CPUs without AVX2: the
-//    task's rows dequantised once (our decoders, exactly ggml's values, or ggml's
+//    task's rows dequantised once (our decoders, exactly ggml's values; on AVX-512 for
+//    Q4_0, Q4_1, Q4_K and Q6_K StepRows' decoder, one rounding a weight; or ggml's
 //    to_float) into thread-local scratch, then dot products of 4 activation rows x 4 (2)
 //    weight rows in registers.
 //  * packed panels, from 16-32 rows with AVX-512 (UsesOuter): the tile transposed into
