@@ -25,6 +25,8 @@
 // of X by our int8 kernels (gguf_batched.cc: AVX-512 VNNI or AVX2, chosen at run time); at
 // M = 1, for every other type, and on CPUs without AVX2, one ggml vec_dot per pair of rows
 // (for Q4_K and Q6_K on AVX-512 VNNI CPUs, our row dot in its place: gguf_rowdot.h).
+// layout="repacked_8x8" (Q4_0, IQ4_NL in ggml's repack layout, gguf_repacked.h): ggml's
+// gemv / gemm, our gemv for Q4_0 on AVX-512 VNNI CPUs, our batched kernels (ComputeRepacked).
 // ATTNSERVE_GGUF_MATMUL_PATH (auto, vec_dot, avx2, avx512vnni) overrides the choice when a
 // session is created (tests, benchmarks).
 //
@@ -74,17 +76,23 @@ constexpr int64_t kParallelQuantiseRows = 4;
 // Weight rows a task of the batched path unpacks and computes (whole 64-byte lines of Y,
 // whole groups of a repacked W).
 constexpr int64_t kBatchedRows = 16;
-// A repacked W goes to ggml where one call of its kernels reads W once and is faster than
-// ours: its gemv at one activation row; its gemm at four (it takes rows 4 at a time and
-// each row left over by another gemv, another pass over W) where ggml was built with
-// AVX-512, for which its gemm has a path of its own. Every other M goes to our batched
+// A repacked W goes to a gemv / gemm where one call reads W once and is faster than our
+// batched kernels: ggml's gemv at one activation row; its gemm at four (it takes rows 4 at a
+// time and each row left over by another gemv, another pass over W) where ggml was built
+// with AVX-512, for which its gemm has a path of its own. Every other M goes to our batched
 // kernels, reading the layout in place. Q4_0 (docs/kernels.md): at 4096 x 4096, one
 // thread, CPU ms, AVX-512 EPYC: 0.60 against 1.11 over the rows at M = 1, gemm 0.98 against
 // 1.32 at 4, gemm + 2 gemv 2.28 against ours 1.66 at 6; at 16384 x 3072, 2 threads, cold,
 // AVX2-only EPYC: gemv 3.60 against 4.23, gemm 13.72 against ours over the rows 10.43.
-bool GgmlTakesRepacked(int64_t m) {
+// Where the CPU has AVX-512 VNNI our Q4_0 gemv (gguf_rowdot.h) takes ggml's gemv's rows,
+// M = 2 and 3 in one pass over W, and the 1-3 rows after the gemm's 4 at M = 5-7. On the
+// Xeon at 8192 x 8192 (one thread's CPU ms, cold): 2.1-2.9 against ggml's gemv's 5.2-5.9 at
+// M = 1, 2.5-3.7 against the batched kernels' 7.2-8.2 at 2-3, gemm + ours 6.4-7.7 against
+// 7.2-8.8 at 5-7.
+bool GemvOrGemmTakes(int64_t m, bool our_gemv) {
   static const bool gemm_avx512 = ggml_cpu_has_avx512() != 0;
-  return m == 1 || (m == 4 && gemm_avx512);
+  return m == 1 || (m == 4 && gemm_avx512) ||
+         (our_gemv && (m < 4 || (m < 8 && gemm_avx512)));
 }
 
 // The ggml-cpu functions for one weight type, or null where ggml cannot compute it.
@@ -327,13 +335,16 @@ void FloatBlock(void* data, size_t block) {
 }
 
 // One ParallelFor task over a repacked W: a run of whole groups of 8 rows against every
-// activation row, by ggml's gemm (four rows of X at a time) and gemv (the rest).
+// activation row, by ggml's gemm (four rows of X at a time) and gemv (the rest), or our gemv
+// for the rest (up to 3 rows a pass).
 struct RepackedJob {
   const WeightFormat* format;
   repacked::Kernels kernels;
-  const uint8_t* w;   // (N, row_bytes), groups of 8 rows interleaved
-  const uint8_t* xq;  // (M, act_row_bytes): the first m4 rows 4 at a time interleaved
-  float* y;           // (M, N)
+  rowdot::RepackedGemv our_gemv;  // or null: ggml's
+  const uint8_t* w;     // (N, row_bytes), groups of 8 rows interleaved
+  const uint8_t* xq;    // (M, act_row_bytes): the first m4 rows 4 at a time interleaved
+  const int32_t* sums;  // (M - m4, K / 32): rowdot::Q8_0Sums of the rest, for our gemv
+  float* y;             // (M, N)
   int64_t m;
   int64_t m4;  // rows of X the gemm takes (a multiple of 4)
   int64_t n;
@@ -350,6 +361,15 @@ void RepackedBlock(void* data, size_t block) {
   if (job.m4 > 0) {
     job.kernels.gemm(k, job.y + r0, static_cast<size_t>(job.n), w, job.xq,
                      static_cast<int>(job.m4), cols);
+  }
+  if (job.our_gemv != nullptr) {
+    for (int64_t i = job.m4; i < job.m; i += 3) {
+      job.our_gemv(k, w, cols / repacked::kGroupRows, job.xq + i * f.act_row_bytes,
+                   f.act_row_bytes, std::min<int64_t>(3, job.m - i),
+                   job.sums + (i - job.m4) * (f.k / 32), job.y + i * job.n + r0,
+                   static_cast<size_t>(job.n));
+    }
+    return;
   }
   for (int64_t i = job.m4; i < job.m; ++i) {
     job.kernels.gemv(k, job.y + i * job.n + r0, static_cast<size_t>(job.n), w,
@@ -387,6 +407,8 @@ struct PathChoice {
   // Below min_batch: our row dot in place of ggml's vec_dot where it has one (auto only;
   // gguf_rowdot.h), else null.
   ggml_vec_dot_t row_dot = nullptr;
+  // A repacked W's gemv rows: ours (auto and avx512vnni; gguf_rowdot.h), else null: ggml's.
+  rowdot::RepackedGemv repacked_gemv = nullptr;
   floatpath::Level float_level = floatpath::Level::kGeneric;  // activations="float"
 };
 
@@ -399,6 +421,7 @@ PathChoice ChoosePath(const std::string& node, ggml_type type) {
     choice.isa = batched::Covers(type, here) ? here : batched::Isa::kNone;
     choice.min_batch = batched::MinBatch(type);
     choice.row_dot = rowdot::For(type);
+    choice.repacked_gemv = rowdot::RepackedFor(type);
   } else if (path == "avx2" || path == "avx512vnni") {
     const batched::Isa want = path == "avx2" ? batched::Isa::kAvx2 : batched::Isa::kVnni;
     if (here == batched::Isa::kNone || (want == batched::Isa::kVnni && here != want)) {
@@ -408,6 +431,7 @@ PathChoice ChoosePath(const std::string& node, ggml_type type) {
     }
     choice.isa = batched::Covers(type, want) ? want : batched::Isa::kNone;
     choice.min_batch = 1;
+    if (want == batched::Isa::kVnni) choice.repacked_gemv = rowdot::RepackedFor(type);
   } else if (path != "vec_dot") {
     throw OpError(ORT_INVALID_ARGUMENT,
                   Where(kOpName, node) + "ATTNSERVE_GGUF_MATMUL_PATH=" + path +
@@ -510,8 +534,8 @@ struct GgufMatMulKernel {
     }
     // X in the vec_dot_type, once per call; F32 weights dot float rows as they are.
     const bool use_batched = path.isa != batched::Isa::kNone && m >= path.min_batch;
-    // A repacked W: ggml's gemv / gemm where they are faster, else ours.
-    if (f.repacked && (!use_batched || GgmlTakesRepacked(m))) {
+    // A repacked W: ggml's gemv / gemm or our gemv where they are faster, else ours.
+    if (f.repacked && (!use_batched || GemvOrGemmTakes(m, path.repacked_gemv != nullptr))) {
       ComputeRepacked(ctx, x_data, m, w_data, n, y_data);
       return;
     }
@@ -570,11 +594,17 @@ void GgufMatMulKernel::ComputeRepacked(Ort::KernelContext& ctx, const float* x, 
   for (int64_t i = 0; i < m4; i += 4) {
     kernels.quantize_mat4(x + i * f.k, xq + i * f.act_row_bytes, f.k);
   }
+  // (M - m4, K / 32): what our gemv takes beside the codes
+  std::vector<int32_t> sums(path.repacked_gemv ? static_cast<size_t>((m - m4) * (f.k / 32)) : 0);
   for (int64_t i = m4; i < m; ++i) {
     kernels.from_float(x + i * f.k, xq + i * f.act_row_bytes, f.k);
+    if (path.repacked_gemv) {
+      rowdot::Q8_0Sums(xq + i * f.act_row_bytes, static_cast<int>(f.k),
+                       sums.data() + (i - m4) * (f.k / 32));
+    }
   }
   const int64_t block_rows = BlockRows(f.row_bytes);
-  RepackedJob job{&f, kernels, w, xq, y, m, m4, n, block_rows};
+  RepackedJob job{&f, kernels, path.repacked_gemv, w, xq, sums.data(), y, m, m4, n, block_rows};
   const size_t tasks = static_cast<size_t>((n + block_rows - 1) / block_rows);
   ctx.ParallelFor(RepackedBlock, tasks, 0, &job);
 }

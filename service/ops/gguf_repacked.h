@@ -3,7 +3,8 @@
 // backend loads Q4_0 and IQ4_NL into on x86 with AVX2, so that its gemv / gemm read 8 rows
 // in one stream. Same bytes and size as the file's rows; written once by the export with
 // ggml's own repack (Repack, the CPU_REPACK buffer type), computed by ggml's own
-// ggml_gemv_* / ggml_gemm_* (layout="repacked_8x8" on a GgufMatMul node).
+// ggml_gemv_* / ggml_gemm_* (layout="repacked_8x8" on a GgufMatMul node; Q4_0's gemv rows by
+// ours on AVX-512 VNNI CPUs, gguf_rowdot.h).
 //
 // Why: at one activation row ggml's per-row Q4_0 vec_dot streams the weights at about 80 %
 // of what the gemv over this layout reaches (docs/kernels.md, measured); for Q4_K the two

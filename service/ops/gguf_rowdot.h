@@ -9,7 +9,17 @@
 // Same signature and result as ggml's vec_dot for the type (ggml_vec_dot_t, nrc = 1): the
 // integer sums of each sub-block are the same; the float summation order differs (16 lanes
 // here, 8 in ggml's AVX2 code), so a result agrees with ggml's to float32 accumulation.
+//
+// And a gemv of ours over Q4_0 in ggml's repack layout (gguf_repacked.h: groups of 8 rows
+// interleaved, nibbles XOR 0x88) on the same CPUs, in ggml_gemv_q4_0_8x8_q8_0's place: ggml's
+// is 256-bit code that prefetches nothing, and the served 3B Q4_0 file decoded at batch 1 at
+// 55-65 % of the bound over it, 1.00x llama.cpp; over ours at 99-103 %, 1.59-1.61x (the 1B
+// file 97 %, 1.86x; docs/kernels.md, "Our gemv over Q4_0's layout on AVX-512 VNNI"). Same
+// integer sums per block as ggml's; up to 3 activation rows in one pass over W.
 #pragma once
+
+#include <cstddef>
+#include <cstdint>
 
 #include "ggml-cpu.h"
 #include "ggml.h"
@@ -19,6 +29,17 @@ namespace rowdot {
 
 // Our row dot for `type` on this CPU, or nullptr where ggml's vec_dot stays.
 ggml_vec_dot_t For(ggml_type type);
+
+// Y[i, 8g + r] = W's row 8g + r · X's row i, for `groups` groups of 8 rows in the repack
+// layout at w and m ≤ 3 rows of X as Q8_0 (xq, xq_bytes apart), sums their Q8_0Sums (m,
+// k / 32); Y's rows y_stride floats apart.
+using RepackedGemv = void (*)(int k, const uint8_t* w, int64_t groups, const uint8_t* xq,
+                              size_t xq_bytes, int64_t m, const int32_t* sums, float* y,
+                              size_t y_stride);
+// Our gemv for `type` in the repack layout on this CPU (Q4_0 on AVX-512 VNNI), or nullptr.
+RepackedGemv RepackedFor(ggml_type type);
+// 8 · the sum of each block's codes in a Q8_0 row of k values: (k / 32,) int32.
+void Q8_0Sums(const uint8_t* xq, int k, int32_t* sums);
 
 }  // namespace rowdot
 }  // namespace attnserve_gguf

@@ -1,8 +1,9 @@
 """GgufMatMul over W in ggml's CPU repack layout (``layout="repacked_8x8"``,
 service/ops/gguf_repacked.cc): the bytes written by ggml's own repack
-(``service.ops.repack``), computed by ggml's gemv / gemm at int8 activations and through the
-inverse at float ones, against numpy's X · dequantize(W)ᵀ; the layout itself against a
-numpy construction of ggml's block_q4_0x8; and what is refused.
+(``service.ops.repack``), computed by ggml's gemv / gemm (Q4_0's gemv rows by ours on
+AVX-512 VNNI, gguf_rowdot.cc) at int8 activations and through the inverse at float ones,
+against numpy's X · dequantize(W)ᵀ; the layout itself against a numpy construction of
+ggml's block_q4_0x8; and what is refused.
 
 The weights, the one-node model and the session are test_gguf_matmul's.
 """
@@ -13,12 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize
 
 import service.ops
 from tests.service.ops.test_gguf_matmul import (
+    CODE_BYTES,
     EXACT,
     PATH_ENV,
     TYPES,
+    forced_session,
     matmul_model,
     row_error,
     session,
@@ -28,8 +33,9 @@ REPACKED = ("Q4_0", "IQ4_NL")
 N = 72  # whole groups of 8 rows, not of the 16-row lines a task takes: a partial last task
 K = 512
 # Q4_0: 1 ggml's gemv, 4 its gemm where ggml has AVX-512, the others our batched kernels
-# reading the layout in place; IQ4_NL (no batched kernels) and under vec_dot: gemm on four
-# rows at a time, gemv on the rest (2, 3, 5, 17).
+# reading the layout in place (on AVX-512 VNNI: 1-3 our gemv, 5-7 the gemm and ours on the
+# rest); IQ4_NL (no batched kernels) and under vec_dot: gemm on four rows at a time, gemv on
+# the rest (2, 3, 5, 17).
 BATCHES = (1, 2, 3, 4, 5, 8, 17, 64)
 FLOAT32 = 2e-6  # test_gguf_float's bound for float activations
 
@@ -80,6 +86,43 @@ def test_float_activations_over_the_layout_match_numpy(gguf_ops_library: Path,
         x = rng.standard_normal((m, K)).astype(np.float32)
         (y,) = sess.run(None, {"X": x, "W": layout})
         assert row_error(y, x.astype(np.float64) @ dense.T) <= FLOAT32, m
+
+
+@pytest.mark.parametrize("k", [K, 576, 4096])
+def test_our_q4_0_gemv_matches_numpy(gguf_ops_library: Path, k: int,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our AVX-512 VNNI gemv over Q4_0's layout (gguf_rowdot.cc), forced by
+    ATTNSERVE_GGUF_MATMUL_PATH=avx512vnni (skipped on a CPU without it): M = 1, 2, 3 in one
+    pass, M = 5 and 7 the rows after ggml's gemm's 4. Random blocks, and every code at its
+    largest of either sign (0xFF: 7, 0x00: -8) against activations at ±127; against numpy
+    with X quantised as the op does (EXACT) and against ggml's gemv / gemm alone (vec_dot),
+    which sum the same integers (on the Xeon the gemv's float order too: equal there).
+    K of 16 blocks, 18 and 128 (a long row); N of 9 groups (a task's last group alone)."""
+    qtype = GGMLQuantizationType.Q4_0
+    rng = np.random.default_rng(9)
+    random_w, _ = TYPES["Q4_0"].make(rng, N, k)
+    weights = [random_w]
+    for code in (0xFF, 0x00):
+        extreme = random_w.copy()
+        extreme.reshape(N, -1, 18)[..., CODE_BYTES["Q4_0"]] = code
+        weights.append(extreme)
+    xs = [rng.standard_normal((m, k)).astype(np.float32) for m in (1, 2, 3, 5, 7)]
+    xs.append(np.repeat(np.array([[1.0], [-1.0], [4.0]], np.float32), k, axis=1))
+    model = matmul_model(TYPES["Q4_0"].type_id, k, layout=service.ops.REPACKED_LAYOUT)
+    monkeypatch.setenv(PATH_ENV, "avx512vnni")
+    ours = forced_session(model, gguf_ops_library, "avx512vnni")
+    monkeypatch.setenv(PATH_ENV, "vec_dot")
+    ggml = session(model, gguf_ops_library)
+    for stored in weights:
+        layout, why = service.ops.repack(TYPES["Q4_0"].type_id, k, stored, gguf_ops_library)
+        assert layout is not None, why  # ggml repacks Q4_0 wherever there is AVX-512
+        dense = dequantize(stored, qtype).astype(np.float64)
+        for x in xs:
+            (y,) = ours.run(None, {"X": x, "W": layout})
+            expected = TYPES["Q4_0"].as_computed(x, stored, dense)
+            assert row_error(y, expected) <= EXACT, (k, x.shape)
+            (alone,) = ggml.run(None, {"X": x, "W": layout})
+            assert row_error(y, alone.astype(np.float64)) <= EXACT, (k, x.shape)
 
 
 def file_rows(layout: np.ndarray, ggml_type: int) -> np.ndarray:
