@@ -60,7 +60,7 @@ def ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 def load(url: str, label: str, adapters: bool) -> float:
     command = [PY, "-m", "benchmarks.serve", "--url", url, "--model", str(ART), "--backend",
                "openai", "--workload", "random", "--input-len", "64", "--output-len", "64",
-               "--ignore-eos", "--num-prompts", "48", "--max-concurrency", "16",
+               "--ignore-eos", "--num-prompts", os.environ.get("PROMPTS", "48"), "--max-concurrency", "16",
                "--request-rate", "inf", "--result-dir", str(OUT / label), "--label", label]
     if adapters:
         command += ["--adapters", ",".join(NAMES)]
