@@ -84,15 +84,16 @@ constexpr int64_t kBatchedRows = 16;
 // thread, CPU ms, AVX-512 EPYC: 0.60 against 1.11 over the rows at M = 1, gemm 0.98 against
 // 1.32 at 4, gemm + 2 gemv 2.28 against ours 1.66 at 6; at 16384 x 3072, 2 threads, cold,
 // AVX2-only EPYC: gemv 3.60 against 4.23, gemm 13.72 against ours over the rows 10.43.
-// Where the CPU has AVX-512 VNNI our Q4_0 gemv (gguf_rowdot.h) takes ggml's gemv's rows,
-// M = 2 and 3 in one pass over W, and the 1-3 rows after the gemm's 4 at M = 5-7. On the
-// Xeon at 8192 x 8192 (one thread's CPU ms, cold): 2.1-2.9 against ggml's gemv's 5.2-5.9 at
-// M = 1, 2.5-3.7 against the batched kernels' 7.2-8.2 at 2-3, gemm + ours 6.4-7.7 against
-// 7.2-8.8 at 5-7.
+// Where the CPU has AVX-512 VNNI our Q4_0 gemv (gguf_rowdot.h) takes every M up to 8 in one
+// pass over W (ggml's gemm none). On the Xeon at 8192 x 8192 (one thread's CPU ms,
+// cold): 2.1-3.0 against ggml's gemv's 5.2-5.9 at M = 1, 2.5-3.7
+// against the batched kernels' 7.2-8.2 at 2-3, 3.2-3.6 against ggml's gemm's 5.9-6.3 at 4,
+// 4.0-4.1 against gemm + ours 7.6-8.0 at 6, 5.4-5.5 against the batched kernels' 8.9-10.6
+// at 8 (docs/kernels.md).
+constexpr int64_t kOurGemvRows = 8;  // activation rows a pass of our gemv
 bool GemvOrGemmTakes(int64_t m, bool our_gemv) {
   static const bool gemm_avx512 = ggml_cpu_has_avx512() != 0;
-  return m == 1 || (m == 4 && gemm_avx512) ||
-         (our_gemv && (m < 4 || (m < 8 && gemm_avx512)));
+  return m == 1 || (m == 4 && gemm_avx512 && !our_gemv) || (our_gemv && m <= kOurGemvRows);
 }
 
 // The ggml-cpu functions for one weight type, or null where ggml cannot compute it.
@@ -335,8 +336,8 @@ void FloatBlock(void* data, size_t block) {
 }
 
 // One ParallelFor task over a repacked W: a run of whole groups of 8 rows against every
-// activation row, by ggml's gemm (four rows of X at a time) and gemv (the rest), or our gemv
-// for the rest (up to 3 rows a pass).
+// activation row, by ggml's gemm (four rows of X at a time) and gemv (the rest), or by our
+// gemv alone (up to kOurGemvRows rows a pass).
 struct RepackedJob {
   const WeightFormat* format;
   repacked::Kernels kernels;
@@ -363,9 +364,9 @@ void RepackedBlock(void* data, size_t block) {
                      static_cast<int>(job.m4), cols);
   }
   if (job.our_gemv != nullptr) {
-    for (int64_t i = job.m4; i < job.m; i += 3) {
+    for (int64_t i = job.m4; i < job.m; i += kOurGemvRows) {
       job.our_gemv(k, w, cols / repacked::kGroupRows, job.xq + i * f.act_row_bytes,
-                   f.act_row_bytes, std::min<int64_t>(3, job.m - i),
+                   f.act_row_bytes, std::min<int64_t>(kOurGemvRows, job.m - i),
                    job.sums + (i - job.m4) * (f.k / 32), job.y + i * job.n + r0,
                    static_cast<size_t>(job.n));
     }
@@ -583,9 +584,9 @@ void GgufMatMulKernel::ComputeRepacked(Ort::KernelContext& ctx, const float* x, 
                                        const uint8_t* w, int64_t n, float* y) const {
   const WeightFormat& f = format;
   const repacked::Kernels kernels = repacked::KernelsFor(f.type);
-  // X once per call: rows 4 at a time interleaved for the gemm (as ggml's mul_mat on this
-  // layout quantises them), the last M % 4 plainly for the gemv.
-  const int64_t m4 = m >= 4 ? m - m % 4 : 0;
+  // X once per call: rows 4 at a time interleaved for ggml's gemm (as ggml's mul_mat on this
+  // layout quantises them), the last M % 4 plainly for its gemv; every row plainly for ours.
+  const int64_t m4 = path.repacked_gemv ? 0 : m >= 4 ? m - m % 4 : 0;
   const size_t bytes = static_cast<size_t>(m) * f.act_row_bytes;  // (M, act_row_bytes)
   std::unique_ptr<uint8_t, FreeDeleter> quantised(
       static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));

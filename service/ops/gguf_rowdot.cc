@@ -255,7 +255,12 @@ void GemvQ4_0(int k, const uint8_t* w, int64_t groups, const uint8_t* xq, size_t
   switch (m) {
     case 1: return GemvQ4_0x8<1>(k, w, groups, xq, xq_bytes, sums, y, y_stride);
     case 2: return GemvQ4_0x8<2>(k, w, groups, xq, xq_bytes, sums, y, y_stride);
-    default: return GemvQ4_0x8<3>(k, w, groups, xq, xq_bytes, sums, y, y_stride);
+    case 3: return GemvQ4_0x8<3>(k, w, groups, xq, xq_bytes, sums, y, y_stride);
+    case 4: return GemvQ4_0x8<4>(k, w, groups, xq, xq_bytes, sums, y, y_stride);
+    case 5: return GemvQ4_0x8<5>(k, w, groups, xq, xq_bytes, sums, y, y_stride);
+    case 6: return GemvQ4_0x8<6>(k, w, groups, xq, xq_bytes, sums, y, y_stride);
+    case 7: return GemvQ4_0x8<7>(k, w, groups, xq, xq_bytes, sums, y, y_stride);
+    default: return GemvQ4_0x8<8>(k, w, groups, xq, xq_bytes, sums, y, y_stride);
   }
 }
 

@@ -15,7 +15,7 @@
 // is 256-bit code that prefetches nothing, and the served 3B Q4_0 file decoded at batch 1 at
 // 55-65 % of the bound over it, 1.00x llama.cpp; over ours at 99-103 %, 1.59-1.61x (the 1B
 // file 97 %, 1.86x; docs/kernels.md, "Our gemv over Q4_0's layout on AVX-512 VNNI"). Same
-// integer sums per block as ggml's; up to 3 activation rows in one pass over W.
+// integer sums per block as ggml's; up to 8 activation rows in one pass over W.
 #pragma once
 
 #include <cstddef>
@@ -31,7 +31,7 @@ namespace rowdot {
 ggml_vec_dot_t For(ggml_type type);
 
 // Y[i, 8g + r] = W's row 8g + r · X's row i, for `groups` groups of 8 rows in the repack
-// layout at w and m ≤ 3 rows of X as Q8_0 (xq, xq_bytes apart), sums their Q8_0Sums (m,
+// layout at w and m ≤ 8 rows of X as Q8_0 (xq, xq_bytes apart), sums their Q8_0Sums (m,
 // k / 32); Y's rows y_stride floats apart.
 using RepackedGemv = void (*)(int k, const uint8_t* w, int64_t groups, const uint8_t* xq,
                               size_t xq_bytes, int64_t m, const int32_t* sums, float* y,
