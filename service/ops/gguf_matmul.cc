@@ -84,16 +84,23 @@ constexpr int64_t kBatchedRows = 16;
 // thread, CPU ms, AVX-512 EPYC: 0.60 against 1.11 over the rows at M = 1, gemm 0.98 against
 // 1.32 at 4, gemm + 2 gemv 2.28 against ours 1.66 at 6; at 16384 x 3072, 2 threads, cold,
 // AVX2-only EPYC: gemv 3.60 against 4.23, gemm 13.72 against ours over the rows 10.43.
-// Where the CPU has AVX-512 VNNI our Q4_0 gemv (gguf_rowdot.h) takes every M up to 8 in one
-// pass over W (ggml's gemm none). On the Xeon at 8192 x 8192 (one thread's CPU ms,
-// cold): 2.1-3.0 against ggml's gemv's 5.2-5.9 at M = 1, 2.5-3.7
-// against the batched kernels' 7.2-8.2 at 2-3, 3.2-3.6 against ggml's gemm's 5.9-6.3 at 4,
-// 4.0-4.1 against gemm + ours 7.6-8.0 at 6, 5.4-5.5 against the batched kernels' 8.9-10.6
-// at 8 (docs/kernels.md).
-constexpr int64_t kOurGemvRows = 8;  // activation rows a pass of our gemv
+// Where the CPU has AVX-512 VNNI our Q4_0 gemv (gguf_rowdot.h) takes every M up to
+// kOurGemvMaxRows (a decode step's batch, a mixed step's rows; ggml's gemm none), 8
+// activation rows a pass over a task's rows of W, which stay in cache between passes. On
+// the Xeon at 8192 x 8192 (one thread's CPU ms, cold): 2.1-3.0 against ggml's gemv's 5.2-5.9
+// at M = 1, 2.5-3.7 against the batched kernels' 7.2-8.2 at 2-3, 3.2-3.6 against ggml's
+// gemm's 5.9-6.3 at 4, 4.0-4.1 against gemm + ours 7.6-8.0 at 6, 5.4-5.5 against the
+// batched kernels' 8.9-10.6 at 8. On a Zen 5 EPYC, the passes after the first over two
+// groups of W at a time (gguf_rowdot.cc), against the batched kernels: 7.1-7.3 / 12.0-12.3 at 32, 13.8-14.9 / 21.0-21.2 at 64,
+// 28.2-29.6 / 38.3 at 128. Above 128 rows (a prefill chunk) X's codes outgrow a core's L2
+// and are read again for every task's rows of W: the batched kernels there, unmeasured
+// against ours (docs/kernels.md).
+constexpr int64_t kOurGemvRows = 8;      // activation rows a pass of our gemv
+constexpr int64_t kOurGemvMaxRows = 128;  // activation rows a call of it takes at most
 bool GemvOrGemmTakes(int64_t m, bool our_gemv) {
   static const bool gemm_avx512 = ggml_cpu_has_avx512() != 0;
-  return m == 1 || (m == 4 && gemm_avx512 && !our_gemv) || (our_gemv && m <= kOurGemvRows);
+  if (our_gemv) return m <= kOurGemvMaxRows;
+  return m == 1 || (m == 4 && gemm_avx512);
 }
 
 // The ggml-cpu functions for one weight type, or null where ggml cannot compute it.
@@ -368,7 +375,7 @@ void RepackedBlock(void* data, size_t block) {
       job.our_gemv(k, w, cols / repacked::kGroupRows, job.xq + i * f.act_row_bytes,
                    f.act_row_bytes, std::min<int64_t>(kOurGemvRows, job.m - i),
                    job.sums + (i - job.m4) * (f.k / 32), job.y + i * job.n + r0,
-                   static_cast<size_t>(job.n));
+                   static_cast<size_t>(job.n), /*w_cached=*/i > job.m4);
     }
     return;
   }

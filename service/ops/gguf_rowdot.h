@@ -15,7 +15,8 @@
 // is 256-bit code that prefetches nothing, and the served 3B Q4_0 file decoded at batch 1 at
 // 55-65 % of the bound over it, 1.00x llama.cpp; over ours at 99-103 %, 1.59-1.61x (the 1B
 // file 97 %, 1.86x; docs/kernels.md, "Our gemv over Q4_0's layout on AVX-512 VNNI"). Same
-// integer sums per block as ggml's; up to 8 activation rows in one pass over W.
+// integer sums per block as ggml's; up to 8 activation rows in one pass over W, and over
+// W in cache two groups at a time (the activation codes broadcast once for 16 weight rows).
 #pragma once
 
 #include <cstddef>
@@ -32,10 +33,12 @@ ggml_vec_dot_t For(ggml_type type);
 
 // Y[i, 8g + r] = W's row 8g + r · X's row i, for `groups` groups of 8 rows in the repack
 // layout at w and m ≤ 8 rows of X as Q8_0 (xq, xq_bytes apart), sums their Q8_0Sums (m,
-// k / 32); Y's rows y_stride floats apart.
+// k / 32); Y's rows y_stride floats apart. w_cached: these rows of W were read by the
+// call before (the second pass of 8 activation rows and on), so two groups are taken at a
+// time; from memory one is (one stream the prefetcher keeps ahead of).
 using RepackedGemv = void (*)(int k, const uint8_t* w, int64_t groups, const uint8_t* xq,
                               size_t xq_bytes, int64_t m, const int32_t* sums, float* y,
-                              size_t y_stride);
+                              size_t y_stride, bool w_cached);
 // Our gemv for `type` in the repack layout on this CPU (Q4_0 on AVX-512 VNNI), or nullptr.
 RepackedGemv RepackedFor(ggml_type type);
 // 8 · the sum of each block's codes in a Q8_0 row of k values: (k / 32,) int32.

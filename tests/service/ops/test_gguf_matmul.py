@@ -139,8 +139,11 @@ def _blocks(qtype: GGMLQuantizationType, halves: tuple[int, ...] = (),
 def _q8_0_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q8_0 / Q8_1 codes of X (M, K): (q (M, B, 32), d (M, B, 1) float32, its fp16)."""
     blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
-    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
-    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    peak = np.abs(blocks).max(axis=-1, keepdims=True)
+    d = peak / np.float32(127)
+    # 127 / peak, not 1 / d, as ggml's x86 quantize_row_q8_0 / _q8_1: the two differ in the
+    # last bit for some peaks, and then a code at a near tie rounds the other way.
+    inverse = np.divide(np.float32(127), peak, out=np.zeros_like(peak), where=peak > 0)
     q = np.rint(blocks * inverse)
     return q, d, d.astype(np.float16).astype(np.float64)
 

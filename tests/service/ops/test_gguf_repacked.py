@@ -93,11 +93,13 @@ def test_our_q4_0_gemv_matches_numpy(gguf_ops_library: Path, k: int,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Our AVX-512 VNNI gemv over Q4_0's layout (gguf_rowdot.cc), forced by
     ATTNSERVE_GGUF_MATMUL_PATH=avx512vnni (skipped on a CPU without it): M = 1 to 8, each
-    in one pass over W, and 9 (the batched kernels). Random blocks, and every code at its
+    in one pass over W, 9, 17 and 128 (passes of 8 rows, a remainder; 128 its last) and 129
+    (the batched kernels). Random blocks, and every code at its
     largest of either sign (0xFF: 7, 0x00: -8) against activations at ±127; against numpy
     with X quantised as the op does (EXACT) and against ggml's gemv / gemm alone (vec_dot),
     which sum the same integers (on the Xeon the gemv's float order too: equal there).
-    K of 16 blocks, 18 and 128 (a long row); N of 9 groups (a task's last group alone)."""
+    K of 16 blocks, 18 and 128 (a long row); N of 9 groups (two a pass, and a task's
+    last group alone)."""
     qtype = GGMLQuantizationType.Q4_0
     rng = np.random.default_rng(9)
     random_w, _ = TYPES["Q4_0"].make(rng, N, k)
@@ -106,7 +108,8 @@ def test_our_q4_0_gemv_matches_numpy(gguf_ops_library: Path, k: int,
         extreme = random_w.copy()
         extreme.reshape(N, -1, 18)[..., CODE_BYTES["Q4_0"]] = code
         weights.append(extreme)
-    xs = [rng.standard_normal((m, k)).astype(np.float32) for m in range(1, 10)]
+    batches = [*range(1, 10), 17, 128, 129]
+    xs = [rng.standard_normal((m, k)).astype(np.float32) for m in batches]
     xs.append(np.repeat(np.array([[1.0], [-1.0], [4.0]], np.float32), k, axis=1))
     model = matmul_model(TYPES["Q4_0"].type_id, k, layout=service.ops.REPACKED_LAYOUT)
     monkeypatch.setenv(PATH_ENV, "avx512vnni")
