@@ -46,7 +46,7 @@ namespace {
 constexpr int kRowsX = 4;
 // Activation rows from which a tile of dequantised rows beats decoding in registers: the
 // fused kernels decode each group again for every kRowsX activation rows (measured,
-// docs/kernels.md).
+// docs/kernels.md). On AVX-512 the types StepRows reads go on to kStepTo.
 constexpr int64_t kTileFrom = 4;
 // With AVX-512, from how many activation rows the tile is packed K-major for outer
 // products: packing (a 16 x 16 transpose a 256 weights) is paid back from 16 rows where a
@@ -547,7 +547,7 @@ void StepScales<Q6_K>(const uint8_t* row, size_t row_bytes, int64_t rows, int64_
   });
 }
 
-// A decode step's Q4_0, Q4_1, Q4_K or Q6_K products on AVX-512: y for MI <= 3 activation
+// A decode step's Q4_0, Q4_1, Q4_K or Q6_K products on AVX-512: y for MI <= 4 activation
 // rows against RJ weight rows, decoded by StepDecode<T> with the scales of StepScales. A
 // weight here is a float lane (an int8 product takes a byte), so decoding, not bandwidth,
 // bounds these products (SmolLM2's layers are Q4_1), and a span is decoded in few vector
@@ -601,6 +601,13 @@ inline void PrefetchTask(const uint8_t* w, size_t row_bytes, int64_t r0, int64_t
   for (const uint8_t* p = w + r0 * row_bytes; p < end; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
+// On AVX-512 StepRows takes M below kStepTo in passes of kStepRowsX activation rows (each
+// pass decodes the weights again), the tile path from kStepTo. SmolLM2's default on a Zen 5
+// EPYC (sized-speed, three alternations; results/bench/2026-12-04-zen5/): batch 4 304.7-353.5
+// tok/s against the tile path's 243.3-278.3, batch 8 399.1-480.7 against 355.7-420.9; up
+// to 15 rows, batch 16 measured slower than the tile (481.2-519.9 against 515.7-528.2).
+constexpr int64_t kStepRowsX = 4;
+constexpr int64_t kStepTo = 9;
 // Y[:, r0:r1] by StepRows, two weight rows a step, their scales converted first.
 template <class T>
 void StepFusedRows(const uint8_t* w, size_t row_bytes, int64_t r0, int64_t r1, const Acts& a,
@@ -611,22 +618,27 @@ void StepFusedRows(const uint8_t* w, size_t row_bytes, int64_t r0, int64_t r1, c
   float* const offsets = scales + rows * stride;
   PrefetchTask(w, row_bytes, r0, r1);
   StepScales<T>(w + r0 * row_bytes, row_bytes, rows, groups, stride, scales, offsets);
-  int64_t r = 0;
-  auto step = [&](auto rj) {  // rows r, r + 1, … r + RJ - 1
-    constexpr int RJ = decltype(rj)::value;
-    const uint8_t* row = w + (r0 + r) * row_bytes;
-    const float* sc = scales + r * stride;
-    const float* of = offsets + r * stride;
-    float* yr = y + r0 + r;
-    switch (a.m) {  // below kTileFrom
-      case 3: StepRows<T, 3, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy); break;
-      case 2: StepRows<T, 2, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy); break;
-      default: StepRows<T, 1, RJ>(row, row_bytes, a.k, a.x, a.k, sc, of, stride, yr, ldy);
-    }
-    r += RJ;
-  };
-  while (r + 2 <= rows) step(std::integral_constant<int, 2>());
-  if (r < rows) step(std::integral_constant<int, 1>());
+  for (int64_t i0 = 0; i0 < a.m; i0 += kStepRowsX) {
+    const int64_t mi = std::min<int64_t>(kStepRowsX, a.m - i0);
+    const float* x = a.x + i0 * a.k;
+    int64_t r = 0;
+    auto step = [&](auto rj) {  // rows r, r + 1, … r + RJ - 1
+      constexpr int RJ = decltype(rj)::value;
+      const uint8_t* row = w + (r0 + r) * row_bytes;
+      const float* sc = scales + r * stride;
+      const float* of = offsets + r * stride;
+      float* yr = y + i0 * ldy + r0 + r;
+      switch (mi) {
+        case 4: StepRows<T, 4, RJ>(row, row_bytes, a.k, x, a.k, sc, of, stride, yr, ldy); break;
+        case 3: StepRows<T, 3, RJ>(row, row_bytes, a.k, x, a.k, sc, of, stride, yr, ldy); break;
+        case 2: StepRows<T, 2, RJ>(row, row_bytes, a.k, x, a.k, sc, of, stride, yr, ldy); break;
+        default: StepRows<T, 1, RJ>(row, row_bytes, a.k, x, a.k, sc, of, stride, yr, ldy);
+      }
+      r += RJ;
+    };
+    while (r + 2 <= rows) step(std::integral_constant<int, 2>());
+    if (r < rows) step(std::integral_constant<int, 1>());
+  }
 }
 
 // A tile's row as floats from StepDecode (its scales from StepScales): on AVX-512 several
@@ -713,6 +725,12 @@ void OuterAvx512(const float* x, int64_t ldx, const float* panels, int64_t k, fl
 #endif
 
 using FusedFn = void (*)(const uint8_t*, size_t, int64_t, int64_t, const Acts&, float*, int64_t);
+
+// Whether Fused(type, level) is StepFusedRows, which takes M up to kStepTo - 1.
+bool Stepped(ggml_type type, Level level) {
+  return level == Level::kAvx512 && (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 ||
+                                     type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K);
+}
 
 // The fused kernel for `type`, or null (the tile path).
 FusedFn Fused(ggml_type type, Level level) {
@@ -1001,7 +1019,7 @@ void GroupSums(const float* x, int64_t m, int64_t k, float* sums) {
 void DotRows(ggml_type type, Level level, const uint8_t* w, size_t row_bytes, int64_t r0,
              int64_t r1, const Acts& acts, float* y, int64_t ldy) {
   const FusedFn fused = Fused(type, level);
-  if (fused != nullptr && acts.m < kTileFrom) {
+  if (fused != nullptr && (acts.m < kTileFrom || (Stepped(type, level) && acts.m < kStepTo))) {
     fused(w, row_bytes, r0, r1, acts, y, ldy);
   } else {
     TileRows(type, level, w, row_bytes, r0, r1, acts, y, ldy);

@@ -84,10 +84,11 @@ LONG_ROWS = {"Q4_0": 35 * 32, "Q4_1": 35 * 32, "Q8_0": 35 * 32, "Q4_K": 5 * 256,
 
 @pytest.mark.parametrize("name", list(LONG_ROWS))
 def test_decode_steps_over_long_rows(gguf_ops_library: Path, name: str) -> None:
-    """A decode step's rows (M = 1-3, in registers) and M = 5 (through the dequantised tile)
-    over long rows, on random blocks and with every code at its largest (Q6_K's top two bits
-    come from a separate byte); N = 67 ends in a single weight row after pairs. Against
-    numpy in float64, on the auto path."""
+    """A decode step's rows (M = 1-3 in registers; with AVX-512 M = 5 and 8 too, in passes
+    of 4 rows, Q8_0 aside) and M = 9 (through the dequantised tile) over long rows, on random
+    blocks and with every code at its largest (Q6_K's top two bits come from a separate
+    byte); N = 67 ends in a single weight row after pairs. Against numpy in float64, on the
+    auto path."""
     rng = np.random.default_rng(4)
     k = LONG_ROWS[name]
     qtype = GGMLQuantizationType(TYPES[name].type_id)
@@ -97,7 +98,7 @@ def test_decode_steps_over_long_rows(gguf_ops_library: Path, name: str) -> None:
     sess = session(matmul_model(TYPES[name].type_id, k, activations="float"), gguf_ops_library)
     for stored in (random_w, largest):
         dense = dequantize(stored, qtype).astype(np.float64)
-        for m in (1, 2, 3, 5):
+        for m in (1, 2, 3, 5, 8, 9):
             x = rng.standard_normal((m, k)).astype(np.float32)
             (y,) = sess.run(None, {"X": x, "W": stored})
             assert row_error(y, x.astype(np.float64) @ dense.T) <= FLOAT32, (name, m)
