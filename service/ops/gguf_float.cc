@@ -726,12 +726,6 @@ void OuterAvx512(const float* x, int64_t ldx, const float* panels, int64_t k, fl
 
 using FusedFn = void (*)(const uint8_t*, size_t, int64_t, int64_t, const Acts&, float*, int64_t);
 
-// Whether Fused(type, level) is StepFusedRows, which takes M up to kStepTo - 1.
-bool Stepped(ggml_type type, Level level) {
-  return level == Level::kAvx512 && (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 ||
-                                     type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K);
-}
-
 // The fused kernel for `type`, or null (the tile path).
 FusedFn Fused(ggml_type type, Level level) {
 #if defined(ATTNSERVE_GGUF_X86)
@@ -1019,7 +1013,9 @@ void GroupSums(const float* x, int64_t m, int64_t k, float* sums) {
 void DotRows(ggml_type type, Level level, const uint8_t* w, size_t row_bytes, int64_t r0,
              int64_t r1, const Acts& acts, float* y, int64_t ldy) {
   const FusedFn fused = Fused(type, level);
-  if (fused != nullptr && (acts.m < kTileFrom || (Stepped(type, level) && acts.m < kStepTo))) {
+  // The types StepDecode reads are StepFusedRows' on AVX-512, which goes on to kStepTo.
+  const bool stepped = StepDecoderFor(type, level).row != nullptr;
+  if (fused != nullptr && (acts.m < kTileFrom || (stepped && acts.m < kStepTo))) {
     fused(w, row_bytes, r0, r1, acts, y, ldy);
   } else {
     TileRows(type, level, w, row_bytes, r0, r1, acts, y, ldy);

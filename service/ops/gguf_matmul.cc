@@ -91,10 +91,10 @@ constexpr int64_t kBatchedRows = 16;
 // at M = 1, 2.5-3.7 against the batched kernels' 7.2-8.2 at 2-3, 3.2-3.6 against ggml's
 // gemm's 5.9-6.3 at 4, 4.0-4.1 against gemm + ours 7.6-8.0 at 6, 5.4-5.5 against the
 // batched kernels' 8.9-10.6 at 8. On a Zen 5 EPYC, the passes after the first over two
-// groups of W at a time (gguf_rowdot.cc), against the batched kernels: 7.1-7.3 / 12.0-12.3 at 32, 13.8-14.9 / 21.0-21.2 at 64,
-// 28.2-29.6 / 38.3 at 128. Above 128 rows (a prefill chunk) X's codes outgrow a core's L2
-// and are read again for every task's rows of W: the batched kernels there, unmeasured
-// against ours (docs/kernels.md).
+// groups of W at a time (gguf_rowdot.cc), against the batched kernels: 7.1-7.3 / 12.0-12.3
+// at 32, 13.8-14.9 / 21.0-21.2 at 64, 28.2-29.6 / 38.3 at 128. Above 128 rows (a prefill
+// chunk) X's codes outgrow a core's L2 and are read again for every task's rows of W: the
+// batched kernels there, unmeasured against ours (docs/kernels.md).
 constexpr int64_t kOurGemvRows = 8;      // activation rows a pass of our gemv
 constexpr int64_t kOurGemvMaxRows = 128;  // activation rows a call of it takes at most
 bool GemvOrGemmTakes(int64_t m, bool our_gemv) {

@@ -33,9 +33,9 @@ REPACKED = ("Q4_0", "IQ4_NL")
 N = 72  # whole groups of 8 rows, not of the 16-row lines a task takes: a partial last task
 K = 512
 # Q4_0: 1 ggml's gemv, 4 its gemm where ggml has AVX-512, the others our batched kernels
-# reading the layout in place (on AVX-512 VNNI: 1-3 our gemv, 5-7 the gemm and ours on the
-# rest); IQ4_NL (no batched kernels) and under vec_dot: gemm on four rows at a time, gemv on
-# the rest (2, 3, 5, 17).
+# reading the layout in place (on AVX-512 VNNI every one of these our gemv); IQ4_NL (no
+# batched kernels) and under vec_dot: gemm on four rows at a time, gemv on the rest (2, 3,
+# 5, 17).
 BATCHES = (1, 2, 3, 4, 5, 8, 17, 64)
 FLOAT32 = 2e-6  # test_gguf_float's bound for float activations
 
@@ -94,8 +94,8 @@ def test_our_q4_0_gemv_matches_numpy(gguf_ops_library: Path, k: int,
     """Our AVX-512 VNNI gemv over Q4_0's layout (gguf_rowdot.cc), forced by
     ATTNSERVE_GGUF_MATMUL_PATH=avx512vnni (skipped on a CPU without it): M = 1 to 8, each
     in one pass over W, 9, 17 and 128 (passes of 8 rows, a remainder; 128 its last) and 129
-    (the batched kernels). Random blocks, and every code at its
-    largest of either sign (0xFF: 7, 0x00: -8) against activations at ±127; against numpy
+    (the batched kernels). Random blocks, and every code at its largest of either sign
+    (0xFF: 7, 0x00: -8) against activations at ±127; against numpy
     with X quantised as the op does (EXACT) and against ggml's gemv / gemm alone (vec_dot),
     which sum the same integers (on the Xeon the gemv's float order too: equal there).
     K of 16 blocks, 18 and 128 (a long row); N of 9 groups (two a pass, and a task's
