@@ -691,6 +691,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, level: int = ACCURACY_L
         if name in used:
             graph.initializer.append(tensor)
         del tensor
+    attention = _cached_attention(graph) if kernel == "ggml" else 0
     domains = {n.domain for n in graph.node} & {"com.microsoft", ops.DOMAIN}
     for domain in sorted(domains - {o.domain for o in model.opset_import}):
         model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
@@ -706,7 +707,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, level: int = ACCURACY_L
                     any(a.name == "layout" and a.s == ops.REPACKED_LAYOUT.encode()
                         for a in n.attribute) for n in stored),
                 "joined_products": joined, "split_products": split, "kept_gathers": gathers,
-                "fallback": fallback}
+                "cached_attention": attention, "fallback": fallback}
     return {"method": "GGUF blocks as MatMulNBits (export/gguf/blocks.py)", "kernel": kernel,
             "source": str(src.path), "accuracy_level": level,
             "block_sizes": sorted({a.i for n in nbits for a in n.attribute
@@ -714,6 +715,19 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, level: int = ACCURACY_L
             "q4_1": Q4_1_MODE, "uncentred_blocks": writer.uncentred, "kept_tensors": dict(kept),
             "kept_matmuls": len(nbits), "joined_products": joined, "split_products": split,
             "kept_gathers": gathers, "fallback": fallback}
+
+
+def _cached_attention(graph: onnx.GraphProto) -> int:
+    """Every GroupQueryAttention node of ``graph`` (float32: the CPU engine graphs) made the op
+    library's CachedAttention, which takes the same inputs, outputs and attributes and computes
+    the same (service/ops/cached_attention.cc; ONNX Runtime's CPU kernel runs a small GEMM a row
+    and query head): graphs over the GGUF ops load that library anyway. Returns how many."""
+    swapped = 0
+    for node in graph.node:
+        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft":
+            node.op_type, node.domain = ops.ATTENTION_OP, ops.DOMAIN
+            swapped += 1
+    return swapped
 
 
 def _write_products(writer: BlockWriter, x: str, products: list[onnx.NodeProto],

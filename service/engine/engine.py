@@ -155,8 +155,9 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     pool = pool_config(engine, model, model.kv_bytes_per_token(np.dtype(model.kv_dtype).itemsize))
     log.info("%s runs %s", artifact_dir.name, steps.describe())
     if ops.kernel_in_use(steps.kernel) == "ggml":
-        log.info("GGUF blocks computed by ggml's CPU kernels inside ONNX Runtime: %s",
-                 ops.library_path())
+        log.info("GGUF blocks computed by ggml's CPU kernels inside ONNX Runtime: %s; "
+                 "attention: %s", ops.library_path(),
+                 ops.attention_in_use(artifact_dir / steps.file))
     if steps.runs == "fallback":
         return ModelGraphRunner(create_session(artifact_dir / steps.file, engine.device,
                                                engine.intra_op_threads, spin_wait=spin_wait),

@@ -79,12 +79,15 @@ class Runtime:
     def kernel(self) -> dict[str, str | None]:
         """Whose kernels compute the decode graph's weights: ONNX Runtime's own, ggml's over
         a GGUF file's blocks (the op library then named: service/ops), or ONNX Runtime's
-        over those blocks dequantised where the library cannot load."""
+        over those blocks dequantised where the library cannot load; and its attention
+        (the library's CachedAttention or ONNX Runtime's GroupQueryAttention)."""
         if self.engine is None:
-            return {"weights": None, "library": None}
-        kernel = ops.kernel_in_use(self.engine.graphs[0].kernel)
+            return {"weights": None, "library": None, "attention": None}
+        steps = self.engine.graphs[0]
+        kernel = ops.kernel_in_use(steps.kernel)
         library = ops.library_path() if kernel == "ggml" else None
-        return {"weights": kernel, "library": None if library is None else str(library)}
+        return {"weights": kernel, "library": None if library is None else str(library),
+                "attention": ops.attention_in_use(self.artifact.path / steps.file)}
 
     @property
     def graphs(self) -> list[dict[str, object]]:

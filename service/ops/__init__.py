@@ -1,5 +1,7 @@
 """Custom ONNX Runtime ops over GGUF bytes: ``GgufMatMul`` (service/ops/gguf_matmul.cc) and
-``GgufGather`` (service/ops/gguf_gather.cc, an embedding lookup dequantising rows).
+``GgufGather`` (service/ops/gguf_gather.cc, an embedding lookup dequantising rows), and the
+graphs' attention beside them: ``CachedAttention`` (service/ops/cached_attention.cc, ONNX
+Runtime's GroupQueryAttention contract on a kernel that reads each row's cache once).
 
 The op computes Y = X·Wᵀ with ggml's CPU dot products straight over a GGUF tensor's rows as
 stored, so a graph can carry the file's quantised weights instead of float copies. It is a
@@ -42,6 +44,8 @@ ENV_VAR = "ATTNSERVE_GGUF_OPS"
 DOMAIN = "attnserve.gguf"
 MATMUL_OP = "GgufMatMul"
 GATHER_OP = "GgufGather"
+# GroupQueryAttention's contract with our CPU kernel (service/ops/cached_attention.cc)
+ATTENTION_OP = "CachedAttention"
 # GgufMatMul's ``layout`` attribute: W as the file's rows, or as ggml's CPU repack lays
 # Q4_0 / IQ4_NL out (8 rows interleaved, the same bytes; service/ops/gguf_repacked.h)
 ROWS_LAYOUT = "rows"
@@ -161,6 +165,18 @@ def kernel_in_use(kernel: str) -> str:
     graph ("ggml") runs "dequantised" (float32 on ONNX Runtime's own kernels) where the op
     library cannot load."""
     return "dequantised" if kernel == "ggml" and library_path() is None else kernel
+
+
+def attention_in_use(graph: Path) -> str | None:
+    """Whose kernel runs a served graph's attention: the op library's ``CachedAttention``
+    where the graph holds it (``--kernel ggml`` exports since op level 4) and the library
+    loads, else ONNX Runtime's ``GroupQueryAttention`` (the dequantised copy turns our node
+    back into it); None for a graph with neither (model.onnx). Read from the graph's bytes,
+    as :func:`service.contract.sessions.uses_gguf_ops` does."""
+    data = graph.read_bytes()
+    if ATTENTION_OP.encode() in data:
+        return ATTENTION_OP if library_path() is not None else "GroupQueryAttention"
+    return "GroupQueryAttention" if b"GroupQueryAttention" in data else None
 
 
 def repack(ggml_type: int, k: int, rows: np.ndarray,

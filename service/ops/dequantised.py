@@ -6,7 +6,8 @@ CPU features this CPU lacks (service/ops/__init__.py), the graph would not load 
 Rather than refuse to serve, the session layer runs this rewrite: every op node becomes
 ONNX Runtime's own ``MatMul`` / ``Gather`` over the blocks dequantised to float32 by the
 ``gguf`` package (the same numbers the op computes at float activations, so greedy tokens
-stay those of the float32 model), in a copy of the graph written to a temporary folder.
+stay those of the float32 model), and ``CachedAttention`` the ``GroupQueryAttention`` whose
+contract it keeps, in a copy of the graph written to a temporary folder.
 The cost is memory and speed: 4 bytes a weight instead of the file's ~0.6, and ONNX
 Runtime's float32 kernels. The session layer says so in one log line.
 
@@ -28,6 +29,7 @@ GROUP_ROWS = 8  # rows interleaved in one group of the repacked layout
 BLOCK_WEIGHTS = 32  # Q4_0 / IQ4_NL: weights in a block
 HALF_BYTES = 2  # a block's float16 scale
 QUANT_BYTES = BLOCK_WEIGHTS // 2  # a block's 4-bit codes
+CONTRIB = "com.microsoft"  # ONNX Runtime's own ops' domain (GroupQueryAttention)
 CHUNK_BYTES = 8  # the repack interleaves the codes 8 bytes at a time
 Q4_0_XOR = 0x88  # make_block_q4_0x8 flips each code's top bit (signed nibbles for AVX2)
 
@@ -132,6 +134,10 @@ def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
             weight = float_weight(node, transposed=False)
             replacement = onnx.helper.make_node("Gather", [weight, node.input[0]],
                                                 list(node.output), name=node.name, axis=0)
+        elif node.op_type == ops.ATTENTION_OP:  # the same node, on ONNX Runtime's kernel
+            node.op_type, node.domain = "GroupQueryAttention", CONTRIB
+            used.update(node.input)
+            continue
         else:
             raise ValueError(f"node {node.name!r}: {node.op_type} of domain {ops.DOMAIN} has "
                              "no standard-op form")
@@ -142,6 +148,8 @@ def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
     del graph.initializer[:]
     graph.initializer.extend(kept)
     imports = [o for o in proto.opset_import if o.domain != ops.DOMAIN]
+    if any(n.domain == CONTRIB for n in graph.node) and all(o.domain != CONTRIB for o in imports):
+        imports.append(onnx.helper.make_opsetid(CONTRIB, 1))
     del proto.opset_import[:]
     proto.opset_import.extend(imports)
     path = out_dir / "model.onnx"

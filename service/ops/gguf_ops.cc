@@ -1,7 +1,8 @@
 // RegisterCustomOps: the entry point ONNX Runtime calls when a session loads this library.
-// It registers every op of the domain "attnserve.gguf": GgufMatMul (gguf_matmul.cc) and
-// GgufGather (gguf_gather.cc). attnserve_gguf_ops_level: what the library understands, read
-// by service.ops before it loads it (an older build ignores the attributes it does not know).
+// It registers every op of the domain "attnserve.gguf": GgufMatMul (gguf_matmul.cc),
+// GgufGather (gguf_gather.cc) and CachedAttention (cached_attention.cc).
+// attnserve_gguf_ops_level: what the library understands, read by service.ops before it loads
+// it (an older build ignores the attributes it does not know, or lacks an op).
 
 #include <mutex>
 #include <string>
@@ -47,6 +48,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     Ort::CustomOpDomain domain(attnserve_gguf::kDomain);
     domain.Add(attnserve_gguf::MatMulOp());
     domain.Add(attnserve_gguf::GatherOp());
+    domain.Add(attnserve_gguf::AttentionOp());
     Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
     g_domains.push_back(domain.release());
   });

@@ -163,5 +163,6 @@ inline int64_t IntAttribute(const Ort::ConstKernelInfo& info, const char* op,
 // The ops, each defined in its own file; static objects that outlive every session.
 const OrtCustomOp* MatMulOp();
 const OrtCustomOp* GatherOp();
+const OrtCustomOp* AttentionOp();  // cached_attention.cc
 
 }  // namespace attnserve_gguf

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,6 +256,16 @@ def test_manifest_and_size(case: str, exported: Callable[[str], Exported]) -> No
     assert verification["attention_quantized"]["verified"] is (case not in FALLBACK_CASES)
     assert verification["engine_quantized"]["kernel"] == "ggml"
     assert verification["engine_quantized"]["token_agreement"] >= 0.95
+    # attention on the library's CachedAttention where the products are on its GgufMatMul;
+    # the MatMulNBits artifact keeps ONNX Runtime's GroupQueryAttention
+    for name, groups in (("engine.onnx", 1), ("engine_mixed.onnx", 2),
+                         ("engine_lora.onnx", 1), ("engine_mixed_lora.onnx", 2)):
+        for art, op in ((e.ggml, service.ops.ATTENTION_OP), (e.nbits, "GroupQueryAttention")):
+            ops_ = Counter(n.op_type for n in onnx.load(str(art / name),
+                                                         load_external_data=False).graph.node)
+            layers = json.loads((art / "config.json").read_text("utf-8"))["n_layers"]
+            assert (ops_[op], ops_["GroupQueryAttention"] + ops_[service.ops.ATTENTION_OP]) == (
+                groups * layers, groups * layers), (art.name, name)
     reader = gguf.GGUFReader(e.gguf)
     # (GPT-2's position table is read as float32 whatever its type: one row a position)
     kept = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type in KEPT

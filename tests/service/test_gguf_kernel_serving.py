@@ -65,9 +65,11 @@ def test_info_and_the_log_name_the_kernels(server: ServerProcess,
                                            gguf_ops_library: Path) -> None:
     info = httpx.get(f"{server.url}/info", timeout=30).json()
     assert info["decode_graph"] == "engine_mixed.onnx"
-    assert info["kernel"] == {"weights": "ggml", "library": str(gguf_ops_library)}
+    assert info["kernel"] == {"weights": "ggml", "library": str(gguf_ops_library),
+                              "attention": "CachedAttention"}
     assert {g["kernel"] for g in info["graphs"]} == {"ggml"}
     assert "GGUF blocks computed by ggml's CPU kernels inside ONNX Runtime" in server.log()
+    assert "attention: CachedAttention" in server.log()
 
 
 def test_batched_greedy_tokens_equal_the_plain_loop(server: ServerProcess,
@@ -102,7 +104,8 @@ def test_without_the_library_the_blocks_serve_dequantised(dequantised_server: Se
 
     url = dequantised_server.url
     info = httpx.get(f"{url}/info", timeout=30).json()
-    assert info["kernel"] == {"weights": "dequantised", "library": None}
+    assert info["kernel"] == {"weights": "dequantised", "library": None,
+                              "attention": "GroupQueryAttention"}
     assert 'kernel="dequantised"' in httpx.get(f"{url}/metrics", timeout=30).text
     assert "GGUF blocks dequantised to float32" in dequantised_server.log()
     gpt = load_checkpoint(artifact.parent / "ckpt").model.eval()

@@ -1,0 +1,531 @@
+// CachedAttention: ONNX Runtime's GroupQueryAttention (com.microsoft, float32) over an in-place
+// KV cache, with the same inputs, outputs, attributes and arithmetic, for the CPU engine graphs
+// the export writes over the GGUF ops (export/gguf/blocks.py swaps the nodes).
+//
+// Why ours: at a decode step ONNX Runtime's CPU kernel runs one small GEMM a row and query head
+// (B·N of them, each 1 × hs against L keys), reading each key/value head once per query head of
+// its group. Measured on the 1B Q4_0 file at batch 32 it took 22 % of the step (docs/kernels.md)
+// while streaming the cache at a fraction of the host's bandwidth. Here one task takes a row's
+// key/value head and the query heads that share it, so the cache is read from memory once, with
+// the scores, softmax and weighted sum in AVX-512 or AVX2 vectors.
+//
+// Inputs (GroupQueryAttention's): query (B, S, (N + 2·N_kv)·H) packed q | k | v (the separate
+// key / value inputs must be empty); past_key, past_value (B, N_kv, L, H); seqlens_k (B,) int32,
+// each row's total length − 1; total_sequence_length (1) int32; cos_cache, sin_cache (P, R/2)
+// when do_rotary. Outputs: (B, S, N·H), present_key, present_value (B, N_kv, max(L, total), H):
+// bound to the past buffers (one OrtValue both), the new keys and values are written in place;
+// otherwise the past is copied over first.
+//
+// Positions follow ONNX Runtime's: S > 1 with total_sequence_length = S is a first prompt (every
+// row from position 0, right-padded; a padding token rotates at position 1); otherwise each
+// row's S new tokens follow its seqlens_k + 1 − S cached ones. Query s of a row attends to the
+// keys before and at its position, the last local_window_size of them (its own included) where
+// that is set.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "gguf_ops.h"
+
+namespace attnserve_gguf {
+namespace attention {
+namespace {
+
+constexpr const char* kOpName = "CachedAttention";
+enum Input { kQuery, kKey, kValue, kPastKey, kPastValue, kSeqlens, kTotal, kCos, kSin, kInputs };
+
+}  // namespace
+
+// ---- the inner loops, once per instruction set ------------------------------------------------
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+namespace avx2 {
+namespace {
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Set1(float x) { return _mm256_set1_ps(x); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline float Sum(Vec v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+// The 8 vectors' sums as one vector: pairs interleaved and added within 128-bit halves, then
+// the halves of each added across.
+inline Vec SumEach(const Vec* v) {
+  Vec pairs[4], quads[2];
+  for (int i = 0; i < 4; ++i) {  // [a0+a2, b0+b2, a1+a3, b1+b3] per half
+    pairs[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 2; ++i) {  // [a, b, c, d] per half
+    quads[i] = _mm256_add_ps(_mm256_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                       _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
+inline float MaxOf(Vec v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+// e^x for x ≤ 0: x = n·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its Taylor series to r^6
+// (relative error < 2e-7), 2^n into the exponent bits. Below −87 the result is 0.
+inline Vec Exp(Vec x) {
+  const Vec clamped = _mm256_max_ps(x, Set1(-87.0f));
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(clamped, Set1(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm256_fnmadd_ps(n, Set1(0.693359375f), clamped);
+  r = _mm256_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
+  Vec p = Set1(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = _mm256_fmadd_ps(p, r, Set1(c));
+  }
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const Vec e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_blendv_ps(e, Zero(), _mm256_cmp_ps(x, Set1(-87.0f), _CMP_LT_OQ));
+}
+#include "cached_attention_kernels.inc"
+}  // namespace
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,avx512f"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+namespace avx512 {
+namespace {
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Set1(float x) { return _mm512_set1_ps(x); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float MaxOf(Vec v) { return _mm512_reduce_max_ps(v); }
+// The 16 vectors' sums as one vector: as avx2::SumEach within 128-bit lanes, then the four
+// lanes of each group of four added across in two steps.
+inline Vec SumEach(const Vec* v) {
+  Vec pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // lane L of quads[i]: the lane-L sums of v[4i..4i+3]
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 2; ++i) {  // lanes 0+1 and 2+3 of quads[2i], then of quads[2i+1]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+// As avx2::Exp, with 2^n applied by scalef.
+inline Vec Exp(Vec x) {
+  const Vec clamped = _mm512_max_ps(x, Set1(-87.0f));
+  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, Set1(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm512_fnmadd_ps(n, Set1(0.693359375f), clamped);
+  r = _mm512_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
+  Vec p = Set1(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = _mm512_fmadd_ps(p, r, Set1(c));
+  }
+  const Vec e = _mm512_scalef_ps(p, n);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, Set1(-87.0f), _CMP_LT_OQ), e, Zero());
+}
+#include "cached_attention_kernels.inc"
+}  // namespace
+}  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+// Plain C++ for a CPU without AVX2 or a head size no vector divides: the same three loops.
+namespace scalar {
+void Scores(const float* q, int64_t heads, const float* k, int64_t n, int64_t hs, float* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t h = 0; h < heads; ++h) {
+      float acc = 0.0f;
+      for (int64_t d = 0; d < hs; ++d) acc += q[h * hs + d] * k[j * hs + d];
+      s[h * n + j] = acc;
+    }
+  }
+}
+void Softmax(float* s, int64_t n) {
+  const float peak = *std::max_element(s, s + n);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - peak));
+  for (int64_t j = 0; j < n; ++j) s[j] /= sum;
+}
+void WeightedSum(const float* p, int64_t heads, const float* v, int64_t n, int64_t hs,
+                 float* out, int64_t out_stride) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* o = out + h * out_stride;
+    std::fill(o, o + hs, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t d = 0; d < hs; ++d) o[d] += p[h * n + j] * v[j * hs + d];
+    }
+  }
+}
+}  // namespace scalar
+
+struct Kernels {
+  void (*scores)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+  void (*softmax)(float*, int64_t);
+  void (*weighted_sum)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+};
+
+// The widest vectors this CPU has that divide a head of `hs` floats.
+Kernels KernelsFor(int64_t hs) {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && hs % avx512::kLanes == 0) {
+    return {avx512::Scores, avx512::Softmax, avx512::WeightedSum};
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && hs % avx2::kLanes == 0) {
+    return {avx2::Scores, avx2::Softmax, avx2::WeightedSum};
+  }
+  return {scalar::Scores, scalar::Softmax, scalar::WeightedSum};
+}
+
+struct Attributes {
+  int64_t heads, kv_heads;
+  float scale;    // 0: 1/√H
+  int64_t window;  // local_window_size; ≤ 0: none
+  bool rotary, interleaved;
+};
+
+// One call's tensors and sizes; tasks read it and write only their own rows.
+struct Problem {
+  Attributes a;
+  Kernels kernels;
+  const float* qkv;        // (B, S, (N + 2·N_kv)·H)
+  float* keys;             // (B, N_kv, Lp, H)
+  float* values;           // (B, N_kv, Lp, H)
+  const int32_t* seqlens;  // (B,)
+  const float* cos;        // (P, R/2), or null
+  const float* sin;
+  float* out;  // (B, S, N·H)
+  int64_t batch, tokens, hs, cache_len, rot_half;
+  bool first_prompt;
+  float scale;
+  int64_t heads_per_task, tokens_per_task, head_chunks, token_chunks;
+
+  int64_t Width() const { return (a.heads + 2 * a.kv_heads) * hs; }
+  int64_t Group() const { return a.heads / a.kv_heads; }
+  // cached tokens before this call's S in row b
+  int64_t Past(int64_t b) const { return first_prompt ? 0 : seqlens[b] + 1 - tokens; }
+  int64_t Position(int64_t b, int64_t s) const {
+    if (first_prompt) return s <= seqlens[b] ? s : 1;
+    return Past(b) + s;
+  }
+  float* KeyRows(int64_t b, int64_t g) const {
+    return keys + (b * a.kv_heads + g) * cache_len * hs;
+  }
+  float* ValueRows(int64_t b, int64_t g) const {
+    return values + (b * a.kv_heads + g) * cache_len * hs;
+  }
+  // y = rotate(x) · mul (x and y of H floats), at `position` of the cos / sin tables.
+  void Rotate(const float* x, int64_t position, float mul, float* y) const {
+    int64_t d = 0;
+    if (cos != nullptr) {
+      const float* c = cos + position * rot_half;
+      const float* s = sin + position * rot_half;
+      for (int64_t i = 0; i < rot_half; ++i) {
+        const int64_t i1 = a.interleaved ? 2 * i : i, i2 = a.interleaved ? 2 * i + 1 : i + rot_half;
+        const float x1 = x[i1], x2 = x[i2];
+        y[i1] = (x1 * c[i] - x2 * s[i]) * mul;
+        y[i2] = (x2 * c[i] + x1 * s[i]) * mul;
+      }
+      d = 2 * rot_half;
+    }
+    for (; d < hs; ++d) y[d] = x[d] * mul;
+  }
+};
+
+// Task i of the first pass: row b's new keys (rotated) and values of key/value head g into
+// the cache, so every query head of the second pass sees them.
+void WriteKeysValues(void* data, size_t i) {
+  const Problem& p = *static_cast<const Problem*>(data);
+  const int64_t b = static_cast<int64_t>(i) / p.a.kv_heads;
+  const int64_t g = static_cast<int64_t>(i) % p.a.kv_heads;
+  const int64_t past = p.Past(b);
+  for (int64_t s = 0; s < p.tokens; ++s) {
+    const float* token = p.qkv + (b * p.tokens + s) * p.Width();
+    p.Rotate(token + (p.a.heads + g) * p.hs, p.Position(b, s), 1.0f,
+             p.KeyRows(b, g) + (past + s) * p.hs);
+    std::memcpy(p.ValueRows(b, g) + (past + s) * p.hs,
+                token + (p.a.heads + p.a.kv_heads + g) * p.hs, p.hs * sizeof(float));
+  }
+}
+
+// Task i of the second pass: for row b and key/value head g, `heads_per_task` of the group's
+// query heads over `tokens_per_task` tokens: scores against the cached keys, softmax, the
+// weighted sum of the values.
+void Attend(void* data, size_t i) {
+  const Problem& p = *static_cast<const Problem*>(data);
+  int64_t t = static_cast<int64_t>(i);
+  const int64_t tc = t % p.token_chunks;
+  t /= p.token_chunks;
+  const int64_t hc = t % p.head_chunks;
+  t /= p.head_chunks;
+  const int64_t g = t % p.a.kv_heads, b = t / p.a.kv_heads;
+  const int64_t h0 = g * p.Group() + hc * p.heads_per_task;
+  const int64_t heads = std::min(p.heads_per_task, (g + 1) * p.Group() - h0);
+  const int64_t s0 = tc * p.tokens_per_task, s1 = std::min(p.tokens, s0 + p.tokens_per_task);
+  const int64_t past = p.Past(b);
+  const float* keys = p.KeyRows(b, g);
+  const float* values = p.ValueRows(b, g);
+  thread_local AlignedScratch q_scratch, score_scratch;
+  float* q = q_scratch.As<float>(static_cast<size_t>(heads * p.hs));  // (heads, H)
+  float* scores = score_scratch.As<float>(static_cast<size_t>(heads * (past + s1)));
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t seen = past + s + 1;  // keys at and before this token
+    const int64_t first = p.a.window > 0 && seen > p.a.window ? seen - p.a.window : 0;
+    const int64_t n = seen - first;
+    const float* token = p.qkv + (b * p.tokens + s) * p.Width();
+    const int64_t position = p.Position(b, s);
+    for (int64_t h = 0; h < heads; ++h) {
+      p.Rotate(token + (h0 + h) * p.hs, position, p.scale, q + h * p.hs);
+    }
+    p.kernels.scores(q, heads, keys + first * p.hs, n, p.hs, scores);  // (heads, n)
+    for (int64_t h = 0; h < heads; ++h) p.kernels.softmax(scores + h * n, n);
+    p.kernels.weighted_sum(scores, heads, values + first * p.hs, n, p.hs,
+                           p.out + ((b * p.tokens + s) * p.a.heads + h0) * p.hs, p.hs);
+  }
+}
+
+int64_t OptionalInt(const Ort::ConstKernelInfo& info, const char* name, int64_t fallback) {
+  try {
+    return info.GetAttribute<int64_t>(name);
+  } catch (const Ort::Exception&) {
+    return fallback;
+  }
+}
+
+float OptionalFloat(const Ort::ConstKernelInfo& info, const char* name, float fallback) {
+  try {
+    return info.GetAttribute<float>(name);
+  } catch (const Ort::Exception&) {
+    return fallback;
+  }
+}
+
+std::vector<int64_t> ShapeOf(const Ort::ConstValue& v) {
+  return v.GetTensorTypeAndShapeInfo().GetShape();
+}
+
+bool Present(const Ort::ConstValue& v) {
+  return static_cast<const OrtValue*>(v) != nullptr &&
+         v.GetTensorTypeAndShapeInfo().GetElementCount() > 0;
+}
+
+struct CachedAttentionKernel {
+  std::string node;
+  Attributes a;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) const {
+    return Guarded(Ort::GetApi(), kOpName, [&] { Compute(raw); });
+  }
+
+  void Compute(OrtKernelContext* raw) const {
+    Ort::KernelContext ctx(raw);
+    const std::string where = Where(kOpName, node);
+    auto fail = [&](const std::string& what) { throw OpError(ORT_INVALID_ARGUMENT, where + what); };
+    const Ort::ConstValue query = ctx.GetInput(kQuery);
+    if (Present(ctx.GetInput(kKey)) || Present(ctx.GetInput(kValue))) {
+      fail("takes q | k | v packed in the query input; key and value must be empty");
+    }
+    const Ort::ConstValue past_key = ctx.GetInput(kPastKey), past_value = ctx.GetInput(kPastValue);
+    if (static_cast<const OrtValue*>(past_key) == nullptr ||
+        static_cast<const OrtValue*>(past_value) == nullptr) {
+      fail("needs past_key and past_value (the cache it updates)");
+    }
+    const std::vector<int64_t> q_shape = ShapeOf(query), k_shape = ShapeOf(past_key);
+    const int64_t heads_total = a.heads + 2 * a.kv_heads;
+    if (q_shape.size() != 3 || q_shape[2] % heads_total != 0) {
+      fail("query has shape " + ShapeString(q_shape) + "; it must be (B, S, (" +
+           std::to_string(a.heads) + " + 2·" + std::to_string(a.kv_heads) + ")·head_size)");
+    }
+    Problem p{};
+    p.a = a;
+    p.batch = q_shape[0];
+    p.tokens = q_shape[1];
+    p.hs = q_shape[2] / heads_total;
+    if (k_shape.size() != 4 || k_shape[0] != p.batch || k_shape[1] != a.kv_heads ||
+        k_shape[3] != p.hs || ShapeOf(past_value) != k_shape) {
+      fail("past_key / past_value have shapes " + ShapeString(k_shape) + " / " +
+           ShapeString(ShapeOf(past_value)) + "; both must be (" + std::to_string(p.batch) +
+           ", " + std::to_string(a.kv_heads) + ", L, " + std::to_string(p.hs) + ")");
+    }
+    const Ort::ConstValue seqlens = ctx.GetInput(kSeqlens), total_value = ctx.GetInput(kTotal);
+    if (ShapeOf(seqlens) != std::vector<int64_t>{p.batch} ||
+        total_value.GetTensorTypeAndShapeInfo().GetElementCount() != 1) {
+      fail("seqlens_k has shape " + ShapeString(ShapeOf(seqlens)) + " (must be (B,)) and "
+           "total_sequence_length must hold one value");
+    }
+    const int64_t total = total_value.GetTensorData<int32_t>()[0];
+    p.seqlens = seqlens.GetTensorData<int32_t>();
+    p.first_prompt = p.tokens == total;  // S = 1 with a total of 1 is one too: past 0 either way
+    const int64_t past_len = k_shape[2];
+    p.cache_len = std::max(past_len, total);
+    if (a.rotary) {
+      const Ort::ConstValue cos = ctx.GetInput(kCos), sin = ctx.GetInput(kSin);
+      if (!Present(cos) || !Present(sin) || ShapeOf(cos) != ShapeOf(sin) ||
+          ShapeOf(cos).size() != 2 || 2 * ShapeOf(cos)[1] > p.hs) {
+        fail("do_rotary=1 needs cos_cache and sin_cache of one shape (positions, ≤ head_size/2)");
+      }
+      p.cos = cos.GetTensorData<float>();
+      p.sin = sin.GetTensorData<float>();
+      p.rot_half = ShapeOf(cos)[1];
+      const int64_t positions = ShapeOf(cos)[0];
+      for (int64_t b = 0; b < p.batch && p.tokens > 0; ++b) {
+        // the row's last position: its last token's, or in a padded first prompt its last
+        // real token's (a padding token's is 1)
+        const int64_t last = std::max(p.Position(b, p.tokens - 1),
+                                      p.first_prompt ? std::min<int64_t>(p.seqlens[b], p.tokens - 1)
+                                                     : 0);
+        if (last >= positions) {
+          fail("row " + std::to_string(b) + " reaches position " + std::to_string(last) +
+               "; cos_cache holds " + std::to_string(positions));
+        }
+      }
+    }
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int64_t past = p.Past(b);
+      if (past < 0 || past + p.tokens > p.cache_len || p.seqlens[b] < 0) {
+        fail("row " + std::to_string(b) + ": seqlens_k " + std::to_string(p.seqlens[b]) +
+             " with " + std::to_string(p.tokens) + " new tokens does not fit a cache of " +
+             std::to_string(p.cache_len) + " positions");
+      }
+    }
+    p.qkv = query.GetTensorData<float>();
+    p.out = ctx.GetOutput(0, {p.batch, p.tokens, a.heads * p.hs}).GetTensorMutableData<float>();
+    const std::vector<int64_t> present_shape{p.batch, a.kv_heads, p.cache_len, p.hs};
+    p.keys = ctx.GetOutput(1, present_shape).GetTensorMutableData<float>();
+    p.values = ctx.GetOutput(2, present_shape).GetTensorMutableData<float>();
+    CopyPast(past_key.GetTensorData<float>(), p.keys, p, past_len);
+    CopyPast(past_value.GetTensorData<float>(), p.values, p, past_len);
+    if (p.batch == 0 || p.tokens == 0) return;
+
+    p.kernels = KernelsFor(p.hs);
+    p.scale = a.scale == 0.0f ? 1.0f / std::sqrt(static_cast<float>(p.hs)) : a.scale;
+    // Tasks: a row's key/value head, its query heads together where there are enough rows to
+    // keep every thread busy (decode at batch 1: one head a task), and 16 tokens of a prompt.
+    p.tokens_per_task = 16;
+    p.token_chunks = (p.tokens + p.tokens_per_task - 1) / p.tokens_per_task;
+    const bool split_heads = p.batch * a.kv_heads * p.token_chunks < 8;
+    p.heads_per_task = split_heads ? 1 : p.Group();
+    p.head_chunks = p.Group() / p.heads_per_task;
+    ctx.ParallelFor(WriteKeysValues, static_cast<size_t>(p.batch * a.kv_heads), 0, &p);
+    ctx.ParallelFor(Attend,
+                    static_cast<size_t>(p.batch * a.kv_heads * p.head_chunks * p.token_chunks),
+                    0, &p);
+  }
+
+  // present ← past where they are separate buffers (bound to one OrtValue, nothing to do).
+  static void CopyPast(const float* past, float* present, const Problem& p, int64_t past_len) {
+    if (past == present || past_len == 0) return;
+    const int64_t heads = p.batch * p.a.kv_heads;
+    for (int64_t r = 0; r < heads; ++r) {
+      std::memcpy(present + r * p.cache_len * p.hs, past + r * past_len * p.hs,
+                  static_cast<size_t>(past_len * p.hs) * sizeof(float));
+      std::memset(present + (r * p.cache_len + past_len) * p.hs, 0,
+                  static_cast<size_t>((p.cache_len - past_len) * p.hs) * sizeof(float));
+    }
+  }
+};
+
+struct CachedAttentionOp
+    : Ort::CustomOpBase<CachedAttentionOp, CachedAttentionKernel, /*WithStatus=*/true> {
+  const char* GetName() const { return kOpName; }
+  size_t GetInputTypeCount() const { return kInputs; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == kSeqlens || index == kTotal ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
+                                                : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index == kKey || index == kValue || index == kCos || index == kSin
+               ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+               : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetOutputType(size_t /*index*/) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+
+  // Attributes are checked when the session is created. GroupQueryAttention's that change
+  // the arithmetic and that no graph of ours sets are refused rather than ignored.
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    return Guarded(api, kOpName, [&] {
+      Ort::ConstKernelInfo kinfo(info);
+      const std::string node = kinfo.GetNodeName();
+      Attributes a{};
+      a.heads = IntAttribute(kinfo, kOpName, node, "num_heads", "query heads");
+      a.kv_heads = IntAttribute(kinfo, kOpName, node, "kv_num_heads", "key/value heads");
+      if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads != 0) {
+        throw OpError(ORT_INVALID_ARGUMENT,
+                      Where(kOpName, node) + "num_heads=" + std::to_string(a.heads) +
+                          " must be a positive multiple of kv_num_heads=" +
+                          std::to_string(a.kv_heads));
+      }
+      a.scale = OptionalFloat(kinfo, "scale", 0.0f);
+      a.window = OptionalInt(kinfo, "local_window_size", -1);
+      a.rotary = OptionalInt(kinfo, "do_rotary", 0) == 1;
+      a.interleaved = OptionalInt(kinfo, "rotary_interleaved", 0) == 1;
+      if (OptionalFloat(kinfo, "softcap", 0.0f) != 0.0f ||
+          OptionalInt(kinfo, "smooth_softmax", 0) != 0) {
+        throw OpError(ORT_INVALID_ARGUMENT, Where(kOpName, node) +
+                                                "softcap and smooth_softmax are not supported");
+      }
+      *kernel = new CachedAttentionKernel{node, a};
+    });
+  }
+};
+
+}  // namespace
+}  // namespace attention
+
+const OrtCustomOp* AttentionOp() {
+  static attention::CachedAttentionOp op;  // outlives every session: ORT keeps a pointer to it
+  return &op;
+}
+
+}  // namespace attnserve_gguf

@@ -1,0 +1,214 @@
+"""CachedAttention (service/ops/cached_attention.cc) against ONNX Runtime's GroupQueryAttention.
+
+The op takes GroupQueryAttention's inputs and attributes and must compute what it computes, so
+the reference is ONNX Runtime's own CPU kernel (com.microsoft, float32) in a one-node graph fed
+the same tensors: decode rows of different lengths, a first prompt with padded rows, a later
+prompt chunk, a sliding window, rotary halves or pairs or none, grouped and plain heads, head
+sizes every vector path takes, and the cache updated in place through one bound OrtValue as the
+engine binds it. Compared: every real token's output and every written cache position (a
+padding token's output is unspecified in both). Also a numpy computation of one decode row, so
+the reference's conventions are checked too. The library is conftest.py's fixture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import service.ops
+from benchmarks.attention_speed import attention_model, rotary_tables
+from service.contract.sessions import create_session
+
+THREADS = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    heads: int
+    kv_heads: int
+    head_size: int
+    cache: int  # positions in the past / present buffers
+    seqlens: tuple[int, ...]  # each row's total length − 1
+    tokens: int  # S
+    total: int  # total_sequence_length
+    rotary: str = "half"  # "half", "pairs" (interleaved) or "none"
+    window: int = -1
+    scale: float = 0.0
+
+    @property
+    def first_prompt(self) -> bool:
+        return self.tokens == self.total
+
+
+CASES = {
+    "decode": Case(8, 2, 64, 40, (5, 0, 17, 39), 1, 40),
+    "decode-smollm2-heads": Case(9, 3, 64, 48, (30, 2, 47), 1, 48),
+    "decode-one-row": Case(9, 3, 64, 300, (257,), 1, 300),
+    "decode-plain-heads-no-rotary": Case(4, 4, 32, 24, (3, 11), 1, 24, rotary="none"),
+    "decode-pairs-scale": Case(4, 2, 16, 20, (9, 19, 0), 1, 20, rotary="pairs", scale=0.3),
+    "decode-head-8": Case(6, 2, 8, 16, (4, 15), 1, 16, rotary="none"),  # (rotary: 16s)
+    "decode-window": Case(8, 2, 64, 40, (5, 30, 39), 1, 40, window=8),
+    "first-prompt-padded": Case(8, 2, 64, 40, (20, 6, 0), 21, 21),
+    "later-chunk": Case(9, 3, 64, 64, (44,), 19, 64),
+    "later-chunk-window": Case(4, 1, 32, 64, (50,), 33, 64, window=5),
+}
+
+
+def model(op: str, domain: str, case: Case) -> bytes:
+    return attention_model(op, domain, case.heads, case.kv_heads, case.rotary, case.window,
+                           case.scale)
+
+
+def ours(case: Case) -> bytes:
+    return model(service.ops.ATTENTION_OP, service.ops.DOMAIN, case)
+
+
+def theirs(case: Case) -> bytes:
+    return model("GroupQueryAttention", "com.microsoft", case)
+
+
+def session(model: bytes, library: Path | None) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    if library is not None:
+        options.register_custom_ops_library(str(library))
+    options.intra_op_num_threads = THREADS
+    options.log_severity_level = 4
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def feeds(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    b, hs = len(case.seqlens), case.head_size
+    width = (case.heads + 2 * case.kv_heads) * hs
+    past = rng.standard_normal((2, b, case.kv_heads, case.cache, hs)).astype(np.float32)
+    out = {
+        "query": rng.standard_normal((b, case.tokens, width)).astype(np.float32),
+        "past_key": past[0],
+        "past_value": past[1],
+        "seqlens_k": np.array(case.seqlens, np.int32),
+        "total_sequence_length": np.array([case.total], np.int32),
+    }
+    if case.rotary != "none":
+        out["cos_cache"], out["sin_cache"] = rotary_tables(case.cache + 1, hs)
+    return out
+
+
+def real(case: Case) -> list[tuple[int, range, range]]:
+    """Per row: (row, its real tokens among the S fed, the cache positions now written)."""
+    rows = []
+    for b, seqlen in enumerate(case.seqlens):
+        total = seqlen + 1
+        if case.first_prompt:
+            rows.append((b, range(min(total, case.tokens)), range(total)))
+        else:
+            rows.append((b, range(case.tokens), range(total)))
+    return rows
+
+
+def assert_same(case: Case, ours: list[np.ndarray], reference: list[np.ndarray]) -> None:
+    (y, keys, values), (y_ref, keys_ref, values_ref) = ours, reference
+    assert y.shape == y_ref.shape and keys.shape == keys_ref.shape
+    for b, tokens, positions in real(case):
+        np.testing.assert_allclose(y[b, tokens.start:tokens.stop],
+                                   y_ref[b, tokens.start:tokens.stop], rtol=0, atol=2e-5,
+                                   err_msg=f"row {b} output")
+        for mine, theirs, what in ((keys, keys_ref, "keys"), (values, values_ref, "values")):
+            np.testing.assert_allclose(mine[b, :, positions.start:positions.stop],
+                                       theirs[b, :, positions.start:positions.stop],
+                                       rtol=0, atol=2e-6, err_msg=f"row {b} {what}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_equals_group_query_attention(gguf_ops_library: Path, name: str) -> None:
+    case = CASES[name]
+    inputs = feeds(case)
+    computed = session(ours(case), gguf_ops_library).run(None, inputs)
+    assert_same(case, computed, session(theirs(case), None).run(None, inputs))
+
+
+def test_cache_updated_in_place(gguf_ops_library: Path) -> None:
+    """past and present bound to one OrtValue each, as the engine binds its KV pool: the new
+    keys and values land in that buffer, the outputs equal the reference's, and the cache
+    positions the step does not write keep their values."""
+    case = CASES["decode-smollm2-heads"]
+    inputs = feeds(case, seed=1)
+    reference = session(theirs(case), None).run(None, inputs)
+    sess = session(ours(case), gguf_ops_library)
+    binding = sess.io_binding()
+    caches = {name: ort.OrtValue.ortvalue_from_numpy(inputs[name].copy())
+              for name in ("past_key", "past_value")}
+    for name, value in inputs.items():
+        if name not in caches:
+            binding.bind_cpu_input(name, value)
+    binding.bind_output("output")  # first: copy_outputs_to_cpu()[0]
+    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
+        binding.bind_ortvalue_input(past, caches[past])
+        binding.bind_ortvalue_output(present, caches[past])
+    sess.run_with_iobinding(binding)
+    y = binding.copy_outputs_to_cpu()[0]
+    keys, values = (caches[n].numpy() for n in ("past_key", "past_value"))
+    assert_same(case, [y, keys, values], reference)
+    for b, _, positions in real(case):  # beyond the row's length: the past, untouched
+        np.testing.assert_array_equal(keys[b, :, positions.stop:],
+                                      inputs["past_key"][b, :, positions.stop:])
+
+
+def test_one_decode_row_against_numpy(gguf_ops_library: Path) -> None:
+    """Rotary by halves at the row's position, then softmax(q·kᵀ/√H)·v over its keys, in
+    float64: the convention both kernels follow."""
+    case = Case(4, 2, 16, 12, (7,), 1, 12)
+    inputs = feeds(case, seed=2)
+    y, keys, _ = session(ours(case), gguf_ops_library).run(None, inputs)
+    hs, pos = case.head_size, case.seqlens[0]
+    qkv = inputs["query"][0, 0].astype(np.float64).reshape(-1, hs)  # (N + 2·N_kv, H)
+    cos, sin = (inputs[n][pos].astype(np.float64) for n in ("cos_cache", "sin_cache"))
+
+    def rotate(x: np.ndarray) -> np.ndarray:
+        x1, x2 = x[..., :hs // 2], x[..., hs // 2:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    q, k_new, v_new = np.split(qkv, [case.heads, case.heads + case.kv_heads])
+    k_cache = inputs["past_key"][0].astype(np.float64)
+    v_cache = inputs["past_value"][0].astype(np.float64)
+    k_cache[:, pos], v_cache[:, pos] = rotate(k_new), v_new
+    np.testing.assert_allclose(keys[0, :, :pos + 1], k_cache[:, :pos + 1], atol=1e-6)
+    group = case.heads // case.kv_heads
+    for h in range(case.heads):
+        g = h // group
+        scores = k_cache[g, :pos + 1] @ rotate(q[h]) / np.sqrt(hs)
+        p = np.exp(scores - scores.max())
+        expected = (p / p.sum()) @ v_cache[g, :pos + 1]
+        np.testing.assert_allclose(y[0, 0, h * hs:(h + 1) * hs], expected, atol=1e-5)
+
+
+def test_bad_inputs_are_named(gguf_ops_library: Path) -> None:
+    case = CASES["decode"]
+    sess = session(ours(case), gguf_ops_library)
+    inputs = feeds(case)
+    too_long = {**inputs, "seqlens_k": np.array([5, 0, 17, 40], np.int32)}
+    with pytest.raises(Exception, match=r"CachedAttention node 'attn': row 3: seqlens_k 40 "
+                                        r"with 1 new tokens does not fit a cache of 40"):
+        sess.run(None, too_long)
+    short = {**inputs, "cos_cache": inputs["cos_cache"][:30], "sin_cache": inputs["sin_cache"][:30]}
+    with pytest.raises(Exception, match=r"row 3 reaches position 39; cos_cache holds 30"):
+        sess.run(None, short)
+    wrong = {**inputs, "query": inputs["query"][..., :-1]}
+    with pytest.raises(Exception, match=r"CachedAttention node 'attn': query has shape "
+                                        r"\[4, 1, 767\]"):
+        sess.run(None, wrong)
+
+
+def test_served_as_group_query_attention_without_the_library(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the op library cannot load, the session layer's dequantised copy
+    (service/ops/dequantised.py) runs the node as the GroupQueryAttention it stands for."""
+    monkeypatch.setattr(service.ops, "library_path", lambda cache=None: None)
+    case = CASES["later-chunk"]
+    inputs = feeds(case, seed=3)
+    served = create_session(ours(case), threads=THREADS).run(None, inputs)
+    for got, want in zip(served, session(theirs(case), None).run(None, inputs), strict=True):
+        np.testing.assert_array_equal(got, want)
