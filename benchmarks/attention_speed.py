@@ -106,7 +106,7 @@ def time_call(op: str, shape: tuple[int, int, int], batch: int, tokens: int, con
                            np.array([tokens if context == 0 else cache], np.int32))
     binding.bind_cpu_input("cos_cache", cos)
     binding.bind_cpu_input("sin_cache", sin)
-    caches = []
+    caches = []  # the bound cache OrtValues, kept alive for the session's runs
     for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
         value = ort.OrtValue.ortvalue_from_numpy(
             rng.standard_normal((batch, kv_heads, cache, hs), np.float32))

@@ -171,12 +171,20 @@ def attention_in_use(graph: Path) -> str | None:
     """Whose kernel runs a served graph's attention: the op library's ``CachedAttention``
     where the graph holds it (``--kernel ggml`` exports since op level 4) and the library
     loads, else ONNX Runtime's ``GroupQueryAttention`` (the dequantised copy turns our node
-    back into it); None for a graph with neither (model.onnx). Read from the graph's bytes,
-    as :func:`service.contract.sessions.uses_gguf_ops` does."""
-    data = graph.read_bytes()
-    if ATTENTION_OP.encode() in data:
-        return ATTENTION_OP if library_path() is not None else "GroupQueryAttention"
-    return "GroupQueryAttention" if b"GroupQueryAttention" in data else None
+    back into it); None for a graph with neither (model.onnx)."""
+    held = _attention_held(str(graph), graph.stat().st_mtime_ns)
+    return "GroupQueryAttention" if held == ATTENTION_OP and library_path() is None else held
+
+
+@functools.cache
+def _attention_held(graph: str, _mtime_ns: int) -> str | None:
+    """The attention op a graph file holds, read from its bytes once (as
+    :func:`service.contract.sessions.uses_gguf_ops` reads the domain): /info asks each call."""
+    data = Path(graph).read_bytes()
+    for op in (ATTENTION_OP, "GroupQueryAttention"):
+        if op.encode() in data:
+            return op
+    return None
 
 
 def repack(ggml_type: int, k: int, rows: np.ndarray,
