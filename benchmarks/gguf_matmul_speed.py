@@ -286,7 +286,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for (name, size) in dict.fromkeys((r["type"], r["size"]) for r in rows):
         mine = [r for r in rows if r["type"] == name and r["size"] == size]
         sizes = {r["kernel"]: r["weight_bytes"] / 1e6 for r in mine}
-        print(f"\n{name} N=K={size}  W: gguf {sizes[kinds[0]]:.1f} MB, nbits "
+        # The first GgufMatMul column this type has (--paths repacked alone: maybe none).
+        gguf = next((f"{mb:.1f} MB" for kind, mb in sizes.items() if kind.startswith("gguf")),
+                    "-")
+        print(f"\n{name} N=K={size}  W: gguf {gguf}, nbits "
               f"{sizes['nbits']:.1f} MB, f32 {sizes['f32']:.1f} MB")
         print(f"{'M':>4}  {header}")
         for m in dict.fromkeys(r["m"] for r in mine):
