@@ -1,5 +1,6 @@
 """`attnserve export` (checkpoint directory → verified ONNX artifact directory, Hugging Face
-copy or GGUF file) and `attnserve eval` (perplexity and bits per byte: export/verify/evaluate.py).
+copy or GGUF file), `attnserve eval` (perplexity and bits per byte: export/verify/evaluate.py)
+and `attnserve steer` (a control vector from prompt pairs: export/steer.py).
 
 Usage:
     attnserve export --ckpt checkpoints/smollm2-135m-instruct --out artifacts/smollm2-135m-instruct
@@ -49,11 +50,12 @@ def register(subparsers: Any) -> None:
                         "int8-dynamic: ORT quantize_dynamic (per-channel weights, "
                         "int8 activations with a scale per row); gguf: a checkpoint "
                         "imported from GGUF keeps the file's own Q4_0/Q4_1/Q8_0 and K-quant "
-                        "blocks (MatMulNBits, not "
-                        "requantised; works with --engine-graph), built from the file "
+                        "blocks (not requantised: GgufMatMul or MatMulNBits, --kernel; works "
+                        "with --engine-graph), built from the file "
                         "without a float32 copy of the model when the checkpoint holds it")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
-                   help="KV cache dtype; logits and arithmetic stay float32")
+                   help="float16: the engine graphs' weights, activations and KV cache in float16 "
+                        "for the CUDA provider; logits stay float32 (export/onnx/float16.py)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the parity checks against PyTorch (not recommended)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")

@@ -16,8 +16,6 @@ from model.architectures import architecture
 from service.contract.heads import HeadGeometry
 
 PositionKind = Literal["learned", "sinusoidal", "rope"]
-# Rotary scalings computed exactly (model/rotary.py); anything else is refused.
-ROPE_SCALINGS = ("linear", "llama3")
 
 
 @dataclass(frozen=True)

@@ -154,10 +154,9 @@ def check_adapters(settings: Any, artifact_dir: Path) -> None:
     from service.engine.adapters import adapter_widths, lora_entries, read_adapter_weights
     from service.viz.graph_cut import graph_input_shapes
 
-    if not settings.engine_graph:
-        raise ValueError("LoRA adapters are served by the engine graph: drop --no-engine-graph")
     graph = GraphTable.of(load_manifest(artifact_dir)).served(
-        engine_graph=True, mixed_steps=settings.mixed_steps, on_cuda=False, adapters=True)[0]
+        engine_graph=settings.engine_graph, mixed_steps=settings.mixed_steps,
+        on_cuda=settings.device == "cuda", adapters=True)[0]
     widths = adapter_widths(graph_input_shapes((artifact_dir / graph.file).read_bytes()))
     for name, directory in lora_entries(settings.lora_modules):
         read_adapter_weights(directory, name, widths, settings.max_lora_rank)

@@ -40,6 +40,7 @@ from export.gguf.layout import (
     layouts,
 )
 from model.architectures import architecture
+from model.architectures.llama import SMOLLM3_NOPE_STEP  # no rotary in every fourth layer
 from model.checkpoint import TOKENIZER_FILE, CheckpointMeta
 from model.gguf.vocab import CONTROL, GPT2_SPLIT, NORMAL, PRE_TOKENIZERS, USER_DEFINED
 from service.contract.atomic_gguf import write_atomically
@@ -48,7 +49,6 @@ UNUSED = 5  # gguf.TokenType.UNUSED: the converter's padding tokens
 # transformers' model_type → llama.cpp's general.architecture
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
             "smollm3": "smollm3", "phi3": "phi3", "gemma3_text": "gemma3", "gpt2": "gpt2"}
-SMOLLM3_NOPE_STEP = 4  # llama.cpp's smollm3 graph: no rotary in every fourth layer
 DIGITS = r"\p{N}"
 
 

@@ -1,6 +1,6 @@
 """Weight quantisation of the decoder graphs and the figures that judge it.
 
-Three methods, all leaving embeddings, LayerNorms, attention and the KV cache in float32
+Four methods, all leaving embeddings, LayerNorms, attention and the KV cache in float32
 so the I/O contract is unchanged:
 
 - ``int4``: the same ``MatMulNBits`` with 4-bit codes, asymmetric (a zero point per
@@ -17,9 +17,9 @@ so the I/O contract is unchanged:
   quantised on the fly for MatMulInteger), its activation scales then made one per row
   (export/quantize/dynamic_rows.py) so that a row's logits do not depend on its batch.
 - ``gguf``: for a checkpoint imported from a GGUF file, that file's own Q4_0 / Q4_1 /
-  Q5_0 / Q5_1 / Q8_0 and K-quant (Q2_K-Q6_K) blocks as MatMulNBits, not requantised
-  (export/gguf/blocks.py); weights with float tensors (F16, BF16) fall back to ``int8``
-  one by one.
+  Q5_0 / Q5_1 / Q8_0 and K-quant (Q2_K-Q6_K) blocks, not requantised: as stored, under
+  our GgufMatMul op (``--kernel ggml``), or as MatMulNBits (``nbits``; export/gguf/blocks.py);
+  weights with float tensors (F16, BF16) fall back to ``int8`` one by one.
 
 Quantisation runs on the graph as exported, before ORT's fusions, so every weight MatMul
 is still a plain MatMul with a constant right-hand side. Logits no longer match PyTorch

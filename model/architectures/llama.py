@@ -1,4 +1,6 @@
-"""The Llama family (arch ``llama``): SmolLM2, TinyLlama, Llama 3, and Qwen2 / Qwen2.5.
+"""The Llama family (arch ``llama``): SmolLM2, TinyLlama, Llama 3, and the families that are
+Llama with exceptions (Qwen2 / Qwen2.5, Qwen3, SmolLM3, Mistral, Phi-3, Gemma 3's text
+model: the class's docstring says how each differs).
 
 RMSNorm, a SwiGLU feed-forward layer, rotary positions and grouped-query attention
 (model/attention.py with fewer key/value heads). Qwen2 is Llama with biases on Q/K/V alone
@@ -11,8 +13,9 @@ ours, so HF ↔ ours is a renaming. llama.cpp's converter permutes the rows of `
 ``attn_k`` of its ``llama`` files (not ``qwen2``) for its interleaved rotary, undone on
 import, and stores Llama 3's rotary scaling as a ``rope_freqs`` tensor, read into the
 config. Options that change what the network computes and that our model does not have
-(sliding-window attention, other activations, partial rotary, a head_dim that is not
-hidden/heads, rope scalings other than linear and llama3) are refused with one line.
+(other activations, logit soft-capping, partial rotary, bidirectional attention,
+``use_sliding_window``, rope scalings model/rotary.py does not compute) are refused with
+one line.
 """
 
 from __future__ import annotations

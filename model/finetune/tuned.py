@@ -28,8 +28,7 @@ from model.checkpoint import (
 from model.finetune.frozen import FrozenLinear, frozen_gguf_model
 from model.finetune.lora import Adapter
 from model.finetune.loss import supervised_loss
-
-IGNORE = -100  # a label not scored (the prompt, padding)
+from model.finetune.supervision import IGNORE  # a label not scored (the prompt, padding)
 
 
 def load_base(ckpt_dir: Path, full: bool) -> tuple[Any, CheckpointMeta, int]:

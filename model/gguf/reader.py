@@ -3,14 +3,14 @@ holds its GGUF file needs (model/checkpoint.py), and what the import builds on
 (model/gguf/to_checkpoint.py), below both.
 
 The file is read with the maintained ``gguf`` package (memory-mapped) for the
-architectures we serve (``general.architecture`` ``llama`` — SmolLM2, TinyLlama, Llama 3 —
-``qwen2`` and ``gpt2``: whatever model/architectures/ registers). The metadata becomes the
-same Hugging Face-style config that model/hf_import.py reads from config.json, so both
-importers build a GPTConfig through one set of checks (model/hf_config.py). Tensors are
-dequantised one at a time with ``gguf.quants.dequantize`` (llama.cpp's own definitions)
-to float32 and renamed by the architecture's table of llama.cpp names. GGUF lists
-dimensions innermost first; what else llama.cpp's converter changed (llama's Q/K row
-permutation for its interleaved rotary) the architecture undoes.
+architectures we serve (``general.architecture`` ``llama``, ``qwen2``, ``qwen3``,
+``smollm3``, ``phi3``, ``gemma3``, ``gpt2``: whatever model/architectures/ registers).
+The metadata becomes the same Hugging Face-style config that model/hf_import.py reads
+from config.json, so both importers build a GPTConfig through one set of checks
+(model/hf_config.py). Tensors are dequantised one at a time with ``gguf.quants.dequantize``
+(llama.cpp's own definitions) to float32 and renamed by the architecture's table of
+llama.cpp names. GGUF lists dimensions innermost first; what else llama.cpp's converter
+changed (llama's Q/K row permutation for its interleaved rotary) the architecture undoes.
 """
 
 from __future__ import annotations

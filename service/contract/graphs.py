@@ -152,8 +152,12 @@ class GraphTable:
         ``float32_pass_tokens`` tokens when given; 0: not opened); else model.onnx.
 
         ``adapters``: the adapter graph for steps alone (LoRA adapters per row: no
-        float32 long-pass graph, never CUDA); ValueError where the artifact has none."""
+        float32 long-pass graph, never CUDA); ValueError where the artifact has none or the
+        server would not run an engine graph on the CPU."""
         if adapters:
+            if on_cuda or not engine_graph:
+                raise ValueError("LoRA adapters are served by the engine graph on the CPU "
+                                 "only (--device cpu, --engine-graph)")
             lora = [g for g in self.graphs if g.adapters and g.runs == "steps"]
             if not lora:
                 raise ValueError("this artifact has no adapter graph (exported before "

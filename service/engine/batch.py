@@ -86,8 +86,8 @@ class Batch:
 
     @property
     def variants(self) -> list[ModelVariant]:
-        """What each row is computed under (its request's adapter): what its passes apply
-        and what its cached prefix is keyed by."""
+        """What each row is computed under (its request's adapter and control vector): what
+        its passes apply and what its cached prefix is keyed by."""
         return [s.request.variant for s in self.sequences]
 
     @property

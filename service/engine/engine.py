@@ -145,9 +145,6 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
     with weights.bin, no packed copy)."""
     on_cuda = select_providers(engine.device)[0] == CUDA
     adapters = engine.serves_adapters
-    if adapters and (on_cuda or not engine.engine_graph):
-        raise ValueError("LoRA adapters are served by the engine graph on the CPU only "
-                         "(--device cpu, --engine-graph)")
     served = GraphTable.of(load_manifest(artifact_dir)).served(
         engine_graph=engine.engine_graph, mixed_steps=engine.mixed_steps, on_cuda=on_cuda,
         float32_pass_tokens=engine.float32_pass_tokens, adapters=adapters)

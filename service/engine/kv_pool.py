@@ -41,7 +41,7 @@ from service.engine.process_memory import resident_pages
 
 class Slot:
     """A row's place in the pool. Shared by the batch and the pool: a move updates it.
-    What the row's keys and values are computed under (its adapter) is the row's
+    What the row's keys and values are computed under (its ModelVariant) is the row's
     (step_plan.RowWork), never the slot's."""
 
     __slots__ = ("index",)

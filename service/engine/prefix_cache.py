@@ -12,7 +12,8 @@ Only full blocks are cached, and a lookup leaves at least one prompt token to co
 pool's rows stay contiguous per slot, which GroupQueryAttention needs.
 
 Keys and values depend on what a row runs under besides the base weights, its
-``ModelVariant`` (the LoRA adapter: every projection sees it), so each variant's chains
+``ModelVariant`` (the LoRA adapter, which every projection sees, and the control vector,
+which every steered layer's output does), so each variant's chains
 start at a root of their own (vLLM and SGLang key the block hash by the LoRA too): a
 prefix computed under one variant never serves another, nor the base.
 """

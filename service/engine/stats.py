@@ -18,11 +18,8 @@ class StepStats:
 
 @dataclass(frozen=True)
 class KVStats:
-    """What the KV cache really holds: a persistent pool (engine.onnx) or the batch's tensors.
-
-    ``slots`` and ``capacity_tokens`` are fixed for a pool; for model.onnx, which allocates
-    its cache per step, ``slots`` is the running rows and ``capacity_tokens`` 0 (no pool).
-    """
+    """What the KV pool holds (every runner's: engine.onnx's and model.onnx's alike);
+    ``slots`` and ``capacity_tokens`` (its budget in tokens) are fixed for a pool."""
 
     slots: int
     slots_used: int

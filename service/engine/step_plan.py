@@ -3,13 +3,12 @@
 The scheduler describes every step the same way (vLLM v1's ``SchedulerOutput``, whose
 ``num_scheduled_tokens`` per request is all a step is): for each row its slot, the tokens
 it feeds after what the slot holds (and whether it holds nothing: ``first``), what it
-wants back, and what it is computed under (its ``ModelVariant``: the LoRA adapter). A
-running row feeds its newest token; a newcomer its whole prompt (or what follows a cached
-prefix); a long prompt its next chunk; a speculating row its newest token and the drafts
-to verify. They
-are the same thing to the runner, which packs the rows into as few passes as its graph
-allows (``ModelRunner.run``) and returns, per row, only numbers. Turning them into tokens
-and events is ``apply_step``'s (service/engine/step.py).
+wants back, and what it is computed under (its ``ModelVariant``: the LoRA adapter and the
+control vector). A running row feeds its newest token; a newcomer its whole prompt (or what
+follows a cached prefix); a long prompt its next chunk; a speculating row its newest token
+and the drafts to verify. They are the same thing to the runner, which packs the rows into
+as few passes as its graph allows (``ModelRunner.run``) and returns, per row, only numbers.
+Turning them into tokens and events is ``apply_step``'s (service/engine/step.py).
 """
 
 from __future__ import annotations
@@ -53,8 +52,8 @@ class RowWork:
     # together, as GroupQueryAttention takes several rows of many tokens only so
     first: bool = False
     drafted: bool = False  # tokens after the first are drafts: never prefix-cached
-    # what computes the row besides the base weights (its LoRA adapter): every pass
-    # applies it, and the prefix cache keys the row's blocks by it
+    # what computes the row besides the base weights (its LoRA adapter and control
+    # vector): every pass applies it, and the prefix cache keys the row's blocks by it
     variant: ModelVariant = BASE
 
 

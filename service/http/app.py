@@ -35,7 +35,7 @@ def create_app(settings: Settings, artifact: Artifact | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         opened = artifact or open_artifact(settings)
-        metrics = Metrics(settings.max_batch_tokens)
+        metrics = Metrics()
         config = opened.config
         # A grammar ends by emitting eos; a tokenizer without one gets no structured output.
         grammars = None if config.eos_token_id is None else GrammarCompiler(

@@ -161,10 +161,9 @@ class LoraRequestsInfo:
 
 
 class Metrics:
-    def __init__(self, max_batch_tokens: int) -> None:
+    def __init__(self) -> None:
         disable_created_metrics()  # no *_created series: they only add noise to dashboards
         self.registry = CollectorRegistry(auto_describe=True)
-        self.max_batch_tokens = max_batch_tokens
         r = self.registry
         ProcessCollector(registry=r)
         self.requests = Counter("attnserve_requests", "HTTP requests by route and status.",
@@ -203,10 +202,9 @@ class Metrics:
                                registry=r)
         self.kv_usage = Gauge(
             "attnserve_kv_cache_usage_perc",
-            "Cached tokens as a fraction (0..1) of the KV pool's capacity (engine.onnx), or of "
-            "max_batch_tokens (model.onnx, which has no pool).", registry=r)
-        self.kv_slots = Gauge("attnserve_kv_cache_slots",
-                              "Rows the KV pool holds (model.onnx: rows of the running batch).",
+            "Cached tokens as a fraction (0..1) of the KV pool's capacity in tokens.",
+            registry=r)
+        self.kv_slots = Gauge("attnserve_kv_cache_slots", "Rows the KV pool holds.",
                               registry=r)
         self.kv_slots_used = Gauge("attnserve_kv_cache_slots_used",
                                    "KV pool slots taken by requests.", registry=r)
@@ -370,7 +368,7 @@ class Metrics:
         self.waiting.set(stats.waiting)
         kv = stats.kv
         self.kv_tokens.set(kv.tokens)
-        self.kv_usage.set(min(1.0, kv.tokens / (kv.capacity_tokens or self.max_batch_tokens)))
+        self.kv_usage.set(min(1.0, kv.tokens / kv.capacity_tokens))
         self.kv_slots.set(kv.slots)
         self.kv_slots_used.set(kv.slots_used)
         self.kv_capacity.set(kv.capacity_tokens)

@@ -163,7 +163,7 @@ def test_the_metric_flags_name_gauges_attnserve_exposes(rendered: dict[str, dict
     from service.http.metrics import Metrics
     from tests.service.engine.test_adapters import MODULES, write_adapter
 
-    metrics = Metrics(max_batch_tokens=64)
+    metrics = Metrics()
     adapters = AdapterSet(AdapterSlots(MODULES, AdapterLimits(max_loras=2, max_lora_rank=8)))
     write_adapter(tmp_path / "a", 4, seed=0)
     adapters.add(adapters.read(tmp_path / "a", "a"))

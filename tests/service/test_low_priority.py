@@ -38,7 +38,7 @@ def test_the_attention_session_has_its_own_thread_count(artifact: Path) -> None:
     settings = Settings(model=artifact, device="cpu", intra_op_threads=2, attention_threads=1,
                         attention_max_concurrent=3, attention_max_queued=2)
     opened = open_artifact(settings)
-    runtime = Runtime(settings, opened, Metrics(settings.max_batch_tokens), Validator(
+    runtime = Runtime(settings, opened, Metrics(), Validator(
         opened.codec, opened.limits, opened.config.eos_token_id,
         opened.config.generation.max_new_tokens))
     load_engine(runtime)

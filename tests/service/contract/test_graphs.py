@@ -109,6 +109,16 @@ def test_served_with_adapters_picks_the_lora_steps_graph_alone() -> None:
     assert not half.graphs[-1].cuda
 
 
+@pytest.mark.parametrize("engine_graph, on_cuda", [(True, True), (False, False)])
+def test_adapters_are_refused_off_the_cpus_engine_graph(engine_graph: bool,
+                                                        on_cuda: bool) -> None:
+    """The one place that says where adapters run: the server's check and the engine's."""
+    with pytest.raises(ValueError, match=r"^LoRA adapters are served by the engine graph on "
+                                         r"the CPU only \(--device cpu, --engine-graph\)$"):
+        ADAPTED.served(engine_graph=engine_graph, mixed_steps=True, on_cuda=on_cuda,
+                       adapters=True)
+
+
 def test_an_artifact_without_an_adapter_graph_refuses_adapters_in_one_line() -> None:
     old = GraphTable.of(_manifest(["model.onnx", "engine.onnx", "engine_mixed.onnx"], None,
                                   engine_mixed_steps=True))

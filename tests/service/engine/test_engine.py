@@ -116,7 +116,7 @@ def test_load_engine_builds_the_engine_from_the_settings(engine_artifact: Path) 
                                         "max_batch_size": 4, "max_total_tokens": 64,
                                         "kv_cache_memory_mb": 1.0, "prefix_caching": False})
     artifact = open_artifact(settings)
-    runtime = Runtime(settings, artifact, Metrics(settings.max_batch_tokens), Validator(
+    runtime = Runtime(settings, artifact, Metrics(), Validator(
         artifact.codec, artifact.limits, artifact.config.eos_token_id, 16))
     load_engine(runtime)
     engine = runtime.engine

@@ -55,7 +55,7 @@ def picker_view(text: str) -> dict[str, Any]:
 def test_the_lora_info_series_follows_the_adapters_requests(tmp_path: Path) -> None:
     """One slot, three adapters: a's request admitted, b's waiting for the slot, c idle;
     then a leaves and b runs. Exactly one series every scrape; its value the scrape time."""
-    metrics = Metrics(max_batch_tokens=64)
+    metrics = Metrics()
     adapters = AdapterSet(AdapterSlots(MODULES, AdapterLimits(max_loras=1, max_lora_rank=8)))
     for i, name in enumerate("abc"):
         write_adapter(tmp_path / name, 4, seed=i)
@@ -79,7 +79,7 @@ def test_the_lora_info_series_follows_the_adapters_requests(tmp_path: Path) -> N
 
 
 def test_a_server_without_adapters_has_no_lora_series_and_its_kv_fraction_is_bounded() -> None:
-    metrics = Metrics(max_batch_tokens=64)
+    metrics = Metrics()
     metrics.record_load(LoadStats(running=2, waiting=3, kv=KVStats(
         tokens=96, slots=4, slots_used=2, capacity_tokens=128, bytes_allocated=0)))
     metrics.set_cache_config(block_size=16, blocks=40)

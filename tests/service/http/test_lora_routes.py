@@ -60,7 +60,7 @@ class App:
         settings = Settings(model=artifact, served_model_name=BASE, lora_dir=lora_dir,
                             **options)
         opened = open_artifact(settings)
-        metrics = Metrics(settings.max_batch_tokens)
+        metrics = Metrics()
         config = opened.config
         self.runtime = Runtime(settings, opened, metrics, Validator(
             opened.codec, opened.limits, config.eos_token_id, opened.default_max_new_tokens,
@@ -325,7 +325,7 @@ def test_lora_metrics_count_requests_tokens_loads_and_residency(app: App) -> Non
 
 
 def test_the_adapter_label_is_bounded() -> None:
-    metrics = Metrics(100)
+    metrics = Metrics()
     metrics.adapter_labels.runtime_bound = 2
     metrics.allow_adapter("configured", configured=True)
     for name in ("a", "b", "c", "d"):
@@ -339,7 +339,7 @@ def test_the_adapter_label_is_bounded() -> None:
 
 
 def test_loads_of_an_adapter_loaded_again_under_its_name_keep_adding_up() -> None:
-    metrics = Metrics(100)
+    metrics = Metrics()
     metrics.allow_adapter("a")
     counts = {"a": {"loads": 3, "evictions": 1}}
     metrics.adapter_counts.source = lambda: counts

@@ -56,7 +56,7 @@ def run(app: Any, metrics: Metrics, path: str) -> list[tuple[str, float, float]]
 
 
 def test_a_response_is_counted_before_its_last_byte_is_sent() -> None:
-    metrics = Metrics(max_batch_tokens=64)
+    metrics = Metrics()
     seen = run(streaming_app, metrics, "/generate")
     assert seen == [("http.response.start", 0, 0), ("http.response.body+more", 0, 0),
                     ("http.response.body", 1, 1)]
@@ -66,7 +66,7 @@ def test_a_response_is_counted_before_its_last_byte_is_sent() -> None:
 
 
 def test_a_response_the_client_left_is_counted_once_as_499() -> None:
-    metrics = Metrics(max_batch_tokens=64)
+    metrics = Metrics()
     run(leaving_app, metrics, "/generate")
     assert counted(metrics, "/generate", "499") == 1
     assert counted(metrics, "/generate", "200") == 0
