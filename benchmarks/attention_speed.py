@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.gguf_matmul_speed import CacheFlush, median_seconds, read_bandwidth
+from benchmarks.lib.ceiling import read_bandwidth
+from benchmarks.lib.measure import CacheFlush, median_seconds
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-1b": (32, 8, 64), "llama-3b": (24, 8, 128)}
 OPS = {"gqa": ("GroupQueryAttention", "com.microsoft"), "ours": ("CachedAttention", None)}

@@ -42,15 +42,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.lib.ceiling import read_bandwidth
+from benchmarks.lib.measure import CacheFlush, median_seconds
 
 TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
 # Accepted by --types too (GgufMatMul's batched kernels cover them).
@@ -62,22 +63,6 @@ NBITS_BLOCK = 32
 NBITS_LEVEL = 4
 # GgufMatMul's choice of kernels (service/ops/gguf_matmul.cc): auto, vec_dot, avx2, avx512vnni.
 PATH_ENV = "ATTNSERVE_GGUF_MATMUL_PATH"
-
-
-def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes/s of summing a resident ``gib`` GiB array split over ``threads`` threads."""
-    data = np.ones(int(gib * (1 << 30)) // 8, dtype=np.uint64)  # touched: every page resident
-    parts = np.array_split(data, threads)
-    best = float("inf")
-    for _ in range(repeats):
-        workers = [threading.Thread(target=np.add.reduce, args=(part,)) for part in parts]
-        started = time.perf_counter()
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        best = min(best, time.perf_counter() - started)
-    return data.nbytes / best
 
 
 def gguf_weights(name: str, n: int, k: int, rng: np.random.Generator
@@ -184,34 +169,6 @@ def _session(model: Any, threads: int) -> Any:
         raise RuntimeError("the GgufMatMul library is not built (python -m service.ops.build)")
     return ort.InferenceSession(model.SerializeToString(), options,
                                 providers=["CPUExecutionProvider"])
-
-
-def median_seconds(run: Callable[[], object], before: Callable[[], object] | None = None,
-                   budget: float = 0.5, most: int = 50, least: int = 5,
-                   clock: Callable[[], float] = time.perf_counter) -> float:
-    """Median of ``run``'s times (``before`` runs untimed ahead of each) on ``clock``."""
-    for _ in range(3):
-        run()
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < least or (spent < budget and len(times) < most):
-        if before is not None:
-            before()
-        started = clock()
-        run()
-        times.append(clock() - started)
-        spent += times[-1]
-    return statistics.median(times)
-
-
-class CacheFlush:
-    """Reads a buffer larger than any last-level cache, evicting what the last run left."""
-
-    def __init__(self, megabytes: int = 256) -> None:
-        self.buffer = np.ones(megabytes << 17, dtype=np.uint64)  # MB · 2^20 / 8
-
-    def __call__(self) -> None:
-        np.add.reduce(self.buffer)
 
 
 def time_kernel(model: Any, kind: str, name: str, size: int, batches: list[int],

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"sized_speed: {exc}", file=sys.stderr)
         return 2
-    from benchmarks.gguf_matmul_speed import read_bandwidth
+    from benchmarks.lib.ceiling import read_bandwidth
 
     bandwidth = read_bandwidth(args.threads)
     per_token = bytes_a_token(args.gguf)

@@ -51,6 +51,28 @@ def read_bandwidth_gbs(megabytes: int, threads: int, reps: int) -> dict[str, flo
     return out
 
 
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s of summing a resident ``gib`` GiB uint64 array split over ``threads`` Python
+    threads (numpy releases the GIL): the bound the kernel benchmarks (gguf-matmul-speed,
+    attention-speed, sized-speed) print their figures against, measured as they run."""
+    import threading
+
+    import numpy as np
+
+    data = np.ones(int(gib * (1 << 30)) // 8, dtype=np.uint64)  # touched: every page resident
+    parts = np.array_split(data, threads)
+    best = float("inf")
+    for _ in range(repeats):
+        workers = [threading.Thread(target=np.add.reduce, args=(part,)) for part in parts]
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best = min(best, time.perf_counter() - started)
+    return data.nbytes / best
+
+
 def measure_ceiling(threads: int, quick: bool) -> dict[str, Any]:
     """Run in a worker whose BLAS thread pools were limited before numpy was imported."""
     n = 1024 if quick else 2048

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -119,3 +120,36 @@ def measure_runner(runner: Runner, prompts: list[list[int]], batch_sizes: list[i
             log(f"{runner.name} batch {b}: {row['tokens_per_s']:.1f} tok/s, "
                 f"TTFT {row['ttft_ms']:.1f} ms")
     return rows
+
+
+def median_seconds(run: Callable[[], object], before: Callable[[], object] | None = None,
+                   budget: float = 0.5, most: int = 50, least: int = 5,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median of ``run``'s times (``before`` runs untimed ahead of each) on ``clock``, after
+    three untimed runs: the one-op benchmarks' loop (gguf-matmul-speed, attention-speed)."""
+    for _ in range(3):
+        run()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < least or (spent < budget and len(times) < most):
+        if before is not None:
+            before()
+        started = clock()
+        run()
+        times.append(clock() - started)
+        spent += times[-1]
+    return statistics.median(times)
+
+
+class CacheFlush:
+    """Reads a buffer larger than any last-level cache, evicting what the last run left
+    (``median_seconds``' ``before``: a product's weights then come from memory)."""
+
+    def __init__(self, megabytes: int = 256) -> None:
+        import numpy as np
+
+        self.buffer = np.ones(megabytes << 17, dtype=np.uint64)  # MB · 2^20 / 8
+        self.reduce = np.add.reduce
+
+    def __call__(self) -> None:
+        self.reduce(self.buffer)
