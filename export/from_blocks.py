@@ -70,7 +70,7 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
     and the float-activation graphs the checks verify against PyTorch too: ggml's are
     GgufMatMul over the file's bytes, which read as mapped pages where MatMulNBits' level 0
     unpacked a converted copy into the session (the 1B Q4_K_M file's export: peak 1.53 GB
-    against 2.03, 66 s against 105; docs/export.md)."""
+    against 2.03, 66 s against 108; docs/export.md)."""
     from export.gguf.blocks import repacks
     from export.gguf.source import GGUFFile, open_source
     from export.lora.adapter_check import write_served_adapter_graphs
