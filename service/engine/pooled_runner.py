@@ -28,12 +28,12 @@ from contextlib import contextmanager
 import numpy as np
 
 from service.contract import io_spec as io
-from service.engine.adapters import AdapterSet
-from service.engine.control_vectors import ControlVectors
+from service.engine.adapters import AdapterSet, UnknownAdapter
+from service.engine.control_vectors import ControlVectors, UnknownControlVector
 from service.engine.cuda import SampledRows
 from service.engine.kv_pool import KVPool, PoolShape, Slot, ensure_memory
 from service.engine.prefix_cache import PrefixCache
-from service.engine.request import BASE, ModelVariant
+from service.engine.request import BASE, GenerationRequest, ModelVariant
 from service.engine.runner import PoolConfig
 from service.engine.stats import KVStats, PrefixCacheStats
 from service.engine.step_plan import PassTime, RowDraw, RowWork, StepPlan, StepResult
@@ -129,6 +129,38 @@ class PooledRunner:
             if hits[r] and prompt is not None:
                 self.prefix.load(np.asarray(prompt, np.int64), slots[r].index, keys[r])
         return slots
+
+    def resolve(self, requests: Sequence[GenerationRequest]) -> None:
+        """What each request names that its rows run under, resolved against what this
+        runner serves, all or none: its control vector (UnknownControlVector; one unloaded
+        later keeps serving the rows that resolved it) and its LoRA adapter (UnknownAdapter),
+        counted in flight until :meth:`release` (an unload waits for it). The request's
+        ``variant`` is then what its rows carry (a new per-row input naming a served thing
+        is resolved here)."""
+        steering = []
+        for r in requests:
+            if r.control_vector is not None:
+                if self.control_vectors is None:
+                    raise UnknownControlVector(r.control_vector.name)
+                steering.append((r, self.control_vectors.resolve(r.control_vector)))
+        try:
+            for r in requests:
+                if r.adapter_name is not None:
+                    if self.adapters is None:
+                        raise UnknownAdapter(r.adapter_name)
+                    r.adapter = self.adapters.begin(r.adapter_name)
+        except UnknownAdapter:
+            for r in requests:
+                self.release(r)
+                r.adapter = None
+            raise
+        for r, resolved in steering:
+            r.steering = resolved
+
+    def release(self, request: GenerationRequest) -> None:
+        """The request has left: :meth:`resolve`'s count of its adapter in flight ends."""
+        if request.adapter is not None and self.adapters is not None:
+            self.adapters.end(request.adapter)
 
     def _check_variants(self, variants: Sequence[ModelVariant]) -> None:
         """ValueError for a row under an adapter or control vector the graph cannot apply."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from service.contract.graphs import GraphEntry
 from service.engine.kv_pool import Slot
-from service.engine.request import ModelVariant
+from service.engine.request import GenerationRequest, ModelVariant
 from service.engine.stats import KVStats, PrefixCacheStats
 from service.engine.step_plan import StepPlan, StepResult
 
@@ -57,6 +57,15 @@ class ModelRunner(Protocol):
     adapters: AdapterSet | None  # the LoRA adapters its graph applies per row, if any
     control_vectors: ControlVectors | None  # the control vectors it adds per row, if any
     graphs: tuple[GraphEntry, ...]  # the artifact's graphs it runs (contract/graphs.py)
+
+    def resolve(self, requests: Sequence[GenerationRequest]) -> None:
+        """What each request names (its adapter, its control vector) resolved against what
+        the runner serves, all or none; UnknownAdapter / UnknownControlVector otherwise."""
+        ...
+
+    def release(self, request: GenerationRequest) -> None:
+        """The request has left: what :meth:`resolve` holds for it goes."""
+        ...
 
     @property
     def float32_pass_tokens(self) -> int | None:

@@ -45,7 +45,6 @@ from service.contract.peft_adapter import AdapterError
 from service.engine.adapters import UnknownAdapter
 from service.engine.batch import Batch
 from service.engine.chunking import ChunkBudget
-from service.engine.control_vectors import UnknownControlVector
 from service.engine.request import ErrorEvent, Event, GenerationRequest
 from service.engine.runner import ModelRunner
 from service.engine.sequence import SequenceState
@@ -184,45 +183,13 @@ class Scheduler:
             if len(self._waiting) + len(handles) > self.limits.max_queued_requests:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting "
                                 f"(max_queued_requests {self.limits.max_queued_requests})")
-            self._resolve_steering(requests)
-            self._resolve_adapters(requests)
+            self.runner.resolve(requests)
             for h in handles:
                 self._handles[h.request.id] = h
             self._waiting.extend(handles)
             self.stats.record_queue(len(self._waiting))
             self._cv.notify()
         return handles
-
-    def _resolve_steering(self, requests: Sequence[GenerationRequest]) -> None:
-        """Each request's control vector by name, all or none (a vector unloaded later
-        keeps serving the rows that resolved it)."""
-        asked = [r for r in requests if r.control_vector is not None]
-        vectors = self.runner.control_vectors if asked else None
-        resolved = []
-        for r in asked:
-            if r.control_vector is not None:
-                if vectors is None:
-                    raise UnknownControlVector(r.control_vector.name)
-                resolved.append((r, vectors.resolve(r.control_vector)))
-        for r, steering in resolved:
-            r.steering = steering
-
-    def _resolve_adapters(self, requests: Sequence[GenerationRequest]) -> None:
-        """Each request's adapter by name, counted in flight (an unload waits for it) until
-        it leaves; all or none."""
-        adapters = self.runner.adapters
-        try:
-            for r in requests:
-                if r.adapter_name is not None:
-                    if adapters is None:
-                        raise UnknownAdapter(r.adapter_name)
-                    r.adapter = adapters.begin(r.adapter_name)
-        except UnknownAdapter:
-            for r in requests:
-                if r.adapter is not None and adapters is not None:
-                    adapters.end(r.adapter)
-                    r.adapter = None
-            raise
 
     @property
     def waiting(self) -> int:
@@ -521,12 +488,11 @@ class Scheduler:
         req = handle.request
         if self.speculator is not None:
             self.speculator.release(req.id)
-        adapters = self.runner.adapters
-        if req.adapter is not None and adapters is not None:
-            if handle.holds_adapter:
-                adapters.release(req.adapter)
-                handle.holds_adapter = False
-            adapters.end(req.adapter)
+        if handle.holds_adapter:
+            assert self.runner.adapters is not None and req.adapter is not None
+            self.runner.adapters.release(req.adapter)  # its slot, for admission
+            handle.holds_adapter = False
+        self.runner.release(req)
         started = seq is not None and seq.prefill_start > 0
         self.stats.record_request(RequestStats(
             outcome=outcome,

@@ -134,6 +134,8 @@ class ControlledRunner:
         self.graphs = runner.graphs
         self.adapters = runner.adapters
         self.control_vectors = runner.control_vectors
+        self.resolve = runner.resolve
+        self.release = runner.release
 
     def _pass(self, prompts: Sequence[np.ndarray] = ()) -> None:
         if self.gate is not None and not self.gate.next():

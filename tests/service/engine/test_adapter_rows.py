@@ -136,6 +136,36 @@ def test_a_prefix_cached_under_one_adapter_is_reused_by_it_alone(lora_build: Lor
         runner.leave([slot], [], [variant])
 
 
+def test_resolving_named_adapters_is_all_or_none(lora_build: LoraBuild) -> None:
+    """The runner resolves what requests name all or none: beside an unknown adapter, a
+    known one is not left counted in flight (its unload does not wait), and a resolved
+    request's count ends at release."""
+    from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
+
+    runner = lora_runner(lora_build)
+    assert runner.adapters is not None
+    known = sorted(lora_build.adapters)
+
+    def asking(name: str) -> GenerationRequest:
+        return GenerationRequest([5, 6], SamplingParams(), StoppingCriteria(max_new_tokens=2),
+                                 adapter_name=name)
+
+    first, unknown = asking(known[0]), asking("gamma")
+    with pytest.raises(UnknownAdapter):
+        runner.resolve([first, unknown])
+    assert first.adapter is None and first.variant == BASE
+    assert runner.adapters.remove(known[0], timeout=0)  # nothing of it in flight: gone now
+    assert known[0] not in runner.adapters.counts()
+    second = asking(known[1])
+    runner.resolve([second])
+    assert second.adapter is not None and second.variant == ModelVariant(second.adapter.id)
+    assert runner.adapters.activity() == ([], [known[1]])  # in flight, not admitted
+    assert not runner.adapters.remove(known[1], timeout=0)  # in flight: the unload waits
+    assert known[1] in runner.adapters.counts()
+    runner.release(second)
+    assert known[1] not in runner.adapters.counts()  # the unload went with the request
+
+
 def test_an_engine_serves_requests_of_each_adapter_as_their_merged_models(
         lora_build: LoraBuild) -> None:
     """Greedy requests of the base and both adapters in one engine, submitted together
