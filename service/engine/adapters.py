@@ -103,7 +103,7 @@ def read_adapter_weights(directory: Path, name: str, widths: Mapping[str, tuple[
                           modules)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AdapterLimits:
     """The adapter graph's slots: the settings of these names (service/settings.py), which
     the engine passes by name (``of_settings``)."""

@@ -75,10 +75,11 @@ class EngineStopped(Exception):
     """The engine is shutting down and takes no new requests."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerLimits:
-    """The settings the scheduler reads, by their Settings names and defaults (the engine
-    builds it by name: ``of_settings``); their meaning is in service/settings.py."""
+    """The settings the scheduler reads, by their Settings names and defaults, given by
+    name only (the engine builds it with ``of_settings``); their meaning is in
+    service/settings.py."""
 
     max_batch_size: int = default_of("max_batch_size")
     max_batch_tokens: int = default_of("max_batch_tokens")
@@ -156,7 +157,8 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
         self._partial: Batch | None = None  # a long prompt part-way through its prefill
-        self.chunks = ChunkBudget(limits.prefill_chunk_tokens, limits.adaptive_prefill_chunks,
+        self.chunks = ChunkBudget(max_tokens=limits.prefill_chunk_tokens,
+                                  adaptive=limits.adaptive_prefill_chunks,
                                   mixed=runner.mixes_chunks)
         self._handles: dict[int, RequestHandle] = {}
         self._outbox: list[tuple[RequestHandle, Event]] = []  # events _publish sends

@@ -42,7 +42,7 @@ from service.settings import default_of
 Method = Literal["ngram", "draft"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """How to speculate: vLLM's ``--speculative-config`` fields where they exist, each
     setting by its Settings name and default (the engine builds it by name)."""

@@ -189,7 +189,9 @@ def test_the_engine_releases_the_heap_each_time_it_runs_out_of_work(
         return True
 
     monkeypatch.setattr(scheduler_module, "release_freed_heap", release)
-    scheduler = Scheduler(runner, codec, SchedulerLimits(4, 4096, 8, 0, False))
+    scheduler = Scheduler(runner, codec, SchedulerLimits(
+        max_batch_size=4, max_batch_tokens=4096, max_queued_requests=8,
+        prefill_chunk_tokens=0, adaptive_prefill_chunks=False))
 
     async def main() -> None:
         scheduler.start(asyncio.get_running_loop())

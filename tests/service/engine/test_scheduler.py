@@ -72,8 +72,10 @@ def make(runner: ModelRunner, codec: TextCodec, batch: int = 8, queued: int = 16
          tokens: int = 4096, chunk: int = 0, adaptive: bool = False, prefill_budget: int = 0
          ) -> tuple[Scheduler, Recorder]:
     stats = Recorder()
-    return Scheduler(runner, codec, SchedulerLimits(batch, tokens, queued, chunk, adaptive,
-                                                    prefill_budget), stats), stats
+    return Scheduler(runner, codec, SchedulerLimits(
+        max_batch_size=batch, max_batch_tokens=tokens, max_queued_requests=queued,
+        prefill_chunk_tokens=chunk, adaptive_prefill_chunks=adaptive,
+        max_batch_prefill_tokens=prefill_budget), stats), stats
 
 
 def greedy(ids: list[int], n: int, **sampling: Any) -> GenerationRequest:
@@ -531,7 +533,9 @@ def test_a_request_is_in_the_stats_before_its_last_event_is_sent(
     /metrics scrape that follows a response counts that response: for a request that
     decodes, one that ends at its first token, and one refused for its size."""
     stats = DeliveryWatch()
-    scheduler = Scheduler(model, codec, SchedulerLimits(8, 64, 16, 0, False), stats)
+    scheduler = Scheduler(model, codec, SchedulerLimits(
+        max_batch_size=8, max_batch_tokens=64, max_queued_requests=16,
+        prefill_chunk_tokens=0, adaptive_prefill_chunks=False), stats)
     ids = encode(PROMPTS[0])
     too_long = list(range(1, 60))
 
@@ -594,7 +598,9 @@ def test_verified_drafts_and_a_riding_chunk_share_steps(
                               config.num_speculative_tokens)
     speculator = Speculator(config, drafter)
     stats = Recorder()
-    scheduler = Scheduler(runner, codec, SchedulerLimits(8, 4096, 16, chunk, False), stats,
+    scheduler = Scheduler(runner, codec, SchedulerLimits(
+        max_batch_size=8, max_batch_tokens=4096, max_queued_requests=16,
+        prefill_chunk_tokens=chunk, adaptive_prefill_chunks=False), stats,
                           speculator)
     requests = [greedy(repetitive, 24), greedy(free, 24), greedy(long, 8)]
 

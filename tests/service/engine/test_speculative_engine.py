@@ -159,7 +159,9 @@ def test_the_scheduler_speculates_only_at_small_batches(
     runner = runner_for(engine_artifact, True, rows=4)
     speculator = Speculator(SpeculativeConfig(speculative_max_batch_rows=1,
                                               speculative_adaptive=False))
-    scheduler = Scheduler(runner, codec, SchedulerLimits(4, 4096, 8, 0, False),
+    scheduler = Scheduler(runner, codec, SchedulerLimits(
+        max_batch_size=4, max_batch_tokens=4096, max_queued_requests=8,
+        prefill_chunk_tokens=0, adaptive_prefill_chunks=False),
                           speculator=speculator)
     prompts = [encode(REPETITIVE), encode(FREE)]
     lengths = [40, 6]
