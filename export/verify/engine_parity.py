@@ -26,6 +26,7 @@ from export.verify.parity import (
 from model.gpt import GPT
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
+from service.contract.graphs import GraphInterface
 
 CAPACITY = 256  # positions of EngineDecoder's first buffers, grown when a pass needs more
 
@@ -88,7 +89,7 @@ def verify_engine(gpt: GPT, path: Path, steps: int = DECODE_STEPS,
     shape = (len(lens), cfg.kv_heads, length, cfg.head_dim)
     caches = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.dtype(dtype)))
               for _ in range(2 * cfg.n_layers)]
-    greedy = es.GREEDY_IDS in {o.name for o in session.get_outputs()}  # a float16 graph's
+    greedy = GraphInterface.of_session(session).greedy_ids  # a float16 graph's
     extra = [es.GREEDY_IDS, *([es.chunk_name(es.GREEDY_IDS)] if idle else [])] if greedy else []
     greedy_equal = True  # greedy_ids == argmax(logits), every row and step
     t = max(lens)
@@ -158,7 +159,7 @@ class EngineDecoder:
         self.session = check_session(path, threads)
         self.config = gpt.config
         self.capacity = min(CAPACITY, gpt.config.max_seq_len)
-        self._gathers = es.LOGITS_INDEX in {i.name for i in self.session.get_inputs()}
+        self._gathers = GraphInterface.of_session(self.session).gathers_logits
         self._idle = _idle_inputs(self.session, gpt.config)
 
     def empty_past(self, batch: int) -> tuple[list[np.ndarray], np.ndarray]:

@@ -45,6 +45,55 @@ FLOAT32_PASS_TOKENS = {"int4": 512, "gguf": 256, "int8": 1024}
 
 
 @dataclass(frozen=True)
+class GraphInterface:
+    """What a loaded graph takes and gives, read from its session once (``of_session``):
+    the facts a runner binds by, beside what its table entry says it computes."""
+
+    inputs: frozenset[str]
+    outputs: frozenset[str]
+    steers: bool  # takes each row's control vector in float32 (``steer``, an input with a
+    #               default, so listed among the overridable initializers, not the inputs;
+    #               a float16 graph's steer is float16, and no vector is offered there)
+
+    @classmethod
+    def of_session(cls, session: Any) -> GraphInterface:
+        """Of an onnxruntime ``InferenceSession`` (duck-typed: this module imports no
+        onnxruntime)."""
+        return cls(frozenset(i.name for i in session.get_inputs()),
+                   frozenset(o.name for o in session.get_outputs()),
+                   any(i.name == io.STEER and i.type == "tensor(float)"
+                       for i in session.get_overridable_initializers()))
+
+    @property
+    def row_groups(self) -> int:
+        """2: engine_mixed.onnx's second group of rows (its ``chunk_`` inputs)."""
+        return 2 if es.chunk_name(io.INPUT_IDS) in self.inputs else 1
+
+    @property
+    def adapters(self) -> bool:
+        """It applies LoRA adapters per row (adapter_spec.py's inputs)."""
+        return bool(adapter_modules(list(self.inputs)))
+
+    @property
+    def gathers_logits(self) -> bool:
+        """It takes ``logits_index`` (every engine graph exported since): the LM head runs
+        on the wanted positions alone; False: every position's logits come back."""
+        return es.LOGITS_INDEX in self.inputs
+
+    @property
+    def greedy_ids(self) -> bool:
+        """It returns each row's argmax beside the logits (a float16 graph)."""
+        return es.GREEDY_IDS in self.outputs
+
+    def runs_passes_of(self, steps: GraphInterface) -> bool:
+        """Whether this graph can run every pass the ``steps`` graph runs: the same
+        inputs, or those plus a second group of rows, left idle (engine_mixed.onnx's
+        float32 weights beside a quantised engine.onnx, with mixed steps off)."""
+        return steps.inputs <= self.inputs and all(
+            name.startswith(es.CHUNK_PREFIX) for name in self.inputs - steps.inputs)
+
+
+@dataclass(frozen=True)
 class GraphEntry:
     """One decoder graph of an artifact: what it computes and which passes it runs."""
 
@@ -63,22 +112,19 @@ class GraphEntry:
         return self.row_groups == 2
 
     @classmethod
-    def of_inputs(cls, input_names: Collection[str], cuda: bool = False) -> GraphEntry:
-        """The steps entry of an engine graph with these inputs, for a session built by
+    def of_interface(cls, interface: GraphInterface, cuda: bool = False) -> GraphEntry:
+        """The steps entry of an engine graph of this interface, for a session built by
         hand (tests, benchmarks); a served graph's entry is the artifact's table's."""
-        mixed = es.chunk_name(io.INPUT_IDS) in input_names
-        file = es.ENGINE_MIXED_FILE if mixed else es.ENGINE_FILE
-        adapters = bool(adapter_modules(list(input_names)))
-        return cls(lora_file(file) if adapters else file, "steps",
-                   row_groups=2 if mixed else 1, cuda=cuda, adapters=adapters)
+        file = es.ENGINE_MIXED_FILE if interface.row_groups == 2 else es.ENGINE_FILE
+        return cls(lora_file(file) if interface.adapters else file, "steps",
+                   row_groups=interface.row_groups, cuda=cuda, adapters=interface.adapters)
 
-    def check_inputs(self, input_names: Collection[str]) -> None:
-        """ValueError unless a graph with these inputs computes what this entry says
-        (its row groups, its adapters): the one place a table's entry meets a session."""
+    def check(self, interface: GraphInterface) -> None:
+        """ValueError unless a graph of this interface computes what this entry says (its
+        row groups, its adapters): the one place a table's entry meets a session."""
         if self.runs == "fallback":
             return
-        inputs_say = GraphEntry.of_inputs(input_names)
-        if (inputs_say.row_groups, inputs_say.adapters) != (self.row_groups, self.adapters):
+        if (interface.row_groups, interface.adapters) != (self.row_groups, self.adapters):
             raise ValueError(f"the session does not compute what {self.file} does "
                              f"({self.describe()})")
 

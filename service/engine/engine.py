@@ -32,7 +32,7 @@ from service.contract.pages import release_file_pages
 from service.engine.adapters import AdapterLimits, AdapterSet, lora_entries
 from service.engine.control_vectors import ControlVectors, control_entries
 from service.engine.draft import DraftModel
-from service.engine.engine_graph_runner import EngineGraphRunner, takes_inputs_of
+from service.engine.engine_graph_runner import EngineGraphRunner
 from service.engine.model_graph_runner import ModelGraphRunner
 from service.engine.process_memory import collapse_to_huge_pages
 from service.engine.request import GenerationRequest, SamplingParams, StoppingCriteria
@@ -169,15 +169,12 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
                              spin_wait=spin_wait)
     extra = {g: create_session(artifact_dir / g.file, "cpu", engine.intra_op_threads,
                                prepack=False, spin_wait=spin_wait) for g in long}
-    for graph, other in list(extra.items()):
-        if not takes_inputs_of(session, other):
-            log.info("%s does not take %s's inputs: not used", graph.file, steps.file)
-            del extra[graph]
-    for graph in extra:
+    runner = EngineGraphRunner(session, model, pool, long_passes=extra, steps=steps,
+                               adapter_limits=of_settings(AdapterLimits, engine)
+                               if adapters else None)
+    for graph in runner.graphs[1:]:
         log.info("%s runs %s", artifact_dir.name, graph.describe())
-    return EngineGraphRunner(session, model, pool, long_passes=extra, steps=steps,
-                             adapter_limits=of_settings(AdapterLimits, engine)
-                             if adapters else None)
+    return runner
 
 
 def add_startup_adapters(adapters: AdapterSet | None, config: EngineConfig) -> None:

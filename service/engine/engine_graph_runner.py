@@ -37,6 +37,7 @@ Every session writes the same pool.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ import onnxruntime as ort
 from service.contract import adapter_spec
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
-from service.contract.graphs import GraphEntry, graph_for_pass
+from service.contract.graphs import GraphEntry, GraphInterface, graph_for_pass
 from service.engine.adapters import (
     AdapterLimits,
     AdapterSet,
@@ -61,6 +62,8 @@ from service.engine.request import Steering
 from service.engine.runner import PoolConfig
 from service.engine.step_plan import RowWork, StepResult
 
+log = logging.getLogger("attnserve.engine")
+
 
 class EngineGraphRunner(PooledRunner):
     """ModelRunner over engine.onnx with a persistent float32 KV pool on the host."""
@@ -73,7 +76,8 @@ class EngineGraphRunner(PooledRunner):
                  ) -> None:
         """``session``: the graph of every pass (engine.onnx or engine_mixed.onnx);
         ``long_passes``: the artifact's float32-weights graph, for passes of at least its
-        entry's ``from_tokens`` tokens (module docstring). ``device`` "cuda": a float16
+        entry's ``from_tokens`` tokens (module docstring); one that cannot run the steps
+        graph's passes is left out, said in one line. ``device`` "cuda": a float16
         graph on the CUDA provider, the pool in device memory, decode steps replayed as
         CUDA graphs with ``cuda_graphs`` (the session must have been created with them;
         cuda.py). An adapter graph (``<stem>_lora.onnx``) applies each row's LoRA adapter,
@@ -82,14 +86,12 @@ class EngineGraphRunner(PooledRunner):
         table, what every pass and /info read of it; None (a session built by hand): the
         entry its inputs describe."""
         n = config.n_layers
-        inputs = {i.name for i in session.get_inputs()}
-        outputs = {o.name for o in session.get_outputs()}
-        missing = sorted(({*es.engine_input_names(n)} - inputs)
-                         | ({*es.engine_output_names(n)} - outputs))
+        interface = GraphInterface.of_session(session)
+        missing = sorted(({*es.engine_input_names(n)} - interface.inputs)
+                         | ({*es.engine_output_names(n)} - interface.outputs))
         missing = [name for name in missing if name not in es.GATHERED_INPUTS]
         if missing:
             raise ValueError(f"{es.ENGINE_FILE} lacks {missing}")
-        self._gathers = es.LOGITS_INDEX in inputs  # False: an engine.onnx of before it
         self._shrink = ort.RunOptions()  # for multi-token passes: the arena gives back
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._plain = ort.RunOptions()  # every other pass
@@ -100,24 +102,25 @@ class EngineGraphRunner(PooledRunner):
         self.session = session
         self.provider = session.get_providers()[0]
         self.device = device
-        self._greedy = es.GREEDY_IDS in outputs  # a float16 graph's argmax output
         self._past, self._present = io.past_names(n), io.present_names(n)
-        steps = steps or GraphEntry.of_inputs(inputs, cuda=device != "cpu")
-        long_passes = dict(long_passes or {})
-        for graph, other in long_passes.items():
-            if not takes_inputs_of(session, other):
-                raise ValueError(f"{graph.file} does not take the engine graph's inputs")
+        steps = steps or GraphEntry.of_interface(interface, cuda=device != "cpu")
         # which graph runs which pass: the table's entries this runner serves, steps first,
-        # each checked against its session once (_Graph); every later fact is the entry's
-        self.graphs: tuple[GraphEntry, ...] = (steps, *long_passes)
-        self._sessions = {g.file: _Graph(g, s) for g, s in ((steps, session),
-                                                             *long_passes.items())}
+        # each read from its session and checked against it once (_Graph); every later
+        # fact is the entry's or that interface's
+        self._sessions = {steps.file: _Graph(steps, session, interface)}
+        for graph, other in (long_passes or {}).items():
+            bound = _Graph(graph, other, GraphInterface.of_session(other))
+            if bound.interface.runs_passes_of(interface):
+                self._sessions[graph.file] = bound
+            else:
+                log.info("%s does not take %s's inputs: not used", graph.file, steps.file)
+        self.graphs: tuple[GraphEntry, ...] = tuple(g.entry for g in self._sessions.values())
         self.graph_file = steps.file
         # engine_mixed.onnx (export/onnx/engine_graph.py) has a second group of rows, so a
         # prompt chunk or newcomers' prompts ride along with a decode step: one read of
         # the weights for both.
         self.mixes_chunks = steps.mixes_chunks
-        if device != "cpu" and (self.mixes_chunks or long_passes):
+        if device != "cpu" and (self.mixes_chunks or len(self.graphs) > 1):
             raise ValueError(f"on {device}, the engine runs {es.ENGINE_FILE} alone")
         self.float32_passes = 0  # passes run on float32 weights
         scratch = (1, self.shape.heads, 1, self.shape.head_dim)  # (1, nkv, 1, hs)
@@ -132,7 +135,7 @@ class EngineGraphRunner(PooledRunner):
         self.samples_on_device = self._sampler is not None
         self.adapters = None
         if steps.adapters:
-            if device != "cpu" or long_passes or cuda_graphs:
+            if device != "cpu" or len(self.graphs) > 1 or cuda_graphs:
                 raise ValueError("an adapter graph runs on the CPU, alone")
             widths = adapter_widths({i.name: i.shape for i in session.get_inputs()})
             self.adapters = AdapterSet(AdapterSlots(widths, adapter_limits or AdapterLimits()))
@@ -140,7 +143,7 @@ class EngineGraphRunner(PooledRunner):
             raise ValueError("adapter slots for a graph that applies no LoRA adapter")
         # every engine graph exported since takes each row's control vector (``steer``, an
         # input with a default); a float16 one (CUDA) would take it in float16: not offered
-        if device == "cpu" and all(g.steers for g in self._sessions.values()):
+        if device == "cpu" and all(g.interface.steers for g in self._sessions.values()):
             self.control_vectors = ControlVectors(n, config.d_model)
         self._no_steer = np.zeros((1, n, config.d_model), np.float32)  # steer's default
 
@@ -200,7 +203,7 @@ class EngineGraphRunner(PooledRunner):
             self._bind_steering(graph, groups)
         graph.session.run_with_iobinding(graph.binding, self._shrink
                                          if tokens > len(rows.ids) else self._plain)
-        if not self._gathers:  # (n, K, V) of the old graph's (n, T, V)
+        if not graph.interface.gathers_logits:  # (n, K, V) of an old graph's (n, T, V)
             logits = logits[np.arange(len(rows.ids))[:, None], rows.index]
         return logits, chunk_logits if chunk is not None else None
 
@@ -213,8 +216,9 @@ class EngineGraphRunner(PooledRunner):
         0.3 ms a pass on SmolLM2, and a steady batch, or an idle second group, keeps its run."""
         binding = graph.binding
         n, t = rows.ids.shape
+        gathers = graph.interface.gathers_logits  # False: an engine graph of before it
         index = np.ascontiguousarray(rows.index, np.int64)  # (n, K)
-        logits = np.empty((n, index.shape[1] if self._gathers else t, self.vocab_size),
+        logits = np.empty((n, index.shape[1] if gathers else t, self.vocab_size),
                           np.float32)  # (n, K or T, V)
         if logits.size:
             binding.bind_output(prefix + io.LOGITS, "cpu", 0, np.float32,
@@ -222,7 +226,7 @@ class EngineGraphRunner(PooledRunner):
         else:  # no position wanted (the mixed graph's idle group): nothing to write
             binding.bind_output(prefix + io.LOGITS, "cpu")
         for name, value in es.engine_feed(rows.ids, rows.pos, rows.seqlens, rows.total,
-                                          index if self._gathers else None, prefix).items():
+                                          index if gathers else None, prefix).items():
             binding.bind_cpu_input(name, value)
         shape = [n, self.shape.heads, length, self.shape.head_dim]
         if graph.kv_bound.get(prefix) != (pointers[0], n, length):
@@ -231,7 +235,7 @@ class EngineGraphRunner(PooledRunner):
                 binding.bind_input(prefix + past, where, 0, self.shape.dtype, shape, ptr)
                 binding.bind_output(prefix + present, where, 0, self.shape.dtype, shape, ptr)
             graph.kv_bound[prefix] = (pointers[0], n, length)
-        if self._greedy and not prefix:  # computed either way; left to ONNX Runtime
+        if graph.interface.greedy_ids and not prefix:  # computed either way; left to ONNX Runtime
             binding.bind_output(es.GREEDY_IDS, "cpu")
         return logits
 
@@ -410,16 +414,13 @@ class EngineGraphRunner(PooledRunner):
             if len(r.tokens) < width:
                 self.pool.truncate(r.slot, end)
 
-    def _prefill_rows(self, rows: Sequence[RowWork], every: bool) -> list[np.ndarray]:
+    def _prefill(self, rows: Sequence[RowWork], every: bool) -> list[np.ndarray]:
         packed, order = self._pack(rows, every)
         logits, _ = self._run(packed)  # (P, W or 1, V)
         self._record_pass(packed, rows)
         in_order = _in_row_order(order, logits)
         return [in_order[i, :len(r.tokens)] if every else in_order[i]
                 for i, r in enumerate(rows)]
-
-    def _extend(self, row: RowWork, every: bool) -> np.ndarray:
-        return self._prefill_rows([row], every)[0]  # one row: packed like a prompt's
 
 
 def _in_row_order(order: np.ndarray | None, bound: np.ndarray) -> np.ndarray:
@@ -435,18 +436,15 @@ def _in_row_order(order: np.ndarray | None, bound: np.ndarray) -> np.ndarray:
 class _Graph:
     """A session and its IO binding, reused from pass to pass (see ``_bind``)."""
 
-    def __init__(self, entry: GraphEntry, session: ort.InferenceSession) -> None:
-        entry.check_inputs({i.name for i in session.get_inputs()})
+    def __init__(self, entry: GraphEntry, session: ort.InferenceSession,
+                 interface: GraphInterface) -> None:
+        entry.check(interface)
         self.entry = entry
+        self.interface = interface
         self.session = session
         self.binding = session.io_binding()
         self.kv_bound: dict[str, tuple[int, int, int]] = {}  # group → (address, rows, length)
         self.lora_bound = -1  # adapter slots bound (adapter graphs; -1: none yet)
-        # whether it takes each row's control vector (engine_spec.STEER: an input with a
-        # default, so listed among the overridable initializers, not the inputs)
-        # (float32 only: a float16 graph's steer is float16, and no vector is offered there)
-        self.steers = any(i.name == es.STEER and i.type == "tensor(float)"
-                          for i in session.get_overridable_initializers())
         self.steer_bound: np.ndarray | None = None  # the steer array bound now
 
     def bind_steer(self, steer: np.ndarray) -> None:
@@ -455,15 +453,6 @@ class _Graph:
         self.binding.bind_input(es.STEER, "cpu", 0, np.float32, list(steer.shape),
                                 steer.ctypes.data)
         self.steer_bound = steer
-
-
-def takes_inputs_of(session: ort.InferenceSession, other: ort.InferenceSession) -> bool:
-    """Whether ``other`` can run every pass ``session`` runs: the same inputs, or those
-    plus a second group of rows, left idle (engine_mixed.onnx's float32 weights beside a
-    quantised engine.onnx, with mixed steps off)."""
-    mine = {i.name for i in session.get_inputs()}
-    theirs = {i.name for i in other.get_inputs()}
-    return mine <= theirs and all(name.startswith(es.CHUNK_PREFIX) for name in theirs - mine)
 
 
 @dataclass(frozen=True)

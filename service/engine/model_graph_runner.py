@@ -48,6 +48,18 @@ Shape = tuple[int, int, int, int]
 Past: TypeAlias = "np.ndarray | ort.OrtValue"  # (B, nkv, T_past, hs): host or ONNX Runtime
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """A pass's rows as model.onnx's inputs (``ModelGraphRunner._pack``)."""
+
+    index: np.ndarray  # (B,) each row's slot
+    starts: np.ndarray  # (B,) tokens each row has cached: its past
+    fed: np.ndarray  # (B,) tokens each row feeds
+    ids: np.ndarray  # (B, T) left-padded
+    mask: np.ndarray  # (B, P + T) the real columns of past and fed tokens
+    pos: np.ndarray  # (B, T) each fed token's position in its own row
+
+
 @dataclass
 class _DeviceCarry:
     """The last decode step's presents, left on the device as the next step's past."""
@@ -104,13 +116,13 @@ class ModelGraphRunner(PooledRunner):
             self._buffers[use] = buffers
         return [buffer[:need].reshape(shape) for buffer in buffers]
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
-             past: list[np.ndarray], out: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+    def _run(self, packed: _Pass, past: list[np.ndarray], out: int
+             ) -> tuple[np.ndarray, list[np.ndarray]]:
         """logits (B, T, V) and presents (B, nkv, T_past + T, hs) on the host. On CPU the
         presents are written straight into scratch set ``out`` (no copy out of ONNX
         Runtime)."""
-        binding = self._bind(ids, mask, pos, past)
-        b, t = ids.shape
+        binding = self._bind(packed, past)
+        b, t = packed.ids.shape
         shape = (b, self.shape.heads, past[0].shape[2] + t, self.shape.head_dim)
         presents: list[np.ndarray] = []
         if self.device == "cpu":
@@ -127,24 +139,23 @@ class ModelGraphRunner(PooledRunner):
             presents = [v.numpy() for v in outputs[1:]]  # device → host
         return outputs[0].numpy(), presents
 
-    def _run_resident(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
-                      past: Sequence[Past]) -> tuple[np.ndarray, list[ort.OrtValue]]:
+    def _run_resident(self, packed: _Pass, past: Sequence[Past]
+                      ) -> tuple[np.ndarray, list[ort.OrtValue]]:
         """logits (B, T, V) on the host and presents (B, nkv, T_past + T, hs) left in
         ONNX Runtime's memory on the session's device."""
-        binding = self._bind(ids, mask, pos, past)
+        binding = self._bind(packed, past)
         for name in self._present:
             binding.bind_output(name, self.device)
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         return outputs[0].numpy(), list(outputs[1:])
 
-    def _bind(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
-              past: Sequence[Past]) -> ort.IOBinding:
+    def _bind(self, packed: _Pass, past: Sequence[Past]) -> ort.IOBinding:
         """A binding with the inputs set and the logits bound to the host."""
         binding = self.session.io_binding()
-        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(ids, np.int64))  # (B, T)
-        binding.bind_cpu_input(io.ATTENTION_MASK, np.ascontiguousarray(mask, np.int64))
-        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(pos, np.int64))
+        binding.bind_cpu_input(io.INPUT_IDS, packed.ids)  # (B, T)
+        binding.bind_cpu_input(io.ATTENTION_MASK, packed.mask)  # (B, T_past + T)
+        binding.bind_cpu_input(io.POSITION_IDS, packed.pos)  # (B, T)
         for name, value in zip(self._past, past, strict=True):  # (B, nkv, T_past, hs)
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)
@@ -167,46 +178,84 @@ class ModelGraphRunner(PooledRunner):
 
     # -- the protocol ----------------------------------------------------------------
 
-    def _decode(self, rows: Sequence[RowWork]) -> np.ndarray:
+    def _pack(self, rows: Sequence[RowWork]) -> _Pass:
+        """The one packer: a pass's ``rows`` as model.onnx's inputs. Each row's cached
+        columns end at P (the longest cache; the past is gathered left-padded to it) and
+        its fed tokens at P + T (T the most a row feeds), left-padded in between, with the
+        mask marking the real columns and each row's positions counting its own tokens."""
         b = len(rows)
         index = np.fromiter((r.slot.index for r in rows), np.int64, b)  # (B,)
-        lengths = self.pool.lengths[index]  # (B,) a copy
-        width = int(lengths.max())
-        self._check_room(width + 1)
+        starts = self.pool.lengths[index]  # (B,) tokens cached, a copy
+        fed = np.fromiter((len(r.tokens) for r in rows), np.int64, b)  # (B,)
+        width, t = int(starts.max()), int(fed.max())
+        self._check_room(int((starts + fed).max()))
+        columns = np.arange(width + t)[None, :]  # (1, P + T)
+        mask = (((columns >= (width - starts)[:, None]) & (columns < width))
+                | (columns >= (width + t - fed)[:, None])).astype(np.int64)  # (B, P + T)
+        offsets = np.arange(t)[None, :] - (t - fed)[:, None]  # (B, T): < 0 on padding
+        pos = np.where(offsets >= 0, starts[:, None] + offsets, 0)  # (B, T)
+        if t == 1:  # a decode step: one token a row
+            ids = np.fromiter((r.tokens[0] for r in rows), np.int64, b)[:, None]  # (B, 1)
+        else:
+            ids = np.zeros((b, t), np.int64)  # (B, T) left-padded
+            for i, r in enumerate(rows):
+                ids[i, t - fed[i]:] = r.tokens
+        return _Pass(index, starts, fed, ids, mask, pos)
+
+    def _store(self, packed: _Pass, present: list[np.ndarray]) -> None:
+        """The columns a pass computed, from its presents (each (B, nkv, P + T, hs)) into
+        the pool, and the ids it fed with them."""
+        index, starts, end = packed.index, packed.starts, packed.mask.shape[1]
+        if packed.ids.shape[1] == 1:
+            for array, new in zip(self.pool.arrays, present, strict=True):
+                array[index, :, starts] = new[:, :, -1]  # (B, nkv, hs): the new column
+        else:
+            rows = list(zip(index.tolist(), starts.tolist(), packed.fed.tolist(), strict=True))
+            for array, new in zip(self.pool.arrays, present, strict=True):
+                for i, (slot, start, n) in enumerate(rows):
+                    array[slot, :, start:start + n] = new[i, :, end - n:]  # (nkv, n, hs)
+        self._record_fed(packed)
+
+    def _record_fed(self, packed: _Pass) -> None:
+        """The ids a pass fed, in the pool, and each row's length after them."""
+        if packed.ids.shape[1] == 1:
+            self.pool.tokens[packed.index, packed.starts] = packed.ids[:, 0]
+            self.pool.lengths[packed.index] = packed.starts + 1
+            return
+        for i, (slot, start, n) in enumerate(zip(packed.index.tolist(), packed.starts.tolist(),
+                                                 packed.fed.tolist(), strict=True)):
+            self._record(slot, start, packed.ids[i, packed.ids.shape[1] - n:])
+
+    def _decode(self, rows: Sequence[RowWork]) -> np.ndarray:
+        packed = self._pack(rows)
+        index, lengths = packed.index, packed.starts
+        width = packed.mask.shape[1] - 1  # the past's length
         key = tuple(index.tolist())
-        mask = (np.arange(width + 1)[None, :] >= (width - lengths)[:, None]).astype(np.int64)
-        ids = np.fromiter((r.tokens[0] for r in rows), np.int64, b)[:, None]  # (B, 1)
-        pos = lengths[:, None].astype(np.int64)  # (B, 1): each row's next position
         if self.resident:
-            return self._decode_resident(index, lengths, key, ids, mask, pos)
+            return self._decode_resident(packed, key)
         carry, self._carry = self._carry, None
         if carry is not None and carry[0] == key and carry[2][0].shape[2] == width:
             src, past = carry[1], carry[2]  # last step's present: the pool's rows, padded
         else:
             src, past = 0, self._gather(index, lengths, 0)
-        logits, present = self._run(ids, mask, pos, past, out=1 - src)
-        for array, new in zip(self.pool.arrays, present, strict=True):
-            array[index, :, lengths] = new[:, :, width]  # (B, nkv, hs): the new column
-        self.pool.tokens[index, lengths] = ids[:, 0]
-        self.pool.lengths[index] = lengths + 1
+        logits, present = self._run(packed, past, out=1 - src)
+        self._store(packed, present)
         if self.device == "cpu":
             self._carry = (key, 1 - src, present)
         return np.asarray(logits[:, -1])  # (B, V)
 
-    def _decode_resident(self, index: np.ndarray, lengths: np.ndarray, key: tuple[int, ...],
-                         ids: np.ndarray, mask: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def _decode_resident(self, packed: _Pass, key: tuple[int, ...]) -> np.ndarray:
         """``_decode`` with the cache kept on the device: the past is the last step's
         presents when the rows are the same, else gathered from the (settled) pool."""
-        width = mask.shape[1] - 1  # the past's length
+        width = packed.mask.shape[1] - 1  # the past's length
         carry = self._device_carry
         if carry is not None and (carry.key != key or carry.width != width):
             self.settle()
             carry = None
         past: Sequence[Past] = (carry.presents if carry is not None
-                                else self._gather(index, lengths, 0))
-        logits, presents = self._run_resident(ids, mask, pos, past)
-        self.pool.tokens[index, lengths] = ids[:, 0]
-        self.pool.lengths[index] = lengths + 1
+                                else self._gather(packed.index, packed.starts, 0))
+        logits, presents = self._run_resident(packed, past)
+        self._record_fed(packed)
         self._device_carry = _DeviceCarry(key, width + 1, presents,
                                           (carry.pending if carry is not None else 0) + 1)
         return np.asarray(logits[:, -1])  # (B, V)
@@ -226,46 +275,14 @@ class ModelGraphRunner(PooledRunner):
             for j in range(carry.pending):
                 array[index, :, first + j] = new[:, :, j]  # (B, nkv, hs)
 
-    def _prefill_rows(self, rows: Sequence[RowWork], every: bool) -> list[np.ndarray]:
+    def _prefill(self, rows: Sequence[RowWork], every: bool) -> list[np.ndarray]:
         self.settle()
-        b = len(rows)
-        prompts = [r.tokens for r in rows]
-        index = np.fromiter((r.slot.index for r in rows), np.int64, b)  # (B,)
-        lengths = np.fromiter((len(p) for p in prompts), np.int64, b)  # (B,)
-        width = int(lengths.max())
-        self._check_room(width)
-        ids = np.zeros((b, width), np.int64)  # (B, W) left-padded
-        mask = np.zeros((b, width), np.int64)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = p
-            mask[i, width - len(p):] = 1
-        pos = np.clip(mask.cumsum(axis=1) - 1, 0, None)  # (B, W)
-        empty = np.zeros((b, self.shape.heads, 0, self.shape.head_dim), self.shape.dtype)
-        logits, present = self._run(ids, mask, pos, [empty] * len(self._past))
-        for array, new in zip(self.pool.arrays, present, strict=True):
-            for i, (slot, n) in enumerate(zip(index.tolist(), lengths.tolist(), strict=True)):
-                array[slot, :, :n] = new[i, :, width - n:]  # (nkv, n, hs): the real columns
-        for r in rows:
-            self._record(r.slot.index, 0, r.tokens)
-        return [logits[i, width - n:] if every else logits[i, width - 1:]
-                for i, n in enumerate(lengths.tolist())]
-
-    def _extend(self, row: RowWork, every: bool) -> np.ndarray:
-        self.settle()
-        slot, tokens = row.slot, row.tokens
-        start = int(self.pool.lengths[slot.index])
-        total = start + len(tokens)
-        self._check_room(total)
-        past = [np.ascontiguousarray(a[slot.index:slot.index + 1, :, :start])
-                for a in self.pool.arrays]  # each (1, nkv, L, hs)
-        ids = np.asarray(tokens, np.int64)[None, :]  # (1, T)
-        mask = np.ones((1, total), np.int64)
-        pos = np.arange(start, total, dtype=np.int64)[None, :]
-        logits, present = self._run(ids, mask, pos, past)
-        for array, new in zip(self.pool.arrays, present, strict=True):
-            array[slot.index, :, start:total] = new[0, :, start:]  # (nkv, T, hs)
-        self._record(slot.index, start, tokens)
-        return np.asarray(logits[0] if every else logits[0, -1:])  # (T or 1, V)
+        packed = self._pack(rows)
+        logits, present = self._run(packed, self._gather(packed.index, packed.starts, 0), out=1)
+        self._store(packed, present)
+        t = packed.ids.shape[1]
+        return [logits[i, t - n:] if every else logits[i, t - 1:]  # (n or 1, V)
+                for i, n in enumerate(packed.fed.tolist())]
 
     def truncate(self, slot: Slot, length: int) -> None:
         self.settle()

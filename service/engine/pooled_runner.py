@@ -9,11 +9,12 @@ scheduler's admission never lets more tokens in than the budget.
 ``run`` executes a step's plan (step_plan.py): it packs the plan's rows into passes by
 what GroupQueryAttention takes and calls the passes subclasses supply for their graph,
 all private and all over the plan's rows (``RowWork``: slot, tokens, what it wants back,
-its adapter): ``_prefill_rows`` (whole prompts into empty slots, batched), ``_decode``
-(one token a row), ``_extend`` (several tokens after one row's cache) and, where the
-graph takes a second group of rows, ``_mixed_pass`` (the decode rows and one more group
-in one pass). ``reserve`` is where rows take KV memory: empty slots, loaded with each
-prompt's cached prefix. ``_arrange`` lays a batch's slots out as the graph needs them
+its adapter, its control vector): ``_prefill`` (rows of several tokens: whole prompts
+into empty slots, batched, or one row after its cache), ``_decode`` (one token a row)
+and, where the graph takes a second group of rows, ``_mixed_pass`` (the decode rows and
+one more group in one pass). Each runner packs any of them with its one packer.
+``reserve`` is where rows take KV memory: empty slots, loaded with each prompt's cached
+prefix. ``_arrange`` lays a batch's slots out as the graph needs them
 (engine.onnx binds one run of consecutive slots; model.onnx gathers, so anything goes).
 The pool and the prefix cache keep no per-row attribute: a prefix is looked up, saved and
 loaded under the ``ModelVariant`` the caller names for the row (its LoRA adapter).
@@ -253,7 +254,7 @@ class PooledRunner:
 
     def _extend_row(self, work: RowWork, i: int, out: StepResult) -> None:
         """A row of several tokens after its cache, alone."""
-        logits = self._extend(work, every=work.want == "every")
+        logits = self._prefill([work], every=work.want == "every")[0]
         out.outputs[i] = self._delivered(work, logits)
         if not work.drafted:
             self._save_prefix([work])
@@ -270,7 +271,7 @@ class PooledRunner:
         prompts = [rows[i] for i in first]
         self.pool.assign([r.slot for r in prompts], sorted(r.slot.index for r in prompts))
         every = any(r.want == "every" for r in prompts)
-        logits = self._prefill_rows(prompts, every)
+        logits = self._prefill(prompts, every)
         for i, got in zip(first, logits, strict=True):
             out.outputs[i] = self._delivered(rows[i], got)
         self._save_prefix(prompts)
@@ -335,9 +336,10 @@ class PooledRunner:
 
     # -- the passes a graph supplies ---------------------------------------------------
 
-    def _prefill_rows(self, rows: Sequence[RowWork], every: bool) -> list[np.ndarray]:
-        """Whole prompts into empty slots: each row's logits, (T_i, V) with ``every``,
-        else (1, V)."""
+    def _prefill(self, rows: Sequence[RowWork], every: bool) -> list[np.ndarray]:
+        """Rows of several tokens after their caches, in one pass (whole prompts into empty
+        slots, or a single row after its cache: GroupQueryAttention takes no other mix):
+        each row's logits, (T_i, V) with ``every``, else (1, V)."""
         raise NotImplementedError
 
     def _decode(self, rows: Sequence[RowWork]) -> np.ndarray:
@@ -351,11 +353,6 @@ class PooledRunner:
         if sampled is not None:
             raise ValueError(f"{type(self).__name__} samples on the host")
         return self._decode(rows).argmax(-1)
-
-    def _extend(self, row: RowWork, every: bool) -> np.ndarray:
-        """The row's tokens (T,) after its cache: logits (T, V) with ``every``, else the
-        last token's (1, V)."""
-        raise NotImplementedError
 
     def _check_room(self, total: int) -> None:
         if total > self.max_len:

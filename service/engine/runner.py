@@ -28,6 +28,7 @@ from service.engine.kv_pool import Slot
 from service.engine.request import GenerationRequest, ModelVariant
 from service.engine.stats import KVStats, PrefixCacheStats
 from service.engine.step_plan import StepPlan, StepResult
+from service.settings import default_of
 
 if TYPE_CHECKING:
     from service.engine.adapters import AdapterSet
@@ -39,7 +40,7 @@ class PoolConfig:
     """Size of a runner's KV pool and prefix cache."""
 
     slots: int  # rows the pool holds: the largest batch the scheduler may form
-    prefix_block_size: int = 16
+    prefix_block_size: int = default_of("prefix_block_size")
     prefix_cache_blocks: int = 0  # 0: no prefix caching
     max_len: int | None = None  # tokens per slot (max_total_tokens); None: the model context
     budget_tokens: int | None = None  # tokens the pool may hold at once; None: slots x max_len

@@ -95,6 +95,15 @@ class Runtime:
         return [asdict(g) for g in self.engine.graphs] if self.engine is not None else []
 
     @property
+    def batch_limits(self) -> tuple[int, int]:
+        """max_batch_size and max_batch_tokens as the scheduler applies them: the settings,
+        bounded by the KV pool's slots and token budget once the engine exists."""
+        if self.engine is None:
+            return self.settings.max_batch_size, self.settings.max_batch_tokens
+        limits = self.engine.scheduler.limits
+        return limits.max_batch_size, limits.max_batch_tokens
+
+    @property
     def float32_pass_tokens(self) -> int | None:
         """From how many tokens a pass runs on float32 weights; None: never."""
         return self.engine.float32_pass_tokens if self.engine is not None else None

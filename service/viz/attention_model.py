@@ -46,6 +46,7 @@ from service.contract import adapter_spec as spec
 from service.contract import io_spec as io
 from service.contract import lens_spec as lens
 from service.contract import sessions
+from service.contract.graphs import GraphInterface
 from service.engine.adapters import AdapterSet, AdapterWeights
 from service.viz.graph_cut import ExternalTensor, cut, external_tensors, graph_input_shapes
 from service.viz.look_inside import LookInside
@@ -107,10 +108,7 @@ class AttentionModel:
             raise ValueError(f"attention.onnx lacks outputs {missing[:4]}...")
         self._looks_inside = set(lens.inspect_output_names(config.n_layers)) <= available
         self._files: dict[str, np.memmap] = {}
-        # steer is an input with a default: listed among the overridable initializers (a
-        # float32 one only, as the engine graphs' steer: engine_graph_runner.py)
-        steers = any(i.name == io.STEER and i.type == "tensor(float)"
-                     for i in session.get_overridable_initializers())
+        steers = GraphInterface.of_session(session).steers  # as the engine graphs' steer
         self._base = _Graph(io.ATTENTION_FILE, source,
                             source.read_bytes() if source is not None else None,
                             shared_weights(source, self._files) if source is not None else {},

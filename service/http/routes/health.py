@@ -50,6 +50,7 @@ async def ready(runtime: RuntimeDep) -> JSONResponse:
 async def info(runtime: RuntimeDep) -> dict[str, Any]:
     artifact, settings = runtime.artifact, runtime.settings
     limits = artifact.limits
+    max_batch_size, max_batch_tokens = runtime.batch_limits
     return {
         "model": artifact.name,
         "model_config": artifact.config.to_dict(),
@@ -67,8 +68,8 @@ async def info(runtime: RuntimeDep) -> dict[str, Any]:
             "max_input_tokens": limits.max_input_tokens,
             "max_total_tokens": limits.max_total_tokens,
             "max_new_tokens": limits.max_new_tokens,
-            "max_batch_size": settings.max_batch_size,
-            "max_batch_tokens": settings.max_batch_tokens,
+            "max_batch_size": max_batch_size,
+            "max_batch_tokens": max_batch_tokens,
             "max_queued_requests": settings.max_queued_requests,
             "max_body_bytes": settings.max_body_bytes,
         },

@@ -109,6 +109,7 @@ def test_engine_equals_the_plain_loop_with_joins_and_leaves_mid_flight(
 
 def test_load_engine_builds_the_engine_from_the_settings(engine_artifact: Path) -> None:
     from service.http.metrics import Metrics
+    from service.http.routes import health
     from service.http.runtime import Runtime, load_engine
     from service.http.validation import Validator
 
@@ -127,6 +128,8 @@ def test_load_engine_builds_the_engine_from_the_settings(engine_artifact: Path) 
     kv = engine.kv_stats()
     assert kv.slots == 4 and kv.capacity_tokens == min(budget, 4 * 64)
     assert engine.scheduler.limits.max_batch_tokens == kv.capacity_tokens
+    info = asyncio.run(health.info(runtime))["limits"]  # what /info says: the applied limits
+    assert (info["max_batch_size"], info["max_batch_tokens"]) == (4, min(budget, 4 * 64))
     assert engine.prefix_stats() is None
     engine.stop(1)
 
