@@ -34,14 +34,15 @@ allocator gives back, and load + resident is what one more resident adapter cost
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from benchmarks.lib import serving
+from benchmarks.serve import client as load
 from service.contract.peft_adapter import WEIGHTS_FILE
 
 QUESTION = "What is the capital of France?"
@@ -51,13 +52,13 @@ def _mib(n: float) -> float:
     return serving.mib(n, 2)
 
 
-def ask(client: httpx.Client, model: str, max_tokens: int) -> str:
-    r = client.post("/v1/chat/completions", json={
+async def ask(client: aiohttp.ClientSession, model: str, max_tokens: int) -> str:
+    out = await load.chat_request(client, {
         "model": model, "max_tokens": max_tokens, "temperature": 0.0,
-        "messages": [{"role": "user", "content": QUESTION}]})
-    if r.status_code != 200:
-        raise RuntimeError(f"{model}: HTTP {r.status_code}: {r.text[:200]}")
-    return str(r.json()["choices"][0]["message"]["content"])
+        "messages": [{"role": "user", "content": QUESTION}]}, load.RequestOutput())
+    if not out.success:
+        raise RuntimeError(f"{model}: {out.error}")
+    return out.generated_text
 
 
 def reading(pid: int, before: dict[str, int], prefix: str = "") -> tuple[dict[str, Any],
@@ -69,41 +70,42 @@ def reading(pid: int, before: dict[str, int], prefix: str = "") -> tuple[dict[st
             }, now
 
 
-def step(client: httpx.Client, pid: int, model: str, max_tokens: int, before: dict[str, int],
-         settle: float) -> tuple[dict[str, Any], dict[str, int]]:
-    answer = ask(client, model, max_tokens)
-    time.sleep(settle)  # the engine thread's frees after the answer
+async def step(client: aiohttp.ClientSession, url: str, pid: int, model: str, max_tokens: int,
+               before: dict[str, int], settle: float) -> tuple[dict[str, Any], dict[str, int]]:
+    answer = await ask(client, model, max_tokens)
+    await asyncio.sleep(settle)  # the engine thread's frees after the answer
     figures, now = reading(pid, before)
-    resident = serving.metric(client.get("/metrics").text, "attnserve_lora_resident_bytes")
+    page, _ = serving.http_get(f"{url}/metrics")
+    resident = serving.metric(page, "attnserve_lora_resident_bytes")
     return {"model": model, "answer": answer, **figures,
             "lora_resident_mib": None if resident is None else _mib(resident)}, now
 
 
-def load(client: httpx.Client, pid: int, name: str, directory: Path, before: dict[str, int],
-         settle: float) -> tuple[dict[str, Any], dict[str, int]]:
+async def load_adapter(client: aiohttp.ClientSession, pid: int, name: str, directory: Path,
+                       before: dict[str, int], settle: float
+                       ) -> tuple[dict[str, Any], dict[str, int]]:
     """POST /v1/load_lora_adapter, then the memory: what holding its tensors costs."""
-    r = client.post("/v1/load_lora_adapter",
-                    json={"lora_name": name, "lora_path": str(directory.resolve())})
-    if r.status_code != 200:
-        raise RuntimeError(f"loading {name}: HTTP {r.status_code}: {r.text[:200]}")
-    time.sleep(settle)
+    if not (out := await load.lora_adapter(client, name, str(directory.resolve()))).success:
+        raise RuntimeError(f"loading {name}: {out.error}")
+    await asyncio.sleep(settle)
     return reading(pid, before, "load_")
 
 
-def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+async def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     base = serving.served_model(url)
-    with httpx.Client(base_url=url, timeout=600) as client:
+    async with load.session(url) as client:
         ready = serving.memory(pid)
-        row, now = step(client, pid, base, args.max_tokens, ready, args.settle)
+        row, now = await step(client, url, pid, base, args.max_tokens, ready, args.settle)
         passes: list[list[dict[str, Any]]] = []
         for pass_number in range(2):
             rows = []
             for name in args.adapters:
                 loaded: dict[str, Any] = {}
                 if args.runtime and pass_number == 0:
-                    loaded, now = load(client, pid, name, args.adapters_dir / name, now,
-                                       args.settle)
-                entry, now = step(client, pid, name, args.max_tokens, now, args.settle)
+                    loaded, now = await load_adapter(client, pid, name, args.adapters_dir / name,
+                                                     now, args.settle)
+                entry, now = await step(client, url, pid, name, args.max_tokens, now,
+                                        args.settle)
                 size = (args.adapters_dir / name / WEIGHTS_FILE).stat().st_size
                 entry |= loaded
                 entry["file_mib"] = _mib(size)
@@ -143,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--max-lora-rank", str(args.rank), *args.server_args]
     with serving.started(args.model, args.port, server_args, "lora_memory") as server:
         try:
-            result = measure(server.url, server.pid, args)
-        except (RuntimeError, httpx.HTTPError) as exc:
+            result = asyncio.run(measure(server.url, server.pid, args))
+        except (RuntimeError, *load.CLIENT_ERRORS) as exc:
             print(f"lora_memory: error: {exc}", file=sys.stderr)
             return 2
     serving.emit(result, args.out, ensure_ascii=False)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -47,10 +46,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from benchmarks.lib import serving
 from benchmarks.lib.measure import shared_prefix
+from benchmarks.serve import client as load
 from benchmarks.soak import QUESTIONS, SYSTEM
 
 DEFAULT_TIE_MARGIN = 0.05  # nats; float32 reorderings move logits by ~1e-4 (docs/engine.md)
@@ -121,66 +121,37 @@ def chat_body(question: str, adapter: str | None, base: str, max_tokens: int,
     return body
 
 
-async def reference(client: httpx.AsyncClient, question: str, adapter: str | None, base: str,
-                    max_tokens: int) -> Reference:
-    r = await client.post("/v1/chat/completions",
-                          json=chat_body(question, adapter, base, max_tokens, False))
-    if r.status_code != 200:
-        raise RuntimeError(f"reference for {adapter or base!r} failed: HTTP {r.status_code}: "
-                           f"{r.text[:200]}")
-    choice = r.json()["choices"][0]
-    content = (choice.get("logprobs") or {}).get("content") or []
-    return Reference([e["token"] for e in content], [top2_margin(e) for e in content],
-                     choice["finish_reason"])
+async def reference(client: aiohttp.ClientSession, question: str, adapter: str | None,
+                    base: str, max_tokens: int) -> Reference:
+    out = await load.chat_request(client, chat_body(question, adapter, base, max_tokens, False),
+                                  load.RequestOutput())
+    if not out.success:
+        raise RuntimeError(f"reference for {adapter or base!r} failed: {out.error}")
+    return Reference([e["token"] for e in out.logprobs], [top2_margin(e) for e in out.logprobs],
+                     out.finish_reason)
 
 
-async def streamed(client: httpx.AsyncClient, body: dict[str, Any]
-                   ) -> tuple[int, list[str], str]:
-    """(status, token texts, finish_reason or the error body) of one streamed chat; status
-    −1: an error event after the stream began (the status was 200 by then)."""
-    tokens: list[str] = []
-    reason = ""
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            return r.status_code, tokens, (await r.aread()).decode("utf-8", "replace")[:200]
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data:"):])
-            if "error" in event:
-                return -1, tokens, str(event["error"])[:200]
-            for choice in event.get("choices") or []:
-                content = (choice.get("logprobs") or {}).get("content") or []
-                tokens += [e["token"] for e in content]
-                reason = choice.get("finish_reason") or reason
-    return 200, tokens, reason
-
-
-async def soak_client(client: httpx.AsyncClient, base: str, refs: dict[tuple[int, str | None],
-                      Reference], questions: list[str], churn: Churn, max_tokens: int,
-                      tie_margin: float, seed: int, deadline: float, tally: Tally) -> None:
+async def soak_client(client: aiohttp.ClientSession, base: str,
+                      refs: dict[tuple[int, str | None], Reference], questions: list[str],
+                      churn: Churn, max_tokens: int, tie_margin: float, seed: int,
+                      deadline: float, tally: Tally) -> None:
     rng = random.Random(seed)
     keys = sorted(refs, key=lambda k: (k[0], k[1] or ""))
     while time.monotonic() < deadline:
         q, adapter = rng.choice(keys)
         sent = (churn.loaded, churn.epoch)
-        try:
-            status, tokens, reason = await streamed(
-                client, chat_body(questions[q], adapter, base, max_tokens, True))
-        except httpx.HTTPError as exc:
-            tally.failures.append(f"{type(exc).__name__}: {exc}")
-            continue
+        out = await load.send_one(client, load.chat_request,
+                                  chat_body(questions[q], adapter, base, max_tokens, True))
         label = adapter or "(base)"
-        if status == 404 and adapter == churn.name and not (
+        if out.status == 404 and adapter == churn.name and not (
                 sent[0] and sent == (churn.loaded, churn.epoch)):
             tally.expected_404 += 1
             continue
-        if status != 200:
-            if status >= 500:
-                tally.http_5xx += 1
-            what = "error event in the stream" if status < 0 else f"HTTP {status}"
-            tally.failures.append(f"{label}: {what}: {reason}")
+        if not out.success:
+            tally.http_5xx += out.status >= 500
+            tally.failures.append(f"{label}: {out.error}")
             continue
+        tokens = [e["token"] for e in out.logprobs]
         tally.answers += 1
         tally.completion_tokens += len(tokens)
         tally.per_adapter[label] = tally.per_adapter.get(label, 0) + 1
@@ -191,24 +162,23 @@ async def soak_client(client: httpx.AsyncClient, base: str, refs: dict[tuple[int
         ref = refs[q, adapter]
         record = {"adapter": label, "prompt": q, "first_difference": first,
                   "reference_margin": margin, "reference": "".join(ref.tokens)[:120],
-                  "got": "".join(tokens)[:120], "finish_reason": reason}
+                  "got": "".join(tokens)[:120], "finish_reason": out.finish_reason}
         (tally.near_ties if verdict == "near_tie" else tally.wrong).append(record)
 
 
-async def churn_task(client: httpx.AsyncClient, churn: Churn, interval: float, deadline: float
-                     ) -> None:
+async def churn_task(client: aiohttp.ClientSession, churn: Churn, interval: float,
+                     deadline: float) -> None:
     """Unload, then load again, the churned adapter every ``interval`` seconds."""
     while time.monotonic() + interval < deadline:
         await asyncio.sleep(interval)
         if churn.loaded:
             churn.loaded, churn.epoch = False, churn.epoch + 1  # before: requests may 404
-            r = await client.post("/v1/unload_lora_adapter", json={"lora_name": churn.name})
-            key = {200: "unloads", 409: "unload_busy"}.get(r.status_code, "errors")
+            status = (await load.lora_adapter(client, churn.name)).status
+            key = {200: "unloads", 409: "unload_busy"}.get(status, "errors")
         else:
-            r = await client.post("/v1/load_lora_adapter",
-                                  json={"lora_name": churn.name, "lora_path": churn.path})
-            key = {200: "loads", 400: "load_refused"}.get(r.status_code, "errors")
-            if r.status_code == 200:
+            status = (await load.lora_adapter(client, churn.name, churn.path)).status
+            key = {200: "loads", 400: "load_refused"}.get(status, "errors")
+            if status == 200:
                 churn.loaded, churn.epoch = True, churn.epoch + 1
         churn.counts[key] += 1
 
@@ -216,13 +186,11 @@ async def churn_task(client: httpx.AsyncClient, churn: Churn, interval: float, d
 async def soak(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     questions = QUESTIONS[:args.prompts]
     churn = Churn(args.churn, str((args.adapters_dir / args.churn).resolve()))
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    async with load.session(url) as client:
         rss_ready, parts_ready = serving.memory(pid)["VmRSS"], serving.breakdown(pid)
         base = serving.served_model(url)
-        r = await client.post("/v1/load_lora_adapter",
-                              json={"lora_name": churn.name, "lora_path": churn.path})
-        if r.status_code != 200:
-            raise RuntimeError(f"loading {churn.name} failed: HTTP {r.status_code}: {r.text}")
+        if not (loaded := await load.lora_adapter(client, churn.name, churn.path)).success:
+            raise RuntimeError(f"loading {churn.name} failed: {loaded.error}")
         t0 = time.monotonic()
         refs = {(q, adapter): await reference(client, text, adapter, base, args.max_tokens)
                 for adapter in (None, *args.serve, churn.name)
@@ -304,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     with serving.started(args.model, args.port, server_args(args), "lora_soak") as server:
         try:
             result = asyncio.run(soak(server.url, server.pid, args))
-        except (RuntimeError, httpx.HTTPError) as exc:
+        except (RuntimeError, *load.CLIENT_ERRORS) as exc:
             print(f"lora_soak: error: {exc}", file=sys.stderr)
             return 2
     serving.emit(result, args.out)

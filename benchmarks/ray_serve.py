@@ -39,7 +39,6 @@ ratios; writes them to ``--out``. Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -53,9 +52,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
-from benchmarks.lib.serving import Server, emit, load_env, max_rank, output_throughput
+from benchmarks.lib.serving import Server, emit, http_get, load_env, max_rank, output_throughput
+from benchmarks.serve.client import RequestOutput, post, send_all
+from benchmarks.serve.workloads import SampleRequest
 
 ARMS = ("direct", "ray-header", "ray-body", "ray-adapters")
 INGRESS_RESOURCE = "attnserve_ingress"  # declared by the head node only
@@ -132,11 +133,9 @@ def replicas_ready(url: str, n: int, timeout: float = 300.0) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"ray-serve: {len(seen)} of {n} replicas ready after {timeout} s")
         try:
-            response = httpx.get(f"{url}/ready", timeout=10)
-            if response.status_code == 200:
-                seen.add(response.headers.get("x-attnserve-replica", ""))
-                continue
-        except httpx.TransportError:
+            seen.add(http_get(f"{url}/ready")[1].get("x-attnserve-replica", ""))
+            continue
+        except OSError:  # not listening yet, or not ready
             pass
         time.sleep(0.5)
 
@@ -208,32 +207,29 @@ def through_ray(args: argparse.Namespace, out: Path, label: str, routing: str) -
         return finish([run], [label], out)[0]
 
 
-async def adapter_requests(url: str, names: list[str], count: int, clients: int,
-                           new_tokens: int) -> list[tuple[int, str, str]]:
+async def completion(client: aiohttp.ClientSession, req: SampleRequest,
+                     out: RequestOutput) -> RequestOutput:
+    """A short OpenAI completion, not streamed, naming ``req.adapter``."""
+    return await post(client, "/v1/completions", {
+        "model": req.adapter, "prompt": req.prompt, "max_tokens": req.expected_output_len,
+        "temperature": 0}, out)
+
+
+def adapter_requests(url: str, names: list[str], count: int, clients: int,
+                     new_tokens: int) -> list[tuple[int, str, str]]:
     """One OpenAI completion for each adapter alone (the warm-up: the replica it reaches
     loads it), then ``count`` naming them in turn (request i: names[i % n]), ``clients`` at
     a time; (i, adapter, the replica that answered) of each, the warm-up's i negative."""
-    served: list[tuple[int, str, str]] = []
-
-    async def one(http: httpx.AsyncClient, i: int, name: str) -> None:
-        response = await http.post(f"{url}/v1/completions", json={
-            "model": name, "prompt": f"Question {i}: what is", "max_tokens": new_tokens,
-            "temperature": 0})
-        if response.status_code != 200:
-            raise SystemExit(f"ray-serve: adapter {name}: HTTP {response.status_code}: "
-                             f"{response.text[:200]}")
-        served.append((i, name, response.headers.get("x-attnserve-replica", "")))
-
-    queue = iter(range(count))
-
-    async def client(http: httpx.AsyncClient) -> None:
-        for i in queue:
-            await one(http, i, names[i % len(names)])
-
-    async with httpx.AsyncClient(timeout=600) as http:
-        for k, name in enumerate(names):
-            await one(http, k - len(names), name)
-        await asyncio.gather(*(client(http) for _ in range(clients)))
+    ids = [*range(-len(names), 0), *range(count)]
+    asked = [SampleRequest(f"Question {i}: what is", 0, new_tokens, adapter=names[i % len(names)])
+             for i in ids]
+    warm_up, _ = send_all(url, completion, asked[:len(names)], 1)
+    rest, _ = send_all(url, completion, asked[len(names):], clients)
+    served = []
+    for i, req, out in zip(ids, asked, warm_up + rest, strict=True):
+        if not out.success:
+            raise SystemExit(f"ray-serve: adapter {req.adapter}: {out.error}")
+        served.append((i, str(req.adapter), out.headers.get("x-attnserve-replica", "")))
     return sorted(served)
 
 
@@ -249,8 +245,7 @@ def adapter_landing(args: argparse.Namespace, label: str) -> dict[str, Any]:
                      "runtime_lora": True, "lora_dir": str(args.adapters.resolve())}
     with on_ray(args, label, "body", serve_options,
                 {"max_adapters_per_replica": len(names)}) as url:
-        served = asyncio.run(adapter_requests(url, names, args.adapter_requests, args.clients,
-                                              16))
+        served = adapter_requests(url, names, args.adapter_requests, args.clients, 16)
     return landing(served, names)
 
 

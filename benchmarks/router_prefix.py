@@ -27,13 +27,12 @@ import json
 import random
 import statistics
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
 
-from benchmarks.lib.serving import metric, served_model
+from benchmarks.lib.serving import http_get, metric, served_model
 from benchmarks.serve import client as load
 from benchmarks.serve.workloads import SampleRequest
 
@@ -57,8 +56,7 @@ def shared_prefixes(n: int, words: int, seed: int) -> list[str]:
 
 def cache_counters(url: str) -> tuple[float, float]:
     """(hits, queries) in prompt tokens from one replica's /metrics."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    text = http_get(f"{url}/metrics")[0]
     hits, queries = (metric(text, f"attnserve_prefix_cache_{name}_total")
                      for name in ("hits", "queries"))
     if hits is None or queries is None:
@@ -89,8 +87,7 @@ async def send_round(targets: list[str], model: str, prompts: list[str], clients
     requests = [SampleRequest(prompt, 0, max_tokens) for prompt in prompts]
     complete = load.request_func("openai", model)
     async with contextlib.AsyncExitStack() as stack:
-        sessions = [await stack.enter_async_context(aiohttp.ClientSession(
-            base_url=t, timeout=aiohttp.ClientTimeout(total=timeout))) for t in targets]
+        sessions = [await stack.enter_async_context(load.session(t, timeout)) for t in targets]
         turn = itertools.cycle(sessions)
 
         async def to_next(_: aiohttp.ClientSession, req: SampleRequest,
@@ -99,10 +96,7 @@ async def send_round(targets: list[str], model: str, prompts: list[str], clients
 
         outputs, wall = await load.run_load(sessions[0], to_next, requests,
                                             [0.0] * len(requests), clients)
-    errors = [f"{o.error}" for o in outputs if not o.success]
-    if errors:
-        raise RuntimeError(f"{len(errors)} failed: {errors[:3]}")
-    return [o.ttft for o in outputs], wall
+    return [o.ttft for o in load.check(outputs)], wall
 
 
 def run_round(arm: str, index: int, targets: list[str], replicas: list[str], model: str,

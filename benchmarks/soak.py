@@ -29,9 +29,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from benchmarks.lib import serving
+from benchmarks.serve import client as load
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 QUESTIONS = [
@@ -54,7 +55,7 @@ class Tally:
     completion_tokens: int = 0
 
 
-async def chat_client(client: httpx.AsyncClient, model: str, seed: int, deadline: float,
+async def chat_client(client: aiohttp.ClientSession, model: str, seed: int, deadline: float,
                       tally: Tally) -> None:
     rng = random.Random(seed)
     while time.monotonic() < deadline:
@@ -64,53 +65,47 @@ async def chat_client(client: httpx.AsyncClient, model: str, seed: int, deadline
             if time.monotonic() >= deadline:
                 return
             body = {"model": model, "messages": messages, "max_tokens": rng.randint(16, 96)}
-            try:
-                r = await client.post("/v1/chat/completions", json=body)
-            except httpx.HTTPError as e:
-                tally.failures.append(f"{type(e).__name__}: {e}")
+            out = await load.send_one(client, load.chat_request, body)
+            if not out.success:
+                tally.failures.append(out.error)
                 break
-            if r.status_code != 200:
-                tally.failures.append(f"HTTP {r.status_code}: {r.text[:200]}")
-                break
-            choice = r.json()["choices"][0]
-            text = choice["message"]["content"] or ""
-            if not text.strip() or choice["finish_reason"] not in ("stop", "length"):
-                tally.failures.append(f"bad answer {choice!r:.200}")
+            if not out.generated_text.strip() or out.finish_reason not in ("stop", "length"):
+                tally.failures.append(f"bad answer {out.body['choices'][0]!r:.200}")
                 break
             tally.answers += 1
-            tally.completion_tokens += int(r.json()["usage"]["completion_tokens"])
-            messages += [{"role": "assistant", "content": text},
+            tally.completion_tokens += out.output_tokens
+            messages += [{"role": "assistant", "content": out.generated_text},
                          {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
 
 
-async def sample(client: httpx.AsyncClient, pid: int, peaks: dict[str, float]) -> None:
+async def sample(url: str, pid: int, peaks: dict[str, float]) -> None:
     """One second's sample: the server's RSS, and the KV tokens and bytes it holds."""
     peaks["rss"] = max(peaks["rss"], serving.memory(pid)["VmRSS"])
     try:
-        text = (await client.get("/metrics")).text
+        text, _ = await asyncio.to_thread(serving.http_get, f"{url}/metrics")  # off the loop
         for key, name in (("tokens", "attnserve_kv_cache_tokens"),
                           ("resident", "attnserve_kv_cache_resident_bytes")):
             value = serving.metric(text, name)
             if value is not None:
                 peaks[key] = max(peaks.get(key, 0.0), value)
-    except httpx.HTTPError:
+    except OSError:
         pass
 
 
 async def soak(url: str, pid: int, clients: int, duration: float) -> dict[str, object]:
     model = serving.served_model(url)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        metrics = (await client.get("/metrics")).text
+    async with load.session(url) as client:
+        metrics = serving.http_get(f"{url}/metrics")[0]
         before = serving.memory(pid)["VmRSS"]
         parts_before = serving.breakdown(pid)
         tally = Tally()
         peaks: dict[str, float] = {"rss": float(before)}
         elapsed = await serving.for_duration(
-            duration, lambda: sample(client, pid, peaks),
+            duration, lambda: sample(url, pid, peaks),
             lambda end: [chat_client(client, model, seed, end, tally) for seed in range(clients)])
         after = serving.memory(pid)["VmRSS"]
         parts_after = serving.breakdown(pid)
-        final = (await client.get("/metrics")).text
+        final = serving.http_get(f"{url}/metrics")[0]
     return {"model": model, "clients": clients, "duration_s": round(elapsed, 1),
             "rss_before_mb": serving.mib(before), "rss_after_mb": serving.mib(after),
             "rss_peak_mb": serving.mib(peaks["rss"]),

@@ -67,16 +67,16 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float,
     """Until ``url`` + ``probe`` answers 200 (bounded; fails early, with the log's tail, if
     ``proc`` exits): the one readiness wait of the benchmarks and the tests (``probe``
     "/health" for llama-server)."""
-    import httpx
+    from benchmarks.lib.serving import http_get  # here: the script side imports no benchmark
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before ready{_tail(log)}")
         try:
-            if httpx.get(f"{url}{probe}", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
+            http_get(f"{url}{probe}", timeout=2.0)
+            return
+        except OSError:  # not listening yet, or not ready (503)
             pass
         time.sleep(interval)
     raise RuntimeError(f"the server was not ready after {timeout:.0f} s{_tail(log)}")

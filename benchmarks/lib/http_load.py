@@ -9,78 +9,42 @@ prefill, first token, response.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.measure import percentile
 from benchmarks.lib.serving import Server, load_env
+from benchmarks.serve import client as load
+from benchmarks.serve.workloads import SampleRequest
 
 
-def _body(text: str, n_new: int) -> dict[str, Any]:
-    return {"inputs": text, "parameters": {"max_new_tokens": n_new, "do_sample": False,
-                                           "details": True}}
-
-
-def _generated(response: Any) -> int:
-    header = response.headers.get("x-generated-tokens")
-    if header is not None:
-        return int(header)
-    return int(response.json()["details"]["generated_tokens"])
-
-
-async def _load(url: str, texts: list[str], concurrency: int, n_requests: int,
-                n_new: int) -> dict[str, Any]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    latencies: list[float] = []
-    generated: list[int] = []
-    prompt_tokens: set[int] = set()
-    gate = asyncio.Semaphore(concurrency)
-
-    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
-        async def one(i: int) -> None:
-            async with gate:
-                t0 = time.perf_counter()
-                r = await client.post("/generate", json=_body(texts[i % len(texts)], n_new))
-                latencies.append(time.perf_counter() - t0)
-                r.raise_for_status()
-                generated.append(_generated(r))
-                if "x-prompt-tokens" in r.headers:
-                    prompt_tokens.add(int(r.headers["x-prompt-tokens"]))
-
-        await client.post("/generate", json=_body(texts[0], 4))  # connection warm-up
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(n_requests)))
-        wall = time.perf_counter() - t0
+def _load(url: str, texts: list[str], concurrency: int, n_requests: int,
+          n_new: int) -> dict[str, Any]:
+    requests = [SampleRequest(texts[i % len(texts)], 0, n_new) for i in range(n_requests)]
+    outputs, wall = load.send_all(url, load.generate_request, requests, concurrency,
+                                  warm_up=SampleRequest(texts[0], 0, 4))
+    load.check(outputs)
     return {
         "concurrency": concurrency,
         "requests": n_requests,
         "new_tokens": n_new,
-        "tokens_per_s": sum(generated) / wall,
-        "mean_generated_tokens": statistics.mean(generated),
-        "latency_p50_ms": percentile(latencies, 50) * 1e3,
-        "latency_p99_ms": percentile(latencies, 99) * 1e3,
-        "prompt_tokens_seen": sorted(prompt_tokens),
+        "tokens_per_s": sum(o.output_tokens for o in outputs) / wall,
+        "mean_generated_tokens": statistics.mean(o.output_tokens for o in outputs),
+        "latency_p50_ms": percentile([o.latency for o in outputs], 50) * 1e3,
+        "latency_p99_ms": percentile([o.latency for o in outputs], 99) * 1e3,
+        "prompt_tokens_seen": sorted({o.prompt_len for o in outputs if o.prompt_len}),
     }
 
 
 def http_ttft_ms(url: str, texts: list[str]) -> float:
-    """Median over texts[1:] (texts[0] warms up); each prompt is new to the prefix cache."""
-    import httpx
-
-    times = []
-    with httpx.Client(base_url=url, timeout=60.0) as client:
-        client.post("/generate", json=_body(texts[0], 1))
-        for text in texts[1:]:
-            t0 = time.perf_counter()
-            client.post("/generate", json=_body(text, 1)).raise_for_status()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    """Median over texts[1:] (texts[0] warms up), one at a time; each prompt is new to the
+    prefix cache."""
+    outputs, _ = load.send_all(url, load.generate_request,
+                               [SampleRequest(text, 0, 1) for text in texts[1:]], 1,
+                               warm_up=SampleRequest(texts[0], 0, 1), timeout=60.0)
+    return statistics.median(o.latency for o in load.check(outputs)) * 1e3
 
 
 def http_requests(concurrency: int, waves: int) -> int:
@@ -108,9 +72,8 @@ def run_http(artifact: Path, texts: list[str], threads: int, n_new: int,
             # batch size: the first batch of a size touches fresh pool pages and buffers.
             # Every request has a prompt of its own, so prefix caching (on, as served) finds
             # nothing to reuse and the row measures batching, as the engine rows do.
-            asyncio.run(_load(server.url, [next(fresh) for _ in range(c)], c, c,
-                              min(4, n_new)))
-            row = asyncio.run(_load(server.url, [next(fresh) for _ in range(n)], c, n, n_new))
+            _load(server.url, [next(fresh) for _ in range(c)], c, c, min(4, n_new))
+            row = _load(server.url, [next(fresh) for _ in range(n)], c, n, n_new)
             out["rows"].append(row)
             log(f"http c={c}: {row['tokens_per_s']:.1f} tok/s")
         out["peak_rss_mb"] = server.peak_rss_mb()

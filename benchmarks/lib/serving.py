@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +119,18 @@ def add_server_options(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("server_args", nargs="*", help="after --: more `attnserve serve` options")
 
 
+def http_get(url: str, timeout: float = 10.0) -> tuple[str, Message]:
+    """(text, headers) of a GET answered 2xx, else an OSError (refused, timed out, an error
+    status): the benchmarks' plain reads (/ready, /metrics, /info, /v1/models), which need
+    no load client."""
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode(), response.headers
+
+
 def served_model(url: str) -> str:
     """The model a server serves (the first of its /v1/models): requests name it."""
     try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
-            return str(json.load(response)["data"][0]["id"])
+        return str(json.loads(http_get(f"{url}/v1/models")[0])["data"][0]["id"])
     except OSError as exc:  # refused, timed out, an error status
         raise RuntimeError(f"{url}/v1/models: {getattr(exc, 'reason', exc)}") from None
 
@@ -130,8 +138,7 @@ def served_model(url: str) -> str:
 def server_info(url: str) -> dict[str, Any]:
     """The server's /info, {} where it has none (llama-server)."""
     try:
-        with urllib.request.urlopen(f"{url}/info", timeout=10) as response:
-            return dict(json.load(response))
+        return dict(json.loads(http_get(f"{url}/info")[0]))
     except (OSError, ValueError):
         return {}
 

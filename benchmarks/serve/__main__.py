@@ -55,7 +55,6 @@ from datetime import date, datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import numpy as np
 
 from benchmarks.lib.measure import DEFAULT_THREADS
@@ -275,14 +274,12 @@ def _long_prompts(args: argparse.Namespace, info: dict[str, Any]) -> list[str]:
 async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequest],
                    rate: float, attention_text: str | None) -> dict[str, Any]:
     limit = args.max_concurrency or len(requests)
-    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     model, info = served_model(url), server_info(url)
     # Another server than ours (no /info: llama-server) gets a connection a request: after
     # a streamed answer llama-server's keep-alive connection fails the next request on it
     # ("Can not write request body"); ours keeps connections alive, as vLLM's bench does.
-    connections = aiohttp.TCPConnector(limit=limit + 4, force_close=not info)
-    async with aiohttp.ClientSession(base_url=url, timeout=timeout,
-                                     connector=connections) as client:
+    async with load.session(url, args.request_timeout, limit + 4,
+                            force_close=not info) as client:
         send = load.request_func(args.backend, model, ignore_eos=args.ignore_eos)
         for req in requests[:_warmups(args)]:
             warm = await send(client, req, load.RequestOutput())
@@ -294,9 +291,7 @@ async def run_rate(args: argparse.Namespace, url: str, requests: list[SampleRequ
         stop = asyncio.Event()
         flooding = None
         if attention_text is not None and args.attention_flood > 0:
-            flood_client = aiohttp.ClientSession(
-                base_url=url, timeout=timeout,
-                connector=aiohttp.TCPConnector(limit=args.attention_flood))
+            flood_client = load.session(url, args.request_timeout, args.attention_flood)
             body = {"inputs": attention_text, "format": args.attention_format,
                     "include": [k.strip() for k in args.attention_include.split(",")]}
             flooding = asyncio.create_task(load.attention_flood(

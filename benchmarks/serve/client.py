@@ -4,13 +4,16 @@ Arrival times follow vLLM's ``bench serve``: gaps drawn from a gamma distributio
 ``burstiness`` and mean 1/rate (burstiness 1 is a Poisson process), rescaled so that n
 requests span n/rate seconds; rate ``inf`` sends them all at once. ``max_concurrency``
 caps the requests in flight; an arrival beyond the cap waits for a slot, and its latency
-is counted from when it is sent. Every request streams, so time to first token and each
+is counted from when it is sent. Its requests stream, so time to first token and each
 inter-token gap are measured where a client sees them: when the SSE line arrives.
 
 The client is aiohttp, as vLLM's is: it shares the machine with the server it measures,
 and per streamed line it spends a fraction of httpx's CPU time (docs/benchmarks.md), time
 the server's ONNX Runtime threads would otherwise lose. Each run records the client's own
 CPU seconds.
+
+Every benchmark sends its requests through these functions (one ``RequestOutput`` each,
+driven by ``run_load`` or ``send_all``), keeping only what it asks and checks.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import functools
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
@@ -35,7 +38,8 @@ BACKENDS = ("tgi", "openai")
 
 @dataclass
 class RequestOutput:
-    """One request as the client saw it (vLLM's RequestFuncOutput)."""
+    """One request as the client saw it (vLLM's RequestFuncOutput, and from ``status`` on
+    what the other benchmarks check)."""
 
     success: bool = False
     prompt_len: int = 0  # the server's count when it reports one
@@ -46,6 +50,11 @@ class RequestOutput:
     start_time: float = 0.0  # send time, seconds after the run began
     generated_text: str = ""
     error: str = ""
+    status: int = 0  # the HTTP status; 0 where none came
+    headers: Mapping[str, str] = field(default_factory=dict)
+    finish_reason: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # chat logprobs.content
+    body: Any = None  # a non-streamed answer: its JSON, else its text
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float,
@@ -80,8 +89,19 @@ class _Timer:
         self.out.latency = self.last - self.sent
 
 
-# What a failed request or connection raises (a timeout is asyncio's TimeoutError).
+# What a failed request or connection raises (a timeout is asyncio's TimeoutError), and
+# with a malformed answer, what a request function may.
 CLIENT_ERRORS = (aiohttp.ClientError, TimeoutError)
+REQUEST_ERRORS = (*CLIENT_ERRORS, json.JSONDecodeError, KeyError, ValueError)
+
+
+def session(url: str, timeout: float = 600.0, limit: int = 0,
+            force_close: bool = False) -> aiohttp.ClientSession:
+    """A client of ``url``: ``timeout`` seconds a request, ``limit`` connections (0: as many
+    as are in flight, where aiohttp's default caps them at 100)."""
+    return aiohttp.ClientSession(
+        base_url=url, timeout=aiohttp.ClientTimeout(total=timeout),
+        connector=aiohttp.TCPConnector(limit=limit, force_close=force_close))
 
 
 async def _sse(response: aiohttp.ClientResponse) -> Any:
@@ -92,25 +112,58 @@ async def _sse(response: aiohttp.ClientResponse) -> Any:
             yield json.loads(data)
 
 
-async def _failed(response: aiohttp.ClientResponse, out: RequestOutput) -> RequestOutput:
-    body = (await response.read()).decode("utf-8", "replace")
-    out.error = f"HTTP {response.status}: {body[:300]}"
+async def _answered(response: aiohttp.ClientResponse, out: RequestOutput) -> bool:
+    """Whether the server answered 200; the status and headers kept, else the error body."""
+    out.status, out.headers = response.status, response.headers
+    if response.status != 200:
+        body = (await response.read()).decode("utf-8", "replace")
+        out.error = f"HTTP {response.status}: {body[:300]}"
+    return response.status == 200
+
+
+async def post(client: aiohttp.ClientSession, path: str, body: dict[str, Any],
+               out: RequestOutput | None = None) -> RequestOutput:
+    """POST ``path``, not streamed: the answer (JSON, else text) in ``out.body``, its status,
+    headers and latency; success is a 200."""
+    out = RequestOutput() if out is None else out
+    timer = _Timer(out)
+    async with client.post(path, json=body) as r:
+        if not await _answered(r, out):
+            return out
+        out.body = await (r.json() if r.content_type == "application/json" else r.text())
+    timer.chunk()
+    timer.finish()
+    out.success = True
+    return out
+
+
+def _tgi_body(req: SampleRequest) -> dict[str, Any]:
+    """Greedy, with the details; a LoRA adapter as TGI's ``parameters.adapter_id``."""
+    parameters: dict[str, Any] = {
+        "max_new_tokens": req.expected_output_len, "do_sample": False, "details": True}
+    if req.adapter is not None:
+        parameters["adapter_id"] = req.adapter
+    return {"inputs": req.prompt, "parameters": parameters}
+
+
+async def generate_request(client: aiohttp.ClientSession, req: SampleRequest,
+                           out: RequestOutput) -> RequestOutput:
+    """POST /generate, not streamed: the tokens the server says it generated (it may stop
+    early) and its prompt's, where it says."""
+    if (await post(client, "/generate", _tgi_body(req), out)).success:
+        out.output_tokens = int(out.headers.get("x-generated-tokens")
+                                or out.body["details"]["generated_tokens"])
+        out.prompt_len = int(out.headers.get("x-prompt-tokens", out.prompt_len))
     return out
 
 
 async def tgi_request(client: aiohttp.ClientSession, req: SampleRequest,
                       out: RequestOutput) -> RequestOutput:
-    """POST /generate_stream: one SSE event per token; the last carries the details. A
-    request naming a LoRA adapter sends it as TGI's ``parameters.adapter_id``."""
-    parameters: dict[str, Any] = {
-        "max_new_tokens": req.expected_output_len, "do_sample": False, "details": True}
-    if req.adapter is not None:
-        parameters["adapter_id"] = req.adapter
-    body = {"inputs": req.prompt, "parameters": parameters}
+    """POST /generate_stream: one SSE event per token; the last carries the details."""
     timer = _Timer(out)
-    async with client.post("/generate_stream", json=body) as r:
-        if r.status != 200:
-            return await _failed(r, out)
+    async with client.post("/generate_stream", json=_tgi_body(req)) as r:
+        if not await _answered(r, out):
+            return out
         async for event in _sse(r):
             if "error" in event:
                 out.error = f"{event.get('error_type')}: {event['error']}"
@@ -125,6 +178,33 @@ async def tgi_request(client: aiohttp.ClientSession, req: SampleRequest,
     return out
 
 
+async def _openai_stream(client: aiohttp.ClientSession, path: str, body: dict[str, Any],
+                         out: RequestOutput) -> bool:
+    """An OpenAI stream read into ``out``: each text (a completion's, a chat's delta) timed,
+    logprobs entries, finish reason, usage; False where it failed."""
+    timer = _Timer(out)
+    texts: list[str] = []
+    async with client.post(path, json=body) as r:
+        if not await _answered(r, out):
+            return False
+        async for event in _sse(r):
+            if "error" in event:
+                out.error = str(event["error"])
+                return False
+            for choice in event.get("choices") or []:
+                if text := choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    timer.chunk()
+                    texts.append(text)
+                out.logprobs += (choice.get("logprobs") or {}).get("content") or []
+                out.finish_reason = choice.get("finish_reason") or out.finish_reason
+            if event.get("usage"):
+                out.prompt_len = int(event["usage"]["prompt_tokens"])
+                out.output_tokens = int(event["usage"]["completion_tokens"])
+    timer.finish()
+    out.generated_text = "".join(texts)
+    return True
+
+
 async def openai_request(client: aiohttp.ClientSession, req: SampleRequest, out: RequestOutput,
                          model: str, ignore_eos: bool = False) -> RequestOutput:
     """POST /v1/completions with stream and usage: chunks timed, usage counts the tokens.
@@ -135,30 +215,32 @@ async def openai_request(client: aiohttp.ClientSession, req: SampleRequest, out:
         "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
-    timer = _Timer(out)
-    texts: list[str] = []
-    async with client.post("/v1/completions", json=body) as r:
-        if r.status != 200:
-            return await _failed(r, out)
-        async for event in _sse(r):
-            if "error" in event:
-                out.error = str(event["error"])
-                return out
-            for choice in event.get("choices") or []:
-                if choice.get("text"):
-                    timer.chunk()
-                    texts.append(choice["text"])
-            if event.get("usage"):
-                out.prompt_len = int(event["usage"]["prompt_tokens"])
-                out.output_tokens = int(event["usage"]["completion_tokens"])
-    timer.finish()
-    out.generated_text = "".join(texts)
-    out.success = out.output_tokens > 0 and out.ttft > 0
+    out.success = (await _openai_stream(client, "/v1/completions", body, out)
+                   and out.output_tokens > 0 and out.ttft > 0)
     return out
 
 
-RequestFunc = Callable[[aiohttp.ClientSession, SampleRequest, RequestOutput],
-                       Awaitable[RequestOutput]]
+async def chat_request(client: aiohttp.ClientSession, body: dict[str, Any],
+                       out: RequestOutput) -> RequestOutput:
+    """POST /v1/chat/completions with the benchmark's own ``body``, streamed where it asks:
+    the answer's text, finish reason, logprobs entries, tokens (usage, where sent)."""
+    if body.get("stream"):
+        out.success = await _openai_stream(client, "/v1/chat/completions", body, out)
+        if not out.success and out.status == 200:
+            out.error = f"error event in the stream: {out.error}"
+        return out
+    if (await post(client, "/v1/chat/completions", body, out)).success:
+        choice = out.body["choices"][0]
+        out.generated_text = choice["message"].get("content") or ""
+        out.finish_reason = choice.get("finish_reason") or ""
+        out.logprobs = (choice.get("logprobs") or {}).get("content") or []
+        out.output_tokens = int(out.body["usage"]["completion_tokens"])
+    return out
+
+
+T = TypeVar("T")
+Send = Callable[[aiohttp.ClientSession, T, RequestOutput], Awaitable[RequestOutput]]
+RequestFunc = Send[SampleRequest]
 
 
 def request_func(backend: str, model: str | None, ignore_eos: bool = False) -> RequestFunc:
@@ -171,6 +253,26 @@ def request_func(backend: str, model: str | None, ignore_eos: bool = False) -> R
             raise ValueError("the openai backend needs the served model name")
         return functools.partial(openai_request, model=model, ignore_eos=ignore_eos)
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+async def lora_adapter(client: aiohttp.ClientSession, name: str, path: str | None = None
+                       ) -> RequestOutput:
+    """vLLM's POST /v1/load_lora_adapter (``path`` given), else /v1/unload_lora_adapter."""
+    if path is None:
+        return await post(client, "/v1/unload_lora_adapter", {"lora_name": name})
+    return await post(client, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+
+async def send_one(client: aiohttp.ClientSession, send: Send[T], what: T,
+                   out: RequestOutput | None = None) -> RequestOutput:
+    """One request by ``send``; whatever failed it is counted in ``out.error``, never raised
+    (a load keeps going)."""
+    out = RequestOutput() if out is None else out
+    try:
+        return await send(client, what, out)
+    except REQUEST_ERRORS as exc:  # the answer may have been read before its body failed
+        out.success, out.error = False, f"{type(exc).__name__}: {exc}"
+        return out
 
 
 async def run_load(client: aiohttp.ClientSession, send: RequestFunc,
@@ -188,10 +290,7 @@ async def run_load(client: aiohttp.ClientSession, send: RequestFunc,
         out = RequestOutput(prompt_len=req.prompt_len,
                             start_time=time.perf_counter() - start)
         try:
-            return await send(client, req, out)
-        except (*CLIENT_ERRORS, json.JSONDecodeError, KeyError, ValueError) as exc:
-            out.error = f"{type(exc).__name__}: {exc}"
-            return out
+            return await send_one(client, send, req, out)
         finally:
             if slots is not None:
                 slots.release()
@@ -204,6 +303,28 @@ async def run_load(client: aiohttp.ClientSession, send: RequestFunc,
         tasks.append(asyncio.create_task(one(req)))
     outputs = list(await asyncio.gather(*tasks))
     return outputs, time.perf_counter() - start
+
+
+def send_all(url: str, send: RequestFunc, requests: Sequence[SampleRequest], clients: int,
+             warm_up: SampleRequest | None = None, timeout: float = 600.0
+             ) -> tuple[list[RequestOutput], float]:
+    """From sync code: every request at once, ``clients`` in flight, on a session of their
+    own (``warm_up`` first, unmeasured); (outputs in request order, wall seconds)."""
+    async def run() -> tuple[list[RequestOutput], float]:
+        async with session(url, timeout) as client:
+            if warm_up is not None:
+                await send_one(client, send, warm_up)
+            return await run_load(client, send, list(requests), [0.0] * len(requests), clients)
+
+    return asyncio.run(run())
+
+
+def check(outputs: Sequence[RequestOutput]) -> Sequence[RequestOutput]:
+    """``outputs`` when every request succeeded, else a RuntimeError naming the first
+    failures: a failed request must never count as a fast one."""
+    if errors := [o.error for o in outputs if not o.success]:
+        raise RuntimeError(f"{len(errors)} of {len(outputs)} requests failed: {errors[:3]}")
+    return outputs
 
 
 @dataclass
@@ -269,12 +390,10 @@ async def long_prompt_joins(client: aiohttp.ClientSession, prompts: list[str], i
         body = {"inputs": prompt, "parameters": {"max_new_tokens": 1, "do_sample": False}}
         sent = time.perf_counter() - start
         try:
-            async with client.post("/generate", json=body) as r:
-                if r.status != 200:
-                    stats.failed.append(f"HTTP {r.status}: {(await r.text())[:200]}")
-                    continue
-                await r.read()
+            out = await post(client, "/generate", body)
         except CLIENT_ERRORS as exc:
-            stats.failed.append(f"{type(exc).__name__}: {exc}")
-            continue
-        stats.windows.append((sent, time.perf_counter() - start))
+            out = RequestOutput(error=f"{type(exc).__name__}: {exc}")
+        if out.success:
+            stats.windows.append((sent, time.perf_counter() - start))
+        else:
+            stats.failed.append(out.error)
