@@ -19,10 +19,20 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
 LAUNCHER = Path(__file__).resolve()
+
+
+def http_get(url: str, timeout: float = 10.0) -> tuple[str, Message]:
+    """(text, headers) of a GET answered 2xx, else an OSError (refused, timed out, an error
+    status): the benchmarks' plain reads (/ready, /metrics, /info, /v1/models), which need
+    no load client."""
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode(), response.headers
 
 
 def report_bound_port(path: str) -> None:
@@ -67,8 +77,6 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float,
     """Until ``url`` + ``probe`` answers 200 (bounded; fails early, with the log's tail, if
     ``proc`` exits): the one readiness wait of the benchmarks and the tests (``probe``
     "/health" for llama-server)."""
-    from benchmarks.lib.serving import http_get  # here: the script side imports no benchmark
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -15,13 +15,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from email.message import Message
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib.bound_port import LAUNCHER, wait_bound_port, wait_ready
+from benchmarks.lib.bound_port import LAUNCHER, http_get, wait_bound_port, wait_ready
 from benchmarks.lib.measure import proc_memory_bytes, proc_memory_mb
 from model.data import write_text_atomic
 from service.contract.peft_adapter import read_config
@@ -117,14 +115,6 @@ def add_server_options(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--port", type=int, default=port)
     parser.add_argument("--out", type=Path)
     parser.add_argument("server_args", nargs="*", help="after --: more `attnserve serve` options")
-
-
-def http_get(url: str, timeout: float = 10.0) -> tuple[str, Message]:
-    """(text, headers) of a GET answered 2xx, else an OSError (refused, timed out, an error
-    status): the benchmarks' plain reads (/ready, /metrics, /info, /v1/models), which need
-    no load client."""
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read().decode(), response.headers
 
 
 def served_model(url: str) -> str:
