@@ -351,7 +351,7 @@ struct RepackedJob {
   rowdot::RepackedGemv our_gemv;  // or null: ggml's
   const uint8_t* w;     // (N, row_bytes), groups of 8 rows interleaved
   const uint8_t* xq;    // (M, act_row_bytes): the first m4 rows 4 at a time interleaved
-  const int32_t* sums;  // (M - m4, K / 32): rowdot::Q8_0Sums of the rest, for our gemv
+  const rowdot::Q8_0Term* terms;  // (M - m4, K / 32): rowdot::Q8_0Terms of the rest, our gemv's
   float* y;             // (M, N)
   int64_t m;
   int64_t m4;  // rows of X the gemm takes (a multiple of 4)
@@ -374,7 +374,7 @@ void RepackedBlock(void* data, size_t block) {
     for (int64_t i = job.m4; i < job.m; i += kOurGemvRows) {
       job.our_gemv(k, w, cols / repacked::kGroupRows, job.xq + i * f.act_row_bytes,
                    f.act_row_bytes, std::min<int64_t>(kOurGemvRows, job.m - i),
-                   job.sums + (i - job.m4) * (f.k / 32), job.y + i * job.n + r0,
+                   job.terms + (i - job.m4) * (f.k / 32), job.y + i * job.n + r0,
                    static_cast<size_t>(job.n), /*w_cached=*/i > job.m4);
     }
     return;
@@ -603,16 +603,17 @@ void GgufMatMulKernel::ComputeRepacked(Ort::KernelContext& ctx, const float* x, 
     kernels.quantize_mat4(x + i * f.k, xq + i * f.act_row_bytes, f.k);
   }
   // (M - m4, K / 32): what our gemv takes beside the codes
-  std::vector<int32_t> sums(path.repacked_gemv ? static_cast<size_t>((m - m4) * (f.k / 32)) : 0);
+  std::vector<rowdot::Q8_0Term> terms(
+      path.repacked_gemv ? static_cast<size_t>((m - m4) * (f.k / 32)) : 0);
   for (int64_t i = m4; i < m; ++i) {
     kernels.from_float(x + i * f.k, xq + i * f.act_row_bytes, f.k);
     if (path.repacked_gemv) {
-      rowdot::Q8_0Sums(xq + i * f.act_row_bytes, static_cast<int>(f.k),
-                       sums.data() + (i - m4) * (f.k / 32));
+      rowdot::Q8_0Terms(xq + i * f.act_row_bytes, static_cast<int>(f.k),
+                        terms.data() + (i - m4) * (f.k / 32));
     }
   }
   const int64_t block_rows = BlockRows(f.row_bytes);
-  RepackedJob job{&f, kernels, path.repacked_gemv, w, xq, sums.data(), y, m, m4, n, block_rows};
+  RepackedJob job{&f, kernels, path.repacked_gemv, w, xq, terms.data(), y, m, m4, n, block_rows};
   const size_t tasks = static_cast<size_t>((n + block_rows - 1) / block_rows);
   ctx.ParallelFor(RepackedBlock, tasks, 0, &job);
 }

@@ -198,7 +198,8 @@ void DotQ6K(int n, float* s, size_t, const void* vx, size_t, const void* vy, siz
 // 144) its bytes 8-15, every byte XOR 0x88. Undone, the nibbles are the file's codes q
 // (0-15; low: weights 0-15 of the block, high: 16-31), so vpdpbusd takes them as the
 // unsigned side against the activation codes broadcast 8 at a time, 4 instructions a block
-// of 8 rows; w = q - 8 is Σ q·y - 8·Σ y, the second term from `sums` (Q8_0Sums).
+// of 8 rows; w = q - 8 is Σ q·y - 8·Σ y, the second term from `terms` (Q8_0Terms), which
+// starts each block's chain of instructions (and gives the block's scale as a float).
 constexpr size_t kQ4_0x8Bytes = 144;
 constexpr size_t kQ8_0Bytes = 34;
 constexpr int kQ4_0Block = 32;
@@ -240,31 +241,40 @@ inline Q8_0Eights LoadEights(const uint8_t* x) {
   return {{Eight(x + 2), Eight(x + 10), Eight(x + 18), Eight(x + 26)}};
 }
 
-// (16,) int32: Σ q·y of row i over the block's weights 0-15 and 16-31 in lanes 2i, 2i + 1.
-inline __m512i HalfSums(const Q4_0x8Codes& c, const Q8_0Eights& x) {
-  const __m512i low = _mm512_dpbusd_epi32(
-      _mm512_dpbusd_epi32(_mm512_setzero_si512(), c.lo0, x.e[0]), c.lo1, x.e[1]);
-  const __m512i high = _mm512_dpbusd_epi32(
-      _mm512_dpbusd_epi32(_mm512_setzero_si512(), c.hi0, x.e[2]), c.hi1, x.e[3]);
-  return _mm512_add_epi32(low, high);
+// (16,) int32: Σ (q - 8)·y of row i over the block's 32 weights in lanes 2i and 2i + 1
+// (its weights 0-3, 8-11, 16-19, 24-27 and the others), the -8 · Σ y of `term` in lane 2i,
+// where the vpdpbusd start: no zeroing or subtraction. For many activation rows one chain
+// of four (no addition: other rows' chains fill the latency); for few, two chains of two.
+template <bool kTwoChains>
+inline __m512i RowSums(const Q4_0x8Codes& c, const Q8_0Eights& x, const Q8_0Term& term) {
+  const __m512i start = _mm512_maskz_set1_epi32(0x5555, term.offset);
+  if constexpr (kTwoChains) {
+    const __m512i low = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, c.lo0, x.e[0]), c.lo1,
+                                            x.e[1]);
+    const __m512i high = _mm512_dpbusd_epi32(
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), c.hi0, x.e[2]), c.hi1, x.e[3]);
+    return _mm512_add_epi32(low, high);
+  }
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(
+      start, c.lo0, x.e[0]), c.lo1, x.e[1]), c.hi0, x.e[2]), c.hi1, x.e[3]);
 }
 
 // One group of 8 rows, R activation rows.
 template <int R>
 void GemvQ4_0Group(int blocks, const uint8_t* w, const uint8_t* xq, size_t xq_bytes,
-                   const int32_t* sums, float* y, size_t y_stride) {
+                   const Q8_0Term* terms, float* y, size_t y_stride) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int b = 0; b < blocks; ++b, w += kQ4_0x8Bytes) {
     const Q4_0x8Codes codes = LoadCodes(w);
     const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     for (int r = 0; r < R; ++r) {
-      const uint8_t* x = xq + r * xq_bytes + b * kQ8_0Bytes;
-      const __m512i halves = HalfSums(codes, LoadEights(x));
-      const __m256i q_y = _mm512_cvtepi64_epi32(  // (8,) int32: Σ q·y, one a row
+      const Q8_0Term& term = terms[r * blocks + b];
+      const __m512i halves =
+          RowSums<(R < 4)>(codes, LoadEights(xq + r * xq_bytes + b * kQ8_0Bytes), term);
+      const __m256i dot = _mm512_cvtepi64_epi32(  // (8,) int32: Σ (q - 8)·y, one a row
           _mm512_add_epi32(halves, _mm512_srli_epi64(halves, 32)));
-      const __m256i dot = _mm256_sub_epi32(q_y, _mm256_set1_epi32(sums[r * blocks + b]));
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scales, _mm256_set1_ps(Half(x))),
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scales, _mm256_set1_ps(term.scale)),
                                _mm256_cvtepi32_ps(dot), acc[r]);
     }
   }
@@ -272,13 +282,13 @@ void GemvQ4_0Group(int blocks, const uint8_t* w, const uint8_t* xq, size_t xq_by
 }
 
 // Two groups (16 rows, w and w + group_bytes), R activation rows: each row's broadcast codes
-// serve both groups, and one 512-bit pair of permutes, subtraction, conversion and fma
-// finishes a block of both where a group alone takes two of each.
+// serve both groups, and one 512-bit pair of permutes, conversion and fma finishes a block
+// of both where a group alone takes two of each.
 template <int R>
 void GemvQ4_0Pair(int blocks, const uint8_t* w, size_t group_bytes, const uint8_t* xq,
-                  size_t xq_bytes, const int32_t* sums, float* y, size_t y_stride) {
-  // `first` gathers the rows' first-half sums (even lanes) of group 0 into lanes 0-7 and of
-  // group 1 into 8-15; `second` their second halves (odd lanes).
+                  size_t xq_bytes, const Q8_0Term* terms, float* y, size_t y_stride) {
+  // `first` gathers the rows' lanes 2i of group 0 into lanes 0-7 and of group 1 into 8-15;
+  // `second` their lanes 2i + 1.
   const __m512i first = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                           28, 30);
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(1));
@@ -290,14 +300,14 @@ void GemvQ4_0Pair(int blocks, const uint8_t* w, size_t group_bytes, const uint8_
         _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))),
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + group_bytes)), 1));
     for (int r = 0; r < R; ++r) {
-      const uint8_t* x = xq + r * xq_bytes + b * kQ8_0Bytes;
-      const Q8_0Eights eights = LoadEights(x);
-      const __m512i halves0 = HalfSums(codes0, eights), halves1 = HalfSums(codes1, eights);
-      const __m512i q_y = _mm512_add_epi32(  // (16,) int32: Σ q·y, one a row
+      const Q8_0Term& term = terms[r * blocks + b];
+      const Q8_0Eights eights = LoadEights(xq + r * xq_bytes + b * kQ8_0Bytes);
+      const __m512i halves0 = RowSums<(R < 4)>(codes0, eights, term);
+      const __m512i halves1 = RowSums<(R < 4)>(codes1, eights, term);
+      const __m512i dot = _mm512_add_epi32(  // (16,) int32: Σ (q - 8)·y, one a row
           _mm512_permutex2var_epi32(halves0, first, halves1),
           _mm512_permutex2var_epi32(halves0, second, halves1));
-      const __m512i dot = _mm512_sub_epi32(q_y, _mm512_set1_epi32(sums[r * blocks + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scales, _mm512_set1_ps(Half(x))),
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scales, _mm512_set1_ps(term.scale)),
                                _mm512_cvtepi32_ps(dot), acc[r]);
     }
   }
@@ -309,34 +319,50 @@ void GemvQ4_0Pair(int blocks, const uint8_t* w, size_t group_bytes, const uint8_
 // Over W in cache the pair is faster: M = 32 as four passes 7.1-7.3 ms against 9.9-10.1.
 template <int R>
 void GemvQ4_0x8(int k, const uint8_t* w, int64_t groups, const uint8_t* xq, size_t xq_bytes,
-                const int32_t* sums, float* y, size_t y_stride, bool w_cached) {
+                const Q8_0Term* terms, float* y, size_t y_stride, bool w_cached) {
   const int blocks = k / kQ4_0Block;
   const size_t group_bytes = static_cast<size_t>(blocks) * kQ4_0x8Bytes;
   int64_t g = 0;
   for (; w_cached && g + 2 <= groups; g += 2) {
-    GemvQ4_0Pair<R>(blocks, w + g * group_bytes, group_bytes, xq, xq_bytes, sums, y + 8 * g,
+    GemvQ4_0Pair<R>(blocks, w + g * group_bytes, group_bytes, xq, xq_bytes, terms, y + 8 * g,
                     y_stride);
   }
   for (; g < groups; ++g) {
-    GemvQ4_0Group<R>(blocks, w + g * group_bytes, xq, xq_bytes, sums, y + 8 * g, y_stride);
+    GemvQ4_0Group<R>(blocks, w + g * group_bytes, xq, xq_bytes, terms, y + 8 * g, y_stride);
   }
 }
 
 void GemvQ4_0(int k, const uint8_t* w, int64_t groups, const uint8_t* xq, size_t xq_bytes,
-              int64_t m, const int32_t* sums, float* y, size_t y_stride, bool w_cached) {
+              int64_t m, const Q8_0Term* terms, float* y, size_t y_stride, bool w_cached) {
   switch (m) {
-    case 1: return GemvQ4_0x8<1>(k, w, groups, xq, xq_bytes, sums, y, y_stride, w_cached);
-    case 2: return GemvQ4_0x8<2>(k, w, groups, xq, xq_bytes, sums, y, y_stride, w_cached);
-    case 3: return GemvQ4_0x8<3>(k, w, groups, xq, xq_bytes, sums, y, y_stride, w_cached);
-    case 4: return GemvQ4_0x8<4>(k, w, groups, xq, xq_bytes, sums, y, y_stride, w_cached);
-    case 5: return GemvQ4_0x8<5>(k, w, groups, xq, xq_bytes, sums, y, y_stride, w_cached);
-    case 6: return GemvQ4_0x8<6>(k, w, groups, xq, xq_bytes, sums, y, y_stride, w_cached);
-    case 7: return GemvQ4_0x8<7>(k, w, groups, xq, xq_bytes, sums, y, y_stride, w_cached);
-    default: return GemvQ4_0x8<8>(k, w, groups, xq, xq_bytes, sums, y, y_stride, w_cached);
+    case 1: return GemvQ4_0x8<1>(k, w, groups, xq, xq_bytes, terms, y, y_stride, w_cached);
+    case 2: return GemvQ4_0x8<2>(k, w, groups, xq, xq_bytes, terms, y, y_stride, w_cached);
+    case 3: return GemvQ4_0x8<3>(k, w, groups, xq, xq_bytes, terms, y, y_stride, w_cached);
+    case 4: return GemvQ4_0x8<4>(k, w, groups, xq, xq_bytes, terms, y, y_stride, w_cached);
+    case 5: return GemvQ4_0x8<5>(k, w, groups, xq, xq_bytes, terms, y, y_stride, w_cached);
+    case 6: return GemvQ4_0x8<6>(k, w, groups, xq, xq_bytes, terms, y, y_stride, w_cached);
+    case 7: return GemvQ4_0x8<7>(k, w, groups, xq, xq_bytes, terms, y, y_stride, w_cached);
+    default: return GemvQ4_0x8<8>(k, w, groups, xq, xq_bytes, terms, y, y_stride, w_cached);
   }
 }
 
 }  // namespace
+
+// The codes' sum from one 256-bit load (biased to unsigned for vpsadbw) and the scale by
+// F16C: called once a row and product, where our gemv runs (AVX-512 VNNI).
+void Q8_0Terms(const uint8_t* xq, int k, Q8_0Term* terms) {
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int b = 0; b < k / kQ4_0Block; ++b, xq += kQ8_0Bytes) {
+    const __m256i codes = _mm256_xor_si256(  // c + 128, unsigned
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 2)), bias);
+    const __m256i sums = _mm256_sad_epu8(codes, _mm256_setzero_si256());  // (4,) int64
+    const __m128i half = _mm_add_epi64(_mm256_castsi256_si128(sums),
+                                       _mm256_extracti128_si256(sums, 1));
+    const int32_t sum = static_cast<int32_t>(_mm_cvtsi128_si64(half) +
+                                             _mm_extract_epi64(half, 1)) - 32 * 128;
+    terms[b] = {-8 * sum, Half(xq)};
+  }
+}
 ATTNSERVE_END_AVX512_VNNI
 
 namespace {
@@ -367,17 +393,10 @@ ggml_vec_dot_t For(ggml_type type) {
 
 ggml_vec_dot_t For(ggml_type) { return nullptr; }
 RepackedGemv RepackedFor(ggml_type) { return nullptr; }
+void Q8_0Terms(const uint8_t*, int, Q8_0Term*) {}  // never called: no gemv of ours here
 
 #endif
 
-void Q8_0Sums(const uint8_t* xq, int k, int32_t* sums) {
-  for (int b = 0; b < k / 32; ++b, xq += 34) {
-    const auto* codes = reinterpret_cast<const int8_t*>(xq + 2);
-    int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) sum += codes[i];
-    sums[b] = 8 * sum;
-  }
-}
 
 }  // namespace rowdot
 }  // namespace attnserve_gguf

@@ -31,18 +31,26 @@ namespace rowdot {
 // Our row dot for `type` on this CPU, or nullptr where ggml's vec_dot stays.
 ggml_vec_dot_t For(ggml_type type);
 
+// What our gemv takes of each Q8_0 block of X beside its codes (Q8_0Terms): -8 · the sum of
+// its codes (the file's codes q are w + 8) and its scale as a float.
+struct Q8_0Term {
+  int32_t offset;
+  float scale;
+};
+
 // Y[i, 8g + r] = W's row 8g + r · X's row i, for `groups` groups of 8 rows in the repack
-// layout at w and m ≤ 8 rows of X as Q8_0 (xq, xq_bytes apart), sums their Q8_0Sums (m,
+// layout at w and m ≤ 8 rows of X as Q8_0 (xq, xq_bytes apart), terms their Q8_0Terms (m,
 // k / 32); Y's rows y_stride floats apart. w_cached: these rows of W were read by the
 // call before (the second pass of 8 activation rows and on), so two groups are taken at a
 // time; from memory one is (one stream the prefetcher keeps ahead of).
 using RepackedGemv = void (*)(int k, const uint8_t* w, int64_t groups, const uint8_t* xq,
-                              size_t xq_bytes, int64_t m, const int32_t* sums, float* y,
+                              size_t xq_bytes, int64_t m, const Q8_0Term* terms, float* y,
                               size_t y_stride, bool w_cached);
 // Our gemv for `type` in the repack layout on this CPU (Q4_0 on AVX-512 VNNI), or nullptr.
 RepackedGemv RepackedFor(ggml_type type);
-// 8 · the sum of each block's codes in a Q8_0 row of k values: (k / 32,) int32.
-void Q8_0Sums(const uint8_t* xq, int k, int32_t* sums);
+// Each block's Q8_0Term in a Q8_0 row of k values: (k / 32,); where RepackedFor gives a
+// gemv (it needs the same CPU).
+void Q8_0Terms(const uint8_t* xq, int k, Q8_0Term* terms);
 
 }  // namespace rowdot
 }  // namespace attnserve_gguf
