@@ -51,9 +51,10 @@ class GraphInterface:
 
     inputs: frozenset[str]
     outputs: frozenset[str]
-    steers: bool  # takes each row's control vector in float32 (``steer``, an input with a
-    #               default, so listed among the overridable initializers, not the inputs;
-    #               a float16 graph's steer is float16, and no vector is offered there)
+    # takes each row's control vector in float32 (``steer``, an input with a default, so
+    # listed among the overridable initializers, not the inputs; a float16 graph's steer is
+    # float16, and no vector is offered there)
+    steers: bool
 
     @classmethod
     def of_session(cls, session: Any) -> GraphInterface:

@@ -169,6 +169,8 @@ class ModelGraphRunner(PooledRunner):
         one (B, nkv, P, hs) past per pool array."""
         b, width = len(index), int(lengths.max())
         past = self._scratch(use, (b, self.shape.heads, width, self.shape.head_dim))
+        if width == 0:  # prompts into empty slots: nothing to copy
+            return past
         rows = list(zip(index.tolist(), lengths.tolist(), strict=True))
         for array, p in zip(self.pool.arrays, past, strict=True):  # each (S, nkv, M, hs)
             for i, (slot, n) in enumerate(rows):
