@@ -35,6 +35,7 @@ namespace attention {
 namespace {
 
 constexpr const char* kOpName = "CachedAttention";
+constexpr int64_t kMaxRegionsPerTask = 8;  // a decode task's (row, key/value head) regions
 enum Input { kQuery, kKey, kValue, kPastKey, kPastValue, kSeqlens, kTotal, kCos, kSin, kInputs };
 
 }  // namespace
@@ -247,6 +248,7 @@ struct Problem {
   bool first_prompt;
   float scale;
   int64_t heads_per_task, tokens_per_task, head_chunks, token_chunks;
+  int64_t regions_per_task;  // a decode's tasks: this many rows' key/value heads in turn
 
   int64_t Width() const { return (a.heads + 2 * a.kv_heads) * hs; }
   int64_t Group() const { return a.heads / a.kv_heads; }
@@ -296,11 +298,88 @@ void WriteKeysValues(void* data, size_t i) {
   }
 }
 
-// Task i of the second pass: for row b and key/value head g, `heads_per_task` of the group's
-// query heads over `tokens_per_task` tokens: scores against the cached keys, softmax, the
-// weighted sum of the values.
+// Keys [first, first + n) that token s of row b attends to (its own included).
+struct KeyRange {
+  int64_t first, n;
+};
+KeyRange KeysOf(const Problem& p, int64_t b, int64_t s) {
+  const int64_t seen = p.Past(b) + s + 1;  // keys at and before this token
+  const int64_t first = p.a.window > 0 && seen > p.a.window ? seen - p.a.window : 0;
+  return {first, seen - first};
+}
+
+// Half `half` (0, 1) of `bytes` from `base` towards L1, ahead of the task's next region.
+void PrefetchHalf(const float* base, int64_t bytes, int half) {
+  const char* start = reinterpret_cast<const char*>(base);
+  const int64_t middle = bytes / 2 / 64 * 64;  // whole lines
+  const int64_t from = half == 0 ? 0 : middle, to = half == 0 ? middle : bytes;
+  for (int64_t line = from; line < to; line += 64) _mm_prefetch(start + line, _MM_HINT_T0);
+}
+
+// For row b and key/value head g, `heads` query heads from h0 over tokens [s0, s1): scores
+// against the cached keys, softmax, the weighted sum of the values. `next` (or null): the
+// keys and values the task reads next (`next_bytes` each), fetched in halves around the
+// phases, so that its memory reads overlap this region's arithmetic.
+void AttendRegion(const Problem& p, int64_t b, int64_t g, int64_t h0, int64_t heads, int64_t s0,
+                  int64_t s1, const float* next_keys, const float* next_values,
+                  int64_t next_bytes) {
+  const float* keys = p.KeyRows(b, g);
+  const float* values = p.ValueRows(b, g);
+  thread_local AlignedScratch q_scratch, score_scratch;
+  float* q = q_scratch.As<float>(static_cast<size_t>(heads * p.hs));  // (heads, H)
+  float* scores = score_scratch.As<float>(static_cast<size_t>(heads * (p.Past(b) + s1)));
+  for (int64_t s = s0; s < s1; ++s) {
+    const auto [first, n] = KeysOf(p, b, s);
+    const float* token = p.qkv + (b * p.tokens + s) * p.Width();
+    const int64_t position = p.Position(b, s);
+    for (int64_t h = 0; h < heads; ++h) {
+      p.Rotate(token + (h0 + h) * p.hs, position, p.scale, q + h * p.hs);
+    }
+    if (next_keys != nullptr) PrefetchHalf(next_keys, next_bytes, 0);
+    p.kernels.scores(q, heads, keys + first * p.hs, n, p.hs, scores);  // (heads, n)
+    if (next_keys != nullptr) PrefetchHalf(next_keys, next_bytes, 1);
+    for (int64_t h = 0; h < heads; ++h) p.kernels.softmax(scores + h * n, n);
+    if (next_values != nullptr) PrefetchHalf(next_values, next_bytes, 0);
+    p.kernels.weighted_sum(scores, heads, values + first * p.hs, n, p.hs,
+                           p.out + ((b * p.tokens + s) * p.a.heads + h0) * p.hs, p.hs);
+    if (next_values != nullptr) PrefetchHalf(next_values, next_bytes, 1);
+  }
+}
+
+// Task i of the second pass: a decode's run of regions_per_task (row, key/value head)
+// regions, each prefetching the next; otherwise one region's `heads_per_task` query heads
+// over `tokens_per_task` tokens.
+//
+// Why runs: a decode region's keys and values (64 KB at 128 positions of a 64-wide head)
+// come from memory, and a task read them at 15 GB/s, a third of what one core streams,
+// while its arithmetic over them in cache takes about a quarter of its time. On a Zen 5
+// EPYC (one thread, 4 query heads, 128 positions): 4.1 us a region from memory, 1.15 in
+// cache, 3.1-3.3 prefetching the next region's rows in halves around the phases
+// (attention-task.txt in results/bench/2026-12-05-zen5-q4_0-bound/; served, the 1B Q4_0
+// step's attention at batch 32 8.3 ms against 9.6).
 void Attend(void* data, size_t i) {
   const Problem& p = *static_cast<const Problem*>(data);
+  if (p.regions_per_task > 0) {
+    const int64_t regions = p.batch * p.a.kv_heads;
+    const int64_t r0 = static_cast<int64_t>(i) * p.regions_per_task;
+    const int64_t r1 = std::min(regions, r0 + p.regions_per_task);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / p.a.kv_heads, g = r % p.a.kv_heads;
+      const float* next_keys = nullptr;
+      const float* next_values = nullptr;
+      int64_t next_bytes = 0;
+      if (r + 1 < r1) {
+        const int64_t nb = (r + 1) / p.a.kv_heads, ng = (r + 1) % p.a.kv_heads;
+        const auto [first, n] = KeysOf(p, nb, 0);
+        next_keys = p.KeyRows(nb, ng) + first * p.hs;
+        next_values = p.ValueRows(nb, ng) + first * p.hs;
+        next_bytes = n * p.hs * static_cast<int64_t>(sizeof(float));
+      }
+      AttendRegion(p, b, g, g * p.Group(), p.Group(), 0, p.tokens, next_keys, next_values,
+                   next_bytes);
+    }
+    return;
+  }
   int64_t t = static_cast<int64_t>(i);
   const int64_t tc = t % p.token_chunks;
   t /= p.token_chunks;
@@ -310,26 +389,7 @@ void Attend(void* data, size_t i) {
   const int64_t h0 = g * p.Group() + hc * p.heads_per_task;
   const int64_t heads = std::min(p.heads_per_task, (g + 1) * p.Group() - h0);
   const int64_t s0 = tc * p.tokens_per_task, s1 = std::min(p.tokens, s0 + p.tokens_per_task);
-  const int64_t past = p.Past(b);
-  const float* keys = p.KeyRows(b, g);
-  const float* values = p.ValueRows(b, g);
-  thread_local AlignedScratch q_scratch, score_scratch;
-  float* q = q_scratch.As<float>(static_cast<size_t>(heads * p.hs));  // (heads, H)
-  float* scores = score_scratch.As<float>(static_cast<size_t>(heads * (past + s1)));
-  for (int64_t s = s0; s < s1; ++s) {
-    const int64_t seen = past + s + 1;  // keys at and before this token
-    const int64_t first = p.a.window > 0 && seen > p.a.window ? seen - p.a.window : 0;
-    const int64_t n = seen - first;
-    const float* token = p.qkv + (b * p.tokens + s) * p.Width();
-    const int64_t position = p.Position(b, s);
-    for (int64_t h = 0; h < heads; ++h) {
-      p.Rotate(token + (h0 + h) * p.hs, position, p.scale, q + h * p.hs);
-    }
-    p.kernels.scores(q, heads, keys + first * p.hs, n, p.hs, scores);  // (heads, n)
-    for (int64_t h = 0; h < heads; ++h) p.kernels.softmax(scores + h * n, n);
-    p.kernels.weighted_sum(scores, heads, values + first * p.hs, n, p.hs,
-                           p.out + ((b * p.tokens + s) * p.a.heads + h0) * p.hs, p.hs);
-  }
+  AttendRegion(p, b, g, h0, heads, s0, s1, nullptr, nullptr, 0);
 }
 
 int64_t OptionalInt(const Ort::ConstKernelInfo& info, const char* name, int64_t fallback) {
@@ -454,10 +514,18 @@ struct CachedAttentionKernel {
     const bool split_heads = p.batch * a.kv_heads * p.token_chunks < 8;
     p.heads_per_task = split_heads ? 1 : p.Group();
     p.head_chunks = p.Group() / p.heads_per_task;
-    ctx.ParallelFor(WriteKeysValues, static_cast<size_t>(p.batch * a.kv_heads), 0, &p);
-    ctx.ParallelFor(Attend,
-                    static_cast<size_t>(p.batch * a.kv_heads * p.head_chunks * p.token_chunks),
-                    0, &p);
+    // A decode step (up to 16 tokens a row, whole groups a task) with regions to spare: runs
+    // of them, at least 16 tasks (2-8 regions each) so that a thread slowed by other load
+    // takes fewer.
+    const int64_t regions = p.batch * a.kv_heads;
+    p.regions_per_task = p.token_chunks == 1 && p.head_chunks == 1 && regions >= 32
+                             ? std::min<int64_t>(kMaxRegionsPerTask, regions / 16)
+                             : 0;
+    ctx.ParallelFor(WriteKeysValues, static_cast<size_t>(regions), 0, &p);
+    const int64_t tasks = p.regions_per_task > 0
+                              ? (regions + p.regions_per_task - 1) / p.regions_per_task
+                              : regions * p.head_chunks * p.token_chunks;
+    ctx.ParallelFor(Attend, static_cast<size_t>(tasks), 0, &p);
   }
 
   // present ← past where they are separate buffers (bound to one OrtValue, nothing to do).

@@ -52,6 +52,11 @@ CASES = {
     "decode-pairs-scale": Case(4, 2, 16, 20, (9, 19, 0), 1, 20, rotary="pairs", scale=0.3),
     "decode-head-8": Case(6, 2, 8, 16, (4, 15), 1, 16, rotary="none"),  # (rotary: 16s)
     "decode-window": Case(8, 2, 64, 40, (5, 30, 39), 1, 40, window=8),
+    # 17 rows x 3 key/value heads: runs of 3 regions a task, each prefetching the next; the
+    # last run of 3 too, the rows' lengths from 1 to the whole cache
+    "decode-many-rows": Case(9, 3, 64, 48, (0, 47, 3, 20, 9, 33, 1, 46, 12, 5, 29, 40, 7, 18,
+                                            2, 38, 26), 1, 48),
+    "decode-many-rows-window": Case(8, 2, 32, 40, tuple(range(0, 40, 2)), 1, 40, window=6),
     "first-prompt-padded": Case(8, 2, 64, 40, (20, 6, 0), 21, 21),
     "later-chunk": Case(9, 3, 64, 64, (44,), 19, 64),
     "later-chunk-window": Case(4, 1, 32, 64, (50,), 33, 64, window=5),
