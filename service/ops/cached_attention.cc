@@ -353,8 +353,8 @@ void AttendRegion(const Problem& p, int64_t b, int64_t g, int64_t h0, int64_t he
 // Why runs: a decode region's keys and values (64 KB at 128 positions of a 64-wide head)
 // come from memory, and a task read them at 15 GB/s, a third of what one core streams,
 // while its arithmetic over them in cache takes about a quarter of its time. On a Zen 5
-// EPYC (one thread, 4 query heads, 128 positions): 4.1 us a region from memory, 1.15 in
-// cache, 3.1-3.3 prefetching the next region's rows in halves around the phases
+// EPYC (one thread, 4 query heads, 128 positions): 4.1-4.6 us a region from memory, 1.15 in
+// cache, 3.1-3.7 prefetching the next region's rows in halves around the phases
 // (attention-task.txt in results/bench/2026-12-05-zen5-q4_0-bound/; served, the 1B Q4_0
 // step's attention at batch 32 8.3 ms against 9.6).
 void Attend(void* data, size_t i) {

@@ -10,13 +10,11 @@
 using namespace attnserve_gguf::rowdot;
 namespace attnserve_gguf { namespace rowdot {
 ATTNSERVE_BEGIN_AVX512_VNNI
-template <int R, bool kLanes, bool kAsm = false>
+template <int R>
 void Chunk(int b0, int b1, int blocks, const uint8_t* w, size_t group_bytes, const uint8_t* xq,
            size_t xq_bytes, const Q8_0Term* terms, float* y, size_t y_stride, bool prefetch) {
   const __m512i first = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(1));
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x88));
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * y_stride);
   w += b0 * kQ4_0x8Bytes;
@@ -31,36 +29,7 @@ void Chunk(int b0, int b1, int blocks, const uint8_t* w, size_t group_bytes, con
     const __m512 scales = _mm512_cvtph_ps(_mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))),
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1)), 1));
-    if constexpr (kLanes) {
-      const __m512i a0 = _mm512_loadu_si512(w + 16), a1 = _mm512_loadu_si512(w1 + 16);
-      const __m512i c0 = _mm512_loadu_si512(w + 80), c1 = _mm512_loadu_si512(w1 + 80);
-      const __m512i quads[4] = {_mm512_permutex2var_epi32(a0, first, a1),
-                                _mm512_permutex2var_epi32(a0, second, a1),
-                                _mm512_permutex2var_epi32(c0, first, c1),
-                                _mm512_permutex2var_epi32(c0, second, c1)};
-      __m512i lo[4], hi[4];
-      for (int j = 0; j < 4; ++j) {
-        lo[j] = _mm512_ternarylogic_epi32(quads[j], flip, nibble, 0x28);
-        hi[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(quads[j], 4), flip, nibble, 0x28);
-      }
-      for (int r = 0; r < R; ++r) {
-        const Q8_0Term& term = terms[r * blocks + b];
-        const uint8_t* x = xq + r * xq_bytes + b * kQ8_0Bytes + 2;
-        __m512i dot = _mm512_set1_epi32(term.offset);
-        if (kAsm) {
-#define DP(O, C) __asm__("vpdpbusd " #O "(%[x])%{1to16%}, %[c], %[d]" : [d] "+v"(dot) : [c] "v"(C), [x] "r"(x))
-        DP(0, lo[0]); DP(16, hi[0]); DP(4, lo[1]); DP(20, hi[1]);
-        DP(8, lo[2]); DP(24, hi[2]); DP(12, lo[3]); DP(28, hi[3]);
-#undef DP
-        } else
-        for (int j = 0; j < 4; ++j) {
-          int32_t lc, hc; std::memcpy(&lc, x + 4 * j, 4); std::memcpy(&hc, x + 16 + 4 * j, 4);
-          dot = _mm512_dpbusd_epi32(dot, lo[j], _mm512_set1_epi32(lc));
-          dot = _mm512_dpbusd_epi32(dot, hi[j], _mm512_set1_epi32(hc));
-        }
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scales, _mm512_set1_ps(term.scale)), _mm512_cvtepi32_ps(dot), acc[r]);
-      }
-    } else {
+    {
       const Q4_0x8Codes codes0 = LoadCodes(w), codes1 = LoadCodes(w + group_bytes);
       for (int r = 0; r < R; ++r) {
         const Q8_0Term& term = terms[r * blocks + b];
@@ -79,7 +48,7 @@ ATTNSERVE_END_AVX512_VNNI
 }}
 int main(int argc, char** argv) {
   const int k = 2048, n = argc > 1 ? atoi(argv[1]) : 65536, m = 32;
-  const int mode = argc > 2 ? atoi(argv[2]) : 0;  // 0 library passes, 1 chunked pair, 2 chunked lanes
+  const int mode = argc > 2 ? atoi(argv[2]) : 0;  // 0: the library's passes; 1: chunk-major passes
   const int cb = argc > 3 ? atoi(argv[3]) : 16;
   const int threads = 2, task_rows = 16, blocks = k / 32;
   const size_t row_bytes = blocks * 18, gb = blocks * 144;
@@ -116,10 +85,7 @@ int main(int argc, char** argv) {
         } else {
           for (int c = 0; c < blocks; c += cb)
             for (int i = 0; i < m; i += 8) {
-              if (mode == 1) Chunk<8, false>(c, std::min(c + cb, blocks), blocks, wt, gb, xq.data() + size_t(i) * blocks * 34, blocks * 34, terms.data() + size_t(i) * blocks, y + size_t(i) * n + r0, n, i == 0);
-              else if (mode == 2) Chunk<8, true>(c, std::min(c + cb, blocks), blocks, wt, gb, xq.data() + size_t(i) * blocks * 34, blocks * 34, terms.data() + size_t(i) * blocks, y + size_t(i) * n + r0, n, i == 0);
-              else if (mode == 3) Chunk<8, true, true>(c, std::min(c + cb, blocks), blocks, wt, gb, xq.data() + size_t(i) * blocks * 34, blocks * 34, terms.data() + size_t(i) * blocks, y + size_t(i) * n + r0, n, i == 0);
-              else if (mode == 4 && i % 16 == 0) Chunk<16, true, true>(c, std::min(c + cb, blocks), blocks, wt, gb, xq.data() + size_t(i) * blocks * 34, blocks * 34, terms.data() + size_t(i) * blocks, y + size_t(i) * n + r0, n, i == 0);
+              Chunk<8>(c, std::min(c + cb, blocks), blocks, wt, gb, xq.data() + size_t(i) * blocks * 34, blocks * 34, terms.data() + size_t(i) * blocks, y + size_t(i) * n + r0, n, i == 0);
             }
         }
       }

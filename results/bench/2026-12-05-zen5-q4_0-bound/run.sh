@@ -6,14 +6,13 @@ set -euo pipefail
 here=$(dirname "$0")
 inc="-I. -Iservice/ops -I.cache/llamacpp-tools/src/ggml/include"
 inc+=" -I$(dirname "$(find .cache/ort-headers -name onnxruntime_cxx_api.h | head -1)")"
-for p in lanes_parts start; do
+for p in lanes_parts; do
   g++ -O3 -march=native -std=c++17 $inc "$here/$p.cc" -o "/tmp/$p"
 done
 g++ -O3 -march=native -std=c++20 -pthread $inc "$here/chunks.cc" -o /tmp/chunks
 /tmp/lanes_parts > "$here/lanes-parts.txt"
-/tmp/start > "$here/start.txt"
 for round in 1 2 3; do
-  for mode in 0 1 3; do /tmp/chunks 65536 $mode 32; done
+  for mode in 0 1; do /tmp/chunks 65536 $mode 32; done
 done > "$here/chunks-harness.txt"
 g++ -O3 -march=native -std=c++17 $inc "$here/attention_task.cc" -o /tmp/attention_task
 {
