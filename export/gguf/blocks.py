@@ -692,6 +692,7 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, level: int = ACCURACY_L
             graph.initializer.append(tensor)
         del tensor
     attention = _cached_attention(graph) if kernel == "ggml" else 0
+    swiglu = _fused_swiglu(graph) if kernel == "ggml" and flat else 0
     domains = {n.domain for n in graph.node} & {"com.microsoft", ops.DOMAIN}
     for domain in sorted(domains - {o.domain for o in model.opset_import}):
         model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
@@ -707,7 +708,8 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, level: int = ACCURACY_L
                     any(a.name == "layout" and a.s == ops.REPACKED_LAYOUT.encode()
                         for a in n.attribute) for n in stored),
                 "joined_products": joined, "split_products": split, "kept_gathers": gathers,
-                "cached_attention": attention, "fallback": fallback}
+                "cached_attention": attention, "swiglu_epilogues": swiglu,
+                "fallback": fallback}
     return {"method": "GGUF blocks as MatMulNBits (export/gguf/blocks.py)", "kernel": kernel,
             "source": str(src.path), "accuracy_level": level,
             "block_sizes": sorted({a.i for n in nbits for a in n.attribute
@@ -715,6 +717,91 @@ def rewrite_graph(model: onnx.ModelProto, src: GGUFFile, level: int = ACCURACY_L
             "q4_1": Q4_1_MODE, "uncentred_blocks": writer.uncentred, "kept_tensors": dict(kept),
             "kept_matmuls": len(nbits), "joined_products": joined, "split_products": split,
             "kept_gathers": gathers, "fallback": fallback}
+
+
+def _fused_swiglu(graph: onnx.GraphProto) -> int:
+    """Every gated feed-forward activation over a joined gate | up GgufMatMul (its Split
+    into two equal halves, silu(gate) as Sigmoid and Mul, then the Mul by up) made the
+    op's ``epilogue="swiglu"``, which writes silu(gate) · up itself: three small nodes
+    fewer a layer (service/ops/gguf_epilogue.h). A pattern with anything between (an
+    adapter's delta added to gate or up) is left as it is. Returns how many."""
+    nodes = list(graph.node)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    pattern = _SwigluPattern({out: n for n in nodes for out in n.output}, readers,
+                             {t.name: t for t in graph.initializer},
+                             {o.name for o in graph.output})
+    gone: set[int] = set()
+    split_sizes: set[str] = set()  # the fused Splits' sizes: dropped where nothing reads them
+    fused = 0
+    for split in nodes:
+        found = pattern.of_split(split)
+        if found is None:
+            continue
+        fused += 1
+        product, removed = found
+        del product.output[:]
+        product.output.append(removed[-1].output[0])
+        product.attribute.append(onnx.helper.make_attribute("epilogue", ops.SWIGLU_EPILOGUE))
+        gone.update(id(n) for n in removed)
+        split_sizes.add(split.input[1])
+    if fused:
+        kept = [n for n in nodes if id(n) not in gone]
+        del graph.node[:]
+        graph.node.extend(kept)
+        used = {name for n in kept for name in n.input}
+        inits = [t for t in graph.initializer if t.name in used or t.name not in split_sizes]
+        del graph.initializer[:]
+        graph.initializer.extend(inits)
+    return fused
+
+
+@dataclass
+class _SwigluPattern:
+    """A graph's producers, readers, initializers and outputs, to find SwiGLU after a
+    joined gate | up product (:func:`_fused_swiglu`)."""
+
+    by_output: dict[str, onnx.NodeProto]
+    readers: dict[str, list[onnx.NodeProto]]
+    consts: dict[str, onnx.TensorProto]
+    outputs: set[str]
+
+    def only_reader(self, name: str) -> onnx.NodeProto | None:
+        found = self.readers.get(name, [])
+        return found[0] if len(found) == 1 and name not in self.outputs else None
+
+    def of_split(self, split: onnx.NodeProto
+                 ) -> tuple[onnx.NodeProto, list[onnx.NodeProto]] | None:
+        """(the GgufMatMul, [Split, Sigmoid, silu's Mul, the Mul by up]) where ``split``
+        starts the pattern, else None."""
+        if split.op_type != "Split" or len(split.output) != 2 or len(split.input) != 2:
+            return None
+        product = self.by_output.get(split.input[0])
+        if (product is None or product.op_type != ops.MATMUL_OP or product.domain != ops.DOMAIN
+                or self.only_reader(split.input[0]) is not split
+                or split.input[1] not in self.consts
+                or product.name != "+".join(split.output)):  # the names swiglu.py restores
+            return None
+        sizes = numpy_helper.to_array(self.consts[split.input[1]])
+        if sizes.shape != (2,) or sizes[0] != sizes[1]:
+            return None
+        gate, up = split.output
+        gate_readers = self.readers.get(gate, [])
+        sigmoid = next((n for n in gate_readers if n.op_type == "Sigmoid"), None)
+        act = next((n for n in gate_readers if n.op_type == "Mul"), None)
+        if sigmoid is None or act is None or len(gate_readers) != 2 or gate in self.outputs:
+            return None
+        if (sorted(act.input) != sorted([gate, sigmoid.output[0]])
+                or self.only_reader(sigmoid.output[0]) is not act):
+            return None
+        glu = self.only_reader(act.output[0])
+        if glu is None or glu.op_type != "Mul" or self.only_reader(up) is not glu:
+            return None
+        if sorted(glu.input) != sorted([act.output[0], up]):
+            return None
+        return product, [split, sigmoid, act, glu]
 
 
 def _cached_attention(graph: onnx.GraphProto) -> int:

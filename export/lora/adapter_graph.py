@@ -38,6 +38,7 @@ from model.architectures.base import LoRATarget
 from service.contract import io_spec as io
 from service.contract.adapter_spec import LORA_MASK, lora_a, lora_b, lora_file
 from service.contract.engine_spec import ENGINE_FILE, ENGINE_MIXED_FILE, SEQLENS_K
+from service.ops import swiglu
 
 TOKENS, ROWS = "lora_tokens", "lora_rows"  # N and S·R: symbolic dimensions of the inputs
 # the graphs export writes an adapter graph beside, when the artifact has them
@@ -152,6 +153,29 @@ class _Rewrite:
         self.graph.initializer.extend(self.consts)
 
 
+def _unfuse_swiglu(graph: onnx.GraphProto) -> None:
+    """Each GgufMatMul with the SwiGLU epilogue (export/gguf/blocks.py) back to its gate |
+    up product, the Split into gate and up and the activation (service/ops/swiglu.py)."""
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if not swiglu.is_swiglu(node):
+            nodes.append(node)
+            continue
+        rows = next(t for t in graph.initializer if t.name == node.input[1]).dims[0]
+        products, halves = f"{node.name}.gguf_joined", f"{node.name}.halves"
+        graph.initializer.append(swiglu.halves_const(int(rows), halves))
+        product = onnx.NodeProto()
+        product.CopyFrom(node)
+        del product.output[:]
+        product.output.append(products)
+        kept = [a for a in product.attribute if a.name != "epilogue"]
+        del product.attribute[:]
+        product.attribute.extend(kept)
+        nodes += [product, *swiglu.tail_nodes(node, products, halves)]
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
 def _activation(node: onnx.NodeProto) -> str | None:
     """The activation a FusedGemm applies to its product; None for any other node."""
     if node.op_type != "FusedGemm":
@@ -169,6 +193,7 @@ def build_adapter_graph(model: onnx.ModelProto, cfg: Any) -> onnx.ModelProto:
     if any(i.type.tensor_type.elem_type == TensorProto.FLOAT16 for i in out.graph.input):
         raise ValueError("no adapter graph for a float16 graph (its activations are float16)")
     flat = SEQLENS_K in names  # the engine graphs: (N, d); attention.onnx: (1, T, d)
+    _unfuse_swiglu(out.graph)  # the updates go to gate and up, before the activation
     rewrite = _Rewrite(out, flat)
     targets = architecture(cfg.arch).lora_targets(cfg)
     columns = _columns(cfg)

@@ -50,6 +50,9 @@ ATTENTION_OP = "CachedAttention"
 # Q4_0 / IQ4_NL out (8 rows interleaved, the same bytes; service/ops/gguf_repacked.h)
 ROWS_LAYOUT = "rows"
 REPACKED_LAYOUT = "repacked_8x8"
+# GgufMatMul's ``epilogue`` attribute: silu(gate) · up of its gate | up rows' products, the
+# output half as wide (service/ops/gguf_epilogue.h)
+SWIGLU_EPILOGUE = "swiglu"
 
 
 class _SessionOptions(Protocol):

@@ -64,7 +64,7 @@ SOURCES = ("gguf_ops.h", "gguf_ops.cc", "gguf_matmul.cc", "gguf_gather.cc",
            "cached_attention.cc", "cached_attention_kernels.inc", "gguf_batched.h",
            "gguf_batched.cc", "gguf_batched_kernels.inc", "gguf_float.h", "gguf_float.cc",
            "gguf_repacked.h", "gguf_repacked.cc", "gguf_rowdot.h", "gguf_rowdot.cc",
-           "CMakeLists.txt")
+           "gguf_epilogue.h", "gguf_epilogue.cc", "vec_exp.h", "CMakeLists.txt")
 
 # Equal to benchmarks/llamacpp_env.py's pin (a test checks): the kernels the benchmark's
 # llama.cpp runs are the kernels this op runs.
@@ -80,12 +80,13 @@ DEFAULT_JOBS = 2
 
 # What the op library must understand for the graphs this attnserve exports: 1 GgufMatMul
 # and GgufGather over the file's rows at int8 activations, 2 and activations="float", 3 and
-# layout="repacked_8x8", 4 and the CachedAttention op. Compiled into the library
+# layout="repacked_8x8", 4 and the CachedAttention op, 5 and GgufMatMul's epilogue="swiglu".
+# Compiled into the library
 # (attnserve_gguf_ops_level, below), which service.ops does not load when it reports less,
 # or nothing (built from older sources): ONNX Runtime hands an op only the attributes it
 # asks for, so it would ignore the ones it does not know and compute a repacked or
 # float-activation node wrongly (and an older library has no CachedAttention at all).
-OPS_LEVEL = 4
+OPS_LEVEL = 5
 # Explicit -mno-* options win over -march=native in GCC and clang: AMX kernels crashed
 # ggml on AMX hosts (see benchmarks/llamacpp_env.py), and the op needs none.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"

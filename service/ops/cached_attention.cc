@@ -29,6 +29,7 @@
 #include <cstring>
 
 #include "gguf_ops.h"
+#include "vec_exp.h"
 
 namespace attnserve_gguf {
 namespace attention {
@@ -85,23 +86,8 @@ inline float MaxOf(Vec v) {
   x = _mm_max_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
-// e^x for x ≤ 0: x = n·ln 2 + r with |r| ≤ ln 2 / 2, e^r by its Taylor series to r^6
-// (relative error < 2e-7), 2^n into the exponent bits. Below −87 the result is 0.
-inline Vec Exp(Vec x) {
-  const Vec clamped = _mm256_max_ps(x, Set1(-87.0f));
-  const Vec n = _mm256_round_ps(_mm256_mul_ps(clamped, Set1(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm256_fnmadd_ps(n, Set1(0.693359375f), clamped);
-  r = _mm256_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
-  Vec p = Set1(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
-    p = _mm256_fmadd_ps(p, r, Set1(c));
-  }
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const Vec e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  return _mm256_blendv_ps(e, Zero(), _mm256_cmp_ps(x, Set1(-87.0f), _CMP_LT_OQ));
-}
+// e^x for x ≤ 0 (vec_exp.h).
+inline Vec Exp(Vec x) { return ExpAvx2(x); }
 #include "cached_attention_kernels.inc"
 }  // namespace
 }  // namespace avx2
@@ -153,20 +139,7 @@ inline Vec SumEach(const Vec* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
                        _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
-// As avx2::Exp, with 2^n applied by scalef.
-inline Vec Exp(Vec x) {
-  const Vec clamped = _mm512_max_ps(x, Set1(-87.0f));
-  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, Set1(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm512_fnmadd_ps(n, Set1(0.693359375f), clamped);
-  r = _mm512_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
-  Vec p = Set1(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
-    p = _mm512_fmadd_ps(p, r, Set1(c));
-  }
-  const Vec e = _mm512_scalef_ps(p, n);
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, Set1(-87.0f), _CMP_LT_OQ), e, Zero());
-}
+inline Vec Exp(Vec x) { return ExpAvx512(x); }
 #include "cached_attention_kernels.inc"
 }  // namespace
 }  // namespace avx512

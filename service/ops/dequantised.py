@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from service import ops
+from service.ops import swiglu
 
 GROUP_ROWS = 8  # rows interleaved in one group of the repacked layout
 BLOCK_WEIGHTS = 32  # Q4_0 / IQ4_NL: weights in a block
@@ -122,27 +123,35 @@ def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
             graph.initializer.append(numpy_helper.from_array(weights, floats[key]))
         return floats[key]
 
+    standard: list[onnx.NodeProto] = []
     for node in graph.node:
         if node.domain != ops.DOMAIN:
-            used.update(node.input)
-            continue
-        if node.op_type == ops.MATMUL_OP:  # Y = X · Wᵀ
+            standard.append(node)
+        elif node.op_type == ops.MATMUL_OP:  # Y = X · Wᵀ
             weight = float_weight(node, transposed=True)
-            replacement = onnx.helper.make_node("MatMul", [node.input[0], weight],
-                                                list(node.output), name=node.name)
+            if swiglu.is_swiglu(node):  # the product, then what the epilogue stands for
+                products, halves = f"{node.name}.products", f"{node.name}.halves"
+                graph.initializer.append(swiglu.halves_const(dense[node.input[1]].shape[0],
+                                                             halves))
+                standard.append(onnx.helper.make_node("MatMul", [node.input[0], weight],
+                                                      [products], name=node.name))
+                standard += swiglu.tail_nodes(node, products, halves)
+            else:
+                standard.append(onnx.helper.make_node("MatMul", [node.input[0], weight],
+                                                      list(node.output), name=node.name))
         elif node.op_type == ops.GATHER_OP:  # Y = W[ids]
             weight = float_weight(node, transposed=False)
-            replacement = onnx.helper.make_node("Gather", [weight, node.input[0]],
-                                                list(node.output), name=node.name, axis=0)
+            standard.append(onnx.helper.make_node("Gather", [weight, node.input[0]],
+                                                  list(node.output), name=node.name, axis=0))
         elif node.op_type == ops.ATTENTION_OP:  # the same node, on ONNX Runtime's kernel
             node.op_type, node.domain = "GroupQueryAttention", CONTRIB
-            used.update(node.input)
-            continue
+            standard.append(node)
         else:
             raise ValueError(f"node {node.name!r}: {node.op_type} of domain {ops.DOMAIN} has "
                              "no standard-op form")
-        node.CopyFrom(replacement)
-        used.update(node.input)
+    del graph.node[:]
+    graph.node.extend(standard)
+    used = {name for node in graph.node for name in node.input}
     gone = set(gguf_bytes) - used
     kept = [init for init in graph.initializer if init.name not in gone]
     del graph.initializer[:]

@@ -12,6 +12,9 @@
 //                         mul_mat quantises it) or "float" (X kept in float32, each
 //                         weight row dequantised by ggml: the float32 model's arithmetic,
 //                         gguf_float.h)
+//            epilogue     string, optional: "" (the default) or "swiglu": W's rows are
+//                         gate | up (N even) and Y [..., N / 2] = silu(gate) · up
+//                         (gguf_epilogue.h)
 //
 // Every type whose ggml-cpu traits have a vec_dot, and a from_float for its vec_dot_type,
 // is accepted (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types, ...); the list is
@@ -49,6 +52,7 @@
 #include "ggml-cpu.h"
 #include "ggml.h"
 #include "gguf_batched.h"
+#include "gguf_epilogue.h"
 #include "gguf_float.h"
 #include "gguf_rowdot.h"
 #include "gguf_ops.h"
@@ -405,6 +409,41 @@ void BatchedBlock(void* data, size_t block) {
                    f.repacked);
 }
 
+// The SwiGLU epilogue's tasks: whole rows of the (M, N) products, about 16 K outputs a task
+// (SmolLM2's decode step of 32 rows: 4 tasks; one row: one task, run inline).
+struct SwigluJob {
+  const float* products;  // (M, 2·half): gate | up
+  int64_t half;
+  float* y;  // (M, half)
+  int64_t m;
+  int64_t rows_per_task;
+};
+
+int64_t SwigluRowsPerTask(int64_t m, int64_t half) {
+  constexpr int64_t kOutputsPerTask = 16 * 1024;
+  return std::clamp<int64_t>(kOutputsPerTask / std::max<int64_t>(half, 1), 1, m);
+}
+
+void SwigluBlock(void* data, size_t task) {
+  const auto& job = *static_cast<const SwigluJob*>(data);
+  const int64_t r0 = static_cast<int64_t>(task) * job.rows_per_task;
+  epilogue::Swiglu(job.products, job.half, r0, std::min(job.m, r0 + job.rows_per_task), job.y);
+}
+
+// The node's "epilogue" attribute: false for "" (or none), true for "swiglu".
+bool SwigluEpilogue(const Ort::ConstKernelInfo& info, const std::string& node) {
+  std::string value;
+  try {
+    value = info.GetAttribute<std::string>("epilogue");
+  } catch (const Ort::Exception&) {
+    return false;
+  }
+  if (value.empty()) return false;
+  if (value == "swiglu") return true;
+  throw OpError(ORT_INVALID_ARGUMENT, Where(kOpName, node) + "attribute epilogue='" + value +
+                                          "' is neither '' nor 'swiglu'");
+}
+
 // Which path a node takes: ATTNSERVE_GGUF_MATMUL_PATH = auto (default: the batched kernels
 // for the types they cover from batched::MinBatch(type) rows, with the best instruction set
 // here), vec_dot (ggml's vec_dot always), avx2 or avx512vnni (the batched kernels with that
@@ -482,6 +521,7 @@ struct GgufMatMulKernel {
   std::string node;
   WeightFormat format;
   PathChoice path;
+  bool swiglu = false;  // epilogue="swiglu" (gguf_epilogue.h)
 
   OrtStatusPtr ComputeV2(OrtKernelContext* raw) const {
     return Guarded(Ort::GetApi(), kOpName, [&] { Compute(raw); });
@@ -517,16 +557,43 @@ struct GgufMatMulKernel {
                                               " rows; layout='" + repacked::kLayout +
                                               "' holds groups of 8");
     }
+    if (swiglu && n % 2 != 0) {
+      throw OpError(ORT_INVALID_ARGUMENT, where + "W has " + std::to_string(n) +
+                                              " rows; epilogue='swiglu' takes gate | up "
+                                              "rows, an even number");
+    }
     int64_t m = 1;
     for (size_t i = 0; i + 1 < x_shape.size(); ++i) m *= x_shape[i];
     std::vector<int64_t> y_shape(x_shape);
-    y_shape.back() = n;  // (..., N)
+    y_shape.back() = swiglu ? n / 2 : n;  // (..., N), or (..., N / 2) after the epilogue
     Ort::UnownedValue y = ctx.GetOutput(0, y_shape);
     if (m == 0 || n == 0) return;
-    float* y_data = y.GetTensorMutableData<float>();  // (M, N)
     const float* x_data = x.GetTensorData<float>();   // (M, K)
     const uint8_t* w_data = w.GetTensorData<uint8_t>();
+    if (!swiglu) {
+      Products(ctx, x_data, m, w_data, n, y.GetTensorMutableData<float>());
+      return;
+    }
+    // (M, N): gate | up, kept from call to call (a fresh buffer of a batch-32 step's 2 MB
+    // faulted its pages in every call: 15-30 us more a product of SmolLM2's at M = 32)
+    thread_local AlignedScratch scratch;
+    float* products = scratch.As<float>(static_cast<size_t>(m * n));
+    Products(ctx, x_data, m, w_data, n, products);
+    SwigluJob job{products, n / 2, y.GetTensorMutableData<float>(), m,
+                  SwigluRowsPerTask(m, n / 2)};
+    const int64_t tasks = (m + job.rows_per_task - 1) / job.rows_per_task;
+    if (tasks == 1) {
+      SwigluBlock(&job, 0);
+    } else {
+      ctx.ParallelFor(SwigluBlock, static_cast<size_t>(tasks), 0, &job);
+    }
+  }
 
+  // Y (M, N) = X · Wᵀ by the path this node's format and M take.
+  void Products(Ort::KernelContext& ctx, const float* x_data, int64_t m, const uint8_t* w_data,
+                int64_t n, float* y_data) const {
+    const std::string where = Where(kOpName, node);
+    const WeightFormat& f = format;
     if (f.float_activations) {
       std::vector<float> sums;  // (M, K / 32) where the type's groups have mins
       floatpath::Acts acts{x_data, m, f.k, nullptr};
@@ -639,10 +706,11 @@ struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, /*WithSt
       const int64_t k =
           IntAttribute(kinfo, kOpName, node, "k", "the number of weights in a row");
       const bool repacked = Repacked(kinfo, node, type_id);
+      const bool swiglu = SwigluEpilogue(kinfo, node);
       if (FloatActivations(kinfo, node)) {
         WeightFormat format = ResolveFloatFormat(node, type_id, k);
         format.repacked = repacked;
-        *kernel = new GgufMatMulKernel{node, format, ChooseFloatPath(node)};
+        *kernel = new GgufMatMulKernel{node, format, ChooseFloatPath(node), swiglu};
         return;
       }
       WeightFormat format = ResolveFormat(node, type_id, k);
@@ -651,20 +719,30 @@ struct GgufMatMulOp : Ort::CustomOpBase<GgufMatMulOp, GgufMatMulKernel, /*WithSt
         format.act_type = repacked::KernelsFor(format.type).act_type;
         format.act_row_bytes = ggml_row_size(format.act_type, k);
       }
-      *kernel = new GgufMatMulKernel{node, format, ChoosePath(node, format.type)};
+      *kernel = new GgufMatMulKernel{node, format, ChoosePath(node, format.type), swiglu};
     });
   }
 
-  // Y's shape for the graph: X's with the last dimension replaced by W's first. Mismatches
-  // are left to Compute, which names them with the node.
+  // Y's shape for the graph: X's with the last dimension replaced by W's first (half of it
+  // after the SwiGLU epilogue). Mismatches are left to Compute, which names them with the
+  // node.
   static OrtStatusPtr InferOutputShape(Ort::ShapeInferContext& ctx) {
     OrtStatusPtr status = nullptr;
     OrtStatusPtr guard = Guarded(Ort::GetApi(), kOpName, [&] {
       const Ort::ShapeInferContext::Shape& x = ctx.GetInputShape(0);
       const Ort::ShapeInferContext::Shape& w = ctx.GetInputShape(1);
       if (x.empty() || w.size() != 2) return;  // rank unknown: nothing to say
+      std::string epilogue;
+      try {
+        epilogue = ctx.GetAttrString("epilogue");
+      } catch (const Ort::Exception&) {
+      }
       Ort::ShapeInferContext::Shape y(x);
       y.back() = w[0];
+      if (epilogue == "swiglu") {
+        if (!w[0].IsInt()) return;  // N unknown: Y's last dimension too
+        y.back() = Ort::ShapeInferContext::Shape::value_type(w[0].AsInt() / 2);
+      }
       std::vector<std::string> names;
       NameUnknownDims(y, names);
       status = ctx.SetOutputShape(0, y).release();

@@ -285,6 +285,38 @@ def test_manifest_and_size(case: str, exported: Callable[[str], Exported]) -> No
     assert ours < theirs
 
 
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_swiglu_is_the_products_epilogue(case: str, exported: Callable[[str], Exported]) -> None:
+    """Where one GgufMatMul computes a layer's gate | up rows (one GGUF type), the engine
+    graphs hold it with ``epilogue="swiglu"`` and no Split, Sigmoid or Mul after it (the
+    export's figures count them). The adapter graphs, whose updates go to gate and up before the
+    activation, hold the unfused form (a Sigmoid a layer, no epilogue); GPT-2's
+    plain MLP has none. The graphs compute the tokens the other tests check."""
+    e = exported(case)
+    layers = json.loads((e.ggml / "config.json").read_text("utf-8"))["n_layers"]
+    gated = CASES[case].family != "gpt2"
+
+    def counts(name: str) -> tuple[int, int]:
+        graph = onnx.load(str(e.ggml / name), load_external_data=False).graph
+        fused = sum(n.op_type == service.ops.MATMUL_OP and any(
+            a.name == "epilogue" and a.s == b"swiglu" for a in n.attribute) for n in graph.node)
+        return fused, sum(n.op_type == "Sigmoid" for n in graph.node)
+
+    verification = json.loads((e.ggml / "manifest.json").read_text("utf-8"))["verification"]
+    for name in ("engine.onnx", "engine_mixed.onnx"):  # (the row groups share the MLP)
+        adapters = onnx.load(str(e.ggml / name.replace(".onnx", "_lora.onnx")),
+                             load_external_data=False).graph
+        # gate | up in one product where both are of one type (not mixed's Q8_0 | Q5_0,
+        # nor kquants' Q4_K | Q6_K)
+        joined = sum(n.op_type == service.ops.MATMUL_OP and n.name == f"l{i}.gate+l{i}.up"
+                     for n in adapters.node for i in range(layers))
+        assert counts(name) == (joined, layers - joined if gated else 0), name
+        assert counts(name.replace(".onnx", "_lora.onnx")) == (0, layers if gated else 0)
+        figures = verification[f"{name.removesuffix('.onnx')}_quantized"]
+        assert figures["swiglu_epilogues"] == joined, name
+    assert (joined > 0) == (case in ("q4_0", "q4_1"))
+
+
 def test_refusals_write_nothing(exported: Callable[[str], Exported], tmp_path: Path,
                                 monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str]) -> None:

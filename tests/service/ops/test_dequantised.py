@@ -64,6 +64,21 @@ def test_products_equal_numpy(name: str, no_library: None,
         assert row_error(y, x.astype(np.float64) @ dense.T) < FLOAT32, (name, m)
 
 
+def test_the_swiglu_epilogue_is_spelled_out(no_library: None) -> None:
+    """A GgufMatMul with ``epilogue="swiglu"`` becomes MatMul, Split, Sigmoid and two Muls:
+    silu(gate) · up of numpy's float64 products, half as wide."""
+    rng = np.random.default_rng(5)
+    stored, dense = TYPES["Q4_0"].make(rng, 2 * 20, K)
+    model = matmul_model(TYPES["Q4_0"].type_id, K, w=stored, epilogue="swiglu")
+    session = create_session(model)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    (y,) = session.run(None, {"X": x})
+    products = x.astype(np.float64) @ dense.T
+    gate, up = products[:, :20], products[:, 20:]
+    assert y.shape == (3, 20)
+    assert row_error(y, gate / (1 + np.exp(-gate)) * up) < FLOAT32
+
+
 @pytest.mark.parametrize("name", REPACKED)
 def test_the_repacked_layout_unpacks_to_the_files_rows(gguf_ops_library: Path,
                                                        name: str) -> None:
