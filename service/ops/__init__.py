@@ -53,6 +53,9 @@ REPACKED_LAYOUT = "repacked_8x8"
 # GgufMatMul's ``epilogue`` attribute: silu(gate) · up of its gate | up rows' products, the
 # output half as wide (service/ops/gguf_epilogue.h)
 SWIGLU_EPILOGUE = "swiglu"
+# The same activation as an op of its own, X (..., 2F) gate | up → (..., F), for the graphs
+# that add to gate and up before it (the adapter graphs; service/ops/swiglu.py)
+SWIGLU_OP = "Swiglu"
 
 
 class _SessionOptions(Protocol):

@@ -80,7 +80,8 @@ DEFAULT_JOBS = 2
 
 # What the op library must understand for the graphs this attnserve exports: 1 GgufMatMul
 # and GgufGather over the file's rows at int8 activations, 2 and activations="float", 3 and
-# layout="repacked_8x8", 4 and the CachedAttention op, 5 and GgufMatMul's epilogue="swiglu".
+# layout="repacked_8x8", 4 and the CachedAttention op, 5 and GgufMatMul's epilogue="swiglu"
+# with the Swiglu op.
 # Compiled into the library
 # (attnserve_gguf_ops_level, below), which service.ops does not load when it reports less,
 # or nothing (built from older sources): ONNX Runtime hands an op only the attributes it

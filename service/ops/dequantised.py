@@ -124,18 +124,18 @@ def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
         return floats[key]
 
     standard: list[onnx.NodeProto] = []
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
     for node in graph.node:
         if node.domain != ops.DOMAIN:
             standard.append(node)
         elif node.op_type == ops.MATMUL_OP:  # Y = X · Wᵀ
             weight = float_weight(node, transposed=True)
             if swiglu.is_swiglu(node):  # the product, then what the epilogue stands for
-                products, halves = f"{node.name}.products", f"{node.name}.halves"
-                graph.initializer.append(swiglu.halves_const(dense[node.input[1]].shape[0],
-                                                             halves))
+                products = f"{node.name}.products"
                 standard.append(onnx.helper.make_node("MatMul", [node.input[0], weight],
                                                       [products], name=node.name))
-                standard += swiglu.tail_nodes(node, products, halves)
+                standard += swiglu.standard_nodes(products, node.output[0],
+                                                  f"{node.name}.swiglu", opset)
             else:
                 standard.append(onnx.helper.make_node("MatMul", [node.input[0], weight],
                                                       list(node.output), name=node.name))
@@ -143,6 +143,8 @@ def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
             weight = float_weight(node, transposed=False)
             standard.append(onnx.helper.make_node("Gather", [weight, node.input[0]],
                                                   list(node.output), name=node.name, axis=0))
+        elif node.op_type == ops.SWIGLU_OP:  # silu(gate) · up of (..., 2F) gate | up
+            standard += swiglu.standard_nodes(node.input[0], node.output[0], node.name, opset)
         elif node.op_type == ops.ATTENTION_OP:  # the same node, on ONNX Runtime's kernel
             node.op_type, node.domain = "GroupQueryAttention", CONTRIB
             standard.append(node)

@@ -1,9 +1,15 @@
-// GgufMatMul's SwiGLU epilogue: see gguf_epilogue.h.
+// GgufMatMul's SwiGLU epilogue, and the same as an op of its own (Swiglu): see
+// gguf_epilogue.h.
 
 #include "gguf_epilogue.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gguf_ops.h"
 
 #include "vec_exp.h"
 
@@ -80,5 +86,85 @@ void Swiglu(const float* y, int64_t half, int64_t r0, int64_t r1, float* out) {
   }
 }
 
+int64_t RowsPerTask(int64_t m, int64_t half) {
+  constexpr int64_t kOutputsPerTask = 16 * 1024;
+  return std::clamp<int64_t>(kOutputsPerTask / std::max<int64_t>(half, 1), 1, m);
+}
+
+void SwigluBlock(void* data, size_t task) {
+  const auto& job = *static_cast<const Job*>(data);
+  const int64_t r0 = static_cast<int64_t>(task) * job.rows_per_task;
+  Swiglu(job.products, job.half, r0, std::min(job.m, r0 + job.rows_per_task), job.y);
+}
+
+void Run(Ort::KernelContext& ctx, const float* products, int64_t m, int64_t half, float* y) {
+  Job job{products, half, y, m, RowsPerTask(m, half)};
+  const int64_t tasks = (m + job.rows_per_task - 1) / job.rows_per_task;
+  if (tasks == 1) {
+    SwigluBlock(&job, 0);
+  } else {
+    ctx.ParallelFor(SwigluBlock, static_cast<size_t>(tasks), 0, &job);
+  }
+}
+
 }  // namespace epilogue
+
+namespace {
+
+constexpr const char* kSwigluOp = "Swiglu";
+
+// Swiglu: X float32 [..., 2F] (gate | up) → Y [..., F] = silu(gate) · up, the arithmetic of
+// GgufMatMul's epilogue, for the graphs that add to gate and up before the activation (the
+// adapter graphs: LoRA updates), so that they compute what the fused graph computes.
+struct SwigluKernel {
+  std::string node;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* raw) const {
+    return Guarded(Ort::GetApi(), kSwigluOp, [&] { Compute(raw); });
+  }
+
+  void Compute(OrtKernelContext* raw) const {
+    Ort::KernelContext ctx(raw);
+    const Ort::ConstValue x = ctx.GetInput(0);
+    const std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.empty() || shape.back() % 2 != 0) {
+      throw OpError(ORT_INVALID_ARGUMENT, Where(kSwigluOp, node) + "X has shape " +
+                                              ShapeString(shape) +
+                                              "; its last dimension must be gate | up, even");
+    }
+    std::vector<int64_t> y_shape(shape);
+    y_shape.back() /= 2;
+    Ort::UnownedValue y = ctx.GetOutput(0, y_shape);
+    int64_t m = 1;
+    for (size_t i = 0; i + 1 < shape.size(); ++i) m *= shape[i];
+    if (m == 0 || y_shape.back() == 0) return;
+    epilogue::Run(ctx, x.GetTensorData<float>(), m, y_shape.back(),
+                  y.GetTensorMutableData<float>());
+  }
+};
+
+struct SwigluCustomOp : Ort::CustomOpBase<SwigluCustomOp, SwigluKernel, /*WithStatus=*/true> {
+  const char* GetName() const { return kSwigluOp; }
+  size_t GetInputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    return Guarded(api, kSwigluOp, [&] {
+      *kernel = new SwigluKernel{Ort::ConstKernelInfo(info).GetNodeName()};
+    });
+  }
+};
+
+}  // namespace
+
+const OrtCustomOp* SwigluOp() {
+  static SwigluCustomOp op;  // outlives every session: ORT keeps a pointer to it
+  return &op;
+}
+
 }  // namespace attnserve_gguf

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "gguf_ops.h"  // ONNX Runtime's C++ API as the library includes it
+
 namespace attnserve_gguf {
 namespace epilogue {
 
@@ -14,6 +16,17 @@ namespace epilogue {
 // y (rows, 2·half) into out (rows, half): AVX-512 or AVX2 where the CPU has it, else plain
 // C++.
 void Swiglu(const float* y, int64_t half, int64_t r0, int64_t r1, float* out);
+
+// Swiglu over all m rows on ONNX Runtime's pool: tasks of whole rows, about 16 K outputs
+// each (SmolLM2's decode step of 32 rows: 4 tasks; one row: one task, run inline).
+struct Job {
+  const float* products;  // (m, 2·half): gate | up
+  int64_t half;
+  float* y;  // (m, half)
+  int64_t m;
+  int64_t rows_per_task;
+};
+void Run(Ort::KernelContext& ctx, const float* products, int64_t m, int64_t half, float* y);
 
 }  // namespace epilogue
 }  // namespace attnserve_gguf

@@ -409,27 +409,6 @@ void BatchedBlock(void* data, size_t block) {
                    f.repacked);
 }
 
-// The SwiGLU epilogue's tasks: whole rows of the (M, N) products, about 16 K outputs a task
-// (SmolLM2's decode step of 32 rows: 4 tasks; one row: one task, run inline).
-struct SwigluJob {
-  const float* products;  // (M, 2·half): gate | up
-  int64_t half;
-  float* y;  // (M, half)
-  int64_t m;
-  int64_t rows_per_task;
-};
-
-int64_t SwigluRowsPerTask(int64_t m, int64_t half) {
-  constexpr int64_t kOutputsPerTask = 16 * 1024;
-  return std::clamp<int64_t>(kOutputsPerTask / std::max<int64_t>(half, 1), 1, m);
-}
-
-void SwigluBlock(void* data, size_t task) {
-  const auto& job = *static_cast<const SwigluJob*>(data);
-  const int64_t r0 = static_cast<int64_t>(task) * job.rows_per_task;
-  epilogue::Swiglu(job.products, job.half, r0, std::min(job.m, r0 + job.rows_per_task), job.y);
-}
-
 // The node's "epilogue" attribute: false for "" (or none), true for "swiglu".
 bool SwigluEpilogue(const Ort::ConstKernelInfo& info, const std::string& node) {
   std::string value;
@@ -574,19 +553,10 @@ struct GgufMatMulKernel {
       Products(ctx, x_data, m, w_data, n, y.GetTensorMutableData<float>());
       return;
     }
-    // (M, N): gate | up, kept from call to call (a fresh buffer of a batch-32 step's 2 MB
-    // faulted its pages in every call: 15-30 us more a product of SmolLM2's at M = 32)
-    thread_local AlignedScratch scratch;
+    thread_local AlignedScratch scratch;  // (M, N): gate | up, kept from call to call
     float* products = scratch.As<float>(static_cast<size_t>(m * n));
     Products(ctx, x_data, m, w_data, n, products);
-    SwigluJob job{products, n / 2, y.GetTensorMutableData<float>(), m,
-                  SwigluRowsPerTask(m, n / 2)};
-    const int64_t tasks = (m + job.rows_per_task - 1) / job.rows_per_task;
-    if (tasks == 1) {
-      SwigluBlock(&job, 0);
-    } else {
-      ctx.ParallelFor(SwigluBlock, static_cast<size_t>(tasks), 0, &job);
-    }
+    epilogue::Run(ctx, products, m, n / 2, y.GetTensorMutableData<float>());
   }
 
   // Y (M, N) = X · Wᵀ by the path this node's format and M take.

@@ -164,5 +164,6 @@ inline int64_t IntAttribute(const Ort::ConstKernelInfo& info, const char* op,
 const OrtCustomOp* MatMulOp();
 const OrtCustomOp* GatherOp();
 const OrtCustomOp* AttentionOp();  // cached_attention.cc
+const OrtCustomOp* SwigluOp();     // gguf_epilogue.cc
 
 }  // namespace attnserve_gguf

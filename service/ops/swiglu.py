@@ -1,7 +1,9 @@
-"""GgufMatMul's ``epilogue="swiglu"`` spelled out in standard ops, for the graphs that need
-the unfused form: the dequantised copy served without the op library (dequantised.py) and
+"""GgufMatMul's ``epilogue="swiglu"`` spelled out, for the graphs that need the unfused form:
 the adapter graphs, which add LoRA updates to gate and up before the activation
-(export/lora/adapter_graph.py).
+(export/lora/adapter_graph.py: a Split, then the library's own Swiglu op over the two
+halves joined again, so that a row without an adapter computes what the fused graph
+computes, bit for bit), and the dequantised copy served without the op library
+(dequantised.py: standard ops).
 
 The export fuses only a node named ``"<gate>+<up>"`` whose Split wrote ``<gate>`` and
 ``<up>`` (export/gguf/blocks.py), so those names come back here as they were."""
@@ -41,14 +43,33 @@ def halves_const(rows: int, name: str) -> Any:
 
 def tail_nodes(node: Any, products: str, halves: str) -> list[Any]:
     """What follows the gate | up products (``products``, (..., rows)) in place of the
-    epilogue: a Split into halves (``halves``: their sizes), silu(gate) = gate ·
-    Sigmoid(gate), and its product with up, written to the fused node's output."""
+    epilogue, in the adapter graphs: a Split into halves (``halves``: their sizes) named as
+    the export's Split named them, then the halves joined and the library's Swiglu op,
+    written to the fused node's output."""
     from onnx import helper
 
     gate, up = halves_of(node)
     p = node.name
     return [helper.make_node("Split", [products, halves], [gate, up], name=f"{p}.gguf_split",
                              axis=-1),
-            helper.make_node("Sigmoid", [gate], [f"{p}.sigmoid"], name=f"{p}.sigmoid"),
-            helper.make_node("Mul", [gate, f"{p}.sigmoid"], [f"{p}.silu"], name=f"{p}.silu"),
-            helper.make_node("Mul", [f"{p}.silu", up], list(node.output), name=f"{p}.swiglu")]
+            helper.make_node("Concat", [gate, up], [f"{p}.gate_up"], name=f"{p}.gate_up",
+                             axis=-1),
+            helper.make_node(ops.SWIGLU_OP, [f"{p}.gate_up"], list(node.output),
+                             name=f"{p}.swiglu", domain=ops.DOMAIN)]
+
+
+def standard_nodes(x: str, out: str, name: str, opset: int) -> list[Any]:
+    """The Swiglu op as standard ops, for a graph served without the library: ``x`` (...,
+    2F) split into halves, silu(gate) = gate · Sigmoid(gate), times up, into ``out``."""
+    from onnx import helper
+
+    split = helper.make_node("Split", [x], [f"{name}.gate", f"{name}.up"], name=f"{name}.split",
+                             axis=-1)
+    if opset >= 18:  # equal halves: from 18 by num_outputs, before by the outputs' count
+        split.attribute.append(helper.make_attribute("num_outputs", 2))
+    return [split,
+            helper.make_node("Sigmoid", [f"{name}.gate"], [f"{name}.sigmoid"],
+                             name=f"{name}.sigmoid"),
+            helper.make_node("Mul", [f"{name}.gate", f"{name}.sigmoid"], [f"{name}.silu"],
+                             name=f"{name}.silu"),
+            helper.make_node("Mul", [f"{name}.silu", f"{name}.up"], [out], name=name)]

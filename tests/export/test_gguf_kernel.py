@@ -289,9 +289,11 @@ def test_manifest_and_size(case: str, exported: Callable[[str], Exported]) -> No
 def test_swiglu_is_the_products_epilogue(case: str, exported: Callable[[str], Exported]) -> None:
     """Where one GgufMatMul computes a layer's gate | up rows (one GGUF type), the engine
     graphs hold it with ``epilogue="swiglu"`` and no Split, Sigmoid or Mul after it (the
-    export's figures count them). The adapter graphs, whose updates go to gate and up before the
-    activation, hold the unfused form (a Sigmoid a layer, no epilogue); GPT-2's
-    plain MLP has none. The graphs compute the tokens the other tests check."""
+    export's figures count them). The adapter graphs, whose updates go to gate and up
+    before the activation, split the product again and apply the library's Swiglu op to
+    the halves (no epilogue there); GPT-2's plain MLP has none. The graphs compute the
+    tokens the other tests check, and the export's adapter check finds a row without an
+    adapter equal in both (1e-5)."""
     e = exported(case)
     layers = json.loads((e.ggml / "config.json").read_text("utf-8"))["n_layers"]
     gated = CASES[case].family != "gpt2"
@@ -311,7 +313,9 @@ def test_swiglu_is_the_products_epilogue(case: str, exported: Callable[[str], Ex
         joined = sum(n.op_type == service.ops.MATMUL_OP and n.name == f"l{i}.gate+l{i}.up"
                      for n in adapters.node for i in range(layers))
         assert counts(name) == (joined, layers - joined if gated else 0), name
-        assert counts(name.replace(".onnx", "_lora.onnx")) == (0, layers if gated else 0)
+        assert counts(name.replace(".onnx", "_lora.onnx")) == (0, layers - joined if gated
+                                                                else 0), name
+        assert sum(n.op_type == service.ops.SWIGLU_OP for n in adapters.node) == joined
         figures = verification[f"{name.removesuffix('.onnx')}_quantized"]
         assert figures["swiglu_epilogues"] == joined, name
     assert (joined > 0) == (case in ("q4_0", "q4_1"))

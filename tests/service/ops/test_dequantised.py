@@ -79,6 +79,23 @@ def test_the_swiglu_epilogue_is_spelled_out(no_library: None) -> None:
     assert row_error(y, gate / (1 + np.exp(-gate)) * up) < FLOAT32
 
 
+def test_the_swiglu_op_is_spelled_out(no_library: None) -> None:
+    """The adapter graphs' Swiglu op (gate | up → silu(gate) · up) becomes Split, Sigmoid and
+    two Muls."""
+    node = helper.make_node(service.ops.SWIGLU_OP, ["X"], ["Y"], name="act",
+                            domain=service.ops.DOMAIN)
+    graph = helper.make_graph([node], "swiglu",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(service.ops.DOMAIN, 1)])
+    x = np.random.default_rng(6).standard_normal((2, 3, 16)).astype(np.float32)
+    (y,) = create_session(model.SerializeToString()).run(None, {"X": x})
+    gate, up = x[..., :8].astype(np.float64), x[..., 8:]
+    assert y.shape == (2, 3, 8)
+    np.testing.assert_allclose(y, gate / (1 + np.exp(-gate)) * up, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("name", REPACKED)
 def test_the_repacked_layout_unpacks_to_the_files_rows(gguf_ops_library: Path,
                                                        name: str) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper
 
 import service.ops
 from tests.service.ops.test_gguf_matmul import EXACT, TYPES, matmul_model, row_error, session
@@ -93,6 +94,33 @@ def test_silu_over_its_whole_range(gguf_ops_library: Path) -> None:
     # Below −87 the op's e^x is 0 (vec_exp.h), so silu is 0 where it is ~1e-36: the floor.
     np.testing.assert_allclose(y[0], expected, rtol=SILU, atol=1e-30)
     np.testing.assert_array_equal(y[0], y[1])
+
+
+def test_the_swiglu_op_is_the_epilogue_bit_for_bit(gguf_ops_library: Path) -> None:
+    """Swiglu over a product's gate | up (what the adapter graphs run, adapters added
+    between) equals the product with the epilogue bit for bit, at one row and at 40 (several
+    tasks), and X of an odd width is refused."""
+    rng = np.random.default_rng(6)
+    stored, _ = TYPES["Q4_K"].make(rng, 2 * HALF, K)
+    fused = session(matmul_model(TYPES["Q4_K"].type_id, K, epilogue="swiglu"), gguf_ops_library)
+    plain = session(matmul_model(TYPES["Q4_K"].type_id, K), gguf_ops_library)
+    node = helper.make_node(service.ops.SWIGLU_OP, ["X"], ["Y"], name="act",
+                            domain=service.ops.DOMAIN)
+    graph = helper.make_graph([node], "swiglu",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    op = session(helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid(service.ops.DOMAIN, 1)]
+    ).SerializeToString(), gguf_ops_library)
+    for m in (1, 40):
+        x = rng.standard_normal((m, K)).astype(np.float32)
+        (products,) = plain.run(None, {"X": x, "W": stored})
+        (y,) = op.run(None, {"X": products})
+        np.testing.assert_array_equal(y, fused.run(None, {"X": x, "W": stored})[0])
+        assert row_error(y, swiglu(products)) <= SILU
+    with pytest.raises(Exception, match=r"Swiglu node 'act': X has shape \[2, 5\]; its last "
+                                        r"dimension must be gate \| up, even"):
+        op.run(None, {"X": np.ones((2, 5), np.float32)})
 
 
 def test_leading_dimensions(gguf_ops_library: Path) -> None:
