@@ -155,13 +155,17 @@ class _Rewrite:
 
 def _unfuse_swiglu(graph: onnx.GraphProto) -> None:
     """Each GgufMatMul with the SwiGLU epilogue (export/gguf/blocks.py) back to its gate |
-    up product, the Split into gate and up and the activation (service/ops/swiglu.py)."""
+    up product and the Split into gate and up, then the halves joined into the library's
+    Swiglu op, the epilogue's own code (service/ops/swiglu.py)."""
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         if not swiglu.is_swiglu(node):
             nodes.append(node)
             continue
-        rows = next(t for t in graph.initializer if t.name == node.input[1]).dims[0]
+        weight = next((t for t in graph.initializer if t.name == node.input[1]), None)
+        if weight is None:
+            raise ValueError(f"{node.name}'s rows {node.input[1]!r} are not an initializer")
+        rows = weight.dims[0]
         products, halves = f"{node.name}.gguf_joined", f"{node.name}.halves"
         graph.initializer.append(swiglu.halves_const(int(rows), halves))
         product = onnx.NodeProto()
