@@ -153,31 +153,26 @@ class _Rewrite:
         self.graph.initializer.extend(self.consts)
 
 
-def _unfuse_swiglu(graph: onnx.GraphProto) -> None:
+def _unfuse_swiglu(model: onnx.ModelProto) -> None:
     """Each GgufMatMul with the SwiGLU epilogue (export/gguf/blocks.py) back to its gate |
     up product and the Split into gate and up, then the halves joined into the library's
     Swiglu op, the epilogue's own code (service/ops/swiglu.py)."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
+    for node in model.graph.node:
         if not swiglu.is_swiglu(node):
             nodes.append(node)
             continue
-        weight = next((t for t in graph.initializer if t.name == node.input[1]), None)
-        if weight is None:
-            raise ValueError(f"{node.name}'s rows {node.input[1]!r} are not an initializer")
-        rows = weight.dims[0]
-        products, halves = f"{node.name}.gguf_joined", f"{node.name}.halves"
-        graph.initializer.append(swiglu.halves_const(int(rows), halves))
         product = onnx.NodeProto()
         product.CopyFrom(node)
         del product.output[:]
-        product.output.append(products)
+        product.output.append(f"{node.name}.gguf_joined")
         kept = [a for a in product.attribute if a.name != "epilogue"]
         del product.attribute[:]
         product.attribute.extend(kept)
-        nodes += [product, *swiglu.tail_nodes(node, products, halves)]
-    del graph.node[:]
-    graph.node.extend(nodes)
+        nodes += [product, *swiglu.tail_nodes(node, product.output[0], opset)]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 def _activation(node: onnx.NodeProto) -> str | None:
@@ -197,7 +192,7 @@ def build_adapter_graph(model: onnx.ModelProto, cfg: Any) -> onnx.ModelProto:
     if any(i.type.tensor_type.elem_type == TensorProto.FLOAT16 for i in out.graph.input):
         raise ValueError("no adapter graph for a float16 graph (its activations are float16)")
     flat = SEQLENS_K in names  # the engine graphs: (N, d); attention.onnx: (1, T, d)
-    _unfuse_swiglu(out.graph)  # the updates go to gate and up, before the activation
+    _unfuse_swiglu(out)  # the updates go to gate and up, before the activation
     rewrite = _Rewrite(out, flat)
     targets = architecture(cfg.arch).lora_targets(cfg)
     columns = _columns(cfg)

@@ -94,7 +94,6 @@ def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
     stored = {init.name: init for init in graph.initializer}
     dense: dict[str, np.ndarray] = {}  # W → its rows dequantised (N, K), once
     floats: dict[tuple[str, bool], str] = {}  # (W, transposed) → its float32 initializer
-    used: set[str] = set()
     gguf_bytes: dict[str, int] = {}  # W → its stored bytes
 
     def float_weight(node: onnx.NodeProto, transposed: bool) -> str:

@@ -41,7 +41,8 @@ __attribute__((target("avx2,fma,avx512f"))) void RowAvx512(const float* gate, co
         _mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
     const __m512 numerator = _mm512_mask_blend_ps(
         _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), t, one);
-    const __m512 silu = _mm512_mul_ps(_mm512_mul_ps(g, numerator), Reciprocal(_mm512_add_ps(one, t)));
+    const __m512 silu =
+        _mm512_mul_ps(_mm512_mul_ps(g, numerator), Reciprocal(_mm512_add_ps(one, t)));
     _mm512_storeu_ps(out + j, _mm512_mul_ps(silu, _mm512_loadu_ps(up + j)));
   }
   for (; j < half; ++j) out[j] = SiluScalar(gate[j]) * up[j];
@@ -86,6 +87,16 @@ void Swiglu(const float* y, int64_t half, int64_t r0, int64_t r1, float* out) {
   }
 }
 
+namespace {
+
+struct Job {
+  const float* products;  // (m, 2·half): gate | up
+  int64_t half;
+  float* y;  // (m, half)
+  int64_t m;
+  int64_t rows_per_task;
+};
+
 int64_t RowsPerTask(int64_t m, int64_t half) {
   constexpr int64_t kOutputsPerTask = 16 * 1024;
   return std::clamp<int64_t>(kOutputsPerTask / std::max<int64_t>(half, 1), 1, m);
@@ -96,6 +107,8 @@ void SwigluBlock(void* data, size_t task) {
   const int64_t r0 = static_cast<int64_t>(task) * job.rows_per_task;
   Swiglu(job.products, job.half, r0, std::min(job.m, r0 + job.rows_per_task), job.y);
 }
+
+}  // namespace
 
 void Run(Ort::KernelContext& ctx, const float* products, int64_t m, int64_t half, float* y) {
   Job job{products, half, y, m, RowsPerTask(m, half)};

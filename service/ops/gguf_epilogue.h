@@ -2,7 +2,7 @@
 // product of its joined gate | up rows, in the op, where the graph had a Split, a Sigmoid
 // (QuickGelu once ONNX Runtime fuses it) and two Muls after it: on the served SmolLM2 file
 // at batch 1 those three nodes took 6 % of a decode step's kernels, on the 1B preset at batch
-// 32 2.2 ms of about 81 (docs/kernels.md).
+// 32 2.5-2.8 ms of about 80 (docs/kernels.md).
 #pragma once
 
 #include <cstdint>
@@ -19,13 +19,6 @@ void Swiglu(const float* y, int64_t half, int64_t r0, int64_t r1, float* out);
 
 // Swiglu over all m rows on ONNX Runtime's pool: tasks of whole rows, about 16 K outputs
 // each (SmolLM2's decode step of 32 rows: 4 tasks; one row: one task, run inline).
-struct Job {
-  const float* products;  // (m, 2·half): gate | up
-  int64_t half;
-  float* y;  // (m, half)
-  int64_t m;
-  int64_t rows_per_task;
-};
 void Run(Ort::KernelContext& ctx, const float* products, int64_t m, int64_t half, float* y);
 
 }  // namespace epilogue

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from service import ops
 
 
@@ -34,24 +32,27 @@ def halves_of(node: Any) -> tuple[str, str]:
     return (parts[0], parts[1]) if len(parts) == 2 else (f"{node.name}.gate", f"{node.name}.up")
 
 
-def halves_const(rows: int, name: str) -> Any:
-    """The Split's sizes, [rows / 2, rows / 2], as an initializer named ``name``."""
-    from onnx import numpy_helper
+def _halves(x: str, outputs: list[str], name: str, opset: int) -> Any:
+    """A Split of ``x``'s last axis into two equal halves: from opset 18 by ``num_outputs``,
+    before by the outputs' count."""
+    from onnx import helper
 
-    return numpy_helper.from_array(np.array([rows // 2, rows // 2], np.int64), name)
+    split = helper.make_node("Split", [x], outputs, name=name, axis=-1)
+    if opset >= 18:
+        split.attribute.append(helper.make_attribute("num_outputs", 2))
+    return split
 
 
-def tail_nodes(node: Any, products: str, halves: str) -> list[Any]:
+def tail_nodes(node: Any, products: str, opset: int) -> list[Any]:
     """What follows the gate | up products (``products``, (..., rows)) in place of the
-    epilogue, in the adapter graphs: a Split into halves (``halves``: their sizes) named as
-    the export's Split named them, then the halves joined and the library's Swiglu op,
-    written to the fused node's output."""
+    epilogue, in the adapter graphs: a Split into halves named as the export's Split named
+    them, then the halves joined and the library's Swiglu op, written to the fused node's
+    output."""
     from onnx import helper
 
     gate, up = halves_of(node)
     p = node.name
-    return [helper.make_node("Split", [products, halves], [gate, up], name=f"{p}.gguf_split",
-                             axis=-1),
+    return [_halves(products, [gate, up], f"{p}.gguf_split", opset),
             helper.make_node("Concat", [gate, up], [f"{p}.gate_up"], name=f"{p}.gate_up",
                              axis=-1),
             helper.make_node(ops.SWIGLU_OP, [f"{p}.gate_up"], list(node.output),
@@ -63,11 +64,7 @@ def standard_nodes(x: str, out: str, name: str, opset: int) -> list[Any]:
     2F) split into halves, silu(gate) = gate · Sigmoid(gate), times up, into ``out``."""
     from onnx import helper
 
-    split = helper.make_node("Split", [x], [f"{name}.gate", f"{name}.up"], name=f"{name}.split",
-                             axis=-1)
-    if opset >= 18:  # equal halves: from 18 by num_outputs, before by the outputs' count
-        split.attribute.append(helper.make_attribute("num_outputs", 2))
-    return [split,
+    return [_halves(x, [f"{name}.gate", f"{name}.up"], f"{name}.split", opset),
             helper.make_node("Sigmoid", [f"{name}.gate"], [f"{name}.sigmoid"],
                              name=f"{name}.sigmoid"),
             helper.make_node("Mul", [f"{name}.gate", f"{name}.sigmoid"], [f"{name}.silu"],
