@@ -10,12 +10,14 @@ and 3B Llama presets 32/8/64 and 24/8/128) and batch B, one-node graphs of eithe
 the same inputs as the engine feeds them: B decode rows (S = 1) whose rows have
 ``--context`` cached tokens, rotary by halves, the KV cache (B, N_kv, ``--cache``, H) bound as
 both past and present (one OrtValue each, updated in place), and a prompt chunk (B = 1,
-S = ``--chunk``, a first prompt). Each runs on ``--threads`` intra-op threads, with a 256 MB
-buffer read before every timed run so the cache comes from memory as in a decode step (each
-layer's rows are read once a step): three warm-up runs, then until 0.5 s or 50 runs; the
-median is printed, with the rows of K and V the call reads ÷ its time, and that as a fraction
-of the machine's read bandwidth measured first (gguf-matmul-speed's measure). The two ops
-alternate shape by shape, so a busy machine slows both alike.
+S = ``--chunk``, a first prompt). Ours runs over a float32 cache and over a float16 one
+(``f16 ms``: half the bytes; the rows-read figures are the float32 cache's). Each runs on
+``--threads`` intra-op threads, with a 256 MB buffer read before every timed run so the
+cache comes from memory as in a decode step (each layer's rows are read once a step): three
+warm-up runs, then until 0.5 s or 50 runs; the median is printed, with the rows of K and V
+the call reads ÷ its time, and that as a fraction of the machine's read bandwidth measured
+first (gguf-matmul-speed's measure). The ops alternate shape by shape, so a busy machine
+slows them alike.
 """
 
 from __future__ import annotations
@@ -32,17 +34,28 @@ from benchmarks.lib.ceiling import read_bandwidth
 from benchmarks.lib.measure import CacheFlush, median_seconds
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-1b": (32, 8, 64), "llama-3b": (24, 8, 128)}
-OPS = {"gqa": ("GroupQueryAttention", "com.microsoft"), "ours": ("CachedAttention", None)}
+# column → (op, domain (None: the library's), cache element type)
+OPS = {"gqa": ("GroupQueryAttention", "com.microsoft", "float32"),
+       "ours": ("CachedAttention", None, "float32"),
+       "ours_f16": ("CachedAttention", None, "float16")}
 INPUTS = ("query", "", "", "past_key", "past_value", "seqlens_k", "total_sequence_length",
           "cos_cache", "sin_cache")
 
 
 def attention_model(op: str, domain: str, heads: int, kv_heads: int, rotary: str = "half",
-                    window: int = -1, scale: float = 0.0) -> bytes:
+                    window: int = -1, scale: float = 0.0, cache: str = "float32") -> bytes:
     """One GroupQueryAttention-shaped node (``op`` of ``domain``) with the engine's inputs:
-    packed q | k | v, the cache, seqlens_k, total_sequence_length and, unless ``rotary`` is
-    "none", the cos / sin tables ("half": by halves, "pairs": interleaved)."""
+    packed q | k | v, the cache (past and present of ``cache``'s type, float32 or float16),
+    seqlens_k, total_sequence_length and, unless ``rotary`` is "none", the cos / sin tables
+    ("half": by halves, "pairs": interleaved)."""
     from onnx import TensorProto, helper
+
+    def type_of(name: str) -> int:
+        if "seq" in name:
+            return TensorProto.INT32
+        if name.startswith(("past", "present")) and cache == "float16":
+            return TensorProto.FLOAT16
+        return TensorProto.FLOAT
 
     attrs: dict[str, Any] = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale}
     if rotary != "none":
@@ -52,11 +65,9 @@ def attention_model(op: str, domain: str, heads: int, kv_heads: int, rotary: str
     inputs = INPUTS if rotary != "none" else INPUTS[:7]
     node = helper.make_node(op, list(inputs), ["output", "present_key", "present_value"],
                             domain=domain, name="attn", **attrs)
-    f, i32 = TensorProto.FLOAT, TensorProto.INT32
     graph = helper.make_graph(
-        [node], op, [helper.make_tensor_value_info(n, i32 if "seq" in n else f, None)
-                     for n in inputs if n],
-        [helper.make_tensor_value_info(n, f, None)
+        [node], op, [helper.make_tensor_value_info(n, type_of(n), None) for n in inputs if n],
+        [helper.make_tensor_value_info(n, type_of(n), None)
          for n in ("output", "present_key", "present_value")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid(domain, 1)])
@@ -93,9 +104,9 @@ def time_call(op: str, shape: tuple[int, int, int], batch: int, tokens: int, con
     import service.ops
 
     heads, kv_heads, hs = shape
-    name, domain = OPS[op]
-    sess = session(attention_model(name, domain or service.ops.DOMAIN, heads, kv_heads),
-                   threads)
+    name, domain, element = OPS[op]
+    sess = session(attention_model(name, domain or service.ops.DOMAIN, heads, kv_heads,
+                                   cache=element), threads)
     rng = np.random.default_rng(0)
     width = (heads + 2 * kv_heads) * hs
     cos, sin = rotary_tables(cache + 1, hs)
@@ -110,7 +121,7 @@ def time_call(op: str, shape: tuple[int, int, int], batch: int, tokens: int, con
     caches = []  # the bound cache OrtValues, kept alive for the session's runs
     for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
         value = ort.OrtValue.ortvalue_from_numpy(
-            rng.standard_normal((batch, kv_heads, cache, hs), np.float32))
+            rng.standard_normal((batch, kv_heads, cache, hs), np.float32).astype(element))
         caches.append(value)
         binding.bind_ortvalue_input(past, value)
         binding.bind_ortvalue_output(present, value)
@@ -141,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"read bandwidth ({args.threads} threads): {bandwidth / 1e9:.1f} GB/s")
     flush = CacheFlush()
     rows: list[dict[str, Any]] = []
-    print(f"{'shape':<14}{'call':<16}{'gqa ms':>10}{'ours ms':>10}{'gqa/ours':>10}"
-          f"{'ours GB/s':>11}{'of bound':>10}")
+    print(f"{'shape':<14}{'call':<16}{'gqa ms':>10}{'ours ms':>10}{'f16 ms':>10}"
+          f"{'gqa/ours':>10}{'ours/f16':>10}{'ours GB/s':>11}{'of bound':>10}")
     for name in shapes:
         _, kv_heads, hs = SHAPES[name]
         calls = [(f"decode b{b}", b, 1, args.context) for b in batches]
@@ -155,10 +166,13 @@ def main(argv: list[str] | None = None) -> int:
             speed = read / seconds["ours"]
             rows.append({"shape": name, "call": label, "batch": batch, "tokens": tokens,
                          "context": context, "gqa_ms": seconds["gqa"] * 1e3,
-                         "ours_ms": seconds["ours"] * 1e3, "cache_bytes_read": read,
+                         "ours_ms": seconds["ours"] * 1e3,
+                         "ours_f16_ms": seconds["ours_f16"] * 1e3, "cache_bytes_read": read,
                          "ours_gbs": speed / 1e9, "of_bound": speed / bandwidth})
             print(f"{name:<14}{label:<16}{seconds['gqa'] * 1e3:>10.3f}"
-                  f"{seconds['ours'] * 1e3:>10.3f}{seconds['gqa'] / seconds['ours']:>10.2f}"
+                  f"{seconds['ours'] * 1e3:>10.3f}{seconds['ours_f16'] * 1e3:>10.3f}"
+                  f"{seconds['gqa'] / seconds['ours']:>10.2f}"
+                  f"{seconds['ours'] / seconds['ours_f16']:>10.2f}"
                   f"{speed / 1e9:>11.1f}{speed / bandwidth:>10.0%}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "context": args.context,

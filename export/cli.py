@@ -56,6 +56,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="float16: the engine graphs' weights, activations and KV cache in float16 "
                         "for the CUDA provider; logits stay float32 (export/onnx/float16.py)")
+    p.add_argument("--kv-dtype", choices=["float32", "float16"], default=None,
+                   help="the engine graphs' KV cache (default: --dtype's). float16 with "
+                        "--quantize gguf --kernel ggml --engine-graph: the CPU graphs' cache "
+                        "in float16, half the pool's bytes and what a decode step reads of it "
+                        "(as llama.cpp's f16 cache), model.onnx kept float32 "
+                        "(export/gguf/half_cache.py)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the parity checks against PyTorch (not recommended)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -134,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         verify=not args.no_verify, force=args.force,
         engine_graph=args.engine_graph, mixed_steps=args.mixed_steps,
         float32_twin=args.float32_twin, activations=args.activations, kernel=kernel,
+        kv_dtype=args.kv_dtype,
         log=lambda msg: print(f"  [{time.perf_counter() - started:6.1f} s] {msg}",
                               file=sys.stderr))
     print(f"exported {args.ckpt} → {out} in {time.perf_counter() - started:.1f}s")

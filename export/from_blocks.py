@@ -63,14 +63,17 @@ def builds_from_blocks(ckpt_dir: Path, quantize: str | None, float32_twin: bool)
 
 def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_graph: bool,
                        mixed_steps: bool, level: int, verify: bool,
-                       say: Callable[[str], None], kernel: str = "nbits") -> dict[str, Any]:
+                       say: Callable[[str], None], kernel: str = "nbits",
+                       kv_dtype: str | None = None) -> dict[str, Any]:
     """Write the served graphs and weights.bin into ``tmp``; return the manifest's
     figures: verification, storage, build_seconds. ``kernel``: whose kernels the served
     graphs and attention.onnx compute the blocks with (export/gguf/blocks.py ``KERNELS``),
     and the float-activation graphs the checks verify against PyTorch too: ggml's are
     GgufMatMul over the file's bytes, which read as mapped pages where MatMulNBits' level 0
     unpacked a converted copy into the session (the 1B Q4_K_M file's export: peak 1.53 GB
-    against 2.03, 66 s against 108; docs/export.md)."""
+    against 2.03, 66 s against 108; docs/export.md). ``kv_dtype`` "float16": the served
+    engine graphs' cache in float16 (export/gguf/half_cache.py), judged as below against
+    the float-activation graphs' float32 one."""
     from export.gguf.blocks import repacks
     from export.gguf.source import GGUFFile, open_source
     from export.lora.adapter_check import write_served_adapter_graphs
@@ -162,6 +165,14 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
                 _remove(check[name], SIDE_DATA)
         rewritten.update(blocks({name: (tmp / name, level, False, kernel, repack)
                                  for name in graphs}))
+        if kv_dtype == "float16":
+            from export.gguf.half_cache import halve_cache
+
+            for name in graphs:
+                if name != io.MODEL_FILE:
+                    rewritten[name]["kv_dtype"] = "float16"
+                    halve_cache(tmp / name)
+            say(f"{', '.join(g for g in graphs if g != io.MODEL_FILE)}: KV cache in float16")
     # every block read: the file's memory map goes before the sessions that judge them
     source = None
     ckpt.held.close()

@@ -98,6 +98,27 @@ def check_kernel(kernel: str, quantize: str | None) -> None:
                          "`make gguf-ops` (or export with --kernel nbits)")
 
 
+def check_kv_dtype(kv_dtype: io.KvDtype | None, dtype: str, engine_graph: bool, kernel: str,
+                   level: int, from_blocks: bool) -> io.KvDtype | None:
+    """``--kv-dtype``: None where the engine graphs' cache is ``dtype``'s, "float16" for the
+    GGUF ops' CPU graphs' float16 cache (export/gguf/half_cache.py: only what those graphs'
+    export writes, at int8 activations, where the served graph is judged against the float32
+    cache's), ValueError for anything else."""
+    if kv_dtype is None or kv_dtype == dtype:
+        return None
+    if kv_dtype not in DTYPES:
+        raise ValueError(f"unsupported kv_dtype {kv_dtype!r}; choose one of {list(DTYPES)}")
+    if dtype == "float16":
+        raise ValueError("--dtype float16 keeps its KV cache in float16 (--kv-dtype float32 "
+                         "is not offered with it)")
+    if not (engine_graph and kernel == "ggml" and level != 0 and from_blocks):
+        raise ValueError("--kv-dtype float16 (with float32 weights) needs --engine-graph "
+                         "--quantize gguf --kernel ggml at int8 activations, from a "
+                         "checkpoint holding its GGUF file, every matrix of a kept type, "
+                         "and no --float32-twin")
+    return kv_dtype
+
+
 def load_source(ckpt_dir: Path, leave: frozenset[Any] = frozenset()) -> tuple[Any, Any]:
     """Load the checkpoint and check its tokenizer against the model; (Checkpoint, Tokenizer).
     ``leave``: the GGUF types whose weights stay on the meta device (load_checkpoint)."""
@@ -194,6 +215,7 @@ def export_artifact(
     float32_twin: bool = False,
     activations: str = "int8",
     kernel: str = "nbits",
+    kv_dtype: io.KvDtype | None = None,
 ) -> Path:
     """Build, verify and (optionally) quantise; return the artifact directory.
 
@@ -215,6 +237,8 @@ def export_artifact(
     the answers of the float32 model). ``kernel="ggml"`` (--quantize gguf): the kept
     blocks as the file stores them, computed by ggml's kernels inside ONNX Runtime
     (GgufMatMul, service/ops; export/gguf/blocks.py), the weights the file's size.
+    ``kv_dtype``: the engine graphs' KV cache (None: ``dtype``'s); "float16" with a float32
+    ``dtype`` is the GGUF ops' CPU graphs' float16 cache (export/gguf/half_cache.py).
     """
     # Everything heavy is imported before the staging directory exists, so a SIGTERM
     # never lands inside an extension module's initialisation.
@@ -274,6 +298,7 @@ def export_artifact(
     check_kernel(kernel, quantize)
     check_target(out, force)
     from_blocks = builds_from_blocks(Path(ckpt_dir), quantize, float32_twin)
+    engine_kv_dtype = check_kv_dtype(kv_dtype, dtype, engine_graph, kernel, level, from_blocks)
     # built from the blocks: the kept types' matrices stay on the meta device
     ckpt, tok = load_source(Path(ckpt_dir), leave=frozenset(DIRECT) if from_blocks else frozenset())
     if quantize == "gguf":  # refuse before writing anything: no source file, or another one
@@ -295,9 +320,11 @@ def export_artifact(
         if from_blocks:
             done = export_from_blocks(ckpt, tok, tmp, opset=opset, engine_graph=engine_graph,
                                       mixed_steps=mixed_steps, level=level,
-                                      verify=verify, say=say, kernel=kernel)
+                                      verify=verify, say=say, kernel=kernel,
+                                      kv_dtype=engine_kv_dtype)
             _write_rest(tmp, ckpt, tok, Path(ckpt_dir), out, model_name, dtype, opset, quantize,
-                        engine_graph, mixed_steps, float32_pass_tokens, say, **done)
+                        engine_graph, mixed_steps, float32_pass_tokens, say, **done,
+                        engine_kv_dtype=engine_kv_dtype)
             return out
         started = time.perf_counter()
         model_path, attention_path = tmp / io.MODEL_FILE, tmp / io.ATTENTION_FILE
@@ -414,10 +441,12 @@ def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
                 model_name: str | None, dtype: io.KvDtype, opset: int, quantize: str | None,
                 engine_graph: bool, mixed_steps: bool, float32_pass_tokens: int,
                 say: Any, *, storage: dict[str, Any], build_seconds: float,
-                verification: dict[str, Any]) -> None:
+                verification: dict[str, Any], engine_kv_dtype: io.KvDtype | None = None
+                ) -> None:
     """The tokenizer and chat files, config.json and manifest.json beside the graphs,
     with the table of which graph runs which pass (``float32_pass_tokens``: from how many
-    tokens engine_float32.onnx runs, where the artifact has it)."""
+    tokens engine_float32.onnx runs, where the artifact has it; ``engine_kv_dtype``: the
+    steps graphs' cache where it is not ``dtype``'s)."""
     from export.onnx.model_graphs import attention_io_shapes, grouped_kv
     from export.onnx.onnx_build import WEIGHTS_FILE
 
@@ -459,6 +488,7 @@ def _write_rest(tmp: Path, ckpt: Any, tok: Any, ckpt_dir: Path, out: Path,
         graphs=GraphTable.of_files(files, dtype, float32_pass_tokens,
                                    2 if mixed_steps else 1,
                                    ggml=[name for name in files if name.endswith(".onnx")
-                                         and uses_gguf_ops(tmp / name)]).to_list(),
+                                         and uses_gguf_ops(tmp / name)],
+                                   engine_kv_dtype=engine_kv_dtype).to_list(),
     )
     manifest.write(tmp)

@@ -27,6 +27,7 @@ from model.architectures import architecture
 from service.contract import engine_spec as es
 from service.contract import io_spec as io
 from service.contract.adapter_spec import LORA_MASK, LORA_SUFFIX, lora_a, lora_b
+from service.contract.graphs import GraphInterface
 
 RANK, SLOTS, SLOT = 4, 2, 1  # the checked adapter: rank 4, in slot 2 (index 1) of 2
 ALPHA = 8.0
@@ -144,12 +145,13 @@ def prefill(session: Any, cfg: Any, groups: list[np.ndarray],
     group's logits (B, T, V) at every position."""
     feed = dict(extra)
     outputs = []
+    cache = GraphInterface.of_session(session).kv_dtype or "float32"
     for g, ids in enumerate(groups):
         prefix = es.CHUNK_PREFIX if g else ""
         b, t = ids.shape
         every = np.tile(np.arange(t, dtype=np.int64), (b, 1))
         feed.update(es.engine_feed(ids, every, np.full(b, t - 1), t, every, prefix))
-        zeros = np.zeros((b, cfg.kv_heads, t, cfg.head_dim), np.float32)
+        zeros = np.zeros((b, cfg.kv_heads, t, cfg.head_dim), cache)
         feed.update({prefix + name: zeros for name in io.past_names(cfg.n_layers)})
         outputs.append(prefix + io.LOGITS)
     return list(session.run(outputs, feed))

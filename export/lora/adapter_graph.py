@@ -189,7 +189,9 @@ def build_adapter_graph(model: onnx.ModelProto, cfg: Any) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     names = {i.name for i in out.graph.input}
-    if any(i.type.tensor_type.elem_type == TensorProto.FLOAT16 for i in out.graph.input):
+    # a float16 graph's weights are float16 (a float16 KV cache alone, over the GGUF ops, is
+    # no obstacle: the updates are products of float32 activations)
+    if any(t.data_type == TensorProto.FLOAT16 for t in out.graph.initializer):
         raise ValueError("no adapter graph for a float16 graph (its activations are float16)")
     flat = SEQLENS_K in names  # the engine graphs: (N, d); attention.onnx: (1, T, d)
     _unfuse_swiglu(out)  # the updates go to gate and up, before the activation

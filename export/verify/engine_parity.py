@@ -145,8 +145,8 @@ def verify_engines(gpt: GPT, paths: dict[str, Path], verification: dict[str, Any
 class EngineDecoder:
     """engine.onnx behind OrtDecoder's call shape (service/contract/reference.py).
 
-    The past is opaque here: (B, nkv, length, hs) float32 buffers (key/value heads, as the
-    service's KV pool holds them) and each row's length. A pass's new tokens may be
+    The past is opaque here: (B, nkv, length, hs) buffers of the graph's cache type (key/value
+    heads, as the service's KV pool holds them) and each row's length. A pass's new tokens may be
     right-padded (the mask's zeros at the end of a row), each row's cache then holding its
     own length; every fed position gets its logits. The buffers are updated in place and
     hold ``CAPACITY`` positions, grown when a pass needs more, never to more than
@@ -159,13 +159,15 @@ class EngineDecoder:
         self.session = check_session(path, threads)
         self.config = gpt.config
         self.capacity = min(CAPACITY, gpt.config.max_seq_len)
-        self._gathers = GraphInterface.of_session(self.session).gathers_logits
-        self._idle = _idle_inputs(self.session, gpt.config)
+        interface = GraphInterface.of_session(self.session)
+        self._gathers = interface.gathers_logits
+        self._cache = interface.kv_dtype or "float32"  # the pool's type
+        self._idle = _idle_inputs(self.session, gpt.config, self._cache)
 
     def empty_past(self, batch: int) -> tuple[list[np.ndarray], np.ndarray]:
         cfg = self.config
         shape = (batch, cfg.kv_heads, self.capacity, cfg.head_dim)  # (B, nkv, L, hs)
-        zeros = [np.zeros(shape, np.float32) for _ in range(2 * cfg.n_layers)]
+        zeros = [np.zeros(shape, self._cache) for _ in range(2 * cfg.n_layers)]
         return zeros, np.zeros(batch, np.int64)
 
     def _room(self, buffers: list[np.ndarray], total: int) -> list[np.ndarray]:
@@ -178,7 +180,7 @@ class EngineDecoder:
         length = min(self.config.max_seq_len, max(total, 2 * length))
         grown = []
         for buffer in buffers:
-            wider = np.zeros((*buffer.shape[:2], length, buffer.shape[3]), np.float32)
+            wider = np.zeros((*buffer.shape[:2], length, buffer.shape[3]), buffer.dtype)
             wider[:, :, :buffer.shape[2]] = buffer
             grown.append(wider)
         return grown

@@ -11,6 +11,9 @@ so older artifacts serve as they did. Torch- and onnxruntime-free: the service r
                          artifact on CUDA)
     engine.onnx          stored weights, one row group: every pass, KV cache in place;
                          on CUDA too for a float16 artifact (decode steps captured)
+                         (each entry names its KV cache's type, ``kv_dtype``: float16 for
+                         a float16 artifact's engine graphs, and for the CPU engine graphs
+                         over the GGUF ops exported with ``--kv-dtype float16``)
     engine_mixed.onnx    stored weights, two row groups: every pass, newcomers' prompts and
                          prompt chunks riding in the decode step (mixed steps, the default)
     engine_float32.onnx  a quantised artifact's weights in float32 (``--float32-twin``):
@@ -55,15 +58,20 @@ class GraphInterface:
     # listed among the overridable initializers, not the inputs; a float16 graph's steer is
     # float16, and no vector is offered there)
     steers: bool
+    kv_dtype: io.KvDtype | None = None  # its past / present caches' type (None: it has none)
 
     @classmethod
     def of_session(cls, session: Any) -> GraphInterface:
         """Of an onnxruntime ``InferenceSession`` (duck-typed: this module imports no
         onnxruntime)."""
+        past = io.past_names(1)[0]
+        caches = {"tensor(float)": "float32", "tensor(float16)": "float16"}
+        kv_dtype: Any = next((caches.get(i.type, i.type) for i in session.get_inputs()
+                              if i.name == past), None)
         return cls(frozenset(i.name for i in session.get_inputs()),
                    frozenset(o.name for o in session.get_outputs()),
                    any(i.name == io.STEER and i.type == "tensor(float)"
-                       for i in session.get_overridable_initializers()))
+                       for i in session.get_overridable_initializers()), kv_dtype)
 
     @property
     def row_groups(self) -> int:
@@ -90,7 +98,7 @@ class GraphInterface:
         """Whether this graph can run every pass the ``steps`` graph runs: the same
         inputs, or those plus a second group of rows, left idle (engine_mixed.onnx's
         float32 weights beside a quantised engine.onnx, with mixed steps off)."""
-        return steps.inputs <= self.inputs and all(
+        return steps.inputs <= self.inputs and self.kv_dtype == steps.kv_dtype and all(
             name.startswith(es.CHUNK_PREFIX) for name in self.inputs - steps.inputs)
 
 
@@ -106,6 +114,7 @@ class GraphEntry:
     cuda: bool = False  # may run on CUDA (a float16 engine.onnx; decode steps captured)
     adapters: bool = False  # LoRA adapters per row (<stem>_lora.onnx, adapter_spec.py)
     kernel: Kernel = "onnxruntime"
+    kv_dtype: io.KvDtype = "float32"  # its KV cache's type: the pool's, while it serves
 
     @property
     def mixes_chunks(self) -> bool:
@@ -118,11 +127,16 @@ class GraphEntry:
         hand (tests, benchmarks); a served graph's entry is the artifact's table's."""
         file = es.ENGINE_MIXED_FILE if interface.row_groups == 2 else es.ENGINE_FILE
         return cls(lora_file(file) if interface.adapters else file, "steps",
-                   row_groups=interface.row_groups, cuda=cuda, adapters=interface.adapters)
+                   row_groups=interface.row_groups, cuda=cuda, adapters=interface.adapters,
+                   kv_dtype=interface.kv_dtype or "float32")
 
     def check(self, interface: GraphInterface) -> None:
         """ValueError unless a graph of this interface computes what this entry says (its
-        row groups, its adapters): the one place a table's entry meets a session."""
+        row groups, its adapters, its cache's type): the one place a table's entry meets a
+        session."""
+        if interface.kv_dtype not in (None, self.kv_dtype):
+            raise ValueError(f"{self.file} takes a {interface.kv_dtype} KV cache where the "
+                             f"artifact's table says {self.kv_dtype}")
         if self.runs == "fallback":
             return
         if (interface.row_groups, interface.adapters) != (self.row_groups, self.adapters):
@@ -134,7 +148,8 @@ class GraphEntry:
         what = ("float32 weights" if self.weights == "float32" else "stored weights") + (
             ", GGUF blocks on ggml's kernels (GgufMatMul)" if self.kernel == "ggml" else "") + (
             ", prompts riding in decode steps" if self.row_groups == 2 else "") + (
-            ", LoRA adapters per row" if self.adapters else "")
+            ", LoRA adapters per row" if self.adapters else "") + (
+            ", float16 KV cache" if self.kv_dtype == "float16" else "")
         when = {"steps": "every pass", "fallback": "when no engine graph can",
                 "long passes": f"passes of ≥ {self.from_tokens} tokens"}[self.runs]
         return f"{self.file} ({what}): {when}" + (", CUDA too" if self.cuda else "")
@@ -150,28 +165,38 @@ class GraphTable:
         return [asdict(g) for g in self.graphs]
 
     @classmethod
-    def from_list(cls, rows: Sequence[dict[str, Any]]) -> GraphTable:
-        return cls(tuple(GraphEntry(**row) for row in rows))
+    def from_list(cls, rows: Sequence[dict[str, Any]], kv_dtype: str = "float32"
+                  ) -> GraphTable:
+        """``kv_dtype``: the cache type of rows written before entries named theirs (the
+        manifest's: every graph's then)."""
+        return cls(tuple(GraphEntry(**{"kv_dtype": kv_dtype, **row}) for row in rows))
 
     @classmethod
     def of_files(cls, files: Collection[str], kv_dtype: str, float32_pass_tokens: int,
-                 float32_row_groups: int, ggml: Collection[str] = ()) -> GraphTable:
+                 float32_row_groups: int, ggml: Collection[str] = (),
+                 engine_kv_dtype: str | None = None) -> GraphTable:
         """The table of an artifact holding ``files``: what export writes, and what a
         manifest of before the table is read as (an artifact's other files: not decoders,
-        or graphs no longer served). ``ggml``: the files computing with GgufMatMul."""
+        or graphs no longer served). ``kv_dtype``: the graphs' cache type (the manifest's);
+        ``engine_kv_dtype``: the steps graphs' where it differs (a float16 cache in the CPU
+        engine graphs over the GGUF ops); ``ggml``: the files computing with GgufMatMul."""
         def kernel(file: str) -> Kernel:
             return "ggml" if file in ggml else "onnxruntime"
 
-        entries = [GraphEntry(io.MODEL_FILE, "fallback", kernel=kernel(io.MODEL_FILE))]
+        cache: Any = kv_dtype
+        steps_cache: Any = engine_kv_dtype or kv_dtype
+        entries = [GraphEntry(io.MODEL_FILE, "fallback", kernel=kernel(io.MODEL_FILE),
+                              kv_dtype=cache)]
         if es.ENGINE_FILE in files:
-            entries.append(GraphEntry(es.ENGINE_FILE, "steps", cuda=kv_dtype == "float16",
-                                      kernel=kernel(es.ENGINE_FILE)))
+            entries.append(GraphEntry(es.ENGINE_FILE, "steps",
+                                      cuda=kv_dtype == "float16",
+                                      kernel=kernel(es.ENGINE_FILE), kv_dtype=steps_cache))
         if es.ENGINE_MIXED_FILE in files:
             entries.append(GraphEntry(es.ENGINE_MIXED_FILE, "steps", row_groups=2,
-                                      kernel=kernel(es.ENGINE_MIXED_FILE)))
+                                      kernel=kernel(es.ENGINE_MIXED_FILE), kv_dtype=steps_cache))
         if es.ENGINE_FLOAT32_FILE in files and float32_pass_tokens > 0:
             entries.append(GraphEntry(es.ENGINE_FLOAT32_FILE, "long passes", "float32",
-                                      float32_row_groups, float32_pass_tokens))
+                                      float32_row_groups, float32_pass_tokens, kv_dtype=cache))
         entries += [replace(entry, file=lora_file(entry.file), cuda=False, adapters=True,
                             kernel=kernel(lora_file(entry.file)))
                     for entry in list(entries) if entry.runs == "steps"
@@ -182,7 +207,7 @@ class GraphTable:
     def of(cls, manifest: Manifest) -> GraphTable:
         """An artifact's table: as export recorded it, or derived from its files."""
         if manifest.graphs:
-            return cls.from_list(manifest.graphs)
+            return cls.from_list(manifest.graphs, manifest.kv_dtype)
         recorded = manifest.exporter.get("float32_pass_tokens")  # the table's predecessor
         tokens = FLOAT32_PASS_TOKENS.get(str(manifest.quantization), 0)
         mixed = manifest.exporter.get("engine_mixed_steps", es.ENGINE_MIXED_FILE in manifest.files)

@@ -149,7 +149,7 @@ def create_runner(artifact_dir: Path, model: io.ArtifactConfig, engine: EngineCo
         engine_graph=engine.engine_graph, mixed_steps=engine.mixed_steps, on_cuda=on_cuda,
         float32_pass_tokens=engine.float32_pass_tokens, adapters=adapters)
     steps, *long = served
-    pool = pool_config(engine, model, model.kv_bytes_per_token(np.dtype(model.kv_dtype).itemsize))
+    pool = pool_config(engine, model, model.kv_bytes_per_token(np.dtype(steps.kv_dtype).itemsize))
     log.info("%s runs %s", artifact_dir.name, steps.describe())
     if ops.kernel_in_use(steps.kernel) == "ggml":
         log.info("GGUF blocks computed by ggml's CPU kernels inside ONNX Runtime: %s; "

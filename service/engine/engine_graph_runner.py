@@ -66,7 +66,8 @@ log = logging.getLogger("attnserve.engine")
 
 
 class EngineGraphRunner(PooledRunner):
-    """ModelRunner over engine.onnx with a persistent float32 KV pool on the host."""
+    """ModelRunner over engine.onnx with a persistent KV pool on the host (of the cache type
+    the steps graph's entry names: float32, or float16)."""
 
     def __init__(self, session: ort.InferenceSession, config: io.ArtifactConfig,
                  pool: PoolConfig,
@@ -98,12 +99,12 @@ class EngineGraphRunner(PooledRunner):
         if cuda_graphs:  # neither captured nor replayed: only decode steps are (cuda.py)
             for options in (self._shrink, self._plain):
                 options.add_run_config_entry("gpu_graph_id", UNCAPTURED)
-        super().__init__(config, pool, np.dtype(config.kv_dtype), device)
+        steps = steps or GraphEntry.of_interface(interface, cuda=device != "cpu")
+        super().__init__(config, pool, np.dtype(steps.kv_dtype), device)  # the pool's type
         self.session = session
         self.provider = session.get_providers()[0]
         self.device = device
         self._past, self._present = io.past_names(n), io.present_names(n)
-        steps = steps or GraphEntry.of_interface(interface, cuda=device != "cpu")
         # which graph runs which pass: the table's entries this runner serves, steps first,
         # each read from its session and checked against it once (_Graph); every later
         # fact is the entry's or that interface's

@@ -86,7 +86,7 @@ class ModelGraphRunner(PooledRunner):
                          | ({*io.model_output_names(n)} - outputs))
         if missing:
             raise ValueError(f"model.onnx does not follow the I/O contract: missing {missing}")
-        super().__init__(config, pool, np.dtype(config.kv_dtype))
+        super().__init__(config, pool, np.dtype(entry.kv_dtype if entry else config.kv_dtype))
         self.session = session
         self.graphs: tuple[GraphEntry, ...] = (entry or GraphEntry(io.MODEL_FILE, "fallback"),)
         self.graph_file = self.graphs[0].file

@@ -81,13 +81,13 @@ DEFAULT_JOBS = 2
 # What the op library must understand for the graphs this attnserve exports: 1 GgufMatMul
 # and GgufGather over the file's rows at int8 activations, 2 and activations="float", 3 and
 # layout="repacked_8x8", 4 and the CachedAttention op, 5 and GgufMatMul's epilogue="swiglu"
-# with the Swiglu op.
+# with the Swiglu op, 6 and CachedAttention over a float16 cache.
 # Compiled into the library
 # (attnserve_gguf_ops_level, below), which service.ops does not load when it reports less,
 # or nothing (built from older sources): ONNX Runtime hands an op only the attributes it
 # asks for, so it would ignore the ones it does not know and compute a repacked or
 # float-activation node wrongly (and an older library has no CachedAttention at all).
-OPS_LEVEL = 5
+OPS_LEVEL = 6
 # Explicit -mno-* options win over -march=native in GCC and clang: AMX kernels crashed
 # ggml on AMX hosts (see benchmarks/llamacpp_env.py), and the op needs none.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"

@@ -16,6 +16,12 @@
 // bound to the past buffers (one OrtValue both), the new keys and values are written in place;
 // otherwise the past is copied over first.
 //
+// The cache: float32, or float16 (a second kernel of the same op, chosen by the past /
+// present tensors' type: half the bytes a step streams and the pool holds, as llama.cpp's
+// default f16 cache). Each new key and value is rounded to float16 once when written
+// (ggml-cpu's conversion, to nearest even); the loops read it back exactly (F16C / AVX-512
+// conversions) and compute in float32 as for a float32 cache.
+//
 // Positions follow ONNX Runtime's: S > 1 with total_sequence_length = S is a first prompt (every
 // row from position 0, right-padded; a padding token rotates at position 1); otherwise each
 // row's S new tokens follow its seqlens_k + 1 − S cached ones. Query s of a row attends to the
@@ -27,7 +33,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
+#include "ggml-cpu.h"
+#include "ggml.h"
 #include "gguf_ops.h"
 #include "vec_exp.h"
 
@@ -37,6 +46,7 @@ namespace {
 
 constexpr const char* kOpName = "CachedAttention";
 constexpr int64_t kMaxRegionsPerTask = 8;  // a decode task's (row, key/value head) regions
+using Half = ggml_fp16_t;  // a float16 cache's element (IEEE binary16 bits)
 enum Input { kQuery, kKey, kValue, kPastKey, kPastValue, kSeqlens, kTotal, kCos, kSin, kInputs };
 
 }  // namespace
@@ -44,16 +54,20 @@ enum Input { kQuery, kKey, kValue, kPastKey, kPastValue, kSeqlens, kTotal, kCos,
 // ---- the inner loops, once per instruction set ------------------------------------------------
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #endif
 namespace avx2 {
 namespace {
 constexpr int64_t kLanes = 8;
 using Vec = __m256;
 inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec LoadCache(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec LoadCache(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec Zero() { return _mm256_setzero_ps(); }
 inline Vec Set1(float x) { return _mm256_set1_ps(x); }
@@ -111,6 +125,10 @@ namespace {
 constexpr int64_t kLanes = 16;
 using Vec = __m512;
 inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec LoadCache(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec LoadCache(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec Zero() { return _mm512_setzero_ps(); }
 inline Vec Set1(float x) { return _mm512_set1_ps(x); }
@@ -154,11 +172,14 @@ namespace {
 
 // Plain C++ for a CPU without AVX2 or a head size no vector divides: the same three loops.
 namespace scalar {
-void Scores(const float* q, int64_t heads, const float* k, int64_t n, int64_t hs, float* s) {
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(Half x) { return ggml_fp16_to_fp32(x); }
+template <typename Cache>
+void Scores(const float* q, int64_t heads, const Cache* k, int64_t n, int64_t hs, float* s) {
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t h = 0; h < heads; ++h) {
       float acc = 0.0f;
-      for (int64_t d = 0; d < hs; ++d) acc += q[h * hs + d] * k[j * hs + d];
+      for (int64_t d = 0; d < hs; ++d) acc += q[h * hs + d] * ToFloat(k[j * hs + d]);
       s[h * n + j] = acc;
     }
   }
@@ -169,34 +190,39 @@ void Softmax(float* s, int64_t n) {
   for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - peak));
   for (int64_t j = 0; j < n; ++j) s[j] /= sum;
 }
-void WeightedSum(const float* p, int64_t heads, const float* v, int64_t n, int64_t hs,
+template <typename Cache>
+void WeightedSum(const float* p, int64_t heads, const Cache* v, int64_t n, int64_t hs,
                  float* out, int64_t out_stride) {
   for (int64_t h = 0; h < heads; ++h) {
     float* o = out + h * out_stride;
     std::fill(o, o + hs, 0.0f);
     for (int64_t j = 0; j < n; ++j) {
-      for (int64_t d = 0; d < hs; ++d) o[d] += p[h * n + j] * v[j * hs + d];
+      for (int64_t d = 0; d < hs; ++d) o[d] += p[h * n + j] * ToFloat(v[j * hs + d]);
     }
   }
 }
 }  // namespace scalar
 
+// The loops over a cache of `Cache` elements (float or Half).
+template <typename Cache>
 struct Kernels {
-  void (*scores)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+  void (*scores)(const float*, int64_t, const Cache*, int64_t, int64_t, float*);
   void (*softmax)(float*, int64_t);
-  void (*weighted_sum)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+  void (*weighted_sum)(const float*, int64_t, const Cache*, int64_t, int64_t, float*, int64_t);
 };
 
 // The widest vectors this CPU has that divide a head of `hs` floats.
-Kernels KernelsFor(int64_t hs) {
+template <typename Cache>
+Kernels<Cache> KernelsFor(int64_t hs) {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && hs % avx512::kLanes == 0) {
-    return {avx512::Scores, avx512::Softmax, avx512::WeightedSum};
+    return {avx512::Scores<Cache>, avx512::Softmax, avx512::WeightedSum<Cache>};
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && hs % avx2::kLanes == 0) {
-    return {avx2::Scores, avx2::Softmax, avx2::WeightedSum};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c") && hs % avx2::kLanes == 0) {
+    return {avx2::Scores<Cache>, avx2::Softmax, avx2::WeightedSum<Cache>};
   }
-  return {scalar::Scores, scalar::Softmax, scalar::WeightedSum};
+  return {scalar::Scores<Cache>, scalar::Softmax, scalar::WeightedSum<Cache>};
 }
 
 struct Attributes {
@@ -207,12 +233,13 @@ struct Attributes {
 };
 
 // One call's tensors and sizes; tasks read it and write only their own rows.
+template <typename Cache>
 struct Problem {
   Attributes a;
-  Kernels kernels;
+  Kernels<Cache> kernels;
   const float* qkv;        // (B, S, (N + 2·N_kv)·H)
-  float* keys;             // (B, N_kv, Lp, H)
-  float* values;           // (B, N_kv, Lp, H)
+  Cache* keys;             // (B, N_kv, Lp, H)
+  Cache* values;           // (B, N_kv, Lp, H)
   const int32_t* seqlens;  // (B,)
   const float* cos;        // (P, R/2), or null
   const float* sin;
@@ -231,10 +258,10 @@ struct Problem {
     if (first_prompt) return s <= seqlens[b] ? s : 1;
     return Past(b) + s;
   }
-  float* KeyRows(int64_t b, int64_t g) const {
+  Cache* KeyRows(int64_t b, int64_t g) const {
     return keys + (b * a.kv_heads + g) * cache_len * hs;
   }
-  float* ValueRows(int64_t b, int64_t g) const {
+  Cache* ValueRows(int64_t b, int64_t g) const {
     return values + (b * a.kv_heads + g) * cache_len * hs;
   }
   // y = rotate(x) · mul (x and y of H floats), at `position` of the cos / sin tables.
@@ -257,17 +284,27 @@ struct Problem {
 
 // Task i of the first pass: row b's new keys (rotated) and values of key/value head g into
 // the cache, so every query head of the second pass sees them.
+template <typename Cache>
 void WriteKeysValues(void* data, size_t i) {
-  const Problem& p = *static_cast<const Problem*>(data);
+  const Problem<Cache>& p = *static_cast<const Problem<Cache>*>(data);
   const int64_t b = static_cast<int64_t>(i) / p.a.kv_heads;
   const int64_t g = static_cast<int64_t>(i) % p.a.kv_heads;
   const int64_t past = p.Past(b);
+  thread_local AlignedScratch rotated_scratch;
+  float* rotated = rotated_scratch.As<float>(static_cast<size_t>(p.hs));  // (H,)
   for (int64_t s = 0; s < p.tokens; ++s) {
     const float* token = p.qkv + (b * p.tokens + s) * p.Width();
-    p.Rotate(token + (p.a.heads + g) * p.hs, p.Position(b, s), 1.0f,
-             p.KeyRows(b, g) + (past + s) * p.hs);
-    std::memcpy(p.ValueRows(b, g) + (past + s) * p.hs,
-                token + (p.a.heads + p.a.kv_heads + g) * p.hs, p.hs * sizeof(float));
+    const float* value = token + (p.a.heads + p.a.kv_heads + g) * p.hs;
+    Cache* key_row = p.KeyRows(b, g) + (past + s) * p.hs;
+    Cache* value_row = p.ValueRows(b, g) + (past + s) * p.hs;
+    if constexpr (std::is_same_v<Cache, float>) {
+      p.Rotate(token + (p.a.heads + g) * p.hs, p.Position(b, s), 1.0f, key_row);
+      std::memcpy(value_row, value, p.hs * sizeof(float));
+    } else {  // rounded to float16 once
+      p.Rotate(token + (p.a.heads + g) * p.hs, p.Position(b, s), 1.0f, rotated);
+      ggml_cpu_fp32_to_fp16(rotated, key_row, p.hs);
+      ggml_cpu_fp32_to_fp16(value, value_row, p.hs);
+    }
   }
 }
 
@@ -275,14 +312,15 @@ void WriteKeysValues(void* data, size_t i) {
 struct KeyRange {
   int64_t first, n;
 };
-KeyRange KeysOf(const Problem& p, int64_t b, int64_t s) {
+template <typename Cache>
+KeyRange KeysOf(const Problem<Cache>& p, int64_t b, int64_t s) {
   const int64_t seen = p.Past(b) + s + 1;  // keys at and before this token
   const int64_t first = p.a.window > 0 && seen > p.a.window ? seen - p.a.window : 0;
   return {first, seen - first};
 }
 
 // Half `half` (0, 1) of `bytes` from `base` towards L1, ahead of the task's next region.
-void PrefetchHalf(const float* base, int64_t bytes, int half) {
+void PrefetchHalf(const void* base, int64_t bytes, int half) {
   const char* start = reinterpret_cast<const char*>(base);
   const int64_t middle = bytes / 2 / 64 * 64;  // whole lines
   const int64_t from = half == 0 ? 0 : middle, to = half == 0 ? middle : bytes;
@@ -293,11 +331,12 @@ void PrefetchHalf(const float* base, int64_t bytes, int half) {
 // against the cached keys, softmax, the weighted sum of the values. `next` (or null): the
 // keys and values the task reads next (`next_bytes` each), fetched in halves around the
 // phases, so that its memory reads overlap this region's arithmetic.
-void AttendRegion(const Problem& p, int64_t b, int64_t g, int64_t h0, int64_t heads, int64_t s0,
-                  int64_t s1, const float* next_keys, const float* next_values,
+template <typename Cache>
+void AttendRegion(const Problem<Cache>& p, int64_t b, int64_t g, int64_t h0, int64_t heads,
+                  int64_t s0, int64_t s1, const Cache* next_keys, const Cache* next_values,
                   int64_t next_bytes) {
-  const float* keys = p.KeyRows(b, g);
-  const float* values = p.ValueRows(b, g);
+  const Cache* keys = p.KeyRows(b, g);
+  const Cache* values = p.ValueRows(b, g);
   thread_local AlignedScratch q_scratch, score_scratch;
   float* q = q_scratch.As<float>(static_cast<size_t>(heads * p.hs));  // (heads, H)
   float* scores = score_scratch.As<float>(static_cast<size_t>(heads * (p.Past(b) + s1)));
@@ -330,23 +369,24 @@ void AttendRegion(const Problem& p, int64_t b, int64_t g, int64_t h0, int64_t he
 // cache, 3.1-3.7 prefetching the next region's rows in halves around the phases
 // (attention-task.txt in results/bench/2026-12-05-zen5-q4_0-bound/; served, the 1B Q4_0
 // step's attention at batch 32 8.3 ms against 9.6).
+template <typename Cache>
 void Attend(void* data, size_t i) {
-  const Problem& p = *static_cast<const Problem*>(data);
+  const Problem<Cache>& p = *static_cast<const Problem<Cache>*>(data);
   if (p.regions_per_task > 0) {
     const int64_t regions = p.batch * p.a.kv_heads;
     const int64_t r0 = static_cast<int64_t>(i) * p.regions_per_task;
     const int64_t r1 = std::min(regions, r0 + p.regions_per_task);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / p.a.kv_heads, g = r % p.a.kv_heads;
-      const float* next_keys = nullptr;
-      const float* next_values = nullptr;
+      const Cache* next_keys = nullptr;
+      const Cache* next_values = nullptr;
       int64_t next_bytes = 0;
       if (r + 1 < r1) {
         const int64_t nb = (r + 1) / p.a.kv_heads, ng = (r + 1) % p.a.kv_heads;
         const auto [first, n] = KeysOf(p, nb, 0);
         next_keys = p.KeyRows(nb, ng) + first * p.hs;
         next_values = p.ValueRows(nb, ng) + first * p.hs;
-        next_bytes = n * p.hs * static_cast<int64_t>(sizeof(float));
+        next_bytes = n * p.hs * static_cast<int64_t>(sizeof(Cache));
       }
       AttendRegion(p, b, g, g * p.Group(), p.Group(), 0, p.tokens, next_keys, next_values,
                    next_bytes);
@@ -362,7 +402,7 @@ void Attend(void* data, size_t i) {
   const int64_t h0 = g * p.Group() + hc * p.heads_per_task;
   const int64_t heads = std::min(p.heads_per_task, (g + 1) * p.Group() - h0);
   const int64_t s0 = tc * p.tokens_per_task, s1 = std::min(p.tokens, s0 + p.tokens_per_task);
-  AttendRegion(p, b, g, h0, heads, s0, s1, nullptr, nullptr, 0);
+  AttendRegion<Cache>(p, b, g, h0, heads, s0, s1, nullptr, nullptr, 0);
 }
 
 int64_t OptionalInt(const Ort::ConstKernelInfo& info, const char* name, int64_t fallback) {
@@ -390,6 +430,7 @@ bool Present(const Ort::ConstValue& v) {
          v.GetTensorTypeAndShapeInfo().GetElementCount() > 0;
 }
 
+template <typename Cache>
 struct CachedAttentionKernel {
   std::string node;
   Attributes a;
@@ -417,7 +458,7 @@ struct CachedAttentionKernel {
       fail("query has shape " + ShapeString(q_shape) + "; it must be (B, S, (" +
            std::to_string(a.heads) + " + 2·" + std::to_string(a.kv_heads) + ")·head_size)");
     }
-    Problem p{};
+    Problem<Cache> p{};
     p.a = a;
     p.batch = q_shape[0];
     p.tokens = q_shape[1];
@@ -470,15 +511,16 @@ struct CachedAttentionKernel {
       }
     }
     p.qkv = query.GetTensorData<float>();
-    p.out = ctx.GetOutput(0, {p.batch, p.tokens, a.heads * p.hs}).GetTensorMutableData<float>();
+    p.out = ctx.GetOutput(0, {p.batch, p.tokens, a.heads * p.hs})
+                .template GetTensorMutableData<float>();
     const std::vector<int64_t> present_shape{p.batch, a.kv_heads, p.cache_len, p.hs};
-    p.keys = ctx.GetOutput(1, present_shape).GetTensorMutableData<float>();
-    p.values = ctx.GetOutput(2, present_shape).GetTensorMutableData<float>();
-    CopyPast(past_key.GetTensorData<float>(), p.keys, p, past_len);
-    CopyPast(past_value.GetTensorData<float>(), p.values, p, past_len);
+    p.keys = static_cast<Cache*>(ctx.GetOutput(1, present_shape).GetTensorMutableRawData());
+    p.values = static_cast<Cache*>(ctx.GetOutput(2, present_shape).GetTensorMutableRawData());
+    CopyPast(static_cast<const Cache*>(past_key.GetTensorRawData()), p.keys, p, past_len);
+    CopyPast(static_cast<const Cache*>(past_value.GetTensorRawData()), p.values, p, past_len);
     if (p.batch == 0 || p.tokens == 0) return;
 
-    p.kernels = KernelsFor(p.hs);
+    p.kernels = KernelsFor<Cache>(p.hs);
     p.scale = a.scale == 0.0f ? 1.0f / std::sqrt(static_cast<float>(p.hs)) : a.scale;
     // Tasks: a row's key/value head, its query heads together where there are enough rows to
     // keep every thread busy (decode at batch 1: one head a task), and 16 tokens of a prompt.
@@ -494,33 +536,41 @@ struct CachedAttentionKernel {
     p.regions_per_task = p.token_chunks == 1 && p.head_chunks == 1 && regions >= 32
                              ? std::min<int64_t>(kMaxRegionsPerTask, regions / 16)
                              : 0;
-    ctx.ParallelFor(WriteKeysValues, static_cast<size_t>(regions), 0, &p);
+    ctx.ParallelFor(WriteKeysValues<Cache>, static_cast<size_t>(regions), 0, &p);
     const int64_t tasks = p.regions_per_task > 0
                               ? (regions + p.regions_per_task - 1) / p.regions_per_task
                               : regions * p.head_chunks * p.token_chunks;
-    ctx.ParallelFor(Attend, static_cast<size_t>(tasks), 0, &p);
+    ctx.ParallelFor(Attend<Cache>, static_cast<size_t>(tasks), 0, &p);
   }
 
   // present ← past where they are separate buffers (bound to one OrtValue, nothing to do).
-  static void CopyPast(const float* past, float* present, const Problem& p, int64_t past_len) {
+  static void CopyPast(const Cache* past, Cache* present, const Problem<Cache>& p,
+                       int64_t past_len) {
     if (past == present || past_len == 0) return;
     const int64_t heads = p.batch * p.a.kv_heads;
     for (int64_t r = 0; r < heads; ++r) {
       std::memcpy(present + r * p.cache_len * p.hs, past + r * past_len * p.hs,
-                  static_cast<size_t>(past_len * p.hs) * sizeof(float));
+                  static_cast<size_t>(past_len * p.hs) * sizeof(Cache));
       std::memset(present + (r * p.cache_len + past_len) * p.hs, 0,
-                  static_cast<size_t>((p.cache_len - past_len) * p.hs) * sizeof(float));
+                  static_cast<size_t>((p.cache_len - past_len) * p.hs) * sizeof(Cache));
     }
   }
 };
 
-struct CachedAttentionOp
-    : Ort::CustomOpBase<CachedAttentionOp, CachedAttentionKernel, /*WithStatus=*/true> {
+// The op over a cache of `Cache` elements: registered once for float32 caches and once for
+// float16 ones (one schema, two kernels: ONNX Runtime picks by the past / present types).
+template <typename Cache>
+struct CachedAttentionOp : Ort::CustomOpBase<CachedAttentionOp<Cache>,
+                                             CachedAttentionKernel<Cache>, /*WithStatus=*/true> {
+  static constexpr ONNXTensorElementDataType kCacheType =
+      std::is_same_v<Cache, float> ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+                                   : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
   const char* GetName() const { return kOpName; }
   size_t GetInputTypeCount() const { return kInputs; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index == kSeqlens || index == kTotal ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
-                                                : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (index == kSeqlens || index == kTotal) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    return index == kPastKey || index == kPastValue ? kCacheType
+                                                    : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
     return index == kKey || index == kValue || index == kCos || index == kSin
@@ -528,8 +578,8 @@ struct CachedAttentionOp
                : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 3; }
-  ONNXTensorElementDataType GetOutputType(size_t /*index*/) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  ONNXTensorElementDataType GetOutputType(size_t index) const {
+    return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : kCacheType;
   }
 
   // Attributes are checked when the session is created. GroupQueryAttention's that change
@@ -556,7 +606,7 @@ struct CachedAttentionOp
         throw OpError(ORT_INVALID_ARGUMENT, Where(kOpName, node) +
                                                 "softcap and smooth_softmax are not supported");
       }
-      *kernel = new CachedAttentionKernel{node, a};
+      *kernel = new CachedAttentionKernel<Cache>{node, a};
     });
   }
 };
@@ -565,7 +615,13 @@ struct CachedAttentionOp
 }  // namespace attention
 
 const OrtCustomOp* AttentionOp() {
-  static attention::CachedAttentionOp op;  // outlives every session: ORT keeps a pointer to it
+  // outlive every session: ORT keeps pointers to them
+  static attention::CachedAttentionOp<float> op;
+  return &op;
+}
+
+const OrtCustomOp* AttentionHalfCacheOp() {
+  static attention::CachedAttentionOp<attention::Half> op;
   return &op;
 }
 

@@ -7,7 +7,9 @@ Rather than refuse to serve, the session layer runs this rewrite: every op node 
 ONNX Runtime's own ``MatMul`` / ``Gather`` over the blocks dequantised to float32 by the
 ``gguf`` package (the same numbers the op computes at float activations, so greedy tokens
 stay those of the float32 model), and ``CachedAttention`` the ``GroupQueryAttention`` whose
-contract it keeps, in a copy of the graph written to a temporary folder.
+contract it keeps (over a float16 cache: the cache cast to float32 and the present back,
+since ONNX Runtime's kernel takes one type for the query and the cache), in a copy of the
+graph written to a temporary folder.
 The cost is memory and speed: 4 bytes a weight instead of the file's ~0.6, and ONNX
 Runtime's float32 kernels. The session layer says so in one log line.
 
@@ -20,6 +22,7 @@ missing.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +73,29 @@ def dequantise(stored: np.ndarray, ggml_type: int, k: int,
     rows = unpack_repacked(stored, ggml_type, k) if layout == ops.REPACKED_LAYOUT else stored
     weights = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(ggml_type))
     return np.asarray(weights, dtype=np.float32).reshape(stored.shape[0], k)
+
+
+def _float32_cache(node: Any, half_caches: set[str]) -> list[Any]:
+    """GroupQueryAttention ``node`` as it is, or, where its past key / value are graph inputs
+    in ``half_caches`` (float16), between Casts: the past to float32 before it, its presents
+    back to float16 after (the present outputs keep their names, so the engine binds them to
+    its float16 pool as before)."""
+    import onnx
+
+    past = list(node.input[3:5])
+    if not any(name in half_caches for name in past):
+        return [node]
+    cast = onnx.TensorProto
+    before = [onnx.helper.make_node("Cast", [name], [f"{name}.float32"], to=cast.FLOAT,
+                                    name=f"{node.name}.{name}.float32") for name in past]
+    presents = list(node.output[1:3])
+    after = [onnx.helper.make_node("Cast", [f"{name}.float32"], [name], to=cast.FLOAT16,
+                                   name=f"{node.name}.{name}.float16") for name in presents]
+    for i, name in enumerate(past):
+        node.input[3 + i] = f"{name}.float32"
+    for i, name in enumerate(presents):
+        node.output[1 + i] = f"{name}.float32"
+    return [*before, node, *after]
 
 
 def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
@@ -123,6 +149,8 @@ def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
         return floats[key]
 
     standard: list[onnx.NodeProto] = []
+    half_caches = {v.name for v in graph.input
+                   if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16}
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
     for node in graph.node:
         if node.domain != ops.DOMAIN:
@@ -146,7 +174,7 @@ def write_dequantised(model: Path | bytes, external_data_dir: Path | None,
             standard += swiglu.standard_nodes(node.input[0], node.output[0], node.name, opset)
         elif node.op_type == ops.ATTENTION_OP:  # the same node, on ONNX Runtime's kernel
             node.op_type, node.domain = "GroupQueryAttention", CONTRIB
-            standard.append(node)
+            standard += _float32_cache(node, half_caches)
         else:
             raise ValueError(f"node {node.name!r}: {node.op_type} of domain {ops.DOMAIN} has "
                              "no standard-op form")

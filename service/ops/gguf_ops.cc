@@ -1,6 +1,7 @@
 // RegisterCustomOps: the entry point ONNX Runtime calls when a session loads this library.
 // It registers every op of the domain "attnserve.gguf": GgufMatMul (gguf_matmul.cc),
-// GgufGather (gguf_gather.cc), CachedAttention (cached_attention.cc) and Swiglu
+// GgufGather (gguf_gather.cc), CachedAttention (cached_attention.cc; float32 and float16
+// caches) and Swiglu
 // (gguf_epilogue.cc).
 // attnserve_gguf_ops_level: what the library understands, read by service.ops before it loads
 // it (an older build ignores the attributes it does not know, or lacks an op).
@@ -50,6 +51,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     domain.Add(attnserve_gguf::MatMulOp());
     domain.Add(attnserve_gguf::GatherOp());
     domain.Add(attnserve_gguf::AttentionOp());
+    domain.Add(attnserve_gguf::AttentionHalfCacheOp());
     domain.Add(attnserve_gguf::SwigluOp());
     Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
     g_domains.push_back(domain.release());

@@ -163,7 +163,8 @@ inline int64_t IntAttribute(const Ort::ConstKernelInfo& info, const char* op,
 // The ops, each defined in its own file; static objects that outlive every session.
 const OrtCustomOp* MatMulOp();
 const OrtCustomOp* GatherOp();
-const OrtCustomOp* AttentionOp();  // cached_attention.cc
+const OrtCustomOp* AttentionOp();           // cached_attention.cc: a float32 cache
+const OrtCustomOp* AttentionHalfCacheOp();  // ... and a float16 one
 const OrtCustomOp* SwigluOp();     // gguf_epilogue.cc
 
 }  // namespace attnserve_gguf

@@ -46,10 +46,11 @@ def test_on_cuda_only_a_float16_engine_graph_runs_and_alone() -> None:
     float32 graphs; model.onnx for any other artifact."""
     half = GraphTable.of_files(["model.onnx", "engine.onnx", "engine_mixed.onnx"],
                                "float16", 0, 2)
-    cuda_plain = replace(PLAIN, cuda=True)
-    assert half.graphs == (MODEL, cuda_plain, MIXED)
+    model, mixed = (replace(e, kv_dtype="float16") for e in (MODEL, MIXED))
+    cuda_plain = replace(PLAIN, cuda=True, kv_dtype="float16")
+    assert half.graphs == (model, cuda_plain, mixed)
     assert half.served(engine_graph=True, mixed_steps=True, on_cuda=True) == (cuda_plain,)
-    assert half.served(engine_graph=True, mixed_steps=True, on_cuda=False) == (MIXED,)
+    assert half.served(engine_graph=True, mixed_steps=True, on_cuda=False) == (mixed,)
     assert QUANTISED.served(engine_graph=True, mixed_steps=True, on_cuda=True) == (MODEL,)
 
 
@@ -105,7 +106,7 @@ def test_served_with_adapters_picks_the_lora_steps_graph_alone() -> None:
     half = GraphTable.of_files(["model.onnx", "engine.onnx", "engine_lora.onnx"], "float16",
                                0, 1)
     assert half.served(engine_graph=True, mixed_steps=True, on_cuda=True) == (
-        replace(PLAIN, cuda=True),)  # the adapter graph is no CUDA graph
+        replace(PLAIN, cuda=True, kv_dtype="float16"),)  # the adapter graph is no CUDA graph
     assert not half.graphs[-1].cuda
 
 
@@ -133,3 +134,35 @@ def test_a_table_row_of_before_adapters_reads_as_without_them() -> None:
     (entry,) = GraphTable.from_list([row]).graphs
     assert entry == MIXED and entry.adapters is False
     assert GraphTable.from_list(ADAPTED.to_list()) == ADAPTED
+
+
+def test_a_float16_cache_in_the_cpu_engine_graphs_alone() -> None:
+    """--kv-dtype float16 over the GGUF ops: the steps graphs (and their adapter graphs) take
+    a float16 cache, model.onnx keeps the manifest's float32 one, and none runs on CUDA."""
+    files = ["model.onnx", "engine.onnx", "engine_mixed.onnx", "engine_lora.onnx"]
+    table = GraphTable.of_files(files, "float32", 0, 2, ggml=files, engine_kv_dtype="float16")
+    assert {g.file: (g.kv_dtype, g.cuda) for g in table.graphs} == {
+        "model.onnx": ("float32", False), "engine.onnx": ("float16", False),
+        "engine_mixed.onnx": ("float16", False), "engine_lora.onnx": ("float16", False)}
+    assert "float16 KV cache" in table.graphs[1].describe()
+    assert GraphTable.from_list(table.to_list()) == table
+
+
+def test_rows_of_before_the_cache_type_read_as_the_manifests() -> None:
+    """A table written before entries named their cache: every graph's is the manifest's
+    (a float16 artifact's engine.onnx keeps its float16 pool)."""
+    rows = [{k: v for k, v in row.items() if k != "kv_dtype"}
+            for row in GraphTable((MODEL, replace(PLAIN, cuda=True))).to_list()]
+    assert {g.kv_dtype for g in GraphTable.from_list(rows, "float16").graphs} == {"float16"}
+    assert {g.kv_dtype for g in GraphTable.from_list(rows).graphs} == {"float32"}
+
+
+def test_an_entry_refuses_a_session_of_another_cache_type() -> None:
+    from service.contract.graphs import GraphInterface
+
+    interface = GraphInterface(frozenset({"input_ids"}), frozenset({"logits"}), True,
+                               "float16")
+    with pytest.raises(ValueError, match=r"engine\.onnx takes a float16 KV cache where the "
+                                         r"artifact's table says float32"):
+        PLAIN.check(interface)
+    replace(PLAIN, kv_dtype="float16").check(interface)

@@ -7,7 +7,10 @@ prompt chunk, a sliding window, rotary halves or pairs or none, grouped and plai
 sizes every vector path takes, and the cache updated in place through one bound OrtValue as the
 engine binds it. Compared: every real token's output and every written cache position (a
 padding token's output is unspecified in both). Also a numpy computation of one decode row, so
-the reference's conventions are checked too. The library is conftest.py's fixture.
+the reference's conventions are checked too. A float16 cache (the op's second kernel) is held
+to the same reference fed that cache's values as float32: its new keys and values are the
+reference's rounded to float16, its outputs those of attention over them. The library is
+conftest.py's fixture.
 """
 
 from __future__ import annotations
@@ -63,13 +66,13 @@ CASES = {
 }
 
 
-def model(op: str, domain: str, case: Case) -> bytes:
+def model(op: str, domain: str, case: Case, cache: str = "float32") -> bytes:
     return attention_model(op, domain, case.heads, case.kv_heads, case.rotary, case.window,
-                           case.scale)
+                           case.scale, cache)
 
 
-def ours(case: Case) -> bytes:
-    return model(service.ops.ATTENTION_OP, service.ops.DOMAIN, case)
+def ours(case: Case, cache: str = "float32") -> bytes:
+    return model(service.ops.ATTENTION_OP, service.ops.DOMAIN, case, cache)
 
 
 def theirs(case: Case) -> bytes:
@@ -190,6 +193,104 @@ def test_one_decode_row_against_numpy(gguf_ops_library: Path) -> None:
         np.testing.assert_allclose(y[0, 0, h * hs:(h + 1) * hs], expected, atol=1e-5)
 
 
+# a float16 cache through every vector path: AVX-512 (H 64, 32), the AVX2 / plain loops (H 8)
+HALF_CASES = ["decode", "decode-many-rows", "decode-plain-heads-no-rotary", "decode-head-8",
+              "first-prompt-padded", "later-chunk-window"]
+
+
+def half_feeds(case: Case, seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(the float16 cache's feeds, the same values with a float32 cache for the reference)."""
+    inputs = feeds(case, seed)
+    half = {**inputs, **{n: inputs[n].astype(np.float16) for n in ("past_key", "past_value")}}
+    exact = {**inputs, **{n: half[n].astype(np.float32) for n in ("past_key", "past_value")}}
+    return half, exact
+
+
+def assert_half_cache(case: Case, ours: list[np.ndarray], reference: list[np.ndarray]) -> None:
+    """New values: the reference's rounded to float16, exactly; new keys (rotated in float32
+    by either, so an ulp apart at most before rounding): within one float16 ulp; outputs:
+    the reference's up to what rounding the new keys and values moves them (< 1e-3 of
+    values of order 1: far below any wrong position or head)."""
+    (y, keys, values), (y_ref, keys_ref, values_ref) = ours, reference
+    assert keys.dtype == values.dtype == np.float16 and y.dtype == np.float32
+    for b, tokens, positions in real(case):
+        written = slice(positions.start, positions.stop)
+        np.testing.assert_array_equal(values[b, :, written],
+                                      values_ref[b, :, written].astype(np.float16),
+                                      err_msg=f"row {b} values")
+        np.testing.assert_allclose(keys[b, :, written].astype(np.float32),
+                                   keys_ref[b, :, written], rtol=2.0**-10, atol=2.0**-24,
+                                   err_msg=f"row {b} keys")
+        np.testing.assert_allclose(y[b, tokens.start:tokens.stop],
+                                   y_ref[b, tokens.start:tokens.stop], rtol=0, atol=2e-3,
+                                   err_msg=f"row {b} output")
+
+
+@pytest.mark.parametrize("name", HALF_CASES)
+def test_float16_cache_equals_group_query_attention(gguf_ops_library: Path, name: str) -> None:
+    case = CASES[name]
+    half, exact = half_feeds(case, seed=4)
+    computed = session(ours(case, "float16"), gguf_ops_library).run(None, half)
+    assert_half_cache(case, computed, session(theirs(case), None).run(None, exact))
+
+
+def test_float16_cache_updated_in_place(gguf_ops_library: Path) -> None:
+    """A float16 cache bound as the engine binds its pool: the new rows land in it, rounded;
+    the positions the step does not write keep their bits."""
+    case = CASES["decode-many-rows"]
+    half, exact = half_feeds(case, seed=5)
+    reference = session(theirs(case), None).run(None, exact)
+    sess = session(ours(case, "float16"), gguf_ops_library)
+    binding = sess.io_binding()
+    caches = {name: ort.OrtValue.ortvalue_from_numpy(half[name].copy())
+              for name in ("past_key", "past_value")}
+    for name, value in half.items():
+        if name not in caches:
+            binding.bind_cpu_input(name, value)
+    binding.bind_output("output")
+    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
+        binding.bind_ortvalue_input(past, caches[past])
+        binding.bind_ortvalue_output(present, caches[past])
+    sess.run_with_iobinding(binding)
+    y = binding.copy_outputs_to_cpu()[0]
+    keys, values = (caches[n].numpy() for n in ("past_key", "past_value"))
+    assert_half_cache(case, [y, keys, values], reference)
+    for b, _, positions in real(case):
+        np.testing.assert_array_equal(values[b, :, positions.stop:],
+                                      half["past_value"][b, :, positions.stop:])
+
+
+def test_one_decode_row_over_a_float16_cache_against_numpy(gguf_ops_library: Path) -> None:
+    """The float16 cache's arithmetic: the new key rotated in float32 and rounded to float16,
+    the new value rounded, then softmax(q·kᵀ/√H)·v over the cache's float16 values in
+    float64."""
+    case = Case(4, 2, 16, 12, (7,), 1, 12)
+    half, _ = half_feeds(case, seed=6)
+    y, keys, values = session(ours(case, "float16"), gguf_ops_library).run(None, half)
+    hs, pos = case.head_size, case.seqlens[0]
+    qkv = half["query"][0, 0].reshape(-1, hs)  # (N + 2·N_kv, H) float32
+    cos, sin = (half[n][pos] for n in ("cos_cache", "sin_cache"))
+
+    def rotate(x: np.ndarray) -> np.ndarray:
+        x1, x2 = x[..., :hs // 2], x[..., hs // 2:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    q, k_new, v_new = np.split(qkv, [case.heads, case.heads + case.kv_heads])
+    k_cache = half["past_key"][0].astype(np.float64)
+    v_cache = half["past_value"][0].astype(np.float64)
+    k_cache[:, pos] = rotate(k_new).astype(np.float16)
+    v_cache[:, pos] = v_new.astype(np.float16)
+    np.testing.assert_allclose(keys[0, :, :pos + 1], k_cache[:, :pos + 1], rtol=2.0**-10)
+    np.testing.assert_array_equal(values[0, :, :pos + 1], v_cache[:, :pos + 1])
+    group = case.heads // case.kv_heads
+    for h in range(case.heads):
+        g = h // group
+        scores = k_cache[g, :pos + 1] @ rotate(q[h]).astype(np.float64) / np.sqrt(hs)
+        p = np.exp(scores - scores.max())
+        expected = (p / p.sum()) @ v_cache[g, :pos + 1]
+        np.testing.assert_allclose(y[0, 0, h * hs:(h + 1) * hs], expected, atol=2e-4)
+
+
 def test_bad_inputs_are_named(gguf_ops_library: Path) -> None:
     case = CASES["decode"]
     sess = session(ours(case), gguf_ops_library)
@@ -217,3 +318,16 @@ def test_served_as_group_query_attention_without_the_library(
     served = create_session(ours(case), threads=THREADS).run(None, inputs)
     for got, want in zip(served, session(theirs(case), None).run(None, inputs), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_float16_cache_served_without_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the library, a float16 cache's node runs as GroupQueryAttention between Casts:
+    the past read as float32, the presents written back in float16 under their own names."""
+    monkeypatch.setattr(service.ops, "library_path", lambda cache=None: None)
+    case = CASES["decode-many-rows"]
+    half, exact = half_feeds(case, seed=7)
+    served = create_session(ours(case, "float16"), threads=THREADS).run(None, half)
+    y_ref, keys_ref, values_ref = session(theirs(case), None).run(None, exact)
+    np.testing.assert_array_equal(served[0], y_ref)
+    np.testing.assert_array_equal(served[1], keys_ref.astype(np.float16))
+    np.testing.assert_array_equal(served[2], values_ref.astype(np.float16))
