@@ -26,12 +26,10 @@ from service.contract import engine_spec as es
 from service.contract import io_spec as io
 from tests.conftest import torch_threads
 from tests.service.helpers import ServerProcess
+from tests.service.test_gguf_kernel_serving import PROMPTS, generate
 
 pytest.importorskip("gguf")
 pytest.importorskip("transformers")
-
-PROMPTS = ["The quick brown fox", "hello hello hello", "a", "Once upon a time there", "xyz"]
-NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +102,6 @@ class PlainLoop:
             tokens.append(fed[0])
         assert first is not None
         return first, tokens
-
-
-def generate(url: str, prompt: str) -> tuple[list[int], list[int]]:
-    r = httpx.post(f"{url}/generate", json={"inputs": prompt, "parameters": {
-        "max_new_tokens": NEW_TOKENS, "details": True, "decoder_input_details": True}},
-        timeout=120)
-    assert r.status_code == 200, r.text
-    details = r.json()["details"]
-    return [t["id"] for t in details["prefill"]], [t["id"] for t in details["tokens"]]
 
 
 def test_only_the_engine_graphs_take_a_float16_cache(artifact: Path) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -130,6 +131,26 @@ def assert_same(case: Case, ours: list[np.ndarray], reference: list[np.ndarray])
                                        rtol=0, atol=2e-6, err_msg=f"row {b} {what}")
 
 
+def run_in_place(sess: ort.InferenceSession, inputs: dict[str, np.ndarray]
+                 ) -> list[np.ndarray]:
+    """[output, keys, values]: ``sess`` run with past and present bound to one OrtValue each
+    (copies of the inputs' caches), as the engine binds its KV pool."""
+    binding = sess.io_binding()
+    # the caches the bound OrtValues view, returned themselves: an OrtValue's .numpy() is a
+    # view into memory that goes with the OrtValue
+    arrays = {name: inputs[name].copy() for name in ("past_key", "past_value")}
+    caches = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
+    for name, value in inputs.items():
+        if name not in caches:
+            binding.bind_cpu_input(name, value)
+    binding.bind_output("output")  # first: copy_outputs_to_cpu()[0]
+    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
+        binding.bind_ortvalue_input(past, caches[past])
+        binding.bind_ortvalue_output(present, caches[past])
+    sess.run_with_iobinding(binding)
+    return [binding.copy_outputs_to_cpu()[0], arrays["past_key"], arrays["past_value"]]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_equals_group_query_attention(gguf_ops_library: Path, name: str) -> None:
     case = CASES[name]
@@ -145,52 +166,57 @@ def test_cache_updated_in_place(gguf_ops_library: Path) -> None:
     case = CASES["decode-smollm2-heads"]
     inputs = feeds(case, seed=1)
     reference = session(theirs(case), None).run(None, inputs)
-    sess = session(ours(case), gguf_ops_library)
-    binding = sess.io_binding()
-    caches = {name: ort.OrtValue.ortvalue_from_numpy(inputs[name].copy())
-              for name in ("past_key", "past_value")}
-    for name, value in inputs.items():
-        if name not in caches:
-            binding.bind_cpu_input(name, value)
-    binding.bind_output("output")  # first: copy_outputs_to_cpu()[0]
-    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
-        binding.bind_ortvalue_input(past, caches[past])
-        binding.bind_ortvalue_output(present, caches[past])
-    sess.run_with_iobinding(binding)
-    y = binding.copy_outputs_to_cpu()[0]
-    keys, values = (caches[n].numpy() for n in ("past_key", "past_value"))
+    y, keys, values = run_in_place(session(ours(case), gguf_ops_library), inputs)
     assert_same(case, [y, keys, values], reference)
     for b, _, positions in real(case):  # beyond the row's length: the past, untouched
         np.testing.assert_array_equal(keys[b, :, positions.stop:],
                                       inputs["past_key"][b, :, positions.stop:])
 
 
-def test_one_decode_row_against_numpy(gguf_ops_library: Path) -> None:
-    """Rotary by halves at the row's position, then softmax(q·kᵀ/√H)·v over its keys, in
-    float64: the convention both kernels follow."""
-    case = Case(4, 2, 16, 12, (7,), 1, 12)
-    inputs = feeds(case, seed=2)
-    y, keys, _ = session(ours(case), gguf_ops_library).run(None, inputs)
+ONE_ROW = Case(4, 2, 16, 12, (7,), 1, 12)  # one decode row at position 7
+
+
+def numpy_row(inputs: dict[str, np.ndarray], dtype: type[np.floating[Any]],
+              cache: type[np.floating[Any]] | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ONE_ROW's attention in numpy: the new key rotated by halves at the row's position
+    (computed in ``dtype``), it and the new value put in the cache (rounded to ``cache``
+    first, where given), then softmax(q·kᵀ/√H)·v over the row's keys in float64. Returns
+    (the expected output (N, H), the keys and values (N_kv, pos + 1, H) it attended to)."""
+    case = ONE_ROW
     hs, pos = case.head_size, case.seqlens[0]
-    qkv = inputs["query"][0, 0].astype(np.float64).reshape(-1, hs)  # (N + 2·N_kv, H)
-    cos, sin = (inputs[n][pos].astype(np.float64) for n in ("cos_cache", "sin_cache"))
+    qkv = inputs["query"][0, 0].astype(dtype).reshape(-1, hs)  # (N + 2·N_kv, H)
+    cos, sin = (inputs[n][pos].astype(dtype) for n in ("cos_cache", "sin_cache"))
 
     def rotate(x: np.ndarray) -> np.ndarray:
         x1, x2 = x[..., :hs // 2], x[..., hs // 2:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
+    def stored(x: np.ndarray) -> np.ndarray:
+        return x if cache is None else x.astype(cache)
+
     q, k_new, v_new = np.split(qkv, [case.heads, case.heads + case.kv_heads])
     k_cache = inputs["past_key"][0].astype(np.float64)
     v_cache = inputs["past_value"][0].astype(np.float64)
-    k_cache[:, pos], v_cache[:, pos] = rotate(k_new), v_new
-    np.testing.assert_allclose(keys[0, :, :pos + 1], k_cache[:, :pos + 1], atol=1e-6)
+    k_cache[:, pos], v_cache[:, pos] = stored(rotate(k_new)), stored(v_new)
     group = case.heads // case.kv_heads
+    expected = []
     for h in range(case.heads):
         g = h // group
-        scores = k_cache[g, :pos + 1] @ rotate(q[h]) / np.sqrt(hs)
+        scores = k_cache[g, :pos + 1] @ rotate(q[h]).astype(np.float64) / np.sqrt(hs)
         p = np.exp(scores - scores.max())
-        expected = (p / p.sum()) @ v_cache[g, :pos + 1]
-        np.testing.assert_allclose(y[0, 0, h * hs:(h + 1) * hs], expected, atol=1e-5)
+        expected.append((p / p.sum()) @ v_cache[g, :pos + 1])
+    return np.stack(expected), k_cache[:, :pos + 1], v_cache[:, :pos + 1]
+
+
+def test_one_decode_row_against_numpy(gguf_ops_library: Path) -> None:
+    """Rotary by halves at the row's position, then softmax(q·kᵀ/√H)·v over its keys, in
+    float64: the convention both kernels follow."""
+    inputs = feeds(ONE_ROW, seed=2)
+    y, keys, _ = session(ours(ONE_ROW), gguf_ops_library).run(None, inputs)
+    expected, k_cache, _ = numpy_row(inputs, np.float64)
+    np.testing.assert_allclose(keys[0, :, :k_cache.shape[1]], k_cache, atol=1e-6)
+    np.testing.assert_allclose(y[0, 0].reshape(expected.shape), expected, atol=1e-5)
 
 
 # a float16 cache through every vector path: AVX-512 (H 64, 32), the AVX2 / plain loops (H 8)
@@ -240,20 +266,7 @@ def test_float16_cache_updated_in_place(gguf_ops_library: Path) -> None:
     case = CASES["decode-many-rows"]
     half, exact = half_feeds(case, seed=5)
     reference = session(theirs(case), None).run(None, exact)
-    sess = session(ours(case, "float16"), gguf_ops_library)
-    binding = sess.io_binding()
-    caches = {name: ort.OrtValue.ortvalue_from_numpy(half[name].copy())
-              for name in ("past_key", "past_value")}
-    for name, value in half.items():
-        if name not in caches:
-            binding.bind_cpu_input(name, value)
-    binding.bind_output("output")
-    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
-        binding.bind_ortvalue_input(past, caches[past])
-        binding.bind_ortvalue_output(present, caches[past])
-    sess.run_with_iobinding(binding)
-    y = binding.copy_outputs_to_cpu()[0]
-    keys, values = (caches[n].numpy() for n in ("past_key", "past_value"))
+    y, keys, values = run_in_place(session(ours(case, "float16"), gguf_ops_library), half)
     assert_half_cache(case, [y, keys, values], reference)
     for b, _, positions in real(case):
         np.testing.assert_array_equal(values[b, :, positions.stop:],
@@ -264,31 +277,13 @@ def test_one_decode_row_over_a_float16_cache_against_numpy(gguf_ops_library: Pat
     """The float16 cache's arithmetic: the new key rotated in float32 and rounded to float16,
     the new value rounded, then softmax(q·kᵀ/√H)·v over the cache's float16 values in
     float64."""
-    case = Case(4, 2, 16, 12, (7,), 1, 12)
-    half, _ = half_feeds(case, seed=6)
-    y, keys, values = session(ours(case, "float16"), gguf_ops_library).run(None, half)
-    hs, pos = case.head_size, case.seqlens[0]
-    qkv = half["query"][0, 0].reshape(-1, hs)  # (N + 2·N_kv, H) float32
-    cos, sin = (half[n][pos] for n in ("cos_cache", "sin_cache"))
-
-    def rotate(x: np.ndarray) -> np.ndarray:
-        x1, x2 = x[..., :hs // 2], x[..., hs // 2:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-    q, k_new, v_new = np.split(qkv, [case.heads, case.heads + case.kv_heads])
-    k_cache = half["past_key"][0].astype(np.float64)
-    v_cache = half["past_value"][0].astype(np.float64)
-    k_cache[:, pos] = rotate(k_new).astype(np.float16)
-    v_cache[:, pos] = v_new.astype(np.float16)
-    np.testing.assert_allclose(keys[0, :, :pos + 1], k_cache[:, :pos + 1], rtol=2.0**-10)
-    np.testing.assert_array_equal(values[0, :, :pos + 1], v_cache[:, :pos + 1])
-    group = case.heads // case.kv_heads
-    for h in range(case.heads):
-        g = h // group
-        scores = k_cache[g, :pos + 1] @ rotate(q[h]).astype(np.float64) / np.sqrt(hs)
-        p = np.exp(scores - scores.max())
-        expected = (p / p.sum()) @ v_cache[g, :pos + 1]
-        np.testing.assert_allclose(y[0, 0, h * hs:(h + 1) * hs], expected, atol=2e-4)
+    half, _ = half_feeds(ONE_ROW, seed=6)
+    y, keys, values = session(ours(ONE_ROW, "float16"), gguf_ops_library).run(None, half)
+    expected, k_cache, v_cache = numpy_row(half, np.float32, np.float16)
+    written = k_cache.shape[1]
+    np.testing.assert_allclose(keys[0, :, :written], k_cache, rtol=2.0**-10)
+    np.testing.assert_array_equal(values[0, :, :written], v_cache)
+    np.testing.assert_allclose(y[0, 0].reshape(expected.shape), expected, atol=2e-4)
 
 
 def test_bad_inputs_are_named(gguf_ops_library: Path) -> None:
