@@ -57,11 +57,12 @@ def register(subparsers: Any) -> None:
                    help="float16: the engine graphs' weights, activations and KV cache in float16 "
                         "for the CUDA provider; logits stay float32 (export/onnx/float16.py)")
     p.add_argument("--kv-dtype", choices=["float32", "float16"], default=None,
-                   help="the engine graphs' KV cache (default: --dtype's). float16 with "
-                        "--quantize gguf --kernel ggml --engine-graph: the CPU graphs' cache "
-                        "in float16, half the pool's bytes and what a decode step reads of it "
-                        "(as llama.cpp's f16 cache), model.onnx kept float32 "
-                        "(export/gguf/half_cache.py)")
+                   help="the engine graphs' KV cache. float16: with --quantize gguf --kernel "
+                        "ggml --engine-graph at int8 activations, the CPU graphs' cache in "
+                        "float16, half the pool's bytes and what a decode step reads of it (as "
+                        "llama.cpp's f16 cache), model.onnx kept float32 "
+                        "(export/gguf/half_cache.py). Default: float16 where the export can "
+                        "write it, else --dtype's")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the parity checks against PyTorch (not recommended)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")

@@ -103,15 +103,19 @@ def check_kv_dtype(kv_dtype: io.KvDtype | None, dtype: str, engine_graph: bool, 
     """``--kv-dtype``: None where the engine graphs' cache is ``dtype``'s, "float16" for the
     GGUF ops' CPU graphs' float16 cache (export/gguf/half_cache.py: only what those graphs'
     export writes, at int8 activations, where the served graph is judged against the float32
-    cache's), ValueError for anything else."""
-    if kv_dtype is None or kv_dtype == dtype:
+    cache's), ValueError for anything else. None asks for the float16 cache wherever it can
+    be written (as llama.cpp keeps its cache), else ``dtype``'s."""
+    can = dtype == "float32" and engine_graph and kernel == "ggml" and level != 0 and from_blocks
+    if kv_dtype is None:
+        return "float16" if can else None
+    if kv_dtype == dtype:
         return None
     if kv_dtype not in DTYPES:
         raise ValueError(f"unsupported kv_dtype {kv_dtype!r}; choose one of {list(DTYPES)}")
     if dtype == "float16":
         raise ValueError("--dtype float16 keeps its KV cache in float16 (--kv-dtype float32 "
                          "is not offered with it)")
-    if not (engine_graph and kernel == "ggml" and level != 0 and from_blocks):
+    if not can:
         raise ValueError("--kv-dtype float16 (with float32 weights) needs --engine-graph "
                          "--quantize gguf --kernel ggml at int8 activations, from a "
                          "checkpoint holding its GGUF file, every matrix of a kept type, "
@@ -237,8 +241,9 @@ def export_artifact(
     the answers of the float32 model). ``kernel="ggml"`` (--quantize gguf): the kept
     blocks as the file stores them, computed by ggml's kernels inside ONNX Runtime
     (GgufMatMul, service/ops; export/gguf/blocks.py), the weights the file's size.
-    ``kv_dtype``: the engine graphs' KV cache (None: ``dtype``'s); "float16" with a float32
-    ``dtype`` is the GGUF ops' CPU graphs' float16 cache (export/gguf/half_cache.py).
+    ``kv_dtype``: the engine graphs' KV cache; "float16" with a float32 ``dtype`` is the GGUF
+    ops' CPU graphs' float16 cache (export/gguf/half_cache.py); None (the default): that
+    where the export can write it, else ``dtype``'s.
     """
     # Everything heavy is imported before the staging directory exists, so a SIGTERM
     # never lands inside an extension module's initialisation.

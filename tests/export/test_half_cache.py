@@ -1,7 +1,7 @@
-"""``--kv-dtype float16`` (export/gguf/half_cache.py, export/to_onnx.py ``check_kv_dtype``):
-which exports may take it, and the retyping refused, the file untouched, where anything but
-CachedAttention touches a cache. The served graphs themselves: tests/service/
-test_half_cache_serving.py."""
+"""``--kv-dtype`` (export/gguf/half_cache.py, export/to_onnx.py ``check_kv_dtype``): which
+exports may take a float16 cache and which get it by default, and the retyping refused, the
+file untouched, where anything but CachedAttention touches a cache. The served graphs
+themselves: tests/service/test_half_cache_serving.py."""
 
 from __future__ import annotations
 
@@ -76,9 +76,14 @@ def allowed(kv_dtype: str | None, dtype: str = "float32", engine_graph: bool = T
 
 
 def test_which_exports_take_a_float16_cache() -> None:
-    assert allowed("float16") == "float16"
-    assert allowed(None) is None and allowed("float32") is None
+    assert allowed("float16") == "float16" and allowed("float32") is None
     assert allowed("float16", dtype="float16") is None  # a float16 artifact's own cache
+    # the default: float16 wherever it can be written, else the weights' dtype's, unsaid
+    assert allowed(None) == "float16"
+    for elsewhere in (allowed(None, kernel="nbits"), allowed(None, engine_graph=False),
+                      allowed(None, level=0), allowed(None, from_blocks=False),
+                      allowed(None, dtype="float16")):
+        assert elsewhere is None
     with pytest.raises(ValueError, match="--dtype float16 keeps its KV cache in float16"):
         allowed("float32", dtype="float16")
     with pytest.raises(ValueError, match="unsupported kv_dtype 'bfloat16'"):

@@ -31,7 +31,9 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def artifact(gguf_ops_library: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Overrides tests/service/conftest.py's: the Q4_1 model exported with --kernel ggml."""
+    """Overrides tests/service/conftest.py's: the Q4_1 model exported with --kernel ggml, its
+    cache float32 as model.onnx's, so that the plain loop over model.onnx is the reference
+    (the float16 cache's served tokens: test_half_cache_serving.py)."""
     from export.to_onnx import export_artifact
     from model.gguf.to_checkpoint import import_gguf_checkpoint
     from tests.export.test_gguf_blocks import CASES, write_file
@@ -40,7 +42,7 @@ def artifact(gguf_ops_library: Path, tmp_path_factory: pytest.TempPathFactory) -
     ckpt = import_gguf_checkpoint(write_file(root, CASES["q4_1"]), root / "ckpt")
     with torch_threads(1):
         return export_artifact(ckpt, root / "artifact", quantize="gguf", engine_graph=True,
-                               verify=False, kernel="ggml")
+                               verify=False, kernel="ggml", kv_dtype="float32")
 
 
 @pytest.fixture(scope="module")

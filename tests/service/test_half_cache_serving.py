@@ -41,7 +41,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return import_gguf_checkpoint(write_file(root, CASES["q4_1"]), root / "ckpt")
 
 
-def exported(checkpoint: Path, out: Path, kv_dtype: str | None) -> Path:
+def exported(checkpoint: Path, out: Path, kv_dtype: str) -> Path:
     from export.to_onnx import export_artifact
 
     with torch_threads(1):  # verified: the served graph judged against the float32 cache's
@@ -52,12 +52,12 @@ def exported(checkpoint: Path, out: Path, kv_dtype: str | None) -> Path:
 @pytest.fixture(scope="module")
 def artifact(gguf_ops_library: Path, checkpoint: Path) -> Path:
     """Overrides tests/service/conftest.py's: the float16 cache's artifact."""
-    return exported(checkpoint, checkpoint.parent / "half", "float16")
+    return exported(checkpoint, checkpoint.parent / "half", "float16")  # (the default too)
 
 
 @pytest.fixture(scope="module")
 def float32_cache(gguf_ops_library: Path, checkpoint: Path) -> Path:
-    return exported(checkpoint, checkpoint.parent / "float", None)
+    return exported(checkpoint, checkpoint.parent / "float", "float32")
 
 
 @pytest.fixture(scope="module")
