@@ -219,7 +219,7 @@ def test_one_decode_row_against_numpy(gguf_ops_library: Path) -> None:
     np.testing.assert_allclose(y[0, 0].reshape(expected.shape), expected, atol=1e-5)
 
 
-# a float16 cache through every vector path: AVX-512 (H 64, 32), the AVX2 / plain loops (H 8)
+# a float16 cache through both vector paths: AVX-512 (H 64, 32) and AVX2 (H 8)
 HALF_CASES = ["decode", "decode-many-rows", "decode-plain-heads-no-rotary", "decode-head-8",
               "first-prompt-padded", "later-chunk-window"]
 
