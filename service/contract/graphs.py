@@ -165,16 +165,16 @@ class GraphTable:
         return [asdict(g) for g in self.graphs]
 
     @classmethod
-    def from_list(cls, rows: Sequence[dict[str, Any]], kv_dtype: str = "float32"
+    def from_list(cls, rows: Sequence[dict[str, Any]], kv_dtype: io.KvDtype = "float32"
                   ) -> GraphTable:
         """``kv_dtype``: the cache type of rows written before entries named theirs (the
         manifest's: every graph's then)."""
         return cls(tuple(GraphEntry(**{"kv_dtype": kv_dtype, **row}) for row in rows))
 
     @classmethod
-    def of_files(cls, files: Collection[str], kv_dtype: str, float32_pass_tokens: int,
+    def of_files(cls, files: Collection[str], kv_dtype: io.KvDtype, float32_pass_tokens: int,
                  float32_row_groups: int, ggml: Collection[str] = (),
-                 engine_kv_dtype: str | None = None) -> GraphTable:
+                 engine_kv_dtype: io.KvDtype | None = None) -> GraphTable:
         """The table of an artifact holding ``files``: what export writes, and what a
         manifest of before the table is read as (an artifact's other files: not decoders,
         or graphs no longer served). ``kv_dtype``: the graphs' cache type (the manifest's);
@@ -183,20 +183,19 @@ class GraphTable:
         def kernel(file: str) -> Kernel:
             return "ggml" if file in ggml else "onnxruntime"
 
-        cache: Any = kv_dtype
-        steps_cache: Any = engine_kv_dtype or kv_dtype
+        steps_cache = engine_kv_dtype or kv_dtype
         entries = [GraphEntry(io.MODEL_FILE, "fallback", kernel=kernel(io.MODEL_FILE),
-                              kv_dtype=cache)]
+                              kv_dtype=kv_dtype)]
         if es.ENGINE_FILE in files:
-            entries.append(GraphEntry(es.ENGINE_FILE, "steps",
-                                      cuda=kv_dtype == "float16",
+            entries.append(GraphEntry(es.ENGINE_FILE, "steps", cuda=kv_dtype == "float16",
                                       kernel=kernel(es.ENGINE_FILE), kv_dtype=steps_cache))
         if es.ENGINE_MIXED_FILE in files:
             entries.append(GraphEntry(es.ENGINE_MIXED_FILE, "steps", row_groups=2,
                                       kernel=kernel(es.ENGINE_MIXED_FILE), kv_dtype=steps_cache))
         if es.ENGINE_FLOAT32_FILE in files and float32_pass_tokens > 0:
             entries.append(GraphEntry(es.ENGINE_FLOAT32_FILE, "long passes", "float32",
-                                      float32_row_groups, float32_pass_tokens, kv_dtype=cache))
+                                      float32_row_groups, float32_pass_tokens,
+                                      kv_dtype=kv_dtype))
         entries += [replace(entry, file=lora_file(entry.file), cuda=False, adapters=True,
                             kernel=kernel(lora_file(entry.file)))
                     for entry in list(entries) if entry.runs == "steps"
