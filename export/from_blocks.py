@@ -168,11 +168,11 @@ def export_from_blocks(ckpt: Any, tok: Any, tmp: Path, *, opset: int, engine_gra
         if kv_dtype == "float16":
             from export.gguf.half_cache import halve_cache
 
-            for name in graphs:
-                if name != io.MODEL_FILE:
-                    rewritten[name]["kv_dtype"] = "float16"
-                    halve_cache(tmp / name)
-            say(f"{', '.join(g for g in graphs if g != io.MODEL_FILE)}: KV cache in float16")
+            engines = [name for name in graphs if name != io.MODEL_FILE]
+            for name in engines:
+                rewritten[name]["kv_dtype"] = "float16"
+                halve_cache(tmp / name)
+            say(f"{', '.join(engines)}: KV cache in float16")
     # every block read: the file's memory map goes before the sessions that judge them
     source = None
     ckpt.held.close()

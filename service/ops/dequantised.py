@@ -85,11 +85,11 @@ def _float32_cache(node: Any, half_caches: set[str]) -> list[Any]:
     past = list(node.input[3:5])
     if not any(name in half_caches for name in past):
         return [node]
-    cast = onnx.TensorProto
-    before = [onnx.helper.make_node("Cast", [name], [f"{name}.float32"], to=cast.FLOAT,
+    types = onnx.TensorProto
+    before = [onnx.helper.make_node("Cast", [name], [f"{name}.float32"], to=types.FLOAT,
                                     name=f"{node.name}.{name}.float32") for name in past]
     presents = list(node.output[1:3])
-    after = [onnx.helper.make_node("Cast", [f"{name}.float32"], [name], to=cast.FLOAT16,
+    after = [onnx.helper.make_node("Cast", [f"{name}.float32"], [name], to=types.FLOAT16,
                                    name=f"{node.name}.{name}.float16") for name in presents]
     for i, name in enumerate(past):
         node.input[3 + i] = f"{name}.float32"
